@@ -1,0 +1,71 @@
+// Backend `cpu`: the item body of kernels/block_copy.cuh compiled for the host.
+//
+// One C call per copy: items are spread over OpenMP threads (dynamic schedule, items
+// differ in size), each item's segments copied with memcpy. Small calls stay on the
+// calling thread: waking a team costs more than copying a few pages.
+#include <stdint.h>
+#include <string.h>
+
+#include "block_copy.cuh"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+// Below this many bytes a call runs on one thread (waking 2 threads: ~5-20 us).
+constexpr int64_t kParallelMinBytes = 1 << 20;
+
+void copy_item(const kvcopy::Item& it) {
+  const int64_t n = it.num_segments();
+  const int64_t bytes = it.segment_bytes();
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t src, dst;
+    it.segment(k, &src, &dst);
+    memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+           static_cast<size_t>(bytes));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvcopy_cpu_abi_version() { return 1; }
+
+int kvcopy_cpu_has_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// entries [E][8], group_offsets [G+1], group_entries, packed call (see block_copy.cuh).
+// total_bytes only decides whether to use threads; num_threads <= 0: OpenMP's default.
+int kvcopy_cpu_copy(const int64_t* entries, const int64_t* group_offsets,
+                    const int64_t* group_entries, int64_t num_groups,
+                    const int64_t* packed, int64_t total_bytes, int num_threads) {
+  const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
+  const int64_t items = call.num_items();
+#ifdef _OPENMP
+  if (total_bytes >= kParallelMinBytes && items > 1) {
+    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < items; ++i) {
+      copy_item(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
+    }
+    return 0;
+  }
+#else
+  (void)total_bytes;
+  (void)num_threads;
+#endif
+  for (int64_t i = 0; i < items; ++i) {
+    copy_item(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,123 @@
+"""Copy backends and how ``auto`` picks one.
+
+Every backend executes the same thing: the static :class:`~kvcopy.tables.CopyTables`
+of one copier direction and one packed :class:`~kvcopy.tables.CallPlan`, enqueued on
+the caller's current stream (CPU backends run synchronously: there is no stream).
+
+========  ==========================================================================
+torch     the reference: per group, per layer ``index_select``/``index_copy_``; any
+          device; the oracle for every test
+cpu       the CUDA item body (``kernels/block_copy.cuh``) compiled for the host, one
+          C call per copy (CPU tensors on both sides)
+triton    fused Triton kernel, one launch (CUDA tensors, or CPU under
+          ``TRITON_INTERPRET=1``)
+cuda      fused CUDA kernel, one launch, SMs reading pinned host memory over UVA
+ce        copy engines: one ``cudaMemcpyBatchAsync`` for every segment of the call
+========  ==========================================================================
+
+A backend module is imported only when first asked for, so a missing optional
+dependency (triton, the native library) costs nothing until it is needed and is then
+reported by :func:`available_backends` with the reason.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Dict, Optional
+
+from ..tables import CallPlan, CopyTables
+
+
+class Backend:
+    """Interface of a copy backend; one instance per process."""
+
+    name = "?"
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why this install cannot run the backend at all, or None."""
+        return None
+
+    def unsupported_reason(self, tables: CopyTables) -> Optional[str]:
+        """Why this backend cannot run these tables (devices, alignment), or None."""
+        return None
+
+    def prepare(self, tables: CopyTables) -> None:
+        """Once per copier direction: upload tables, pin host memory, compile."""
+
+    def release(self, tables: CopyTables) -> None:
+        """Undo :meth:`prepare` (unpin); called when the copier is closed."""
+
+    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+        raise NotImplementedError
+
+
+# name -> "module:Class", imported lazily.
+_REGISTRY = {
+    "torch": "kvcopy.backends.torch_backend:TorchBackend",
+    "cpu": "kvcopy.backends.cpu:CpuBackend",
+    "triton": "kvcopy.backends.triton_backend:TritonBackend",
+    "cuda": "kvcopy.backends.cuda:CudaBackend",
+    "ce": "kvcopy.backends.ce:CopyEngineBackend",
+}
+BACKENDS = tuple(_REGISTRY)
+
+_instances: Dict[str, Backend] = {}
+_import_errors: Dict[str, str] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend instance for ``name``; raises ``ValueError`` if it cannot run here."""
+    backend = _load(name)
+    if backend is None:
+        raise ValueError(f"backend {name!r} is not available: {_import_errors[name]}")
+    reason = backend.unavailable_reason()
+    if reason:
+        raise ValueError(f"backend {name!r} is not available: {reason}")
+    return backend
+
+
+def _load(name: str) -> Optional[Backend]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)} or 'auto'")
+    if name in _instances:
+        return _instances[name]
+    if name in _import_errors:
+        return None
+    module_name, cls_name = _REGISTRY[name].split(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as exc:  # not written yet, or a missing dep
+        _import_errors[name] = f"{type(exc).__name__}: {exc}"
+        return None
+    _instances[name] = cls()
+    return _instances[name]
+
+
+def available_backends() -> Dict[str, Optional[str]]:
+    """Each backend's name mapped to None when this install can run it, else why not."""
+    out: Dict[str, Optional[str]] = {}
+    for name in BACKENDS:
+        backend = _load(name)
+        out[name] = _import_errors[name] if backend is None else backend.unavailable_reason()
+    return out
+
+
+# Order in which ``auto`` tries backends, by where the bytes are. The GPU order is the
+# built-in default; a calibration table (kvcopy-bench calibrate) refines it per device.
+_AUTO_ORDER_CPU = ("cpu", "torch")
+_AUTO_ORDER_GPU = ("cuda", "triton", "ce", "torch")
+
+
+def choose_backend(tables: CopyTables) -> Backend:
+    """The backend ``auto`` uses for these tables."""
+    on_gpu = tables.src_device.type == "cuda" or tables.dst_device.type == "cuda"
+    order = _AUTO_ORDER_GPU if on_gpu else _AUTO_ORDER_CPU
+    reasons = []
+    for name in order:
+        backend = _load(name)
+        reason = _import_errors[name] if backend is None else (
+            backend.unavailable_reason() or backend.unsupported_reason(tables)
+        )
+        if reason is None:
+            return backend
+        reasons.append(f"{name}: {reason}")
+    raise ValueError("no backend can run this copy: " + "; ".join(reasons))

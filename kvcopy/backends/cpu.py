@@ -1,0 +1,62 @@
+"""Backend ``cpu``: ``kernels/block_copy.cuh`` compiled for the host, one C call per copy.
+
+Both sides must be CPU tensors (a CPU-only engine, or the tests). The call passes the
+static tables' addresses and the packed call array; the library walks every item
+(OpenMP threads above 1 MiB per call) and memcpy's its segments. ctypes releases the
+GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+from .. import native
+from ..tables import CallPlan, CopyTables
+from . import Backend
+
+_p64 = ctypes.POINTER(ctypes.c_int64)
+
+
+def _ptr(a) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        lib, self._why = native.load("kvcopy_cpu")
+        self._lib = lib
+        if lib is not None:
+            lib.kvcopy_cpu_copy.restype = ctypes.c_int
+            lib.kvcopy_cpu_copy.argtypes = [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+            ]
+        self._threads = int(os.environ.get("KVCOPY_CPU_THREADS", "0"))
+
+    def unavailable_reason(self) -> Optional[str]:
+        return self._why
+
+    def unsupported_reason(self, tables: CopyTables) -> Optional[str]:
+        if tables.src_device.type != "cpu" or tables.dst_device.type != "cpu":
+            return f"needs CPU tensors on both sides, got {tables.src_device} -> {tables.dst_device}"
+        return None
+
+    def prepare(self, tables: CopyTables) -> None:
+        # The addresses of the static arrays, resolved once; the arrays live in tables.
+        tables.backend_state["cpu"] = (
+            _ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries),
+            tables.num_groups,
+        )
+
+    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+        if "cpu" not in tables.backend_state:
+            self.prepare(tables)
+        entries, offsets, group_entries, groups = tables.backend_state["cpu"]
+        rc = self._lib.kvcopy_cpu_copy(
+            entries, offsets, group_entries, groups, _ptr(call.packed), call.total_bytes, self._threads
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")

@@ -1,0 +1,335 @@
+"""``BlockCopier``: every layer of every KV cache group of a request in one backend call.
+
+Built once (at KV cache registration) from the device caches, the host staging buffers
+and the engine's KV cache groups; everything static is validated there and turned into
+the entry tables of :mod:`kvcopy.tables`, one per direction. A call then only checks
+its ids (vectorized numpy, one pass per group), merges them into runs and hands one
+packed array to the backend: no Python loop over layers or blocks.
+
+The contract (DESIGN.md section 3): for each group ``g``, each layer ``l`` in ``g`` and
+each ``i``, block ``src_ids[g][i]`` of ``src[l]`` is written to block ``dst_ids[g][i]``
+of ``dst[l]``, and no other destination byte changes. A layer in no group (a
+KV-sharing layer) is never read or written. Layers of different groups that are views
+of one storage (hybrid models) are copied at their own group's blocks only; two names
+for the same bytes within a group are copied once. Bad input raises ``ValueError`` or
+``TypeError`` naming the group, layer and id before any byte moves.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .backends import Backend, choose_backend, get_backend
+from .layout import PageLayout, byte_extent, describe
+from .tables import CallPlan, CopyTables, build_tables, pack_call
+
+IdLists = Sequence[Sequence[int]]
+
+
+class _Direction:
+    """One direction's tables, backend and the per-group limits checked per call."""
+
+    def __init__(self, tables: CopyTables, backend: Backend, src_side: str, dst_side: str,
+                 src_limits, dst_limits, alias_classes):
+        self.tables = tables
+        self.backend = backend
+        self.src_side, self.dst_side = src_side, dst_side
+        self.src_limits = src_limits  # per group: (max block count, layer that sets it)
+        self.dst_limits = dst_limits
+        self.alias_classes = alias_classes  # groups whose destinations share bytes
+
+
+class BlockCopier:
+    """Masked block copies between device KV caches and host staging buffers.
+
+    ``device_caches`` and ``host_buffers`` map layer names to tensors of the same page
+    geometry (the number of blocks may differ). ``layer_groups`` has one sequence of
+    layer names per KV cache group. ``backend`` is ``"auto"`` or a name from
+    :func:`kvcopy.available_backends`. ``block_dim`` (an int, or a dict by layer name)
+    names the block axis where the shape is ambiguous; ``kv_layout`` ("NHD"/"HND")
+    names token and head axes for code that needs them.
+
+    Calls enqueue on the current CUDA stream and never synchronize the host; CPU
+    backends run synchronously.
+    """
+
+    def __init__(
+        self,
+        device_caches: Mapping[str, torch.Tensor],
+        host_buffers: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]],
+        backend: str = "auto",
+        block_dim: Optional[int | Mapping[str, int]] = None,
+        kv_layout: str = "NHD",
+    ):
+        if isinstance(layer_groups, (str, bytes)) or any(
+            isinstance(g, (str, bytes)) for g in layer_groups
+        ):
+            raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
+        self.layer_groups: Tuple[Tuple[str, ...], ...] = tuple(tuple(g) for g in layer_groups)
+        self.device_layouts: Dict[str, PageLayout] = {}
+        self.host_layouts: Dict[str, PageLayout] = {}
+        self._device_caches = dict(device_caches)
+        self._host_buffers = dict(host_buffers)
+        seen: Dict[str, int] = {}
+        for g, layers in enumerate(self.layer_groups):
+            for name in layers:
+                if name in seen:
+                    raise ValueError(f"layer {name!r} is in group {seen[name]} and group {g}")
+                seen[name] = g
+                self._check_layer(g, name, block_dim, kv_layout)
+        self._closed = False
+        self._d2h = self._direction("device", "host", backend)
+        self._h2d = self._direction("host", "device", backend)
+
+    # ------------------------------------------------------------------ building
+    def _check_layer(self, g, name, block_dim, kv_layout) -> None:
+        where = f"group {g}, layer {name!r}"
+        for side, caches in (("device", self._device_caches), ("host", self._host_buffers)):
+            if name not in caches:
+                raise ValueError(f"{where}: no {side} tensor for this layer")
+            if not isinstance(caches[name], torch.Tensor):
+                raise TypeError(f"{where}: {side} entry is a {type(caches[name]).__name__}, not a tensor")
+        dev, host = self._device_caches[name], self._host_buffers[name]
+        if host.device.type != "cpu":
+            raise ValueError(f"{where}: host buffer is on {host.device}, expected cpu")
+        if dev.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: device cache on unsupported device {dev.device}")
+        bd = block_dim.get(name) if isinstance(block_dim, Mapping) else block_dim
+        try:
+            dl = describe(dev, bd, kv_layout)
+            hl = describe(host, bd, kv_layout)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if dl.block_dim != hl.block_dim or len(dl.shape) != len(hl.shape) or not dl.same_page_geometry(hl):
+            raise ValueError(
+                f"{where}: device {tuple(dev.shape)} {dev.dtype} and host "
+                f"{tuple(host.shape)} {host.dtype} pages differ: {dl.describe_difference(hl)}"
+                + ("" if dl.block_dim == hl.block_dim else f"; block axis {dl.block_dim} vs {hl.block_dim}")
+            )
+        self.device_layouts[name], self.host_layouts[name] = dl, hl
+
+    def _direction(self, src_side: str, dst_side: str, backend: str) -> _Direction:
+        tensors = {"device": self._device_caches, "host": self._host_buffers}
+        layouts = {"device": self.device_layouts, "host": self.host_layouts}
+        src_t, dst_t = tensors[src_side], tensors[dst_side]
+        src_l, dst_l = layouts[src_side], layouts[dst_side]
+        # Entries deduplicated by the bytes they touch on both sides, within a group.
+        entry_of: Dict[tuple, int] = {}
+        entries: List[str] = []
+        group_entries: List[List[int]] = []
+        for layers in self.layer_groups:
+            mine: List[int] = []
+            for name in layers:
+                key = (_region_key(src_t[name], src_l[name]), _region_key(dst_t[name], dst_l[name]))
+                if key not in entry_of:
+                    entry_of[key] = len(entries)
+                    entries.append(name)
+                if entry_of[key] not in mine:
+                    mine.append(entry_of[key])
+            group_entries.append(mine)
+        alias_classes = _check_destinations(entries, group_entries, dst_t, dst_l, dst_side)
+        tables = build_tables(
+            group_entries,
+            [(src_t[n], src_l[n]) for n in entries],
+            [(dst_t[n], dst_l[n]) for n in entries],
+            entries,
+        )
+        chosen = choose_backend(tables) if backend == "auto" else get_backend(backend)
+        reason = chosen.unsupported_reason(tables)
+        if reason:
+            raise ValueError(f"backend {chosen.name!r} cannot copy {src_side}->{dst_side}: {reason}")
+        chosen.prepare(tables)
+        return _Direction(
+            tables, chosen, src_side, dst_side,
+            _limits(self.layer_groups, src_l), _limits(self.layer_groups, dst_l), alias_classes,
+        )
+
+    # ------------------------------------------------------------------ calls
+    @property
+    def backend(self) -> str:
+        """Name of the backend in use (the same for both directions unless ``auto``)."""
+        return self._d2h.backend.name
+
+    def backends(self) -> Dict[str, str]:
+        return {"to_host": self._d2h.backend.name, "to_device": self._h2d.backend.name}
+
+    def to_host(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
+        """Device -> host: block ``block_ids[g][i]`` to host block ``host_block_ids[g][i]``."""
+        return self._run(self._d2h, block_ids, block_ids if host_block_ids is None else host_block_ids)
+
+    def to_device(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
+        """Host -> device: host block ``host_block_ids[g][i]`` to block ``block_ids[g][i]``."""
+        return self._run(self._h2d, block_ids if host_block_ids is None else host_block_ids, block_ids)
+
+    def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
+        """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``)."""
+        host = block_ids if host_block_ids is None else host_block_ids
+        if direction == "d2h":
+            return self._validate(self._d2h, block_ids, host)
+        if direction == "h2d":
+            return self._validate(self._h2d, host, block_ids)
+        raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+
+    def tables(self, direction: str) -> CopyTables:
+        return {"d2h": self._d2h, "h2d": self._h2d}[direction].tables
+
+    def _run(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+        call = self._validate(d, src_ids, dst_ids)
+        if call.num_items:
+            d.backend.copy(d.tables, call)
+        return call
+
+    def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+        if self._closed:
+            raise ValueError("BlockCopier is closed")
+        n_groups = len(self.layer_groups)
+        if len(src_ids) != n_groups or len(dst_ids) != n_groups:
+            raise ValueError(
+                f"expected one id list per KV cache group ({n_groups}), got "
+                f"{len(src_ids)} {d.src_side} and {len(dst_ids)} {d.dst_side} lists"
+            )
+        srcs, dsts = [], []
+        for g in range(n_groups):
+            s = _as_ids(src_ids[g], g, d.src_side)
+            t = _as_ids(dst_ids[g], g, d.dst_side)
+            if len(s) != len(t):
+                raise ValueError(
+                    f"group {g}: {len(s)} {d.src_side} block ids but {len(t)} {d.dst_side} block ids"
+                )
+            if len(s):
+                _check_range(s, g, d.src_side, d.src_limits[g])
+                _check_range(t, g, d.dst_side, d.dst_limits[g])
+                if len(t) > 1 and np.unique(t).size != len(t):
+                    dup = _first_duplicate(t)
+                    layer = self.layer_groups[g][0] if self.layer_groups[g] else "-"
+                    raise ValueError(
+                        f"group {g}, layer {layer!r}: {d.dst_side} block id {dup} is written twice in one call"
+                    )
+            srcs.append(s)
+            dsts.append(t)
+        for groups in d.alias_classes:
+            ids = np.concatenate([dsts[g] for g in groups])
+            if np.unique(ids).size != ids.size:
+                dup = _first_duplicate(ids)
+                owners = [g for g in groups if dup in dsts[g]]
+                raise ValueError(
+                    f"groups {owners} share {d.dst_side} storage and both write block id {dup}"
+                )
+        return pack_call(d.tables, srcs, dsts)
+
+    def close(self) -> None:
+        """Release what the backends hold (pinned registrations). Idempotent."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            for d in (self._d2h, self._h2d):
+                d.backend.release(d.tables)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------- helpers
+def _region_key(t: torch.Tensor, l: PageLayout) -> tuple:
+    return (t.device, t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes, l.num_chunks, l.num_blocks)
+
+
+def _limits(groups, layouts) -> List[Tuple[int, str]]:
+    out = []
+    for layers in groups:
+        if layers:
+            name = min(layers, key=lambda n: layouts[n].num_blocks)
+            out.append((layouts[name].num_blocks, name))
+        else:
+            out.append((0, "-"))
+    return out
+
+
+def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[List[int]]:
+    """Destination regions either coincide exactly or never overlap; return the classes
+    of groups that write a shared region (their ids must be disjoint per call)."""
+    spans = []
+    for e, name in enumerate(entries):
+        t = tensors[name]
+        start, end = byte_extent(t)
+        spans.append((t.device, start, end, e))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    key = [_region_key(tensors[n], layouts[n]) for n in entries]
+    for i in range(len(spans)):
+        dev_i, s_i, e_i, a = spans[i]
+        for j in range(i + 1, len(spans)):
+            dev_j, s_j, e_j, b = spans[j]
+            if dev_j != dev_i or s_j >= e_i:
+                break
+            if key[a] != key[b]:
+                raise ValueError(
+                    f"layers {entries[a]!r} and {entries[b]!r}: {side} tensors overlap "
+                    "without being the same region; kvcopy cannot order their writes"
+                )
+    # identical destination regions (same key) in different entries: different source
+    by_key: Dict[tuple, List[int]] = {}
+    for e in range(len(entries)):
+        by_key.setdefault(key[e], []).append(e)
+    groups_of_entry: Dict[int, set] = {}
+    for g, es in enumerate(group_entries):
+        for e in es:
+            groups_of_entry.setdefault(e, set()).add(g)
+    classes: List[set] = []
+    for es in by_key.values():
+        gs = set().union(*(groups_of_entry.get(e, set()) for e in es))
+        for g in range(len(group_entries)):
+            if len([e for e in es if e in group_entries[g]]) > 1:
+                raise ValueError(
+                    f"group {g}: layers {[entries[e] for e in es]} write the same {side} "
+                    "bytes from different sources"
+                )
+        if len(gs) > 1:
+            classes.append(gs)
+    # merge overlapping classes
+    merged: List[set] = []
+    for c in classes:
+        for m in merged:
+            if m & c:
+                m |= c
+                break
+        else:
+            merged.append(set(c))
+    return [sorted(m) for m in merged]
+
+
+def _as_ids(ids, g: int, side: str) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type != "cpu":
+            raise TypeError(f"group {g}: {side} block ids must be host data, got a {ids.device} tensor")
+        ids = ids.numpy()
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"group {g}: {side} block ids must be a flat list, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"group {g}: {side} block ids must be integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_range(ids: np.ndarray, g: int, side: str, limit: Tuple[int, str]) -> None:
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= limit[0]:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"group {g}, layer {limit[1]!r}: {side} block id {bad} out of range [0, {limit[0]})"
+        )
+
+
+def _first_duplicate(ids: np.ndarray) -> int:
+    s = np.sort(ids)
+    return int(s[np.flatnonzero(s[1:] == s[:-1])[0]])

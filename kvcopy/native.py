@@ -1,0 +1,39 @@
+"""Finding and loading kvcopy's native libraries (ctypes, C ABI).
+
+``setup.py`` builds them with CMake next to this file (``kvcopy/_lib/``); a source
+checkout can build them in place with ``python setup.py build_ext --inplace`` or
+``pip install -e .``. ``KVCOPY_LIB_DIR`` points elsewhere (a build tree). A library
+that is missing is a reason a backend is unavailable, never an import error.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+LIB_DIR = Path(__file__).resolve().parent / "_lib"
+
+_loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
+
+
+def _candidates(stem: str) -> List[Path]:
+    dirs = [Path(p) for p in os.environ.get("KVCOPY_LIB_DIR", "").split(os.pathsep) if p]
+    dirs.append(LIB_DIR)
+    return [d / f"lib{stem}.so" for d in dirs]
+
+
+def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """``(library, None)``, or ``(None, why not)``; cached per process."""
+    if stem not in _loaded:
+        tried = _candidates(stem)
+        found = next((p for p in tried if p.is_file()), None)
+        if found is None:
+            _loaded[stem] = (None, f"lib{stem}.so not built (looked in {', '.join(str(p.parent) for p in tried)}; "
+                                   "run `pip install -e .` with a C++ compiler and CMake)")
+        else:
+            try:
+                _loaded[stem] = (ctypes.CDLL(str(found)), None)
+            except OSError as exc:
+                _loaded[stem] = (None, f"cannot load {found}: {exc}")
+    return _loaded[stem]

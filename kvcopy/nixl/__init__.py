@@ -1,0 +1,1 @@
+"""NIXL transfer manager (see kvcopy/nixl/manager.py)."""

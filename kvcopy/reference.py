@@ -1,0 +1,53 @@
+"""The torch reference for block copies: the oracle every backend is checked against.
+
+It indexes each tensor along its block axis (``index_select`` then ``index_copy_``,
+as vLLM's host-buffer path does), so it shares no byte arithmetic with the kernels:
+a wrong stride or chunk offset in the layout model shows up as a mismatch. Tensors are
+reinterpreted as integers of the same width first, so the copy is bit-exact for every
+dtype (bf16 NaN payloads, fp8, packed uint8 formats) and never does float arithmetic.
+
+Slow by design: one gather and one scatter per layer per group.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor of the same element width (a view)."""
+    return t.view(_INT_OF_WIDTH[t.element_size()])
+
+
+def reference_copy(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_ids: torch.Tensor | Sequence[int],
+    dst_ids: torch.Tensor | Sequence[int],
+    block_dim: int = 0,
+) -> None:
+    """``dst[block dst_ids[i]] = src[block src_ids[i]]`` along ``block_dim``, in place."""
+    src_ids = torch.as_tensor(src_ids, dtype=torch.int64)
+    dst_ids = torch.as_tensor(dst_ids, dtype=torch.int64)
+    if src_ids.numel() == 0:
+        return
+    pages = as_words(src).index_select(block_dim, src_ids.to(src.device))
+    as_words(dst).index_copy_(block_dim, dst_ids.to(dst.device), pages.to(dst.device))
+
+
+def reference_copy_groups(
+    src: Mapping[str, torch.Tensor],
+    dst: Mapping[str, torch.Tensor],
+    layer_groups: Sequence[Sequence[str]],
+    src_ids_per_group: Sequence[Sequence[int]],
+    dst_ids_per_group: Sequence[Sequence[int]],
+    block_dims: Mapping[str, int] | None = None,
+) -> None:
+    """The copy contract, spelled out: each group's layers at that group's ids only."""
+    for layers, s_ids, d_ids in zip(layer_groups, src_ids_per_group, dst_ids_per_group):
+        for name in layers:
+            bd = (block_dims or {}).get(name, 0)
+            reference_copy(src[name], dst[name], s_ids, d_ids, bd)

@@ -1,0 +1,178 @@
+"""The tables every backend consumes: static entry tables and the packed per-call runs.
+
+Static, built once per copier and direction (:class:`CopyTables`):
+
+* ``entries``: int64 ``[E, 8]``, one row per copied layer, deduplicated by storage
+  within a group (two names for the same bytes are copied once). Columns, in the order
+  of ``kernels/block_copy.cuh``'s ``EntryField``: src base address, dst base address,
+  src block stride, dst block stride, src chunk stride, dst chunk stride (bytes),
+  chunk bytes, chunks per block. Addresses are ``data_ptr()`` values: host pointers of
+  pinned memory are valid on the device under unified addressing.
+* ``group_offsets`` int64 ``[G+1]`` and ``group_entries``: group ``g`` copies entries
+  ``group_entries[group_offsets[g]:group_offsets[g+1]]``, its layer mask. A layer in no
+  group (KV-sharing) has no entry and is never touched.
+
+Per call (:func:`pack_call`), one int64 array so a GPU backend uploads it in one copy:
+``[run_offsets (G+1) | item_offsets (G+1) | runs (R x 3)]``. A run is ``(src first
+block, dst first block, count)``: consecutive ids on both sides merge into one run, so
+a run of adjacent pages moves as one large segment. Item ``i`` is one (entry, run)
+pair; ``item_offsets[g+1] - item_offsets[g] = entries(g) * runs(g)``.
+
+Building the call is vectorized numpy over the ids: no Python loop over layers or
+blocks, only over groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .layout import PageLayout, alignment
+
+ENTRY_FIELDS = 8
+(
+    SRC_BASE,
+    DST_BASE,
+    SRC_BLOCK_STRIDE,
+    DST_BLOCK_STRIDE,
+    SRC_CHUNK_STRIDE,
+    DST_CHUNK_STRIDE,
+    CHUNK_BYTES,
+    NUM_CHUNKS,
+) = range(ENTRY_FIELDS)
+
+
+@dataclass
+class CopyTables:
+    """Static description of one direction of a copier."""
+
+    entries: np.ndarray  # int64 [E, 8]
+    group_offsets: np.ndarray  # int64 [G+1]
+    group_entries: np.ndarray  # int64 [sum]
+    src_tensors: List[torch.Tensor]  # per entry (kept alive: the table holds raw addresses)
+    dst_tensors: List[torch.Tensor]
+    src_block_dims: List[int]
+    dst_block_dims: List[int]
+    entry_names: List[str]  # a layer name per entry, for messages
+    src_device: torch.device
+    dst_device: torch.device
+    word_bytes: int  # widest word (<= 16) every address, stride and size is aligned to
+    group_block_bytes: np.ndarray  # int64 [G]: bytes one block id moves in group g
+    backend_state: dict = field(default_factory=dict)  # what backends cache per table
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_offsets) - 1
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entries)
+
+    def group_entry_ids(self, g: int) -> np.ndarray:
+        return self.group_entries[self.group_offsets[g] : self.group_offsets[g + 1]]
+
+    def max_chunk_bytes(self) -> int:
+        return int(self.entries[:, CHUNK_BYTES].max()) if len(self.entries) else 0
+
+
+def build_tables(
+    group_entry_lists: Sequence[Sequence[int]],
+    src: Sequence[Tuple[torch.Tensor, PageLayout]],
+    dst: Sequence[Tuple[torch.Tensor, PageLayout]],
+    names: Sequence[str],
+) -> CopyTables:
+    """Tables for entries ``src[i] -> dst[i]``; group g copies ``group_entry_lists[g]``."""
+    rows = []
+    for (st, sl), (dt, dl) in zip(src, dst):
+        rows.append(
+            [
+                st.data_ptr(),
+                dt.data_ptr(),
+                sl.block_stride,
+                dl.block_stride,
+                sl.chunk_stride,
+                dl.chunk_stride,
+                sl.chunk_bytes,
+                sl.num_chunks,
+            ]
+        )
+    entries = np.array(rows, dtype=np.int64).reshape(-1, ENTRY_FIELDS)
+    offsets = np.zeros(len(group_entry_lists) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(e) for e in group_entry_lists])
+    flat = np.array([i for e in group_entry_lists for i in e], dtype=np.int64)
+    word = alignment(*entries[:, :NUM_CHUNKS].ravel().tolist()) if len(entries) else 16
+    page_bytes = entries[:, CHUNK_BYTES] * entries[:, NUM_CHUNKS]
+    group_bytes = np.array([int(page_bytes[list(e)].sum()) for e in group_entry_lists], dtype=np.int64)
+    src_dev = src[0][0].device if src else torch.device("cpu")
+    dst_dev = dst[0][0].device if dst else torch.device("cpu")
+    return CopyTables(
+        entries=entries,
+        group_offsets=offsets,
+        group_entries=flat,
+        src_tensors=[t for t, _ in src],
+        dst_tensors=[t for t, _ in dst],
+        src_block_dims=[l.block_dim for _, l in src],
+        dst_block_dims=[l.block_dim for _, l in dst],
+        entry_names=list(names),
+        src_device=src_dev,
+        dst_device=dst_dev,
+        word_bytes=word,
+        group_block_bytes=group_bytes,
+    )
+
+
+@dataclass
+class CallPlan:
+    """One call's ids, validated, and their packed runs."""
+
+    src_ids: List[np.ndarray]  # per group
+    dst_ids: List[np.ndarray]
+    packed: np.ndarray  # int64 [run_offsets | item_offsets | runs]
+    num_groups: int
+    num_runs: int
+    num_items: int
+    total_bytes: int
+
+    def run_offsets(self) -> np.ndarray:
+        return self.packed[: self.num_groups + 1]
+
+    def item_offsets(self) -> np.ndarray:
+        return self.packed[self.num_groups + 1 : 2 * (self.num_groups + 1)]
+
+    def runs(self) -> np.ndarray:
+        return self.packed[2 * (self.num_groups + 1) :].reshape(-1, 3)
+
+
+def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """``[R, 3]`` runs (src start, dst start, count) of ids consecutive on both sides."""
+    n = len(src)
+    if n == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [n])))
+    return np.stack((src[starts], dst[starts], counts), axis=1)
+
+
+def pack_call(tables: CopyTables, src_ids: List[np.ndarray], dst_ids: List[np.ndarray]) -> CallPlan:
+    """Pack validated per-group ids into the kernel's per-call array."""
+    g_count = tables.num_groups
+    runs = [merge_runs(s, d) for s, d in zip(src_ids, dst_ids)]
+    run_counts = np.array([len(r) for r in runs], dtype=np.int64)
+    entry_counts = np.diff(tables.group_offsets)
+    header = np.zeros(2 * (g_count + 1), dtype=np.int64)
+    np.cumsum(run_counts, out=header[1 : g_count + 1])
+    np.cumsum(entry_counts * run_counts, out=header[g_count + 2 :])
+    packed = np.concatenate([header] + [r.ravel() for r in runs]) if runs else header
+    block_counts = np.array([len(s) for s in src_ids], dtype=np.int64)
+    return CallPlan(
+        src_ids=src_ids,
+        dst_ids=dst_ids,
+        packed=packed.astype(np.int64, copy=False),
+        num_groups=g_count,
+        num_runs=int(run_counts.sum()),
+        num_items=int(header[-1]),
+        total_bytes=int(np.dot(tables.group_block_bytes, block_counts)) if g_count else 0,
+    )
