@@ -1,0 +1,236 @@
+"""Copy cases and the bit-exact check every backend is held to.
+
+A :class:`CopyCase` is a small model: KV cache groups of layers, device caches and
+host buffers of one layout and dtype, optional aliasing (layer ``i`` of every group is
+a view of one storage, as in hybrid models) and KV-sharing layers (in the dicts, in no
+group, pointing at another layer's device tensor with a host buffer of their own), and
+one call's block ids per group (unique across groups: one block pool).
+
+:func:`check_copy` builds the case twice from one seed with the source random and the
+destination poisoned, runs the reference (:mod:`kvcopy.reference`) on one copy and the
+backend on the other, and compares every destination tensor byte for byte, including
+the ones that must not change. Sizes are small so the Triton interpreter (~1 ms per
+program instance) can run the whole matrix.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .copier import BlockCopier
+from .reference import as_words, reference_copy_groups
+
+# name -> (shape builder (nb, bs, h, d) -> shape, block_dim, kv_layout, transpose-view)
+LAYOUTS = {
+    "nhd": (lambda nb, bs, h, d: (nb, bs, h, d), 0, "NHD"),
+    "hnd": (lambda nb, bs, h, d: (nb, h, bs, d), 0, "HND"),
+    "hnd_view_of_nhd": (lambda nb, bs, h, d: (nb, bs, h, 2 * d), 0, "HND"),  # viewed (nb, h, bs, 2d)
+    "kv_first": (lambda nb, bs, h, d: (2, nb, bs, h, d), 1, "NHD"),
+    "blocks_first_kv": (lambda nb, bs, h, d: (nb, 2, bs, h, d), 0, "NHD"),
+    "mla": (lambda nb, bs, h, d: (nb, bs, h * d), 0, "NHD"),
+}
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+    "fp32": torch.float32,
+}
+
+POISON_BYTE = 0xA5
+
+
+@dataclass(frozen=True)
+class CopyCase:
+    layout: str = "nhd"
+    dtype: str = "bf16"
+    num_groups: int = 2
+    layers_per_group: int = 2
+    ids: str = "scattered"  # empty | one | odd | runs | scattered | all
+    aliasing: bool = False
+    kv_sharing: int = 0  # KV-sharing layers (in no group)
+    num_blocks: int = 24
+    host_num_blocks: Optional[int] = None  # None: as the device
+    host_ids_differ: bool = False  # host block ids are a different mapping
+    block_size: int = 4
+    num_heads: int = 2
+    head_size: int = 8  # elements; odd values give odd byte sizes
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        parts = [self.layout, self.dtype, f"g{self.num_groups}", self.ids]
+        if self.aliasing:
+            parts.append("alias")
+        if self.kv_sharing:
+            parts.append(f"share{self.kv_sharing}")
+        if self.host_ids_differ:
+            parts.append("hostids")
+        if self.head_size % 2:
+            parts.append(f"d{self.head_size}")
+        return "-".join(parts)
+
+    # ---------------------------------------------------------------- structure
+    def layer_groups(self) -> List[List[str]]:
+        return [
+            [f"model.layers.{g + self.num_groups * i}.attn" for i in range(self.layers_per_group)]
+            for g in range(self.num_groups)
+        ]
+
+    def sharing_layers(self) -> List[Tuple[str, str]]:
+        """(KV-sharing layer, the layer whose KV it reads)."""
+        groups = self.layer_groups()
+        n = self.num_groups * self.layers_per_group
+        return [(f"model.layers.{n + k}.attn", groups[k % len(groups)][0]) for k in range(self.kv_sharing)]
+
+    def block_dim(self) -> int:
+        return LAYOUTS[self.layout][1]
+
+    def kv_layout(self) -> str:
+        return LAYOUTS[self.layout][2]
+
+    def block_ids(self) -> Tuple[List[List[int]], List[List[int]]]:
+        """(device ids per group, host ids per group); unique across groups."""
+        rng = np.random.default_rng(self.seed + 1)
+        nb, g = self.num_blocks, self.num_groups
+        per = {"empty": 0, "one": 1, "odd": 3, "runs": 6, "scattered": 5,
+               "all": nb // g}[self.ids]
+        if self.ids == "runs":  # contiguous runs inside each group, groups disjoint
+            dev = [list(range(k * per, (k + 1) * per)) for k in range(g)]
+            dev = [d[:2] + d[3:] for d in dev]  # one break in each run
+        else:
+            perm = rng.permutation(nb).tolist()
+            dev = [perm[k * per:(k + 1) * per] for k in range(g)]
+        host_nb = self.host_num_blocks or nb
+        if self.host_ids_differ:
+            perm = rng.permutation(host_nb).tolist()
+            flat = iter(perm)
+            host = [[next(flat) for _ in d] for d in dev]
+        else:
+            host = [list(d) for d in dev]
+        return dev, host
+
+    # ---------------------------------------------------------------- tensors
+    def _tensor(self, nb: int, device, fill: Optional[int], gen: torch.Generator) -> torch.Tensor:
+        shape_of, _, _ = LAYOUTS[self.layout]
+        shape = shape_of(nb, self.block_size, self.num_heads, self.head_size)
+        dtype = DTYPES[self.dtype]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = int(np.prod(shape)) * itemsize
+        if fill is None:
+            raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        else:
+            raw = torch.full((nbytes,), fill, dtype=torch.uint8)
+        t = raw.view(dtype).reshape(shape).to(device)
+        if self.layout == "hnd_view_of_nhd":
+            t = t.transpose(1, 2)
+        return t
+
+    def build(self, device="cpu", poison: str = "host") -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """(device caches, host buffers): the ``poison`` side filled with POISON_BYTE,
+        the other random from the case's seed. Same seed, same bytes."""
+        gen = torch.Generator().manual_seed(self.seed)
+        groups = self.layer_groups()
+        host_nb = self.host_num_blocks or self.num_blocks
+        dev: Dict[str, torch.Tensor] = {}
+        host: Dict[str, torch.Tensor] = {}
+        dev_fill = POISON_BYTE if poison == "device" else None
+        host_fill = POISON_BYTE if poison == "host" else None
+        for i in range(self.layers_per_group):
+            shared_dev = shared_host = None
+            if self.aliasing:
+                shared_dev = self._tensor(self.num_blocks, device, dev_fill, gen)
+                shared_host = self._tensor(host_nb, "cpu", host_fill, gen)
+            for layers in groups:
+                name = layers[i]
+                dev[name] = shared_dev if shared_dev is not None else self._tensor(self.num_blocks, device, dev_fill, gen)
+                host[name] = shared_host if shared_host is not None else self._tensor(host_nb, "cpu", host_fill, gen)
+        for name, target in self.sharing_layers():
+            dev[name] = dev[target]
+            # Never filled by a transfer: random junk that must never reach the device.
+            host[name] = self._tensor(host_nb, "cpu", None, gen)
+        return dev, host
+
+
+def unique_tensors(*dicts: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+    seen, out = set(), []
+    for d in dicts:
+        for t in d.values():
+            key = (t.device, t.data_ptr(), tuple(t.shape), t.stride())
+            if key not in seen:
+                seen.add(key)
+                out.append(t)
+    return out
+
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(as_words(a.cpu()), as_words(b.cpu()))
+
+
+def check_copy(backend: str, case: CopyCase, direction: str, device="cpu") -> BlockCopier:
+    """Run ``case`` through ``backend`` and assert it matches the reference bit for bit.
+
+    ``direction`` "d2h" (to_host) or "h2d" (to_device). Every tensor in both dicts is
+    compared, so a byte written outside the contract fails.
+    """
+    poison = "host" if direction == "d2h" else "device"
+    dev_ids, host_ids = case.block_ids()
+    groups = case.layer_groups()
+    bd = {n: case.block_dim() for g in groups for n in g}
+
+    exp_dev, exp_host = case.build(device, poison)
+    if direction == "d2h":
+        reference_copy_groups(exp_dev, exp_host, groups, dev_ids, host_ids, bd)
+    else:
+        reference_copy_groups(exp_host, exp_dev, groups, host_ids, dev_ids, bd)
+
+    got_dev, got_host = case.build(device, poison)
+    copier = BlockCopier(got_dev, got_host, groups, backend=backend,
+                         block_dim=case.block_dim(), kv_layout=case.kv_layout())
+    if direction == "d2h":
+        copier.to_host(dev_ids, host_ids)
+    else:
+        copier.to_device(dev_ids, host_ids)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    for name in exp_dev:
+        for side, exp, got in (("device", exp_dev, got_dev), ("host", exp_host, got_host)):
+            if not bytes_equal(exp[name], got[name]):
+                diff = (as_words(exp[name].cpu()) != as_words(got[name].cpu())).nonzero()
+                raise AssertionError(
+                    f"{case.id} {direction} backend={backend}: {side} tensor of {name!r} differs "
+                    f"from the reference at {diff.shape[0]} elements, first at index {diff[0].tolist()}"
+                )
+    return copier
+
+
+def standard_cases(quick: bool = False) -> List[CopyCase]:
+    """The matrix every backend runs: layouts x dtypes x groups x ids, aliasing and
+    KV-sharing, odd sizes, host id remapping. ``quick`` keeps a covering subset."""
+    cases = []
+    layouts = list(LAYOUTS)
+    dtypes = ["bf16", "fp8", "uint8", "fp16", "fp32"]
+    for layout, dtype in itertools.product(layouts, dtypes[: 2 if quick else 5]):
+        cases.append(CopyCase(layout=layout, dtype=dtype))
+    for g in (1, 2, 3, 7):
+        for ids in ("empty", "one", "odd", "runs", "scattered"):
+            if quick and ids in ("odd", "one") and g in (3, 7):
+                continue
+            cases.append(CopyCase(num_groups=g, ids=ids, num_blocks=48, layout="kv_first"))
+    cases += [
+        CopyCase(aliasing=True, kv_sharing=2, num_groups=2, layout="kv_first"),
+        CopyCase(aliasing=True, kv_sharing=1, num_groups=3, layout="nhd", dtype="fp8"),
+        CopyCase(aliasing=True, num_groups=7, layers_per_group=1, layout="hnd_view_of_nhd"),
+        CopyCase(kv_sharing=3, num_groups=1, layout="mla"),
+        CopyCase(head_size=7, dtype="uint8", layout="nhd", ids="runs"),  # 1-byte alignment
+        CopyCase(head_size=3, dtype="fp16", layout="kv_first"),  # 2-byte alignment
+        CopyCase(host_ids_differ=True, host_num_blocks=17, layout="blocks_first_kv"),
+        CopyCase(ids="all", num_groups=2, layout="kv_first"),
+        CopyCase(ids="all", num_groups=1, layout="nhd", num_blocks=64, dtype="fp32"),
+    ]
+    return cases
