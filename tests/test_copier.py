@@ -1,0 +1,197 @@
+"""BlockCopier: the copy contract on every CPU-capable backend, bit-exact."""
+import numpy as np
+import pytest
+import torch
+
+import kvcopy
+from kvcopy.backends import get_backend
+from kvcopy.testing import POISON_BYTE, CopyCase, bytes_equal, check_copy, standard_cases
+
+CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_backends()[b] is None]
+CASES = standard_cases()
+
+
+def test_cpu_backend_is_built():
+    # CI builds the native library; a silent fallback to torch would hide a broken build.
+    assert kvcopy.available_backends()["cpu"] is None, kvcopy.available_backends()["cpu"]
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_matches_reference(backend, case, direction):
+    check_copy(backend, case, direction)
+
+
+def test_check_copy_detects_a_wrong_backend(monkeypatch):
+    """The check itself can fail: a backend that skips the last group is caught."""
+    cpu = get_backend("torch")
+    original = type(cpu).copy
+
+    def drop_last_group(self, tables, call):
+        call.src_ids[-1] = call.src_ids[-1][:0]
+        call.dst_ids[-1] = call.dst_ids[-1][:0]
+        original(self, tables, call)
+
+    monkeypatch.setattr(type(cpu), "copy", drop_last_group)
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        check_copy("torch", CopyCase(num_groups=2), "d2h")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_one_backend_call_for_all_groups(backend, monkeypatch):
+    case = CopyCase(num_groups=7, layers_per_group=3, num_blocks=48, aliasing=True, kv_sharing=2)
+    dev, host = case.build()
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend=backend)
+    impl = get_backend(backend)
+    calls = []
+    real = type(impl).copy
+    monkeypatch.setattr(type(impl), "copy", lambda self, t, c: (calls.append(c), real(self, t, c)))
+    ids, _ = case.block_ids()
+    call = copier.to_host(ids)
+    assert len(calls) == 1
+    # 7 groups x 3 layers; aliased layers of different groups stay separate entries.
+    assert call.num_items == 3 * call.num_runs > 0
+    copier.to_device([[] for _ in range(7)])  # empty call: no backend call
+    assert len(calls) == 1
+
+
+def test_runs_are_merged():
+    case = CopyCase(num_groups=2, ids="runs", layout="kv_first")
+    dev, host = case.build()
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch")
+    call = copier.plan("d2h", [[3, 4, 5, 9, 10], [20]], [[0, 1, 2, 7, 8], [11]])
+    assert call.runs().tolist() == [[3, 0, 3], [9, 7, 2], [20, 11, 1]]
+    assert call.num_items == 2 * 2 + 2 * 1
+    # ids consecutive on one side only do not merge
+    call = copier.plan("d2h", [[3, 4], [5]], [[0, 2], [1]])
+    assert call.num_runs == 3
+
+
+def test_same_bytes_under_two_names_in_one_group_are_copied_once():
+    t = torch.randint(0, 255, (8, 4, 2, 8), dtype=torch.uint8)
+    h = torch.zeros_like(t)
+    copier = kvcopy.BlockCopier({"a": t, "b": t}, {"a": h, "b": h}, [["a", "b"]], backend="cpu")
+    assert copier.tables("d2h").num_entries == 1
+    copier.to_host([[1, 5]])
+    assert torch.equal(h[[1, 5]], t[[1, 5]]) and int(h[[0, 2, 3, 4, 6, 7]].sum()) == 0
+
+
+def test_auto_picks_cpu_for_cpu_tensors():
+    case = CopyCase()
+    dev, host = case.build()
+    assert kvcopy.BlockCopier(dev, host, case.layer_groups()).backend == "cpu"
+
+
+def test_backends_report_reasons():
+    report = kvcopy.available_backends()
+    assert set(report) == set(kvcopy.BACKENDS)
+    assert report["torch"] is None
+    for name, reason in report.items():
+        assert reason is None or isinstance(reason, str) and reason
+    with pytest.raises(ValueError, match="unknown backend"):
+        kvcopy.BlockCopier({}, {}, [], backend="nope")
+
+
+def test_close_is_idempotent_and_blocks_later_calls():
+    case = CopyCase()
+    dev, host = case.build()
+    with kvcopy.BlockCopier(dev, host, case.layer_groups()) as c:
+        pass
+    c.close()
+    with pytest.raises(ValueError, match="closed"):
+        c.to_host([[0], [1]])
+
+
+def test_poison_byte_is_not_random_data():
+    # check_copy's power rests on the destination being distinguishable.
+    dev, host = CopyCase(dtype="uint8").build(poison="host")
+    assert all(int((h != POISON_BYTE).sum()) == 0 for h in host.values())
+    assert any(int((d != POISON_BYTE).sum()) > 0 for d in dev.values())
+
+
+# ---------------------------------------------------------------------------------
+# Bad input: each raises, naming what is wrong, and no destination byte changes.
+
+def _copier(**kw):
+    case = CopyCase(num_groups=2, aliasing=True, kv_sharing=1, **kw)
+    dev, host = case.build(poison="host")
+    return case, dev, host, kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="cpu")
+
+
+def _snapshot(d):
+    return {k: v.clone() for k, v in d.items()}
+
+
+BAD_CALLS = [
+    ("to_host", ([[0, 1]],), ValueError, "one id list per KV cache group"),
+    ("to_host", ([[0, 1], [2]], [[0], [2]]), ValueError, "group 0: 2 device block ids but 1 host"),
+    ("to_host", ([[0, 24], [2]],), ValueError, r"group 0, layer 'model.layers.0.attn': device block id 24 out of range \[0, 24\)"),
+    ("to_host", ([[0, -1], [2]],), ValueError, "block id -1 out of range"),
+    ("to_device", ([[0, 5, 5], [2]],), ValueError, "group 0, layer .*block id 5 is written twice"),
+    ("to_device", ([[0, 5], [5]],), ValueError, r"groups \[0, 1\] share device storage and both write block id 5"),
+    ("to_host", ([[0.5], [1]],), TypeError, "must be integers"),
+    ("to_host", ([[[0]], [1]],), ValueError, "flat list"),
+]
+
+
+@pytest.mark.parametrize("method,args,exc,match", BAD_CALLS, ids=[b[3][:30] for b in BAD_CALLS])
+def test_bad_call_raises_and_writes_nothing(method, args, exc, match):
+    case, dev, host, copier = _copier()
+    before_dev, before_host = _snapshot(dev), _snapshot(host)
+    with pytest.raises(exc, match=match):
+        getattr(copier, method)(*args)
+    for k in dev:
+        assert bytes_equal(dev[k], before_dev[k]) and bytes_equal(host[k], before_host[k])
+
+
+def test_host_ids_range_checked_on_host_size():
+    case = CopyCase(host_num_blocks=10, num_groups=1)
+    dev, host = case.build()
+    c = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="cpu")
+    with pytest.raises(ValueError, match=r"host block id 10 out of range \[0, 10\)"):
+        c.to_host([[20]], [[10]])
+    c.to_host([[20]], [[9]])
+
+
+def _groups_error(dev, host, groups, exc, match, **kw):
+    with pytest.raises(exc, match=match):
+        kvcopy.BlockCopier(dev, host, groups, **kw)
+
+
+def test_build_errors():
+    t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
+    h = torch.zeros_like(t)
+    _groups_error({"a": t}, {"a": h}, [["a"], ["a"]], ValueError, "layer 'a' is in group 0 and group 1")
+    _groups_error({"a": t}, {"a": h}, [["a", "b"]], ValueError, "group 0, layer 'b': no device tensor")
+    _groups_error({"a": t}, {}, [["a"]], ValueError, "group 0, layer 'a': no host tensor")
+    _groups_error({"a": t}, {"a": h}, ["a"], TypeError, "sequence of sequences")
+    _groups_error({"a": t}, {"a": [1]}, [["a"]], TypeError, "not a tensor")
+    _groups_error({"a": t}, {"a": torch.zeros(8, 4, 2, 4, dtype=torch.bfloat16)}, [["a"]],
+                  ValueError, "pages differ")
+    _groups_error({"a": t}, {"a": torch.zeros(8, 4, 2, 8, dtype=torch.float32)}, [["a"]],
+                  ValueError, "element size 2 vs 4")
+    _groups_error({"a": t}, {"a": torch.zeros(8, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2)},
+                  [["a"]], ValueError, "pages differ")
+    # device tensors that overlap without being the same region
+    big = torch.zeros(9, 4, 2, 8, dtype=torch.bfloat16)
+    _groups_error({"a": big[:8], "b": big[1:]}, {"a": h, "b": torch.zeros_like(h)}, [["a"], ["b"]],
+                  ValueError, "overlap without being the same region")
+    # one group writing the same device bytes from two host buffers
+    _groups_error({"a": t, "b": t}, {"a": h, "b": torch.zeros_like(h)}, [["a", "b"]],
+                  ValueError, "write the same device bytes from different sources")
+    _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", backend="cuda")
+
+
+def test_int16_host_buffer_for_bf16_cache_is_accepted():
+    t = torch.randn(8, 4, 2, 8).to(torch.bfloat16)
+    h = torch.zeros(8, 4, 2, 8, dtype=torch.int16)
+    kvcopy.BlockCopier({"a": t}, {"a": h}, [["a"]], backend="cpu").to_host([[3]])
+    assert torch.equal(h[3], t[3].view(torch.int16))
+
+
+def test_ids_may_be_numpy_or_cpu_tensors():
+    case, dev, host, copier = _copier()
+    copier.to_host([np.array([0, 1]), torch.tensor([2, 3])])
+    with pytest.raises(TypeError, match="host data"):
+        copier.to_host([torch.tensor([0], device="meta"), [1]])

@@ -1,0 +1,71 @@
+"""kvcopy.copy_blocks: vLLM's CopyBlocksOp, bit-exact, stricter on bad input."""
+import pytest
+import torch
+
+import kvcopy
+from kvcopy import copy_op
+from kvcopy.reference import reference_copy
+from kvcopy.testing import bytes_equal
+
+
+def _caches(n_layers=3, nb=16, fill=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n_layers):
+        raw = torch.full((nb, 4, 2, 8), fill, dtype=torch.int16) if fill is not None else \
+            torch.randint(-2**15, 2**15, (nb, 4, 2, 8), dtype=torch.int16, generator=g)
+        out[f"model.layers.{i}.self_attn.attn"] = raw.view(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "cpu"])
+def test_matches_vllm_semantics(direction, backend):
+    src, dst = _caches(seed=1), _caches(fill=-23131)
+    expected = {k: v.clone() for k, v in dst.items()}
+    src_ids, dst_ids = [5, 6, 7, 1], [0, 1, 2, 9]
+    for k in src:
+        reference_copy(src[k], expected[k], src_ids, dst_ids)
+    kvcopy.copy_blocks(src, dst, src_ids, dst_ids, direction, backend=backend)
+    assert all(bytes_equal(dst[k], expected[k]) for k in dst)
+
+
+def test_vllm_group_loop_calls_reuse_one_copier():
+    src, dst = _caches(seed=1), _caches(fill=0)
+    copy_op._copiers.clear()
+    for ids in ([1, 2], [3], [8, 9, 10]):  # sync_recved_kv_to_device's per-group loop
+        kvcopy.copy_blocks(src, dst, ids, ids, "h2d")
+    assert len(copy_op._copiers) == 1
+    for k in src:
+        assert bytes_equal(dst[k][[1, 2, 3, 8, 9, 10]], src[k][[1, 2, 3, 8, 9, 10]])
+        assert int(dst[k].view(torch.int16)[[0, 4, 5, 6, 7, 11]].abs().sum()) == 0
+
+
+def test_empty_lists_are_a_noop():
+    src, dst = _caches(seed=1), _caches(fill=0)
+    kvcopy.copy_blocks(src, dst, [], [], "h2d")
+    assert all(int(t.view(torch.int16).abs().sum()) == 0 for t in dst.values())
+
+
+def test_bad_input_raises_and_writes_nothing():
+    src, dst = _caches(seed=1), _caches(fill=0)
+    with pytest.raises(ValueError, match="2 source block ids but 1 destination"):
+        kvcopy.copy_blocks(src, dst, [1, 2], [1], "h2d")
+    with pytest.raises(ValueError, match="direction must be"):
+        kvcopy.copy_blocks(src, dst, [1], [1], "up")
+    with pytest.raises(ValueError, match="not in both"):
+        kvcopy.copy_blocks(src, {k: v for k, v in list(dst.items())[:2]}, [1], [1], "h2d")
+    with pytest.raises(ValueError, match="out of range"):
+        kvcopy.copy_blocks(src, dst, [1, 99], [1, 2], "d2h")
+    with pytest.raises(ValueError, match="written twice"):
+        kvcopy.copy_blocks(src, dst, [1, 2], [3, 3], "h2d")
+    assert all(int(t.view(torch.int16).abs().sum()) == 0 for t in dst.values())
+
+
+def test_direction_contradicting_devices_raises():
+    src, dst = _caches(seed=1), _caches(fill=0)
+    meta = {k: torch.empty_like(v, device="meta") for k, v in src.items()}
+    with pytest.raises(ValueError, match="'h2d' but source layer .* is on meta"):
+        kvcopy.copy_blocks(meta, dst, [1], [1], "h2d")
+    with pytest.raises(ValueError, match="'d2h' but destination layer .* is on meta"):
+        kvcopy.copy_blocks(src, meta, [1], [1], "d2h")
