@@ -1,1 +1,42 @@
-"""NIXL transfer manager (see kvcopy/nixl/manager.py)."""
+"""kvcopy.nixl: paged KV transfers between engines over NIXL, through host buffers or not.
+
+``TransferManager`` (one per engine rank) registers the KV (host staging buffers, one
+per device storage, or the device tensors), exchanges versioned handshake metadata,
+plans pulls by token position, reads with NIXL and completes with one masked copy.
+``replay`` is the byte oracle that applies a plan without NIXL. See ``docs/nixl.md``.
+
+Importing this package does not import NIXL; creating a manager does (``nixl``,
+``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
+"""
+from ._agent import NixlError, load_nixl, nixl_available
+from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
+from .manager import Completion, PullHandle, TransferManager
+from .oracle import replay
+from .plan import NO_BLOCK, PullPlan, RegionPair, RegionRef, build_pull_plan, expand_blocks, select_pages
+from .regions import RegionInfo, RegionSet, build_regions
+
+__all__ = [
+    "Completion",
+    "EngineInfo",
+    "HANDSHAKE_VERSION",
+    "LayerPair",
+    "NO_BLOCK",
+    "NixlError",
+    "PullHandle",
+    "PullPlan",
+    "RegionInfo",
+    "RegionPair",
+    "RegionRef",
+    "RegionSet",
+    "TransferManager",
+    "build_pull_plan",
+    "build_regions",
+    "decode",
+    "encode",
+    "expand_blocks",
+    "load_nixl",
+    "nixl_available",
+    "pair_layers",
+    "replay",
+    "select_pages",
+]

@@ -1,0 +1,183 @@
+"""The NIXL agent, wrapped: import by either wheel name, and errors as values.
+
+``nixl-cu12`` installs the module ``nixl_cu12`` (``nixl-cu13``: ``nixl_cu13``); the
+``nixl`` meta package exposes ``nixl``. :func:`load_nixl` takes the first that imports.
+
+NIXL reports failures by raising its own exception classes from the bindings
+(``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ...), from ``check_xfer_state``
+too, not only by returning ``"ERR"``. :class:`Agent` funnels them into two shapes:
+
+* set-up calls (register, add a peer, prepare descriptor lists) raise
+  :class:`NixlError`, a ``RuntimeError`` naming the call and NIXL's status;
+* transfer calls (post, state, release) return a state string and a reason, so a
+  failed transfer is a value the manager reports per request, never an exception
+  that escapes ``poll``.
+
+Descriptor lists are numpy ``[N, 3]`` uint64 arrays of (address, bytes, device id).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+_MODULE_NAMES = ("nixl", "nixl_cu12", "nixl_cu13")
+_module: Optional[ModuleType] = None
+_import_error: Optional[str] = None
+
+
+class NixlError(RuntimeError):
+    """A NIXL call failed; the message names the call and NIXL's status."""
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL Python module (``nixl``, ``nixl_cu12`` or ``nixl_cu13``)."""
+    global _module, _import_error
+    if _module is not None:
+        return _module
+    errors = []
+    for name in _MODULE_NAMES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(mod, "nixl_agent"):
+            _module = mod
+            return mod
+        errors.append(f"{name}: has no nixl_agent")
+    _import_error = "; ".join(errors)
+    raise ImportError(
+        "kvcopy.nixl needs NIXL: pip install nixl-cu12 (or nixl-cu13, or nixl). " + _import_error
+    )
+
+
+def nixl_available() -> Optional[str]:
+    """None when NIXL imports, else why not."""
+    try:
+        load_nixl()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _status(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if text.startswith("NIXL") else f"{type(exc).__name__}: {text}"
+
+
+class Agent:
+    """One NIXL agent with the backends it was asked for."""
+
+    def __init__(self, name: str, backends: Tuple[str, ...] = ("UCX",)):
+        nixl = load_nixl()
+        if not name:
+            raise ValueError("a NIXL agent needs a non-empty name")
+        self.name = name
+        try:
+            self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=list(backends)))
+        except Exception as exc:
+            raise NixlError(f"creating NIXL agent {name!r}: {_status(exc)}") from exc
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise NixlError(
+                f"NIXL agent {name!r}: backend(s) {missing} unavailable; plugins here: "
+                f"{self._agent.get_plugin_list()}"
+            )
+
+    # ---------------------------------------------------------------- set-up
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def register(self, ranges: List[Tuple[int, int, int]], mem_type: str):
+        """Register (address, bytes, device id) ranges; returns the registration."""
+        try:
+            return self._agent.register_memory([(a, n, d, "") for a, n, d in ranges], mem_type)
+        except Exception as exc:
+            raise NixlError(f"registering {len(ranges)} {mem_type} range(s): {_status(exc)}") from exc
+
+    def deregister(self, registration) -> None:
+        self._agent.deregister_memory(registration)
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise NixlError(f"loading the peer's NIXL agent metadata: {_status(exc)}") from exc
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:  # already gone: nothing left to remove
+            pass
+
+    def prep_local(self, descs: np.ndarray, mem_type: str):
+        return self._prep("NIXL_INIT_AGENT", descs, mem_type)
+
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: str):
+        return self._prep(peer, descs, mem_type)
+
+    def _prep(self, who: str, descs: np.ndarray, mem_type: str):
+        try:
+            return self._agent.prep_xfer_dlist(who, np.ascontiguousarray(descs, dtype=np.uint64), mem_type)
+        except Exception as exc:
+            side = "local" if who == "NIXL_INIT_AGENT" else f"peer {who!r}'s"
+            raise NixlError(
+                f"NIXL rejected {len(descs)} {side} {mem_type} descriptors: {_status(exc)}"
+            ) from exc
+
+    @staticmethod
+    def release_dlist(dlist) -> None:
+        try:
+            dlist.release()
+        except Exception:
+            pass
+
+    # ---------------------------------------------------------------- transfers
+    def post_read(self, local_dlist, local_idx: np.ndarray, remote_dlist, remote_idx: np.ndarray,
+                  notify: bytes):
+        """Create and post a READ; returns (handle or None, state, reason)."""
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "READ", local_dlist, local_idx, remote_dlist, remote_idx, notify
+            )
+        except Exception as exc:
+            return None, "ERR", f"NIXL rejected the transfer: {_status(exc)}"
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            return handle, "ERR", f"posting the transfer: {_status(exc)}"
+        return handle, state, None if state != "ERR" else "NIXL returned ERR when posting"
+
+    def state(self, handle) -> Tuple[str, Optional[str]]:
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            return "ERR", f"transfer failed: {_status(exc)}"
+        return state, None if state != "ERR" else "transfer state ERR"
+
+    @staticmethod
+    def release(handle) -> Optional[str]:
+        """Release a transfer handle (NIXL cancels it if active); None or why it failed."""
+        try:
+            handle.release()
+        except Exception as exc:
+            return _status(exc)
+        return None
+
+    def notifications(self) -> Dict[str, List[bytes]]:
+        notifs = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in notifs.items()}
+
+    def send_notification(self, peer: str, message: bytes) -> Optional[str]:
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:
+            return _status(exc)
+        return None
+
+    def close(self) -> None:
+        self._agent = None

@@ -1,0 +1,441 @@
+"""``TransferManager``: one engine rank's NIXL side of a P/D KV transfer.
+
+    m = TransferManager(name, device_caches, layer_groups, tokens_per_block)
+    m.metadata() -> bytes                 # the handshake payload for the peer
+    peer = m.add_peer(metadata)           # D: validate P, map layers, prepare descriptors
+    m.save(block_ids)                     # P: one masked d2h for all groups
+    plan = m.plan_pull(peer, remote_block_ids, remote_num_tokens, local_block_ids,
+                       num_cached_tokens=0)
+    h = m.pull(plan, notify=b"req-7")     # D: NIXL READ of P's pages into D's buffers
+    m.poll(h) -> "DONE" | "PROC" | "ERR"
+    m.complete(h) -> Completion           # D: zero unread pages, one masked h2d
+    m.notifications()                     # P: {D's name: [notify, ...]}: D is done reading
+    m.close()
+
+Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``,
+each group's layers at that group's pages) -> P's host buffers -> NIXL READ posted by D
+-> D's host buffers -> ``complete`` (``BlockCopier.to_device``) -> D's KV. In
+``"device"`` mode NIXL reads P's KV tensors into D's KV tensors directly; ``save``
+only orders the caller's writes and ``complete`` only zeroes.
+
+Block ids are logical, one list per KV cache group; logical block ``b`` of a group is
+kernel pages ``b*r ... b*r + r - 1`` with ``r = tokens_per_block // tokens_per_page``.
+Host buffers mirror device pages one to one, so concurrent requests, whose blocks are
+disjoint, never share a host page.
+
+Synchronization (the only host waits, all documented here):
+
+* ``save(..., wait=True)`` on CUDA enqueues the d2h on the current stream, records an
+  event and waits for it: D's READ is posted by another process, which kvcopy cannot
+  order with a CUDA event, so P must not advertise the blocks before the bytes are in
+  host memory. ``wait=False`` returns the event instead; advertise the blocks only
+  after it completed. On CPU the copy is synchronous and ``save`` returns ``None``.
+* ``complete`` enqueues the zeroing and the h2d on the current stream and returns:
+  the blocks are usable by work enqueued after it on that stream. It never waits.
+* ``pull`` and ``poll`` never touch CUDA.
+
+Failures (ERR, a peer that vanished, descriptors NIXL rejects) are values, not
+exceptions: ``poll`` returns ``"ERR"`` and releases the NIXL handle, ``complete``
+returns a :class:`Completion` with ``ok=False`` and the request's local block ids, and
+writes nothing to the device caches. The peer is then sent the request's ``notify``
+message (best effort) so it can free its blocks. Input errors (bad ids, a plan that
+does not fit) raise ``ValueError``/``TypeError`` before anything moves. ``pull`` does
+not re-check a plan's page ids: a plan made by :meth:`plan_pull` is in range, and a
+tampered one is rejected by NIXL and fails as a request.
+
+Not thread-safe: one thread drives a manager.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..copier import BlockCopier
+from ..reference import as_words
+from ._agent import Agent, NixlError
+from .handshake import EngineInfo, LayerPair, decode, encode, pair_layers
+from .plan import NO_BLOCK, PullPlan, RegionRef, build_pull_plan, expand_blocks
+from .regions import RegionSet, build_regions, tokens_per_group
+
+PROC, DONE, ERR = "PROC", "DONE", "ERR"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What ``complete`` did: ``ok``, else the request's local block ids that failed."""
+
+    ok: bool
+    failed_block_ids: Tuple[Tuple[int, ...], ...]  # per local group; empty lists when ok
+    error: Optional[str] = None
+
+
+class PullHandle:
+    """One pull in flight or finished. ``state`` is PROC, DONE or ERR; ``error`` says why."""
+
+    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "_xfer")
+
+    def __init__(self, id_: int, plan: PullPlan, notify: bytes):
+        self.id = id_
+        self.plan = plan
+        self.notify = notify
+        self.state = PROC
+        self.error: Optional[str] = None
+        self.completed = False
+        self._xfer = None
+
+    @property
+    def peer(self) -> str:
+        return self.plan.peer
+
+    def __repr__(self) -> str:
+        tail = f", error={self.error!r}" if self.error else ""
+        return f"PullHandle(id={self.id}, peer={self.peer!r}, state={self.state}{tail})"
+
+
+@dataclass
+class _Peer:
+    info: EngineInfo
+    layer_pairs: List[LayerPair]
+    dlist: object
+    offsets: np.ndarray  # descriptor offset per remote region
+
+
+class TransferManager:
+    """NIXL transfers of paged KV between engines (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        device_caches: Mapping[str, torch.Tensor],
+        layer_groups: Sequence[Sequence[str]],
+        tokens_per_block,
+        tokens_per_page=None,
+        buffer: str = "host",
+        backends: Sequence[str] = ("UCX",),
+        *,
+        kv_layout: str = "NHD",
+        block_dim=None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        total_kv_heads=None,
+        copy_backend: str = "auto",
+    ):
+        self._closed = True
+        if isinstance(layer_groups, (str, bytes)) or any(isinstance(g, (str, bytes)) for g in layer_groups):
+            raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
+        self.name = name
+        self.layer_groups = tuple(tuple(g) for g in layer_groups)
+        tpb, tpp = tokens_per_group(tokens_per_block, tokens_per_page, len(self.layer_groups))
+        self.tokens_per_block, self.tokens_per_page = tuple(tpb), tuple(tpp)
+        self.buffer = buffer
+        self._regions: RegionSet = build_regions(
+            device_caches, self.layer_groups, tpp, buffer, block_dim, kv_layout, tp_rank, tp_size, total_kv_heads
+        )
+        grouped = {n: device_caches[n] for layers in self.layer_groups for n in layers}
+        self._device_caches = grouped
+        self._copier = None
+        if buffer == "host":
+            self._copier = BlockCopier(grouped, self._regions.host_views, self.layer_groups,
+                                       backend=copy_backend, block_dim=block_dim, kv_layout=kv_layout)
+        self._on_cuda = any(t.device.type == "cuda" for t in grouped.values())
+        self._agent = Agent(name, tuple(backends))
+        self._registrations = []
+        self._peers: Dict[str, _Peer] = {}
+        self._in_flight: Dict[int, PullHandle] = {}
+        self._unreleased: List[object] = []  # NIXL handles whose release failed; retried
+        self._ids = itertools.count()
+        self._local_dlist = None
+        try:
+            for s in self._regions.storages:
+                self._registrations.append(self._agent.register([(s.address, s.nbytes, s.device_id)], s.mem_type))
+            self._local_dlist = self._agent.prep_local(self._regions.descriptors(), self._regions.mem_type)
+        except NixlError:
+            self._release_agent()
+            raise
+        self._info = EngineInfo(
+            name=name, buffer=buffer, mem_type=self._regions.mem_type, tp_rank=tp_rank, tp_size=tp_size,
+            tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
+            regions=tuple(self._regions.regions), agent_metadata=self._agent.metadata(),
+        )
+        self._closed = False
+
+    # ------------------------------------------------------------ handshake
+    def metadata(self) -> bytes:
+        """The handshake payload (versioned bytes) to hand to the peer."""
+        self._check_open()
+        return encode(self._info)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def regions(self) -> RegionSet:
+        return self._regions
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Validate a peer's handshake and prepare to read from it; returns its name."""
+        self._check_open()
+        remote = decode(metadata)
+        layer_pairs = pair_layers(self._info, remote)
+        if remote.name in self._peers:
+            raise ValueError(f"peer {remote.name!r} is already added; remove_peer it first")
+        try:
+            name = self._agent.add_remote(remote.agent_metadata)
+        except NixlError as exc:
+            raise ValueError(f"peer {remote.name!r}: {exc}") from None
+        if name != remote.name:
+            self._agent.remove_remote(name)
+            raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent is {name!r}")
+        descs = np.concatenate([r.descriptors() for r in remote.regions]) if remote.regions else np.empty((0, 3), np.uint64)
+        try:
+            dlist = self._agent.prep_remote(name, descs, remote.mem_type)
+        except NixlError as exc:
+            self._agent.remove_remote(name)
+            raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
+        offsets = np.zeros(len(remote.regions) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([r.num_descriptors for r in remote.regions])
+        self._peers[name] = _Peer(remote, layer_pairs, dlist, offsets)
+        return name
+
+    def peers(self) -> List[str]:
+        return list(self._peers)
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer: its pulls in flight fail (``ERR``), its descriptors are released."""
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            raise ValueError(f"unknown peer {name!r}")
+        for h in [h for h in self._in_flight.values() if h.peer == name]:
+            self._fail(h, f"peer {name!r} was removed")
+        Agent.release_dlist(peer.dlist)
+        self._agent.remove_remote(name)
+
+    # ------------------------------------------------------------ P side
+    def save(self, block_ids: Sequence[Sequence[int]], wait: bool = True):
+        """Copy these logical blocks of every group to the host buffers (host mode).
+
+        One masked ``BlockCopier.to_host`` for all groups; ``NO_BLOCK`` entries are
+        skipped. Returns ``None``, or on CUDA with ``wait=False`` the CUDA event to wait
+        on before advertising the blocks (see the module docstring).
+        """
+        self._check_open()
+        pages = self._pages(block_ids, "block_ids")
+        if self._copier is not None:
+            self._copier.to_host(pages)
+        if not self._on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        if wait:
+            event.synchronize()
+            return None
+        return event
+
+    def _pages(self, block_ids, what: str) -> List[np.ndarray]:
+        if isinstance(block_ids, (str, bytes)) or len(block_ids) != len(self.layer_groups):
+            raise ValueError(f"{what}: expected one block id list per KV cache group ({len(self.layer_groups)})")
+        out = []
+        for g, ids in enumerate(block_ids):
+            arr = np.asarray(ids)
+            if arr.size and arr.dtype.kind not in "iu":
+                raise TypeError(f"{what}, group {g}: block ids must be integers, got {arr.dtype}")
+            arr = arr.astype(np.int64).reshape(-1)
+            arr = arr[arr != NO_BLOCK]
+            out.append(expand_blocks(arr, self.tokens_per_block[g] // self.tokens_per_page[g]))
+        return out
+
+    def notifications(self) -> Dict[str, List[bytes]]:
+        """New notify messages by peer name: each says that peer is done reading a request."""
+        self._check_open()
+        return self._agent.notifications()
+
+    # ------------------------------------------------------------ D side
+    def plan_pull(self, peer: str, remote_block_ids, remote_num_tokens: int, local_block_ids,
+                  num_cached_tokens=0) -> PullPlan:
+        """Plan one request's pull by token position (see :mod:`kvcopy.nixl.plan`)."""
+        self._check_open()
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer its metadata first")
+        p = self._peers[peer]
+        plan = build_pull_plan(self._info, p.info, p.layer_pairs, remote_block_ids, remote_num_tokens,
+                               local_block_ids, num_cached_tokens)
+        if self._copier is not None:  # complete() must not fail after the read: check its copy now
+            self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(plan.read_pages, plan.zero_pages)])
+        return plan
+
+    def pull(self, plan: PullPlan, notify: bytes = b"") -> PullHandle:
+        """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done."""
+        self._check_open()
+        if not isinstance(notify, (bytes, bytearray)):
+            raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        if plan.peer not in self._peers:
+            raise ValueError(f"plan is for unknown peer {plan.peer!r}")
+        peer = self._peers[plan.peer]
+        local_idx, remote_idx = self._indices(plan, peer)
+        h = PullHandle(next(self._ids), plan, bytes(notify))
+        if not len(local_idx):
+            h.state = DONE
+            if notify:
+                self._agent.send_notification(plan.peer, h.notify)
+            return h
+        xfer, state, reason = self._agent.post_read(
+            self._local_dlist, local_idx, peer.dlist, remote_idx, h.notify
+        )
+        h._xfer = xfer
+        self._in_flight[h.id] = h
+        if state == ERR:
+            self._fail(h, reason)
+        elif state == DONE:
+            self._finish(h)
+        return h
+
+    def _indices(self, plan: PullPlan, peer: _Peer) -> Tuple[np.ndarray, np.ndarray]:
+        """NIXL descriptor indices, (pair, chunk, page) order: adjacent pages are adjacent rows."""
+        local_parts, remote_parts = [], []
+        local_off = self._regions.descriptor_offsets
+        for pair in plan.pairs:
+            mine = self._info.regions
+            if pair.local.index >= len(mine) or pair.local != RegionRef.of(mine[pair.local.index]):
+                raise ValueError(f"plan region {pair.local.index} is not this manager's region")
+            if pair.remote.index >= len(peer.info.regions) or pair.remote != RegionRef.of(
+                    peer.info.regions[pair.remote.index]):
+                raise ValueError(f"plan region {pair.remote.index} is not peer {plan.peer!r}'s region")
+            if pair.segments and pair.segments != ((0, 0, pair.local.chunk_bytes),):
+                raise ValueError("this version moves whole chunks; the plan has byte segments")
+            if len(pair.local_pages) != len(pair.remote_pages):
+                raise ValueError("plan pair has different local and remote page counts")
+            lp = np.asarray(pair.local_pages, dtype=np.int64)
+            rp = np.asarray(pair.remote_pages, dtype=np.int64)
+            for c in range(pair.local.num_chunks):
+                local_parts.append(local_off[pair.local.index] + c * pair.local.num_pages + lp)
+                remote_parts.append(peer.offsets[pair.remote.index] + c * pair.remote.num_pages + rp)
+        if not local_parts:
+            return np.empty(0, np.int32), np.empty(0, np.int32)
+        return (np.concatenate(local_parts).astype(np.int32), np.concatenate(remote_parts).astype(np.int32))
+
+    def poll(self, h: PullHandle) -> str:
+        """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""
+        if h.state != PROC:
+            return h.state
+        if self._closed:
+            return ERR
+        self._retry_releases()
+        state, reason = self._agent.state(h._xfer)
+        if state == DONE:
+            self._finish(h)
+        elif state == ERR:
+            self._fail(h, reason)
+        return h.state
+
+    def abort(self, h: PullHandle) -> None:
+        """Give up a pull in flight: NIXL cancels it, the request fails (``ERR``)."""
+        if h.state == PROC:
+            self._fail(h, "aborted")
+
+    def complete(self, h: PullHandle) -> Completion:
+        """D: after ``DONE``, zero the plan's unread pages and copy the read pages to the
+        device caches (one masked copy); after ``ERR``, write nothing and report the
+        request's local block ids as failed. Raises while the pull is in flight."""
+        if h.completed:
+            raise ValueError(f"{h!r} was already completed")
+        state = self.poll(h)
+        if state == PROC:
+            raise ValueError(f"{h!r} is still in flight; poll until DONE or ERR")
+        h.completed = True
+        if state == ERR:
+            return Completion(False, h.plan.local_block_ids, h.error)
+        self._check_open()
+        self._zero(h.plan.zero_pages)
+        if self._copier is not None:
+            self._copier.to_device([list(p) for p in h.plan.read_pages])
+        return Completion(True, tuple(() for _ in self.layer_groups), None)
+
+    def _zero(self, zero_pages) -> None:
+        for g, pages in enumerate(zero_pages):
+            if not pages:
+                continue
+            seen = set()
+            for name in self.layer_groups[g]:
+                t = self._device_caches[name]
+                layout = self._regions.layouts[name]
+                key = (t.data_ptr(), layout.block_stride, layout.block_dim)
+                if key in seen:
+                    continue
+                seen.add(key)
+                ids = torch.as_tensor(pages, dtype=torch.int64, device=t.device)
+                as_words(t).index_fill_(layout.block_dim, ids, 0)
+
+    # ------------------------------------------------------------ bookkeeping
+    def _finish(self, h: PullHandle) -> None:
+        h.state = DONE
+        self._release(h)
+
+    def _fail(self, h: PullHandle, reason: Optional[str]) -> None:
+        h.state = ERR
+        h.error = reason or "transfer failed"
+        self._release(h)
+        if h.notify and h.peer in self._peers:  # let P free its blocks; best effort
+            self._agent.send_notification(h.peer, h.notify)
+
+    def _release(self, h: PullHandle) -> None:
+        self._in_flight.pop(h.id, None)
+        xfer, h._xfer = h._xfer, None
+        if xfer is not None and Agent.release(xfer) is not None:
+            self._unreleased.append(xfer)
+
+    def _retry_releases(self) -> None:
+        if self._unreleased:
+            self._unreleased = [x for x in self._unreleased if Agent.release(x) is not None]
+
+    def stats(self) -> Dict[str, int]:
+        """Counts for leak checks: pulls in flight, NIXL transfer handles not yet released."""
+        self._retry_releases()
+        live = sum(h._xfer is not None for h in self._in_flight.values()) + len(self._unreleased)
+        return {"in_flight": len(self._in_flight), "live_transfer_handles": live, "peers": len(self._peers)}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"TransferManager {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Fail pulls in flight, release every NIXL handle, deregister, drop the agent."""
+        if self._closed:
+            return
+        for h in list(self._in_flight.values()):
+            self._fail(h, "manager closed")
+        for name in list(self._peers):
+            self.remove_peer(name)
+        self._retry_releases()
+        self._closed = True
+        self._release_agent()
+        if self._copier is not None:
+            self._copier.close()
+
+    def _release_agent(self) -> None:
+        if self._local_dlist is not None:
+            Agent.release_dlist(self._local_dlist)
+            self._local_dlist = None
+        for reg in self._registrations:
+            try:
+                self._agent.deregister(reg)
+            except Exception:
+                pass
+        self._registrations = []
+        self._agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,297 @@
+"""Regions: the memory a manager registers with NIXL and the page geometry of each view.
+
+Two levels, because layers alias (DESIGN.md section 2):
+
+* a **storage** is one registered byte range. Grouped layers whose device tensors are
+  views of one device storage share it: in ``"host"`` mode the storage is one host
+  buffer (pinned when the KV caches are on CUDA) covering the bytes those views can
+  touch, and each layer's host tensor is the same view (same offset, shape, strides)
+  of that buffer, so host page ``p`` of a layer mirrors device page ``p`` byte for
+  byte. In ``"device"`` mode the storage is the device bytes themselves (VRAM, or DRAM
+  for CPU tensors). A layer in no KV cache group (a KV-sharing layer) gets nothing: no
+  host buffer, no region; it is never read or written.
+* a **region** is one distinct page geometry inside a storage: the layers (of any
+  group) that view the same bytes the same way. It knows its members ``(layer, group)``
+  and everything a peer needs to pair and address it: page count, chunks per page (2
+  for KV-first ``[2, NB, ...]``, else 1), chunk bytes, page and chunk strides, dtype,
+  layout, tokens per page, KV heads (total, and which this rank holds), head size.
+
+Descriptors are per kernel page and per chunk: region ``r`` owns the rows
+``offset[r] : offset[r] + num_chunks * num_pages`` of the manager's descriptor list,
+chunk-major (row ``offset[r] + c * num_pages + p`` is chunk ``c`` of page ``p``), so a
+run of consecutive pages of one chunk is a run of consecutive rows of adjacent memory,
+which NIXL merges into one segment when the transfer is made.
+
+Everything a peer needs is in :class:`RegionInfo`, a plain serializable record; the
+local side keeps the tensors in :class:`RegionSet`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..layout import PageLayout, byte_extent, describe
+
+BUFFER_MODES = ("host", "device")
+_HOST_ALIGN = 64  # host buffers start at an address with the device span's alignment mod 64
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """One region, as advertised in the handshake (addresses are the owner's)."""
+
+    index: int
+    members: Tuple[Tuple[str, int], ...]  # (layer name, KV cache group)
+    address: int  # chunk 0 of page 0
+    device_id: int
+    num_pages: int
+    num_chunks: int
+    chunk_bytes: int
+    page_stride: int  # bytes from page p to p + 1
+    chunk_stride: int  # bytes from chunk c to c + 1 of one page (0 with one chunk)
+    dtype: str
+    itemsize: int
+    page_shape: Tuple[Tuple[int, int], ...]  # in-page (size, stride) pairs, in elements
+    kind: str  # layout kind from kvcopy.layout: kv_first, blocks_first, mla, flat
+    kv_layout: str  # "NHD" or "HND": which in-page axis is tokens, which heads
+    tokens_per_page: int
+    total_kv_heads: Optional[int]  # the model's KV heads for these layers (None: MLA/unknown)
+    heads: Optional[Tuple[int, int]]  # (first head, count) this rank holds
+    head_size: Optional[int]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_chunks * self.chunk_bytes
+
+    @property
+    def layers(self) -> Tuple[str, ...]:
+        return tuple(name for name, _ in self.members)
+
+    @property
+    def num_descriptors(self) -> int:
+        return self.num_chunks * self.num_pages
+
+    def descriptors(self) -> np.ndarray:
+        """``[num_chunks * num_pages, 3]`` uint64 (address, bytes, device id), chunk-major."""
+        pages = np.arange(self.num_pages, dtype=np.uint64) * np.uint64(self.page_stride)
+        rows = np.empty((self.num_chunks, self.num_pages, 3), dtype=np.uint64)
+        for c in range(self.num_chunks):
+            rows[c, :, 0] = np.uint64(self.address + c * self.chunk_stride) + pages
+        rows[:, :, 1] = self.chunk_bytes
+        rows[:, :, 2] = self.device_id
+        return rows.reshape(-1, 3)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "RegionInfo":
+        d = dict(d)
+        d["members"] = tuple((str(n), int(g)) for n, g in d["members"])
+        d["page_shape"] = tuple((int(s), int(st)) for s, st in d["page_shape"])
+        d["heads"] = None if d["heads"] is None else (int(d["heads"][0]), int(d["heads"][1]))
+        return cls(**d)
+
+
+@dataclass
+class Storage:
+    """One registered byte range."""
+
+    address: int
+    nbytes: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+    host_buffer: Optional[torch.Tensor]  # host mode: the uint8 buffer (kept alive here)
+    layers: Tuple[str, ...]
+
+
+@dataclass
+class RegionSet:
+    """The local regions, their storages and the tensors NIXL moves bytes in and out of."""
+
+    buffer: str
+    regions: List[RegionInfo]
+    storages: List[Storage]
+    region_of_layer: Dict[str, int]
+    transfer_tensors: Dict[str, torch.Tensor]  # per grouped layer: host view or device cache
+    host_views: Dict[str, torch.Tensor]  # host mode only
+    layouts: Dict[str, PageLayout]  # device layout per grouped layer
+    descriptor_offsets: np.ndarray  # int64 [R + 1]
+    group_num_pages: List[int]  # per group: the smallest page count of its layers
+
+    @property
+    def mem_type(self) -> str:
+        return self.storages[0].mem_type if self.storages else "DRAM"
+
+    def descriptors(self) -> np.ndarray:
+        if not self.regions:
+            return np.empty((0, 3), dtype=np.uint64)
+        return np.concatenate([r.descriptors() for r in self.regions])
+
+
+def _per_group(value, n_groups: int, what: str) -> List[int]:
+    if isinstance(value, (int, np.integer)):
+        return [int(value)] * n_groups
+    values = [int(v) for v in value]
+    if len(values) != n_groups:
+        raise ValueError(f"{what}: expected one value per KV cache group ({n_groups}), got {len(values)}")
+    return values
+
+
+def tokens_per_group(tokens_per_block, tokens_per_page, n_groups: int) -> Tuple[List[int], List[int]]:
+    """Per group (tokens per logical block, tokens per kernel page), checked to divide."""
+    tpb = _per_group(tokens_per_block, n_groups, "tokens_per_block")
+    tpp = list(tpb) if tokens_per_page is None else _per_group(tokens_per_page, n_groups, "tokens_per_page")
+    for g, (b, p) in enumerate(zip(tpb, tpp)):
+        if b <= 0 or p <= 0:
+            raise ValueError(f"group {g}: tokens per block {b} and per page {p} must be positive")
+        if b % p:
+            raise ValueError(f"group {g}: tokens_per_block {b} is not a multiple of tokens_per_page {p}")
+    return tpb, tpp
+
+
+def _heads(name: str, t: torch.Tensor, layout: PageLayout, total, tp_rank: int, tp_size: int):
+    """(total KV heads, (first held, count), head size) of one layer on this rank."""
+    if layout.head_dim is None:
+        return None, None, int(t.shape[-1]) if layout.kind == "mla" else None
+    local = int(t.shape[layout.head_dim])
+    head_size = int(t.shape[-1])
+    total = total.get(name) if isinstance(total, Mapping) else total
+    if total is None:
+        total = local * tp_size
+    total = int(total)
+    if total >= tp_size:
+        if local * tp_size != total:
+            raise ValueError(
+                f"layer {name!r}: {local} KV heads on this rank x TP {tp_size} != {total} total KV heads"
+            )
+        return total, (tp_rank * local, local), head_size
+    if local != 1:  # fewer heads than ranks: each rank holds one replicated head
+        raise ValueError(
+            f"layer {name!r}: {total} KV heads over TP {tp_size} means one head per rank, tensor has {local}"
+        )
+    return total, (tp_rank * total // tp_size, 1), head_size
+
+
+def build_regions(
+    device_caches: Mapping[str, torch.Tensor],
+    layer_groups: Sequence[Sequence[str]],
+    tokens_per_page: Sequence[int],
+    buffer: str = "host",
+    block_dim=None,
+    kv_layout: str = "NHD",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_kv_heads=None,
+) -> RegionSet:
+    """Allocate host buffers (host mode) and describe every region; registers nothing."""
+    if buffer not in BUFFER_MODES:
+        raise ValueError(f"buffer must be one of {BUFFER_MODES}, got {buffer!r}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    group_of: Dict[str, int] = {}
+    for g, layers in enumerate(layer_groups):
+        for name in layers:
+            if name in group_of:
+                raise ValueError(f"layer {name!r} is in group {group_of[name]} and group {g}")
+            if name not in device_caches:
+                raise ValueError(f"group {g}, layer {name!r}: no device cache for this layer")
+            group_of[name] = g
+    grouped = list(group_of)
+    layouts: Dict[str, PageLayout] = {}
+    for name in grouped:
+        t = device_caches[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"layer {name!r}: device cache is a {type(t).__name__}, not a tensor")
+        bd = block_dim.get(name) if isinstance(block_dim, Mapping) else block_dim
+        try:
+            layouts[name] = layout = describe(t, bd, kv_layout)
+        except ValueError as exc:
+            raise ValueError(f"group {group_of[name]}, layer {name!r}: {exc}") from None
+        tpp = tokens_per_page[group_of[name]]
+        if layout.token_dim is not None and t.shape[layout.token_dim] != tpp:
+            raise ValueError(
+                f"group {group_of[name]}, layer {name!r}: the tensor's token axis {layout.token_dim} "
+                f"holds {t.shape[layout.token_dim]} tokens per page, the group says {tpp}"
+            )
+
+    # Storages: grouped layers by the device storage they view.
+    by_storage: Dict[tuple, List[str]] = {}
+    for name in grouped:
+        t = device_caches[name]
+        by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
+    pin = any(device_caches[n].device.type == "cuda" for n in grouped) and torch.cuda.is_available()
+    storages: List[Storage] = []
+    transfer_tensors: Dict[str, torch.Tensor] = {}
+    host_views: Dict[str, torch.Tensor] = {}
+    storage_of: Dict[str, int] = {}
+    for (device, _), names in by_storage.items():
+        extents = [byte_extent(device_caches[n]) for n in names]
+        lo = min(s for s, _ in extents) // _HOST_ALIGN * _HOST_ALIGN
+        hi = max(e for _, e in extents)
+        dev_id = (device.index or 0) if device.type == "cuda" else 0
+        if buffer == "host":
+            nbytes = -(-(hi - lo) // _HOST_ALIGN) * _HOST_ALIGN
+            host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+            for n in names:
+                d = device_caches[n]
+                offset = d.data_ptr() - lo
+                words = host.view(d.dtype)
+                host_views[n] = torch.as_strided(words, d.shape, d.stride(), offset // d.element_size())
+                transfer_tensors[n] = host_views[n]
+            storages.append(Storage(host.data_ptr(), nbytes, "DRAM", 0, host, tuple(names)))
+        else:
+            mem = "VRAM" if device.type == "cuda" else "DRAM"
+            storages.append(Storage(lo, hi - lo, mem, dev_id, None, tuple(names)))
+            for n in names:
+                transfer_tensors[n] = device_caches[n]
+        for n in names:
+            storage_of[n] = len(storages) - 1
+
+    # Regions: grouped layers by the exact bytes and geometry they view.
+    regions: List[RegionInfo] = []
+    region_of_layer: Dict[str, int] = {}
+    key_to_region: Dict[tuple, int] = {}
+    members: List[List[Tuple[str, int]]] = []
+    for name in grouped:
+        t, l = transfer_tensors[name], layouts[name]
+        key = (storage_of[name], t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes,
+               l.num_chunks, l.num_blocks)
+        if key not in key_to_region:
+            key_to_region[key] = len(members)
+            members.append([])
+        r = key_to_region[key]
+        members[r].append((name, group_of[name]))
+        region_of_layer[name] = r
+    for r, mem in enumerate(members):
+        name = mem[0][0]
+        t, l = transfer_tensors[name], layouts[name]
+        tpps = {tokens_per_page[g] for _, g in mem}
+        if len(tpps) > 1:
+            raise ValueError(f"layers {[n for n, _ in mem]} share one tensor but their groups "
+                             f"disagree on tokens per page: {sorted(tpps)}")
+        heads = {_heads(n, device_caches[n], layouts[n], total_kv_heads, tp_rank, tp_size) for n, _ in mem}
+        if len(heads) > 1:
+            raise ValueError(f"layers {[n for n, _ in mem]} share one tensor but disagree on KV heads")
+        total, held, head_size = heads.pop()
+        st = storages[storage_of[name]]
+        regions.append(RegionInfo(
+            index=r, members=tuple(mem), address=t.data_ptr(), device_id=st.device_id,
+            num_pages=l.num_blocks, num_chunks=l.num_chunks, chunk_bytes=l.chunk_bytes,
+            page_stride=l.block_stride, chunk_stride=l.chunk_stride, dtype=str(l.dtype).replace("torch.", ""),
+            itemsize=l.itemsize, page_shape=tuple(l.page_geometry), kind=l.kind, kv_layout=kv_layout,
+            tokens_per_page=tpps.pop(), total_kv_heads=total, heads=held, head_size=head_size,
+        ))
+    offsets = np.zeros(len(regions) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([r.num_descriptors for r in regions])
+    group_pages = [
+        min((layouts[n].num_blocks for n in layers), default=0) for layers in layer_groups
+    ]
+    return RegionSet(
+        buffer=buffer, regions=regions, storages=storages, region_of_layer=region_of_layer,
+        transfer_tensors=transfer_tensors, host_views=host_views, layouts=layouts,
+        descriptor_offsets=offsets, group_num_pages=group_pages,
+    )

@@ -1,0 +1,257 @@
+"""Toy engines and an independent expectation for NIXL transfer tests and examples.
+
+Not used by the manager. It builds small KV caches with the shapes that broke real
+deployments (seeds/1 and seeds/3), fills and clones them preserving aliasing, computes
+what D's caches must hold after a pull with a plain per-page loop written from the
+token-position rule (not from :mod:`kvcopy.nixl.plan`), and runs a prefill engine in
+a child process driven over a pipe.
+
+Cases (``build_case``):
+
+* ``one_group``: three NHD layers ``[pages, 16, 2, 8]`` fp16, one group.
+* ``hybrid`` (seeds/1): a full-attention group ``l0 l2 l4`` (32-token blocks) and a
+  sliding-window group ``l1 l3 l5`` (16-token blocks), 16-token pages. ``l0``/``l1``
+  are one tensor; ``l2``/``l3`` and ``l4``/``l5`` are KV-first ``[2, pages, 16, 2, 8]``
+  bf16 views at two offsets of one uint8 pool; ``l6`` is a KV-sharing layer (the
+  tensor of ``l2``, in no group) and ``l7`` a layer in no group with its own tensor.
+* ``seeds3``: two MLA layers ``[pages, 64, 32]`` bf16, 64-token pages; P uses 128-token
+  blocks (2 pages each), D 64-token blocks.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..reference import as_words, reference_copy
+from ..layout import describe
+from .plan import NO_BLOCK
+
+
+@dataclass
+class ToyEngine:
+    """One side's KV caches and the arguments a TransferManager needs for them."""
+
+    device_caches: Dict[str, torch.Tensor]
+    layer_groups: List[List[str]]
+    tokens_per_block: List[int]
+    tokens_per_page: int
+    kwargs: Dict[str, object] = field(default_factory=dict)
+
+    def pages_per_block(self, g: int) -> int:
+        return self.tokens_per_block[g] // self.tokens_per_page
+
+    def manager(self, name: str, **overrides):
+        from .manager import TransferManager
+
+        kw = dict(self.kwargs)
+        kw.update(overrides)
+        return TransferManager(name, self.device_caches, self.layer_groups, self.tokens_per_block,
+                               self.tokens_per_page, **kw)
+
+
+def build_case(case: str, num_pages: int, tokens_per_block: Optional[Sequence[int]] = None) -> ToyEngine:
+    """A fresh engine of one of the cases above (contents uninitialized: fill them)."""
+    if case == "one_group":
+        caches = {f"a{i}": torch.empty(num_pages, 16, 2, 8, dtype=torch.float16) for i in range(3)}
+        eng = ToyEngine(caches, [["a0", "a1", "a2"]], [16], 16)
+    elif case == "hybrid":
+        shared = torch.empty(num_pages, 16, 2, 8, dtype=torch.bfloat16)
+        kv_first_bytes = 2 * num_pages * 16 * 2 * 8 * 2
+        pool = torch.empty(2 * kv_first_bytes + 256, dtype=torch.uint8)
+        view_a = pool[128 : 128 + kv_first_bytes].view(torch.bfloat16).view(2, num_pages, 16, 2, 8)
+        view_b = pool[128 + kv_first_bytes : 128 + 2 * kv_first_bytes].view(torch.bfloat16).view(
+            2, num_pages, 16, 2, 8)
+        caches = {"l0": shared, "l1": shared, "l2": view_a, "l3": view_a, "l4": view_b, "l5": view_b,
+                  "l6": view_a, "l7": torch.empty(num_pages, 16, 2, 8, dtype=torch.bfloat16)}
+        eng = ToyEngine(caches, [["l0", "l2", "l4"], ["l1", "l3", "l5"]], [32, 16], 16)
+    elif case == "seeds3":
+        caches = {f"m{i}": torch.empty(num_pages, 64, 32, dtype=torch.bfloat16) for i in range(2)}
+        eng = ToyEngine(caches, [["m0", "m1"]], [128], 64)
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    if tokens_per_block is not None:
+        eng.tokens_per_block = list(tokens_per_block)
+    return eng
+
+
+def unique_storages(caches: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:
+    """storage address -> a uint8 tensor over the whole storage."""
+    out = {}
+    for t in caches.values():
+        s = t.untyped_storage()
+        if s.data_ptr() not in out:
+            out[s.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(s)
+    return out
+
+
+def fill_random(caches: Dict[str, torch.Tensor], seed: int) -> None:
+    """Random bytes into every storage (the same bytes for the same seed and shapes)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, buf in sorted(unique_storages(caches).items(), key=lambda kv: kv[1].numel()):
+        buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8, generator=gen))
+
+
+def clone_caches(caches: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Deep copy keeping aliasing: views of one storage stay views of one new storage."""
+    new = {ptr: buf.clone() for ptr, buf in unique_storages(caches).items()}
+    out = {}
+    for name, t in caches.items():
+        base = new[t.untyped_storage().data_ptr()]
+        out[name] = torch.as_strided(base.view(t.dtype), t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+def storage_bytes(caches: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+    """Every storage's bytes, in an order that depends only on the layer names."""
+    seen, out = set(), []
+    for name in sorted(caches):
+        s = caches[name].untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            out.append(torch.empty(0, dtype=torch.uint8).set_(s))
+    return out
+
+
+def same_bytes(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    """Bit-exact equality of every storage of two cache sets built alike."""
+    sa, sb = storage_bytes(a), storage_bytes(b)
+    return len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb))
+
+
+def first_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Optional[str]:
+    """Which layer and page first differ (for assertion messages), or None."""
+    for name in sorted(a):
+        x, y = as_words(a[name]), as_words(b[name])
+        if not torch.equal(x, y):
+            bd = describe(a[name]).block_dim
+            diff = (x != y).movedim(bd, 0).reshape(x.shape[bd], -1).any(dim=1).nonzero().flatten()
+            return f"layer {name!r}: pages {diff.tolist()[:16]} differ"
+    return None
+
+
+def expected_pull(d_caches, d_engine: ToyEngine, d_block_ids, p_caches, p_engine: ToyEngine,
+                  p_block_ids, num_tokens: int, num_cached_tokens: int = 0) -> Dict[str, torch.Tensor]:
+    """D's caches after a correct pull and completion, page by page from the rule."""
+    out = clone_caches(d_caches)
+    p_group = {n: g for g, layers in enumerate(p_engine.layer_groups) for n in layers}
+    tpp = d_engine.tokens_per_page
+    for g, layers in enumerate(d_engine.layer_groups):
+        d_r = d_engine.pages_per_block(g)
+        for name in layers:
+            pg = p_group[name]
+            p_r = p_engine.pages_per_block(pg)
+            bd = describe(out[name]).block_dim
+            for k in range(len(d_block_ids[g]) * d_r):
+                d_block = d_block_ids[g][k // d_r]
+                if d_block == NO_BLOCK:
+                    continue
+                d_page = d_block * d_r + k % d_r
+                start = k * tpp
+                if start + tpp <= num_cached_tokens:
+                    continue  # cached on D
+                if start < num_tokens:
+                    p_block = p_block_ids[pg][k // p_r]
+                    reference_copy(p_caches[name], out[name], [p_block * p_r + k % p_r], [d_page], bd)
+                elif start >= max(num_tokens, num_cached_tokens):
+                    as_words(out[name]).index_fill_(bd, torch.tensor([d_page]), 0)
+    return out
+
+
+def allocate_blocks(rng: np.random.Generator, engine: ToyEngine, counts: Sequence[int], used: set,
+                    num_pages: int) -> List[List[int]]:
+    """Random logical blocks per group whose pages are disjoint from ``used`` (updated)."""
+    out = []
+    for g, count in enumerate(counts):
+        r = engine.pages_per_block(g)
+        free = [b for b in range(num_pages // r) if not any(b * r + j in used for j in range(r))]
+        if len(free) < count:
+            raise ValueError("toy engine out of pages")
+        chosen = [int(b) for b in rng.choice(free, size=count, replace=False)]
+        for b in chosen:
+            used.update(b * r + j for j in range(r))
+        out.append(chosen)
+    return out
+
+
+# ---------------------------------------------------------------- prefill child process
+def _to_wire(caches: Dict[str, torch.Tensor]) -> Dict[str, tuple]:
+    return {n: (as_words(t).contiguous().numpy(), str(t.dtype)) for n, t in caches.items()}
+
+
+def from_wire(wire: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+    """Caches sent by :func:`serve_prefill` (contiguous copies; aliasing not kept)."""
+    return {n: torch.from_numpy(a).view(getattr(torch, d.replace("torch.", ""))) for n, (a, d) in wire.items()}
+
+
+def serve_prefill(conn) -> None:
+    """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
+    ("save", block_ids), ("notifications", count), ("close",), ("exit",)."""
+    manager = caches = None
+    while True:
+        msg = conn.recv()
+        cmd = msg[0]
+        try:
+            if cmd == "start":
+                _, case, num_pages, tpb, seed, name = msg
+                engine = build_case(case, num_pages, tpb)
+                caches = engine.device_caches
+                fill_random(caches, seed)
+                manager = engine.manager(name)
+                conn.send(("ok", manager.metadata(), _to_wire(caches)))
+            elif cmd == "save":
+                manager.save(msg[1])
+                conn.send(("ok",))
+            elif cmd == "notifications":
+                got: List[tuple] = []
+                deadline = time.monotonic() + 60  # hang guard only
+                while len(got) < msg[1] and time.monotonic() < deadline:
+                    for peer, notes in manager.notifications().items():
+                        got.extend((peer, n) for n in notes)
+                    time.sleep(0.001)
+                conn.send(("ok", got))
+            elif cmd == "close":
+                manager.close()
+                conn.send(("ok",))
+            elif cmd == "exit":
+                conn.send(("ok",))
+                return
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except Exception as exc:  # report, keep serving
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class PrefillProcess:
+    """A :func:`serve_prefill` child (spawned) and the parent's end of its pipe."""
+
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve_prefill, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    def call(self, *msg, timeout: float = 120.0):
+        self.conn.send(msg)
+        if not self.conn.poll(timeout):  # hang guard only
+            raise TimeoutError(f"prefill process did not answer {msg[0]!r}")
+        reply = self.conn.recv()
+        if reply[0] != "ok":
+            raise RuntimeError(f"prefill process: {reply[1]}")
+        return reply[1:]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("exit", timeout=30)
+            except Exception:
+                pass
+            self.process.join(30)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
