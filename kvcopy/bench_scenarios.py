@@ -1,0 +1,431 @@
+"""Benchmark scenarios: KV caches, host buffers, block ids and the methods measured on them.
+
+A :class:`Scenario` describes a model's KV geometry and one request-sync: which layers
+each KV cache group holds, which layers share one storage, how many blocks each group
+moves. :meth:`Scenario.build` allocates it (device caches, host staging buffers, ids)
+as a :class:`Point`, and :meth:`Point.methods` returns the callables measured on it:
+
+``memcpy``
+    one contiguous copy of the same number of bytes (pinned host memory on a GPU,
+    plain memory on the CPU): the floor every other row is compared with.
+``vllm``
+    vLLM's host-buffer path as it is (seeds/2, before): per KV cache group, per layer
+    of that group, an advanced-indexing gather on the source side, a copy through
+    pageable memory to the other side, a scatter there. groups x layers copy ops,
+    one index upload per group.
+``coalesced``
+    seeds/2's variant: every group's ids concatenated, one gather/copy/scatter per
+    KV storage (per layer in the seeds/2 model), one index upload per call.
+``<backend>``
+    ``kvcopy.BlockCopier`` with that backend (``torch``, ``cpu``, ``triton``, ``cuda``,
+    ``ce``, ``auto``).
+
+Layer maps. ``all`` is the seeds/2 benchmark's model: ``copy_blocks`` applies each
+group's ids to every layer, so every group holds every layer; here group ``g``'s layer
+``l`` is a view of storage ``l`` (distinct names, shared bytes, as hybrid models alias
+device tensors). ``hybrid`` is a sliding-window hybrid (Gemma-3 style): every
+``sliding_per_full + 1``-th layer is full attention and forms group 0, the sliding
+layers are cut into groups of the same size, and layer ``i`` of every group shares
+storage ``i``; sliding groups move only the window's blocks. In both maps all methods
+move the same bytes, so their times compare directly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .testing import DTYPES, LAYOUTS, POISON_BYTE
+
+BASELINES = ("vllm", "coalesced")
+KVCOPY_BACKENDS = ("torch", "cpu", "triton", "cuda", "ce", "auto")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One model geometry and one request-sync's worth of blocks per group."""
+
+    name: str = "seeds2"
+    num_layers: int = 16
+    num_groups: int = 1  # "all" map only; "hybrid" derives it
+    layer_map: str = "all"  # "all" | "hybrid"
+    sliding_per_full: int = 5  # hybrid: 5 sliding layers to 1 full (Gemma-3)
+    blocks_per_request: int = 6  # blocks each group moves ("all"); the full group ("hybrid")
+    window_blocks: int = 32  # hybrid: blocks a sliding group moves
+    block_size: int = 16  # tokens per block
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bf16"
+    layout: str = "kv_first"  # a name from kvcopy.testing.LAYOUTS
+    ids: str = "random"  # "random" (scattered, one pool) | "contiguous" (one run per group)
+    seed: int = 0
+
+    # ------------------------------------------------------------- structure
+    def groups(self) -> List[List[int]]:
+        """Layer indices per KV cache group."""
+        if self.layer_map == "all":
+            return [list(range(self.num_layers)) for _ in range(self.num_groups)]
+        if self.layer_map == "hybrid":
+            period = self.sliding_per_full + 1
+            full = [i for i in range(self.num_layers) if i % period == period - 1]
+            sliding = [i for i in range(self.num_layers) if i % period != period - 1]
+            size = max(1, len(full))
+            out = [full] if full else []
+            out += [sliding[k : k + size] for k in range(0, len(sliding), size)]
+            return out
+        raise ValueError(f"layer_map must be 'all' or 'hybrid', got {self.layer_map!r}")
+
+    def blocks_per_group(self) -> List[int]:
+        groups = self.groups()
+        if self.layer_map == "all":
+            return [self.blocks_per_request] * len(groups)
+        has_full = self.num_layers >= self.sliding_per_full + 1
+        return [self.blocks_per_request if (g == 0 and has_full) else
+                min(self.window_blocks, self.blocks_per_request) for g in range(len(groups))]
+
+    def layer_names(self) -> List[List[str]]:
+        """Layer names per group, and (through :meth:`storage_of`) what they alias."""
+        if self.layer_map == "all":
+            return [[f"model.layers.{l}.attn#g{g}" for l in layers] for g, layers in enumerate(self.groups())]
+        return [[f"model.layers.{l}.attn" for l in layers] for layers in self.groups()]
+
+    def storage_of(self) -> Dict[str, int]:
+        """Storage index of each layer name: position within its group."""
+        return {name: i for names in self.layer_names() for i, name in enumerate(names)}
+
+    def num_storages(self) -> int:
+        return max((len(g) for g in self.groups()), default=0)
+
+    def block_dim(self) -> int:
+        return LAYOUTS[self.layout][1]
+
+    def kv_layout(self) -> str:
+        return LAYOUTS[self.layout][2]
+
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer (all its chunks)."""
+        shape = LAYOUTS[self.layout][0](1, self.block_size, self.num_kv_heads, self.head_size)
+        return int(np.prod(shape)) * self.itemsize()
+
+    def chunks_per_page(self) -> int:
+        return 2 if self.layout == "kv_first" else 1
+
+    def chunk_bytes(self) -> int:
+        """Bytes of one contiguous range of a page (K or V for KV-first layouts)."""
+        return self.page_bytes() // self.chunks_per_page()
+
+    def call_bytes(self) -> int:
+        groups, counts = self.groups(), self.blocks_per_group()
+        return sum(len(layers) * n for layers, n in zip(groups, counts)) * self.page_bytes()
+
+    def with_chunk_bytes(self, chunk: int) -> "Scenario":
+        """The same scenario with the block size (tokens) set so a chunk is ``chunk`` bytes."""
+        per_token = self.chunk_bytes() // self.block_size
+        if self.layout == "mla" or chunk % per_token:
+            raise ValueError(
+                f"chunk size {chunk} B is not a whole number of tokens ({per_token} B each) "
+                f"for layout {self.layout}"
+            )
+        return replace(self, block_size=chunk // per_token)
+
+    def capped(self, max_call_bytes: int) -> "Scenario":
+        """Fewer blocks per group (at least one) so a call moves at most ``max_call_bytes``."""
+        if self.call_bytes() <= max_call_bytes:
+            return self
+        per_block = self.call_bytes() / max(1, self.blocks_per_request)
+        n = max(1, int(max_call_bytes // per_block))
+        return replace(self, blocks_per_request=n, window_blocks=min(self.window_blocks, n))
+
+    def describe(self) -> str:
+        shape = LAYOUTS[self.layout][0]("NB", self.block_size, self.num_kv_heads, self.head_size)
+        counts = self.blocks_per_group()
+        blocks = f"{counts[0]} blocks/group" if len(set(counts)) == 1 else f"blocks/group {counts}"
+        return (
+            f"{self.name}: {self.num_layers} layers, {len(self.groups())} group(s) ({self.layer_map} map), "
+            f"{self.layout} {list(shape)} {self.dtype}, {blocks}, ids {self.ids}, "
+            f"chunk {fmt_bytes(self.chunk_bytes())}, {fmt_bytes(self.call_bytes())}/call"
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(num_groups=len(self.groups()), blocks_per_group=self.blocks_per_group(),
+                 chunk_bytes=self.chunk_bytes(), page_bytes=self.page_bytes(),
+                 call_bytes=self.call_bytes())
+        return d
+
+    # ------------------------------------------------------------- allocation
+    def block_ids(self) -> Tuple[int, List[List[int]]]:
+        """(blocks per tensor, ids per group): unique across groups (one block pool)."""
+        counts = self.blocks_per_group()
+        total = sum(counts)
+        num_blocks = max(8, 2 * total)
+        if self.ids == "contiguous":
+            starts = np.cumsum([0] + counts[:-1]).tolist()
+            return num_blocks, [list(range(s, s + n)) for s, n in zip(starts, counts)]
+        if self.ids != "random":
+            raise ValueError(f"ids must be 'random' or 'contiguous', got {self.ids!r}")
+        perm = np.random.default_rng(self.seed).permutation(num_blocks).tolist()
+        out, k = [], 0
+        for n in counts:
+            out.append(perm[k : k + n])
+            k += n
+        return num_blocks, out
+
+    def build(self, device: str = "cpu", pinned: bool = True) -> "Point":
+        num_blocks, ids = self.block_ids()
+        shape = LAYOUTS[self.layout][0](num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        dtype = DTYPES[self.dtype]
+        nbytes = int(np.prod(shape)) * self.itemsize()
+        gen = torch.Generator().manual_seed(self.seed)
+        pin = pinned and device != "cpu"
+        dev_store, host_store = [], []
+        for _ in range(self.num_storages()):
+            raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+            dev_store.append(_shaped(raw.to(device), dtype, shape, self.layout))
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            host.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+            host_store.append(_shaped(host, dtype, shape, self.layout))
+        names = self.layer_names()
+        storage = self.storage_of()
+        dev = {n: dev_store[storage[n]] for g in names for n in g}
+        host = {n: host_store[storage[n]] for g in names for n in g}
+        return Point(self, device, pin, dev, host, dev_store, host_store, names, ids)
+
+
+def _shaped(raw: torch.Tensor, dtype, shape, layout: str) -> torch.Tensor:
+    t = raw.view(dtype).reshape(shape)
+    return t.transpose(1, 2) if layout == "hnd_view_of_nhd" else t
+
+
+# ------------------------------------------------------------------ presets
+PRESETS: Dict[str, dict] = {
+    # seeds/2's benchmark: 16 layers, 6 blocks per request, groups 1/2/3/6.
+    "seeds2": dict(scenario=Scenario(), num_groups=[1, 2, 3, 6],
+                   help="seeds/2: 16 layers, groups 1/2/3/6, 6 blocks/group, 16-token blocks, "
+                        "8 KV heads x 128, bf16 (every group's ids on every layer)"),
+    # A dense Llama-3-8B-like model, one group, a 512-token prompt.
+    "dense": dict(scenario=Scenario(name="dense", num_layers=32, blocks_per_request=32), num_groups=[1],
+                  help="dense: 32 layers, 1 group, 8 KV heads x 128, 32 blocks (512 tokens)"),
+    # Gemma-3-1B-like hybrid: 26 layers, every 6th full attention, 7 groups of <= 4
+    # layers sharing 4 storages, 1 KV head x 256, a 2K prompt, 512-token window.
+    "hybrid7": dict(scenario=Scenario(name="hybrid7", num_layers=26, layer_map="hybrid", sliding_per_full=5,
+                                      blocks_per_request=128, window_blocks=32, num_kv_heads=1,
+                                      head_size=256), num_groups=[7],
+                    help="hybrid7: Gemma-3-like, 26 layers (4 full + 22 sliding) in 7 groups on "
+                         "4 shared storages, 1 KV head x 256, 2K-token prompt (128 blocks), "
+                         "512-token window (32 blocks)"),
+    # DeepSeek-V2-Lite-like MLA: 27 layers, one latent vector (512 + 64) per token.
+    "mla": dict(scenario=Scenario(name="mla", num_layers=27, blocks_per_request=8, block_size=64,
+                                  num_kv_heads=1, head_size=576, layout="mla"), num_groups=[1],
+                help="mla: DeepSeek-V2-Lite-like, 27 layers, latent 576 bf16, 64-token blocks, 8 blocks"),
+}
+
+
+# ------------------------------------------------------------------ a built scenario
+@dataclass
+class Point:
+    """Allocated tensors and ids of one scenario, and the methods that copy them."""
+
+    scenario: Scenario
+    device: str
+    pinned: bool
+    dev: Dict[str, torch.Tensor]
+    host: Dict[str, torch.Tensor]
+    dev_storages: List[torch.Tensor]
+    host_storages: List[torch.Tensor]
+    layer_groups: List[List[str]]
+    ids: List[List[int]]  # per group; the host mirrors device numbering
+    copiers: Dict[str, object] = field(default_factory=dict)
+    _flat: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.scenario.call_bytes()
+
+    def sides(self, direction: str):
+        """(source dict, destination dict, source storages, destination storages)."""
+        if direction == "d2h":
+            return self.dev, self.host, self.dev_storages, self.host_storages
+        if direction == "h2d":
+            return self.host, self.dev, self.host_storages, self.dev_storages
+        raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+
+    def synchronize(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------- methods
+    def method(self, name: str, direction: str, max_ctas: Optional[int] = None) -> Callable[[], None]:
+        """A zero-argument callable doing one request-sync with method ``name``."""
+        if name == "memcpy":
+            return self._memcpy(direction)
+        if name == "vllm":
+            return self._vllm_loop(direction)
+        if name == "coalesced":
+            return self._coalesced(direction)
+        return self._kvcopy(name, direction, max_ctas)
+
+    def _memcpy(self, direction: str) -> Callable[[], None]:
+        n = self.total_bytes
+        if direction not in self._flat:
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=self.device != "cpu")
+            host.fill_(1)
+            dev = torch.ones(n, dtype=torch.uint8, device=self.device)
+            self._flat[direction] = (dev, host) if direction == "d2h" else (host, dev)
+        src, dst = self._flat[direction]
+        non_blocking = self.device != "cpu"
+        return lambda: dst.copy_(src, non_blocking=non_blocking)
+
+    def _index(self, ids: torch.Tensor):
+        return (slice(None),) * self.scenario.block_dim() + (ids,)
+
+    def _vllm_loop(self, direction: str) -> Callable[[], None]:
+        src, dst, _, _ = self.sides(direction)
+        groups, ids = self.layer_groups, self.ids
+        src_dev = next(iter(src.values())).device
+        dst_dev = next(iter(dst.values())).device
+
+        def run():
+            for names, g_ids in zip(groups, ids):
+                if not g_ids:
+                    continue
+                # One index tensor per side per call, as vLLM's copy op builds them.
+                s_idx = self._index(torch.tensor(g_ids, dtype=torch.int64, device=src_dev))
+                d_idx = self._index(torch.tensor(g_ids, dtype=torch.int64, device=dst_dev))
+                for name in names:
+                    dst[name][d_idx] = src[name][s_idx].to(dst_dev)
+
+        return run
+
+    def _coalesced(self, direction: str) -> Callable[[], None]:
+        src, dst, _, _ = self.sides(direction)
+        groups, ids = self.layer_groups, self.ids
+        storage = self.scenario.storage_of()
+        # For each storage: one layer name standing for it and the groups that touch it.
+        touching: Dict[int, List[int]] = {}
+        rep: Dict[int, str] = {}
+        for g, names in enumerate(groups):
+            for name in names:
+                touching.setdefault(storage[name], []).append(g)
+                rep.setdefault(storage[name], name)
+        src_dev = next(iter(src.values())).device
+        dst_dev = next(iter(dst.values())).device
+        every = list(range(len(groups)))
+
+        def run():
+            # seeds/2: one concatenated id list, uploaded once; one op per layer.
+            all_ids = [i for g_ids in ids for i in g_ids]
+            s_all = torch.tensor(all_ids, dtype=torch.int64, device=src_dev)
+            d_all = torch.tensor(all_ids, dtype=torch.int64, device=dst_dev)
+            for s, gs in touching.items():
+                if gs == every:
+                    s_idx, d_idx = s_all, d_all
+                else:  # hybrid maps: only the groups with a layer on this storage
+                    sel = [i for g in gs for i in ids[g]]
+                    s_idx = torch.tensor(sel, dtype=torch.int64, device=src_dev)
+                    d_idx = torch.tensor(sel, dtype=torch.int64, device=dst_dev)
+                name = rep[s]
+                dst[name][self._index(d_idx)] = src[name][self._index(s_idx)].to(dst_dev)
+
+        return run
+
+    def copier(self, backend: str, max_ctas: Optional[int] = None):
+        """A ``BlockCopier`` for ``backend`` (cached per backend and cap)."""
+        from .copier import BlockCopier
+
+        key = f"{backend}@{max_ctas}"
+        if key not in self.copiers:
+            kwargs = dict(backend=backend, block_dim=self.scenario.block_dim(),
+                          kv_layout=self.scenario.kv_layout())
+            if max_ctas and copier_accepts("max_ctas"):
+                kwargs["max_ctas"] = max_ctas
+            self.copiers[key] = BlockCopier(self.dev, self.host, self.layer_groups, **kwargs)
+        return self.copiers[key]
+
+    def _kvcopy(self, backend: str, direction: str, max_ctas: Optional[int]) -> Callable[[], None]:
+        copier = self.copier(backend, max_ctas)
+        ids = self.ids
+        return (lambda: copier.to_host(ids)) if direction == "d2h" else (lambda: copier.to_device(ids))
+
+    # ------------------------------------------------------------- checking
+    def expected(self, direction: str) -> List[torch.Tensor]:
+        """Destination storages after the reference copy over poisoned destinations (CPU)."""
+        from .reference import reference_copy_groups
+
+        src, dst, _, dst_store = self.sides(direction)
+        self.poison(direction)
+        bd = {n: self.scenario.block_dim() for g in self.layer_groups for n in g}
+        reference_copy_groups(src, dst, self.layer_groups, self.ids, self.ids, bd)
+        self.synchronize()
+        return [t.detach().cpu().clone() for t in dst_store]
+
+    def poison(self, direction: str) -> None:
+        for t in self.sides(direction)[3]:
+            _raw_bytes(t).fill_(POISON_BYTE)
+
+    def check(self, fn: Callable[[], None], direction: str, expected: Sequence[torch.Tensor]) -> Optional[str]:
+        """None when ``fn`` reproduces ``expected`` bit for bit, else what differs."""
+        self.poison(direction)
+        fn()
+        self.synchronize()
+        for i, (got, exp) in enumerate(zip(self.sides(direction)[3], expected)):
+            a, b = _raw_bytes(got.cpu()), _raw_bytes(exp)
+            if not torch.equal(a, b):
+                bad = int((a != b).sum())
+                return f"storage {i}: {bad} of {a.numel()} bytes differ from the reference"
+        return None
+
+    def close(self) -> None:
+        for c in self.copiers.values():
+            c.close()
+        self.copiers.clear()
+        self._flat.clear()
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """All bytes of the storage behind ``t`` (whatever view it is), as uint8."""
+    base = t
+    while base._base is not None:
+        base = base._base
+    return base.view(-1).view(torch.uint8) if base.is_contiguous() else base.contiguous().view(torch.uint8)
+
+
+_ACCEPTS: Dict[str, bool] = {}
+
+
+def copier_accepts(param: str) -> bool:
+    """Whether this install's ``BlockCopier`` takes keyword ``param`` (e.g. ``max_ctas``)."""
+    if param not in _ACCEPTS:
+        import inspect
+
+        from .copier import BlockCopier
+
+        sig = inspect.signature(BlockCopier.__init__)
+        _ACCEPTS[param] = param in sig.parameters or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    return _ACCEPTS[param]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} GiB"
+
+
+def parse_size(text: str) -> int:
+    """``"2K"``, ``"64KiB"``, ``"2M"``, ``"4096"`` -> bytes."""
+    t = text.strip().upper().replace("IB", "").replace("B", "")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" else t
+    value = float(num) * mult
+    if value <= 0 or value != math.floor(value):
+        raise ValueError(f"bad size {text!r}")
+    return int(value)

@@ -1,0 +1,219 @@
+"""Timing, device-op counting and environment facts for ``kvcopy-bench``.
+
+Timing: on a GPU each call is bracketed by CUDA events on the current stream and the
+host waits for the end event (a request-sync, as seeds/2 measured it); the host time
+of the call alone (Python + launches, before the wait) is recorded beside it. On the
+CPU each call is timed with ``time.perf_counter``. Methods are measured round-robin,
+one call of each per round, so every ratio comes from the same minutes of the same
+run; a method that exceeds its time budget leaves the rotation after ``min_iters``.
+
+Op counts come from ``torch.profiler``: on a GPU, device activities (kernels, memcpys,
+memsets) per call, the numbers seeds/2 quoted; on the CPU, the outermost data-moving
+torch operators per call (a native backend's C call is invisible there).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Timing:
+    times_s: List[float] = field(default_factory=list)  # per call, wall/GPU
+    host_s: List[float] = field(default_factory=list)  # per call, host side only (GPU)
+
+    def stats(self) -> dict:
+        t = np.asarray(self.times_s) * 1e6
+        out = {"iters": int(t.size)}
+        if t.size:
+            out.update(median_us=float(np.median(t)), p20_us=float(np.percentile(t, 20)),
+                       p80_us=float(np.percentile(t, 80)), min_us=float(t.min()))
+        if self.host_s:
+            out["host_us"] = float(np.median(np.asarray(self.host_s) * 1e6))
+        return out
+
+
+def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, warmup: int,
+            budget_s: float = 10.0, min_iters: int = 5) -> Dict[str, Timing]:
+    """Round-robin timing of every method; see the module doc."""
+    on_gpu = device != "cpu"
+    out = {name: Timing() for name in methods}
+    spent = {name: 0.0 for name in methods}
+    for name, fn in methods.items():
+        for _ in range(warmup):
+            fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    active = list(methods)
+    for i in range(iters):
+        for name in list(active):
+            fn = methods[name]
+            if on_gpu:
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                end.record()
+                end.synchronize()
+                dt = start.elapsed_time(end) / 1e3
+                out[name].host_s.append(t1 - t0)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+            out[name].times_s.append(dt)
+            spent[name] += dt
+            if spent[name] > budget_s and i + 1 >= min_iters:
+                active.remove(name)
+        if not active:
+            break
+    return out
+
+
+# Outermost torch operators that move block bytes (CPU op counts).
+_MOVING_OPS = {
+    "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",
+    "aten::index_copy_", "aten::copy_", "aten::gather", "aten::scatter_", "aten::_to_copy",
+}
+
+
+def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, float]:
+    """Per-call op counts of ``fn``, by kind, from ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device != "cpu"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    fn()  # first-call work (tables, compiles) outside the profile
+    if on_gpu:
+        torch.cuda.synchronize()
+    with _quiet_stderr(), profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+    counts: Dict[str, float] = {}
+    events = prof.events()
+    if on_gpu:
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                name = e.name
+                kind = ("memcpy" if "memcpy" in name.lower() else
+                        "memset" if "memset" in name.lower() else "kernel")
+                counts[kind] = counts.get(kind, 0) + 1
+    else:
+        for e in events:
+            if e.name not in _MOVING_OPS:
+                continue
+            parent, nested = e.cpu_parent, False
+            while parent is not None:
+                if parent.name in _MOVING_OPS:
+                    nested = True
+                    break
+                parent = parent.cpu_parent
+            if not nested:
+                counts[e.name] = counts.get(e.name, 0) + 1
+    per_call = {k: v / calls for k, v in counts.items()}
+    per_call["total"] = sum(per_call.values())
+    return per_call
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Drop the profiler's C++ start/stop log lines; pass anything else through."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(("USDT:", "INFO:", "STAGE:")):
+                    sys.stderr.write(line)
+
+
+# ---------------------------------------------------------------------- environment
+def _version(dist: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def git_commit() -> str:
+    env = os.environ.get("KVCOPY_COMMIT")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def _cuda_driver() -> Optional[str]:
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return f"{v.value // 1000}.{(v.value % 1000) // 10}"
+    except OSError:
+        pass
+    return None
+
+
+def env_info(device: str) -> dict:
+    """What a result needs to be read later: machine, versions, commit, date."""
+    from . import __version__
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "kvcopy": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+        "triton": _version("triton"),
+        "cupy": _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy"),
+        "nixl": _version("nixl-cu12") or _version("nixl-cu13") or _version("nixl"),
+        "device": device,
+    }
+    if device != "cpu":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info.update(gpu=props.name, gpu_sms=props.multi_processor_count,
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda_runtime=torch.version.cuda, cuda_driver=_cuda_driver())
+    return info
