@@ -83,7 +83,7 @@ def _int_list(text: str) -> List[int]:
     return [int(x) for x in text.replace(",", " ").split()]
 
 
-def _add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
+def _add_scenario_group(p: argparse.ArgumentParser) -> None:
     from .bench_scenarios import PRESETS
     from .testing import DTYPES, LAYOUTS
 
@@ -102,6 +102,10 @@ def _add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
     s.add_argument("--layout", choices=sorted(LAYOUTS))
     s.add_argument("--ids", choices=["random", "contiguous"], help="scattered ids or one run per group")
     s.add_argument("--seed", type=int, default=0)
+
+
+def _add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
+    _add_scenario_group(p)
     m = p.add_argument_group("measurement")
     m.add_argument("--direction", choices=["h2d", "d2h", "both"], default="both")
     m.add_argument("--backends", default="default",

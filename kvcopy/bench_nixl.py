@@ -1,0 +1,347 @@
+"""``kvcopy-bench nixl``: a P/D pull over NIXL (UCX) against one bulk READ of the same bytes.
+
+Two engines live in this process, P (prefill) and D (decode), each with its own KV
+caches built from a scenario (:mod:`kvcopy.bench_scenarios`) and its own
+:class:`kvcopy.nixl.TransferManager` in host-buffer mode. D plans a pull of P's blocks
+by token position into blocks of its own; then, round-robin with the other rows:
+
+``bulk READ``
+    one READ of one descriptor of ``plan.num_bytes`` between two raw agents: the floor.
+``per-page``
+    raw agents, one descriptor per (region, chunk, page) as the plan lists them, with
+    NIXL's own descriptor merging off (``skip_desc_merge``).
+``per-page+nixl-merge``
+    the same descriptors with NIXL's merging on (its default).
+``merged runs``
+    the plan's pages merged into runs first (adjacent on both sides), fewer descriptors.
+``pull``
+    ``TransferManager.pull`` + ``poll`` until DONE (what D does per request).
+``pull+complete``
+    the same and ``complete`` (zero unread pages, one masked h2d into D's KV).
+``save``
+    P's ``TransferManager.save`` (one masked d2h into P's host buffers).
+
+The raw rows use buffers laid out as the plan's regions (same page geometry), so the
+descriptors are the plan's. After the runs, D's KV is compared with P's at every
+group's blocks (``verify``). Descriptor counts per request: per page, and after run
+merging.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+SIDE_P, SIDE_D = "kvcopy-bench-P", "kvcopy-bench-D"
+
+
+def add_args(p) -> None:
+    from .cli import _add_scenario_group
+
+    _add_scenario_group(p)
+    m = p.add_argument_group("measurement")
+    m.add_argument("--iters", type=int, default=10, help="timed pulls per row")
+    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--budget", type=float, default=3.0, help="seconds per row before it leaves the rotation")
+    m.add_argument("--device", help="where the KV caches live: cpu or cuda (default: cuda when available)")
+    m.add_argument("--nixl-backend", default="UCX", help="NIXL backend plugin (default UCX)")
+    m.add_argument("--copy-backend", default="auto", help="kvcopy backend for save/complete")
+    m.add_argument("--no-verify", dest="verify", action="store_false", default=True)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write results as JSON ('-': stdout, table to stderr)")
+    o.add_argument("--quiet", action="store_true")
+
+
+# ---------------------------------------------------------------------- raw agents
+class RawPair:
+    """Two raw NIXL agents with buffers laid out like the plan's regions."""
+
+    def __init__(self, plan, backend: str):
+        from .nixl import load_nixl
+
+        nixl = load_nixl()
+        cfg = nixl.nixl_agent_config(backends=[backend])
+        self.src = nixl.nixl_agent(SIDE_P + "-raw", cfg)
+        self.dst = nixl.nixl_agent(SIDE_D + "-raw", cfg)
+        self.plan = plan
+        self._regs: List[Tuple[object, object]] = []
+        self._bufs: List[torch.Tensor] = []
+        self.base_src = self._alloc(self.src, {p.remote.index: p.remote for p in plan.pairs})
+        self.base_dst = self._alloc(self.dst, {p.local.index: p.local for p in plan.pairs})
+        # One contiguous range of the plan's bytes on each side, for the bulk READ.
+        n = int(plan.num_bytes)
+        self.bulk = [self._buffer(self.src, n), self._buffer(self.dst, n)]
+        # Registered memory travels in the metadata: exchange it only after registering.
+        self.peer = self.dst.add_remote_agent(self.src.get_agent_metadata())
+        if isinstance(self.peer, bytes):
+            self.peer = self.peer.decode()
+        self._dlists: List[Tuple[object, object]] = []
+
+    def _alloc(self, agent, regions) -> Dict[int, int]:
+        bases = {}
+        for idx, r in regions.items():
+            extent = (r.num_pages - 1) * r.page_stride + (r.num_chunks - 1) * r.chunk_stride + r.chunk_bytes
+            bases[idx] = self._buffer(agent, extent)
+        return bases
+
+    def _buffer(self, agent, nbytes: int) -> int:
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        self._bufs.append(buf)
+        self._regs.append((agent, agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], "DRAM")))
+        return buf.data_ptr()
+
+    def bulk_descriptors(self) -> Tuple[np.ndarray, np.ndarray]:
+        n = int(self.plan.num_bytes)
+        return (np.array([[self.bulk[1], n, 0]], dtype=np.uint64),
+                np.array([[self.bulk[0], n, 0]], dtype=np.uint64))
+
+    def descriptors(self, merge: bool) -> Tuple[np.ndarray, np.ndarray]:
+        """(dst rows, src rows) of (address, bytes, 0): one per plan page chunk, or runs."""
+        dst_rows, src_rows = [], []
+        for p in self.plan.pairs:
+            lp = np.asarray(p.local_pages, dtype=np.int64)
+            rp = np.asarray(p.remote_pages, dtype=np.int64)
+            if not lp.size:
+                continue
+            for c in range(p.local.num_chunks):
+                d_addr = self.base_dst[p.local.index] + c * p.local.chunk_stride + lp * p.local.page_stride
+                s_addr = self.base_src[p.remote.index] + c * p.remote.chunk_stride + rp * p.remote.page_stride
+                size = np.full(lp.size, p.local.chunk_bytes, dtype=np.int64)
+                dst_rows.append(np.stack([d_addr, size], 1))
+                src_rows.append(np.stack([s_addr, size], 1))
+        d = np.concatenate(dst_rows) if dst_rows else np.empty((0, 2), np.int64)
+        s = np.concatenate(src_rows) if src_rows else np.empty((0, 2), np.int64)
+        if merge:
+            d, s = merge_descriptors(d, s)
+        zeros = np.zeros((len(d), 1), np.int64)
+        return np.hstack([d, zeros]).astype(np.uint64), np.hstack([s, zeros]).astype(np.uint64)
+
+    def read(self, dst_rows: np.ndarray, src_rows: np.ndarray, skip_merge: bool = False):
+        """A callable posting one READ of these descriptors and polling until DONE."""
+        ld = self.dst.prep_xfer_dlist("NIXL_INIT_AGENT", dst_rows, "DRAM")
+        rd = self.dst.prep_xfer_dlist(self.peer, src_rows, "DRAM")
+        self._dlists.append((ld, rd))
+        idx = np.arange(len(dst_rows), dtype=np.int32)
+        agent = self.dst
+
+        def run():
+            h = agent.make_prepped_xfer("READ", ld, idx, rd, idx, b"", skip_desc_merge=skip_merge)
+            state = agent.transfer(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            agent.release_xfer_handle(h)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ ended in state {state}")
+
+        return run
+
+    def close(self) -> None:
+        for ld, rd in self._dlists:
+            for d in (ld, rd):
+                try:
+                    self.dst.release_dlist_handle(d)
+                except Exception:
+                    pass
+        try:
+            self.dst.remove_remote_agent(self.peer)
+        except Exception:
+            pass
+        for agent, reg in self._regs:
+            try:
+                agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._regs.clear()
+        self._bufs.clear()
+
+
+def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Merge (address, bytes) rows that continue the previous row on both sides."""
+    if len(d) < 2:
+        return d, s
+    cont = (d[1:, 0] == d[:-1, 0] + d[:-1, 1]) & (s[1:, 0] == s[:-1, 0] + s[:-1, 1])
+    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+    sizes = np.add.reduceat(d[:, 1], starts)
+    return np.stack([d[starts, 0], sizes], 1), np.stack([s[starts, 0], sizes], 1)
+
+
+# ---------------------------------------------------------------------- the pull
+def _padded(ids: List[List[int]], counts: List[int]) -> List[List[int]]:
+    """Block lists anchored at token 0: a shorter (sliding-window) list is the suffix."""
+    from .nixl import NO_BLOCK
+
+    n = max(counts)
+    return [[NO_BLOCK] * (n - len(g)) + list(g) for g in ids]
+
+
+def _d_ids(sc, num_blocks: int, seed: int) -> List[List[int]]:
+    counts = sc.blocks_per_group()
+    if sc.ids == "contiguous":
+        starts = np.cumsum([0] + counts[:-1]).tolist()
+        return [list(range(num_blocks - s - n, num_blocks - s)) for s, n in zip(starts, counts)]
+    perm = np.random.default_rng(seed + 17).permutation(num_blocks).tolist()
+    out, k = [], 0
+    for n in counts:
+        out.append(perm[k:k + n])
+        k += n
+    return out
+
+
+def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
+    from .bench_timing import measure
+    from .nixl import TransferManager
+    from .reference import as_words
+
+    P = sc.build(device)
+    D = sc.build(device)
+    counts = sc.blocks_per_group()
+    num_blocks, _ = sc.block_ids()
+    d_ids = _d_ids(sc, num_blocks, sc.seed)
+    kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
+              backends=(args.nixl_backend,))
+    mp = md = raw = None
+    try:
+        mp = TransferManager(SIDE_P, P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw)
+        md = TransferManager(SIDE_D, D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw)
+        peer = md.add_peer(mp.metadata())
+        mp.save(P.ids)
+        tokens = max(counts) * sc.block_size
+        plan = md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts))
+        raw = RawPair(plan, args.nixl_backend)
+        per_page = raw.descriptors(merge=False)
+        merged = raw.descriptors(merge=True)
+        bulk_n = int(plan.num_bytes)
+
+        def pull():
+            h = md.pull(plan)
+            while md.poll(h) == "PROC":
+                pass
+            if h.state != "DONE":
+                raise RuntimeError(f"pull failed: {h.error}")
+            return h
+
+        def pull_complete():
+            c = md.complete(pull())
+            if not c.ok:
+                raise RuntimeError(f"complete failed: {c.error}")
+
+        def pull_only():
+            pull()  # read into D's host buffers; this row does not copy them to the KV
+
+        methods = {
+            "bulk READ": raw.read(*raw.bulk_descriptors()),
+            "per-page": raw.read(*per_page, skip_merge=True),
+            "per-page+nixl-merge": raw.read(*per_page),
+            "merged runs": raw.read(*merged),
+            "pull": pull_only,
+            "pull+complete": pull_complete,
+            "save": lambda: mp.save(P.ids),
+        }
+        descs = {"bulk READ": 1, "per-page": len(per_page[0]), "per-page+nixl-merge": len(per_page[0]),
+                 "merged runs": len(merged[0]), "pull": len(per_page[0]), "pull+complete": len(per_page[0]),
+                 "save": None}
+        verify = None
+        if args.verify:
+            pull_complete()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            verify = _check(P, D, d_ids, sc.block_dim(), as_words)
+        timings = measure(methods, "cpu", args.iters, args.warmup, budget_s=args.budget)
+        ref = timings["bulk READ"].stats().get("median_us")
+        rows = []
+        for name in methods:
+            st = timings[name].stats()
+            row = {"scenario": sc.name, "groups": len(sc.groups()), "method": name, "bytes": bulk_n,
+                   "descriptors": descs[name], **st}
+            if st.get("median_us"):
+                row["gbps"] = bulk_n / (st["median_us"] * 1e-6) / 1e9
+                row["x_bulk"] = st["median_us"] / ref if ref else None
+            rows.append(row)
+        facts = {"plan_bytes": bulk_n, "region_pairs": len(plan.pairs),
+                 "descriptors_per_page": len(per_page[0]), "descriptors_merged": len(merged[0]),
+                 "verify": verify or ("skipped" if not args.verify else "ok"),
+                 "copy_backends": md._copier.backends() if getattr(md, "_copier", None) else None}
+        return rows, facts
+    finally:
+        for x in (raw, md, mp):
+            if x is not None:
+                try:
+                    x.close()
+                except Exception:
+                    pass
+        P.close()
+        D.close()
+
+
+def _check(P, D, d_ids, block_dim: int, as_words) -> Optional[str]:
+    """None when D's KV holds P's bytes at every group's blocks, else what differs."""
+    for g, names in enumerate(P.layer_groups):
+        src = torch.tensor(P.ids[g], dtype=torch.int64)
+        dst = torch.tensor(d_ids[g], dtype=torch.int64)
+        for name in names:
+            a = as_words(P.dev[name]).cpu().index_select(block_dim, src)
+            b = as_words(D.dev[name]).cpu().index_select(block_dim, dst)
+            if not torch.equal(a, b):
+                return f"FAIL: group {g} layer {name!r}: D's blocks differ from P's"
+    return "ok"
+
+
+def run(args) -> int:
+    import json
+
+    from .bench_timing import env_info
+    from .cli import BenchError, Progress, _device, _scenarios, _write
+    from .nixl import nixl_available
+
+    why = nixl_available()
+    if why:
+        print(f"kvcopy-bench nixl: NIXL is not installed here ({why})", file=sys.stderr)
+        return 2
+    device = _device(args)
+    scenarios = _scenarios(args, sweep=False)
+    if not args.num_groups:  # the preset's largest group count only, unless asked
+        scenarios = scenarios[-1:]
+    progress = Progress(len(scenarios), args.quiet or len(scenarios) < 2)
+    results, facts = [], []
+    for sc in scenarios:
+        rows, f = measure_nixl(sc, args, device)
+        results += rows
+        facts.append({"groups": len(sc.groups()), **f})
+        progress.step(f"{len(sc.groups())} groups")
+    out = {"tool": "kvcopy-bench", "command": "nixl", "argv": getattr(args, "argv", None),
+           "env": env_info(device), "scenario": [s.to_dict() for s in scenarios],
+           "description": scenarios[0].describe(), "plans": facts, "results": results}
+    table = format_nixl(out)
+    print(table, end="", file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        _write(args.json, json.dumps(out, indent=1, default=str) + "\n")
+    if any(str(f["verify"]).startswith("FAIL") for f in facts):
+        raise BenchError("D's KV differs from P's after a pull")
+    return 0
+
+
+def format_nixl(out: dict) -> str:
+    from .bench_scenarios import fmt_bytes
+
+    lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
+             f"scenario {out['description']}"]
+    hdr = f"{'groups':>6}  {'method':<20} {'bytes':>9} {'descs':>6} {'median us':>10} {'p20 us':>9} " \
+          f"{'p80 us':>9} {'GB/s':>7} {'x bulk':>7}"
+    lines.append(hdr)
+    prev = None
+    for r in out["results"]:
+        if prev is not None and r["groups"] != prev:
+            lines.append("")
+        prev = r["groups"]
+        d = "-" if r["descriptors"] is None else str(r["descriptors"])
+        lines.append(f"{r['groups']:>6}  {r['method']:<20} {fmt_bytes(r['bytes']):>9} {d:>6} "
+                     f"{r.get('median_us', 0):>10.1f} {r.get('p20_us', 0):>9.1f} {r.get('p80_us', 0):>9.1f} "
+                     f"{r.get('gbps', 0):>7.2f} {r.get('x_bulk') or 0:>7.2f}")
+    for f in out["plans"]:
+        lines.append(f"groups {f['groups']}: {f['region_pairs']} region pairs, descriptors per request "
+                     f"{f['descriptors_per_page']} per page -> {f['descriptors_merged']} after run merging; "
+                     f"verify {f['verify']}")
+    return "\n".join(lines) + "\n"
