@@ -23,7 +23,8 @@ import torch
 
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe
-from .tables import CallPlan, CopyTables, build_tables, pack_call
+from . import native
+from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
 IdLists = Sequence[Sequence[int]]
 
@@ -39,6 +40,17 @@ class _Direction:
         self.src_limits = src_limits  # per group: (max block count, layer that sets it)
         self.dst_limits = dst_limits
         self.alias_classes = alias_classes  # groups whose destinations share bytes
+        fn = native.plan_call_function()
+        self.planner = None
+        if fn is not None:
+            dst_class = list(range(len(alias_classes), len(alias_classes) + len(dst_limits)))
+            for c, groups in enumerate(alias_classes):
+                for g in groups:
+                    dst_class[g] = c
+            # renumber densely so the planner's stamp array has one row per class
+            dense = {c: i for i, c in enumerate(sorted(set(dst_class)))}
+            self.planner = CallPlanner(fn, tables, [l for l, _ in src_limits], [l for l, _ in dst_limits],
+                                       [dense[c] for c in dst_class])
 
 
 class BlockCopier:
@@ -186,6 +198,12 @@ class BlockCopier:
         if self._closed:
             raise ValueError("BlockCopier is closed")
         n_groups = len(self.layer_groups)
+        if d.planner is not None and len(src_ids) == n_groups and len(dst_ids) == n_groups:
+            call = d.planner.plan(src_ids, dst_ids)
+            if call is not None:
+                return call
+        # The numpy path: the fallback without the native library, and the one that
+        # names what is wrong when the native pass rejects a call.
         if len(src_ids) != n_groups or len(dst_ids) != n_groups:
             raise ValueError(
                 f"expected one id list per KV cache group ({n_groups}), got "

@@ -43,7 +43,7 @@ class PageLayout:
     num_chunks: int  # contiguous byte ranges per page (1, or 2 for KV-first)
     chunk_stride: int  # bytes between chunk c and c+1 of one page (0 if one chunk)
     chunk_bytes: int
-    page_geometry: Tuple[Tuple[int, int], ...]  # in-page (size, stride) pairs, elements
+    page_geometry: Tuple[Tuple[int, Optional[int]], ...]  # in-page (size, stride), elements; None: the chunk axis
     token_dim: Optional[int]  # axis of tokens within the tensor, where known
     head_dim: Optional[int]  # axis of KV heads, where the tensor has one
     kind: str  # "kv_first", "blocks_first", "mla" or "flat"
@@ -158,6 +158,9 @@ def describe(
                 "equal contiguous chunks; kvcopy cannot place its bytes"
             )
         num_chunks, chunk_stride, chunk_elems = outer[0], outer[1] * itemsize, span
+        # Where the chunks sit is the tensor's business (it depends on the number of
+        # blocks in KV-first tensors); what a chunk holds is the page geometry.
+        page_geometry = tuple((sz, None if (sz, st) == outer else st) for sz, st in page)
     token_dim, head_dim, kind = _axes(len(shape), block_dim, kv_layout)
     block_stride = strides[block_dim] * itemsize
     chunk_bytes = chunk_elems * itemsize

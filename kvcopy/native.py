@@ -37,3 +37,14 @@ def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
             except OSError as exc:
                 _loaded[stem] = (None, f"cannot load {found}: {exc}")
     return _loaded[stem]
+
+
+def plan_call_function():
+    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None."""
+    lib, _ = load("kvcopy_cpu")
+    fn = getattr(lib, "kvcopy_plan_call", None) if lib is not None else None
+    if fn is not None and fn.argtypes is None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.restype = i64
+        fn.argtypes = [i64] + [ptr] * 8 + [i64, i64, ptr, ptr]
+    return fn

@@ -23,8 +23,11 @@ blocks, only over groups.
 """
 from __future__ import annotations
 
+import array
+import itertools
+import operator
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -125,15 +128,40 @@ def build_tables(
 
 @dataclass
 class CallPlan:
-    """One call's ids, validated, and their packed runs."""
+    """One call's validated ids and their packed runs.
 
-    src_ids: List[np.ndarray]  # per group
-    dst_ids: List[np.ndarray]
+    ``src_flat``/``dst_flat`` hold every group's ids concatenated (group ``g`` has
+    ``group_lens[g]``); ``packed`` is the kernels' call array.
+    """
+
+    src_flat: Sequence[int]  # int64 buffer (numpy array or array.array)
+    dst_flat: Sequence[int]
+    group_lens: Sequence[int]  # [G]
     packed: np.ndarray  # int64 [run_offsets | item_offsets | runs]
+    packed_address: int  # address of packed[0], for C launchers
     num_groups: int
-    num_runs: int
-    num_items: int
     total_bytes: int
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.packed[self.num_groups])
+
+    @property
+    def num_items(self) -> int:
+        return int(self.packed[2 * self.num_groups + 1])
+
+    @property
+    def src_ids(self) -> List[np.ndarray]:
+        """Per-group source ids (numpy views)."""
+        return self._split(self.src_flat)
+
+    @property
+    def dst_ids(self) -> List[np.ndarray]:
+        return self._split(self.dst_flat)
+
+    def _split(self, flat) -> List[np.ndarray]:
+        arr = np.asarray(flat, dtype=np.int64)
+        return np.split(arr, np.cumsum(np.asarray(self.group_lens, dtype=np.int64))[:-1])
 
     def run_offsets(self) -> np.ndarray:
         return self.packed[: self.num_groups + 1]
@@ -157,7 +185,8 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 
 
 def pack_call(tables: CopyTables, src_ids: List[np.ndarray], dst_ids: List[np.ndarray]) -> CallPlan:
-    """Pack validated per-group ids into the kernel's per-call array."""
+    """Pack validated per-group ids into the kernels' call array (numpy; the native
+    :class:`CallPlanner` does validation and packing in one C pass)."""
     g_count = tables.num_groups
     runs = [merge_runs(s, d) for s, d in zip(src_ids, dst_ids)]
     run_counts = np.array([len(r) for r in runs], dtype=np.int64)
@@ -166,13 +195,80 @@ def pack_call(tables: CopyTables, src_ids: List[np.ndarray], dst_ids: List[np.nd
     np.cumsum(run_counts, out=header[1 : g_count + 1])
     np.cumsum(entry_counts * run_counts, out=header[g_count + 2 :])
     packed = np.concatenate([header] + [r.ravel() for r in runs]) if runs else header
-    block_counts = np.array([len(s) for s in src_ids], dtype=np.int64)
+    lens = np.array([len(x) for x in src_ids], dtype=np.int64)
+    empty = np.empty(0, dtype=np.int64)
+    packed = np.ascontiguousarray(packed, dtype=np.int64)
     return CallPlan(
-        src_ids=src_ids,
-        dst_ids=dst_ids,
-        packed=packed.astype(np.int64, copy=False),
+        src_flat=np.concatenate(src_ids) if g_count else empty,
+        dst_flat=np.concatenate(dst_ids) if g_count else empty,
+        group_lens=lens,
+        packed=packed,
+        packed_address=packed.ctypes.data,
         num_groups=g_count,
-        num_runs=int(run_counts.sum()),
-        num_items=int(header[-1]),
-        total_bytes=int(np.dot(tables.group_block_bytes, block_counts)) if g_count else 0,
+        total_bytes=int(np.dot(tables.group_block_bytes, lens)) if g_count else 0,
     )
+
+
+class CallPlanner:
+    """Validates and packs a call in one native pass (``csrc/call_plan.cpp``).
+
+    ``src_limit``/``dst_limit``: per group, ids must lie in ``[0, limit)``;
+    ``dst_class``: per group, groups of one class write shared destination bytes and
+    must use disjoint ids. :meth:`plan` returns None when the ids are invalid or not
+    plain lists/arrays of integers: the caller then runs the numpy path, which raises
+    the detailed error. Not thread-safe: one planner per copier direction.
+    """
+
+    def __init__(self, fn, tables: CopyTables, src_limit, dst_limit, dst_class):
+        self._fn = fn
+        self._tables = tables
+        self._g = tables.num_groups
+        self._src_limit = np.asarray(src_limit, dtype=np.int64)
+        self._dst_limit = np.asarray(dst_limit, dtype=np.int64)
+        self._dst_class = np.asarray(dst_class, dtype=np.int64)
+        self._entries_per_group = np.diff(tables.group_offsets).astype(np.int64)
+        self._capacity = int(self._dst_limit.max()) if self._g else 0
+        classes = int(self._dst_class.max()) + 1 if self._g else 0
+        self._seen = np.zeros(classes * max(self._capacity, 1), dtype=np.int64)
+        self._stamp = 0
+        self._err = np.zeros(3, dtype=np.int64)
+        self._group_bytes = tables.group_block_bytes.tolist()
+        self._err_address = self._err.ctypes.data
+        self._static = [a.ctypes.data for a in (self._src_limit, self._dst_limit, self._dst_class,
+                                                self._entries_per_group, self._seen)]
+
+    def plan(self, src_ids, dst_ids) -> Optional[CallPlan]:
+        # Plain lists/tuples of ints only; anything else takes the numpy path. Buffers
+        # are array.array: their addresses cost a fraction of numpy's .ctypes (~2 us).
+        g = self._g
+        for x in itertools.chain(src_ids, dst_ids):
+            if type(x) not in _PLAIN:
+                return None
+        lens = array.array("q", map(len, src_ids))
+        if array.array("q", map(len, dst_ids)) != lens:
+            return None
+        try:
+            src = array.array("q", itertools.chain.from_iterable(src_ids))
+            dst = array.array("q", itertools.chain.from_iterable(dst_ids))
+        except (TypeError, OverflowError):
+            return None
+        packed = array.array("q", bytes(8 * (2 * (g + 1) + 3 * len(src))))
+        self._stamp += 1
+        lim_s, lim_d, cls, epg, seen = self._static
+        address = packed.buffer_info()[0]
+        n = self._fn(g, src.buffer_info()[0], dst.buffer_info()[0], lens.buffer_info()[0], lim_s, lim_d,
+                     cls, epg, seen, self._capacity, self._stamp, address, self._err_address)
+        if n < 0:
+            return None
+        return CallPlan(
+            src_flat=src,
+            dst_flat=dst,
+            group_lens=lens,
+            packed=np.frombuffer(packed, dtype=np.int64, count=n),
+            packed_address=address,
+            num_groups=g,
+            total_bytes=sum(map(operator.mul, self._group_bytes, lens)),
+        )
+
+
+_PLAIN = (list, tuple)

@@ -23,19 +23,20 @@ def test_matches_reference(backend, case, direction):
     check_copy(backend, case, direction)
 
 
-def test_check_copy_detects_a_wrong_backend(monkeypatch):
-    """The check itself can fail: a backend that skips the last group is caught."""
-    cpu = get_backend("torch")
-    original = type(cpu).copy
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_check_copy_detects_a_wrong_backend(backend, monkeypatch):
+    """The check itself can fail: a backend writing one block off is caught."""
+    impl = get_backend(backend)
+    original = type(impl).copy
 
-    def drop_last_group(self, tables, call):
-        call.src_ids[-1] = call.src_ids[-1][:0]
-        call.dst_ids[-1] = call.dst_ids[-1][:0]
+    def off_by_one(self, tables, call):
+        call.packed[2 * (call.num_groups + 1) + 1] += 1  # first run's destination block
+        call.dst_flat[0] += 1
         original(self, tables, call)
 
-    monkeypatch.setattr(type(cpu), "copy", drop_last_group)
+    monkeypatch.setattr(type(impl), "copy", off_by_one)
     with pytest.raises(AssertionError, match="differs from the reference"):
-        check_copy("torch", CopyCase(num_groups=2), "d2h")
+        check_copy(backend, CopyCase(num_groups=2), "d2h")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

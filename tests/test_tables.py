@@ -39,3 +39,43 @@ def test_word_bytes_follows_the_narrowest_alignment():
     t = {"a": torch.zeros(8, 1, 1, 7, dtype=torch.uint8)}  # 7-byte pages: bytes
     c = kvcopy.BlockCopier(t, {"a": torch.zeros_like(t["a"])}, [["a"]], backend="torch")
     assert c.tables("d2h").word_bytes == 1
+
+
+def test_native_planner_agrees_with_numpy_path():
+    """csrc/call_plan.cpp against the numpy packer on random calls, valid and not:
+    the same packed array, or both refuse."""
+    import numpy as np
+    from kvcopy import native
+    from kvcopy.tables import pack_call
+
+    assert native.plan_call_function() is not None, "host library missing kvcopy_plan_call"
+    rng = np.random.default_rng(7)
+    shared = torch.zeros(2, 20, 2, 2, 4, dtype=torch.uint8)
+    dev = {"a": shared, "b": shared, "c": torch.zeros_like(shared), "d": torch.zeros(2, 12, 2, 2, 4, dtype=torch.uint8)}
+    host = {k: torch.zeros(2, 16, 2, 2, 4, dtype=torch.uint8) for k in dev}
+    copier = kvcopy.BlockCopier(dev, host, [["a", "c"], ["b"], ["d"]], backend="torch")
+    for direction, side in (("d2h", copier._d2h), ("h2d", copier._h2d)):
+        refused = accepted = 0
+        for _ in range(400):
+            lens = rng.integers(0, 5, size=3)
+            if rng.random() < 0.5:  # valid: ids disjoint across groups, in range, runs likely
+                cut = np.cumsum(lens)[:-1]
+                src = [sorted(x.tolist()) for x in np.split(rng.permutation(12)[: lens.sum()], cut)]
+                dst = [sorted(x.tolist()) for x in np.split(rng.permutation(12)[: lens.sum()], cut)]
+            else:  # anything: out of range, duplicates within and across groups
+                src = [rng.integers(-1, 21, size=n).tolist() for n in lens]
+                dst = [rng.integers(0, 21, size=n).tolist() for n in lens]
+            native_call = side.planner.plan(src, dst)
+            try:
+                slow = copier._validate.__func__(  # the numpy path: no planner
+                    copier, type("D", (), {**side.__dict__, "planner": None})(), src, dst)
+            except ValueError:
+                assert native_call is None, (direction, src, dst)
+                refused += 1
+                continue
+            assert native_call is not None, (direction, src, dst)
+            assert native_call.packed.tolist() == slow.packed.tolist()
+            assert native_call.total_bytes == slow.total_bytes
+            assert [x.tolist() for x in native_call.dst_ids] == [x.tolist() for x in slow.dst_ids]
+            accepted += 1
+        assert refused > 50 and accepted > 50

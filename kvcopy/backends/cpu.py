@@ -56,7 +56,7 @@ class CpuBackend(Backend):
             self.prepare(tables)
         entries, offsets, group_entries, groups = tables.backend_state["cpu"]
         rc = self._lib.kvcopy_cpu_copy(
-            entries, offsets, group_entries, groups, _ptr(call.packed), call.total_bytes, self._threads
+            entries, offsets, group_entries, groups, call.packed_address, call.total_bytes, self._threads
         )
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
