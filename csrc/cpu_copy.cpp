@@ -28,6 +28,12 @@ void copy_item(const kvcopy::Item& it) {
   }
 }
 
+struct MemcpyPiece {
+  void operator()(int64_t src, int64_t dst, int64_t bytes) const {
+    memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(bytes));
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -64,6 +70,34 @@ int kvcopy_cpu_copy(const int64_t* entries, const int64_t* group_offsets,
 #endif
   for (int64_t i = 0; i < items; ++i) {
     copy_item(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
+  }
+  return 0;
+}
+
+// The GPU kernel's work split, run on the host: the call's bytes cut into `num_ranges`
+// equal ranges of `word_bytes` words, each walked with the byte cursor of
+// block_copy.cuh exactly as one warp of csrc/cuda_copy.cu walks it. Tests run it over
+// the shared cases with many range counts, so the addressing the GPU kernel uses is
+// checked bit-exact on every CPU run. `call_ext` is the packed call followed by the
+// block prefix (R+1 values); `entry_bytes_prefix` has GE+1 values.
+int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
+                           const int64_t* group_entries, const int64_t* entry_bytes_prefix,
+                           int64_t num_groups, const int64_t* call_ext, int64_t total_bytes,
+                           int64_t num_ranges, int64_t word_bytes) {
+  if (num_ranges < 1 || word_bytes < 1 || total_bytes % word_bytes) return 1;
+  kvcopy::CursorTables t;
+  t.entries = entries;
+  t.group_offsets = group_offsets;
+  t.group_entries = group_entries;
+  t.entry_bytes_prefix = entry_bytes_prefix;
+  t.call = kvcopy::CallView::from_packed(call_ext, num_groups);
+  t.block_prefix = t.call.runs + 3 * t.call.run_offsets[num_groups];
+  const int64_t words = total_bytes / word_bytes;
+  MemcpyPiece fn;
+  for (int64_t w = 0; w < num_ranges; ++w) {
+    const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)num_ranges);
+    const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) / (unsigned long long)num_ranges);
+    kvcopy::for_each_piece(t, begin * word_bytes, end * word_bytes, fn);
   }
   return 0;
 }

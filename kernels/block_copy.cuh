@@ -29,7 +29,14 @@
 // All offsets are 64-bit: a 48-layer cache of 2 MiB pages passes 2^31 bytes per layer.
 #pragma once
 
+#if defined(__CUDACC_RTC__)
+// NVRTC has no C library headers; the fixed-width types are all this file needs.
+typedef signed char int8_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+#else
 #include <stdint.h>
+#endif
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define KVCOPY_HD __host__ __device__ __forceinline__
@@ -98,6 +105,19 @@ struct Item {
   }
 };
 
+// The item of entry row `entry_index` and run `run` (a pointer to its 3 values).
+KVCOPY_HD Item make_item(const int64_t* entries, int64_t entry_index, const int64_t* run) {
+  Item it;
+  it.entry = entries + kEntryFields * entry_index;
+  it.src_block = run[0];
+  it.dst_block = run[1];
+  it.num_blocks = run[2];
+  const int64_t cb = it.entry[kChunkBytes];
+  it.merged = it.num_blocks == 1 ||
+              (it.entry[kSrcBlockStride] == cb && it.entry[kDstBlockStride] == cb);
+  return it;
+}
+
 // Resolve item i of a call. Groups are few (1-8 in practice; 7 for Gemma-3), so a
 // linear scan over item_offsets costs less than a binary search's branches.
 KVCOPY_HD Item locate_item(int64_t i, const CallView& call, const int64_t* entries,
@@ -108,16 +128,137 @@ KVCOPY_HD Item locate_item(int64_t i, const CallView& call, const int64_t* entri
   const int64_t first_run = call.run_offsets[g];
   const int64_t runs_in_group = call.run_offsets[g + 1] - first_run;
   const int64_t entry_index = group_entries[group_offsets[g] + local / runs_in_group];
-  const int64_t* run = call.runs + 3 * (first_run + local % runs_in_group);
-  Item it;
-  it.entry = entries + kEntryFields * entry_index;
-  it.src_block = run[0];
-  it.dst_block = run[1];
-  it.num_blocks = run[2];
-  const int64_t cb = it.entry[kChunkBytes];
-  it.merged = it.num_blocks == 1 ||
-              (it.entry[kSrcBlockStride] == cb && it.entry[kDstBlockStride] == cb);
-  return it;
+  return make_item(entries, entry_index, call.runs + 3 * (first_run + local % runs_in_group));
+}
+
+// ---------------------------------------------------------------------------------
+// Byte cursor: the call as one linear byte space, so a copy can be cut into equal
+// ranges (one per GPU warp) whatever the sizes of its items.
+//
+// Order: group, then entry within the group, then run, then the item's segments
+// (Item::segment order), then bytes. Seeking needs two prefix arrays:
+//   entry_bytes_prefix[GE+1]  static: cumulative page bytes (chunks x chunk bytes)
+//                             over the flat group_entries list
+//   block_prefix[R+1]         per call: cumulative run lengths (blocks) over all runs
+// Group g then spans page_bytes(g) x blocks(g) bytes, entry k of it
+// (prefix_k - prefix_first) x blocks(g) bytes in, and run r of entry k
+// page_bytes(k) x (block_prefix[r] - block_prefix[first run]) bytes further.
+
+struct CursorTables {
+  const int64_t* entries;             // [E][8]
+  const int64_t* group_offsets;       // [G+1]
+  const int64_t* group_entries;       // [GE]
+  const int64_t* entry_bytes_prefix;  // [GE+1]
+  const int64_t* block_prefix;        // [R+1], per call
+  CallView call;
+};
+
+struct Cursor {
+  int64_t group;  // g
+  int64_t slot;   // index into group_entries (the entry of the current item)
+  int64_t run;    // index into the call's runs
+  int64_t seg;    // segment of the current item
+  int64_t off;    // byte offset within the segment
+  Item item;
+};
+
+KVCOPY_HD int64_t group_bytes(const CursorTables& t, int64_t g) {
+  const int64_t* ro = t.call.run_offsets;
+  const int64_t blocks = t.block_prefix[ro[g + 1]] - t.block_prefix[ro[g]];
+  const int64_t page = t.entry_bytes_prefix[t.group_offsets[g + 1]] -
+                       t.entry_bytes_prefix[t.group_offsets[g]];
+  return page * blocks;
+}
+
+KVCOPY_HD void cursor_load_item(const CursorTables& t, Cursor* c) {
+  c->item = make_item(t.entries, t.group_entries[c->slot], t.call.runs + 3 * c->run);
+}
+
+// Place the cursor at byte `pos` (0 <= pos < total bytes of the call).
+KVCOPY_HD void cursor_seek(const CursorTables& t, int64_t pos, Cursor* c) {
+  const int64_t* ro = t.call.run_offsets;
+  const int64_t* go = t.group_offsets;
+  const int64_t* ebp = t.entry_bytes_prefix;
+  const int64_t* bp = t.block_prefix;
+  int64_t g = 0;
+  for (; g + 1 < t.call.num_groups; ++g) {
+    const int64_t bytes = group_bytes(t, g);
+    if (pos < bytes) break;
+    pos -= bytes;
+  }
+  const int64_t blocks = bp[ro[g + 1]] - bp[ro[g]];
+  // entry: the last slot k in the group with (ebp[k] - ebp[first]) * blocks <= pos
+  int64_t lo = go[g], hi = go[g + 1] - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if ((ebp[mid] - ebp[go[g]]) * blocks <= pos) lo = mid; else hi = mid - 1;
+  }
+  pos -= (ebp[lo] - ebp[go[g]]) * blocks;
+  const int64_t page = ebp[lo + 1] - ebp[lo];
+  const int64_t block = pos / page;
+  // run: the last r in the group with bp[r] - bp[first] <= block
+  int64_t rlo = ro[g], rhi = ro[g + 1] - 1;
+  while (rlo < rhi) {
+    const int64_t mid = (rlo + rhi + 1) / 2;
+    if (bp[mid] - bp[ro[g]] <= block) rlo = mid; else rhi = mid - 1;
+  }
+  pos -= (bp[rlo] - bp[ro[g]]) * page;
+  c->group = g;
+  c->slot = lo;
+  c->run = rlo;
+  cursor_load_item(t, c);
+  const int64_t seg_bytes = c->item.segment_bytes();
+  c->seg = pos / seg_bytes;
+  c->off = pos % seg_bytes;
+}
+
+// Move to the first byte of the next item (runs of an entry, entries of a group,
+// then groups; empty groups skipped). Only called while bytes remain.
+KVCOPY_HD void cursor_next_item(const CursorTables& t, Cursor* c) {
+  const int64_t* ro = t.call.run_offsets;
+  const int64_t* go = t.group_offsets;
+  c->seg = 0;
+  c->off = 0;
+  if (++c->run < ro[c->group + 1]) {
+    cursor_load_item(t, c);
+    return;
+  }
+  c->run = ro[c->group];
+  if (++c->slot < go[c->group + 1]) {
+    cursor_load_item(t, c);
+    return;
+  }
+  do {
+    ++c->group;
+  } while (c->group + 1 < t.call.num_groups && group_bytes(t, c->group) == 0);
+  c->slot = go[c->group];
+  c->run = ro[c->group];
+  cursor_load_item(t, c);
+}
+
+// Walk bytes [begin, end) of the call: fn(src address, dst address, bytes) once per
+// contiguous piece, in order. Pieces never cross a segment.
+template <class Fn>
+KVCOPY_HD void for_each_piece(const CursorTables& t, int64_t begin, int64_t end, Fn& fn) {
+  if (begin >= end) return;
+  Cursor c;
+  cursor_seek(t, begin, &c);
+  int64_t pos = begin;
+  for (;;) {
+    const int64_t seg_bytes = c.item.segment_bytes();
+    int64_t n = seg_bytes - c.off;
+    if (n > end - pos) n = end - pos;
+    int64_t src, dst;
+    c.item.segment(c.seg, &src, &dst);
+    fn(src + c.off, dst + c.off, n);
+    pos += n;
+    if (pos >= end) return;
+    c.off += n;
+    if (c.off == seg_bytes) {
+      c.off = 0;
+      if (++c.seg == c.item.num_segments()) cursor_next_item(t, &c);
+    }
+  }
 }
 
 }  // namespace kvcopy

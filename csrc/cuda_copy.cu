@@ -1,0 +1,110 @@
+// Backend `cuda`: launcher of the fused block-copy kernel (kernels/block_copy_kernel.cuh).
+//
+// C ABI, loaded with ctypes by kvcopy/backends/cuda.py. Every function returns a CUDA
+// error code (0 = success); kvcopy_cuda_error_name turns it into the CUDA error name
+// the Python side raises with. The caller picks the grid (it knows the SM count and
+// max_ctas) and passes the stream as a raw cudaStream_t (torch's current stream).
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "block_copy_kernel.cuh"
+
+KVCOPY_DEFINE_KERNELS
+
+namespace {
+
+using KernelFn = void (*)(const kvcopy::KernelParams);
+
+KernelFn kernel_for(int word_bytes) {
+  switch (word_bytes) {
+    case 16: return kvcopy_block_copy_w16;
+    case 8: return kvcopy_block_copy_w8;
+    case 4: return kvcopy_block_copy_w4;
+    case 2: return kvcopy_block_copy_w2;
+    case 1: return kvcopy_block_copy_w1;
+    default: return nullptr;
+  }
+}
+
+// Codes above this are driver-API CUresult values (from the copy-engine path),
+// offset so the two enumerations never collide.
+constexpr int kDriverErrorBase = 100000;
+
+}  // namespace
+
+extern "C" {
+
+int kvcopy_cuda_abi_version() { return 1; }
+int kvcopy_cuda_threads() { return KVCOPY_THREADS; }
+int kvcopy_cuda_inline_words() { return KVCOPY_INLINE_WORDS; }
+int kvcopy_cuda_params_bytes() { return (int)sizeof(kvcopy::KernelParams); }
+int kvcopy_cuda_runtime_version() { return CUDART_VERSION; }
+
+const char* kvcopy_cuda_error_name(int code) {
+  if (code >= kDriverErrorBase) return "CUDA driver error (see kvcopy_ce_error_name)";
+  return cudaGetErrorName(static_cast<cudaError_t>(code));
+}
+
+const char* kvcopy_cuda_error_string(int code) {
+  if (code >= kDriverErrorBase) return "CUDA driver error";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+int kvcopy_cuda_device_count(int* count) { return cudaGetDeviceCount(count); }
+
+// Multiprocessors of `device`, and whether it reads registered host memory through
+// the host pointer itself (else a kernel needs cudaHostGetDevicePointer's address).
+int kvcopy_cuda_device_info(int device, int* sm_count, int* host_pointer_ok) {
+  cudaError_t err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(host_pointer_ok, cudaDevAttrCanUseHostPointerForRegisteredMem, device);
+}
+
+// The device address of pinned or registered host memory (identity under UVA on x86).
+int kvcopy_cuda_host_device_pointer(void* host, void** device_pointer) {
+  return cudaHostGetDevicePointer(device_pointer, host, 0);
+}
+
+// One launch of the fused kernel on `stream`.
+//   tables       device int64: entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
+//   call_host    host copy of the per-call array (packed call | block prefix), or null
+//   call_device  device copy of the same, or null; used when call_words exceeds the
+//                inline capacity or call_host is null
+//   total_bytes  bytes the call moves; word_bytes 16/8/4/2/1 divides every address and size
+//   grid         CTAs (KVCOPY_THREADS threads each), >= 1
+int kvcopy_cuda_copy(const int64_t* tables, int64_t num_entries, int64_t num_groups,
+                     int64_t num_group_entries, const int64_t* call_host,
+                     const int64_t* call_device, int64_t call_words, int64_t total_bytes,
+                     int word_bytes, int grid, void* stream) {
+  if (total_bytes <= 0) return cudaSuccess;
+  KernelFn fn = kernel_for(word_bytes);
+  if (fn == nullptr || grid < 1 || total_bytes % word_bytes != 0) return cudaErrorInvalidValue;
+  kvcopy::KernelParams p;
+  p.tables = tables;
+  p.num_entries = num_entries;
+  p.num_groups = num_groups;
+  p.num_group_entries = num_group_entries;
+  p.total_bytes = total_bytes;
+  if (call_host != nullptr && call_words <= KVCOPY_INLINE_WORDS) {
+    p.call = nullptr;
+    memcpy(p.inline_call, call_host, sizeof(int64_t) * (size_t)call_words);
+  } else if (call_device != nullptr) {
+    p.call = call_device;
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  void* args[] = {&p};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)grid),
+                          dim3(KVCOPY_THREADS), args, 0, static_cast<cudaStream_t>(stream));
+}
+
+// Whether `stream` is being captured into a CUDA graph (1) or not (0).
+int kvcopy_cuda_stream_capturing(void* stream, int* capturing) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status);
+  *capturing = status == cudaStreamCaptureStatusActive ? 1 : 0;
+  return err;
+}
+
+}  // extern "C"

@@ -1,0 +1,120 @@
+// kvcopy fused block-copy kernel: every (group, layer, run) of one call, one launch.
+//
+// Device code only: raw pointers and integers, no torch, no host API. Compiled by
+// nvcc into libkvcopy_cuda (csrc/cuda_copy.cu) and by NVRTC at first use when that
+// library is absent (kvcopy/nvrtc.py); both define the same extern "C" entry points
+// through KVCOPY_DEFINE_KERNELS below.
+//
+// Work split. The call is one linear byte space (block_copy.cuh, "Byte cursor"): the
+// total is cut into equal word-aligned ranges, one per warp of a persistent grid, so a
+// 2 MiB segment is spread over many warps (and CTAs) and thousands of 2 KiB pages are
+// dealt out evenly, whatever the mix of layers, groups and run lengths. A warp seeks
+// its first byte once (a few broadcast loads and two short binary searches), then
+// walks forward piece by piece: no per-tile search, no host-side per-item prefix.
+// The host chooses the grid (csrc/cuda_copy.cu): enough warps for bytes in flight,
+// never more than `max_ctas` CTAs, no warp with less than a few KiB.
+//
+// Bytes move as words of W bytes (16, 8, 4, 2, 1): the host passes the widest word
+// that divides every address, stride and size of the tables (CopyTables.word_bytes),
+// one kernel per width. Each lane keeps kLoadsInFlight loads outstanding before it
+// stores (64 bytes per lane, 2 KiB per warp with 16-byte words): reads of pinned host
+// memory over PCIe are bound by bytes in flight, not by instructions. Loads and
+// stores use the streaming (evict-first) cache hints: every byte is touched once.
+//
+// Per-call data (the packed runs + block prefix) comes either inline in the kernel
+// parameters (small calls: no upload at all, and a CUDA graph captures it by value)
+// or through a device pointer. Offsets are 64-bit throughout.
+#pragma once
+
+#include "block_copy.cuh"
+
+#ifndef KVCOPY_THREADS
+#define KVCOPY_THREADS 512
+#endif
+// int64 words of call data that fit in the kernel parameters (4 KiB parameter limit
+// of every CUDA version, minus the fixed fields).
+#ifndef KVCOPY_INLINE_WORDS
+#define KVCOPY_INLINE_WORDS 480
+#endif
+
+namespace kvcopy {
+
+// The kernel's single parameter. Layout mirrored by ctypes in kvcopy/nvrtc.py.
+struct KernelParams {
+  const int64_t* tables;     // entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
+  const int64_t* call;       // packed call | block_prefix[R+1]; nullptr: use inline_call
+  int64_t num_entries;
+  int64_t num_groups;
+  int64_t num_group_entries;
+  int64_t total_bytes;       // bytes the call moves (a multiple of the word size)
+  int64_t inline_call[KVCOPY_INLINE_WORDS];
+};
+
+template <typename W>
+struct WarpCopy {
+  static constexpr int kLoadsInFlight = (64 / (int)sizeof(W)) < 16 ? (64 / (int)sizeof(W)) : 16;
+  int lane;
+
+  __device__ __forceinline__ void operator()(int64_t src_addr, int64_t dst_addr, int64_t bytes) const {
+    const W* __restrict__ src = reinterpret_cast<const W*>(src_addr);
+    W* __restrict__ dst = reinterpret_cast<W*>(dst_addr);
+    const int64_t n = bytes / (int64_t)sizeof(W);
+    constexpr int U = kLoadsInFlight;
+    int64_t i = lane;
+    for (; i + (U - 1) * 32 < n; i += U * 32) {
+      W v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = __ldcs(src + i + u * 32);
+#pragma unroll
+      for (int u = 0; u < U; ++u) __stcs(dst + i + u * 32, v[u]);
+    }
+    if (i < n) {  // tail: still all loads first, then all stores
+      W v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + u * 32 < n) v[u] = __ldcs(src + i + u * 32);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + u * 32 < n) __stcs(dst + i + u * 32, v[u]);
+    }
+  }
+};
+
+template <typename W>
+__device__ __forceinline__ void block_copy_body(const KernelParams& p) {
+  const int64_t* call = p.call != nullptr ? p.call : p.inline_call;
+  CursorTables t;
+  t.entries = p.tables;
+  t.group_offsets = t.entries + kEntryFields * p.num_entries;
+  t.group_entries = t.group_offsets + (p.num_groups + 1);
+  t.entry_bytes_prefix = t.group_entries + p.num_group_entries;
+  t.call = CallView::from_packed(call, p.num_groups);
+  const int64_t num_runs = t.call.run_offsets[p.num_groups];
+  t.block_prefix = t.call.runs + 3 * num_runs;
+
+  const int64_t words = p.total_bytes / (int64_t)sizeof(W);
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  const int64_t lane = threadIdx.x & 31;
+  WarpCopy<W> fn{(int)lane};
+  // One contiguous range per warp; the grid is sized by the host (at most max_ctas).
+  const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+  const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)warps);
+  const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) / (unsigned long long)warps);
+  for_each_piece(t, begin * (int64_t)sizeof(W), end * (int64_t)sizeof(W), fn);
+}
+
+}  // namespace kvcopy
+
+// The entry points, one per word width; names looked up by NVRTC and the launcher.
+#define KVCOPY_DEFINE_KERNEL(NAME, WORD)                                        \
+  extern "C" __global__ void __launch_bounds__(KVCOPY_THREADS)                \
+      NAME(const __grid_constant__ kvcopy::KernelParams p) {                    \
+    kvcopy::block_copy_body<WORD>(p);                                           \
+  }
+
+#define KVCOPY_DEFINE_KERNELS                                                   \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w16, uint4)                            \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w8, uint2)                             \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w4, unsigned int)                      \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w2, unsigned short)                    \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w1, unsigned char)

@@ -1,0 +1,100 @@
+"""Backend ``ce``: the copy engines, one ``cudaMemcpyBatchAsync`` for every segment of a call.
+
+The library (``csrc/ce_copy.cu``) walks the call's items with the same item body as
+the kernels and hands all segments (one per chunk of a merged run, else one per chunk
+of each block) to the driver's ``cuMemcpyBatchAsync``, resolved at run time (CUDA 13
+ABI, then 12.8). Without it, during graph capture, or with ``KVCOPY_CE_MODE=loop``, one
+``cudaMemcpyAsync`` per segment. The legacy default stream, which the batch API
+rejects, is bridged with a side stream and two events, so the copy stays ordered on
+the caller's stream either way.
+
+Source access order: ``STREAM`` for device sources, ``ANY`` for host sources (no stream
+writes them). ``KVCOPY_CE_HOST_ANY=0`` asks for ``STREAM`` there too, for callers that
+write a host buffer with a ``to_host`` and read it back with a ``to_device`` on the
+same stream without waiting in between.
+
+Copy engines are slow per descriptor (4-7 GB/s on 4 KiB pages, ~52 GB/s at 64 KiB, on
+H100): this backend is for merged runs of large pages; ``auto`` picks it only there.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .. import cudalib
+from ..tables import CallPlan, CopyTables
+from . import Backend
+
+_MODES = {"auto": 0, "batch": 1, "loop": 2}
+
+
+@dataclass
+class _State:
+    device: int
+    pinning: Any
+    src_host: int
+    dst_host: int
+    pointers: tuple
+    last_used_batch: bool = False
+    last_segments: int = 0
+
+
+def _ptr(a) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
+    name = "ce"
+    _lib = None
+
+    def _find(self) -> Optional[str]:
+        self._lib, why = cudalib.library()
+        return why
+
+    def batch_abi(self) -> int:
+        """13000 / 12080: the cuMemcpyBatchAsync ABI the driver offers; 0: loop only."""
+        self._resolve()
+        return self._lib.kvcopy_ce_batch_abi() if self._lib is not None else 0
+
+    def prepare(self, tables: CopyTables) -> None:
+        self._resolve()
+        if self._lib is None:
+            raise ValueError(f"backend 'ce' is not available: {self._why}")
+        device, why = cudalib.gpu_side(tables)
+        if why:
+            raise ValueError(f"backend 'ce': {why}")
+        tables.backend_state["ce"] = _State(
+            device=device,
+            pinning=cudalib.pin_host_side(tables),
+            src_host=int(tables.src_device.type == "cpu"),
+            dst_host=int(tables.dst_device.type == "cpu"),
+            pointers=(_ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries)),
+        )
+
+    def release(self, tables: CopyTables) -> None:
+        st = tables.backend_state.pop("ce", None)
+        if st is not None and st.pinning is not None:
+            st.pinning.release()
+
+    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+        st: _State = tables.backend_state.get("ce")
+        if st is None:
+            self.prepare(tables)
+            st = tables.backend_state["ce"]
+        mode = _MODES.get(os.environ.get("KVCOPY_CE_MODE", "auto"))
+        if mode is None:
+            raise ValueError(f"KVCOPY_CE_MODE must be one of {sorted(_MODES)}")
+        host_any = int(os.environ.get("KVCOPY_CE_HOST_ANY", "1") != "0")
+        stream = torch.cuda.current_stream(st.device).cuda_stream
+        used, segs = ctypes.c_int(0), ctypes.c_int64(0)
+        entries, offsets, group_entries = st.pointers
+        rc = cudalib.call_on_device(st.device, self._lib.kvcopy_ce_copy, entries, offsets, group_entries,
+                                    tables.num_groups, _ptr(call.packed), st.src_host, st.dst_host, host_any,
+                                    mode, stream, ctypes.byref(used), ctypes.byref(segs))
+        st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)
+        cudalib.check(rc, f"copy-engine copy of {segs.value} segments "
+                          f"({'cuMemcpyBatchAsync' if mode != 2 else 'cudaMemcpyAsync loop'})")

@@ -1,0 +1,189 @@
+"""Backend ``cuda``: the fused CUDA kernel, one launch per call for every layer and group.
+
+``prepare`` (once per copier direction) page-locks pageable host buffers in place
+(:mod:`kvcopy.pinning`), translates host addresses where the device cannot use host
+pointers directly (``cudaHostGetDevicePointer``), and uploads the static table
+(entries | group offsets | group entries | entry byte prefix) to the device.
+
+``copy`` builds the per-call array (the packed runs + a block prefix: one numpy
+cumsum) and launches ``kvcopy_block_copy_w{16,8,4,2,1}`` on the current stream:
+
+* calls up to 480 int64 words (about 115 runs) travel **inside the kernel
+  parameters**: no upload, no allocation, one launch and nothing else on the stream;
+* larger calls are staged through a pinned host tensor and copied to a device tensor
+  on the same stream just before the launch.
+
+CUDA graphs. A captured ``to_device``/``to_host`` replays the ids it was captured
+with. Small calls are captured by value in the kernel node's parameters. For a large
+call captured into a graph, the memcpy node reads the pinned staging tensor at every
+replay, so that tensor (and the device tensor) is kept alive and never reused for as
+long as the copier lives (``backend_state["cuda"].graph_buffers``). The static table
+and the KV tensors themselves are read at replay time, as any captured kernel does.
+
+The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
+absent and cupy is installed, from NVRTC (:mod:`kvcopy.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
+forces NVRTC. The CTA cap comes from ``tables.backend_state["max_ctas"]`` or
+``KVCOPY_MAX_CTAS``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+from .. import cudalib
+from ..tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
+from . import Backend
+
+
+@dataclass
+class _State:
+    device: int
+    sm_count: int
+    static: torch.Tensor  # device int64 table
+    num_entries: int
+    num_groups: int
+    num_group_entries: int
+    word_bytes: int
+    pinning: Any
+    graph_buffers: List[torch.Tensor] = field(default_factory=list)
+    launches: int = 0
+
+
+class _LibLauncher:
+    def __init__(self, lib):
+        self._lib = lib
+        self.inline_words = lib.kvcopy_cuda_inline_words()
+        self.threads = lib.kvcopy_cuda_threads()
+        self.kind = "library"
+
+    def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
+        return self._lib.kvcopy_cuda_copy(tables, e, g, ge, call_host, call_device, call_words, total,
+                                          word, grid, stream)
+
+    def error_name(self, code: int) -> str:
+        return cudalib.error_name(code)
+
+
+class _NvrtcLauncher:
+    def __init__(self):
+        from ..nvrtc import NvrtcLauncher
+
+        self._impl = NvrtcLauncher()
+        self.inline_words = self._impl.inline_words
+        self.threads = cudalib.THREADS
+        self.kind = "nvrtc"
+
+    def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
+        return self._impl.launch(device, tables, e, g, ge, call_host, call_device, call_words, total, word,
+                                 grid, stream or 0, self.threads)
+
+    def error_name(self, code: int) -> str:
+        return self._impl.error_name(code)
+
+
+class CudaBackend(cudalib.GpuBackendBase, Backend):
+    name = "cuda"
+    _launcher = None
+
+    def _find(self) -> Optional[str]:
+        lib, why = cudalib.library()
+        if lib is not None and not os.environ.get("KVCOPY_CUDA_NVRTC"):
+            self._launcher = _LibLauncher(lib)
+            return None
+        from .. import nvrtc
+
+        reason = nvrtc.available()
+        if reason is None:
+            try:
+                self._launcher = _NvrtcLauncher()
+                return None
+            except OSError as exc:
+                reason = f"libcuda.so.1 not loadable ({exc})"
+        return f"{why or 'library not used (KVCOPY_CUDA_NVRTC set)'}; and no NVRTC fallback: {reason}"
+
+    @property
+    def launcher_kind(self) -> Optional[str]:
+        """"library" or "nvrtc" once resolved; None when unavailable."""
+        self._resolve()
+        return self._launcher.kind if self._launcher else None
+
+    # ------------------------------------------------------------ tables
+    def prepare(self, tables: CopyTables) -> None:
+        self._resolve()
+        if self._launcher is None:
+            raise ValueError(f"backend 'cuda' is not available: {self._why}")
+        device, why = cudalib.gpu_side(tables)
+        if why:
+            raise ValueError(f"backend 'cuda': {why}")
+        pinning = cudalib.pin_host_side(tables)
+        try:
+            sms, host_ptr_ok = cudalib.device_info(device)
+            entries = tables.entries.copy()
+            if not host_ptr_ok:
+                _translate_host_pointers(entries, tables)
+            static = torch.from_numpy(cudalib.static_table(tables, entries)).to(f"cuda:{device}")
+        except BaseException:
+            if pinning is not None:
+                pinning.release()
+            raise
+        tables.backend_state["cuda"] = _State(
+            device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
+            num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
+            word_bytes=tables.word_bytes, pinning=pinning,
+        )
+
+    def release(self, tables: CopyTables) -> None:
+        st = tables.backend_state.pop("cuda", None)
+        if st is not None and st.pinning is not None:
+            st.pinning.release()
+
+    # ------------------------------------------------------------ the copy
+    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+        st: _State = tables.backend_state.get("cuda")
+        if st is None:
+            self.prepare(tables)
+            st = tables.backend_state["cuda"]
+        if call.total_bytes <= 0:
+            return
+        arr = cudalib.call_array(call)
+        stream = torch.cuda.current_stream(st.device)
+        grid = cudalib.grid_size(call.total_bytes, st.sm_count, cudalib.max_ctas_of(tables))
+        launcher = self._launcher
+        call_device = None
+        if len(arr) > launcher.inline_words:
+            staged = torch.from_numpy(arr).pin_memory()
+            dev = staged.to(f"cuda:{st.device}", non_blocking=True)
+            if torch.cuda.is_current_stream_capturing():
+                st.graph_buffers += [staged, dev]  # read at every replay: never reused
+            call_device = dev.data_ptr()
+        rc = cudalib.call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
+                                    st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),
+                                    call.total_bytes, st.word_bytes, grid, stream.cuda_stream)
+        if rc != 0:
+            raise cudalib.CudaError(
+                f"kvcopy_block_copy_w{st.word_bytes} launch ({grid} CTAs, {launcher.kind})", rc,
+                launcher.error_name(rc))
+        st.launches += 1
+
+
+def _translate_host_pointers(entries: np.ndarray, tables: CopyTables) -> None:
+    """Replace host base addresses by cudaHostGetDevicePointer's, in place."""
+    lib, why = cudalib.library()
+    if lib is None:
+        raise ValueError(
+            "this GPU cannot use host pointers directly (cudaDevAttrCanUseHostPointerForRegisteredMem = 0) "
+            f"and the pointer translation needs libkvcopy_cuda: {why}")
+    for col, side in ((SRC_BASE, tables.src_device), (DST_BASE, tables.dst_device)):
+        if side.type != "cpu":
+            continue
+        for row in range(len(entries)):
+            out = ctypes.c_void_p()
+            cudalib.check(lib.kvcopy_cuda_host_device_pointer(ctypes.c_void_p(int(entries[row, col])),
+                                                              ctypes.byref(out)),
+                          f"cudaHostGetDevicePointer for layer {tables.entry_names[row]!r}")
+            entries[row, col] = out.value or 0

@@ -1,0 +1,89 @@
+"""The GPU kernel's addressing, run on the CPU: every shared case, bit-exact.
+
+``kvcopy_cpu_copy_ranges`` (csrc/cpu_copy.cpp) cuts a call into N equal word ranges
+and walks each with the byte cursor of ``kernels/block_copy.cuh`` exactly as one warp
+of the fused CUDA kernel walks its range, over the same static table and per-call
+array the CUDA backend builds (:mod:`kvcopy.cudalib`). Range counts from 1 to more
+ranges than words put range boundaries inside pages, chunks and merged runs.
+"""
+import ctypes
+
+import numpy as np
+import pytest
+
+from kvcopy import backends, cudalib, native
+from kvcopy.backends import Backend
+from kvcopy.testing import CopyCase, check_copy, standard_cases
+
+lib, why = native.load("kvcopy_cpu")
+pytestmark = pytest.mark.skipif(lib is None, reason=f"CPU library not built: {why}")
+
+
+class RangesBackend(Backend):
+    """CPU backend walking the call the way the CUDA kernel's warps do."""
+
+    name = "cpu-ranges"
+
+    def __init__(self, num_ranges, word_bytes=None):
+        self.num_ranges = num_ranges
+        self.word_bytes = word_bytes
+        fn = lib.kvcopy_cpu_copy_ranges
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
+
+    def copy(self, tables, call):
+        static = cudalib.static_table(tables)
+        e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
+        base = static.ctypes.data
+        offsets = base + 8 * 8 * e
+        group_entries = offsets + 8 * (g + 1)
+        prefix = group_entries + 8 * ge
+        arr = cudalib.call_array(call)
+        word = self.word_bytes or tables.word_bytes
+        rc = lib.kvcopy_cpu_copy_ranges(base, offsets, group_entries, prefix, g, arr.ctypes.data,
+                                        call.total_bytes, self.num_ranges, word)
+        assert rc == 0
+
+
+@pytest.fixture
+def ranges_backend(monkeypatch):
+    def make(n, word=None):
+        monkeypatch.setitem(backends._REGISTRY, "cpu-ranges", "x:y")
+        monkeypatch.setitem(backends._instances, "cpu-ranges", RangesBackend(n, word))
+        return "cpu-ranges"
+    return make
+
+
+@pytest.mark.parametrize("num_ranges", [1, 3, 64, 5000])
+@pytest.mark.parametrize("case", standard_cases(quick=True), ids=lambda c: c.id)
+def test_cursor_ranges_bit_exact(case, num_ranges, ranges_backend):
+    name = ranges_backend(num_ranges)
+    for direction in ("d2h", "h2d"):
+        check_copy(name, case, direction).close()
+
+
+@pytest.mark.parametrize("word", [1, 2, 4])
+def test_cursor_narrow_words(word, ranges_backend):
+    name = ranges_backend(7, word)
+    case = CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48)
+    check_copy(name, case, "h2d").close()
+    check_copy(name, case, "d2h").close()
+
+
+def test_call_array_block_prefix():
+    from types import SimpleNamespace
+
+    # 2 groups, runs (5,5,3) | (9,1,1), (2,7,4): the block prefix is 0, 3, 4, 8
+    packed = np.array([0, 1, 3, 0, 2, 6, 5, 5, 3, 9, 1, 1, 2, 7, 4], dtype=np.int64)
+    call = SimpleNamespace(packed=packed, num_groups=2, total_bytes=0)
+    arr = cudalib.call_array(call)
+    assert arr[: len(packed)].tolist() == packed.tolist()
+    assert arr[len(packed):].tolist() == [0, 3, 4, 8]
+
+
+def test_grid_size_rule():
+    assert cudalib.grid_size(1, 132, None) == 1
+    assert cudalib.grid_size(1 << 30, 132, None) == 132 * cudalib.CTAS_PER_SM
+    assert cudalib.grid_size(1 << 30, 132, 16) == 16
+    per_cta = cudalib.THREADS // 32 * cudalib.MIN_BYTES_PER_WARP
+    assert cudalib.grid_size(3 * per_cta, 132, None) == 3
