@@ -101,23 +101,47 @@ def available_backends() -> Dict[str, Optional[str]]:
     return out
 
 
-# Order in which ``auto`` tries backends, by where the bytes are. The GPU order is the
-# built-in default; a calibration table (kvcopy-bench calibrate) refines it per device.
+# ``auto``. On the host: the first of cpu, torch that runs. On a GPU: the measured
+# rule of kvcopy.calibration (mean descriptor size per call; a per-device table from
+# `kvcopy-bench calibrate`, else copy engines from 64 KiB descriptors up, the SM
+# kernel below), applied per call by kvcopy.backends.auto.AutoGpuBackend over the GPU
+# backends that can run the tables; torch when none can.
 _AUTO_ORDER_CPU = ("cpu", "torch")
-_AUTO_ORDER_GPU = ("cuda", "triton", "ce", "torch")
+_AUTO_GPU = ("ce", "cuda", "triton")
+
+
+def _reason(name: str, tables: CopyTables) -> Optional[str]:
+    backend = _load(name)
+    if backend is None:
+        return _import_errors[name]
+    return backend.unavailable_reason() or backend.unsupported_reason(tables)
 
 
 def choose_backend(tables: CopyTables) -> Backend:
     """The backend ``auto`` uses for these tables."""
     on_gpu = tables.src_device.type == "cuda" or tables.dst_device.type == "cuda"
-    order = _AUTO_ORDER_GPU if on_gpu else _AUTO_ORDER_CPU
     reasons = []
-    for name in order:
-        backend = _load(name)
-        reason = _import_errors[name] if backend is None else (
-            backend.unavailable_reason() or backend.unsupported_reason(tables)
-        )
-        if reason is None:
-            return backend
-        reasons.append(f"{name}: {reason}")
+    if on_gpu:
+        usable = {}
+        for name in _AUTO_GPU:
+            why = _reason(name, tables)
+            if why is None:
+                usable[name] = _instances[name]
+            else:
+                reasons.append(f"{name}: {why}")
+        if len(usable) == 1:
+            return next(iter(usable.values()))
+        if usable:
+            from ..calibration import device_key, load_table
+            from .auto import AutoGpuBackend
+
+            dev = tables.src_device if tables.src_device.type == "cuda" else tables.dst_device
+            direction = "h2d" if tables.src_device.type == "cpu" else "d2h"
+            table = load_table(device_key(dev.index or 0))
+            return AutoGpuBackend(usable, direction, table)
+    for name in (("torch",) if on_gpu else _AUTO_ORDER_CPU):
+        why = _reason(name, tables)
+        if why is None:
+            return _instances[name]
+        reasons.append(f"{name}: {why}")
     raise ValueError("no backend can run this copy: " + "; ".join(reasons))

@@ -1,0 +1,224 @@
+"""How ``auto`` picks a GPU backend, and the calibration that measures it per device.
+
+The feature is the **mean descriptor size** of a call: the bytes of one contiguous
+piece (a chunk of a merged run of adjacent pages, else a chunk of one page), i.e.
+``total bytes / segments``. Copy engines pay per descriptor (H100: 4-7 GB/s at 4 KiB,
+~52 GB/s at 64 KiB; published crossovers 28-34 KiB), the SM kernels do not.
+
+Rule (:func:`pick`), for a direction and a mean descriptor size ``s``:
+
+* with a calibration table for this device: the bucket nearest ``s`` (log scale);
+  among the backends measured there and usable now, the fastest, where any backend
+  within ``TIE`` (3%) of the fastest counts as fastest and ties go to ``ce`` (it
+  leaves every SM to the model), then ``cuda``, then ``triton``;
+* without one (the built-in default): ``ce`` from ``DEFAULT_CE_MIN_BYTES`` = 64 KiB
+  up (safely above the published crossovers), the SM kernel below it (``cuda``, else
+  ``triton``), ``torch`` when nothing else runs.
+
+The table: ``kvcopy-bench calibrate`` (or ``python -m kvcopy.calibration``) copies
+scattered pages of each size from 2 KiB to 2 MiB in both directions with every GPU
+backend, plus a contiguous pinned memcpy of the same bytes, and writes
+``$XDG_CACHE_HOME/kvcopy/calibration.json`` (``~/.cache`` when unset), one entry per
+device (name, compute capability, driver). ``KVCOPY_CALIBRATION`` names another file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+DEFAULT_CE_MIN_BYTES = 64 * 1024
+TIE = 0.03
+PREFERENCE = ("ce", "cuda", "triton")  # tie-break order
+SM_ORDER = ("cuda", "triton")
+DEFAULT_SIZES = tuple(2048 << k for k in range(11))  # 2 KiB .. 2 MiB
+FORMAT = 1
+
+
+def table_path() -> Path:
+    env = os.environ.get("KVCOPY_CALIBRATION")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvcopy" / "calibration.json"
+
+
+def device_key(device: int = 0) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    driver = ""
+    try:
+        driver = str(torch.cuda.driver_version()) if hasattr(torch.cuda, "driver_version") else ""
+    except Exception:
+        pass
+    return f"{props.name}|sm_{props.major}{props.minor}|{driver or torch.version.cuda}"
+
+
+_cache: Dict[str, Optional[dict]] = {}
+
+
+def load_table(key: str) -> Optional[dict]:
+    """The calibration entry for a device key, or None (read once per process)."""
+    if key not in _cache:
+        entry = None
+        try:
+            data = json.loads(table_path().read_text())
+            if data.get("format") == FORMAT:
+                entry = data.get("devices", {}).get(key)
+        except (OSError, ValueError):
+            entry = None
+        _cache[key] = entry
+    return _cache[key]
+
+
+def pick(direction: str, desc_bytes: float, usable: Sequence[str], table: Optional[dict] = None) -> Optional[str]:
+    """The backend for one call (see the module docstring); None if none is usable."""
+    usable = [b for b in usable if b in PREFERENCE]
+    if not usable:
+        return None
+    rows = (table or {}).get(direction) if table else None
+    if rows:
+        row = min(rows, key=lambda r: abs(math.log2(max(r["bytes"], 1)) - math.log2(max(desc_bytes, 1))))
+        measured = {b: g for b, g in row["gbps"].items() if b in usable and g}
+        if measured:
+            best = max(measured.values())
+            for b in PREFERENCE:
+                if b in measured and measured[b] >= best * (1 - TIE):
+                    return b
+    if desc_bytes >= DEFAULT_CE_MIN_BYTES and "ce" in usable:
+        return "ce"
+    for b in SM_ORDER:
+        if b in usable:
+            return b
+    return usable[0]
+
+
+# ---------------------------------------------------------------- measuring
+def _time_ms(fn, iters: int, warmup: int) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(device: int = 0, sizes: Iterable[int] = DEFAULT_SIZES, backends: Sequence[str] = PREFERENCE,
+            directions: Sequence[str] = ("h2d", "d2h"), call_bytes: int = 64 << 20, iters: int = 10,
+            warmup: int = 3, max_ctas: Optional[int] = None, progress=None) -> dict:
+    """GB/s per (direction, descriptor size, backend) on ``device``, plus the pinned
+    memcpy of the same bytes. Pages of ``size`` bytes, every other page copied (no run
+    merges, so one descriptor is one page), ``call_bytes`` per call, 4 layers."""
+    import numpy as np
+    import torch
+
+    from . import BlockCopier, available_backends
+
+    avail = available_backends()
+    names = [b for b in backends if avail.get(b) is None]
+    out: Dict[str, list] = {d: [] for d in directions}
+    layers = 4
+    for size in sizes:
+        blocks = max(2, call_bytes // (size * layers))
+        nb = 2 * blocks
+        dev = {f"l{i}": torch.empty((nb, size), dtype=torch.uint8, device=f"cuda:{device}") for i in range(layers)}
+        host = {f"l{i}": torch.empty((nb, size), dtype=torch.uint8, pin_memory=True) for i in range(layers)}
+        ids = [np.arange(0, nb, 2, dtype=np.int64)]
+        nbytes = layers * blocks * size
+        flat_d = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        flat_h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        for direction in directions:
+            if direction == "h2d":
+                ref = _time_ms(lambda: flat_d.copy_(flat_h, non_blocking=True), iters, warmup)
+            else:
+                ref = _time_ms(lambda: flat_h.copy_(flat_d, non_blocking=True), iters, warmup)
+            row = {"bytes": size, "memcpy_gbps": nbytes / ref / 1e6, "gbps": {}}
+            for name in names:
+                try:
+                    copier = BlockCopier(dev, host, [list(dev)], backend=name)
+                    if max_ctas:
+                        for d in ("h2d", "d2h"):
+                            copier.tables(d).backend_state["max_ctas"] = max_ctas
+                    fn = (lambda: copier.to_device(ids)) if direction == "h2d" else (lambda: copier.to_host(ids))
+                    row["gbps"][name] = nbytes / _time_ms(fn, iters, warmup) / 1e6
+                    copier.close()
+                except (ValueError, RuntimeError) as exc:
+                    row["gbps"][name] = None
+                    row.setdefault("errors", {})[name] = str(exc)[:200]
+            out[direction].append(row)
+            if progress:
+                progress(direction, row)
+        del dev, host, flat_d, flat_h
+        torch.cuda.empty_cache()
+    return out
+
+
+def save(key: str, measured: dict, path: Optional[Path] = None) -> Path:
+    path = path or table_path()
+    data = {"format": FORMAT, "devices": {}}
+    try:
+        old = json.loads(path.read_text())
+        if old.get("format") == FORMAT:
+            data = old
+    except (OSError, ValueError):
+        pass
+    measured = dict(measured, measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    data["devices"][key] = measured
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    _cache.pop(key, None)
+    return path
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``kvcopy-bench calibrate``: measure this GPU and store the table ``auto`` uses."""
+    ap = argparse.ArgumentParser(prog="kvcopy-bench calibrate", description=main.__doc__)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_SIZES),
+                    help="descriptor sizes in bytes, comma separated (default 2 KiB..2 MiB)")
+    ap.add_argument("--backends", type=lambda s: s.split(","), default=list(PREFERENCE))
+    ap.add_argument("--call-mib", type=int, default=64, help="bytes per timed call (MiB)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--output", type=Path, default=None, help=f"table file (default {table_path()})")
+    ap.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kvcopy calibrate: no CUDA device; auto uses cpu/torch on the host, nothing to calibrate")
+        return 1
+
+    def show(direction, row):
+        cells = "  ".join(f"{b} {g:6.1f}" if g else f"{b}    n/a" for b, g in row["gbps"].items())
+        print(f"{direction} {row['bytes']:>8} B  memcpy {row['memcpy_gbps']:6.1f} GB/s  {cells}", flush=True)
+
+    measured = measure(args.device, args.sizes, args.backends, call_bytes=args.call_mib << 20,
+                       iters=args.iters, warmup=args.warmup, progress=show)
+    key = device_key(args.device)
+    for direction, rows in measured.items():
+        picks = [f"{r['bytes']}:{pick(direction, r['bytes'], list(r['gbps']), measured)}" for r in rows]
+        print(f"auto {direction}: " + " ".join(picks))
+    if not args.dry_run:
+        print(f"stored for {key} in {save(key, measured, args.output)}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
