@@ -230,6 +230,7 @@ def standard_cases(quick: bool = False) -> List[CopyCase]:
         CopyCase(head_size=7, dtype="uint8", layout="nhd", ids="runs"),  # 1-byte alignment
         CopyCase(head_size=3, dtype="fp16", layout="kv_first"),  # 2-byte alignment
         CopyCase(host_ids_differ=True, host_num_blocks=17, layout="blocks_first_kv"),
+        CopyCase(host_ids_differ=True, host_num_blocks=13, layout="kv_first"),  # K/V apart by a different NB
         CopyCase(ids="all", num_groups=2, layout="kv_first"),
         CopyCase(ids="all", num_groups=1, layout="nhd", num_blocks=64, dtype="fp32"),
     ]
