@@ -99,6 +99,25 @@ int kvcopy_cuda_copy(const int64_t* tables, int64_t num_entries, int64_t num_gro
                           dim3(KVCOPY_THREADS), args, 0, static_cast<cudaStream_t>(stream));
 }
 
+// Put `count` int64 words from host memory into device memory at `dst`, carried by
+// value in the parameters of ceil(count / KVCOPY_INLINE_WORDS) small kernel launches:
+// captured into a CUDA graph, the words live in the graph's nodes, not in host memory
+// that could change or be freed before a replay.
+int kvcopy_cuda_store_words(int64_t* dst, const int64_t* src, int64_t count, void* stream) {
+  kvcopy::StoreParams p;
+  for (int64_t done = 0; done < count; done += KVCOPY_INLINE_WORDS) {
+    const int64_t n = count - done < KVCOPY_INLINE_WORDS ? count - done : KVCOPY_INLINE_WORDS;
+    p.dst = dst + done;
+    p.count = n;
+    memcpy(p.words, src + done, sizeof(int64_t) * (size_t)n);
+    void* args[] = {&p};
+    cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(kvcopy_store_words), dim3(1), dim3(256),
+                                       args, 0, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 // Whether `stream` is being captured into a CUDA graph (1) or not (0).
 int kvcopy_cuda_stream_capturing(void* stream, int* capturing) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;

@@ -103,6 +103,15 @@ __device__ __forceinline__ void block_copy_body(const KernelParams& p) {
   for_each_piece(t, begin * (int64_t)sizeof(W), end * (int64_t)sizeof(W), fn);
 }
 
+// Parameters of the staging kernel: up to KVCOPY_INLINE_WORDS words carried by value
+// into device memory. Used to put a large call array on the device inside CUDA graph
+// capture, where the graph must own every byte it reads at replay.
+struct StoreParams {
+  int64_t* dst;
+  int64_t count;
+  int64_t words[KVCOPY_INLINE_WORDS];
+};
+
 }  // namespace kvcopy
 
 // The entry points, one per word width; names looked up by NVRTC and the launcher.
@@ -113,6 +122,9 @@ __device__ __forceinline__ void block_copy_body(const KernelParams& p) {
   }
 
 #define KVCOPY_DEFINE_KERNELS                                                   \
+  extern "C" __global__ void kvcopy_store_words(const __grid_constant__ kvcopy::StoreParams p) { \
+    for (int64_t i = threadIdx.x; i < p.count; i += blockDim.x) p.dst[i] = p.words[i];          \
+  }                                                                             \
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w16, uint4)                            \
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w8, uint2)                             \
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w4, unsigned int)                      \

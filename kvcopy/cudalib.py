@@ -67,6 +67,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvcopy_cuda_host_device_pointer": (_int, [_vp, ctypes.POINTER(_vp)]),
         "kvcopy_cuda_copy": (_int, [_vp, _i64, _i64, _i64, _vp, _vp, _i64, _i64, _int, _int, _vp]),
         "kvcopy_cuda_stream_capturing": (_int, [_vp, ctypes.POINTER(_int)]),
+        "kvcopy_cuda_store_words": (_int, [_vp, _vp, _i64, _vp]),
         "kvcopy_ce_batch_abi": (_int, []),
         "kvcopy_ce_error_name": (ctypes.c_char_p, [_int]),
         "kvcopy_ce_copy": (_int, [_vp, _vp, _vp, _i64, _vp, _int, _int, _int, _int, _vp,

@@ -110,6 +110,12 @@ class KernelParams(ctypes.Structure):
     ]
 
 
+class StoreParams(ctypes.Structure):
+    """Mirror of kvcopy::StoreParams."""
+
+    _fields_ = [("dst", ctypes.c_void_p), ("count", ctypes.c_int64), ("words", ctypes.c_int64 * 480)]
+
+
 _CUDA_ERROR_INVALID_VALUE = 1
 
 
@@ -150,7 +156,7 @@ class NvrtcLauncher:
                     if rc:
                         raise RuntimeError(f"cuModuleLoadData failed: {self.error_name(rc)} ({rc})")
                     fns = {}
-                    for w, name in ENTRY_POINTS.items():
+                    for w, name in list(ENTRY_POINTS.items()) + [(0, "kvcopy_store_words")]:
                         fn = ctypes.c_void_p()
                         rc = self._cuda.cuModuleGetFunction(ctypes.byref(fn), module, name.encode())
                         if rc:
@@ -176,3 +182,17 @@ class NvrtcLauncher:
             return _CUDA_ERROR_INVALID_VALUE
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p))
         return self._cuda.cuLaunchKernel(fns[word_bytes], grid, 1, 1, threads, 1, 1, 0, stream, args, None)
+
+    def store_words(self, device: int, dst: int, src: int, count: int, stream: int) -> int:
+        """As kvcopy_cuda_store_words: words carried into device memory by value."""
+        fn = self._load(device)[0]
+        p = StoreParams()
+        for done in range(0, count, self.inline_words):
+            n = min(self.inline_words, count - done)
+            p.dst, p.count = dst + 8 * done, n
+            ctypes.memmove(p.words, src + 8 * done, 8 * n)
+            args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p))
+            rc = self._cuda.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, stream, args, None)
+            if rc:
+                return rc
+        return 0

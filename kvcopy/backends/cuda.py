@@ -14,11 +14,14 @@ cumsum) and launches ``kvcopy_block_copy_w{16,8,4,2,1}`` on the current stream:
   on the same stream just before the launch.
 
 CUDA graphs. A captured ``to_device``/``to_host`` replays the ids it was captured
-with. Small calls are captured by value in the kernel node's parameters. For a large
-call captured into a graph, the memcpy node reads the pinned staging tensor at every
-replay, so that tensor (and the device tensor) is kept alive and never reused for as
-long as the copier lives (``backend_state["cuda"].graph_buffers``). The static table
-and the KV tensors themselves are read at replay time, as any captured kernel does.
+with, and a replay must read nothing that may have changed since capture. Small calls
+are captured by value in the kernel node's parameters. A large call captured into a
+graph is not staged through host memory (a memcpy node would re-read a pinned buffer
+that torch may since have reused): its array is carried into a device tensor by
+``kvcopy_store_words`` launches whose parameters hold the words (480 per launch), and
+that tensor is kept for as long as the copier lives
+(``backend_state["cuda"].graph_buffers``). The static table and the KV tensors are
+read at replay time, as by any captured kernel: the copier must outlive the graph.
 
 The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
 absent and cupy is installed, from NVRTC (:mod:`kvcopy.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
@@ -65,6 +68,9 @@ class _LibLauncher:
         return self._lib.kvcopy_cuda_copy(tables, e, g, ge, call_host, call_device, call_words, total,
                                           word, grid, stream)
 
+    def store_words(self, device, dst, src, count, stream):
+        return self._lib.kvcopy_cuda_store_words(dst, src, count, stream)
+
     def error_name(self, code: int) -> str:
         return cudalib.error_name(code)
 
@@ -81,6 +87,9 @@ class _NvrtcLauncher:
     def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
         return self._impl.launch(device, tables, e, g, ge, call_host, call_device, call_words, total, word,
                                  grid, stream or 0, self.threads)
+
+    def store_words(self, device, dst, src, count, stream):
+        return self._impl.store_words(device, dst, src, count, stream or 0)
 
     def error_name(self, code: int) -> str:
         return self._impl.error_name(code)
@@ -156,10 +165,17 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
         launcher = self._launcher
         call_device = None
         if len(arr) > launcher.inline_words:
-            staged = torch.from_numpy(arr).pin_memory()
-            dev = staged.to(f"cuda:{st.device}", non_blocking=True)
             if torch.cuda.is_current_stream_capturing():
-                st.graph_buffers += [staged, dev]  # read at every replay: never reused
+                # The graph must own the call array: carried by value into a device
+                # tensor by small store launches; the tensor is kept for replays.
+                dev = torch.empty(len(arr), dtype=torch.int64, device=f"cuda:{st.device}")
+                rc = cudalib.call_on_device(st.device, launcher.store_words, st.device, dev.data_ptr(),
+                                            arr.ctypes.data, len(arr), stream.cuda_stream)
+                if rc != 0:
+                    raise cudalib.CudaError("kvcopy_store_words launch", rc, launcher.error_name(rc))
+                st.graph_buffers.append(dev)
+            else:
+                dev = torch.from_numpy(arr).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
             call_device = dev.data_ptr()
         rc = cudalib.call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
                                     st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),
