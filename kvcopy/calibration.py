@@ -186,10 +186,12 @@ def save(key: str, measured: dict, path: Optional[Path] = None) -> Path:
     return path
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``kvcopy-bench calibrate``: measure this GPU and store the table ``auto`` uses."""
-    ap = argparse.ArgumentParser(prog="kvcopy-bench calibrate", description=main.__doc__)
-    ap.add_argument("--device", type=int, default=0)
+HELP = "measure this GPU's backends and store the table auto uses"
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of ``kvcopy-bench calibrate`` (kvcopy.cli registers this module)."""
+    ap.add_argument("--device", type=int, default=0, help="CUDA device index")
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_SIZES),
                     help="descriptor sizes in bytes, comma separated (default 2 KiB..2 MiB)")
     ap.add_argument("--backends", type=lambda s: s.split(","), default=list(PREFERENCE))
@@ -198,7 +200,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--output", type=Path, default=None, help=f"table file (default {table_path()})")
     ap.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print one line per (direction, size) and auto's picks, store the table."""
     import torch
 
     if not torch.cuda.is_available():
@@ -218,6 +223,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.dry_run:
         print(f"stored for {key} in {save(key, measured, args.output)}")
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m kvcopy.calibration``: the same as ``kvcopy-bench calibrate``."""
+    ap = argparse.ArgumentParser(prog="kvcopy-bench calibrate", description=HELP)
+    add_args(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover
