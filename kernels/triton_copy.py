@@ -1,0 +1,321 @@
+"""Fused staging copy in Triton: every layer of every KV cache group in one launch.
+
+This is the Triton twin of ``kernels/block_copy.cuh``: the same tables, the same item
+and segment arithmetic, one ``tl.load``/``tl.store`` pair per tile of integer words.
+
+Data layout (built by :mod:`kvcopy.tables`, uploaded once per copier direction)
+-----------------------------------------------------------------------------
+``entries``        int64 ``[E, 8]``: src base, dst base, src/dst block stride, src/dst
+                   chunk stride (bytes), chunk bytes, chunks per block. Base addresses
+                   are raw ``data_ptr()`` values: device memory, or pinned host memory
+                   read and written by the SMs over unified addressing. The kernel
+                   casts them with ``.to(tl.pointer_type(...))``.
+``group_offsets``  int64 ``[G+1]``, ``group_entries`` int64: group ``g``'s entries.
+``call``           int64, per call: ``[run_offsets (G+1) | item_offsets (G+1) |
+                   runs (R x 3)]``; item ``i`` = (entry, run), entry-major per group.
+
+Work decomposition and grid mapping
+-----------------------------------
+An item is ``segments`` byte ranges contiguous on both sides (one per chunk of a merged
+run, one per (block, chunk) otherwise; ``Item::segment`` in the header). Each segment
+is cut into **rows** of at most ``ROW_BYTES`` bytes, so item ``i`` has
+``rows(i) = segments(i) * ceil(segment_bytes(i) / ROW_BYTES)`` rows, and the call is
+one flat row space of ``T = sum rows(i)`` rows.
+
+The grid is persistent: ``P`` programs (``P <= max_ctas``), each running ``ROWS``
+independent **workers** side by side (one per row of a ``[ROWS, ROW_ELEMS]`` tile).
+Worker ``w`` of ``W = P * ROWS`` owns the contiguous row range
+``[w*T/W, (w+1)*T/W)``: every worker moves the same number of rows (+-1), whatever
+the mix of chunk sizes, run lengths, layers and groups, and a 2 MiB chunk is spread
+over as many workers as it has rows instead of serializing on one program.
+
+Each program first scans the item list in windows of ``SCAN`` items (vectorized:
+group of each item by comparing against ``item_offsets``, then gathers of the run and
+entry rows) to get ``T``, and a second time to find, with a cumulative sum, the item
+and row where each of its workers starts. The scan costs a few microseconds for a few
+thousand items, once per program, and needs no host work and no second launch. The
+main loop then moves one row per worker per step: addresses from the worker's current
+item (``seg = u // tiles``, ``block``/``chunk`` of that segment, ``tile * ROW_BYTES``),
+a masked load of the whole tile, then (while those loads are in flight) the step to
+the next row and, when some worker crosses into its next item, the gathers that
+resolve it, then the store.
+
+Words and offsets
+-----------------
+Bytes move as integers only (no float arithmetic, so the interpreter's bf16 issues
+never apply): ``int32`` elements when every address, stride and size is a multiple
+of 4 (``CopyTables.word_bytes``), with ``tl.multiple_of`` telling the compiler the
+real alignment (8 or 16 bytes) so it emits ``ld.global.v2/v4.b32``; ``int16``/``int8``
+for 2- and 1-byte aligned tables. All address arithmetic is int64 (a 48-layer cache of
+2 MiB pages passes 2^31 bytes per layer).
+
+Expected bandwidth
+------------------
+The tile is ``ROWS * ROW_BYTES`` = 32 KiB per program per step with 4-byte words
+(8 KiB with 1-byte words), i.e. 128 bytes in flight per thread with 8 warps. Host reads
+over PCIe are bound by bytes in flight: at ~2 us round trip, 55 GB/s needs ~110 KB in
+flight, which 4 programs already hold; 16 programs (``max_ctas=16``) hold 512 KiB. The
+expectation on H100/H200 (PCIe Gen5) is therefore the contiguous pinned memcpy rate
+(~55 GB/s) in both directions for chunks from 2 KiB (rows of 2 KiB, 16 per tile) to
+2 MiB (rows of 32 KiB), less the per-program scan (~5 us per call) on small calls.
+Device-to-device copies run at HBM speed with the default grid (one program per SM).
+
+Interpreter
+-----------
+With ``TRITON_INTERPRET=1`` ``@triton.jit`` produces interpreted functions that run on
+CPU tensors (about 1 ms per program instance: keep grids small). :func:`kernels` hands
+out the compiled or the interpreted variant on demand, whatever the environment was
+when this module was first imported, so callers and tests do not depend on import order.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+
+import triton
+import triton.language as tl
+
+# Rows per program step, and the tile size in elements (32 per thread with 8 warps).
+MAX_ROWS = 16
+TILE_ELEMS = 8192
+MAX_ROW_BYTES = 32768
+MIN_ROW_BYTES = 64
+SCAN = 256
+NUM_WARPS = 8
+
+
+# Only builtins and this module's own jit functions are used in kernel code: the
+# standard library's jit helpers (tl.sum, tl.cumsum, tl.zeros_like) are of the kind
+# triton was imported as (compiled or interpreted), which may not be this module's
+# kind (see `kernels` below). Sums reduce with the standard `_sum_combine` whenever
+# that works: the interpreter recognizes it by identity and sums with numpy without
+# calling it (any kind will do), the compiler needs a JITFunction.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+_STD_ADD = tl.standard._sum_combine
+_ADD = _add if (isinstance(_add, triton.runtime.JITFunction)
+                and not isinstance(_STD_ADD, triton.runtime.JITFunction)) else _STD_ADD
+
+
+@triton.jit
+def _total(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _ADD)
+
+
+@triton.jit
+def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
+             ROW_BYTES: tl.constexpr):
+    """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
+    (src item base, dst item base, src block stride, dst block stride, src chunk
+    stride, dst chunk stride, chunks per block, merged, segment bytes, rows per
+    segment, rows)."""
+    j = tl.where(valid, j, 0)
+    item_offsets = call + num_groups + 1
+    # group of item j: how many later groups start at or before it (empty groups
+    # start where the next one does, so they are stepped over)
+    g = j * 0
+    for k in range(1, num_groups):
+        g += (j >= tl.load(item_offsets + k)).to(tl.int64)
+    first_run = tl.load(call + g, mask=valid, other=0)
+    runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
+    local = j - tl.load(item_offsets + g, mask=valid, other=0)
+    slot = tl.load(group_offsets + g, mask=valid, other=0) + local // runs_in_group
+    entry = entries + 8 * tl.load(group_entries + slot, mask=valid, other=0)
+    run = call + 2 * (num_groups + 1) + 3 * (first_run + local % runs_in_group)
+    src_block = tl.load(run, mask=valid, other=0)
+    dst_block = tl.load(run + 1, mask=valid, other=0)
+    num_blocks = tl.load(run + 2, mask=valid, other=1)
+    src_base = tl.load(entry + 0, mask=valid, other=0)
+    dst_base = tl.load(entry + 1, mask=valid, other=0)
+    src_bstride = tl.load(entry + 2, mask=valid, other=0)
+    dst_bstride = tl.load(entry + 3, mask=valid, other=0)
+    src_cstride = tl.load(entry + 4, mask=valid, other=0)
+    dst_cstride = tl.load(entry + 5, mask=valid, other=0)
+    chunk_bytes = tl.load(entry + 6, mask=valid, other=0)
+    num_chunks = tl.maximum(tl.load(entry + 7, mask=valid, other=1), 1)
+    # A run adjacent on both sides moves each chunk of all its blocks as one segment.
+    merged = (num_blocks == 1) | ((src_bstride == chunk_bytes) & (dst_bstride == chunk_bytes))
+    seg_bytes = tl.where(merged, chunk_bytes * num_blocks, chunk_bytes)
+    num_segs = tl.where(merged, num_chunks, num_chunks * num_blocks)
+    tiles = (seg_bytes + ROW_BYTES - 1) // ROW_BYTES
+    src_item = src_base + src_block * src_bstride
+    dst_item = dst_base + dst_block * dst_bstride
+    return (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride,
+            num_chunks, merged, seg_bytes, tiles, num_segs * tiles)
+
+
+@triton.jit(do_not_specialize=["num_groups"])
+def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
+                      ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
+                      ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr):
+    """One launch for a whole call; see the module docstring for the mapping."""
+    ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
+    VEC: tl.constexpr = WORD // ELEM_BYTES
+    pid = tl.program_id(0).to(tl.int64)
+    num_workers = tl.num_programs(0).to(tl.int64) * ROWS
+    n_items = tl.load(call + 2 * num_groups + 1)
+    lane = tl.arange(0, SCAN).to(tl.int64)
+
+    # Pass 1: the number of rows in the call.
+    total = n_items * 0
+    for start in range(0, n_items, SCAN):
+        j = start + lane
+        _a, _b, _c, _d, _e, _f, _g, _h, _i, _k, rows = _resolve(
+            j, j < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES)
+        total += _total(rows, 0)
+
+    # Each worker's contiguous share of the rows.
+    worker = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    begin = worker * total // num_workers
+    count = (worker + 1) * total // num_workers - begin
+
+    # Pass 2: the item holding each worker's first row = the number of items whose
+    # rows all end at or before it; `before` = the rows of those items.
+    item = worker * 0
+    before = worker * 0
+    carry = n_items * 0
+    for start in range(0, n_items, SCAN):
+        j = start + lane
+        valid = j < n_items
+        _a, _b, _c, _d, _e, _f, _g, _h, _i, _k, rows = _resolve(
+            j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES)
+        ends = tl.associative_scan(rows, 0, _ADD) + carry
+        done = (ends[None, :] <= begin[:, None]) & valid[None, :]
+        item += _total(done.to(tl.int64), 1)
+        before += _total(tl.where(done, rows[None, :], 0), 1)
+        carry += _total(rows, 0)
+    row = begin - before  # row within the current item
+
+    (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride, num_chunks,
+     merged, seg_bytes, tiles, rows) = _resolve(
+        item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES)
+    cols = tl.arange(0, ROW_ELEMS)
+    steps = (total + num_workers - 1) // num_workers
+    for step in range(0, steps):
+        active = step < count
+        seg = row // tl.maximum(tiles, 1)
+        tile = row - seg * tiles
+        block = tl.where(merged, 0, seg // num_chunks)
+        chunk = seg - block * num_chunks
+        off = tile * ROW_BYTES
+        src = src_item + block * src_bstride + chunk * src_cstride + off
+        dst = dst_item + block * dst_bstride + chunk * dst_cstride + off
+        n = tl.where(active, tl.minimum(seg_bytes - off, ROW_BYTES) // ELEM_BYTES, 0)
+        n = tl.multiple_of(n, VEC)
+        src_ptr = tl.multiple_of(src.to(tl.pointer_type(ELEM)), WORD)
+        dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(ELEM)), WORD)
+        mask = cols[None, :] < n[:, None]
+        words = tl.load(src_ptr[:, None] + cols[None, :], mask=mask, eviction_policy="evict_first")
+        # Step to the next row while the loads are in flight.
+        row += active.to(tl.int64)
+        wrap = active & (row >= rows)
+        if _total(wrap.to(tl.int32), 0) > 0:
+            item += wrap.to(tl.int64)
+            row = tl.where(wrap, 0, row)
+            (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride,
+             num_chunks, merged, seg_bytes, tiles, rows) = _resolve(
+                item, item < n_items, entries, group_offsets, group_entries, call, num_groups,
+                ROW_BYTES)
+        tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
+
+
+# ---------------------------------------------------------------------- host side
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Compile-time shape of the kernel for one copier direction."""
+
+    elem: object  # tl.int8 / tl.int16 / tl.int32
+    elem_bytes: int
+    word: int  # alignment of every address, stride and size (<= 16)
+    row_bytes: int
+    rows: int
+    scan: int = SCAN
+    num_warps: int = NUM_WARPS
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def constexprs(self) -> dict:
+        return dict(ELEM=self.elem, ELEM_BYTES=self.elem_bytes, WORD=self.word,
+                    ROW_BYTES=self.row_bytes, ROWS=self.rows, SCAN=self.scan)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def launch_config(word_bytes: int, min_chunk_bytes: int) -> LaunchConfig:
+    """Rows about one chunk long (so small chunks still fill a 32 KiB tile with 16
+    rows), capped at 32 KiB (so a large chunk spreads over many workers)."""
+    if word_bytes >= 4:
+        elem, elem_bytes = tl.int32, 4
+    elif word_bytes == 2:
+        elem, elem_bytes = tl.int16, 2
+    else:
+        elem, elem_bytes = tl.int8, 1
+    row = _pow2_at_least(max(min_chunk_bytes, MIN_ROW_BYTES, word_bytes))
+    row = min(row, MAX_ROW_BYTES, TILE_ELEMS * elem_bytes)
+    rows = max(1, min(MAX_ROWS, TILE_ELEMS * elem_bytes // row))
+    return LaunchConfig(elem=elem, elem_bytes=elem_bytes, word=int(word_bytes), row_bytes=row, rows=rows)
+
+
+def grid_size(total_bytes: int, cfg: LaunchConfig, max_ctas: int) -> int:
+    """Programs for a call: no more than there are full tiles, at most ``max_ctas``."""
+    tiles = -(-int(total_bytes) // cfg.tile_bytes)
+    return max(1, min(int(max_ctas), tiles))
+
+
+def launch(mod: ModuleType, grid: int, entries, group_offsets, group_entries, call,
+           num_groups: int, cfg: LaunchConfig) -> None:
+    """The one kernel launch of a call (``mod`` from :func:`kernels`)."""
+    mod.fused_copy_kernel[(grid,)](
+        entries, group_offsets, group_entries, call, num_groups,
+        num_warps=cfg.num_warps, **cfg.constexprs())
+
+
+# ------------------------------------------------------- compiled / interpreted
+_variants: dict = {}
+_lock = threading.Lock()
+
+
+def is_interpreted(mod: ModuleType) -> bool:
+    return not isinstance(mod.fused_copy_kernel, triton.runtime.JITFunction)
+
+
+def kernels(interpret: bool) -> ModuleType:
+    """This module with its kernels compiled (``interpret=False``) or interpreted.
+
+    ``@triton.jit`` picks the interpreter from ``TRITON_INTERPRET`` when it runs. The
+    variant this module was imported as is returned as is; the other one is this
+    file executed again, once, as a private module with ``TRITON_INTERPRET`` set for
+    the duration, so its helper functions are of the same kind as its kernel.
+    """
+    this = sys.modules[__name__]
+    if is_interpreted(this) == bool(interpret):
+        return this
+    with _lock:
+        if interpret not in _variants:
+            name = f"{__name__}._{'interpreted' if interpret else 'compiled'}"
+            spec = importlib.util.spec_from_file_location(name, __file__)
+            mod = importlib.util.module_from_spec(spec)
+            old = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+            try:
+                sys.modules[name] = mod
+                spec.loader.exec_module(mod)
+            finally:
+                if old is None:
+                    del os.environ["TRITON_INTERPRET"]
+                else:
+                    os.environ["TRITON_INTERPRET"] = old
+            assert is_interpreted(mod) == bool(interpret)
+            _variants[interpret] = mod
+        return _variants[interpret]

@@ -1,0 +1,186 @@
+"""Backend ``triton``: the fused Triton kernel (``kernels/triton_copy.py``), one launch per call.
+
+``prepare`` (once per copier direction) page-locks pageable host buffers in place
+(:mod:`kvcopy.pinning`), uploads the static tables to the device and picks the launch
+shape (word size from the tables' alignment, rows about one chunk long). ``copy``
+then does exactly two things on the caller's current stream: one small
+host-to-device copy of the packed call array (from a pinned staging tensor of
+PyTorch's caching host allocator, which keeps the block from being reused until the
+copy has run) and one kernel launch. Nothing synchronizes the host.
+
+Grid: at most ``max_ctas`` programs (``BlockCopier(..., max_ctas=N)``, which lands in
+``tables.backend_state["max_ctas"]``; else the ``KVCOPY_MAX_CTAS`` environment
+variable; else one program per SM), and never more than the call has 32 KiB tiles.
+
+With ``TRITON_INTERPRET=1`` in the environment when a copier is built, the backend
+runs the same kernel in Triton's interpreter on CPU tensors (both sides on the CPU);
+that is how it is tested without a GPU. The default grid cap is then 4 programs
+(each program instance costs about a millisecond there).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..tables import CHUNK_BYTES, CallPlan, CopyTables
+from . import Backend
+
+STATE_KEY = "triton"
+INTERPRETER_MAX_CTAS = 4
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter (read now, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_max_ctas(tables: CopyTables, default: int) -> int:
+    """``tables.backend_state["max_ctas"]`` (or a ``max_ctas`` attribute of the tables),
+    else ``KVCOPY_MAX_CTAS``, else ``default``; the same rule as the ``cuda`` backend."""
+    value: Any = tables.backend_state.get("max_ctas")
+    if value is None:
+        value = getattr(tables, "max_ctas", None)
+    where = "max_ctas"
+    if value is None and os.environ.get("KVCOPY_MAX_CTAS"):
+        value, where = os.environ["KVCOPY_MAX_CTAS"], "KVCOPY_MAX_CTAS"
+    if value is None:
+        return default
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+    return n
+
+
+@dataclass
+class _State:
+    mod: Any  # kernels module (compiled or interpreted variant)
+    device: torch.device
+    entries: torch.Tensor
+    group_offsets: torch.Tensor
+    group_entries: torch.Tensor
+    cfg: Any  # triton_copy.LaunchConfig
+    max_ctas: int
+    pinning: Any  # kvcopy.pinning.HostPinning or None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        try:
+            import triton  # noqa: F401
+
+            from ..kernels import triton_copy
+        except ImportError as exc:
+            self._kernels, self._why = None, f"triton is not installed ({exc})"
+        else:
+            self._kernels, self._why = triton_copy, None
+
+    # ------------------------------------------------------------ availability
+    def unavailable_reason(self) -> Optional[str]:
+        if self._why:
+            return self._why
+        if not interpreting() and not torch.cuda.is_available():
+            return ("no CUDA device (set TRITON_INTERPRET=1 to run the kernel on CPU tensors "
+                    "in Triton's interpreter)")
+        return None
+
+    def unsupported_reason(self, tables: CopyTables) -> Optional[str]:
+        tensors = list(tables.src_tensors) + list(tables.dst_tensors)
+        devices = {t.device for t in tensors} or {tables.src_device, tables.dst_device}
+        if interpreting():
+            if any(d.type != "cpu" for d in devices):
+                return ("TRITON_INTERPRET=1 runs the kernel in the interpreter, on CPU tensors "
+                        f"only; got {sorted(map(str, devices))}")
+        else:
+            cuda = {d for d in devices if d.type == "cuda"}
+            if not cuda:
+                return "CPU tensors on both sides need TRITON_INTERPRET=1 (or backend 'cpu')"
+            if len(cuda) > 1:
+                return f"device tensors on several GPUs: {sorted(map(str, cuda))}"
+            if any(d.type not in ("cuda", "cpu") for d in devices):
+                return f"unsupported device among {sorted(map(str, devices))}"
+            from ..pinning import host_pointer_usable
+
+            index = next(iter(cuda)).index
+            if not host_pointer_usable(index if index is not None else torch.cuda.current_device()):
+                return ("this GPU cannot use registered host pointers directly "
+                        "(cudaDevAttrCanUseHostPointerForRegisteredMem = 0); use backend 'ce'")
+        if len(tables.entries) and (tables.entries[:, CHUNK_BYTES] <= 0).any():
+            return "an entry has zero-byte pages"
+        return None
+
+    # ------------------------------------------------------------ per copier
+    def prepare(self, tables: CopyTables) -> None:
+        tc = self._kernels
+        interp = interpreting()
+        cuda = [t.device for t in list(tables.src_tensors) + list(tables.dst_tensors)
+                if t.device.type == "cuda"]
+        if interp or not cuda:
+            device = torch.device("cpu")
+            default_ctas = INTERPRETER_MAX_CTAS
+        else:
+            device = cuda[0] if cuda[0].index is not None else torch.device("cuda", torch.cuda.current_device())
+            default_ctas = torch.cuda.get_device_properties(device).multi_processor_count
+        max_ctas = resolve_max_ctas(tables, default_ctas)
+        pinning = None
+        if device.type == "cuda":
+            from ..pinning import pin_host_tensors
+
+            host = [t for t in list(tables.src_tensors) + list(tables.dst_tensors) if t.device.type == "cpu"]
+            pinning = pin_host_tensors(host)
+
+        def upload(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64).reshape(-1)).to(device)
+
+        min_chunk = int(tables.entries[:, CHUNK_BYTES].min()) if len(tables.entries) else 0
+        tables.backend_state[STATE_KEY] = _State(
+            mod=tc.kernels(interpret=interp),
+            device=device,
+            entries=upload(tables.entries),
+            group_offsets=upload(tables.group_offsets),
+            group_entries=upload(tables.group_entries) if len(tables.group_entries) else upload(np.zeros(1)),
+            cfg=tc.launch_config(tables.word_bytes, min_chunk),
+            max_ctas=max_ctas,
+            pinning=pinning,
+        )
+
+    def release(self, tables: CopyTables) -> None:
+        state = tables.backend_state.pop(STATE_KEY, None)
+        if state is not None and state.pinning is not None:
+            state.pinning.release()
+
+    # ------------------------------------------------------------ per call
+    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+        st = tables.backend_state.get(STATE_KEY)
+        if st is None:
+            self.prepare(tables)
+            st = tables.backend_state[STATE_KEY]
+        if call.num_items == 0:
+            return
+        packed = torch.from_numpy(call.packed)
+        grid = self._kernels.grid_size(call.total_bytes, st.cfg, st.max_ctas)
+        if st.device.type != "cuda":
+            self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
+                                 packed, call.num_groups, st.cfg)
+            return
+        # One small H2D copy of the call, then the launch, both on the current stream.
+        # pin_memory() draws from the caching host allocator, which records the copy's
+        # stream and does not hand the block out again before the copy has run.
+        if torch.cuda.current_device() != st.device.index:
+            with torch.cuda.device(st.device):
+                self._launch_cuda(st, packed, grid, call.num_groups)
+        else:
+            self._launch_cuda(st, packed, grid, call.num_groups)
+
+    def _launch_cuda(self, st: _State, packed: torch.Tensor, grid: int, num_groups: int) -> None:
+        call_dev = packed.pin_memory().to(st.device, non_blocking=True)
+        self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
+                             call_dev, num_groups, st.cfg)
