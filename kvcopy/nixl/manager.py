@@ -39,9 +39,10 @@ exceptions: ``poll`` returns ``"ERR"`` and releases the NIXL handle, ``complete`
 returns a :class:`Completion` with ``ok=False`` and the request's local block ids, and
 writes nothing to the device caches. The peer is then sent the request's ``notify``
 message (best effort) so it can free its blocks. Input errors (bad ids, a plan that
-does not fit) raise ``ValueError``/``TypeError`` before anything moves. ``pull`` does
-not re-check a plan's page ids: a plan made by :meth:`plan_pull` is in range, and a
-tampered one is rejected by NIXL and fails as a request.
+does not fit this manager or peer, page ids outside their region) raise
+``ValueError``/``TypeError`` before anything moves. Descriptors NIXL rejects when the
+transfer is made (for example a peer whose NIXL metadata was invalidated or
+re-registered since ``add_peer``: the prepared descriptors are stale) fail the request.
 
 Not thread-safe: one thread drives a manager.
 """
@@ -311,6 +312,13 @@ class TransferManager:
                 raise ValueError("plan pair has different local and remote page counts")
             lp = np.asarray(pair.local_pages, dtype=np.int64)
             rp = np.asarray(pair.remote_pages, dtype=np.int64)
+            # NIXL only checks an index against the whole list: a page past its region
+            # would silently read the next region. Refuse it here.
+            for pages, ref, side in ((lp, pair.local, "local"), (rp, pair.remote, "remote")):
+                if len(pages) and (pages.min() < 0 or pages.max() >= ref.num_pages):
+                    raise ValueError(
+                        f"plan {side} page {int(pages.max() if pages.max() >= ref.num_pages else pages.min())} "
+                        f"out of range [0, {ref.num_pages}) of region {ref.index}")
             for c in range(pair.local.num_chunks):
                 local_parts.append(local_off[pair.local.index] + c * pair.local.num_pages + lp)
                 remote_parts.append(peer.offsets[pair.remote.index] + c * pair.remote.num_pages + rp)

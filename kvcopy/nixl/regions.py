@@ -54,7 +54,7 @@ class RegionInfo:
     chunk_stride: int  # bytes from chunk c to c + 1 of one page (0 with one chunk)
     dtype: str
     itemsize: int
-    page_shape: Tuple[Tuple[int, int], ...]  # in-page (size, stride) pairs, in elements
+    page_shape: Tuple[Tuple[int, Optional[int]], ...]  # in-page (size, stride), elements (PageLayout.page_geometry)
     kind: str  # layout kind from kvcopy.layout: kv_first, blocks_first, mla, flat
     kv_layout: str  # "NHD" or "HND": which in-page axis is tokens, which heads
     tokens_per_page: int
@@ -91,7 +91,7 @@ class RegionInfo:
     def from_dict(cls, d: Mapping) -> "RegionInfo":
         d = dict(d)
         d["members"] = tuple((str(n), int(g)) for n, g in d["members"])
-        d["page_shape"] = tuple((int(s), int(st)) for s, st in d["page_shape"])
+        d["page_shape"] = tuple((int(s), None if st is None else int(st)) for s, st in d["page_shape"])
         d["heads"] = None if d["heads"] is None else (int(d["heads"][0]), int(d["heads"][1]))
         return cls(**d)
 

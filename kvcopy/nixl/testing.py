@@ -19,6 +19,7 @@ Cases (``build_case``):
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,18 @@ import torch
 from ..reference import as_words, reference_copy
 from ..layout import describe
 from .plan import NO_BLOCK
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Toy tensors are kilobytes: torch's intra-op threads only add barrier waits, which
+    on a loaded 2-core machine (NIXL progress threads included) cost milliseconds per op."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -77,6 +90,40 @@ def build_case(case: str, num_pages: int, tokens_per_block: Optional[Sequence[in
     if tokens_per_block is not None:
         eng.tokens_per_block = list(tokens_per_block)
     return eng
+
+
+class ManagerPairs:
+    """P and D managers over fresh toy engines (P random, D poisoned), D already
+    holding P as a peer; ``close`` closes every manager made. Names are unique per
+    process, as NIXL agent names must be."""
+
+    _serial = 0
+
+    def __init__(self):
+        self.made = []
+
+    def make(self, case: str, num_pages: int, p_tpb=None, d_tpb=None, buffer: str = "host", seeds=(1, 2)):
+        """-> (P manager, D manager, P's peer name on D, P engine, D engine)."""
+        pe, de = build_case(case, num_pages, p_tpb), build_case(case, num_pages, d_tpb)
+        fill_random(pe.device_caches, seeds[0])
+        fill_random(de.device_caches, seeds[1])
+        ManagerPairs._serial += 1
+        p = pe.manager(f"P{ManagerPairs._serial}", buffer=buffer)
+        self.made.append(p)
+        d = de.manager(f"D{ManagerPairs._serial}", buffer=buffer)
+        self.made.append(d)
+        return p, d, d.add_peer(p.metadata()), pe, de
+
+    def close(self) -> None:
+        for m in reversed(self.made):
+            m.close()
+        self.made = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def unique_storages(caches: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:
@@ -168,7 +215,9 @@ def allocate_blocks(rng: np.random.Generator, engine: ToyEngine, counts: Sequenc
     out = []
     for g, count in enumerate(counts):
         r = engine.pages_per_block(g)
-        free = [b for b in range(num_pages // r) if not any(b * r + j in used for j in range(r))]
+        taken = np.zeros(num_pages // r * r, dtype=bool)
+        taken[[p for p in used if p < len(taken)]] = True
+        free = np.flatnonzero(~taken.reshape(-1, r).any(axis=1))
         if len(free) < count:
             raise ValueError("toy engine out of pages")
         chosen = [int(b) for b in rng.choice(free, size=count, replace=False)]
@@ -207,13 +256,7 @@ def serve_prefill(conn) -> None:
                 manager.save(msg[1])
                 conn.send(("ok",))
             elif cmd == "notifications":
-                got: List[tuple] = []
-                deadline = time.monotonic() + 60  # hang guard only
-                while len(got) < msg[1] and time.monotonic() < deadline:
-                    for peer, notes in manager.notifications().items():
-                        got.extend((peer, n) for n in notes)
-                    time.sleep(0.001)
-                conn.send(("ok", got))
+                conn.send(("ok", collect_notifications(manager, msg[1])))
             elif cmd == "close":
                 manager.close()
                 conn.send(("ok",))
@@ -255,3 +298,65 @@ class PrefillProcess:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
+
+
+def wait(manager, handle, timeout: float = 60.0) -> str:
+    """Poll until DONE or ERR; ``timeout`` is a hang guard, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while (state := manager.poll(handle)) == "PROC":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{handle!r} still in flight after {timeout} s")
+        time.sleep(0)
+    return state
+
+
+def collect_notifications(manager, count: int, timeout: float = 60.0) -> List[tuple]:
+    """(peer, message) pairs until ``count`` arrived; ``timeout`` is a hang guard: fewer
+    come back if it passes."""
+    got: List[tuple] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        for peer, notes in manager.notifications().items():
+            got.extend((peer, n) for n in notes)
+        time.sleep(0.001)
+    return got
+
+
+def engine_info(engine: ToyEngine, name: str, buffer: str = "host"):
+    """The handshake record of an engine without creating a NIXL agent (plan tests)."""
+    from .handshake import EngineInfo
+    from .regions import build_regions
+
+    tpp = [engine.tokens_per_page] * len(engine.layer_groups)
+    regions = build_regions(engine.device_caches, engine.layer_groups, tpp, buffer)
+    return EngineInfo(name=name, buffer=buffer, mem_type=regions.mem_type, tp_rank=0, tp_size=1,
+                      tokens_per_block=tuple(engine.tokens_per_block), tokens_per_page=tuple(tpp),
+                      regions=tuple(regions.regions), agent_metadata=b"")
+
+
+@dataclass
+class PullOutcome:
+    """One request pulled and completed, with the two independent expectations."""
+
+    plan: object
+    completion: object
+    before: Dict[str, torch.Tensor]  # D's caches before the pull
+    expected: Dict[str, torch.Tensor]  # from the token-position rule (expected_pull)
+    replayed: Dict[str, torch.Tensor]  # the plan applied by the byte oracle
+
+
+def pull_and_complete(d_manager, peer: str, d_engine: ToyEngine, d_block_ids, p_caches, p_engine: ToyEngine,
+                      p_block_ids, num_tokens: int, num_cached_tokens: int = 0, notify: bytes = b"") -> PullOutcome:
+    """plan_pull -> pull -> poll -> complete on D, and both expectations of the result."""
+    from .oracle import replay
+
+    before = clone_caches(d_engine.device_caches)
+    plan = d_manager.plan_pull(peer, p_block_ids, num_tokens, d_block_ids, num_cached_tokens)
+    handle = d_manager.pull(plan, notify=notify)
+    wait(d_manager, handle)
+    completion = d_manager.complete(handle)
+    expected = expected_pull(before, d_engine, d_block_ids, p_caches, p_engine, p_block_ids, num_tokens,
+                             num_cached_tokens)
+    replayed = clone_caches(before)
+    replay(plan, replayed, p_caches)
+    return PullOutcome(plan, completion, before, expected, replayed)

@@ -1,0 +1,97 @@
+"""The handshake: versioned bytes, and peers refused with a ValueError saying what differs."""
+import dataclasses
+import struct
+
+import pytest
+import torch
+
+from kvcopy.nixl import HANDSHAKE_VERSION, decode, encode, pair_layers
+from kvcopy.nixl.handshake import MAGIC
+from kvcopy.nixl.testing import ToyEngine, build_case, engine_info
+
+NP = 16
+
+
+def test_encode_decode_round_trip_keeps_every_region_field():
+    info = dataclasses.replace(engine_info(build_case("hybrid", NP), "P"), agent_metadata=b"\x00agent\xff")
+    data = encode(info)
+    assert data.startswith(MAGIC)
+    assert decode(data) == info
+
+
+def test_unknown_version_truncation_and_garbage_are_refused():
+    data = encode(engine_info(build_case("one_group", NP), "P"))
+    newer = data[: len(MAGIC)] + struct.pack("<I", HANDSHAKE_VERSION + 1) + data[len(MAGIC) + 4 :]
+    with pytest.raises(ValueError, match=f"version {HANDSHAKE_VERSION + 1} is not supported"):
+        decode(newer)
+    with pytest.raises(ValueError, match="truncated"):
+        decode(data[: len(MAGIC) + 20])
+    with pytest.raises(ValueError, match="bad magic"):
+        decode(b"not a handshake")
+    body_start = len(MAGIC) + 12
+    with pytest.raises(ValueError, match="malformed"):
+        decode(data[:body_start] + b"x" + data[body_start + 1 :])
+
+
+def _engine(dtype=torch.float16, tokens=16, heads=2, tpb=16, names=("a0", "a1")):
+    caches = {n: torch.empty(NP, tokens, heads, 8, dtype=dtype) for n in names}
+    return ToyEngine(caches, [list(names)], [tpb], tokens)
+
+
+@pytest.mark.parametrize("peer, tp, match", [
+    (_engine(dtype=torch.float32), 1, r"layer 'a0': element size 2 \(local\) vs 4 \(peer\)"),
+    (_engine(tokens=32, tpb=32), 1, r"tokens per page 16 \(local\) vs 32 \(peer\)"),
+    (_engine(heads=4), 1, r"total KV heads 2 \(local\) vs 4 \(peer\)"),
+    (_engine(names=("a0",)), 1, r"1 layer\(s\) not on the peer .*\['a1'\]"),
+    (_engine(), 2, r"TP size 1 \(local\) vs 2 \(peer\)"),
+])
+def test_incompatible_peers_are_refused_naming_the_difference(peer, tp, match):
+    local = engine_info(_engine(), "D")
+    remote = dataclasses.replace(engine_info(peer, "P"), tp_size=tp)
+    with pytest.raises(ValueError, match=match):
+        pair_layers(local, remote)
+
+
+def test_compatible_peer_pairs_each_layer_with_its_group_and_region():
+    eng = build_case("hybrid", NP)
+    pairs = pair_layers(engine_info(eng, "D"), engine_info(eng, "P"))
+    assert sorted((p.layer, p.local_group, p.remote_group) for p in pairs) == [
+        ("l0", 0, 0), ("l1", 1, 1), ("l2", 0, 0), ("l3", 1, 1), ("l4", 0, 0), ("l5", 1, 1)]
+    assert {p.layer: p.local_region for p in pairs}["l0"] == {p.layer: p.local_region for p in pairs}["l1"]
+
+
+def test_add_peer_refuses_before_any_transfer():
+    d = _engine().manager("D-hs")
+    try:
+        bad = _engine(dtype=torch.float32).manager("P-hs-bad")
+        with pytest.raises(ValueError, match="element size"):
+            d.add_peer(bad.metadata())
+        assert d.peers() == []
+        with pytest.raises(ValueError, match="own name"):
+            d.add_peer(d.metadata())
+        good = _engine().manager("P-hs")
+        assert d.add_peer(good.metadata()) == "P-hs"
+        with pytest.raises(ValueError, match="already added"):
+            d.add_peer(good.metadata())
+        bad.close()
+        good.close()
+    finally:
+        d.close()
+
+
+def test_add_peer_refuses_regions_nixl_does_not_know():
+    """A handshake advertising memory its agent never registered: NIXL rejects the
+    descriptors when D prepares them, and add_peer raises (nothing added)."""
+    d = _engine().manager("D-lie")
+    p = _engine().manager("P-lie")
+    try:
+        info = decode(p.metadata())
+        lie = dataclasses.replace(info, regions=tuple(
+            dataclasses.replace(r, address=r.address + (1 << 40)) for r in info.regions))
+        with pytest.raises(ValueError, match="not what it registered"):
+            d.add_peer(encode(lie))
+        assert d.peers() == []
+        assert d.add_peer(p.metadata()) == "P-lie"  # the truthful handshake still works
+    finally:
+        d.close()
+        p.close()
