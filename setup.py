@@ -121,9 +121,9 @@ setup(
     extras_require={
         "triton": ["triton"],
         "nixl": ["nixl-cu12"],
-        "nvrtc": ["cupy-cuda12x"],
+        "nvrtc": ["cupy-cuda12x", "nvidia-cuda-nvrtc-cu12"],
         "test": ["pytest", "pytest-benchmark"],
-        "all": ["triton", "nixl-cu12", "cupy-cuda12x", "pytest", "pytest-benchmark"],
+        "all": ["triton", "nixl-cu12", "cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "pytest", "pytest-benchmark"],
     },
     entry_points={"console_scripts": ["kvcopy-bench=kvcopy.cli:main"]},
     zip_safe=False,
