@@ -1,0 +1,96 @@
+"""P and D in two processes: P is a spawned child driven over a pipe (metadata, block
+ids and its KV bytes travel over the pipe; KV moves only through NIXL)."""
+import itertools
+
+import numpy as np
+import pytest
+
+from kvcopy.nixl import NO_BLOCK
+from kvcopy.nixl.testing import (
+    PrefillProcess, build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire,
+    one_torch_thread, pull_and_complete, same_bytes, wait,
+)
+
+NP = 64
+_names = itertools.count()
+
+
+@pytest.fixture
+def prefill():
+    proc = PrefillProcess()
+    with one_torch_thread():
+        yield proc
+    proc.stop()
+
+
+def start(prefill, case, p_tpb=None, d_tpb=None):
+    """P started in the child; D built here, poisoned, holding P as a peer."""
+    n = next(_names)
+    metadata, wire = prefill.call("start", case, NP, p_tpb, 100 + n, f"Pmp{n}")
+    p_engine = build_case(case, NP, p_tpb)  # P's geometry, for the expectation
+    d_engine = build_case(case, NP, d_tpb)
+    fill_random(d_engine.device_caches, 200 + n)
+    d = d_engine.manager(f"Dmp{n}")
+    return d, d.add_peer(metadata), from_wire(wire), p_engine, d_engine
+
+
+def test_hybrid_with_prefix_hit_across_processes_and_p_is_notified(prefill):
+    d, peer, p_caches, pe, de = start(prefill, "hybrid")
+    try:
+        reqs = [  # (P ids, D ids, tokens, D's cached tokens)
+            ([[1, 2, 3], [NO_BLOCK, NO_BLOCK, 10, 11, 12, 13]], [[20, 21, 22], [NO_BLOCK, NO_BLOCK, 4, 5, 6, 7]], 90, 32),
+            ([[8, 9], [30, 31, 32]], [[14, 15], [50, 51, 52]], 40, 0),
+        ]
+        prefill.call("save", [reqs[0][0][g] + reqs[1][0][g] for g in range(2)])
+        first = pull_and_complete(d, peer, de, reqs[0][1], p_caches, pe, reqs[0][0], 90, 32, notify=b"req-0")
+        assert first.completion.ok
+        assert same_bytes(de.device_caches, first.expected), first_difference(de.device_caches, first.expected)
+        assert same_bytes(first.expected, first.replayed)
+        second = pull_and_complete(d, peer, de, reqs[1][1], p_caches, pe, reqs[1][0], 40, notify=b"req-1")
+        assert second.completion.ok and not same_bytes(second.before, second.expected)
+        assert same_bytes(de.device_caches, second.expected), first_difference(de.device_caches, second.expected)
+        (got,) = prefill.call("notifications", 2)
+        assert sorted(got) == [(d.name, b"req-0"), (d.name, b"req-1")]
+    finally:
+        d.close()
+
+
+def test_seeds3_geometry_across_processes(prefill):
+    d, peer, p_caches, pe, de = start(prefill, "seeds3", p_tpb=[128], d_tpb=[64])
+    try:
+        prefill.call("save", [[5, 9]])
+        out = pull_and_complete(d, peer, de, [[20, 21, 22]], p_caches, pe, [[5, 9]], 160, notify=b"s3")
+        assert out.plan.pairs[0].remote_pages == (10, 11, 18)
+        assert out.completion.ok and not same_bytes(out.before, out.expected)
+        assert same_bytes(de.device_caches, out.expected), first_difference(de.device_caches, out.expected)
+    finally:
+        d.close()
+
+
+def test_prefill_process_exits_mid_flight(prefill):
+    """Pulls posted before P's process exits end DONE (exact) or ERR (untouched);
+    pulls posted after it exited fail; no handle is left behind."""
+    d, peer, p_caches, pe, de = start(prefill, "one_group")
+    try:
+        rng = np.random.default_rng(9)
+        p_ids = [[[int(x)] for x in row] for row in rng.permutation(NP)[:12].reshape(6, 2)]
+        d_ids = [[[int(x)] for x in row] for row in rng.permutation(NP)[:12].reshape(6, 2)]
+        reqs = [([p[0] + p[1]], [q[0] + q[1]], 32) for p, q in zip(p_ids, d_ids)]
+        prefill.call("save", [sum((r[0][0] for r in reqs), [])])
+        before = clone_caches(de.device_caches)
+        handles = [d.pull(d.plan_pull(peer, p, n, q)) for p, q, n in reqs[:4]]
+        prefill.stop()
+        handles += [d.pull(d.plan_pull(peer, p, n, q)) for p, q, n in reqs[4:]]
+        expected, states = before, []
+        for h, (p, q, n) in zip(handles, reqs):
+            states.append(wait(d, h))
+            done = d.complete(h)
+            if done.ok:
+                expected = expected_pull(expected, de, q, p_caches, pe, p, n)
+            else:
+                assert done.failed_block_ids == (tuple(q[0]),)
+        assert states[4:] == ["ERR", "ERR"]
+        assert same_bytes(de.device_caches, expected), first_difference(de.device_caches, expected)
+        assert d.stats()["live_transfer_handles"] == 0 and d.stats()["in_flight"] == 0
+    finally:
+        d.close()
