@@ -148,7 +148,7 @@ class Scenario:
         blocks = f"{counts[0]} blocks/group" if len(set(counts)) == 1 else f"blocks/group {counts}"
         return (
             f"{self.name}: {self.num_layers} layers, {len(self.groups())} group(s) ({self.layer_map} map), "
-            f"{self.layout} {list(shape)} {self.dtype}, {blocks}, ids {self.ids}, "
+            f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}, "
             f"chunk {fmt_bytes(self.chunk_bytes())}, {fmt_bytes(self.call_bytes())}/call"
         )
 

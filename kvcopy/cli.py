@@ -113,11 +113,14 @@ def _add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "kvcopy backends torch, cpu, triton, cuda, ce, auto; 'default' (CPU: vllm, "
                         "coalesced, torch, cpu; GPU: all but cpu) or 'all'")
     m.add_argument("--iters", type=int, help="timed calls per method (default: 200 GPU, 20 CPU)")
-    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--warmup", type=int, default=1)
     m.add_argument("--budget", type=float,
                    help="seconds of timed calls per method per point before it leaves the rotation "
                         "(after 5 calls; default 0.75 CPU, 3 GPU): bounds slow methods (the Triton "
                         "interpreter, baselines on a busy machine)")
+    m.add_argument("--time-limit", type=float,
+                   help="aim to finish the timed part within this many seconds by shrinking --budget "
+                        "for the points left (default 40 on CPU, none on GPU; 0: none)")
     m.add_argument("--max-ctas", type=_int_list, default=[0], metavar="N[,N...]",
                    help="cap the grid of GPU kernel backends (0: uncapped); several values give a "
                         "row each")
@@ -239,7 +242,7 @@ class Progress:
 
 
 def measure_point(point, direction: str, methods: List[str], args, device: str,
-                  skipped: Dict[str, str]) -> List[dict]:
+                  skipped: Dict[str, str], budget: Optional[float] = None) -> List[dict]:
     """All rows of one (scenario, direction): memcpy first, then each method."""
     from .bench_timing import measure, op_counts
 
@@ -273,8 +276,10 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
             fns.pop(key)
         del expected
     iters = args.iters or (200 if device != "cpu" else 20)
-    budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
-    timings = measure(fns, device, iters, args.warmup, budget_s=budget)
+    base = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
+    budget = base if budget is None else budget
+    floor = 5 if budget >= base else 3  # fewer calls when --time-limit bites
+    timings = measure(fns, device, iters, args.warmup, budget_s=budget, min_iters=min(floor, iters))
     rows = []
     ref = timings["memcpy"].stats().get("median_us")
     for key, fn in fns.items():
@@ -314,7 +319,7 @@ def _kind(method: str) -> str:
 def run_bench(args, sweep: bool) -> dict:
     import torch
 
-    from .bench_scenarios import copier_accepts, parse_size
+    from .bench_scenarios import copier_accepts, fmt_bytes, parse_size
     from .bench_timing import env_info
 
     device = _device(args)
@@ -332,11 +337,19 @@ def run_bench(args, sweep: bool) -> dict:
         notes.append("triton runs in the interpreter (TRITON_INTERPRET=1): ~1 ms per program instance")
     progress = Progress(len(scenarios) * len(directions), args.quiet or len(scenarios) * len(directions) < 2)
     rows: List[dict] = []
+    base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
+    limit = args.time_limit if args.time_limit is not None else (40.0 if device == "cpu" else 0.0)
+    t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
     for sc in scenarios:
         point = sc.build(device, pinned=args.host_memory == "pinned")
         try:
             for direction in directions:
-                rows += measure_point(point, direction, methods, args, device, skipped)
+                budget = base_budget
+                if limit > 0:  # share what is left of the limit among the points left
+                    left = max(0.0, limit - (time.perf_counter() - t_start))
+                    budget = min(base_budget, left / steps_left / max(1, len(methods)))
+                steps_left -= 1
+                rows += measure_point(point, direction, methods, args, device, skipped, budget)
                 progress.step(f"{len(sc.groups())} groups, chunk {sc.chunk_bytes()} B, {direction}")
         finally:
             point.close()
@@ -349,7 +362,11 @@ def run_bench(args, sweep: bool) -> dict:
         "argv": getattr(args, "argv", None),
         "env": env_info(device),
         "scenario": scenarios[0].to_dict() if len(scenarios) == 1 else [s.to_dict() for s in scenarios],
-        "description": scenarios[0].describe(),
+        "description": scenarios[0].describe() + (
+            f"; swept: chunk {fmt_bytes(min(s.chunk_bytes() for s in scenarios))} to "
+            f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))}, blocks/group down to "
+            f"{min(s.blocks_per_request for s in scenarios)} where a call would pass "
+            f"{fmt_bytes(args.max_call_bytes)}" if sweep else ""),
         "methods": methods,
         "skipped": skipped,
         "notes": notes,
