@@ -559,5 +559,21 @@ register("nixl", "NIXL pull over UCX: PullPlan / per-page / merged descriptors v
 register("list", "presets and the backends this install can run", _add_list_args, _cmd_list)
 
 
+def _calibrate_add_args(p):
+    from .calibration import add_args
+
+    add_args(p)
+
+
+def _calibrate_run(args):
+    from .calibration import run
+
+    return run(args)
+
+
+register("calibrate", "measure this GPU's backends per descriptor size; store the table auto reads",
+         _calibrate_add_args, _calibrate_run)
+
+
 if __name__ == "__main__":
     sys.exit(main())
