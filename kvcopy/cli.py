@@ -120,7 +120,7 @@ def _add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "interpreter, baselines on a busy machine)")
     m.add_argument("--time-limit", type=float,
                    help="aim to finish the timed part within this many seconds by shrinking --budget "
-                        "for the points left (default 40 on CPU, none on GPU; 0: none)")
+                        "for the points left (default 30 on CPU, none on GPU; 0: none)")
     m.add_argument("--max-ctas", type=_int_list, default=[0], metavar="N[,N...]",
                    help="cap the grid of GPU kernel backends (0: uncapped); several values give a "
                         "row each")
@@ -338,7 +338,7 @@ def run_bench(args, sweep: bool) -> dict:
     progress = Progress(len(scenarios) * len(directions), args.quiet or len(scenarios) * len(directions) < 2)
     rows: List[dict] = []
     base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
-    limit = args.time_limit if args.time_limit is not None else (40.0 if device == "cpu" else 0.0)
+    limit = args.time_limit if args.time_limit is not None else (30.0 if device == "cpu" else 0.0)
     t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
     for sc in scenarios:
         point = sc.build(device, pinned=args.host_memory == "pinned")

@@ -157,3 +157,25 @@ def test_nixl_subcommand(tmp_path):
     methods = [r["method"] for r in res["results"]]
     assert methods[0] == "bulk READ" and "pull+complete" in methods
     assert all(r["bytes"] == plan["plan_bytes"] for r in res["results"])
+
+
+@pytest.mark.parametrize("layout", ["kv_first", "hnd_view_of_nhd"])
+def test_verify_catches_missing_and_stray_writes(layout):
+    from kvcopy.bench_scenarios import Scenario, _raw_bytes
+
+    sc = Scenario(num_layers=2, num_groups=2, blocks_per_request=2, block_size=2, num_kv_heads=2,
+                  head_size=8, layout=layout)
+    point = sc.build("cpu")
+    try:
+        exp = point.expected("h2d")
+        assert point.check(point.method("cpu", "h2d"), "h2d", exp) is None
+        assert point.check(lambda: None, "h2d", exp) is not None  # nothing written
+        good = point.method("vllm", "h2d")
+
+        def stray():
+            good()
+            _raw_bytes(point.dev_storages[1])[-1:].fill_(7)  # one byte outside the contract
+
+        assert "storage 1" in point.check(stray, "h2d", exp)
+    finally:
+        point.close()
