@@ -51,14 +51,15 @@ for 2- and 1-byte aligned tables. All address arithmetic is int64 (a 48-layer ca
 
 Expected bandwidth
 ------------------
-The tile is ``ROWS * ROW_BYTES`` = 32 KiB per program per step with 4-byte words
-(8 KiB with 1-byte words), i.e. 128 bytes in flight per thread with 8 warps. Host reads
-over PCIe are bound by bytes in flight: at ~2 us round trip, 55 GB/s needs ~110 KB in
-flight, which 4 programs already hold; 16 programs (``max_ctas=16``) hold 512 KiB. The
-expectation on H100/H200 (PCIe Gen5) is therefore the contiguous pinned memcpy rate
-(~55 GB/s) in both directions for chunks from 2 KiB (rows of 2 KiB, 16 per tile) to
-2 MiB (rows of 32 KiB), less the per-program scan (~5 us per call) on small calls.
-Device-to-device copies run at HBM speed with the default grid (one program per SM).
+From 2 KiB chunks up the tile is 16 rows of 2 KiB = 32 KiB per program per step with
+4-byte words (8 KiB with 1-byte words): eight 16-byte loads in flight per thread with
+8 warps. Host reads over PCIe are bound by bytes in flight: at ~2 us round trip,
+55 GB/s needs ~110 KB in flight, which 4 programs already hold; 16 programs
+(``max_ctas=16``) hold 512 KiB. The expectation on H100/H200 (PCIe Gen5) is therefore
+the contiguous pinned memcpy rate (~55 GB/s) in both directions for chunks from 2 KiB
+to 2 MiB, less the per-program scan (a few us per call) on small calls. The default
+grid is one program per SM; ptxas gives the kernel 128 registers and no spills
+(two programs of 256 threads fit on an SM).
 
 Interpreter
 -----------
@@ -82,9 +83,10 @@ import triton.language as tl
 # Rows per program step, and the tile size in elements (32 per thread with 8 warps).
 MAX_ROWS = 16
 TILE_ELEMS = 8192
-MAX_ROW_BYTES = 32768
+MAX_ROW_BYTES = 2048
 MIN_ROW_BYTES = 64
 SCAN = 256
+GROUPS = 8  # group starts resolved with one vector load; more groups take a loop
 NUM_WARPS = 8
 
 
@@ -111,7 +113,7 @@ def _total(x, axis: tl.constexpr):
 
 @triton.jit
 def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
-             ROW_BYTES: tl.constexpr):
+             ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr):
     """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
     (src item base, dst item base, src block stride, dst block stride, src chunk
     stride, dst chunk stride, chunks per block, merged, segment bytes, rows per
@@ -119,10 +121,13 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     j = tl.where(valid, j, 0)
     item_offsets = call + num_groups + 1
     # group of item j: how many later groups start at or before it (empty groups
-    # start where the next one does, so they are stepped over)
-    g = j * 0
-    for k in range(1, num_groups):
-        g += (j >= tl.load(item_offsets + k)).to(tl.int64)
+    # start where the next one does, so they are stepped over). The first GROUPS
+    # starts come in one vector load, not one dependent load per group.
+    k = 1 + tl.arange(0, GROUPS)
+    starts = tl.load(item_offsets + k, mask=k < num_groups, other=0x7FFFFFFFFFFFFFFF)
+    g = _total((j[:, None] >= starts[None, :]).to(tl.int64), 1)
+    for k2 in range(GROUPS + 1, num_groups):
+        g += (j >= tl.load(item_offsets + k2)).to(tl.int64)
     first_run = tl.load(call + g, mask=valid, other=0)
     runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
     local = j - tl.load(item_offsets + g, mask=valid, other=0)
@@ -154,7 +159,8 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
 @triton.jit(do_not_specialize=["num_groups"])
 def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
                       ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
-                      ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr):
+                      ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
+                      GROUPS: tl.constexpr):
     """One launch for a whole call; see the module docstring for the mapping."""
     ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
     VEC: tl.constexpr = WORD // ELEM_BYTES
@@ -168,7 +174,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
     for start in range(0, n_items, SCAN):
         j = start + lane
         _a, _b, _c, _d, _e, _f, _g, _h, _i, _k, rows = _resolve(
-            j, j < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES)
+            j, j < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
         total += _total(rows, 0)
 
     # Each worker's contiguous share of the rows.
@@ -185,7 +191,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         j = start + lane
         valid = j < n_items
         _a, _b, _c, _d, _e, _f, _g, _h, _i, _k, rows = _resolve(
-            j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES)
+            j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
         ends = tl.associative_scan(rows, 0, _ADD) + carry
         done = (ends[None, :] <= begin[:, None]) & valid[None, :]
         item += _total(done.to(tl.int64), 1)
@@ -195,7 +201,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
 
     (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride, num_chunks,
      merged, seg_bytes, tiles, rows) = _resolve(
-        item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES)
+        item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
     cols = tl.arange(0, ROW_ELEMS)
     steps = (total + num_workers - 1) // num_workers
     for step in range(0, steps):
@@ -222,7 +228,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
             (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride,
              num_chunks, merged, seg_bytes, tiles, rows) = _resolve(
                 item, item < n_items, entries, group_offsets, group_entries, call, num_groups,
-                ROW_BYTES)
+                ROW_BYTES, GROUPS)
         tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
 
 
@@ -237,6 +243,7 @@ class LaunchConfig:
     row_bytes: int
     rows: int
     scan: int = SCAN
+    groups: int = GROUPS
     num_warps: int = NUM_WARPS
 
     @property
@@ -245,7 +252,7 @@ class LaunchConfig:
 
     def constexprs(self) -> dict:
         return dict(ELEM=self.elem, ELEM_BYTES=self.elem_bytes, WORD=self.word,
-                    ROW_BYTES=self.row_bytes, ROWS=self.rows, SCAN=self.scan)
+                    ROW_BYTES=self.row_bytes, ROWS=self.rows, SCAN=self.scan, GROUPS=self.groups)
 
 
 def _pow2_at_least(x: int) -> int:
@@ -253,8 +260,10 @@ def _pow2_at_least(x: int) -> int:
 
 
 def launch_config(word_bytes: int, min_chunk_bytes: int) -> LaunchConfig:
-    """Rows about one chunk long (so small chunks still fill a 32 KiB tile with 16
-    rows), capped at 32 KiB (so a large chunk spreads over many workers)."""
+    """Rows about one chunk long, at most 2 KiB: from 2 KiB chunks up every table gets
+    the same kernel (16 rows of 2 KiB, a 32 KiB tile), so a sweep over page sizes
+    compiles one variant per word size, and a large chunk is cut into 2 KiB rows
+    spread over all workers. Smaller chunks get shorter rows (fewer masked lanes)."""
     if word_bytes >= 4:
         elem, elem_bytes = tl.int32, 4
     elif word_bytes == 2:

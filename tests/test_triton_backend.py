@@ -78,13 +78,13 @@ def test_interpreter_any_grid_and_row_size(interpret, monkeypatch, case, program
 
 
 def test_interpreter_large_chunks(interpret):
-    """64 KiB chunks: two 32 KiB rows per chunk, one worker per program."""
+    """64 KiB chunks: 32 rows of 2 KiB per chunk, spread over the workers."""
     case = CopyCase(layout="kv_first", block_size=64, num_heads=8, head_size=64, num_blocks=16,
                     ids="runs", dtype="bf16")
     for direction in DIRECTIONS:
         copier = check_copy("triton", case, direction)
         cfg = copier.tables(direction).backend_state[tb.STATE_KEY].cfg
-        assert (cfg.row_bytes, cfg.rows, cfg.word) == (32768, 1, 16)
+        assert (cfg.row_bytes, cfg.rows, cfg.word) == (2048, 16, 16)
 
 
 class _CountingKernel:
@@ -101,12 +101,12 @@ class _CountingKernel:
         return run
 
 
-@pytest.mark.parametrize("groups,layers", [(1, 1), (1, 6), (3, 4), (7, 2)])
+@pytest.mark.parametrize("groups,layers", [(1, 1), (1, 6), (3, 4), (7, 2), (10, 2)])
 def test_one_launch_per_call(interpret, monkeypatch, groups, layers):
     mod = tc.kernels(interpret=True)
     counter = _CountingKernel(mod.fused_copy_kernel)
     monkeypatch.setattr(mod, "fused_copy_kernel", counter)
-    case = CopyCase(layout="kv_first", num_groups=groups, layers_per_group=layers, num_blocks=48, ids="scattered")
+    case = CopyCase(layout="kv_first", num_groups=groups, layers_per_group=layers, num_blocks=64, ids="scattered")
     for direction in DIRECTIONS:
         before = len(counter.launches)
         copier = check_copy("triton", case, direction)
@@ -120,6 +120,22 @@ def test_one_launch_per_call(interpret, monkeypatch, groups, layers):
     copier.to_host([[] for _ in range(groups)])
     copier.to_device([[] for _ in range(groups)])
     assert len(counter.launches) == before
+
+
+def test_copier_max_ctas_caps_the_grid(interpret, monkeypatch):
+    mod = tc.kernels(interpret=True)
+    counter = _CountingKernel(mod.fused_copy_kernel)
+    monkeypatch.setattr(mod, "fused_copy_kernel", counter)
+    case = CopyCase(layout="nhd", num_groups=2, ids="all", num_blocks=64, block_size=16, num_heads=4)
+    dev_ids, host_ids = case.block_ids()
+    for cap, expected in ((2, 2), (1, 1), (None, 3)):  # None: KVCOPY_MAX_CTAS=3 from the fixture
+        copier = _copier(case, max_ctas=cap)
+        assert copier.tables("d2h").backend_state[tb.STATE_KEY].max_ctas == expected
+        copier.to_host(dev_ids, host_ids)
+        assert counter.launches[-1] == (expected,)  # the call has more tiles than that
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="max_ctas"):
+            _copier(case, max_ctas=bad)
 
 
 def test_backend_state_and_release(interpret):
@@ -143,7 +159,7 @@ def test_launch_config_shapes():
             assert 1 <= cfg.rows <= tc.MAX_ROWS
             assert cfg.rows * cfg.row_bytes // cfg.elem_bytes <= tc.TILE_ELEMS
     assert tc.launch_config(16, 2048).tile_bytes == 32768  # 16 rows of 2 KiB
-    assert tc.launch_config(16, 1 << 21).tile_bytes == 32768  # 1 row of 32 KiB
+    assert tc.launch_config(16, 1 << 21) == tc.launch_config(16, 2048)  # one kernel from 2 KiB up
     cfg = tc.launch_config(16, 2048)
     assert tc.grid_size(1, cfg, 132) == 1
     assert tc.grid_size(10 * cfg.tile_bytes, cfg, 132) == 10
@@ -206,7 +222,7 @@ def _compile(cfg: tc.LaunchConfig, capability: int):
 
 
 @pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("word,chunk", [(16, 2048), (16, 1 << 21), (1, 57)], ids=["w16-2KiB", "w16-2MiB", "w1"])
+@pytest.mark.parametrize("word,chunk", [(16, 2048), (8, 4096), (1, 57)], ids=["w16", "w8", "w1"])
 def test_compiles_to_ptx_and_cubin_offline(capability, word, chunk):
     cfg = tc.launch_config(word, chunk)
     compiled = _compile(cfg, capability)
@@ -216,10 +232,11 @@ def test_compiles_to_ptx_and_cubin_offline(capability, word, chunk):
     assert len(compiled.asm["cubin"]) > 0
     loads = re.findall(r"ld\.global[^\s]*", ptx)
     stores = re.findall(r"st\.global[^\s]*", ptx)
-    if word == 16:
-        # the alignment hints reach codegen: the tile moves as 16-byte vectors
-        assert any(l.endswith(".v4.b32") for l in loads), sorted(set(loads))
-        assert any(s.endswith(".v4.b32") for s in stores), sorted(set(stores))
+    if word >= 8:
+        # the alignment hints reach codegen: the tile moves as 16- (8-) byte vectors
+        vec = ".v4.b32" if word == 16 else ".v2.b32"
+        assert any(l.endswith(vec) for l in loads), sorted(set(loads))
+        assert any(s.endswith(vec) for s in stores), sorted(set(stores))
     else:
         assert any(l.endswith(".b8") or l.endswith(".u8") for l in loads), sorted(set(loads))
 
@@ -265,12 +282,20 @@ def _check_gpu(monkeypatch, case, direction, max_ctas=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("max_ctas", [None, 1, 16])
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
-def test_gpu_pinned_host(monkeypatch, case, direction, max_ctas):
-    copier, st = _check_gpu(monkeypatch, _pinned(case), direction, max_ctas)
+def test_gpu_pinned_host(monkeypatch, case, direction):
+    copier, st = _check_gpu(monkeypatch, _pinned(case), direction)
     assert st.pinning.registered == 0  # already pinned: nothing registered
+    copier.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_ctas", [1, 16])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", GRID_CASES, ids=[c.id for c in GRID_CASES])
+def test_gpu_pinned_host_max_ctas(monkeypatch, case, direction, max_ctas):
+    copier, st = _check_gpu(monkeypatch, _pinned(case), direction, max_ctas)
     copier.close()
 
 
