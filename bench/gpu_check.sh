@@ -81,7 +81,7 @@ step "4. sweep: directions x chunks 2 KiB-2 MiB x backends, seeds/2 (6 groups), 
 SWEEP="$RES/${TAG}-sweep.json"
 run_step sweep 100 $PY -m kvcopy sweep --device $DEV --num-groups 6 \
     --backends vllm,coalesced,cuda,triton,ce,auto --max-ctas 0,16 \
-    --iters 20 --warmup 2 --budget 0.25 --max-call-bytes 128M --json "$SWEEP" --quiet
+    --iters 20 --warmup 2 --budget 0.25 --max-call-bytes 64M --json "$SWEEP" --quiet
 
 step "5. seeds/2 run: groups 1/2/3/6, launches per call"
 SEEDS="$RES/${TAG}-seeds2.json"

@@ -182,14 +182,15 @@ class Scenario:
         shape = LAYOUTS[self.layout][0](num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         dtype = DTYPES[self.dtype]
         nbytes = int(np.prod(shape)) * self.itemsize()
-        gen = torch.Generator().manual_seed(self.seed)
+        # Random bytes, made where they are fastest to make (the GPU when there is one).
+        gen = torch.Generator(device=device).manual_seed(self.seed)
         pin = pinned and device != "cpu"
         dev_store, host_store = [], []
         for _ in range(self.num_storages()):
-            raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-            dev_store.append(_shaped(raw.to(device), dtype, shape, self.layout))
+            raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device)
+            dev_store.append(_shaped(raw, dtype, shape, self.layout))
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-            host.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+            host.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device))
             host_store.append(_shaped(host, dtype, shape, self.layout))
         names = self.layer_names()
         storage = self.storage_of()
