@@ -270,11 +270,11 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
                 err = point.check(fn, direction, expected)
             except Exception as exc:  # a backend that fails at run time: report, do not time it
                 err = f"raised {type(exc).__name__}: {exc}"
-                skipped.setdefault(key, err)
             verify[key] = "ok" if err is None else f"FAIL: {err}"
-        for key in [k for k, v in verify.items() if v.startswith("FAIL: raised")]:
-            fns.pop(key)
         del expected
+    raised = [k for k, v in verify.items() if v.startswith("FAIL: raised")]
+    for key in raised:  # not timed; still a row, so the failure shows and sets the exit code
+        fns.pop(key)
     iters = args.iters or (200 if device != "cpu" else 20)
     base = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
     budget = base if budget is None else budget
@@ -307,6 +307,12 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
             if device == "cpu" and meta[key]["method"] in ("cpu", "auto"):
                 row["ops_note"] = "one native C call per copy, not seen by the profiler"
         rows.append(row)
+    for key in raised:
+        rows.append({"scenario": sc.name, "groups": len(sc.groups()), "layers": sc.num_layers,
+                     "chunk_bytes": sc.chunk_bytes(), "block_size": sc.block_size,
+                     "blocks_per_group": sc.blocks_per_group(), "direction": direction, "method": key,
+                     "kind": _kind(meta[key]["method"]), "max_ctas": meta[key]["max_ctas"],
+                     "bytes": point.total_bytes, "iters": 0, "verify": verify[key]})
     return rows
 
 
