@@ -503,7 +503,11 @@ def plot(result: dict, path: str) -> str:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m,
                         linestyle="--" if m == "memcpy" else "-")
         if xkey == "chunk_bytes":
+            from .bench_scenarios import fmt_bytes
+
+            ticks = sorted({r["chunk_bytes"] for r in rows})
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [fmt_bytes(t).replace(" ", "") for t in ticks], fontsize=8)
         ax.set_xlabel("chunk bytes" if xkey == "chunk_bytes" else "KV cache groups")
         ax.set_ylabel("GB/s")
         ax.set_title(f"{d}  ({result['env'].get('gpu') or 'CPU'})")
