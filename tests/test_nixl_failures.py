@@ -201,4 +201,4 @@ def test_a_thousand_transfers_with_failures_leak_no_handle(pd):
 
 @pytest.mark.slow
 def test_ten_thousand_transfers_with_failures_leak_no_handle(pd):
-    run_transfers(pd, 10000, batch=40, seed=6)
+    run_transfers(pd, 10000, batch=20, seed=6)

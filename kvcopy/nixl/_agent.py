@@ -1,7 +1,8 @@
 """The NIXL agent, wrapped: import by either wheel name, and errors as values.
 
 ``nixl-cu12`` installs the module ``nixl_cu12`` (``nixl-cu13``: ``nixl_cu13``); the
-``nixl`` meta package exposes ``nixl``. :func:`load_nixl` takes the first that imports.
+``nixl`` meta package exposes ``nixl`` (its API in ``nixl._api``). :func:`load_nixl`
+takes the first module, in that order, that has ``nixl_agent``.
 
 NIXL reports failures by raising its own exception classes from the bindings
 (``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ...), from ``check_xfer_state``
@@ -39,15 +40,16 @@ def load_nixl() -> ModuleType:
         return _module
     errors = []
     for name in _MODULE_NAMES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-            continue
-        if hasattr(mod, "nixl_agent"):
-            _module = mod
-            return mod
-        errors.append(f"{name}: has no nixl_agent")
+        for candidate in (name, f"{name}._api"):  # the meta package keeps the API in nixl._api
+            try:
+                mod = importlib.import_module(candidate)
+            except ImportError as exc:
+                errors.append(f"{candidate}: {exc}")
+                break
+            if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+                _module = mod
+                return mod
+            errors.append(f"{candidate}: has no nixl_agent")
     _import_error = "; ".join(errors)
     raise ImportError(
         "kvcopy.nixl needs NIXL: pip install nixl-cu12 (or nixl-cu13, or nixl). " + _import_error
