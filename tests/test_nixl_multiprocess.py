@@ -38,7 +38,8 @@ def test_hybrid_with_prefix_hit_across_processes_and_p_is_notified(prefill):
     d, peer, p_caches, pe, de = start(prefill, "hybrid")
     try:
         reqs = [  # (P ids, D ids, tokens, D's cached tokens)
-            ([[1, 2, 3], [NO_BLOCK, NO_BLOCK, 10, 11, 12, 13]], [[20, 21, 22], [NO_BLOCK, NO_BLOCK, 4, 5, 6, 7]], 90, 32),
+            ([[1, 2, 3], [NO_BLOCK, NO_BLOCK, 10, 11, 12, 13]],
+             [[20, 21, 22], [NO_BLOCK, NO_BLOCK, 4, 5, 6, 7]], 90, 32),
             ([[8, 9], [30, 31, 32]], [[14, 15], [50, 51, 52]], 40, 0),
         ]
         prefill.call("save", [reqs[0][0][g] + reqs[1][0][g] for g in range(2)])

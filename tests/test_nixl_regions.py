@@ -94,6 +94,11 @@ def test_bad_heads_and_modes_raise():
         build_regions(caches, [["a"]], [16], "pinned")
     with pytest.raises(ValueError, match="tp_rank"):
         build_regions(caches, [["a"]], [16], "host", tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="no layer in any KV cache group"):
+        build_regions(caches, [[]], [16], "host")
+    meta = {"a": caches["a"], "b": torch.empty(NP, 16, 2, 8, dtype=torch.float16, device="meta")}
+    with pytest.raises(ValueError, match="several devices"):
+        build_regions(meta, [["a", "b"]], [16], "host")
 
 
 def test_tokens_per_group_checks_division():

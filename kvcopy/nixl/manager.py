@@ -60,7 +60,7 @@ from ..reference import as_words
 from ._agent import Agent, NixlError
 from .handshake import EngineInfo, LayerPair, decode, encode, pair_layers
 from .plan import NO_BLOCK, PullPlan, RegionRef, build_pull_plan, expand_blocks
-from .regions import RegionSet, build_regions, tokens_per_group
+from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
 
@@ -143,7 +143,12 @@ class TransferManager:
             self._copier = BlockCopier(grouped, self._regions.host_views, self.layer_groups,
                                        backend=copy_backend, block_dim=block_dim, kv_layout=kv_layout)
         self._on_cuda = any(t.device.type == "cuda" for t in grouped.values())
-        self._agent = Agent(name, tuple(backends))
+        try:
+            self._agent = Agent(name, tuple(backends))
+        except Exception:
+            if self._copier is not None:
+                self._copier.close()
+            raise
         self._registrations = []
         self._peers: Dict[str, _Peer] = {}
         self._in_flight: Dict[int, PullHandle] = {}
@@ -192,14 +197,12 @@ class TransferManager:
         if name != remote.name:
             self._agent.remove_remote(name)
             raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent is {name!r}")
-        descs = np.concatenate([r.descriptors() for r in remote.regions]) if remote.regions else np.empty((0, 3), np.uint64)
+        descs, offsets = descriptor_table(remote.regions)
         try:
             dlist = self._agent.prep_remote(name, descs, remote.mem_type)
         except NixlError as exc:
             self._agent.remove_remote(name)
             raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
-        offsets = np.zeros(len(remote.regions) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([r.num_descriptors for r in remote.regions])
         self._peers[name] = _Peer(remote, layer_pairs, dlist, offsets)
         return name
 

@@ -140,8 +140,10 @@ def expand_blocks(block_ids: Sequence[int], pages_per_block: int) -> np.ndarray:
     return pages.reshape(-1)
 
 
-def select_pages(local_pages: np.ndarray, remote_pages: np.ndarray, tokens_per_page: int,
-                 num_tokens: int, num_cached_tokens: int, where: str = "") -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def select_pages(
+    local_pages: np.ndarray, remote_pages: np.ndarray, tokens_per_page: int, num_tokens: int,
+    num_cached_tokens: int, where: str = "",
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(read positions, local pages read, remote pages read, local pages to zero) by token position."""
     n_pages = -(-num_tokens // tokens_per_page)
     first = num_cached_tokens // tokens_per_page

@@ -54,7 +54,7 @@ class RegionInfo:
     chunk_stride: int  # bytes from chunk c to c + 1 of one page (0 with one chunk)
     dtype: str
     itemsize: int
-    page_shape: Tuple[Tuple[int, Optional[int]], ...]  # in-page (size, stride), elements (PageLayout.page_geometry)
+    page_shape: Tuple[Tuple[int, Optional[int]], ...]  # PageLayout.page_geometry: in-page (size, stride)
     kind: str  # layout kind from kvcopy.layout: kv_first, blocks_first, mla, flat
     kv_layout: str  # "NHD" or "HND": which in-page axis is tokens, which heads
     tokens_per_page: int
@@ -127,9 +127,17 @@ class RegionSet:
         return self.storages[0].mem_type if self.storages else "DRAM"
 
     def descriptors(self) -> np.ndarray:
-        if not self.regions:
-            return np.empty((0, 3), dtype=np.uint64)
-        return np.concatenate([r.descriptors() for r in self.regions])
+        return descriptor_table(self.regions)[0]
+
+
+def descriptor_table(regions: Sequence[RegionInfo]) -> Tuple[np.ndarray, np.ndarray]:
+    """Every region's descriptors, concatenated in region order, and int64 ``[R + 1]``
+    offsets: region ``r`` owns rows ``offsets[r]:offsets[r + 1]``."""
+    offsets = np.zeros(len(regions) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([r.num_descriptors for r in regions])
+    if not regions:
+        return np.empty((0, 3), dtype=np.uint64), offsets
+    return np.concatenate([r.descriptors() for r in regions]), offsets
 
 
 def _per_group(value, n_groups: int, what: str) -> List[int]:
@@ -201,6 +209,11 @@ def build_regions(
                 raise ValueError(f"group {g}, layer {name!r}: no device cache for this layer")
             group_of[name] = g
     grouped = list(group_of)
+    if not grouped:
+        raise ValueError("no layer in any KV cache group: nothing to register")
+    devices = {device_caches[n].device for n in grouped if isinstance(device_caches[n], torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"KV caches on several devices {sorted(map(str, devices))}: one manager per device")
     layouts: Dict[str, PageLayout] = {}
     for name in grouped:
         t = device_caches[name]
@@ -285,13 +298,11 @@ def build_regions(
             itemsize=l.itemsize, page_shape=tuple(l.page_geometry), kind=l.kind, kv_layout=kv_layout,
             tokens_per_page=tpps.pop(), total_kv_heads=total, heads=held, head_size=head_size,
         ))
-    offsets = np.zeros(len(regions) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([r.num_descriptors for r in regions])
     group_pages = [
         min((layouts[n].num_blocks for n in layers), default=0) for layers in layer_groups
     ]
     return RegionSet(
         buffer=buffer, regions=regions, storages=storages, region_of_layer=region_of_layer,
         transfer_tensors=transfer_tensors, host_views=host_views, layouts=layouts,
-        descriptor_offsets=offsets, group_num_pages=group_pages,
+        descriptor_offsets=descriptor_table(regions)[1], group_num_pages=group_pages,
     )

@@ -345,8 +345,10 @@ class PullOutcome:
     replayed: Dict[str, torch.Tensor]  # the plan applied by the byte oracle
 
 
-def pull_and_complete(d_manager, peer: str, d_engine: ToyEngine, d_block_ids, p_caches, p_engine: ToyEngine,
-                      p_block_ids, num_tokens: int, num_cached_tokens: int = 0, notify: bytes = b"") -> PullOutcome:
+def pull_and_complete(
+    d_manager, peer: str, d_engine: ToyEngine, d_block_ids, p_caches, p_engine: ToyEngine, p_block_ids,
+    num_tokens: int, num_cached_tokens: int = 0, notify: bytes = b"",
+) -> PullOutcome:
     """plan_pull -> pull -> poll -> complete on D, and both expectations of the result."""
     from .oracle import replay
 
