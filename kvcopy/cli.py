@@ -129,6 +129,11 @@ def _add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                    help="bit-exact check against the torch reference (default on)")
     m.add_argument("--no-verify", dest="verify", action="store_false")
     m.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
+    m.add_argument("--threads", type=int,
+                   help="torch intra-op threads (torch.set_num_threads) and KVCOPY_CPU_THREADS for the "
+                        "cpu backend. Default on a CPU device: 1 when the machine is busy (1-minute load "
+                        "average >= half the cores: threads that wait for a descheduled peer make "
+                        "timings swing 10x), else torch's default; 0: torch's default always")
     m.add_argument("--host-memory", choices=["pinned", "pageable"], default="pinned",
                    help="host buffers on a GPU machine (vLLM allocates pageable ones)")
     if sweep:
@@ -184,6 +189,13 @@ def _device(args) -> str:
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise BenchError("--device cuda but torch sees no CUDA device")
     return dev
+
+
+def _busy() -> bool:
+    try:
+        return os.getloadavg()[0] >= max(1, (os.cpu_count() or 1) / 2)
+    except OSError:
+        return False
 
 
 def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
@@ -329,6 +341,15 @@ def run_bench(args, sweep: bool) -> dict:
     from .bench_timing import env_info
 
     device = _device(args)
+    notes = []
+    threads = args.threads
+    if threads is None and device == "cpu" and _busy():
+        threads = 1
+        notes.append(f"machine busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+                     "1 thread for every method; --threads 0 to keep torch's default")
+    if threads:
+        torch.set_num_threads(threads)
+        os.environ["KVCOPY_CPU_THREADS"] = str(threads)  # read when the cpu backend loads
     if sweep and args.max_call_bytes is None:
         args.max_call_bytes = (256 << 20) if device != "cpu" else (32 << 20)
     elif sweep:
@@ -336,7 +357,6 @@ def run_bench(args, sweep: bool) -> dict:
     scenarios = _scenarios(args, sweep)
     methods, skipped = _methods(args, device)
     directions = ["h2d", "d2h"] if args.direction == "both" else [args.direction]
-    notes = []
     if device != "cpu" and any(args.max_ctas) and not copier_accepts("max_ctas"):
         notes.append("BlockCopier takes no max_ctas in this install: rows marked @N ran uncapped")
     if os.environ.get("TRITON_INTERPRET") and "triton" in methods:
@@ -519,16 +539,25 @@ def plot(result: dict, path: str) -> str:
 
 
 # ---------------------------------------------------------------------- commands
-def _cmd_run(args) -> int:
-    result = run_bench(args, sweep=False)
-    write_outputs(result, args, sweep=False)
+def _cmd_run(args, sweep: bool = False) -> int:
+    import torch
+
+    # --threads changes process-wide settings: put them back for in-process callers.
+    saved = torch.get_num_threads(), os.environ.get("KVCOPY_CPU_THREADS")
+    try:
+        result = run_bench(args, sweep=sweep)
+    finally:
+        torch.set_num_threads(saved[0])
+        if saved[1] is None:
+            os.environ.pop("KVCOPY_CPU_THREADS", None)
+        else:
+            os.environ["KVCOPY_CPU_THREADS"] = saved[1]
+    write_outputs(result, args, sweep=sweep)
     return 1 if any(r["verify"].startswith("FAIL") for r in result["results"]) else 0
 
 
 def _cmd_sweep(args) -> int:
-    result = run_bench(args, sweep=True)
-    write_outputs(result, args, sweep=True)
-    return 1 if any(r["verify"].startswith("FAIL") for r in result["results"]) else 0
+    return _cmd_run(args, sweep=True)
 
 
 def _add_list_args(p) -> None:
