@@ -101,9 +101,9 @@ def _add(a, b):
     return a + b
 
 
-_STD_ADD = tl.standard._sum_combine
-_ADD = _add if (isinstance(_add, triton.runtime.JITFunction)
-                and not isinstance(_STD_ADD, triton.runtime.JITFunction)) else _STD_ADD
+_STD_ADD = getattr(tl.standard, "_sum_combine", None)
+_ADD = _add if _STD_ADD is None or (isinstance(_add, triton.runtime.JITFunction)
+                                    and not isinstance(_STD_ADD, triton.runtime.JITFunction)) else _STD_ADD
 
 
 @triton.jit
