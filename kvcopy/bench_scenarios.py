@@ -142,14 +142,20 @@ class Scenario:
         n = max(1, int(max_call_bytes // per_block))
         return replace(self, blocks_per_request=n, window_blocks=min(self.window_blocks, n))
 
-    def describe(self) -> str:
+    def describe(self, group_counts: Sequence[int] = ()) -> str:
+        """One line; ``group_counts`` names the group counts of a multi-point run."""
         shape = LAYOUTS[self.layout][0]("NB", self.block_size, self.num_kv_heads, self.head_size)
         counts = self.blocks_per_group()
         blocks = f"{counts[0]} blocks/group" if len(set(counts)) == 1 else f"blocks/group {counts}"
+        groups = "/".join(map(str, group_counts)) if len(group_counts) > 1 else str(len(self.groups()))
+        per_call = fmt_bytes(self.call_bytes())
+        if len(group_counts) > 1:
+            per_group = self.call_bytes() // len(self.groups())
+            per_call = f"{fmt_bytes(per_group * min(group_counts))}-{fmt_bytes(per_group * max(group_counts))}"
         return (
-            f"{self.name}: {self.num_layers} layers, {len(self.groups())} group(s) ({self.layer_map} map), "
+            f"{self.name}: {self.num_layers} layers, {groups} group(s) ({self.layer_map} map), "
             f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}, "
-            f"chunk {fmt_bytes(self.chunk_bytes())}, {fmt_bytes(self.call_bytes())}/call"
+            f"chunk {fmt_bytes(self.chunk_bytes())}, {per_call}/call"
         )
 
     def to_dict(self) -> dict:

@@ -388,7 +388,8 @@ def run_bench(args, sweep: bool) -> dict:
         "argv": getattr(args, "argv", None),
         "env": env_info(device),
         "scenario": scenarios[0].to_dict() if len(scenarios) == 1 else [s.to_dict() for s in scenarios],
-        "description": scenarios[0].describe() + (
+        "description": scenarios[0].describe(
+            sorted({len(s.groups()) for s in scenarios}) if not sweep else ()) + (
             f"; swept: chunk {fmt_bytes(min(s.chunk_bytes() for s in scenarios))} to "
             f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))}, blocks/group down to "
             f"{min(s.blocks_per_request for s in scenarios)} where a call would pass "
