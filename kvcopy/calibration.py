@@ -149,10 +149,7 @@ def measure(device: int = 0, sizes: Iterable[int] = DEFAULT_SIZES, backends: Seq
             row = {"bytes": size, "memcpy_gbps": nbytes / ref / 1e6, "gbps": {}}
             for name in names:
                 try:
-                    copier = BlockCopier(dev, host, [list(dev)], backend=name)
-                    if max_ctas:
-                        for d in ("h2d", "d2h"):
-                            copier.tables(d).backend_state["max_ctas"] = max_ctas
+                    copier = BlockCopier(dev, host, [list(dev)], backend=name, max_ctas=max_ctas or None)
                     fn = (lambda: copier.to_device(ids)) if direction == "h2d" else (lambda: copier.to_host(ids))
                     row["gbps"][name] = nbytes / _time_ms(fn, iters, warmup) / 1e6
                     copier.close()

@@ -62,8 +62,8 @@ class BlockCopier:
     :func:`kvcopy.available_backends`. ``block_dim`` (an int, or a dict by layer name)
     names the block axis where the shape is ambiguous; ``kv_layout`` ("NHD"/"HND")
     names token and head axes for code that needs them. ``max_ctas`` caps the grid of
-    the kernel backends (``cuda``, ``triton``) to leave SMs to the model; it lands in
-    ``tables.backend_state["max_ctas"]`` (default: ``KVCOPY_MAX_CTAS``, else uncapped).
+    the kernel backends (``cuda``, ``triton``) to leave SMs to the model (default:
+    ``KVCOPY_MAX_CTAS``, else uncapped; see ``CopyTables.cta_cap``).
 
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
@@ -95,8 +95,6 @@ class BlockCopier:
                     raise ValueError(f"layer {name!r} is in group {seen[name]} and group {g}")
                 seen[name] = g
                 self._check_layer(g, name, block_dim, kv_layout)
-        if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
-            raise ValueError(f"max_ctas must be a positive integer or None, got {max_ctas!r}")
         self._max_ctas = max_ctas
         self._closed = False
         self._d2h = self._direction("device", "host", backend)
@@ -155,8 +153,8 @@ class BlockCopier:
             [(dst_t[n], dst_l[n]) for n in entries],
             entries,
         )
-        if self._max_ctas is not None:
-            tables.backend_state["max_ctas"] = self._max_ctas
+        tables.max_ctas = self._max_ctas
+        tables.cta_cap()  # a bad max_ctas / KVCOPY_MAX_CTAS fails here, not mid-call
         chosen = choose_backend(tables) if backend == "auto" else get_backend(backend)
         reason = chosen.unsupported_reason(tables)
         if reason:

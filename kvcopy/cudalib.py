@@ -198,18 +198,6 @@ def pin_host_side(tables):
     return pin_host_tensors(hosts)
 
 
-def max_ctas_of(tables) -> Optional[int]:
-    """The CTA cap for these tables: ``backend_state["max_ctas"]`` (set by the copier),
-    else ``KVCOPY_MAX_CTAS``, else None (uncapped)."""
-    cap = tables.backend_state.get("max_ctas")
-    if cap is None:
-        cap = getattr(tables, "max_ctas", None)
-    if cap is None:
-        env = os.environ.get("KVCOPY_MAX_CTAS")
-        cap = int(env) if env else None
-    return int(cap) if cap else None
-
-
 def call_on_device(device: int, fn, *args):
     """``fn(*args)`` with ``device`` current (a guard only when it is not already)."""
     import torch

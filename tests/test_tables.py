@@ -79,3 +79,23 @@ def test_native_planner_agrees_with_numpy_path():
             assert [x.tolist() for x in native_call.dst_ids] == [x.tolist() for x in slow.dst_ids]
             accepted += 1
         assert refused > 50 and accepted > 50
+
+
+def test_cta_cap(monkeypatch):
+    """One rule for the kernel backends' grid cap: the copier's max_ctas, else the
+    environment, else uncapped; anything but a positive integer raises."""
+    import pytest
+
+    t = {"a": torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)}
+    h = {"a": torch.zeros_like(t["a"])}
+    monkeypatch.delenv("KVCOPY_MAX_CTAS", raising=False)
+    assert kvcopy.BlockCopier(t, h, [["a"]], backend="torch").tables("d2h").cta_cap() is None
+    monkeypatch.setenv("KVCOPY_MAX_CTAS", "16")
+    assert kvcopy.BlockCopier(t, h, [["a"]], backend="torch").tables("h2d").cta_cap() == 16
+    assert kvcopy.BlockCopier(t, h, [["a"]], backend="torch", max_ctas=8).tables("d2h").cta_cap() == 8
+    for bad in (0, -1, "x", True, 2.5):
+        with pytest.raises(ValueError, match="max_ctas must be a positive integer"):
+            kvcopy.BlockCopier(t, h, [["a"]], backend="torch", max_ctas=bad)
+    monkeypatch.setenv("KVCOPY_MAX_CTAS", "zero")
+    with pytest.raises(ValueError, match="KVCOPY_MAX_CTAS must be a positive integer"):
+        kvcopy.BlockCopier(t, h, [["a"]], backend="torch")

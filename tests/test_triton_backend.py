@@ -166,20 +166,6 @@ def test_launch_config_shapes():
     assert tc.grid_size(1 << 30, cfg, 16) == 16
 
 
-def test_max_ctas_resolution(monkeypatch):
-    tables = _copier_tables()
-    monkeypatch.delenv("KVCOPY_MAX_CTAS", raising=False)
-    assert tb.resolve_max_ctas(tables, 132) == 132
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", "16")
-    assert tb.resolve_max_ctas(tables, 132) == 16
-    tables.backend_state["max_ctas"] = 8  # set by the copier: wins over the environment
-    assert tb.resolve_max_ctas(tables, 132) == 8
-    for bad in (0, -1, "x"):
-        tables.backend_state["max_ctas"] = bad
-        with pytest.raises(ValueError, match="max_ctas"):
-            tb.resolve_max_ctas(tables, 132)
-
-
 def _copier_tables():
     from kvcopy.tables import build_tables
     from kvcopy.layout import describe

@@ -25,7 +25,7 @@ read at replay time, as by any captured kernel: the copier must outlive the grap
 
 The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
 absent and cupy is installed, from NVRTC (:mod:`kvcopy.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
-forces NVRTC. The CTA cap comes from ``tables.backend_state["max_ctas"]`` or
+forces NVRTC. The CTA cap comes from ``tables.cta_cap()`` (``BlockCopier(max_ctas=)``) or
 ``KVCOPY_MAX_CTAS``.
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
             return
         arr = cudalib.call_array(call)
         stream = torch.cuda.current_stream(st.device)
-        grid = cudalib.grid_size(call.total_bytes, st.sm_count, cudalib.max_ctas_of(tables))
+        grid = cudalib.grid_size(call.total_bytes, st.sm_count, tables.cta_cap())
         launcher = self._launcher
         call_device = None
         if len(arr) > launcher.inline_words:

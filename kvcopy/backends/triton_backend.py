@@ -9,7 +9,7 @@ PyTorch's caching host allocator, which keeps the block from being reused until 
 copy has run) and one kernel launch. Nothing synchronizes the host.
 
 Grid: at most ``max_ctas`` programs (``BlockCopier(..., max_ctas=N)``, which lands in
-``tables.backend_state["max_ctas"]``; else the ``KVCOPY_MAX_CTAS`` environment
+``tables.max_ctas``; else the ``KVCOPY_MAX_CTAS`` environment
 variable; else one program per SM), and never more than the call has 32 KiB tiles.
 
 With ``TRITON_INTERPRET=1`` in the environment when a copier is built, the backend
@@ -36,26 +36,6 @@ INTERPRETER_MAX_CTAS = 4
 def interpreting() -> bool:
     """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter (read now, not at import)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-def resolve_max_ctas(tables: CopyTables, default: int) -> int:
-    """``tables.backend_state["max_ctas"]`` (or a ``max_ctas`` attribute of the tables),
-    else ``KVCOPY_MAX_CTAS``, else ``default``; the same rule as the ``cuda`` backend."""
-    value: Any = tables.backend_state.get("max_ctas")
-    if value is None:
-        value = getattr(tables, "max_ctas", None)
-    where = "max_ctas"
-    if value is None and os.environ.get("KVCOPY_MAX_CTAS"):
-        value, where = os.environ["KVCOPY_MAX_CTAS"], "KVCOPY_MAX_CTAS"
-    if value is None:
-        return default
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where} must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{where} must be a positive integer, got {value!r}")
-    return n
 
 
 @dataclass
@@ -129,7 +109,7 @@ class TritonBackend(Backend):
         else:
             device = cuda[0] if cuda[0].index is not None else torch.device("cuda", torch.cuda.current_device())
             default_ctas = torch.cuda.get_device_properties(device).multi_processor_count
-        max_ctas = resolve_max_ctas(tables, default_ctas)
+        max_ctas = tables.cta_cap() or default_ctas
         pinning = None
         if device.type == "cuda":
             from ..pinning import pin_host_tensors
