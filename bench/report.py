@@ -91,8 +91,9 @@ def describe(res: dict) -> str:
     where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda_runtime", "cuda_driver", "triton")
                          if env.get(k))
+    partial = " (partial: the run was cut short)" if res.get("partial") else ""
     return (f"{res['command']} on {where}, {env.get('date', '?')[:10]}, commit {str(env.get('commit'))[:12]}"
-            f" ({versions})")
+            f" ({versions}){partial}")
 
 
 def render(results: List[dict], md: bool) -> str:

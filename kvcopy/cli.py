@@ -361,28 +361,8 @@ def run_bench(args, sweep: bool) -> dict:
         notes.append("BlockCopier takes no max_ctas in this install: rows marked @N ran uncapped")
     if os.environ.get("TRITON_INTERPRET") and "triton" in methods:
         notes.append("triton runs in the interpreter (TRITON_INTERPRET=1): ~1 ms per program instance")
-    progress = Progress(len(scenarios) * len(directions), args.quiet or len(scenarios) * len(directions) < 2)
     rows: List[dict] = []
-    base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
-    limit = args.time_limit if args.time_limit is not None else (30.0 if device == "cpu" else 0.0)
-    t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
-    for sc in scenarios:
-        point = sc.build(device, pinned=args.host_memory == "pinned")
-        try:
-            for direction in directions:
-                budget = base_budget
-                if limit > 0:  # share what is left of the limit among the points left
-                    left = max(0.0, limit - (time.perf_counter() - t_start))
-                    budget = min(base_budget, left / steps_left / max(1, len(methods)))
-                steps_left -= 1
-                rows += measure_point(point, direction, methods, args, device, skipped, budget)
-                progress.step(f"{len(sc.groups())} groups, chunk {sc.chunk_bytes()} B, {direction}")
-        finally:
-            point.close()
-            del point
-            if device != "cpu":
-                torch.cuda.empty_cache()
-    return {
+    result = {
         "tool": "kvcopy-bench",
         "command": "sweep" if sweep else "run",
         "argv": getattr(args, "argv", None),
@@ -399,6 +379,30 @@ def run_bench(args, sweep: bool) -> dict:
         "notes": notes,
         "results": rows,
     }
+    progress = Progress(len(scenarios) * len(directions), args.quiet or len(scenarios) * len(directions) < 2)
+    base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
+    limit = args.time_limit if args.time_limit is not None else (30.0 if device == "cpu" else 0.0)
+    t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
+    for sc in scenarios:
+        point = sc.build(device, pinned=args.host_memory == "pinned")
+        try:
+            for direction in directions:
+                budget = base_budget
+                if limit > 0:  # share what is left of the limit among the points left
+                    left = max(0.0, limit - (time.perf_counter() - t_start))
+                    budget = min(base_budget, left / steps_left / max(1, len(methods)))
+                steps_left -= 1
+                rows += measure_point(point, direction, methods, args, device, skipped, budget)
+                progress.step(f"{len(sc.groups())} groups, chunk {sc.chunk_bytes()} B, {direction}")
+                if args.json and args.json != "-" and steps_left:
+                    # A checkpoint: a run killed by a timeout still leaves its finished points.
+                    _write(args.json, json.dumps(dict(result, partial=True), indent=1, default=str) + "\n")
+        finally:
+            point.close()
+            del point
+            if device != "cpu":
+                torch.cuda.empty_cache()
+    return result
 
 
 # ---------------------------------------------------------------------- output
