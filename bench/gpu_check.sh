@@ -11,12 +11,12 @@
 #   1. facts: GPU, driver, versions                                   (~5 s)
 #   2. build: pip install -e . --no-build-isolation --no-deps; else
 #      setup.py build_ext --inplace; PYTHONPATH=. either way          (<= 120 s)
-#   3. pytest -m gpu tests                                            (<= 60 s)
+#   3. pytest -m gpu tests (~400 copies, a few Triton JIT compiles)  (<= 120 s)
 #   4. sweep: both directions x chunks 2 KiB-2 MiB x backends, the seeds/2
 #      scenario (16 layers, 6 groups, 6 blocks/group), uncapped and --max-ctas 16;
-#      timing held to ~60 s, the JSON checkpointed after every point  (<= 100 s)
-#   5. seeds/2 run: groups 1/2/3/6, launches per call (--op-counts)   (<= 40 s)
-#   6. host overhead: 48 layers x 6 groups, one 1-token block each    (<= 30 s)
+#      timing held to ~50 s, the JSON checkpointed after every point  (<= 90 s)
+#   5. seeds/2 run: groups 1/2/3/6, launches per call (--op-counts)   (<= 35 s)
+#   6. host overhead: 48 layers x 6 groups, one 1-token block each    (<= 25 s)
 #   7. the short table, last
 # JSON goes to bench/results/ (GPU name, versions, commit, date inside) and, when $OUT
 # is set (the device runner), to $OUT as well so the files come back.
@@ -75,21 +75,21 @@ ls -l kvcopy/_lib/ 2>/dev/null
 $PY -c "import kvcopy; [print(f'  {k:<7}', 'available' if v is None else 'UNAVAILABLE: ' + v) for k, v in kvcopy.available_backends().items()]"
 
 step "3. pytest -m gpu tests"
-run_step gpu-tests 60 $PY -m pytest -m gpu tests -q -rs -p no:cacheprovider
+run_step gpu-tests 120 $PY -m pytest -m gpu tests -q -rs -p no:cacheprovider
 
 step "4. sweep: directions x chunks 2 KiB-2 MiB x backends, seeds/2 (6 groups), uncapped and 16 CTAs"
 SWEEP="$RES/${TAG}-sweep.json"
-run_step sweep 100 $PY -m kvcopy sweep --device $DEV --num-groups 6 \
+run_step sweep 90 $PY -m kvcopy sweep --device $DEV --num-groups 6 \
     --backends vllm,coalesced,cuda,triton,ce,auto --max-ctas 0,16 \
-    --iters 20 --warmup 2 --budget 0.25 --time-limit 60 --max-call-bytes 64M --json "$SWEEP" --quiet
+    --iters 20 --warmup 2 --budget 0.25 --time-limit 50 --max-call-bytes 64M --json "$SWEEP" --quiet
 
 step "5. seeds/2 run: groups 1/2/3/6, launches per call"
 SEEDS="$RES/${TAG}-seeds2.json"
-run_step seeds2 40 $PY -m kvcopy --device $DEV --op-counts --iters 50 --budget 0.5 --json "$SEEDS" --quiet
+run_step seeds2 35 $PY -m kvcopy --device $DEV --op-counts --iters 50 --budget 0.5 --json "$SEEDS" --quiet
 
 step "6. host overhead per call: 48 layers x 6 groups, 1 block each (host_us column in the JSON)"
 OVER="$RES/${TAG}-overhead.json"
-run_step overhead 30 $PY -m kvcopy --device $DEV --num-layers 48 --num-groups 6 --blocks-per-request 1 \
+run_step overhead 25 $PY -m kvcopy --device $DEV --num-layers 48 --num-groups 6 --blocks-per-request 1 \
     --block-size 1 --backends cuda,triton,ce,auto --iters 100 --budget 0.5 --json "$OVER" --quiet
 
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
