@@ -4,6 +4,8 @@
 #   bash bench/gpu_check.sh            # from the repository root, on the GPU machine
 #   KVCOPY_COMMIT=$(git rev-parse HEAD) bash bench/gpu_check.sh   # where .git did not travel
 #   KVCOPY_DEVICE=cpu KVCOPY_SKIP_BUILD=1 bash bench/gpu_check.sh  # smoke-test the script on a CPU
+# Through the device tool: build here first (pip install -e .) and carry kvcopy/_lib
+# (git-ignored) so the prebuilt sm_80/sm_90 libraries travel when the machine has no nvcc.
 #
 # Target: one H200, CUDA 13 driver, torch 2.11 cu130, triton 3.6, cupy-cuda13x, its own
 # python, no network (no PyPI: nothing is downloaded). Steps, each under a timeout so the
