@@ -5,7 +5,8 @@
     python bench/report.py --text FILE...       # the short plain table gpu_check.sh prints last
 
 Sweeps become one matrix per direction: chunk size down, memcpy GB/s and every other
-method's % of that memcpy across. Runs become one row per (groups, direction, method).
+method's % of that memcpy across. Runs become one row per (groups, direction): each
+method's time as a multiple of the memcpy of the same bytes.
 """
 from __future__ import annotations
 
@@ -74,15 +75,30 @@ def sweep_tables(res: dict, md: bool) -> List[str]:
 
 
 def run_tables(res: dict, md: bool) -> List[str]:
+    """One row per (groups, direction): memcpy GB/s, then each method's time as a
+    multiple of that memcpy (lower is better; 1.00x is the byte floor), then the
+    device ops per call of each method at the row's point."""
+    rows = res["results"]
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "memcpy"]
+    by = {(r["groups"], r["direction"], r["method"]): r for r in rows}
     table = []
-    for r in res["results"]:
-        ops = r.get("ops_per_call")
-        table.append([str(r["groups"]), r["direction"], r["method"], _size(r["bytes"]),
-                      f"{r.get('median_us', 0):.1f}", f"{r.get('gbps', 0):.2f}",
-                      f"{r.get('pct_of_memcpy', 0):.0f}%", f"{r.get('x_memcpy', 0):.2f}x",
-                      "-" if ops is None else f"{ops:g}", str(r.get("verify", "-"))])
-    headers = ["groups", "dir", "method", "bytes", "median us", "GB/s", "% memcpy", "x memcpy", "ops/call",
-               "verify"]
+    for g, d in dict.fromkeys((r["groups"], r["direction"]) for r in rows):
+        mem = by.get((g, d, "memcpy"), {})
+        cells = [str(g), d, _size(mem.get("bytes", 0)), f"{mem.get('gbps', 0):.2f}"]
+        ops = []
+        for m in methods:
+            r = by.get((g, d, m))
+            if r is None or r.get("x_memcpy") is None:
+                cells.append("-")
+                continue
+            bad = str(r.get("verify", "")).startswith("FAIL")
+            cells.append(f"{r['x_memcpy']:.2f}x" + (" FAIL" if bad else ""))
+            if r.get("ops_per_call") is not None:
+                ops.append(f"{r['ops_per_call']:g}")
+        cells.append("/".join(ops) if ops else "-")
+        table.append(cells)
+    headers = ["groups", "dir", "bytes", "memcpy GB/s"] + [f"{m} (x memcpy)" for m in methods] + [
+        "ops/call (" + "/".join(methods) + ")"]
     return _table(headers, table, md) + [""]
 
 
