@@ -172,41 +172,62 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(as_words(a.cpu()), as_words(b.cpu()))
 
 
-def check_copy(backend: str, case: CopyCase, direction: str, device="cpu") -> BlockCopier:
-    """Run ``case`` through ``backend`` and assert it matches the reference bit for bit.
+@dataclass
+class PreparedCheck:
+    """A case built twice: ``expected`` already holds the reference's result, ``got``
+    is poisoned and waits for the copier (built on it) to run."""
 
-    ``direction`` "d2h" (to_host) or "h2d" (to_device). Every tensor in both dicts is
-    compared, so a byte written outside the contract fails.
-    """
+    copier: BlockCopier
+    dev_ids: List[List[int]]
+    host_ids: List[List[int]]
+    expected: Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]  # (device, host)
+    got: Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
+    label: str
+
+    def run(self, direction: str) -> None:
+        if direction == "d2h":
+            self.copier.to_host(self.dev_ids, self.host_ids)
+        else:
+            self.copier.to_device(self.dev_ids, self.host_ids)
+
+    def assert_matches(self) -> None:
+        """Every tensor of both dicts, byte for byte: a stray write fails too."""
+        if any(t.is_cuda for d in self.got for t in d.values()):
+            torch.cuda.synchronize()
+        for side, exp, got in zip(("device", "host"), self.expected, self.got):
+            for name in exp:
+                if not bytes_equal(exp[name], got[name]):
+                    diff = (as_words(exp[name].cpu()) != as_words(got[name].cpu())).nonzero()
+                    raise AssertionError(
+                        f"{self.label}: {side} tensor of {name!r} differs from the reference at "
+                        f"{diff.shape[0]} elements, first at index {diff[0].tolist()}"
+                    )
+
+
+def prepare_check(backend: str, case: CopyCase, direction: str, device="cpu", **copier_kw) -> PreparedCheck:
+    """Build ``case`` for a ``direction`` ("d2h": to_host, "h2d": to_device) check."""
     poison = "host" if direction == "d2h" else "device"
     dev_ids, host_ids = case.block_ids()
     groups = case.layer_groups()
     bd = {n: case.block_dim() for g in groups for n in g}
-
     exp_dev, exp_host = case.build(device, poison)
     if direction == "d2h":
         reference_copy_groups(exp_dev, exp_host, groups, dev_ids, host_ids, bd)
     else:
         reference_copy_groups(exp_host, exp_dev, groups, host_ids, dev_ids, bd)
-
     got_dev, got_host = case.build(device, poison)
     copier = BlockCopier(got_dev, got_host, groups, backend=backend,
-                         block_dim=case.block_dim(), kv_layout=case.kv_layout())
-    if direction == "d2h":
-        copier.to_host(dev_ids, host_ids)
-    else:
-        copier.to_device(dev_ids, host_ids)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    for name in exp_dev:
-        for side, exp, got in (("device", exp_dev, got_dev), ("host", exp_host, got_host)):
-            if not bytes_equal(exp[name], got[name]):
-                diff = (as_words(exp[name].cpu()) != as_words(got[name].cpu())).nonzero()
-                raise AssertionError(
-                    f"{case.id} {direction} backend={backend}: {side} tensor of {name!r} differs "
-                    f"from the reference at {diff.shape[0]} elements, first at index {diff[0].tolist()}"
-                )
-    return copier
+                         block_dim=case.block_dim(), kv_layout=case.kv_layout(), **copier_kw)
+    return PreparedCheck(copier, dev_ids, host_ids, (exp_dev, exp_host), (got_dev, got_host),
+                         f"{case.id} {direction} backend={backend}")
+
+
+def check_copy(backend: str, case: CopyCase, direction: str, device="cpu", **copier_kw) -> BlockCopier:
+    """Run ``case`` through ``backend`` and assert it matches the reference bit for bit."""
+    check = prepare_check(backend, case, direction, device, **copier_kw)
+    check.run(direction)
+    check.assert_matches()
+    return check.copier
 
 
 def standard_cases(quick: bool = False) -> List[CopyCase]:

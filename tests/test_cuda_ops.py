@@ -9,32 +9,9 @@ import pytest
 import torch
 
 from kvcopy import BlockCopier, native, ops
-from kvcopy.reference import reference_copy_groups
-from kvcopy.testing import CopyCase, bytes_equal
+from kvcopy.testing import CopyCase, prepare_check
 
 cpu_lib, _ = native.load("kvcopy_cpu")
-
-
-def _setup(case, device, backend, direction):
-    poison = "host" if direction == "d2h" else "device"
-    dev_ids, host_ids = case.block_ids()
-    groups = case.layer_groups()
-    bd = {n: case.block_dim() for g in groups for n in g}
-    exp_dev, exp_host = case.build(device, poison)
-    if direction == "d2h":
-        reference_copy_groups(exp_dev, exp_host, groups, dev_ids, host_ids, bd)
-    else:
-        reference_copy_groups(exp_host, exp_dev, groups, host_ids, dev_ids, bd)
-    got_dev, got_host = case.build(device, poison)
-    copier = BlockCopier(got_dev, got_host, groups, backend=backend,
-                         block_dim=case.block_dim(), kv_layout=case.kv_layout())
-    return copier, dev_ids, host_ids, (exp_dev, exp_host), (got_dev, got_host)
-
-
-def _assert_same(expected, got):
-    for exp, act in zip(expected, got):
-        for name in exp:
-            assert bytes_equal(exp[name], act[name]), name
 
 
 def test_op_is_registered():
@@ -47,23 +24,28 @@ def test_op_is_registered():
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_op_eager_bit_exact(direction):
     case = CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48, host_ids_differ=True)
-    copier, dev_ids, host_ids, exp, got = _setup(case, "cpu", "cpu", direction)
-    ops.copy(copier, direction, dev_ids, host_ids)
-    _assert_same(exp, got)
+    c = prepare_check("cpu", case, direction)
+    ops.copy(c.copier, direction, c.dev_ids, c.host_ids)
+    c.assert_matches()
 
 
-@pytest.mark.skipif(cpu_lib is None, reason="CPU library not built")
-def test_op_under_torch_compile_fullgraph():
-    case = CopyCase(layout="nhd", num_groups=2, ids="scattered", aliasing=True, kv_sharing=1)
-    copier, dev_ids, host_ids, exp, got = _setup(case, "cpu", "cpu", "h2d")
+def _compiled_h2d(backend, case, device):
+    """to_device through the custom op inside a fullgraph torch.compile region."""
+    c = prepare_check(backend, case, "h2d", device)
     torch._dynamo.reset()
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(dev_t, host_t):
-        ops.copy(copier, "h2d", dev_t, host_t)
+        ops.copy(c.copier, "h2d", dev_t, host_t)
 
-    step([torch.tensor(g) for g in dev_ids], [torch.tensor(g) for g in host_ids])
-    _assert_same(exp, got)
+    step([torch.tensor(g) for g in c.dev_ids], [torch.tensor(g) for g in c.host_ids])
+    c.assert_matches()
+    c.copier.close()
+
+
+@pytest.mark.skipif(cpu_lib is None, reason="CPU library not built")
+def test_op_under_torch_compile_fullgraph():
+    _compiled_h2d("cpu", CopyCase(layout="nhd", num_groups=2, ids="scattered", aliasing=True, kv_sharing=1), "cpu")
 
 
 def test_dead_copier_handle_raises():
@@ -73,15 +55,4 @@ def test_dead_copier_handle_raises():
 
 @pytest.mark.gpu
 def test_op_compiled_over_cuda_backend():
-    case = CopyCase(layout="kv_first", num_groups=2, ids="runs", num_blocks=48)
-    copier, dev_ids, host_ids, exp, got = _setup(case, "cuda", "cuda", "h2d")
-    torch._dynamo.reset()
-
-    @torch.compile(backend="aot_eager", fullgraph=True)
-    def step(dev_t, host_t):
-        ops.copy(copier, "h2d", dev_t, host_t)
-
-    step([torch.tensor(g) for g in dev_ids], [torch.tensor(g) for g in host_ids])
-    torch.cuda.synchronize()
-    _assert_same(exp, got)
-    copier.close()
+    _compiled_h2d("cuda", CopyCase(layout="kv_first", num_groups=2, ids="runs", num_blocks=48), "cuda")

@@ -41,10 +41,23 @@ class Backend:
         return None
 
     def prepare(self, tables: CopyTables) -> None:
-        """Once per copier direction: upload tables, pin host memory, compile."""
+        """Once per copier direction: upload tables, pin host memory, compile; keeps
+        what it made in ``tables.backend_state[self.name]``."""
+
+    def state(self, tables: CopyTables):
+        """What :meth:`prepare` kept for these tables, preparing them on first use."""
+        st = tables.backend_state.get(self.name)
+        if st is None:
+            self.prepare(tables)
+            st = tables.backend_state[self.name]
+        return st
 
     def release(self, tables: CopyTables) -> None:
-        """Undo :meth:`prepare` (unpin); called when the copier is closed."""
+        """Undo :meth:`prepare`: drop the state, unpin what it pinned (``.pinning``)."""
+        st = tables.backend_state.pop(self.name, None)
+        pinning = getattr(st, "pinning", None)
+        if pinning is not None:
+            pinning.release()
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
         raise NotImplementedError

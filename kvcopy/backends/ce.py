@@ -75,16 +75,8 @@ class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
             pointers=(_ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries)),
         )
 
-    def release(self, tables: CopyTables) -> None:
-        st = tables.backend_state.pop("ce", None)
-        if st is not None and st.pinning is not None:
-            st.pinning.release()
-
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        st: _State = tables.backend_state.get("ce")
-        if st is None:
-            self.prepare(tables)
-            st = tables.backend_state["ce"]
+        st: _State = self.state(tables)
         mode = _MODES.get(os.environ.get("KVCOPY_CE_MODE", "auto"))
         if mode is None:
             raise ValueError(f"KVCOPY_CE_MODE must be one of {sorted(_MODES)}")

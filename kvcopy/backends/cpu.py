@@ -52,9 +52,7 @@ class CpuBackend(Backend):
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        if "cpu" not in tables.backend_state:
-            self.prepare(tables)
-        entries, offsets, group_entries, groups = tables.backend_state["cpu"]
+        entries, offsets, group_entries, groups = self.state(tables)
         rc = self._lib.kvcopy_cpu_copy(
             entries, offsets, group_entries, groups, call.packed_address, call.total_bytes, self._threads
         )

@@ -146,17 +146,9 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
             word_bytes=tables.word_bytes, pinning=pinning,
         )
 
-    def release(self, tables: CopyTables) -> None:
-        st = tables.backend_state.pop("cuda", None)
-        if st is not None and st.pinning is not None:
-            st.pinning.release()
-
     # ------------------------------------------------------------ the copy
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        st: _State = tables.backend_state.get("cuda")
-        if st is None:
-            self.prepare(tables)
-            st = tables.backend_state["cuda"]
+        st: _State = self.state(tables)
         if call.total_bytes <= 0:
             return
         arr = cudalib.call_array(call)

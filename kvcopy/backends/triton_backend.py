@@ -132,17 +132,9 @@ class TritonBackend(Backend):
             pinning=pinning,
         )
 
-    def release(self, tables: CopyTables) -> None:
-        state = tables.backend_state.pop(STATE_KEY, None)
-        if state is not None and state.pinning is not None:
-            state.pinning.release()
-
     # ------------------------------------------------------------ per call
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        st = tables.backend_state.get(STATE_KEY)
-        if st is None:
-            self.prepare(tables)
-            st = tables.backend_state[STATE_KEY]
+        st = self.state(tables)
         if call.num_items == 0:
             return
         packed = torch.from_numpy(call.packed)
