@@ -17,12 +17,12 @@ heads (total and the range this rank holds), head size.
 :func:`decode` refuses bytes that are not a handshake, are truncated, or carry a
 version it does not know (never guessed). :func:`pair_layers` decides, before any
 transfer, whether a peer can serve this engine: every local grouped layer must exist
-on the peer with the same page bytes (dtype size, in-page shape and strides, chunks,
-layout), the same tokens per page and the same KV heads. Everything that differs is
+on the peer with the same meaning of its bytes (element size, layout kind, chunks, total
+KV heads, head size; see :func:`pair_layers`). Everything that differs is
 listed in one ``ValueError``. Layers are paired by name, each with its own group on
-each side, so the pairing is already per (local group, remote group); what this
-version refuses (different page sizes, different head ranges) is where heterogeneous
-P/D support (page and head slicing) plugs in.
+each side, so the pairing is per (local group, remote group). Different tokens per
+page, TP sizes (heads held) and NHD/HND orders are accepted where both sides name
+their token and head axes: plans move token pieces and head ranges.
 """
 from __future__ import annotations
 
@@ -48,6 +48,15 @@ _MUST_MATCH = (
     ("tokens_per_page", "tokens per page"),
     ("total_kv_heads", "total KV heads"),
     ("heads", "KV heads held (first, count)"),
+    ("head_size", "head size"),
+)
+# ... where both sides name their token and head axes: pages then move in token pieces
+# and head ranges, so tokens per page, heads held and NHD/HND may differ.
+_MUST_MATCH_SLICED = (
+    ("itemsize", "element size"),
+    ("num_chunks", "chunks per page"),
+    ("kind", "layout kind"),
+    ("total_kv_heads", "total KV heads"),
     ("head_size", "head size"),
 )
 _MAX_LISTED = 12
@@ -137,15 +146,24 @@ class LayerPair:
 
 
 def pair_layers(local: EngineInfo, remote: EngineInfo) -> List[LayerPair]:
-    """Pair every local grouped layer with the peer's, or raise saying what differs."""
+    """Pair every local grouped layer with the peer's, or raise saying what differs.
+
+    Layers pair by name, each in its own group on each side. A pair must agree on what a
+    byte means: element size, layout kind, chunks per page, total KV heads, head size and
+    every in-page axis but tokens and heads. Tokens per page, KV heads held (TP sizes)
+    and the NHD/HND order may differ: plans then move token pieces and head ranges
+    (:mod:`kvcopy.nixl.geometry`). A layout that names no token axis (``flat``) must
+    match whole. A peer holding none of this rank's KV heads is refused too.
+    """
+    from .geometry import chunk_axes
+
     problems: List[str] = []
     if remote.name == local.name:
         problems.append(f"the peer has this engine's own name {local.name!r}")
-    if remote.tp_size != local.tp_size:
-        problems.append(f"TP size {local.tp_size} (local) vs {remote.tp_size} (peer)")
     remote_layers = remote.layers()
     pairs: List[LayerPair] = []
     missing: List[str] = []
+    head_layers, overlapping = 0, 0
     for region in local.regions:
         for name, group in region.members:
             if name not in remote_layers:
@@ -153,13 +171,27 @@ def pair_layers(local: EngineInfo, remote: EngineInfo) -> List[LayerPair]:
                 continue
             rg, rr = remote_layers[name]
             peer_region = remote.regions[rr]
-            for field, words in _MUST_MATCH:
+            la, ra = chunk_axes(region), chunk_axes(peer_region)
+            fields = _MUST_MATCH if la is None or ra is None else _MUST_MATCH_SLICED
+            for field, words in fields:
                 mine, theirs = getattr(region, field), getattr(peer_region, field)
                 if mine != theirs:
                     problems.append(f"layer {name!r}: {words} {mine} (local) vs {theirs} (peer)")
+            if la is not None and ra is not None and la.others() != ra.others():
+                problems.append(f"layer {name!r}: in-page axes besides tokens and heads "
+                                f"{list(la.others())} (local) vs {list(ra.others())} (peer)")
+            if region.heads is not None and peer_region.heads is not None:
+                head_layers += 1
+                (a, n), (b, m) = region.heads, peer_region.heads
+                overlapping += max(a, b) < min(a + n, b + m)
+            elif (region.heads is None) != (peer_region.heads is None):
+                problems.append(f"layer {name!r}: KV heads held {region.heads} (local) vs {peer_region.heads} (peer)")
             pairs.append(LayerPair(name, group, region.index, rg, rr))
     if missing:
         problems.append(f"{len(missing)} layer(s) not on the peer (or in no group there): {missing[:_MAX_LISTED]}")
+    if head_layers and not overlapping and not problems:
+        problems.append(f"the peer (TP rank {remote.tp_rank} of {remote.tp_size}) holds none of the KV heads "
+                        f"this rank (TP rank {local.tp_rank} of {local.tp_size}) holds")
     if problems:
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
         raise ValueError(

@@ -2,10 +2,12 @@
 
 ``replay(plan, local, remote)`` does, with plain byte slices, what a pull and its
 completion do with NIXL and the copy kernels: for each region pair, each page pair
-``(local_pages[i], remote_pages[i])``, each chunk ``c`` and each byte segment, it
+``(local_pages[i], remote_pages[i])``, each chunk ``c`` and each byte segment, from
+the pair's peer, it
 copies the bytes at ``remote_page * page_stride + c * chunk_stride + remote offset``
-of the remote layer's tensor to the same place in the local layer's tensor, and then
-zeroes the pages listed for zeroing. ``local`` and ``remote`` map layer names to CPU
+of the remote layer's tensor to the local offset in the local layer's tensor, and then
+zeroes the pages listed for zeroing (whole chunks, or a pair's ``zero_segments``: the
+rows of a read page past the prompt). ``local`` and ``remote`` map layer names to CPU
 tensors with the geometry the plan was made for: the two engines' device caches (the
 result is what D's caches hold after ``complete``), or the host buffers NIXL reads and
 writes. Offsets are taken relative to each tensor's first element, so the tensors need
@@ -42,13 +44,30 @@ def _check(buf: torch.Tensor, start: int, n: int, what: str) -> None:
         raise ValueError(f"{what}: bytes [{start}, {start + n}) outside the tensor's storage of {buf.numel()}")
 
 
-def replay(plan: PullPlan, local: Mapping[str, torch.Tensor], remote: Mapping[str, torch.Tensor],
+def _remote_for(plan: PullPlan, remote: Mapping, peer: str) -> Mapping[str, torch.Tensor]:
+    """``remote`` is layer -> tensor (one peer) or peer name -> (layer -> tensor)."""
+    if remote and all(isinstance(v, Mapping) for v in remote.values()):
+        if peer not in remote:
+            raise ValueError(f"replay: no tensors for peer {peer!r}")
+        return remote[peer]
+    if len(plan.all_peers) > 1:
+        raise ValueError(f"replay: the plan reads from {list(plan.all_peers)}: pass peer name -> tensors")
+    return remote
+
+
+def replay(plan: PullPlan, local: Mapping[str, torch.Tensor], remote: Mapping,
            zero: bool = True) -> None:
-    """Apply ``plan`` to ``local`` from ``remote`` in place (then zero, unless ``zero=False``)."""
+    """Apply ``plan`` to ``local`` from ``remote`` in place (then zero, unless ``zero=False``).
+
+    ``remote`` maps layer names to tensors, or, for a plan that reads from several
+    peers, peer names to such mappings."""
     for pair in plan.pairs:
+        if not pair.local_pages:
+            continue
+        tensors = _remote_for(plan, remote, plan.peer_of(pair))
         for name in pair.layers:
             dst, dst0 = _bytes_of(local[name], name)
-            src, src0 = _bytes_of(remote[name], name)
+            src, src0 = _bytes_of(tensors[name], name)
             for lp, rp in zip(pair.local_pages, pair.remote_pages):
                 for c in range(pair.local.num_chunks):
                     for l_off, r_off, n in pair.byte_segments():
@@ -60,10 +79,12 @@ def replay(plan: PullPlan, local: Mapping[str, torch.Tensor], remote: Mapping[st
     if not zero:
         return
     for pair in plan.pairs:
+        runs = pair.zero_segments or ((0, pair.local.chunk_bytes),)
         for name in pair.layers:
             dst, dst0 = _bytes_of(local[name], name)
             for lp in pair.pages_to_zero:
                 for c in range(pair.local.num_chunks):
-                    d = dst0 + _page_chunk(pair.local, lp, c)
-                    _check(dst, d, pair.local.chunk_bytes, f"layer {name!r}, local page {lp}")
-                    dst[d : d + pair.local.chunk_bytes] = 0
+                    for off, n in runs:
+                        d = dst0 + _page_chunk(pair.local, lp, c) + off
+                        _check(dst, d, n, f"layer {name!r}, local page {lp}")
+                        dst[d : d + n] = 0

@@ -32,12 +32,13 @@ pair moving a token slice or a head range is a region pair with other segments.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .handshake import EngineInfo, LayerPair
+from .geometry import chunk_axes, head_owners, local_segments, segments, token_pieces
 from .regions import RegionInfo
 
 NO_BLOCK = -1
@@ -72,8 +73,12 @@ class RegionPair:
     remote_pages: Tuple[int, ...]  # remote_pages[i] is read into local_pages[i]
     pages_to_zero: Tuple[int, ...]  # local pages allocated but not read
     segments: Tuple[Tuple[int, int, int], ...] = ()  # (local off, remote off, bytes) per chunk; () = whole
+    peer: str = ""  # the peer read from; "" = the plan's only peer
+    zero_segments: Tuple[Tuple[int, int], ...] = ()  # (local off, bytes) per chunk of pages_to_zero; () = whole
 
     def byte_segments(self) -> Tuple[Tuple[int, int, int], ...]:
+        if not self.local_pages:
+            return ()
         return self.segments or ((0, 0, self.local.chunk_bytes),)
 
     @property
@@ -94,6 +99,14 @@ class PullPlan:
     zero_pages: Tuple[Tuple[int, ...], ...]  # per local group: pages complete() zeroes
     local_block_ids: Tuple[Tuple[int, ...], ...]  # per local group: logical blocks this pull writes
     extra: Dict[str, object] = field(default_factory=dict, compare=False)
+    peers: Tuple[str, ...] = ()  # every peer read from (several: the TP ranks of one engine)
+
+    @property
+    def all_peers(self) -> Tuple[str, ...]:
+        return self.peers or (self.peer,)
+
+    def peer_of(self, pair: RegionPair) -> str:
+        return pair.peer or self.peer
 
     @property
     def num_bytes(self) -> int:
@@ -105,13 +118,22 @@ class PullPlan:
 
     def __str__(self) -> str:
         lines = [
-            f"PullPlan from {self.peer!r}: {self.remote_num_tokens} tokens, cached "
+            f"PullPlan from {', '.join(map(repr, self.all_peers))}: {self.remote_num_tokens} tokens, cached "
             f"{list(self.num_cached_tokens)}, {len(self.pairs)} region pair(s), {self.num_bytes} bytes"
         ]
         for p in self.pairs:
+            if not p.local_pages and p.zero_segments:
+                lines.append(
+                    f"  group {p.local_group} region {p.local.index} {list(p.layers)}: zero "
+                    f"{len(p.zero_segments)} byte run(s) of {sum(n for _, n in p.zero_segments)} bytes "
+                    f"(rows past the prompt) in pages {_runs(p.pages_to_zero)}"
+                )
+                continue
+            peer = f" of {p.peer!r}" if p.peer else ""
+            segs = f" [{len(p.segments)} byte run(s) per chunk]" if p.segments else ""
             lines.append(
-                f"  group {p.local_group}<-{p.remote_group} region {p.local.index}<-{p.remote.index} "
-                f"{list(p.layers)}: pages {_runs(p.local_pages)} <- {_runs(p.remote_pages)}"
+                f"  group {p.local_group}<-{p.remote_group}{peer} region {p.local.index}<-{p.remote.index} "
+                f"{list(p.layers)}: pages {_runs(p.local_pages)} <- {_runs(p.remote_pages)}{segs}"
                 + (f", zero {_runs(p.pages_to_zero)}" if p.pages_to_zero else "")
             )
         return "\n".join(lines)
@@ -185,12 +207,39 @@ def _id_lists(ids, n_groups: int, what: str) -> List[np.ndarray]:
 def build_pull_plan(local: EngineInfo, remote: EngineInfo, layer_pairs: Sequence[LayerPair],
                     remote_block_ids, remote_num_tokens: int, local_block_ids,
                     num_cached_tokens=0) -> PullPlan:
-    """Plan one request's pull; raises ``ValueError`` before anything moves."""
-    remote_ids = _id_lists(remote_block_ids, remote.num_groups, "remote_block_ids")
+    """Plan one request's pull from one peer; raises ``ValueError`` before anything moves."""
+    return build_multi_pull_plan(local, [(remote, layer_pairs)], {remote.name: remote_block_ids},
+                                 remote_num_tokens, local_block_ids, num_cached_tokens)
+
+
+def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerPair]]],
+                          remote_block_ids, remote_num_tokens: int, local_block_ids,
+                          num_cached_tokens=0) -> PullPlan:
+    """Plan one request's pull from one or several peers (the TP ranks of one engine).
+
+    ``remote_block_ids`` is one block id list per remote group, shared by every peer
+    (the ranks of one engine share its scheduler), or a mapping peer name -> such lists.
+    Each local layer's KV heads are read from peers that hold them (one holder per head,
+    see :func:`~kvcopy.nixl.geometry.head_owners`); its pages by token position through
+    its remote group's block ids, in token pieces where the page sizes differ.
+    """
+    if not peers:
+        raise ValueError("plan_pull needs at least one peer")
+    names = [p.name for p, _ in peers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"peers {names}: a peer is given twice")
     local_ids = _id_lists(local_block_ids, local.num_groups, "local_block_ids")
+    if isinstance(remote_block_ids, Mapping):
+        missing = [n for n in names if n not in remote_block_ids]
+        if missing:
+            raise ValueError(f"remote_block_ids: no block ids for peer(s) {missing}")
+        remote_ids = [_id_lists(remote_block_ids[p.name], p.num_groups, f"remote_block_ids of {p.name!r}")
+                      for p, _ in peers]
+    else:
+        remote_ids = [_id_lists(remote_block_ids, p.num_groups, "remote_block_ids") for p, _ in peers]
     if int(remote_num_tokens) < 0:
         raise ValueError(f"remote_num_tokens {remote_num_tokens} is negative")
-    remote_num_tokens = int(remote_num_tokens)
+    n_tok = int(remote_num_tokens)
     if isinstance(num_cached_tokens, (int, np.integer)):
         cached = [int(num_cached_tokens)] * local.num_groups
     else:
@@ -200,49 +249,143 @@ def build_pull_plan(local: EngineInfo, remote: EngineInfo, layer_pairs: Sequence
     if any(c < 0 for c in cached):
         raise ValueError(f"num_cached_tokens {cached} is negative")
 
-    # Region pairs by (local group, remote group), layers in registration order.
-    grouped: Dict[Tuple[int, int], Dict[Tuple[int, int], List[str]]] = {}
-    for lp in layer_pairs:
-        regions = grouped.setdefault((lp.local_group, lp.remote_group), {})
-        regions.setdefault((lp.local_region, lp.remote_region), []).append(lp.layer)
-
-    read: Dict[int, Tuple[np.ndarray, np.ndarray, Tuple[int, int]]] = {}
-    pairs: List[RegionPair] = []
-    for (g, rg), regions in sorted(grouped.items()):
+    # Local side, per group: page positions read, pages read, pages zeroed (by token
+    # position; they do not depend on the peers).
+    positions, l_pages, read, zero = [], [], [], []
+    for g in range(local.num_groups):
         tpp = local.tokens_per_page[g]
-        if remote.tokens_per_page[rg] != tpp:  # pair_layers refuses this per layer already
-            raise ValueError(f"group {g}<-{rg}: tokens per page {tpp} vs {remote.tokens_per_page[rg]}")
-        where = f"local group {g} <- remote group {rg}"
-        lpages = expand_blocks(local_ids[g], local.tokens_per_block[g] // tpp)
-        rpages = expand_blocks(remote_ids[rg], remote.tokens_per_block[rg] // tpp)
-        positions, l_read, r_read, l_zero = select_pages(
-            lpages, rpages, tpp, remote_num_tokens, cached[g], where
-        )
-        if g in read:
-            prev_read, prev_zero, prev_rg = read[g]
-            if not (np.array_equal(prev_read, l_read) and np.array_equal(prev_zero, l_zero)):
-                raise ValueError(
-                    f"local group {g}: its layers would read different pages from remote groups "
-                    f"{prev_rg} and {rg}; one masked copy per group cannot complete that"
-                )
-        else:
-            _check_local_pages(l_read, l_zero, g)
-            read[g] = (l_read, l_zero, rg)
-        for (lr, rr), layers in regions.items():
-            lref, rref = RegionRef.of(local.regions[lr]), RegionRef.of(remote.regions[rr])
-            _check_range(l_read, lref.num_pages, f"{where}, layer {layers[0]!r}: local page")
-            _check_range(l_zero, lref.num_pages, f"{where}, layer {layers[0]!r}: local page")
-            _check_range(r_read, rref.num_pages, f"{where}, layer {layers[0]!r}: remote page")
+        lp = expand_blocks(local_ids[g], local.tokens_per_block[g] // tpp)
+        n_pages = -(-n_tok // tpp)
+        pos = np.arange(cached[g] // tpp, min(n_pages, len(lp)), dtype=np.int64)
+        pos = pos[lp[pos] != NO_BLOCK]
+        tail = lp[-(-max(n_tok, cached[g]) // tpp):]
+        positions.append(pos)
+        l_pages.append(lp)
+        read.append(lp[pos])
+        zero.append(tail[tail != NO_BLOCK])
+    peer_layers = [{lp.layer: lp for lp in pairs} for _, pairs in peers]
+
+    # Who serves each local layer: (peer, remote group, remote region, head ranges).
+    keyed: Dict[tuple, List[str]] = {}
+    for region in local.regions:
+        for name, g in region.members:
+            cands = [i for i in range(len(peers)) if name in peer_layers[i]]
+            if not cands:
+                raise ValueError(f"layer {name!r} (local group {g}) is on none of the peers {names}")
+            if region.heads is None:
+                owners = head_owners(None, [None] * len(cands), local.tp_rank)
+            else:
+                rh = [peers[i][0].regions[peer_layers[i][name].remote_region].heads for i in cands]
+                try:
+                    owners = head_owners(region.heads, rh, local.tp_rank)
+                except ValueError as exc:
+                    held = {peers[i][0].name: h for i, h in zip(cands, rh)}
+                    raise ValueError(f"layer {name!r}: this rank holds KV heads {region.heads} (first, count); "
+                                     f"{exc} (they hold {held})") from None
+            for ci, lh, rhd, k in owners:
+                i = cands[ci]
+                lp = peer_layers[i][name]
+                key = (g, i, lp.remote_group, region.index, lp.remote_region, lh, rhd, k)
+                keyed.setdefault(key, []).append(name)
+
+    pairs: List[RegionPair] = []
+    pieces_cache: Dict[tuple, dict] = {}
+    zero_pieces: Dict[tuple, Tuple[List[str], set]] = {}
+    zero_owner: Dict[Tuple[int, int], int] = {}
+    multi = len(peers) > 1
+    for key in sorted(keyed):
+        g, i, rg, lr, rr, lh, rhd, k = key
+        layers = keyed[key]
+        peer = peers[i][0]
+        where = f"local group {g} <- remote group {rg}" + (f" of {peer.name!r}" if multi else "")
+        lreg, rreg = local.regions[lr], peer.regions[rr]
+        lref, rref = RegionRef.of(lreg), RegionRef.of(rreg)
+        ltpp, rtpp = local.tokens_per_page[g], peer.tokens_per_page[rg]
+        ckey = (g, i, rg)
+        if ckey not in pieces_cache:
+            rpages = expand_blocks(remote_ids[i][rg], peer.tokens_per_block[rg] // rtpp)
+            pieces = token_pieces(positions[g], ltpp, rtpp, n_tok)
+            out = {}
+            for (lt, rt, n), items in pieces.items():
+                pos = np.array([p for p, _ in items], dtype=np.int64)
+                if rt < 0:
+                    out[(lt, rt, n)] = (l_pages[g][pos], None)
+                    continue
+                rpos = np.array([q for _, q in items], dtype=np.int64)
+                lacking = rpos[rpos >= len(rpages)]
+                if not len(lacking):
+                    lacking = rpos[rpages[rpos] == NO_BLOCK]
+                if len(lacking):
+                    q = int(lacking[0])
+                    raise ValueError(
+                        f"{where}: D needs tokens [{q * rtpp}, {(q + 1) * rtpp}) of the "
+                        f"{n_tok}-token prompt but P holds no page there ({len(rpages)} page positions, "
+                        f"{int((rpages != NO_BLOCK).sum())} held)")
+                out[(lt, rt, n)] = (l_pages[g][pos], rpages[rpos])
+            pieces_cache[ckey] = out
+        pieces = pieces_cache[ckey]
+        la, ra = chunk_axes(lreg), chunk_axes(rreg)
+        lheads = (lh, k) if lreg.heads is not None else (0, 1)
+        rheads = (rhd, k) if lreg.heads is not None else (0, 1)
+        made = 0
+        for (lt, rt, n), (lpg, rpg) in sorted(pieces.items()):
+            if rt < 0:
+                zk = (g, lr, lt, n)
+                entry = zero_pieces.setdefault(zk, ([], set()))
+                entry[0].extend(x for x in layers if x not in entry[0])
+                entry[1].update(int(x) for x in lpg)
+                continue
+            _check_range(lpg, lref.num_pages, f"{where}, layer {layers[0]!r}: local page")
+            _check_range(rpg, rref.num_pages, f"{where}, layer {layers[0]!r}: remote page")
+            if la is None or ra is None:
+                if (lt, rt, n) != (0, 0, ltpp) or lref.chunk_bytes != rref.chunk_bytes:
+                    raise ValueError(f"{where}, layer {layers[0]!r}: layout {lreg.kind!r} names no token "
+                                     "axis: only whole pages of equal size can move")
+                segs = ()
+            else:
+                if la.size("head") == 1 and "head" not in la.names:
+                    lsel, rsel = ((lt, n), (0, 1)), ((rt, n), (0, 1))
+                else:
+                    lsel, rsel = ((lt, n), lheads), ((rt, n), rheads)
+                segs = segments(la, ra, lsel, rsel)
+                if segs == ((0, 0, lref.chunk_bytes),) and rref.chunk_bytes == lref.chunk_bytes:
+                    segs = ()
             pairs.append(RegionPair(
                 local_group=g, remote_group=rg, layers=tuple(layers), local=lref, remote=rref,
-                local_pages=tuple(int(x) for x in l_read), remote_pages=tuple(int(x) for x in r_read),
-                pages_to_zero=tuple(int(x) for x in l_zero),
+                local_pages=tuple(int(x) for x in lpg), remote_pages=tuple(int(x) for x in rpg),
+                pages_to_zero=(), segments=segs, peer=peer.name if multi else "",
             ))
+            made += 1
+        if not made:  # nothing read for this layer set: keep a (possibly empty) pair for its zeroing
+            pairs.append(RegionPair(
+                local_group=g, remote_group=rg, layers=tuple(layers), local=lref, remote=rref,
+                local_pages=(), remote_pages=(), pages_to_zero=(), peer=peer.name if multi else "",
+            ))
+        zero_owner.setdefault((g, lr), len(pairs) - made if made else len(pairs) - 1)
 
-    empty = np.empty(0, dtype=np.int64)
+    # Whole pages to zero: on the first pair of each (local group, local region).
+    for (g, lr), idx in zero_owner.items():
+        _check_range(zero[g], local.regions[lr].num_pages, f"local group {g}, region {lr}: local page")
+        if len(zero[g]):
+            pairs[idx] = replace(pairs[idx], pages_to_zero=tuple(int(x) for x in zero[g]))
+    # Token pieces past the prompt inside read pages: zeroed, not read.
+    for (g, lr, lt, n), (layers, pages) in sorted(zero_pieces.items()):
+        lreg = local.regions[lr]
+        zsegs = local_segments(chunk_axes(lreg), (lt, n))
+        pairs.append(RegionPair(
+            local_group=g, remote_group=-1, layers=tuple(layers), local=RegionRef.of(lreg),
+            remote=RegionRef.of(lreg), local_pages=(), remote_pages=(), pages_to_zero=tuple(sorted(pages)),
+            zero_segments=zsegs,
+        ))
+    for g in range(local.num_groups):
+        _check_local_pages(read[g], zero[g], g)
+    _check_writes(pairs, local, read)
+
     read_pages, zero_pages, blocks = [], [], []
     for g in range(local.num_groups):
-        l_read, l_zero, _ = read.get(g, (empty, empty, -1))
+        has = any(p.local_group == g for p in pairs)
+        l_read = read[g] if has else np.empty(0, np.int64)
+        l_zero = zero[g] if has else np.empty(0, np.int64)
         read_pages.append(tuple(int(x) for x in l_read))
         zero_pages.append(tuple(int(x) for x in l_zero))
         r = local.tokens_per_block[g] // local.tokens_per_page[g]
@@ -250,10 +393,56 @@ def build_pull_plan(local: EngineInfo, remote: EngineInfo, layer_pairs: Sequence
         _, first = np.unique(touched, return_index=True)
         blocks.append(tuple(int(x) for x in touched[np.sort(first)]))
     return PullPlan(
-        peer=remote.name, remote_num_tokens=remote_num_tokens, num_cached_tokens=tuple(cached),
+        peer=names[0], remote_num_tokens=n_tok, num_cached_tokens=tuple(cached),
         pairs=tuple(pairs), read_pages=tuple(read_pages), zero_pages=tuple(zero_pages),
-        local_block_ids=tuple(blocks),
+        local_block_ids=tuple(blocks), peers=tuple(names),
     )
+
+
+def _check_writes(pairs: Sequence[RegionPair], local: EngineInfo, read: Sequence[np.ndarray]) -> None:
+    """Every local page a pair writes is written once per byte, and every page read is
+    written whole (read pieces, zeroed pieces), in every region of its group: else two
+    sources would race for one byte, or ``complete`` would copy bytes nobody wrote."""
+    per_region: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}
+    for p in pairs:
+        pages_segs = [(p.local_pages, [(lo, n) for lo, _, n in p.byte_segments()])]
+        if p.pages_to_zero:
+            pages_segs.append((p.pages_to_zero, list(p.zero_segments or ((0, p.local.chunk_bytes),))))
+        reg = per_region.setdefault(p.local.index, {})
+        for pages, segs in pages_segs:
+            for page in pages:
+                reg.setdefault(page, []).extend(segs)
+    for lr, pages in per_region.items():
+        region = local.regions[lr]
+        seen_sets: Dict[tuple, Optional[str]] = {}
+        for page, segs in pages.items():
+            key = tuple(sorted(segs))
+            if key in seen_sets:
+                if seen_sets[key]:
+                    raise ValueError(f"local region {lr} ({list(region.layers)}), page {page}: {seen_sets[key]}")
+                continue
+            end, why = 0, None
+            for off, n in key:
+                if off < end:
+                    why = ("two sources write the same bytes (layers that share this tensor on D "
+                           "are different tensors on P)")
+                    break
+                end = off + n
+            seen_sets[key] = why
+            if why:
+                raise ValueError(f"local region {lr} ({list(region.layers)}), page {page}: {why}")
+    for g, pages in enumerate(read):
+        if not len(pages):
+            continue
+        for lr in {p.local.index for p in pairs if p.local_group == g}:
+            got = per_region.get(lr, {})
+            chunk = local.regions[lr].chunk_bytes
+            for page in pages:
+                total = sum(n for _, n in got.get(int(page), ()))
+                if total != chunk:
+                    raise ValueError(
+                        f"local group {g}, region {lr} ({list(local.regions[lr].layers)}), page {int(page)}: "
+                        f"the peers write {total} of its {chunk} bytes per chunk")
 
 
 def _check_local_pages(l_read: np.ndarray, l_zero: np.ndarray, g: int) -> None:
