@@ -5,8 +5,10 @@ without ``pin_memory``); a kernel that dereferences a pageable host address faul
 :func:`pin_host_tensors` registers each distinct pageable CPU storage once with
 ``cudaHostRegister`` (portable | mapped) and :meth:`HostPinning.release` undoes it;
 a pinning that is garbage collected releases itself. Storages that are already
-page-locked (``torch.empty(..., pin_memory=True)``, or registered by NIXL/UCX or by
-another copier) are left alone and never unregistered by us. The first time pageable
+page-locked by others (``torch.empty(..., pin_memory=True)``, or registered by
+NIXL/UCX) are left alone and never unregistered by us; kvcopy's own registrations are
+reference-counted across copiers, so closing one copier never unpins memory another
+still uses. The first time pageable
 memory gets pinned the process logs it once at INFO (later ones at DEBUG), so the
 behaviour is never silent. Without CUDA it is a no-op.
 
@@ -54,16 +56,34 @@ def _is_pinned_range(storage: torch.UntypedStorage) -> bool:
     return bool(first.is_pinned()) and bool(last.is_pinned())
 
 
+# Registrations kvcopy made, shared by every pinning that uses them: address ->
+# [number of live pinnings, storage]. Two copiers over the same host buffers (a
+# TransferManager's and one of copy_blocks's) share one registration; it is undone when
+# the last of them is released, never under a copier that still runs.
+_owned: Dict[int, list] = {}
+_owned_lock = threading.Lock()
+
+
 def _unregister(ptrs: List[int], storages: list) -> None:
-    """Finalizer: unregister, then let the storages go (they are kept alive until now)."""
+    """Finalizer: drop this pinning's references; unregister those nobody else holds,
+    then let the storages go (they are kept alive until now)."""
     if not ptrs:
         return
     try:
-        if torch.cuda.is_available():
+        with _owned_lock:
+            last = []
+            for p in ptrs:
+                entry = _owned.get(p)
+                if entry is not None:
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        del _owned[p]
+                        last.append(p)
+        if last and torch.cuda.is_available():
             for dev in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(dev)  # no kernel may still read or write them
             rt = torch.cuda.cudart()
-            for p in ptrs:
+            for p in last:
                 rt.cudaHostUnregister(p)
     finally:
         ptrs.clear()
@@ -82,7 +102,7 @@ class HostPinning:
 
     @property
     def registered(self) -> int:
-        """Storages this pinning registered (and will unregister)."""
+        """Storages this pinning holds a kvcopy registration of (undone with the last holder)."""
         return len(self._ptrs)
 
     @property
@@ -121,6 +141,13 @@ def pin_host_tensors(tensors: Iterable[torch.Tensor]) -> HostPinning:
     rt = torch.cuda.cudart()
     try:
         for ptr, storage in seen.items():
+            with _owned_lock:
+                entry = _owned.get(ptr)
+                if entry is not None and entry[1].nbytes() >= storage.nbytes():
+                    entry[0] += 1  # kvcopy's own registration: share it
+                    ptrs.append(ptr)
+                    storages.append(storage)
+                    continue
             if _is_pinned_range(storage):
                 already += 1
                 continue
@@ -143,6 +170,8 @@ def pin_host_tensors(tensors: Iterable[torch.Tensor]) -> HostPinning:
                     f"cudaHostRegister({ptr:#x}, {storage.nbytes()}) failed: "
                     f"{_error_name(res)} ({err})"
                 )
+            with _owned_lock:
+                _owned[ptr] = [1, storage]
             ptrs.append(ptr)
             storages.append(storage)
     except BaseException:
