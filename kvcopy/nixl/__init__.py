@@ -2,17 +2,23 @@
 
 ``TransferManager`` (one per engine rank) registers the KV (host staging buffers, one
 per device storage, or the device tensors), exchanges versioned handshake metadata,
-plans pulls by token position, reads with NIXL and completes with one masked copy.
-``replay`` is the byte oracle that applies a plan without NIXL. See ``docs/nixl.md``.
+plans pulls by token position (across different group plans, page sizes and TP sizes:
+one plan may read from several peers), reads with NIXL and completes with one masked
+copy.
+``replay`` is the byte oracle that applies a plan without NIXL; ``python -m
+kvcopy.nixl.fuzz`` checks plans against it on random geometries. See ``docs/nixl.md``.
 
 Importing this package does not import NIXL; creating a manager does (``nixl``,
 ``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
 """
 from ._agent import NixlError, load_nixl, nixl_available
+from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
 from .manager import Completion, PullHandle, TransferManager
 from .oracle import replay
-from .plan import NO_BLOCK, PullPlan, RegionPair, RegionRef, build_pull_plan, expand_blocks, select_pages
+from .plan import (
+    NO_BLOCK, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks, select_pages,
+)
 from .regions import RegionInfo, RegionSet, build_regions
 
 __all__ = [
@@ -29,6 +35,7 @@ __all__ = [
     "RegionRef",
     "RegionSet",
     "TransferManager",
+    "build_multi_pull_plan",
     "build_pull_plan",
     "build_regions",
     "decode",
@@ -37,6 +44,8 @@ __all__ = [
     "load_nixl",
     "nixl_available",
     "pair_layers",
+    "rank_heads",
+    "remote_ranks",
     "replay",
     "select_pages",
 ]

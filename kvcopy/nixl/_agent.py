@@ -154,6 +154,22 @@ class Agent:
             return handle, "ERR", f"posting the transfer: {_status(exc)}"
         return handle, state, None if state != "ERR" else "NIXL returned ERR when posting"
 
+    def post_read_descs(self, local_descs: np.ndarray, local_mem: str, peer: str, remote_descs: np.ndarray,
+                        remote_mem: str, notify: bytes):
+        """Create and post a READ from explicit (address, bytes, device) rows on both
+        sides (sub-page pieces); returns (handle or None, state, reason)."""
+        try:
+            local = self._agent.get_xfer_descs(np.ascontiguousarray(local_descs, dtype=np.uint64), local_mem)
+            remote = self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs, dtype=np.uint64), remote_mem)
+            handle = self._agent.initialize_xfer("READ", local, remote, peer, notify)
+        except Exception as exc:
+            return None, "ERR", f"NIXL rejected the transfer: {_status(exc)}"
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            return handle, "ERR", f"posting the transfer: {_status(exc)}"
+        return handle, state, None if state != "ERR" else "NIXL returned ERR when posting"
+
     def state(self, handle) -> Tuple[str, Optional[str]]:
         try:
             state = self._agent.check_xfer_state(handle)

@@ -266,6 +266,41 @@ def _split(rng, names: List[str]) -> List[List[str]]:
     return [names[i:i + size] for i in range(0, len(names), size)]
 
 
+def allocate(rng, tpb: Sequence[int], tpp: Sequence[int], counts: Sequence[int], firsts: Sequence[int]
+             ) -> Tuple[int, List[List[int]]]:
+    """(pages per tensor, block ids per group): ``counts[g]`` block positions of which the
+    first ``firsts[g]`` are NO_BLOCK, random blocks whose pages are disjoint across groups."""
+    groups = range(len(tpb))
+    r = [b // p for b, p in zip(tpb, tpp)]
+    need = sum((cnt - f) * rr for cnt, f, rr in zip(counts, firsts, r))
+    unit = max(r + [4])  # whole units of the largest block (powers of two): no fragmentation
+    num_pages = -(-(need + int(rng.integers(1, 12))) // unit) * unit
+    used = np.zeros(num_pages, dtype=bool)
+    block_ids: List[List[int]] = [[] for _ in groups]
+    for g in sorted(groups, key=lambda g: -r[g]):  # largest blocks first, aligned
+        slots = num_pages // r[g]
+        free = [b for b in range(slots) if not used[b * r[g]:(b + 1) * r[g]].any()]
+        chosen = [int(x) for x in rng.choice(free, size=counts[g] - firsts[g], replace=False)]
+        for b in chosen:
+            used[b * r[g]:(b + 1) * r[g]] = True
+        block_ids[g] = [NO_BLOCK] * firsts[g] + chosen
+    return num_pages, block_ids
+
+
+def side(tp: int, layout: str, groups: List[List[str]], tokens_per_block: Sequence[int],
+         tokens_per_page: Sequence[int], num_tokens: int, seed: int = 0, spare: int = 1,
+         window_first: Optional[Sequence[int]] = None) -> SideSpec:
+    """A side with random blocks for a ``num_tokens`` prompt (for hand-written cases):
+    ``spare`` blocks of spare capacity per group, ``window_first[g]`` leading NO_BLOCK
+    positions (a sliding-window group)."""
+    rng = np.random.default_rng(seed)
+    counts = [-(-num_tokens // b) + spare for b in tokens_per_block]
+    firsts = list(window_first or [0] * len(groups))
+    num_pages, ids = allocate(rng, tokens_per_block, tokens_per_page, counts, firsts)
+    return SideSpec(tp, layout, [list(g) for g in groups], list(tokens_per_block), list(tokens_per_page),
+                    num_pages, ids)
+
+
 def _side(rng, layers, tp, layout, n, window, want_cover=None, cover_p=0.95):
     """A side's plan, page and block sizes and block ids for an n-token prompt."""
     full = [nm for nm, _, a in layers if a == "full"]
@@ -292,18 +327,7 @@ def _side(rng, layers, tp, layout, n, window, want_cover=None, cover_p=0.95):
                 first = min(first, want_cover // tpb[g])
         counts.append(max(count, 1))
         firsts.append(min(first, max(count, 1) - 1))
-    r = [b // p for b, p in zip(tpb, tpp)]
-    need = sum((cnt - f) * rr for cnt, f, rr in zip(counts, firsts, r))
-    num_pages = -(-(need + int(rng.integers(1, 12))) // 4) * 4  # whole 4-page units: no fragmentation
-    used = np.zeros(num_pages, dtype=bool)
-    block_ids: List[List[int]] = [[] for _ in groups]
-    for g in sorted(range(len(groups)), key=lambda g: -r[g]):  # largest blocks first, aligned
-        slots = num_pages // r[g]
-        free = [b for b in range(slots) if not used[b * r[g]:(b + 1) * r[g]].any()]
-        chosen = [int(x) for x in rng.choice(free, size=counts[g] - firsts[g], replace=False)]
-        for b in chosen:
-            used[b * r[g]:(b + 1) * r[g]] = True
-        block_ids[g] = [NO_BLOCK] * firsts[g] + chosen
+    num_pages, block_ids = allocate(rng, tpb, tpp, counts, firsts)
     alias = []
     kinds = {nm: k for nm, k, _ in layers}
     fg = [gr for gr in groups if attn[gr[0]] == "full"]

@@ -59,7 +59,7 @@ from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import Agent, NixlError
 from .handshake import EngineInfo, LayerPair, decode, encode, pair_layers
-from .plan import NO_BLOCK, PullPlan, RegionRef, build_pull_plan, expand_blocks
+from .plan import NO_BLOCK, PullPlan, RegionRef, build_multi_pull_plan, expand_blocks
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
@@ -77,7 +77,7 @@ class Completion:
 class PullHandle:
     """One pull in flight or finished. ``state`` is PROC, DONE or ERR; ``error`` says why."""
 
-    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "_xfer")
+    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "_xfers", "_done")
 
     def __init__(self, id_: int, plan: PullPlan, notify: bytes):
         self.id = id_
@@ -86,7 +86,12 @@ class PullHandle:
         self.state = PROC
         self.error: Optional[str] = None
         self.completed = False
-        self._xfer = None
+        self._xfers: Dict[str, object] = {}  # peer -> NIXL transfer handle not yet released
+        self._done: set = set()  # peers whose READ finished
+
+    @property
+    def peers(self) -> Tuple[str, ...]:
+        return self.plan.all_peers
 
     @property
     def peer(self) -> str:
@@ -214,7 +219,7 @@ class TransferManager:
         peer = self._peers.pop(name, None)
         if peer is None:
             raise ValueError(f"unknown peer {name!r}")
-        for h in [h for h in self._in_flight.values() if h.peer == name]:
+        for h in [h for h in self._in_flight.values() if name in h.peers]:
             self._fail(h, f"peer {name!r} was removed")
         Agent.release_dlist(peer.dlist)
         self._agent.remove_remote(name)
@@ -259,15 +264,29 @@ class TransferManager:
         return self._agent.notifications()
 
     # ------------------------------------------------------------ D side
-    def plan_pull(self, peer: str, remote_block_ids, remote_num_tokens: int, local_block_ids,
+    def plan_pull(self, peer, remote_block_ids, remote_num_tokens: int, local_block_ids,
                   num_cached_tokens=0) -> PullPlan:
-        """Plan one request's pull by token position (see :mod:`kvcopy.nixl.plan`)."""
+        """Plan one request's pull by token position (see :mod:`kvcopy.nixl.plan`).
+
+        ``peer`` is one peer name, or a sequence of them: the TP ranks of one engine
+        this rank reads KV heads from (see :func:`kvcopy.nixl.remote_ranks`).
+        ``remote_block_ids`` is one list per remote group, shared by those ranks, or a
+        mapping peer name -> such lists. One plan, one ``pull``, one ``complete``.
+        """
         self._check_open()
-        if peer not in self._peers:
-            raise ValueError(f"unknown peer {peer!r}; add_peer its metadata first")
-        p = self._peers[peer]
-        plan = build_pull_plan(self._info, p.info, p.layer_pairs, remote_block_ids, remote_num_tokens,
-                               local_block_ids, num_cached_tokens)
+        names = [peer] if isinstance(peer, str) else list(peer)
+        for name in names:
+            if name not in self._peers:
+                raise ValueError(f"unknown peer {name!r}; add_peer its metadata first")
+        sources = [(self._peers[n].info, self._peers[n].layer_pairs) for n in names]
+        if isinstance(remote_block_ids, Mapping):
+            ids = remote_block_ids
+        elif len(names) == 1:
+            ids = {names[0]: remote_block_ids}
+        else:
+            ids = remote_block_ids
+        plan = build_multi_pull_plan(self._info, sources, ids, remote_num_tokens, local_block_ids,
+                                     num_cached_tokens)
         if self._copier is not None:  # complete() must not fail after the read: check its copy now
             self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(plan.read_pages, plan.zero_pages)])
         return plan
@@ -277,40 +296,63 @@ class TransferManager:
         self._check_open()
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
-        if plan.peer not in self._peers:
-            raise ValueError(f"plan is for unknown peer {plan.peer!r}")
-        peer = self._peers[plan.peer]
-        local_idx, remote_idx = self._indices(plan, peer)
+        for name in plan.all_peers:
+            if name not in self._peers:
+                raise ValueError(f"plan is for unknown peer {name!r}")
+        # Everything is checked and built before the first READ is posted.
+        for pair in plan.pairs:
+            if pair.zero_segments:
+                mine = self._info.regions
+                if pair.local.index >= len(mine) or pair.local != RegionRef.of(mine[pair.local.index]) or any(
+                        n <= 0 or off < 0 or off + n > pair.local.chunk_bytes for off, n in pair.zero_segments):
+                    raise ValueError(f"plan zero segments {pair.zero_segments[:4]} do not fit region {pair.local.index}")
+        reads = []
+        for name in plan.all_peers:
+            peer = self._peers[name]
+            pairs = [p for p in plan.pairs if p.local_pages and plan.peer_of(p) == name]
+            self._check_pairs(pairs, peer, name)
+            if all(not p.segments for p in pairs):
+                reads.append((name, "prepped", self._indices(pairs, peer)))
+            else:
+                reads.append((name, "descs", self._descs(pairs, peer)))
         h = PullHandle(next(self._ids), plan, bytes(notify))
-        if not len(local_idx):
-            h.state = DONE
-            if notify:
-                self._agent.send_notification(plan.peer, h.notify)
-            return h
-        xfer, state, reason = self._agent.post_read(
-            self._local_dlist, local_idx, peer.dlist, remote_idx, h.notify
-        )
-        h._xfer = xfer
         self._in_flight[h.id] = h
-        if state == ERR:
-            self._fail(h, reason)
-        elif state == DONE:
+        for name, how, (local_rows, remote_rows) in reads:
+            if not len(local_rows):
+                h._done.add(name)
+                if notify:
+                    self._agent.send_notification(name, h.notify)
+                continue
+            peer = self._peers[name]
+            if how == "prepped":
+                xfer, state, reason = self._agent.post_read(
+                    self._local_dlist, local_rows, peer.dlist, remote_rows, h.notify)
+            else:
+                xfer, state, reason = self._agent.post_read_descs(
+                    local_rows, self._regions.mem_type, name, remote_rows, peer.info.mem_type, h.notify)
+            if xfer is not None:
+                h._xfers[name] = xfer
+            if state == ERR:
+                self._fail(h, reason)
+                return h
+            if state == DONE:
+                h._done.add(name)
+        if len(h._done) == len(plan.all_peers):
             self._finish(h)
         return h
 
-    def _indices(self, plan: PullPlan, peer: _Peer) -> Tuple[np.ndarray, np.ndarray]:
-        """NIXL descriptor indices, (pair, chunk, page) order: adjacent pages are adjacent rows."""
-        local_parts, remote_parts = [], []
-        local_off = self._regions.descriptor_offsets
-        for pair in plan.pairs:
+    def _check_pairs(self, pairs, peer: _Peer, name: str) -> None:
+        for pair in pairs:
             mine = self._info.regions
             if pair.local.index >= len(mine) or pair.local != RegionRef.of(mine[pair.local.index]):
                 raise ValueError(f"plan region {pair.local.index} is not this manager's region")
             if pair.remote.index >= len(peer.info.regions) or pair.remote != RegionRef.of(
                     peer.info.regions[pair.remote.index]):
-                raise ValueError(f"plan region {pair.remote.index} is not peer {plan.peer!r}'s region")
-            if pair.segments and pair.segments != ((0, 0, pair.local.chunk_bytes),):
-                raise ValueError("this version moves whole chunks; the plan has byte segments")
+                raise ValueError(f"plan region {pair.remote.index} is not peer {name!r}'s region")
+            for lo, ro, n in pair.segments:
+                if n <= 0 or lo < 0 or ro < 0 or lo + n > pair.local.chunk_bytes or ro + n > pair.remote.chunk_bytes:
+                    raise ValueError(f"plan byte segment {(lo, ro, n)} outside a chunk of region "
+                                     f"{pair.local.index} or peer region {pair.remote.index}")
             if len(pair.local_pages) != len(pair.remote_pages):
                 raise ValueError("plan pair has different local and remote page counts")
             lp = np.asarray(pair.local_pages, dtype=np.int64)
@@ -322,12 +364,45 @@ class TransferManager:
                     raise ValueError(
                         f"plan {side} page {int(pages.max() if pages.max() >= ref.num_pages else pages.min())} "
                         f"out of range [0, {ref.num_pages}) of region {ref.index}")
+
+    def _indices(self, pairs, peer: _Peer) -> Tuple[np.ndarray, np.ndarray]:
+        """NIXL descriptor indices, (pair, chunk, page) order: adjacent pages are adjacent rows."""
+        local_parts, remote_parts = [], []
+        local_off = self._regions.descriptor_offsets
+        for pair in pairs:
+            lp = np.asarray(pair.local_pages, dtype=np.int64)
+            rp = np.asarray(pair.remote_pages, dtype=np.int64)
             for c in range(pair.local.num_chunks):
                 local_parts.append(local_off[pair.local.index] + c * pair.local.num_pages + lp)
                 remote_parts.append(peer.offsets[pair.remote.index] + c * pair.remote.num_pages + rp)
         if not local_parts:
             return np.empty(0, np.int32), np.empty(0, np.int32)
         return (np.concatenate(local_parts).astype(np.int32), np.concatenate(remote_parts).astype(np.int32))
+
+    def _descs(self, pairs, peer: _Peer) -> Tuple[np.ndarray, np.ndarray]:
+        """Explicit (address, bytes, device) rows for both sides, (pair, chunk, segment,
+        page) order; rows adjacent on both sides are merged."""
+        local_parts, remote_parts, sizes = [], [], []
+        for pair in pairs:
+            lr, rr = self._info.regions[pair.local.index], peer.info.regions[pair.remote.index]
+            lp = np.asarray(pair.local_pages, dtype=np.int64) * lr.page_stride + lr.address
+            rp = np.asarray(pair.remote_pages, dtype=np.int64) * rr.page_stride + rr.address
+            for c in range(pair.local.num_chunks):
+                for lo, ro, n in pair.byte_segments():
+                    local_parts.append(lp + (c * lr.chunk_stride + lo))
+                    remote_parts.append(rp + (c * rr.chunk_stride + ro))
+                    sizes.append(np.full(len(lp), n, dtype=np.int64))
+        if not local_parts:
+            return np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64)
+        la, ra, n = np.concatenate(local_parts), np.concatenate(remote_parts), np.concatenate(sizes)
+        # merge runs: row i+1 continues row i on both sides
+        cont = (la[:-1] + n[:-1] == la[1:]) & (ra[:-1] + n[:-1] == ra[1:])
+        starts = np.flatnonzero(np.concatenate([[True], ~cont]))
+        total = np.add.reduceat(n, starts)
+        local_rows = np.stack([la[starts], total, np.full(len(starts), self._info.regions[0].device_id)], 1)
+        remote_dev = peer.info.regions[pairs[0].remote.index].device_id
+        remote_rows = np.stack([ra[starts], total, np.full(len(starts), remote_dev)], 1)
+        return local_rows.astype(np.uint64), remote_rows.astype(np.uint64)
 
     def poll(self, h: PullHandle) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""
@@ -336,11 +411,17 @@ class TransferManager:
         if self._closed:
             return ERR
         self._retry_releases()
-        state, reason = self._agent.state(h._xfer)
-        if state == DONE:
+        for name, xfer in list(h._xfers.items()):
+            if name in h._done:
+                continue
+            state, reason = self._agent.state(xfer)
+            if state == ERR:
+                self._fail(h, reason if len(h.peers) == 1 else f"peer {name!r}: {reason}")
+                return h.state
+            if state == DONE:
+                h._done.add(name)
+        if len(h._done) == len(h.peers):
             self._finish(h)
-        elif state == ERR:
-            self._fail(h, reason)
         return h.state
 
     def abort(self, h: PullHandle) -> None:
@@ -361,10 +442,31 @@ class TransferManager:
         if state == ERR:
             return Completion(False, h.plan.local_block_ids, h.error)
         self._check_open()
+        self._zero_rows(h.plan)
         self._zero(h.plan.zero_pages)
         if self._copier is not None:
             self._copier.to_device([list(p) for p in h.plan.read_pages])
         return Completion(True, tuple(() for _ in self.layer_groups), None)
+
+    def _zero_rows(self, plan: PullPlan) -> None:
+        """Rows of read pages past the prompt (a plan's ``zero_segments``), in the
+        tensors NIXL wrote (host buffers, or the device caches): the h2d then copies
+        whole pages."""
+        for pair in plan.pairs:
+            if not (pair.zero_segments and pair.pages_to_zero):
+                continue
+            t = self._regions.transfer_tensors[pair.layers[0]]
+            buf = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            base = t.storage_offset() * t.element_size()
+            pages = np.asarray(pair.pages_to_zero, dtype=np.int64) * pair.local.page_stride + base
+            starts, lens = [], []
+            for c in range(pair.local.num_chunks):
+                for off, n in pair.zero_segments:
+                    starts.append(pages + c * pair.local.chunk_stride + off)
+                    lens.append(np.full(len(pages), n, dtype=np.int64))
+            st, ln = np.concatenate(starts), np.concatenate(lens)
+            idx = np.repeat(st - np.concatenate([[0], np.cumsum(ln)[:-1]]), ln) + np.arange(int(ln.sum()))
+            buf.index_fill_(0, torch.as_tensor(idx, device=t.device), 0)
 
     def _zero(self, zero_pages) -> None:
         for g, pages in enumerate(zero_pages):
@@ -390,14 +492,17 @@ class TransferManager:
         h.state = ERR
         h.error = reason or "transfer failed"
         self._release(h)
-        if h.notify and h.peer in self._peers:  # let P free its blocks; best effort
-            self._agent.send_notification(h.peer, h.notify)
+        if h.notify:  # let P's ranks whose READ did not finish free their blocks; best effort
+            for name in h.peers:
+                if name in self._peers and name not in h._done:
+                    self._agent.send_notification(name, h.notify)
 
     def _release(self, h: PullHandle) -> None:
         self._in_flight.pop(h.id, None)
-        xfer, h._xfer = h._xfer, None
-        if xfer is not None and Agent.release(xfer) is not None:
-            self._unreleased.append(xfer)
+        xfers, h._xfers = list(h._xfers.values()), {}
+        for xfer in xfers:
+            if Agent.release(xfer) is not None:
+                self._unreleased.append(xfer)
 
     def _retry_releases(self) -> None:
         if self._unreleased:
@@ -406,7 +511,7 @@ class TransferManager:
     def stats(self) -> Dict[str, int]:
         """Counts for leak checks: pulls in flight, NIXL transfer handles not yet released."""
         self._retry_releases()
-        live = sum(h._xfer is not None for h in self._in_flight.values()) + len(self._unreleased)
+        live = sum(len(h._xfers) for h in self._in_flight.values()) + len(self._unreleased)
         return {"in_flight": len(self._in_flight), "live_transfer_handles": live, "peers": len(self._peers)}
 
     def _check_open(self) -> None:

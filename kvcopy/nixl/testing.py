@@ -239,8 +239,11 @@ def from_wire(wire: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
 
 def serve_prefill(conn) -> None:
     """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
-    ("save", block_ids), ("notifications", count), ("close",), ("exit",)."""
-    manager = caches = None
+    ("start_spec", fuzz spec, P ranks, names): one manager per P rank of a
+    :class:`kvcopy.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
+    ("notifications", count), ("close",), ("exit",)."""
+    managers: list = []
+    torch.set_num_threads(1)
     while True:
         msg = conn.recv()
         cmd = msg[0]
@@ -250,15 +253,30 @@ def serve_prefill(conn) -> None:
                 engine = build_case(case, num_pages, tpb)
                 caches = engine.device_caches
                 fill_random(caches, seed)
-                manager = engine.manager(name)
-                conn.send(("ok", manager.metadata(), _to_wire(caches)))
+                managers = [engine.manager(name)]
+                conn.send(("ok", managers[0].metadata(), _to_wire(caches)))
+            elif cmd == "start_spec":
+                from . import fuzz
+                from .manager import TransferManager
+
+                _, spec, ranks, names = msg
+                logical = fuzz.logical_kv(spec)
+                for rank, name in zip(ranks, names):
+                    caches = fuzz.build_caches(spec, "p", rank, logical)
+                    managers.append(TransferManager(name, caches, **fuzz.manager_kwargs(spec, "p", rank)))
+                conn.send(("ok", [m.metadata() for m in managers]))
             elif cmd == "save":
-                manager.save(msg[1])
+                for m in managers:
+                    m.save(msg[1])
                 conn.send(("ok",))
             elif cmd == "notifications":
-                conn.send(("ok", collect_notifications(manager, msg[1])))
+                if len(managers) == 1:
+                    conn.send(("ok", collect_notifications(managers[0], msg[1])))
+                else:
+                    conn.send(("ok", [collect_notifications(m, msg[1]) for m in managers]))
             elif cmd == "close":
-                manager.close()
+                for m in managers:
+                    m.close()
                 conn.send(("ok",))
             elif cmd == "exit":
                 conn.send(("ok",))
@@ -362,3 +380,27 @@ def pull_and_complete(
     replayed = clone_caches(before)
     replay(plan, replayed, p_caches)
     return PullOutcome(plan, completion, before, expected, replayed)
+
+
+def pull_spec(d_manager, peers: Sequence[str], spec, d_caches: Dict[str, torch.Tensor],
+              p_caches: Optional[Dict[str, Dict[str, torch.Tensor]]] = None, notify: bytes = b""):
+    """One heterogeneous pull of a :class:`kvcopy.nixl.fuzz.Spec` with real NIXL: plan
+    (several peers), pull, poll, complete on D. Returns (plan, completion, expected,
+    replayed): the fuzzer's independent expectation of D's caches and, given P's
+    caches by peer name, the byte oracle's replay of the plan."""
+    from . import fuzz
+    from .oracle import replay
+
+    before = clone_caches(d_caches)
+    plan = d_manager.plan_pull(list(peers), spec.p.block_ids, spec.num_tokens, spec.d.block_ids,
+                               spec.num_cached)
+    handle = d_manager.pull(plan, notify=notify)
+    wait(d_manager, handle)
+    completion = d_manager.complete(handle)
+    want, why = fuzz.expected(spec, before, fuzz.logical_kv(spec))
+    assert want is not None, why
+    replayed = None
+    if p_caches is not None:
+        replayed = clone_caches(before)
+        replay(plan, replayed, p_caches)
+    return plan, completion, want, replayed
