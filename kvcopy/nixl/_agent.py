@@ -142,26 +142,22 @@ class Agent:
     def post_read(self, local_dlist, local_idx: np.ndarray, remote_dlist, remote_idx: np.ndarray,
                   notify: bytes):
         """Create and post a READ; returns (handle or None, state, reason)."""
-        try:
-            handle = self._agent.make_prepped_xfer(
-                "READ", local_dlist, local_idx, remote_dlist, remote_idx, notify
-            )
-        except Exception as exc:
-            return None, "ERR", f"NIXL rejected the transfer: {_status(exc)}"
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            return handle, "ERR", f"posting the transfer: {_status(exc)}"
-        return handle, state, None if state != "ERR" else "NIXL returned ERR when posting"
+        return self._post(lambda: self._agent.make_prepped_xfer(
+            "READ", local_dlist, local_idx, remote_dlist, remote_idx, notify))
 
     def post_read_descs(self, local_descs: np.ndarray, local_mem: str, peer: str, remote_descs: np.ndarray,
                         remote_mem: str, notify: bytes):
         """Create and post a READ from explicit (address, bytes, device) rows on both
         sides (sub-page pieces); returns (handle or None, state, reason)."""
-        try:
+        def make():
             local = self._agent.get_xfer_descs(np.ascontiguousarray(local_descs, dtype=np.uint64), local_mem)
             remote = self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs, dtype=np.uint64), remote_mem)
-            handle = self._agent.initialize_xfer("READ", local, remote, peer, notify)
+            return self._agent.initialize_xfer("READ", local, remote, peer, notify)
+        return self._post(make)
+
+    def _post(self, make):
+        try:
+            handle = make()
         except Exception as exc:
             return None, "ERR", f"NIXL rejected the transfer: {_status(exc)}"
         try:
