@@ -5,8 +5,8 @@
     peer = m.add_peer(metadata)           # D: validate P, map layers, prepare descriptors
     m.save(block_ids)                     # P: one masked d2h for all groups
     plan = m.plan_pull(peer, remote_block_ids, remote_num_tokens, local_block_ids,
-                       num_cached_tokens=0)
-    h = m.pull(plan, notify=b"req-7")     # D: NIXL READ of P's pages into D's buffers
+                       num_cached_tokens=0)   # peer: a name, or the names of P's TP ranks
+    h = m.pull(plan, notify=b"req-7")     # D: NIXL READ(s) of P's pages into D's buffers
     m.poll(h) -> "DONE" | "PROC" | "ERR"
     m.complete(h) -> Completion           # D: zero unread pages, one masked h2d
     m.notifications()                     # P: {D's name: [notify, ...]}: D is done reading
@@ -43,6 +43,13 @@ does not fit this manager or peer, page ids outside their region) raise
 ``ValueError``/``TypeError`` before anything moves. Descriptors NIXL rejects when the
 transfer is made (for example a peer whose NIXL metadata was invalidated or
 re-registered since ``add_peer``: the prepared descriptors are stale) fail the request.
+
+Heterogeneous peers (different group plans, page sizes, TP sizes; see
+:mod:`kvcopy.nixl.plan`): a plan may read from several peers, one NIXL READ each; the
+handle is DONE when all are, and fails as a whole if one fails. Pairs that move whole
+chunks use the descriptor lists prepared at registration and ``add_peer``; pairs with
+byte segments use descriptors built from the plan per pull. Rows of read pages past
+the prompt are zeroed by ``complete`` in the buffers NIXL wrote, before the h2d copy.
 
 Not thread-safe: one thread drives a manager.
 """

@@ -22,13 +22,24 @@ For one (local group, remote group) pair, with ``N = remote_num_tokens`` and
   seeds/3's 160-token prompt over P's 128-token blocks of 64-token pages reads P's
   pages 0, 1, 2, never "the last three".
 
-A :class:`PullPlan` holds one :class:`RegionPair` per (local region, remote region)
-of each group pair, each with its local and remote page ids and its pages to zero;
-it is plain data, printable, and everything :func:`kvcopy.nixl.replay` needs to
-apply it to CPU tensors. Within a chunk of a page pair, ``segments`` says which bytes
-move: ``(local offset, remote offset, bytes)``; this version always moves whole
-chunks. Heterogeneous P/D (different page sizes, head ranges) grows here: a page
-pair moving a token slice or a head range is a region pair with other segments.
+Heterogeneous P/D (:func:`build_multi_pull_plan`): each local layer is served by the
+peers (P's TP ranks) holding its KV heads, one holder per head
+(:func:`~kvcopy.nixl.geometry.head_owners`), through its own remote group's block ids.
+Where page sizes differ, a local page is cut at both sides' page boundaries into token
+pieces: a piece starting before ``N`` is read from the remote page holding it, a piece
+starting at or past ``N`` is zeroed (its rows hold no prompt token; they are the
+"unused rows" of a partial page). With equal page sizes a page is one piece, which is
+the rule above.
+
+A :class:`PullPlan` holds :class:`RegionPair` s: per (local group, remote group, peer,
+local region, remote region, head range, token piece), the local and remote page ids
+and, within each chunk of a page pair, the byte ``segments`` ``(local offset, remote
+offset, bytes)`` that move (``()``: the whole chunk). Pages to zero hang on the first
+pair of each (local group, local region); zeroed pieces are pairs with no page pairs,
+their pages in ``pages_to_zero`` and their runs in ``zero_segments``. It is plain
+data, printable, and everything :func:`kvcopy.nixl.replay` needs to apply it to CPU
+tensors. Before returning, the planner checks that every byte of every local page it
+writes is written once, and every page read is written whole.
 """
 from __future__ import annotations
 
