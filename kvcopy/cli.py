@@ -4,6 +4,7 @@
     kvcopy-bench --preset hybrid7 --op-counts
     kvcopy-bench sweep --max-ctas 16 --json out.json --plot out.png
     kvcopy-bench nixl                     # NIXL pull vs one bulk READ (two agents, UCX)
+    kvcopy-bench fuzz --cases 10000       # byte-oracle fuzzer of heterogeneous P/D plans
     kvcopy-bench list                     # presets and which backends run here
 
 Every table starts with a contiguous memcpy of the same bytes (pinned host memory on
@@ -601,6 +602,18 @@ register("sweep", "chunk sizes x directions x backends (GB/s against chunk size)
 register("nixl", "NIXL pull over UCX: PullPlan / per-page / merged descriptors vs one bulk READ",
          _nixl_add_args, _nixl_run)
 register("list", "presets and the backends this install can run", _add_list_args, _cmd_list)
+
+
+def _from_fuzz(attr):
+    def call(x):
+        from .nixl import fuzz
+
+        return getattr(fuzz, attr)(x)
+    return call
+
+
+register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans (python -m kvcopy.nixl.fuzz)",
+         _from_fuzz("add_args"), _from_fuzz("run"))
 
 
 def _calibrate_add_args(p):

@@ -501,23 +501,32 @@ def case(seed: int) -> Spec:
     return random_spec(np.random.default_rng(seed), seed)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcopy.nixl.fuzz", description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cases", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--case", type=int, default=None, help="run one case by its seed and print it")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--stop-on-wrong", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the fuzzer (or one case); exit code 1 if any case is wrong."""
     if args.case is not None:
         spec = case(args.case)
         print(spec.summary())
         out = run_case(spec)
         print(out.status, out.reason, out.detail)
         return 1 if out.status == "wrong" else 0
+    print(f"python -m kvcopy.nixl.fuzz --cases {args.cases} --seed {args.seed}")
     report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong)
     print(report)
     return 1 if report.wrong else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcopy.nixl.fuzz", description=__doc__.split("\n\n")[0])
+    add_args(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
