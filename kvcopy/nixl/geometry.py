@@ -22,7 +22,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..layout import _axes
 from .regions import RegionInfo
 
 # More byte runs than this per chunk of one page pair is refused: the layouts would
@@ -47,28 +46,11 @@ class ChunkAxes:
 
 
 def chunk_axes(r: RegionInfo) -> Optional[ChunkAxes]:
-    """Named in-chunk axes of a region, or None where the layout names no token axis."""
-    if r.kind == "flat":
+    """Named in-chunk axes of a region (``RegionInfo.axes``), or None where the layout
+    names no token axis."""
+    if r.axes is None:
         return None
-    ndim = len(r.page_shape) + 1
-    block_dim = 1 if r.kind == "kv_first" else 0
-    token_dim, head_dim, _ = _axes(ndim, block_dim, r.kv_layout)
-    if token_dim is None:
-        return None
-    names, sizes, strides, other = [], [], [], 0
-    for i, (size, stride) in enumerate(r.page_shape):
-        d = i if i < block_dim else i + 1
-        if stride is None:  # the chunk axis (K/V of a KV-first page)
-            continue
-        if d == token_dim:
-            name = "token"
-        elif d == head_dim:
-            name = "head"
-        else:
-            name, other = f"o{other}", other + 1
-        names.append(name)
-        sizes.append(int(size))
-        strides.append(int(stride))
+    names, sizes, strides = zip(*r.axes)
     return ChunkAxes(tuple(names), tuple(sizes), tuple(strides), int(r.itemsize))
 
 

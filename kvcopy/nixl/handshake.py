@@ -34,7 +34,7 @@ from typing import Dict, List, Tuple
 from .regions import RegionInfo
 
 MAGIC = b"KVCOPY-NIXL\0"
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2  # 2: regions carry their named in-chunk axes
 _HEADER = struct.Struct("<IQ")
 
 # RegionInfo fields a pulled layer must agree on, with the words an error uses.

@@ -414,46 +414,61 @@ def _check_writes(pairs: Sequence[RegionPair], local: EngineInfo, read: Sequence
     """Every local page a pair writes is written once per byte, and every page read is
     written whole (read pieces, zeroed pieces), in every region of its group: else two
     sources would race for one byte, or ``complete`` would copy bytes nobody wrote."""
-    per_region: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}
+    by_region: Dict[int, List[RegionPair]] = {}
     for p in pairs:
-        pages_segs = [(p.local_pages, [(lo, n) for lo, _, n in p.byte_segments()])]
-        if p.pages_to_zero:
-            pages_segs.append((p.pages_to_zero, list(p.zero_segments or ((0, p.local.chunk_bytes),))))
-        reg = per_region.setdefault(p.local.index, {})
-        for pages, segs in pages_segs:
-            for page in pages:
-                reg.setdefault(page, []).extend(segs)
-    for lr, pages in per_region.items():
-        region = local.regions[lr]
-        seen_sets: Dict[tuple, Optional[str]] = {}
-        for page, segs in pages.items():
-            key = tuple(sorted(segs))
-            if key in seen_sets:
-                if seen_sets[key]:
-                    raise ValueError(f"local region {lr} ({list(region.layers)}), page {page}: {seen_sets[key]}")
-                continue
-            end, why = 0, None
-            for off, n in key:
-                if off < end:
-                    why = ("two sources write the same bytes (layers that share this tensor on D "
-                           "are different tensors on P)")
-                    break
-                end = off + n
-            seen_sets[key] = why
-            if why:
-                raise ValueError(f"local region {lr} ({list(region.layers)}), page {page}: {why}")
-    for g, pages in enumerate(read):
-        if not len(pages):
+        by_region.setdefault(p.local.index, []).append(p)
+    sliced = []
+    for lr, rps in by_region.items():
+        if any(p.segments or p.zero_segments for p in rps):
+            sliced.extend(rps)
             continue
-        for lr in {p.local.index for p in pairs if p.local_group == g}:
-            got = per_region.get(lr, {})
-            chunk = local.regions[lr].chunk_bytes
-            for page in pages:
-                total = sum(n for _, n in got.get(int(page), ()))
-                if total != chunk:
-                    raise ValueError(
-                        f"local group {g}, region {lr} ({list(local.regions[lr].layers)}), page {int(page)}: "
-                        f"the peers write {total} of its {chunk} bytes per chunk")
+        # whole chunks only: every page written by at most one pair, read pages all written
+        written = np.concatenate([np.asarray(p.local_pages + p.pages_to_zero, dtype=np.int64) for p in rps])
+        uniq = np.unique(written)
+        if len(uniq) != len(written):
+            raise ValueError(f"local region {lr} ({list(local.regions[lr].layers)}): two sources write the "
+                             "same bytes (layers that share this tensor on D are different tensors on P)")
+        for g in {p.local_group for p in rps}:
+            if len(read[g]) and not np.isin(read[g], uniq).all():
+                raise ValueError(f"local group {g}, region {lr}: a page read is written by no peer")
+    sliced_regions: Dict[int, List[Tuple[np.ndarray, Tuple[Tuple[int, int], ...]]]] = {}
+    for p in sliced:
+        parts = sliced_regions.setdefault(p.local.index, [])
+        if p.local_pages:
+            parts.append((np.asarray(p.local_pages, np.int64), tuple((lo, n) for lo, _, n in p.byte_segments())))
+        if p.pages_to_zero:
+            parts.append((np.asarray(p.pages_to_zero, np.int64),
+                          tuple(p.zero_segments or ((0, p.local.chunk_bytes),))))
+    rng = np.random.default_rng(0)
+    for lr, parts in sliced_regions.items():
+        region = local.regions[lr]
+        where = f"local region {lr} ({list(region.layers)})"
+        # pages written by the same set of parts are checked once
+        ids = np.concatenate([np.full(len(pg), i, np.int64) for i, (pg, _) in enumerate(parts)])
+        pages = np.concatenate([pg for pg, _ in parts])
+        order = np.lexsort((ids, pages))
+        pages, ids = pages[order], ids[order]
+        starts = np.flatnonzero(np.concatenate([[True], pages[1:] != pages[:-1]]))
+        counts = np.diff(np.concatenate([starts, [len(pages)]]))
+        tags = rng.integers(0, 2**62, size=len(parts), dtype=np.int64)
+        keys = np.add.reduceat(tags[ids], starts) ^ counts
+        _, first = np.unique(keys, return_index=True)
+        whole = np.zeros(len(starts), dtype=bool)
+        for k in first:
+            segs = sorted(sg for i in ids[starts[k]:starts[k] + counts[k]] for sg in parts[i][1])
+            end = 0
+            for off, n in segs:
+                if off < end:
+                    raise ValueError(f"{where}, page {int(pages[starts[k]])}: two sources write the same bytes "
+                                     "(layers that share this tensor on D are different tensors on P)")
+                end = off + n
+            whole[keys == keys[k]] = sum(n for _, n in segs) == region.chunk_bytes
+        full_pages = pages[starts][whole]
+        for g in {p.local_group for p in sliced if p.local.index == lr}:
+            missing = read[g][~np.isin(read[g], full_pages)]
+            if len(missing):
+                raise ValueError(f"local group {g}, {where}, page {int(missing[0])}: the peers do not write "
+                                 f"all of its {region.chunk_bytes} bytes per chunk")
 
 
 def _check_local_pages(l_read: np.ndarray, l_zero: np.ndarray, g: int) -> None:

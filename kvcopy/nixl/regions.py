@@ -61,6 +61,10 @@ class RegionInfo:
     total_kv_heads: Optional[int]  # the model's KV heads for these layers (None: MLA/unknown)
     heads: Optional[Tuple[int, int]]  # (first head, count) this rank holds
     head_size: Optional[int]
+    # In-chunk axes (name, size, stride in elements) in tensor order, names "token",
+    # "head", "o0", "o1"...; None where the layout names no token axis or a chunk axis
+    # is the token or head axis. Plans slice token pieces and head ranges with it.
+    axes: Optional[Tuple[Tuple[str, int, int], ...]] = None
 
     @property
     def page_bytes(self) -> int:
@@ -93,6 +97,7 @@ class RegionInfo:
         d["members"] = tuple((str(n), int(g)) for n, g in d["members"])
         d["page_shape"] = tuple((int(s), None if st is None else int(st)) for s, st in d["page_shape"])
         d["heads"] = None if d["heads"] is None else (int(d["heads"][0]), int(d["heads"][1]))
+        d["axes"] = None if d.get("axes") is None else tuple((str(n), int(s), int(st)) for n, s, st in d["axes"])
         return cls(**d)
 
 
@@ -159,6 +164,33 @@ def tokens_per_group(tokens_per_block, tokens_per_page, n_groups: int) -> Tuple[
         if b % p:
             raise ValueError(f"group {g}: tokens_per_block {b} is not a multiple of tokens_per_page {p}")
     return tpb, tpp
+
+
+def chunk_axes_of(t: torch.Tensor, layout: PageLayout) -> Optional[Tuple[Tuple[str, int, int], ...]]:
+    """In-chunk axes of a layer tensor, named from its layout (see ``RegionInfo.axes``)."""
+    if layout.token_dim is None:
+        return None
+    chunk_axis = None
+    if layout.num_chunks > 1:
+        found = [d for d in range(t.dim()) if d != layout.block_dim and t.shape[d] == layout.num_chunks
+                 and t.stride(d) * layout.itemsize == layout.chunk_stride]
+        if not found:
+            return None
+        chunk_axis = found[0]
+        if chunk_axis in (layout.token_dim, layout.head_dim):
+            return None
+    out, other = [], 0
+    for d in range(t.dim()):
+        if d in (layout.block_dim, chunk_axis):
+            continue
+        if d == layout.token_dim:
+            name = "token"
+        elif d == layout.head_dim:
+            name = "head"
+        else:
+            name, other = f"o{other}", other + 1
+        out.append((name, int(t.shape[d]), int(t.stride(d))))
+    return tuple(out)
 
 
 def _heads(name: str, t: torch.Tensor, layout: PageLayout, total, tp_rank: int, tp_size: int):
@@ -297,6 +329,7 @@ def build_regions(
             page_stride=l.block_stride, chunk_stride=l.chunk_stride, dtype=str(l.dtype).replace("torch.", ""),
             itemsize=l.itemsize, page_shape=tuple(l.page_geometry), kind=l.kind, kv_layout=kv_layout,
             tokens_per_page=tpps.pop(), total_kv_heads=total, heads=held, head_size=head_size,
+            axes=chunk_axes_of(t, l),
         ))
     group_pages = [
         min((layouts[n].num_blocks for n in layers), default=0) for layers in layer_groups
