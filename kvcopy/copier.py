@@ -95,6 +95,14 @@ class BlockCopier:
                     raise ValueError(f"layer {name!r} is in group {seen[name]} and group {g}")
                 seen[name] = g
                 self._check_layer(g, name, block_dim, kv_layout)
+        devices = {self._device_caches[n].device for n in seen}
+        if len(devices) > 1:
+            first = {d: next(n for n in seen if self._device_caches[n].device == d) for d in devices}
+            raise ValueError(
+                "device caches live on several devices ("
+                + ", ".join(f"{d}: layer {n!r}" for d, n in first.items())
+                + "); one BlockCopier copies to and from one device"
+            )
         self._max_ctas = max_ctas
         self._closed = False
         self._d2h = self._direction("device", "host", backend)
@@ -320,16 +328,26 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[
                 )
         if len(gs) > 1:
             classes.append(gs)
-    # merge overlapping classes
-    merged: List[set] = []
+    # Merge classes that share a group, transitively (union-find): each group ends up in
+    # exactly one class, which the native planner needs (one stamp row per group).
+    # Stricter than pairwise, and free in practice: vLLM's block ids are unique across
+    # groups (one pool).
+    parent = list(range(len(group_entries)))
+
+    def root(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
     for c in classes:
-        for m in merged:
-            if m & c:
-                m |= c
-                break
-        else:
-            merged.append(set(c))
-    return [sorted(m) for m in merged]
+        first, *rest = sorted(c)
+        for g in rest:
+            parent[root(g)] = root(first)
+    merged: Dict[int, List[int]] = {}
+    for g in sorted(set().union(*classes)) if classes else []:
+        merged.setdefault(root(g), []).append(g)
+    return sorted(merged.values())
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:

@@ -8,6 +8,14 @@ buffers to device caches) or ``"d2h"``. Unlike vLLM's it raises on lists of diff
 lengths, unknown layers and a direction that contradicts where the tensors live;
 empty lists are a no-op.
 
+One id list for every layer is exactly seeds/1's bug when layers of different KV cache
+groups share a device tensor (hybrid models) or a layer reads another's KV: unfilled
+host pages of one layer overwrite another's received blocks. kvcopy refuses that
+input instead of corrupting KV: an ``h2d`` call whose device tensors are shared by
+layers with different host buffers raises ``ValueError`` ("write the same device
+bytes from different sources"). Such models need the per-group masks of
+:class:`~kvcopy.copier.BlockCopier` (README, "vLLM integration").
+
 The caches vLLM passes are the same tensors on every call, so the validated
 :class:`~kvcopy.copier.BlockCopier` for them is built once and cached, keyed by every
 tensor's address and geometry. Building the key walks the layers (a few us per

@@ -11,9 +11,10 @@ kvcopy moves pages as bytes, so all it needs to know is where those bytes are:
 
 A page is described as ``num_chunks`` byte ranges of ``chunk_bytes`` each, chunk ``c``
 of block ``b`` starting at ``b * block_stride + c * chunk_stride`` bytes from the
-tensor's first element. A page that is not of this form (say, a head slice of a
-larger tensor) is refused with a ``ValueError``: kvcopy never copies bytes it cannot
-place exactly.
+tensor's first element. One axis may index chunks: K/V of a KV-first tensor, or the
+tokens of a head slice of an NHD tensor (one chunk per token). A page that needs more
+than that, or whose chunks overlap other blocks' bytes, is refused with a
+``ValueError``: kvcopy never copies bytes it cannot place exactly.
 
 Two tensors hold the same page geometry when their pages have the same element size
 and the same in-page (shape, stride) list: then byte ``k`` of a page means the same
@@ -138,10 +139,10 @@ def describe(
     strides = tensor.stride()
     if tensor.numel() == 0:
         raise ValueError(f"empty KV tensor of shape {shape}")
-    # In-page dims; size-1 dims carry no bytes and their strides are arbitrary.
-    page = [(shape[d], strides[d]) for d in range(len(shape)) if d != block_dim]
-    page_geometry = tuple(page)
-    live = [(s, st) for s, st in page if s > 1]
+    # In-page dims; size-1 dims carry no bytes and their strides are arbitrary (a
+    # permuted single-head tensor), so they are not part of the geometry.
+    live = [(shape[d], strides[d]) for d in range(len(shape)) if d != block_dim and shape[d] > 1]
+    page_geometry = tuple(live)
     span = _dense_span(live)
     if span is not None:
         num_chunks, chunk_stride, chunk_elems = 1, 0, span
@@ -160,12 +161,12 @@ def describe(
         num_chunks, chunk_stride, chunk_elems = outer[0], outer[1] * itemsize, span
         # Where the chunks sit is the tensor's business (it depends on the number of
         # blocks in KV-first tensors); what a chunk holds is the page geometry.
-        page_geometry = tuple((sz, None if (sz, st) == outer else st) for sz, st in page)
+        page_geometry = tuple((sz, None if (sz, st) == outer else st) for sz, st in live)
     token_dim, head_dim, kind = _axes(len(shape), block_dim, kv_layout)
     block_stride = strides[block_dim] * itemsize
     chunk_bytes = chunk_elems * itemsize
     num_blocks = shape[block_dim]
-    if num_blocks > 1 and block_stride < chunk_bytes and num_chunks == 1:
+    if num_blocks > 1 and not _chunks_disjoint(num_blocks, block_stride, num_chunks, chunk_stride, chunk_bytes):
         raise ValueError(f"blocks of the tensor of shape {shape} overlap (strides {strides})")
     return PageLayout(
         shape=shape,
@@ -182,6 +183,16 @@ def describe(
         head_dim=head_dim,
         kind=kind,
     )
+
+
+def _chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:
+    """Whether every (block, chunk) byte range is disjoint from the others: chunks inside
+    blocks (blocks outermost) or blocks inside chunks (KV-first: chunks outermost)."""
+    if nc == 1:
+        return block_stride >= chunk_bytes
+    blocks_outer = chunk_stride >= chunk_bytes and block_stride >= nc * chunk_stride
+    chunks_outer = block_stride >= chunk_bytes and chunk_stride >= nb * block_stride
+    return blocks_outer or chunks_outer
 
 
 def base_address(tensor: torch.Tensor) -> int:

@@ -4,10 +4,12 @@ vLLM allocates its host staging buffers pageable (``torch.zeros(..., device="cpu
 without ``pin_memory``); a kernel that dereferences a pageable host address faults.
 :func:`pin_host_tensors` registers each distinct pageable CPU storage once with
 ``cudaHostRegister`` (portable | mapped) and :meth:`HostPinning.release` undoes it;
-a pinning that is garbage collected releases itself. Storages that are already
-page-locked by others (``torch.empty(..., pin_memory=True)``, or registered by
-NIXL/UCX) are left alone and never unregistered by us; kvcopy's own registrations are
-reference-counted across copiers, so closing one copier never unpins memory another
+a pinning that is garbage collected releases itself. Registration works on
+whole pages (what the driver locks anyway): the pages of all storages of one call are
+merged into spans, so small tensors sharing a page are registered once, together.
+Memory already page-locked by others (``torch.empty(..., pin_memory=True)``, NIXL/UCX)
+is left alone and never unregistered by us; kvcopy's own spans are reference-counted
+across copiers (:class:`Registry`), so closing one copier never unpins memory another
 still uses. The first time pageable
 memory gets pinned the process logs it once at INFO (later ones at DEBUG), so the
 behaviour is never silent. Without CUDA it is a no-op.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -45,72 +48,152 @@ def _storage_range(t: torch.Tensor) -> Tuple[int, int, torch.UntypedStorage]:
     return s.data_ptr(), s.nbytes(), s
 
 
-def _is_pinned_range(storage: torch.UntypedStorage) -> bool:
-    """True when the first and the last byte of ``storage`` are page-locked."""
-    n = storage.nbytes()
-    if n == 0:
-        return True
-    probe = torch.empty(0, dtype=torch.uint8)
-    first = probe.set_(storage, 0, (1,))
-    last = torch.empty(0, dtype=torch.uint8).set_(storage, n - 1, (1,))
-    return bool(first.is_pinned()) and bool(last.is_pinned())
+def _is_pinned_addr(addr: int) -> bool:
+    """Whether the byte at ``addr`` is page-locked (torch asks the CUDA runtime)."""
+    buf = (ctypes.c_char * 1).from_address(addr)
+    return bool(torch.frombuffer(buf, dtype=torch.uint8).is_pinned())
 
 
-# Registrations kvcopy made, shared by every pinning that uses them: address ->
-# [number of live pinnings, storage]. Two copiers over the same host buffers (a
-# TransferManager's and one of copy_blocks's) share one registration; it is undone when
-# the last of them is released, never under a copier that still runs.
-_owned: Dict[int, list] = {}
-_owned_lock = threading.Lock()
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _unregister(ptrs: List[int], storages: list) -> None:
-    """Finalizer: drop this pinning's references; unregister those nobody else holds,
-    then let the storages go (they are kept alive until now)."""
-    if not ptrs:
-        return
-    try:
-        with _owned_lock:
-            last = []
-            for p in ptrs:
-                entry = _owned.get(p)
+def page_spans(ranges: Iterable[Tuple[int, int]], page: int = PAGE) -> List[Tuple[int, int]]:
+    """``(address, bytes)`` ranges rounded out to whole pages, overlapping and adjacent
+    ones merged: what ``cudaHostRegister`` locks anyway, so small tensors that share a
+    page are registered once, together."""
+    spans = sorted((a // page * page, -(-(a + n) // page) * page) for a, n in ranges if n > 0)
+    out: List[Tuple[int, int]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class Registry:
+    """kvcopy's own host registrations: disjoint page spans, each registered once with
+    ``cudaHostRegister`` and reference-counted by the pinnings that use it.
+
+    Two copiers over the same host buffers (a TransferManager's and one of
+    copy_blocks's, or ``auto``'s candidate backends) share registrations; a span is
+    unregistered when the last pinning holding it is released, never under a copier
+    that still runs. Memory page-locked by others (``pin_memory=True``, NIXL/UCX) is
+    left alone. The CUDA calls come in as functions so the logic runs on any machine.
+    """
+
+    def __init__(self, register, unregister, is_pinned):
+        self._register = register  # (addr, nbytes) -> CUDA error code
+        self._unregister = unregister  # addr -> None
+        self._is_pinned = is_pinned  # addr -> bool
+        self._spans: Dict[int, List[int]] = {}  # start -> [end, holders]
+        self._lock = threading.Lock()
+
+    def spans(self) -> Dict[int, Tuple[int, int]]:
+        """start -> (end, holders); for tests and diagnostics."""
+        with self._lock:
+            return {a: (e, n) for a, (e, n) in self._spans.items()}
+
+    def acquire(self, wanted: List[Tuple[int, int]]) -> Tuple[List[int], int]:
+        """Hold every page of ``wanted`` (page spans): returns (the starts of the spans
+        held, the number of foreign-pinned pieces left alone). On failure nothing stays
+        held and a ``RuntimeError`` names the CUDA error."""
+        held: List[int] = []
+        foreign = 0
+        try:
+            for a, b in wanted:
+                for lo, hi, mine in self._pieces(a, b):
+                    if mine is not None:
+                        with self._lock:
+                            self._spans[mine][1] += 1
+                        held.append(mine)
+                        continue
+                    if self._is_pinned(lo) and self._is_pinned(hi - 1):
+                        foreign += 1
+                        continue
+                    err = self._register(lo, hi - lo)
+                    if err == _ERR_ALREADY_REGISTERED and self._is_pinned(lo) and self._is_pinned(hi - 1):
+                        foreign += 1  # registered by someone else since the check
+                        continue
+                    if err != 0:
+                        raise RuntimeError(
+                            f"cudaHostRegister({lo:#x}, {hi - lo}) failed: {_error_name(err)} ({err})")
+                    with self._lock:
+                        self._spans[lo] = [hi, 1]
+                    held.append(lo)
+        except BaseException:
+            self.release(held)
+            raise
+        return held, foreign
+
+    def _pieces(self, a: int, b: int):
+        """[a, b) cut at kvcopy's existing spans: (lo, hi, start of the existing span
+        covering it, or None for a gap to register)."""
+        with self._lock:
+            mine = sorted((s, e) for s, (e, _) in self._spans.items() if s < b and e > a)
+            out, pos = [], a
+            for s, e in mine:
+                if s > pos:
+                    out.append((pos, s, None))
+                out.append((max(s, pos), min(e, b), s))
+                pos = max(pos, e)
+            if pos < b:
+                out.append((pos, b, None))
+        return out
+
+    def release(self, held: List[int]) -> None:
+        """Drop one reference per start in ``held``; unregister spans nobody holds."""
+        last = []
+        with self._lock:
+            for s in held:
+                entry = self._spans.get(s)
                 if entry is not None:
-                    entry[0] -= 1
-                    if entry[0] == 0:
-                        del _owned[p]
-                        last.append(p)
-        if last and torch.cuda.is_available():
-            for dev in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(dev)  # no kernel may still read or write them
-            rt = torch.cuda.cudart()
-            for p in last:
-                rt.cudaHostUnregister(p)
-    finally:
-        ptrs.clear()
-        storages.clear()
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del self._spans[s]
+                        last.append(s)
+        for s in last:
+            self._unregister(s)
+
+
+def _cuda_register(addr: int, nbytes: int) -> int:
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED))
+    if err != 0:
+        _clear_last_error()  # else torch's next launch check reports it
+    return err
+
+
+def _cuda_unregister(addr: int) -> None:
+    for dev in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(dev)  # no kernel may still read or write the memory
+    torch.cuda.cudart().cudaHostUnregister(addr)
+
+
+REGISTRY = Registry(_cuda_register, _cuda_unregister, _is_pinned_addr)
 
 
 class HostPinning:
-    """The registrations made by one :func:`pin_host_tensors` call."""
+    """What one :func:`pin_host_tensors` call holds (spans of :data:`REGISTRY`)."""
 
-    def __init__(self, ptrs: List[int], storages: list, already_pinned: int):
-        self._ptrs = ptrs
-        self._storages = storages
+    def __init__(self, registry: Registry, held: List[int], storages: list, already_pinned: int):
+        self._held = held
+        self._storages = storages  # kept alive while their memory is registered
         self.already_pinned = already_pinned
-        self._finalizer = weakref.finalize(self, _unregister, ptrs, storages)
+        self._finalizer = weakref.finalize(self, _drop, registry, held, storages)
         self._finalizer.atexit = False  # the process is going away: nothing to undo
 
     @property
     def registered(self) -> int:
-        """Storages this pinning holds a kvcopy registration of (undone with the last holder)."""
-        return len(self._ptrs)
+        """Page spans this pinning holds a kvcopy registration of."""
+        return len(self._held)
 
     @property
     def registered_bytes(self) -> int:
-        return sum(s.nbytes() for s in self._storages)
+        return sum(s.nbytes() for s in self._storages) if self._held else 0
 
     def release(self) -> None:
-        """Unregister what this pinning registered (after a device synchronize). Idempotent."""
+        """Drop this pinning's hold; spans no copier holds are unregistered (after a
+        device synchronize). Idempotent."""
         self._finalizer()
 
     def __enter__(self):
@@ -120,65 +203,33 @@ class HostPinning:
         self.release()
 
 
-def pin_host_tensors(tensors: Iterable[torch.Tensor]) -> HostPinning:
-    """Page-lock every distinct pageable CPU storage under ``tensors`` in place.
+def _drop(registry: Registry, held: List[int], storages: list) -> None:
+    try:
+        registry.release(held)
+    finally:
+        held.clear()
+        storages.clear()
+
+
+def pin_host_tensors(tensors: Iterable[torch.Tensor], registry: Optional[Registry] = None) -> HostPinning:
+    """Page-lock the memory of every pageable CPU storage under ``tensors`` in place.
 
     Non-CPU tensors are ignored. Raises ``RuntimeError`` naming the CUDA error when a
-    registration fails (registrations made so far are undone first).
+    registration fails (nothing stays registered then).
     """
-    if not torch.cuda.is_available():
-        return HostPinning([], [], 0)
-    seen: Dict[int, torch.UntypedStorage] = {}
+    if registry is None:
+        if not torch.cuda.is_available():
+            return HostPinning(REGISTRY, [], [], 0)
+        registry = REGISTRY
+    storages: Dict[int, torch.UntypedStorage] = {}
     for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
-        ptr, nbytes, storage = _storage_range(t)
-        if nbytes and ptr not in seen:
-            seen[ptr] = storage
-    ptrs: List[int] = []
-    storages: list = []
-    already = 0
-    rt = torch.cuda.cudart()
-    try:
-        for ptr, storage in seen.items():
-            with _owned_lock:
-                entry = _owned.get(ptr)
-                if entry is not None and entry[1].nbytes() >= storage.nbytes():
-                    entry[0] += 1  # kvcopy's own registration: share it
-                    ptrs.append(ptr)
-                    storages.append(storage)
-                    continue
-            if _is_pinned_range(storage):
-                already += 1
-                continue
-            res = rt.cudaHostRegister(ptr, storage.nbytes(), _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-            err = int(res)
-            if err != 0:
-                _clear_last_error()  # else torch's next launch check reports it
-            if err == _ERR_ALREADY_REGISTERED:
-                # Registered by someone else (NIXL, UCX) between the check and now, or
-                # overlapping another registration: usable only if it covers all of it.
-                if not _is_pinned_range(storage):
-                    raise RuntimeError(
-                        f"host buffer at {ptr:#x} ({storage.nbytes()} bytes) overlaps memory "
-                        "registered elsewhere but is not page-locked as a whole"
-                    )
-                already += 1
-                continue
-            if err != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister({ptr:#x}, {storage.nbytes()}) failed: "
-                    f"{_error_name(res)} ({err})"
-                )
-            with _owned_lock:
-                _owned[ptr] = [1, storage]
-            ptrs.append(ptr)
-            storages.append(storage)
-    except BaseException:
-        _unregister(ptrs, storages)
-        raise
-    pinning = HostPinning(ptrs, storages, already)
-    if ptrs:
+        if t.device.type == "cpu" and t.numel():
+            ptr, nbytes, storage = _storage_range(t)
+            if nbytes:
+                storages.setdefault(ptr, storage)
+    held, foreign = registry.acquire(page_spans((p, s.nbytes()) for p, s in storages.items()))
+    pinning = HostPinning(registry, held, list(storages.values()), foreign)
+    if held:
         _log_pinned(pinning)
     return pinning
 

@@ -53,6 +53,7 @@ class CopyCase:
     layers_per_group: int = 2
     ids: str = "scattered"  # empty | one | odd | runs | scattered | all
     aliasing: bool = False
+    separate_host_buffers: bool = False  # aliasing as vLLM does it: one host buffer per layer
     kv_sharing: int = 0  # KV-sharing layers (in no group)
     num_blocks: int = 24
     host_num_blocks: Optional[int] = None  # None: as the device
@@ -66,7 +67,7 @@ class CopyCase:
     def id(self) -> str:
         parts = [self.layout, self.dtype, f"g{self.num_groups}", self.ids]
         if self.aliasing:
-            parts.append("alias")
+            parts.append("alias-hostperlayer" if self.separate_host_buffers else "alias")
         if self.kv_sharing:
             parts.append(f"share{self.kv_sharing}")
         if self.host_ids_differ:
@@ -145,7 +146,8 @@ class CopyCase:
             shared_dev = shared_host = None
             if self.aliasing:
                 shared_dev = self._tensor(self.num_blocks, device, dev_fill, gen)
-                shared_host = self._tensor(host_nb, "cpu", host_fill, gen)
+                if not self.separate_host_buffers:
+                    shared_host = self._tensor(host_nb, "cpu", host_fill, gen)
             for layers in groups:
                 name = layers[i]
                 dev[name] = shared_dev if shared_dev is not None else self._tensor(self.num_blocks, device, dev_fill, gen)
@@ -231,8 +233,9 @@ def check_copy(backend: str, case: CopyCase, direction: str, device="cpu", **cop
 
 
 def standard_cases(quick: bool = False) -> List[CopyCase]:
-    """The matrix every backend runs: layouts x dtypes x groups x ids, aliasing and
-    KV-sharing, odd sizes, host id remapping. ``quick`` keeps a covering subset."""
+    """The matrix every backend runs: layouts x dtypes x groups x ids, aliasing (host
+    buffers shared, or one per layer as vLLM allocates them) and KV-sharing, odd
+    sizes, host id remapping. ``quick`` keeps a covering subset."""
     cases = []
     layouts = list(LAYOUTS)
     dtypes = ["bf16", "fp8", "uint8", "fp16", "fp32"]
@@ -245,6 +248,8 @@ def standard_cases(quick: bool = False) -> List[CopyCase]:
             cases.append(CopyCase(num_groups=g, ids=ids, num_blocks=48, layout="kv_first"))
     cases += [
         CopyCase(aliasing=True, kv_sharing=2, num_groups=2, layout="kv_first"),
+        CopyCase(aliasing=True, separate_host_buffers=True, kv_sharing=1, num_groups=3, layout="kv_first"),
+        CopyCase(aliasing=True, separate_host_buffers=True, num_groups=2, layout="nhd", ids="runs"),
         CopyCase(aliasing=True, kv_sharing=1, num_groups=3, layout="nhd", dtype="fp8"),
         CopyCase(aliasing=True, num_groups=7, layers_per_group=1, layout="hnd_view_of_nhd"),
         CopyCase(kv_sharing=3, num_groups=1, layout="mla"),

@@ -196,3 +196,28 @@ def test_ids_may_be_numpy_or_cpu_tensors():
     copier.to_host([np.array([0, 1]), torch.tensor([2, 3])])
     with pytest.raises(TypeError, match="host data"):
         copier.to_host([torch.tensor([0], device="meta"), [1]])
+
+
+def test_groups_sharing_two_storages_transitively_must_use_disjoint_ids():
+    """Groups 2 and 3 share Z, 1 and 3 share Y: group 3 is in both alias classes. A
+    duplicate destination block through either storage raises on every path."""
+    x, y, z = (torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    dev = {"x0": x, "y1": y, "x2": x, "z2": z, "y3": y, "z3": z}
+    host = {k: torch.randn(8, 4, 2, 8).to(torch.bfloat16) for k in dev}
+    groups = [["x0"], ["y1"], ["x2", "z2"], ["y3", "z3"]]
+    for backend in CPU_BACKENDS:
+        c = kvcopy.BlockCopier(dev, host, groups, backend=backend)
+        for bad in ([[0], [1], [5], [5]], [[0], [5], [2], [5]], [[4], [1], [4], [3]]):
+            with pytest.raises(ValueError, match="both write block id"):
+                c.to_device(bad)
+        assert not any(t.view(torch.int16).any() for t in (x, y, z))
+        c.to_device([[0], [1], [2], [3]])
+        assert torch.equal(z[3].view(torch.int16), host["z3"][3].view(torch.int16))
+        z.zero_(), y.zero_(), x.zero_()
+
+
+@pytest.mark.gpu
+def test_device_caches_on_two_devices_are_refused():
+    t = torch.zeros(8, 4, 2, 8)
+    with pytest.raises(ValueError, match="several devices"):
+        kvcopy.BlockCopier({"a": t, "b": t.cuda()}, {"a": t.clone(), "b": t.clone()}, [["a"], ["b"]])

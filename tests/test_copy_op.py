@@ -69,3 +69,17 @@ def test_direction_contradicting_devices_raises():
         kvcopy.copy_blocks(meta, dst, [1], [1], "h2d")
     with pytest.raises(ValueError, match="'d2h' but destination layer .* is on meta"):
         kvcopy.copy_blocks(src, meta, [1], [1], "d2h")
+
+
+def test_hybrid_caches_through_one_id_list_are_refused_not_corrupted():
+    """seeds/1: two layers on one device tensor with their own host buffers. One id list
+    for both would let one layer's unfilled host pages overwrite the other's KV."""
+    shared = torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16)
+    dev = {"full.0": shared, "swa.0": shared}
+    host = {"full.0": torch.ones_like(shared), "swa.0": torch.full_like(shared, 2.0)}
+    with pytest.raises(ValueError, match="write the same device bytes from different sources"):
+        kvcopy.copy_blocks(host, dev, [1, 2], [1, 2], "h2d")
+    assert not shared.view(torch.int16).any()
+    # the per-group copier does it right: each layer at its own group's blocks
+    kvcopy.BlockCopier(dev, host, [["full.0"], ["swa.0"]]).to_device([[1], [2]])
+    assert (shared[1] == 1).all() and (shared[2] == 2).all() and not shared[[0, 3]].view(torch.int16).any()

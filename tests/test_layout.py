@@ -89,3 +89,21 @@ def test_extent_and_alignment():
     start, end = byte_extent(t)
     assert end - start == t.numel()
     assert alignment(64, 32, 4096) == 16 and alignment(6) == 2 and alignment(7, 16) == 1
+
+
+def test_single_head_permuted_view_matches_contiguous():
+    """Size-1 dims carry no bytes: a permuted one-head tensor pairs with a contiguous one."""
+    dev = torch.zeros(NB, 1, BS, D).permute(0, 2, 1, 3)  # [NB, BS, 1, D] with odd strides
+    host = torch.zeros(NB, BS, 1, D)
+    assert describe(dev).same_page_geometry(describe(host))
+
+
+def test_overlapping_chunks_of_different_blocks_are_refused():
+    # 2 chunks of 16 bytes, blocks 48 bytes apart but chunks only 16 apart... block b's
+    # second chunk would be block b+1's first: refused, never copied.
+    t = torch.zeros(200, dtype=torch.uint8).as_strided((2, 5, 16), (48, 16, 1))
+    with pytest.raises(ValueError, match="overlap"):
+        describe(t, block_dim=1)
+    t = torch.zeros(8 * 16, dtype=torch.uint8).as_strided((4, 16), (0, 1))  # every block the same bytes
+    with pytest.raises(ValueError, match="overlap"):
+        describe(t)

@@ -362,3 +362,16 @@ def test_gpu_runs_on_current_stream(monkeypatch):
     for name in dev:
         assert torch.equal(dev[name].view(torch.uint8), expected[name].view(torch.uint8)), name
     copier.close()
+
+
+@pytest.mark.gpu
+def test_graph_capture_is_refused_with_a_clear_error():
+    from kvcopy.testing import prepare_check
+
+    c = prepare_check("triton", CopyCase(num_groups=2, layout="kv_first"), "h2d", "cuda")
+    c.run("h2d")  # compile and warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        with torch.cuda.graph(g):
+            c.run("h2d")
+    c.copier.close()

@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import Dict, Optional
 
+import torch
+
 from ..tables import CallPlan, CopyTables
 
 
@@ -53,8 +55,17 @@ class Backend:
         return st
 
     def release(self, tables: CopyTables) -> None:
-        """Undo :meth:`prepare`: drop the state, unpin what it pinned (``.pinning``)."""
+        """Undo :meth:`prepare`: drop the state, unpin what it pinned (``.pinning``).
+
+        Copies may still be in flight on any stream the caller used, reading the device
+        tables this drops: the device is synchronized first (closing a copier is not on
+        the per-call path)."""
         st = tables.backend_state.pop(self.name, None)
+        if st is None:
+            return
+        for dev in {tables.src_device, tables.dst_device}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
         pinning = getattr(st, "pinning", None)
         if pinning is not None:
             pinning.release()

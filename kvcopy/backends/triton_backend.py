@@ -153,6 +153,11 @@ class TritonBackend(Backend):
             self._launch_cuda(st, packed, grid, call.num_groups)
 
     def _launch_cuda(self, st: _State, packed: torch.Tensor, grid: int, num_groups: int) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            # A captured copy from a cached pinned block would re-read host memory the
+            # allocator has long reused at every replay. The `cuda` backend stages the
+            # call array on the device for graphs.
+            raise RuntimeError("the triton backend cannot be captured in a CUDA graph; use backend='cuda'")
         call_dev = packed.pin_memory().to(st.device, non_blocking=True)
         self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                              call_dev, num_groups, st.cfg)
