@@ -21,3 +21,13 @@ def test_api_example_runs_and_copies_each_group_at_its_blocks():
         assert torch.equal(host[name][:, 9].view(torch.int16), dev[name][:, 9].view(torch.int16))
         assert not host[name][:, [3, 4, 5]].view(torch.int16).any()
     assert not host["model.layers.4.attn"].view(torch.int16).any()  # KV-sharing: untouched
+
+
+def test_nixl_example_runs():
+    """The README's P/D example: real NIXL agents over UCX, two managers, one process."""
+    from kvcopy.nixl import nixl_available
+
+    assert nixl_available() is None, nixl_available()  # CI installs nixl-cu12
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    example = next(b for b in blocks if "TransferManager(" in b and "import torch" in b)
+    exec(compile(example, "README.md", "exec"), {})
