@@ -304,7 +304,9 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[
             dev_j, s_j, e_j, b = spans[j]
             if dev_j != dev_i or s_j >= e_i:
                 break
-            if key[a] != key[b]:
+            if key[a] != key[b] and not _interleaved(
+                    layouts[entries[a]], layouts[entries[b]], tensors[entries[a]].data_ptr(),
+                    tensors[entries[b]].data_ptr()):
                 raise ValueError(
                     f"layers {entries[a]!r} and {entries[b]!r}: {side} tensors overlap "
                     "without being the same region; kvcopy cannot order their writes"
@@ -348,6 +350,21 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[
     for g in sorted(set().union(*classes)) if classes else []:
         merged.setdefault(root(g), []).append(g)
     return sorted(merged.values())
+
+
+def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bool:
+    """Whether two views whose extents overlap never share a byte: per-layer views of
+    one cross-layer allocation (``[NB, L, ...]``, layer ``l`` at ``[:, l]``) repeat
+    with the same block stride and sit side by side within each block's period."""
+    if (la.block_stride, la.num_chunks, la.chunk_stride, la.chunk_bytes) != (
+            lb.block_stride, lb.num_chunks, lb.chunk_stride, lb.chunk_bytes):
+        return False
+    period = la.block_stride
+    footprint = (la.num_chunks - 1) * la.chunk_stride + la.chunk_bytes  # one block's bytes
+    if footprint > period:  # chunks outside the block period (KV-first): not handled
+        return False
+    d = abs(base_a - base_b) % period
+    return d >= footprint and period - d >= footprint
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:

@@ -221,3 +221,32 @@ def test_device_caches_on_two_devices_are_refused():
     t = torch.zeros(8, 4, 2, 8)
     with pytest.raises(ValueError, match="several devices"):
         kvcopy.BlockCopier({"a": t, "b": t.cuda()}, {"a": t.clone(), "b": t.clone()}, [["a"], ["b"]])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_cross_layer_allocation_per_layer_views(backend):
+    """One [NB, L, BS, H, D] allocation, layer l = [:, l]: views interleave block by
+    block without sharing a byte; each layer is copied at its own group's blocks."""
+    L = 3
+    big = torch.randint(-2**15, 2**15, (16, L, 4, 2, 8), dtype=torch.int16).view(torch.bfloat16)
+    dev = {f"l{l}": big[:, l] for l in range(L)}
+    host = {k: torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16) for k in dev}
+    c = kvcopy.BlockCopier(dev, host, [["l0", "l2"], ["l1"]], backend=backend)
+    c.to_host([[1, 2], [7]])
+    for name, ids in (("l0", [1, 2]), ("l2", [1, 2]), ("l1", [7])):
+        assert bytes_equal(host[name][ids], dev[name][ids])
+        rest = [b for b in range(16) if b not in ids]
+        assert not host[name][rest].view(torch.int16).any()
+    # the other way: host -> interleaved device views, other layers' bytes untouched
+    before = big.clone()
+    for t in host.values():
+        t.fill_(3.0)
+    c.to_device([[5], [5]])
+    expect = before.clone()
+    expect[5, :] = 3.0
+    assert bytes_equal(big, expect)
+    # a view overlapping another layer's bytes is still refused
+    with pytest.raises(ValueError, match="overlap without being the same region"):
+        kvcopy.BlockCopier({"a": big[:, 0], "b": big[:, 0:2].reshape(16, 8, 2, 8)},
+                           {"a": host["l0"], "b": torch.zeros(16, 8, 2, 8, dtype=torch.bfloat16)},
+                           [["a"], ["b"]], backend=backend)
