@@ -442,6 +442,8 @@ def _check_writes(pairs: Sequence[RegionPair], local: EngineInfo, read: Sequence
     rng = np.random.default_rng(0)
     for lr, parts in sliced_regions.items():
         region = local.regions[lr]
+        if not parts:  # its pairs read nothing and zero nothing
+            continue
         where = f"local region {lr} ({list(region.layers)})"
         # pages written by the same set of parts are checked once
         ids = np.concatenate([np.full(len(pg), i, np.int64) for i, (pg, _) in enumerate(parts)])
