@@ -65,8 +65,9 @@ import torch
 from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import Agent, NixlError
+from .descriptors import check_pairs, desc_rows, index_rows, same_ref
 from .handshake import EngineInfo, LayerPair, decode, encode, pair_layers
-from .plan import NO_BLOCK, PullPlan, RegionRef, build_multi_pull_plan, expand_blocks
+from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
@@ -307,21 +308,24 @@ class TransferManager:
             if name not in self._peers:
                 raise ValueError(f"plan is for unknown peer {name!r}")
         # Everything is checked and built before the first READ is posted.
+        mine = self._info.region_refs
+        by_peer: Dict[str, list] = {name: [] for name in plan.all_peers}
         for pair in plan.pairs:
             if pair.zero_segments:
-                mine = self._info.regions
-                if pair.local.index >= len(mine) or pair.local != RegionRef.of(mine[pair.local.index]) or any(
+                if not same_ref(pair.local, mine) or any(
                         n <= 0 or off < 0 or off + n > pair.local.chunk_bytes for off, n in pair.zero_segments):
                     raise ValueError(f"plan zero segments {pair.zero_segments[:4]} do not fit region {pair.local.index}")
+            if pair.local_pages:
+                by_peer.get(plan.peer_of(pair), []).append(pair)
         reads = []
-        for name in plan.all_peers:
+        for name, pairs in by_peer.items():
             peer = self._peers[name]
-            pairs = [p for p in plan.pairs if p.local_pages and plan.peer_of(p) == name]
-            self._check_pairs(pairs, peer, name)
+            pieces = check_pairs(pairs, self._info, peer.info, name)
             if all(not p.segments for p in pairs):
-                reads.append((name, "prepped", self._indices(pairs, peer)))
+                rows = index_rows(pairs, pieces, self._regions.descriptor_offsets, peer.offsets)
+                reads.append((name, "prepped", rows))
             else:
-                reads.append((name, "descs", self._descs(pairs, peer)))
+                reads.append((name, "descs", desc_rows(pairs, pieces, self._info, peer.info)))
         h = PullHandle(next(self._ids), plan, bytes(notify))
         self._in_flight[h.id] = h
         for name, how, (local_rows, remote_rows) in reads:
@@ -347,69 +351,6 @@ class TransferManager:
         if len(h._done) == len(plan.all_peers):
             self._finish(h)
         return h
-
-    def _check_pairs(self, pairs, peer: _Peer, name: str) -> None:
-        for pair in pairs:
-            mine = self._info.regions
-            if pair.local.index >= len(mine) or pair.local != RegionRef.of(mine[pair.local.index]):
-                raise ValueError(f"plan region {pair.local.index} is not this manager's region")
-            if pair.remote.index >= len(peer.info.regions) or pair.remote != RegionRef.of(
-                    peer.info.regions[pair.remote.index]):
-                raise ValueError(f"plan region {pair.remote.index} is not peer {name!r}'s region")
-            for lo, ro, n in pair.segments:
-                if n <= 0 or lo < 0 or ro < 0 or lo + n > pair.local.chunk_bytes or ro + n > pair.remote.chunk_bytes:
-                    raise ValueError(f"plan byte segment {(lo, ro, n)} outside a chunk of region "
-                                     f"{pair.local.index} or peer region {pair.remote.index}")
-            if len(pair.local_pages) != len(pair.remote_pages):
-                raise ValueError("plan pair has different local and remote page counts")
-            lp = np.asarray(pair.local_pages, dtype=np.int64)
-            rp = np.asarray(pair.remote_pages, dtype=np.int64)
-            # NIXL only checks an index against the whole list: a page past its region
-            # would silently read the next region. Refuse it here.
-            for pages, ref, side in ((lp, pair.local, "local"), (rp, pair.remote, "remote")):
-                if len(pages) and (pages.min() < 0 or pages.max() >= ref.num_pages):
-                    raise ValueError(
-                        f"plan {side} page {int(pages.max() if pages.max() >= ref.num_pages else pages.min())} "
-                        f"out of range [0, {ref.num_pages}) of region {ref.index}")
-
-    def _indices(self, pairs, peer: _Peer) -> Tuple[np.ndarray, np.ndarray]:
-        """NIXL descriptor indices, (pair, chunk, page) order: adjacent pages are adjacent rows."""
-        local_parts, remote_parts = [], []
-        local_off = self._regions.descriptor_offsets
-        for pair in pairs:
-            lp = np.asarray(pair.local_pages, dtype=np.int64)
-            rp = np.asarray(pair.remote_pages, dtype=np.int64)
-            for c in range(pair.local.num_chunks):
-                local_parts.append(local_off[pair.local.index] + c * pair.local.num_pages + lp)
-                remote_parts.append(peer.offsets[pair.remote.index] + c * pair.remote.num_pages + rp)
-        if not local_parts:
-            return np.empty(0, np.int32), np.empty(0, np.int32)
-        return (np.concatenate(local_parts).astype(np.int32), np.concatenate(remote_parts).astype(np.int32))
-
-    def _descs(self, pairs, peer: _Peer) -> Tuple[np.ndarray, np.ndarray]:
-        """Explicit (address, bytes, device) rows for both sides, (pair, chunk, segment,
-        page) order; rows adjacent on both sides are merged."""
-        local_parts, remote_parts, sizes = [], [], []
-        for pair in pairs:
-            lr, rr = self._info.regions[pair.local.index], peer.info.regions[pair.remote.index]
-            lp = np.asarray(pair.local_pages, dtype=np.int64) * lr.page_stride + lr.address
-            rp = np.asarray(pair.remote_pages, dtype=np.int64) * rr.page_stride + rr.address
-            for c in range(pair.local.num_chunks):
-                for lo, ro, n in pair.byte_segments():
-                    local_parts.append(lp + (c * lr.chunk_stride + lo))
-                    remote_parts.append(rp + (c * rr.chunk_stride + ro))
-                    sizes.append(np.full(len(lp), n, dtype=np.int64))
-        if not local_parts:
-            return np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64)
-        la, ra, n = np.concatenate(local_parts), np.concatenate(remote_parts), np.concatenate(sizes)
-        # merge runs: row i+1 continues row i on both sides
-        cont = (la[:-1] + n[:-1] == la[1:]) & (ra[:-1] + n[:-1] == ra[1:])
-        starts = np.flatnonzero(np.concatenate([[True], ~cont]))
-        total = np.add.reduceat(n, starts)
-        local_rows = np.stack([la[starts], total, np.full(len(starts), self._info.regions[0].device_id)], 1)
-        remote_dev = peer.info.regions[pairs[0].remote.index].device_id
-        remote_rows = np.stack([ra[starts], total, np.full(len(starts), remote_dev)], 1)
-        return local_rows.astype(np.uint64), remote_rows.astype(np.uint64)
 
     def poll(self, h: PullHandle) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""

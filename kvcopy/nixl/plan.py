@@ -43,13 +43,13 @@ writes is written once, and every page read is written whole.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .handshake import EngineInfo, LayerPair
-from .geometry import chunk_axes, head_owners, local_segments, segments, token_pieces
+from .geometry import head_owners, local_segments, segments, token_pieces
 from .regions import RegionInfo
 
 NO_BLOCK = -1
@@ -300,9 +300,10 @@ def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, S
                 keyed.setdefault(key, []).append(name)
 
     pairs: List[RegionPair] = []
-    pieces_cache: Dict[tuple, dict] = {}
+    pieces_cache: Dict[tuple, Dict[tuple, _Piece]] = {}
     zero_pieces: Dict[tuple, Tuple[List[str], set]] = {}
     zero_owner: Dict[Tuple[int, int], int] = {}
+    zero_t = [tuple(z.tolist()) for z in zero]
     multi = len(peers) > 1
     for key in sorted(keyed):
         g, i, rg, lr, rr, lh, rhd, k = key
@@ -310,44 +311,28 @@ def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, S
         peer = peers[i][0]
         where = f"local group {g} <- remote group {rg}" + (f" of {peer.name!r}" if multi else "")
         lreg, rreg = local.regions[lr], peer.regions[rr]
-        lref, rref = RegionRef.of(lreg), RegionRef.of(rreg)
+        lref, rref = local.region_refs[lr], peer.region_refs[rr]
         ltpp, rtpp = local.tokens_per_page[g], peer.tokens_per_page[rg]
         ckey = (g, i, rg)
         if ckey not in pieces_cache:
             rpages = expand_blocks(remote_ids[i][rg], peer.tokens_per_block[rg] // rtpp)
-            pieces = token_pieces(positions[g], ltpp, rtpp, n_tok)
-            out = {}
-            for (lt, rt, n), items in pieces.items():
-                pos = np.array([p for p, _ in items], dtype=np.int64)
-                if rt < 0:
-                    out[(lt, rt, n)] = (l_pages[g][pos], None)
-                    continue
-                rpos = np.array([q for _, q in items], dtype=np.int64)
-                lacking = rpos[rpos >= len(rpages)]
-                if not len(lacking):
-                    lacking = rpos[rpages[rpos] == NO_BLOCK]
-                if len(lacking):
-                    q = int(lacking[0])
-                    raise ValueError(
-                        f"{where}: D needs tokens [{q * rtpp}, {(q + 1) * rtpp}) of the "
-                        f"{n_tok}-token prompt but P holds no page there ({len(rpages)} page positions, "
-                        f"{int((rpages != NO_BLOCK).sum())} held)")
-                out[(lt, rt, n)] = (l_pages[g][pos], rpages[rpos])
-            pieces_cache[ckey] = out
+            pieces_cache[ckey] = _read_pieces(positions[g], l_pages[g], rpages, ltpp, rtpp, n_tok, where)
         pieces = pieces_cache[ckey]
-        la, ra = chunk_axes(lreg), chunk_axes(rreg)
+        la, ra = local.region_axes[lr], peer.region_axes[rr]
         lheads = (lh, k) if lreg.heads is not None else (0, 1)
         rheads = (rhd, k) if lreg.heads is not None else (0, 1)
+        # The first pair of each (local group, local region) carries its whole pages to zero.
+        owns_zero = (g, lr) not in zero_owner
         made = 0
-        for (lt, rt, n), (lpg, rpg) in sorted(pieces.items()):
+        for (lt, rt, n), piece in sorted(pieces.items()):
             if rt < 0:
                 zk = (g, lr, lt, n)
                 entry = zero_pieces.setdefault(zk, ([], set()))
                 entry[0].extend(x for x in layers if x not in entry[0])
-                entry[1].update(int(x) for x in lpg)
+                entry[1].update(piece.local_t)
                 continue
-            _check_range(lpg, lref.num_pages, f"{where}, layer {layers[0]!r}: local page")
-            _check_range(rpg, rref.num_pages, f"{where}, layer {layers[0]!r}: remote page")
+            _check_max(piece.local_max, lref.num_pages, f"{where}, layer {layers[0]!r}: local page")
+            _check_max(piece.remote_max, rref.num_pages, f"{where}, layer {layers[0]!r}: remote page")
             if la is None or ra is None:
                 if (lt, rt, n) != (0, 0, ltpp) or lref.chunk_bytes != rref.chunk_bytes:
                     raise ValueError(f"{where}, layer {layers[0]!r}: layout {lreg.kind!r} names no token "
@@ -363,29 +348,30 @@ def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, S
                     segs = ()
             pairs.append(RegionPair(
                 local_group=g, remote_group=rg, layers=tuple(layers), local=lref, remote=rref,
-                local_pages=tuple(int(x) for x in lpg), remote_pages=tuple(int(x) for x in rpg),
-                pages_to_zero=(), segments=segs, peer=peer.name if multi else "",
+                local_pages=piece.local_t, remote_pages=piece.remote_t,
+                pages_to_zero=zero_t[g] if owns_zero and not made else (), segments=segs,
+                peer=peer.name if multi else "",
             ))
             made += 1
         if not made:  # nothing read for this layer set: keep a (possibly empty) pair for its zeroing
             pairs.append(RegionPair(
                 local_group=g, remote_group=rg, layers=tuple(layers), local=lref, remote=rref,
-                local_pages=(), remote_pages=(), pages_to_zero=(), peer=peer.name if multi else "",
+                local_pages=(), remote_pages=(), pages_to_zero=zero_t[g] if owns_zero else (),
+                peer=peer.name if multi else "",
             ))
         zero_owner.setdefault((g, lr), len(pairs) - made if made else len(pairs) - 1)
 
-    # Whole pages to zero: on the first pair of each (local group, local region).
-    for (g, lr), idx in zero_owner.items():
+    # Whole pages to zero (already on the first pair of each (local group, local region)).
+    for g, lr in zero_owner:
         _check_range(zero[g], local.regions[lr].num_pages, f"local group {g}, region {lr}: local page")
-        if len(zero[g]):
-            pairs[idx] = replace(pairs[idx], pages_to_zero=tuple(int(x) for x in zero[g]))
     # Token pieces past the prompt inside read pages: zeroed, not read.
     for (g, lr, lt, n), (layers, pages) in sorted(zero_pieces.items()):
         lreg = local.regions[lr]
-        zsegs = local_segments(chunk_axes(lreg), (lt, n))
+        zsegs = local_segments(local.region_axes[lr], (lt, n))
+        lref = local.region_refs[lr]
         pairs.append(RegionPair(
-            local_group=g, remote_group=-1, layers=tuple(layers), local=RegionRef.of(lreg),
-            remote=RegionRef.of(lreg), local_pages=(), remote_pages=(), pages_to_zero=tuple(sorted(pages)),
+            local_group=g, remote_group=-1, layers=tuple(layers), local=lref,
+            remote=lref, local_pages=(), remote_pages=(), pages_to_zero=tuple(sorted(pages)),
             zero_segments=zsegs,
         ))
     for g in range(local.num_groups):
@@ -397,17 +383,71 @@ def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, S
         has = any(p.local_group == g for p in pairs)
         l_read = read[g] if has else np.empty(0, np.int64)
         l_zero = zero[g] if has else np.empty(0, np.int64)
-        read_pages.append(tuple(int(x) for x in l_read))
-        zero_pages.append(tuple(int(x) for x in l_zero))
+        read_pages.append(tuple(l_read.tolist()))
+        zero_pages.append(tuple(l_zero.tolist()))
         r = local.tokens_per_block[g] // local.tokens_per_page[g]
         touched = np.concatenate([l_read, l_zero]) // r
         _, first = np.unique(touched, return_index=True)
-        blocks.append(tuple(int(x) for x in touched[np.sort(first)]))
+        blocks.append(tuple(touched[np.sort(first)].tolist()))
     return PullPlan(
         peer=names[0], remote_num_tokens=n_tok, num_cached_tokens=tuple(cached),
         pairs=tuple(pairs), read_pages=tuple(read_pages), zero_pages=tuple(zero_pages),
         local_block_ids=tuple(blocks), peers=tuple(names),
     )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One token piece of a (local group, peer, remote group): local and remote pages
+    (``remote`` None for a zero piece), as arrays and as the tuples every
+    :class:`RegionPair` of the piece shares (one object, not one per layer: 64 layers x
+    500 pages spent ~45 ms in per-element ``int()`` conversions before), and their
+    largest ids for the range checks."""
+
+    local: np.ndarray
+    remote: Optional[np.ndarray]
+    local_t: Tuple[int, ...]
+    remote_t: Tuple[int, ...]
+    local_max: int
+    remote_max: int
+
+    @classmethod
+    def of(cls, local: np.ndarray, remote: Optional[np.ndarray]) -> "_Piece":
+        rt = () if remote is None else tuple(remote.tolist())
+        return cls(local, remote, tuple(local.tolist()), rt,
+                   int(local.max()) if len(local) else -1,
+                   int(remote.max()) if remote is not None and len(remote) else -1)
+
+
+def _read_pieces(positions: np.ndarray, l_pages: np.ndarray, rpages: np.ndarray, ltpp: int, rtpp: int,
+                 n_tok: int, where: str) -> Dict[Tuple[int, int, int], _Piece]:
+    """``{(local token offset, remote token offset, tokens): _Piece}`` for one (local
+    group, peer, remote group) (see :func:`~kvcopy.nixl.geometry.token_pieces`); raises
+    where P holds no page D needs. Equal page sizes (the homogeneous case) are one piece
+    per page, computed with array indexing instead of a per-page loop."""
+    if ltpp == rtpp:
+        items = {(0, 0, ltpp): (positions, positions)}
+    else:
+        items = {}
+        for key, pairs in token_pieces(positions, ltpp, rtpp, n_tok).items():
+            items[key] = (np.array([p for p, _ in pairs], dtype=np.int64),
+                          np.array([q for _, q in pairs], dtype=np.int64))
+    out = {}
+    for (lt, rt, n), (pos, rpos) in items.items():
+        if rt < 0:
+            out[(lt, rt, n)] = _Piece.of(l_pages[pos], None)
+            continue
+        lacking = rpos[rpos >= len(rpages)]
+        if not len(lacking):
+            lacking = rpos[rpages[rpos] == NO_BLOCK]
+        if len(lacking):
+            q = int(lacking[0])
+            raise ValueError(
+                f"{where}: D needs tokens [{q * rtpp}, {(q + 1) * rtpp}) of the "
+                f"{n_tok}-token prompt but P holds no page there ({len(rpages)} page positions, "
+                f"{int((rpages != NO_BLOCK).sum())} held)")
+        out[(lt, rt, n)] = _Piece.of(l_pages[pos], rpages[rpos])
+    return out
 
 
 def _check_writes(pairs: Sequence[RegionPair], local: EngineInfo, read: Sequence[np.ndarray]) -> None:
@@ -418,9 +458,18 @@ def _check_writes(pairs: Sequence[RegionPair], local: EngineInfo, read: Sequence
     for p in pairs:
         by_region.setdefault(p.local.index, []).append(p)
     sliced = []
+    # Whole-chunk regions whose pairs write the same page tuples for the same groups pass
+    # or fail together: check each such signature once. The planner shares one tuple
+    # per token piece between all layers, so a homogeneous 64-layer plan is one check,
+    # not 64 (each a unique + isin over its pages). ``id``s are stable: ``pairs`` holds
+    # the tuples while this runs.
+    checked = set()
     for lr, rps in by_region.items():
         if any(p.segments or p.zero_segments for p in rps):
             sliced.extend(rps)
+            continue
+        signature = tuple((id(p.local_pages), id(p.pages_to_zero), p.local_group) for p in rps)
+        if signature in checked:
             continue
         # whole chunks only: every page written by at most one pair, read pages all written
         written = np.concatenate([np.asarray(p.local_pages + p.pages_to_zero, dtype=np.int64) for p in rps])
@@ -431,6 +480,7 @@ def _check_writes(pairs: Sequence[RegionPair], local: EngineInfo, read: Sequence
         for g in {p.local_group for p in rps}:
             if len(read[g]) and not np.isin(read[g], uniq).all():
                 raise ValueError(f"local group {g}, region {lr}: a page read is written by no peer")
+        checked.add(signature)
     sliced_regions: Dict[int, List[Tuple[np.ndarray, Tuple[Tuple[int, int], ...]]]] = {}
     for p in sliced:
         parts = sliced_regions.setdefault(p.local.index, [])
@@ -482,5 +532,10 @@ def _check_local_pages(l_read: np.ndarray, l_zero: np.ndarray, g: int) -> None:
 
 
 def _check_range(pages: np.ndarray, limit: int, what: str) -> None:
-    if len(pages) and (int(pages.max()) >= limit):
-        raise ValueError(f"{what} {int(pages.max())} out of range [0, {limit})")
+    if len(pages):
+        _check_max(int(pages.max()), limit, what)
+
+
+def _check_max(largest: int, limit: int, what: str) -> None:
+    if largest >= limit:
+        raise ValueError(f"{what} {largest} out of range [0, {limit})")
