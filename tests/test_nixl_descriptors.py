@@ -67,7 +67,7 @@ def planned(seed):
 
 
 def test_rows_equal_the_per_pair_loop_on_fuzzed_plans():
-    compared = sliced = 0
+    compared = sliced = one_piece = 0
     with one_torch_thread():
         for seed in range(120):
             got = planned(seed)
@@ -89,7 +89,9 @@ def test_rows_equal_the_per_pair_loop_on_fuzzed_plans():
                 assert np.array_equal(ld[:, :2], el) and np.array_equal(rd[:, :2], er), seed
                 compared += 1
                 sliced += any(p.segments for p in pairs)
-    assert compared > 60 and sliced > 5
+                one_piece += len(pieces.local) == 1
+    # both paths of Pieces.expand: one shared piece (broadcast) and several (gather)
+    assert compared > 60 and sliced > 5 and 5 < one_piece < compared - 5, (compared, sliced, one_piece)
 
 
 def test_pieces_are_shared_between_layers_and_checked_by_value_too():

@@ -68,6 +68,12 @@ class Pieces:
         """Rows for entries ``e`` (one per (pair, chunk, segment)), entry by entry, each
         over its piece's pages ``i``: ``l_add[e] + l_mul[e] * local[i]`` and the same on
         the remote side. Returns (local, remote, entry of each row)."""
+        if len(self.local) == 1:  # one piece (homogeneous plans): one broadcast per side
+            lp, rp = self.local[0], self.remote[0]
+            col = lambda v: np.asarray(v, np.int64)[:, None]  # noqa: E731
+            la = (col(l_add) + col(l_mul) * lp).reshape(-1)
+            ra = (col(r_add) + col(r_mul) * rp).reshape(-1)
+            return la, ra, np.repeat(np.arange(len(piece)), len(lp))
         lens = np.array([len(a) for a in self.local], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         piece = np.asarray(piece, dtype=np.int64)
@@ -106,10 +112,11 @@ def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineIn
     return pieces
 
 
-def index_rows(pairs: Sequence[RegionPair], pieces: Pieces, local_offsets: np.ndarray,
-               remote_offsets: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def index_rows(pairs: Sequence[RegionPair], pieces: Pieces, local_offsets: Sequence[int],
+               remote_offsets: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
     """int32 indices into the prepared descriptor lists, (pair, chunk, page) order: row
-    ``offset[r] + c * num_pages + p`` is chunk ``c`` of page ``p`` of region ``r``."""
+    ``offset[r] + c * num_pages + p`` is chunk ``c`` of page ``p`` of region ``r``
+    (offsets: a list of ints is faster to index than an array)."""
     piece, l_add, r_add = [], [], []
     for pair in pairs:
         j = pieces.add(pair)

@@ -115,7 +115,7 @@ class _Peer:
     info: EngineInfo
     layer_pairs: List[LayerPair]
     dlist: object
-    offsets: np.ndarray  # descriptor offset per remote region
+    offsets: List[int]  # descriptor offset per remote region
 
 
 class TransferManager:
@@ -168,6 +168,7 @@ class TransferManager:
         self._unreleased: List[object] = []  # NIXL handles whose release failed; retried
         self._ids = itertools.count()
         self._local_dlist = None
+        self._local_offsets = self._regions.descriptor_offsets.tolist()  # descriptor row of each region
         try:
             for s in self._regions.storages:
                 self._registrations.append(self._agent.register([(s.address, s.nbytes, s.device_id)], s.mem_type))
@@ -216,7 +217,7 @@ class TransferManager:
         except NixlError as exc:
             self._agent.remove_remote(name)
             raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
-        self._peers[name] = _Peer(remote, layer_pairs, dlist, offsets)
+        self._peers[name] = _Peer(remote, layer_pairs, dlist, offsets.tolist())
         return name
 
     def peers(self) -> List[str]:
@@ -322,7 +323,7 @@ class TransferManager:
             peer = self._peers[name]
             pieces = check_pairs(pairs, self._info, peer.info, name)
             if all(not p.segments for p in pairs):
-                rows = index_rows(pairs, pieces, self._regions.descriptor_offsets, peer.offsets)
+                rows = index_rows(pairs, pieces, self._local_offsets, peer.offsets)
                 reads.append((name, "prepped", rows))
             else:
                 reads.append((name, "descs", desc_rows(pairs, pieces, self._info, peer.info)))
