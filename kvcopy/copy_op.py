@@ -19,7 +19,9 @@ bytes from different sources"). Such models need the per-group masks of
 The caches vLLM passes are the same tensors on every call, so the validated
 :class:`~kvcopy.copier.BlockCopier` for them is built once and cached, keyed by every
 tensor's address and geometry. Building the key walks the layers (a few us per
-layer); code that owns its caches should hold a ``BlockCopier`` and skip that.
+layer); code that owns its caches should hold a ``BlockCopier`` and skip that. Up to 8
+copiers are kept; evicting one (a 9th set of caches) closes it, which synchronizes the
+device before its tables are freed and its host memory unpinned.
 """
 from __future__ import annotations
 
