@@ -48,8 +48,11 @@ Heterogeneous peers (different group plans, page sizes, TP sizes; see
 :mod:`kvcopy.nixl.plan`): a plan may read from several peers, one NIXL READ each; the
 handle is DONE when all are, and fails as a whole if one fails. Pairs that move whole
 chunks use the descriptor lists prepared at registration and ``add_peer``; pairs with
-byte segments use descriptors built from the plan per pull. Rows of read pages past
-the prompt are zeroed by ``complete`` in the buffers NIXL wrote, before the h2d copy.
+byte segments use descriptors built from the plan per pull. Both are checked and built
+by :mod:`kvcopy.nixl.descriptors` in a fixed number of numpy calls (64 layers x 500
+pages: ~0.5 ms, was ~14 ms of per-pair numpy calls on a loaded 2-core machine). Rows of
+read pages past the prompt are zeroed by ``complete`` in the buffers NIXL wrote, before
+the h2d copy.
 
 Not thread-safe: one thread drives a manager.
 """

@@ -40,6 +40,13 @@ their pages in ``pages_to_zero`` and their runs in ``zero_segments``. It is plai
 data, printable, and everything :func:`kvcopy.nixl.replay` needs to apply it to CPU
 tensors. Before returning, the planner checks that every byte of every local page it
 writes is written once, and every page read is written whole.
+
+Cost (a plan is made per request): what depends on the handshakes only (which peer
+and regions serve each layer, head ranges, byte runs per token piece) is computed
+once per (engine, peers) (:func:`_routes`); the pairs of one token piece share one
+page tuple (``RegionPair.local_pages`` of every layer is the same object), so the
+per-request work is a few numpy calls per group plus one small object per pair. 64
+layers x 500 pages, one peer: ~1 ms on an idle core (was ~40-60 ms).
 """
 from __future__ import annotations
 
