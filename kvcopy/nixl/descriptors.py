@@ -27,7 +27,7 @@ region).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -64,16 +64,19 @@ class Pieces:
                                 int(rp.min()) if len(rp) else 0, int(rp.max()) if len(rp) else -1))
         return j
 
-    def expand(self, piece: Sequence[int], l_add, l_mul, r_add, r_mul) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def expand(self, piece: Sequence[int], l_add, l_mul, r_add, r_mul, size=None
+               ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """Rows for entries ``e`` (one per (pair, chunk, segment)), entry by entry, each
         over its piece's pages ``i``: ``l_add[e] + l_mul[e] * local[i]`` and the same on
-        the remote side. Returns (local, remote, entry of each row)."""
+        the remote side (``*_mul`` None: 1), and ``size[e]`` per row when given.
+        Returns (local, remote, sizes or None)."""
+        col = lambda v: np.asarray(v, np.int64)[:, None]  # noqa: E731
         if len(self.local) == 1:  # one piece (homogeneous plans): one broadcast per side
             lp, rp = self.local[0], self.remote[0]
-            col = lambda v: np.asarray(v, np.int64)[:, None]  # noqa: E731
-            la = (col(l_add) + col(l_mul) * lp).reshape(-1)
-            ra = (col(r_add) + col(r_mul) * rp).reshape(-1)
-            return la, ra, np.repeat(np.arange(len(piece)), len(lp))
+            la = (col(l_add) + (lp if l_mul is None else col(l_mul) * lp)).reshape(-1)
+            ra = (col(r_add) + (rp if r_mul is None else col(r_mul) * rp)).reshape(-1)
+            n = None if size is None else np.repeat(np.asarray(size, np.int64), len(lp))
+            return la, ra, n
         lens = np.array([len(a) for a in self.local], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         piece = np.asarray(piece, dtype=np.int64)
@@ -83,9 +86,9 @@ class Pieces:
         at = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(starts[piece] - (np.cumsum(n) - n), n)
         lp = np.concatenate(self.local)[at]
         rp = np.concatenate(self.remote)[at]
-        la = np.asarray(l_add, np.int64)[entry] + np.asarray(l_mul, np.int64)[entry] * lp
-        ra = np.asarray(r_add, np.int64)[entry] + np.asarray(r_mul, np.int64)[entry] * rp
-        return la, ra, entry
+        la = np.asarray(l_add, np.int64)[entry] + (lp if l_mul is None else np.asarray(l_mul, np.int64)[entry] * lp)
+        ra = np.asarray(r_add, np.int64)[entry] + (rp if r_mul is None else np.asarray(r_mul, np.int64)[entry] * rp)
+        return la, ra, None if size is None else np.asarray(size, np.int64)[entry]
 
 
 def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineInfo, name: str) -> Pieces:
@@ -94,22 +97,28 @@ def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineIn
     pieces = Pieces()
     mine, theirs = local.region_refs, remote.region_refs
     for pair in pairs:
-        if not same_ref(pair.local, mine):
-            raise ValueError(f"plan region {pair.local.index} is not this manager's region")
-        if not same_ref(pair.remote, theirs):
-            raise ValueError(f"plan region {pair.remote.index} is not peer {name!r}'s region")
+        lref, rref = pair.local, pair.remote
+        if not same_ref(lref, mine):
+            raise ValueError(f"plan region {lref.index} is not this manager's region")
+        if not same_ref(rref, theirs):
+            raise ValueError(f"plan region {rref.index} is not peer {name!r}'s region")
         for lo, ro, n in pair.segments:
-            if n <= 0 or lo < 0 or ro < 0 or lo + n > pair.local.chunk_bytes or ro + n > pair.remote.chunk_bytes:
+            if n <= 0 or lo < 0 or ro < 0 or lo + n > lref.chunk_bytes or ro + n > rref.chunk_bytes:
                 raise ValueError(f"plan byte segment {(lo, ro, n)} outside a chunk of region "
-                                 f"{pair.local.index} or peer region {pair.remote.index}")
+                                 f"{lref.index} or peer region {rref.index}")
         if len(pair.local_pages) != len(pair.remote_pages):
             raise ValueError("plan pair has different local and remote page counts")
         lmin, lmax, rmin, rmax = pieces.bounds[pieces.add(pair)]
-        for lo_, hi_, ref, side in ((lmin, lmax, pair.local, "local"), (rmin, rmax, pair.remote, "remote")):
-            if lo_ < 0 or hi_ >= ref.num_pages:
-                raise ValueError(f"plan {side} page {hi_ if hi_ >= ref.num_pages else lo_} "
-                                 f"out of range [0, {ref.num_pages}) of region {ref.index}")
+        if lmin < 0 or lmax >= lref.num_pages:
+            _out_of_range("local", lmin, lmax, lref)
+        if rmin < 0 or rmax >= rref.num_pages:
+            _out_of_range("remote", rmin, rmax, rref)
     return pieces
+
+
+def _out_of_range(side: str, lo: int, hi: int, ref: RegionRef) -> None:
+    raise ValueError(f"plan {side} page {hi if hi >= ref.num_pages else lo} "
+                     f"out of range [0, {ref.num_pages}) of region {ref.index}")
 
 
 def index_rows(pairs: Sequence[RegionPair], pieces: Pieces, local_offsets: Sequence[int],
@@ -120,15 +129,20 @@ def index_rows(pairs: Sequence[RegionPair], pieces: Pieces, local_offsets: Seque
     piece, l_add, r_add = [], [], []
     for pair in pairs:
         j = pieces.add(pair)
-        lo, ro = int(local_offsets[pair.local.index]), int(remote_offsets[pair.remote.index])
-        for c in range(pair.local.num_chunks):
+        lref, rref = pair.local, pair.remote
+        lo, ro = int(local_offsets[lref.index]), int(remote_offsets[rref.index])
+        if lref.num_chunks == 1:
             piece.append(j)
-            l_add.append(lo + c * pair.local.num_pages)
-            r_add.append(ro + c * pair.remote.num_pages)
+            l_add.append(lo)
+            r_add.append(ro)
+            continue
+        for c in range(lref.num_chunks):
+            piece.append(j)
+            l_add.append(lo + c * lref.num_pages)
+            r_add.append(ro + c * rref.num_pages)
     if not piece:
         return np.empty(0, np.int32), np.empty(0, np.int32)
-    ones = np.ones(len(piece), np.int64)
-    la, ra, _ = pieces.expand(piece, l_add, ones, r_add, ones)
+    la, ra, _ = pieces.expand(piece, l_add, None, r_add, None)
     return la.astype(np.int32), ra.astype(np.int32)
 
 
@@ -150,8 +164,7 @@ def desc_rows(pairs: Sequence[RegionPair], pieces: Pieces, local: EngineInfo,
                 size.append(n)
     if not piece:
         return np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64)
-    la, ra, entry = pieces.expand(piece, l_add, l_mul, r_add, r_mul)
-    n = np.asarray(size, np.int64)[entry]
+    la, ra, n = pieces.expand(piece, l_add, l_mul, r_add, r_mul, size)
     # merge runs: row i+1 continues row i on both sides
     cont = (la[:-1] + n[:-1] == la[1:]) & (ra[:-1] + n[:-1] == ra[1:])
     starts = np.flatnonzero(np.concatenate([[True], ~cont]))

@@ -50,7 +50,7 @@ handle is DONE when all are, and fails as a whole if one fails. Pairs that move 
 chunks use the descriptor lists prepared at registration and ``add_peer``; pairs with
 byte segments use descriptors built from the plan per pull. Both are checked and built
 by :mod:`kvcopy.nixl.descriptors` in a fixed number of numpy calls (64 layers x 500
-pages: ~0.5 ms, was ~14 ms of per-pair numpy calls on a loaded 2-core machine). Rows of
+pages: ~0.35 ms, was ~14 ms of per-pair numpy calls on a loaded 2-core machine). Rows of
 read pages past the prompt are zeroed by ``complete`` in the buffers NIXL wrote, before
 the h2d copy.
 
