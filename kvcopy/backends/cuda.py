@@ -53,6 +53,7 @@ class _State:
     num_group_entries: int
     word_bytes: int
     pinning: Any
+    max_ctas: Optional[int]  # resolved once (tables.cta_cap()), not per call
     graph_buffers: List[torch.Tensor] = field(default_factory=list)
     launches: int = 0
 
@@ -143,7 +144,7 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
         tables.backend_state["cuda"] = _State(
             device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
             num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
-            word_bytes=tables.word_bytes, pinning=pinning,
+            word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.cta_cap(),
         )
 
     # ------------------------------------------------------------ the copy
@@ -153,7 +154,7 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
             return
         arr = cudalib.call_array(call)
         stream = torch.cuda.current_stream(st.device)
-        grid = cudalib.grid_size(call.total_bytes, st.sm_count, tables.cta_cap())
+        grid = cudalib.grid_size(call.total_bytes, st.sm_count, st.max_ctas)
         launcher = self._launcher
         call_device = None
         if len(arr) > launcher.inline_words:
