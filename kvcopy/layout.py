@@ -195,11 +195,6 @@ def _chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chu
     return blocks_outer or chunks_outer
 
 
-def base_address(tensor: torch.Tensor) -> int:
-    """Address of the tensor's first element (``data_ptr`` includes the offset)."""
-    return tensor.data_ptr()
-
-
 def byte_extent(tensor: torch.Tensor) -> Tuple[int, int]:
     """[start, end) byte range the tensor's elements can touch."""
     start = tensor.data_ptr()

@@ -159,17 +159,6 @@ class CopyCase:
         return dev, host
 
 
-def unique_tensors(*dicts: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
-    seen, out = set(), []
-    for d in dicts:
-        for t in d.values():
-            key = (t.device, t.data_ptr(), tuple(t.shape), t.stride())
-            if key not in seen:
-                seen.add(key)
-                out.append(t)
-    return out
-
-
 def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(as_words(a.cpu()), as_words(b.cpu()))
 
