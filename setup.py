@@ -112,7 +112,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.9",
-    packages=["kvcopy", "kvcopy.backends", "kvcopy.kernels", "kvcopy.nixl"],
+    packages=["kvcopy", "kvcopy.backends", "kvcopy.bench", "kvcopy.kernels", "kvcopy.nixl"],
     package_dir={"kvcopy.kernels": "kernels"},
     package_data={"kvcopy.kernels": ["*.cuh"]},
     ext_modules=[CMakeLibrary("kvcopy._lib.libkvcopy_cpu")],
@@ -125,6 +125,6 @@ setup(
         "test": ["pytest", "pytest-benchmark"],
         "all": ["triton", "nixl-cu12", "cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "pytest", "pytest-benchmark"],
     },
-    entry_points={"console_scripts": ["kvcopy-bench=kvcopy.cli:main"]},
+    entry_points={"console_scripts": ["kvcopy-bench=kvcopy.bench.cli:main"]},
     zip_safe=False,
 )

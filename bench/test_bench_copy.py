@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcopy import available_backends
-from kvcopy.bench_scenarios import PRESETS
+from kvcopy.bench.scenarios import PRESETS
 from dataclasses import replace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,6 +1,6 @@
 """``python -m kvcopy``: the benchmark CLI (same as ``kvcopy-bench``)."""
 import sys
 
-from .cli import main
+from .bench.cli import main
 
 sys.exit(main())

@@ -23,7 +23,7 @@ import torch
 
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe
-from . import native
+from .backends import native
 from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
 IdLists = Sequence[Sequence[int]]

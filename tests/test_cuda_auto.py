@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from kvcopy import BlockCopier, calibration
+from kvcopy import BlockCopier
+from kvcopy.backends import calibration
 from kvcopy.backends.auto import _Shape, mean_descriptor_bytes
-from kvcopy.calibration import DEFAULT_CE_MIN_BYTES, pick
+from kvcopy.backends.calibration import DEFAULT_CE_MIN_BYTES, pick
 
 
 def test_default_rule_ce_for_large_descriptors_sm_kernel_below():
@@ -81,5 +82,7 @@ def test_save_and_load_roundtrip(monkeypatch, tmp_path):
 def test_calibrate_without_gpu_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("has a GPU: the GPU check script runs calibrate")
-    assert calibration.main(["--dry-run"]) == 1
+    from kvcopy.bench import calibrate
+
+    assert calibrate.main(["--dry-run"]) == 1
     assert "no CUDA device" in capsys.readouterr().out

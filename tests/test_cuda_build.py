@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcopy import native
+from kvcopy.backends import native
 
 NVCC = next((p for p in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
                          os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))
@@ -71,7 +71,7 @@ def test_library_built_with_c_abi():
         assert hasattr(lib, sym), sym
     lib.kvcopy_cuda_params_bytes.restype = ctypes.c_int
     lib.kvcopy_cuda_inline_words.restype = ctypes.c_int
-    from kvcopy import cudalib, nvrtc
+    from kvcopy.backends import cudalib, nvrtc
 
     # the ctypes mirror used by the NVRTC launcher has the C++ layout
     assert lib.kvcopy_cuda_params_bytes() == ctypes.sizeof(nvrtc.KernelParams)
@@ -100,7 +100,7 @@ def test_library_needs_only_the_driver():
 
 
 def test_error_names_without_a_gpu():
-    from kvcopy import cudalib
+    from kvcopy.backends import cudalib
 
     lib, why = cudalib.library()
     assert lib is not None, why

@@ -3,7 +3,7 @@
 ``kvcopy_cpu_copy_ranges`` (csrc/cpu_copy.cpp) cuts a call into N equal word ranges
 and walks each with the byte cursor of ``kernels/block_copy.cuh`` exactly as one warp
 of the fused CUDA kernel walks its range, over the same static table and per-call
-array the CUDA backend builds (:mod:`kvcopy.cudalib`). Range counts from 1 to more
+array the CUDA backend builds (:mod:`kvcopy.backends.cudalib`). Range counts from 1 to more
 ranges than words put range boundaries inside pages, chunks and merged runs.
 """
 import ctypes
@@ -11,7 +11,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvcopy import backends, cudalib, native
+from kvcopy import backends
+from kvcopy.backends import cudalib, native
 from kvcopy.backends import Backend
 from kvcopy.testing import CopyCase, check_copy, standard_cases
 

@@ -53,7 +53,8 @@ def test_cuda_max_ctas(max_ctas, direction, monkeypatch):
 
 
 def test_cuda_nvrtc_launcher(monkeypatch):
-    from kvcopy import backends, nvrtc
+    from kvcopy import backends
+    from kvcopy.backends import nvrtc
 
     if nvrtc.available() is not None:
         pytest.skip(f"no NVRTC on this machine: {nvrtc.available()}")
@@ -131,7 +132,7 @@ def test_auto_bit_exact(case, direction):
 
 
 def test_auto_picks_ce_for_large_merged_runs_and_cuda_for_small_pages(monkeypatch, tmp_path):
-    from kvcopy import calibration
+    from kvcopy.backends import calibration
 
     monkeypatch.setenv("KVCOPY_CALIBRATION", str(tmp_path / "none.json"))  # built-in default
     calibration._cache.clear()

@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from kvcopy import BlockCopier, native, ops
+from kvcopy import BlockCopier, ops
+from kvcopy.backends import native
 from kvcopy.testing import CopyCase, prepare_check
 
 cpu_lib, _ = native.load("kvcopy_cpu")

@@ -1,8 +1,8 @@
 """The kernel headers compile to PTX without a GPU: through NVRTC (the run-time path of
-kvcopy.nvrtc) when cupy finds libnvrtc, else through ``nvcc --ptx`` on the same source.
+kvcopy.backends.nvrtc) when cupy finds libnvrtc, else through ``nvcc --ptx`` on the same source.
 
 Both use exactly the translation unit NVRTC compiles at first use
-(``kvcopy.nvrtc.SOURCE`` over ``kernels/*.cuh``), so code nvcc's library build accepts
+(``kvcopy.backends.nvrtc.SOURCE`` over ``kernels/*.cuh``), so code nvcc's library build accepts
 but NVRTC rejects (a host header, a missing type) fails CI.
 """
 import os
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from kvcopy import nvrtc
+from kvcopy.backends import nvrtc
 from kvcopy.kernels import include_dir
 
 ENTRY_NAMES = sorted(list(nvrtc.ENTRY_POINTS.values()) + ["kvcopy_store_words"])

@@ -1,4 +1,4 @@
-"""kvcopy.pinning: page-locking pageable host buffers in place (cudaHostRegister)."""
+"""kvcopy.backends.pinning: page-locking pageable host buffers in place (cudaHostRegister)."""
 from __future__ import annotations
 
 import gc
@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from kvcopy import pinning
+from kvcopy.backends import pinning
 
 
 def test_no_cuda_is_a_no_op(monkeypatch):
@@ -34,17 +34,17 @@ def test_pins_each_pageable_storage_once_and_unpins(monkeypatch, caplog):
     already = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
     dev = torch.zeros(16, device="cuda")
     assert not a.is_pinned() and not b.is_pinned()
-    with caplog.at_level(logging.DEBUG, logger="kvcopy.pinning"):
+    with caplog.at_level(logging.DEBUG, logger="kvcopy.backends.pinning"):
         p = pinning.pin_host_tensors([a, a[1:], a.t(), b, b.view(2, -1), already, dev])
     assert p.registered >= 1 and p.already_pinned >= 1  # page spans; the pinned tensor left alone
     assert p.registered_bytes == a.numel() + 2 * b.numel()
     assert a.is_pinned() and a[3:].is_pinned() and b.is_pinned()
-    infos = [r for r in caplog.records if r.name == "kvcopy.pinning" and r.levelno == logging.INFO]
+    infos = [r for r in caplog.records if r.name == "kvcopy.backends.pinning" and r.levelno == logging.INFO]
     assert len(infos) == 1 and "cudaHostRegister" in infos[0].getMessage()
     # a second pinning of the same buffers (another copier) shares kvcopy's registration
     # and logs nothing at INFO; the memory stays pinned until the last holder releases
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="kvcopy.pinning"):
+    with caplog.at_level(logging.DEBUG, logger="kvcopy.backends.pinning"):
         q = pinning.pin_host_tensors([a, b])
     assert q.registered == p.registered
     assert not [r for r in caplog.records if r.levelno == logging.INFO]

@@ -45,7 +45,7 @@ def test_native_planner_agrees_with_numpy_path():
     """csrc/call_plan.cpp against the numpy packer on random calls, valid and not:
     the same packed array, or both refuse."""
     import numpy as np
-    from kvcopy import native
+    from kvcopy.backends import native
     from kvcopy.tables import pack_call
 
     assert native.plan_call_function() is not None, "host library missing kvcopy_plan_call"

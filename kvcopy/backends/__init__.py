@@ -126,7 +126,7 @@ def available_backends() -> Dict[str, Optional[str]]:
 
 
 # ``auto``. On the host: the first of cpu, torch that runs. On a GPU: the measured
-# rule of kvcopy.calibration (mean descriptor size per call; a per-device table from
+# rule of kvcopy.backends.calibration (mean descriptor size per call; a per-device table from
 # `kvcopy-bench calibrate`, else copy engines from 64 KiB descriptors up, the SM
 # kernel below), applied per call by kvcopy.backends.auto.AutoGpuBackend over the GPU
 # backends that can run the tables; torch when none can.
@@ -156,7 +156,7 @@ def choose_backend(tables: CopyTables) -> Backend:
         if len(usable) == 1:
             return next(iter(usable.values()))
         if usable:
-            from ..calibration import device_key, load_table
+            from .calibration import device_key, load_table
             from .auto import AutoGpuBackend
 
             dev = tables.src_device if tables.src_device.type == "cuda" else tables.dst_device

@@ -4,7 +4,7 @@ Built by :func:`kvcopy.backends.choose_backend` when more than one GPU backend c
 the tables. ``prepare`` prepares every candidate (each uploads its tables; host pages
 are pinned once, the later pinnings find them pinned). Each call computes its mean
 descriptor size (total bytes / segments: two numpy reductions over the packed call)
-and hands the call to the backend :func:`kvcopy.calibration.pick` names for it, from
+and hands the call to the backend :func:`kvcopy.backends.calibration.pick` names for it, from
 this device's calibration table or the built-in default. ``last_choice`` says which.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class AutoGpuBackend(Backend):
             b.release(tables)
 
     def choose(self, call: CallPlan) -> str:
-        from ..calibration import pick
+        from .calibration import pick
 
         size = mean_descriptor_bytes(self._shape, call)
         return pick(self.direction, size, list(self.candidates), self.table) or next(iter(self.candidates))

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import cudalib
+from . import cudalib
 from ..tables import CallPlan, CopyTables
 from . import Backend
 

@@ -11,7 +11,7 @@ import ctypes
 import os
 from typing import Optional
 
-from .. import native
+from . import native
 from ..tables import CallPlan, CopyTables
 from . import Backend
 

@@ -1,7 +1,7 @@
 """Backend ``cuda``: the fused CUDA kernel, one launch per call for every layer and group.
 
 ``prepare`` (once per copier direction) page-locks pageable host buffers in place
-(:mod:`kvcopy.pinning`), translates host addresses where the device cannot use host
+(:mod:`kvcopy.backends.pinning`), translates host addresses where the device cannot use host
 pointers directly (``cudaHostGetDevicePointer``), and uploads the static table
 (entries | group offsets | group entries | entry byte prefix) to the device.
 
@@ -24,7 +24,7 @@ that tensor is kept for as long as the copier lives
 read at replay time, as by any captured kernel: the copier must outlive the graph.
 
 The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
-absent and cupy is installed, from NVRTC (:mod:`kvcopy.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
+absent and cupy is installed, from NVRTC (:mod:`kvcopy.backends.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
 forces NVRTC. The CTA cap comes from ``tables.cta_cap()`` (``BlockCopier(max_ctas=)``) or
 ``KVCOPY_MAX_CTAS``.
 """
@@ -38,7 +38,7 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-from .. import cudalib
+from . import cudalib
 from ..tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
 from . import Backend
 
@@ -78,7 +78,7 @@ class _LibLauncher:
 
 class _NvrtcLauncher:
     def __init__(self):
-        from ..nvrtc import NvrtcLauncher
+        from .nvrtc import NvrtcLauncher
 
         self._impl = NvrtcLauncher()
         self.inline_words = self._impl.inline_words
@@ -105,7 +105,7 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
         if lib is not None and not os.environ.get("KVCOPY_CUDA_NVRTC"):
             self._launcher = _LibLauncher(lib)
             return None
-        from .. import nvrtc
+        from . import nvrtc
 
         reason = nvrtc.available()
         if reason is None:

@@ -1,7 +1,7 @@
 """Backend ``triton``: the fused Triton kernel (``kernels/triton_copy.py``), one launch per call.
 
 ``prepare`` (once per copier direction) page-locks pageable host buffers in place
-(:mod:`kvcopy.pinning`), uploads the static tables to the device and picks the launch
+(:mod:`kvcopy.backends.pinning`), uploads the static tables to the device and picks the launch
 shape (word size from the tables' alignment, rows about one chunk long). ``copy``
 then does exactly two things on the caller's current stream: one small
 host-to-device copy of the packed call array (from a pinned staging tensor of
@@ -47,7 +47,7 @@ class _State:
     group_entries: torch.Tensor
     cfg: Any  # triton_copy.LaunchConfig
     max_ctas: int
-    pinning: Any  # kvcopy.pinning.HostPinning or None
+    pinning: Any  # kvcopy.backends.pinning.HostPinning or None
 
 
 class TritonBackend(Backend):
@@ -87,7 +87,7 @@ class TritonBackend(Backend):
                 return f"device tensors on several GPUs: {sorted(map(str, cuda))}"
             if any(d.type not in ("cuda", "cpu") for d in devices):
                 return f"unsupported device among {sorted(map(str, devices))}"
-            from ..pinning import host_pointer_usable
+            from .pinning import host_pointer_usable
 
             index = next(iter(cuda)).index
             if not host_pointer_usable(index if index is not None else torch.cuda.current_device()):
@@ -112,7 +112,7 @@ class TritonBackend(Backend):
         max_ctas = tables.cta_cap() or default_ctas
         pinning = None
         if device.type == "cuda":
-            from ..pinning import pin_host_tensors
+            from .pinning import pin_host_tensors
 
             host = [t for t in list(tables.src_tensors) + list(tables.dst_tensors) if t.device.type == "cpu"]
             pinning = pin_host_tensors(host)

@@ -39,7 +39,7 @@ import torch
 
 from .geometry import rank_heads, remote_ranks
 from .handshake import EngineInfo, pair_layers
-from .oracle import replay
+from .oracle import clone_caches, first_difference, replay, same_bytes
 from .plan import NO_BLOCK, build_multi_pull_plan, expand_blocks
 from .regions import build_regions
 
@@ -213,7 +213,6 @@ def manager_kwargs(spec: Spec, which: str, rank: int) -> dict:
 def expected(spec: Spec, d_before: Dict[str, torch.Tensor], logical: Dict[str, torch.Tensor]
              ) -> Tuple[Optional[Dict[str, torch.Tensor]], Optional[str]]:
     """D's caches after a correct pull, or (None, why) when no exact pull exists."""
-    from .testing import clone_caches
 
     p, d = spec.p, spec.d
     n, c = spec.num_tokens, spec.num_cached
@@ -404,7 +403,6 @@ class Outcome:
 
 
 def run_case(spec: Spec) -> Outcome:
-    from .testing import clone_caches, first_difference, same_bytes
 
     logical = logical_kv(spec)
     d_caches = build_caches(spec, "d", spec.d_rank)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Tuple
 
-from .regions import RegionInfo
+from .geometry import chunk_axes
+from .regions import RegionInfo, RegionRef
 
 MAGIC = b"KVCOPY-NIXL\0"
 HANDSHAKE_VERSION = 2  # 2: regions carry their named in-chunk axes
@@ -94,15 +95,11 @@ class EngineInfo:
         """``RegionRef`` per region, by index: plans share these objects, so ``pull``
         recognizes its own regions by identity (measured: ``RegionRef.of`` per pair cost
         about 5 ms of a 64-layer plan on a loaded 2-core machine)."""
-        from .plan import RegionRef
-
         return tuple(RegionRef.of(r) for r in self.regions)
 
     @cached_property
     def region_axes(self):
         """:func:`~kvcopy.nixl.geometry.chunk_axes` per region, by index."""
-        from .geometry import chunk_axes
-
         return tuple(chunk_axes(r) for r in self.regions)
 
 
@@ -176,8 +173,6 @@ def pair_layers(local: EngineInfo, remote: EngineInfo) -> List[LayerPair]:
     (:mod:`kvcopy.nixl.geometry`). A layout that names no token axis (``flat``) must
     match whole. A peer holding none of this rank's KV heads is refused too.
     """
-    from .geometry import chunk_axes
-
     problems: List[str] = []
     if remote.name == local.name:
         problems.append(f"the peer has this engine's own name {local.name!r}")

@@ -17,14 +17,20 @@ It loops over pages in Python on purpose: slow, and sharing no code with the
 descriptor tables, the NIXL index lists or the copy kernels it checks. Every byte it
 touches is bounds-checked against the tensor's storage; a plan that would reach
 outside raises ``ValueError``.
+
+Beside it, the byte comparisons of whole cache sets the tests and the fuzzer use
+(:func:`clone_caches` keeps aliasing, :func:`same_bytes` compares every storage).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from .plan import PullPlan, RegionRef
+from ..layout import describe
+from ..reference import as_words
+from .plan import PullPlan
+from .regions import RegionRef
 
 
 def _bytes_of(t: torch.Tensor, name: str):
@@ -88,3 +94,58 @@ def replay(plan: PullPlan, local: Mapping[str, torch.Tensor], remote: Mapping,
                         d = dst0 + _page_chunk(pair.local, lp, c) + off
                         _check(dst, d, n, f"layer {name!r}, local page {lp}")
                         dst[d : d + n] = 0
+
+
+def unique_storages(caches: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:
+    """storage address -> a uint8 tensor over the whole storage."""
+    out = {}
+    for t in caches.values():
+        s = t.untyped_storage()
+        if s.data_ptr() not in out:
+            out[s.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(s)
+    return out
+
+
+def fill_random(caches: Dict[str, torch.Tensor], seed: int) -> None:
+    """Random bytes into every storage (the same bytes for the same seed and shapes)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, buf in sorted(unique_storages(caches).items(), key=lambda kv: kv[1].numel()):
+        buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8, generator=gen))
+
+
+def clone_caches(caches: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Deep copy keeping aliasing: views of one storage stay views of one new storage."""
+    new = {ptr: buf.clone() for ptr, buf in unique_storages(caches).items()}
+    out = {}
+    for name, t in caches.items():
+        base = new[t.untyped_storage().data_ptr()]
+        out[name] = torch.as_strided(base.view(t.dtype), t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+def storage_bytes(caches: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+    """Every storage's bytes, in an order that depends only on the layer names."""
+    seen, out = set(), []
+    for name in sorted(caches):
+        s = caches[name].untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            out.append(torch.empty(0, dtype=torch.uint8).set_(s))
+    return out
+
+
+def same_bytes(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    """Bit-exact equality of every storage of two cache sets built alike."""
+    sa, sb = storage_bytes(a), storage_bytes(b)
+    return len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb))
+
+
+def first_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Optional[str]:
+    """Which layer and page first differ (for assertion messages), or None."""
+    for name in sorted(a):
+        x, y = as_words(a[name]), as_words(b[name])
+        if not torch.equal(x, y):
+            bd = describe(a[name]).block_dim
+            diff = (x != y).movedim(bd, 0).reshape(x.shape[bd], -1).any(dim=1).nonzero().flatten()
+            return f"layer {name!r}: pages {diff.tolist()[:16]} differ"
+    return None

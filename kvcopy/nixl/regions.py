@@ -101,6 +101,22 @@ class RegionInfo:
         return cls(**d)
 
 
+@dataclass(frozen=True)
+class RegionRef:
+    """The addressing of one region, as a plan needs it (offsets relative to page 0)."""
+
+    index: int
+    num_pages: int
+    num_chunks: int
+    chunk_bytes: int
+    page_stride: int
+    chunk_stride: int
+
+    @classmethod
+    def of(cls, r: RegionInfo) -> "RegionRef":
+        return cls(r.index, r.num_pages, r.num_chunks, r.chunk_bytes, r.page_stride, r.chunk_stride)
+
+
 @dataclass
 class Storage:
     """One registered byte range."""

@@ -28,8 +28,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..reference import as_words, reference_copy
 from ..layout import describe
+from ..reference import as_words, reference_copy
+from .oracle import (  # noqa: F401  (re-exported for the tests)
+    clone_caches, fill_random, first_difference, replay, same_bytes, storage_bytes, unique_storages,
+)
 from .plan import NO_BLOCK
 
 
@@ -124,61 +127,6 @@ class ManagerPairs:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def unique_storages(caches: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:
-    """storage address -> a uint8 tensor over the whole storage."""
-    out = {}
-    for t in caches.values():
-        s = t.untyped_storage()
-        if s.data_ptr() not in out:
-            out[s.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(s)
-    return out
-
-
-def fill_random(caches: Dict[str, torch.Tensor], seed: int) -> None:
-    """Random bytes into every storage (the same bytes for the same seed and shapes)."""
-    gen = torch.Generator().manual_seed(seed)
-    for _, buf in sorted(unique_storages(caches).items(), key=lambda kv: kv[1].numel()):
-        buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8, generator=gen))
-
-
-def clone_caches(caches: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Deep copy keeping aliasing: views of one storage stay views of one new storage."""
-    new = {ptr: buf.clone() for ptr, buf in unique_storages(caches).items()}
-    out = {}
-    for name, t in caches.items():
-        base = new[t.untyped_storage().data_ptr()]
-        out[name] = torch.as_strided(base.view(t.dtype), t.shape, t.stride(), t.storage_offset())
-    return out
-
-
-def storage_bytes(caches: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
-    """Every storage's bytes, in an order that depends only on the layer names."""
-    seen, out = set(), []
-    for name in sorted(caches):
-        s = caches[name].untyped_storage()
-        if s.data_ptr() not in seen:
-            seen.add(s.data_ptr())
-            out.append(torch.empty(0, dtype=torch.uint8).set_(s))
-    return out
-
-
-def same_bytes(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
-    """Bit-exact equality of every storage of two cache sets built alike."""
-    sa, sb = storage_bytes(a), storage_bytes(b)
-    return len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb))
-
-
-def first_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Optional[str]:
-    """Which layer and page first differ (for assertion messages), or None."""
-    for name in sorted(a):
-        x, y = as_words(a[name]), as_words(b[name])
-        if not torch.equal(x, y):
-            bd = describe(a[name]).block_dim
-            diff = (x != y).movedim(bd, 0).reshape(x.shape[bd], -1).any(dim=1).nonzero().flatten()
-            return f"layer {name!r}: pages {diff.tolist()[:16]} differ"
-    return None
 
 
 def expected_pull(d_caches, d_engine: ToyEngine, d_block_ids, p_caches, p_engine: ToyEngine,
@@ -368,7 +316,6 @@ def pull_and_complete(
     num_tokens: int, num_cached_tokens: int = 0, notify: bytes = b"",
 ) -> PullOutcome:
     """plan_pull -> pull -> poll -> complete on D, and both expectations of the result."""
-    from .oracle import replay
 
     before = clone_caches(d_engine.device_caches)
     plan = d_manager.plan_pull(peer, p_block_ids, num_tokens, d_block_ids, num_cached_tokens)
@@ -389,7 +336,6 @@ def pull_spec(d_manager, peers: Sequence[str], spec, d_caches: Dict[str, torch.T
     replayed): the fuzzer's independent expectation of D's caches and, given P's
     caches by peer name, the byte oracle's replay of the plan."""
     from . import fuzz
-    from .oracle import replay
 
     before = clone_caches(d_caches)
     plan = d_manager.plan_pull(list(peers), spec.p.block_ids, spec.num_tokens, spec.d.block_ids,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvcopy.cli import main
+from kvcopy.bench.cli import main
 
 SMALL = ["--num-layers", "2", "--blocks-per-request", "2", "--block-size", "2", "--num-kv-heads", "2",
          "--head-size", "8", "--iters", "3", "--warmup", "0", "--quiet"]
@@ -161,7 +161,7 @@ def test_nixl_subcommand(tmp_path):
 
 @pytest.mark.parametrize("layout", ["kv_first", "hnd_view_of_nhd"])
 def test_verify_catches_missing_and_stray_writes(layout):
-    from kvcopy.bench_scenarios import Scenario, _raw_bytes
+    from kvcopy.bench.scenarios import Scenario, _raw_bytes
 
     sc = Scenario(num_layers=2, num_groups=2, blocks_per_request=2, block_size=2, num_kv_heads=2,
                   head_size=8, layout=layout)

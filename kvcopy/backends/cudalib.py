@@ -4,7 +4,7 @@
 nvcc is found) exports a C ABI: every function returns a CUDA error code and
 :func:`check` raises :class:`CudaError` with the CUDA error name. When the library is
 absent but cupy is installed, the fused kernel is compiled from the same
-``kernels/*.cuh`` through NVRTC (:mod:`kvcopy.nvrtc`); the copy-engine path needs the
+``kernels/*.cuh`` through NVRTC (:mod:`kvcopy.backends.nvrtc`); the copy-engine path needs the
 library.
 
 Also here: the per-device facts both GPU backends use (SM count, whether kernels may
@@ -138,7 +138,7 @@ def grid_size(total_bytes: int, sm_count: int, max_ctas: Optional[int]) -> int:
 def static_table(tables, entries: Optional[np.ndarray] = None) -> np.ndarray:
     """entries | group_offsets | group_entries | entry_bytes_prefix, one int64 array
     (``entries`` replaces the tables' own rows, e.g. with translated host pointers)."""
-    from .tables import CHUNK_BYTES, NUM_CHUNKS
+    from ..tables import CHUNK_BYTES, NUM_CHUNKS
 
     e = tables.entries if entries is None else entries
     page = (e[:, CHUNK_BYTES] * e[:, NUM_CHUNKS]) if len(e) else np.zeros(0, np.int64)
@@ -188,7 +188,7 @@ def host_tensors(tables) -> list:
 
 
 def pin_host_side(tables):
-    """Page-lock the pageable host tensors of ``tables`` (kvcopy.pinning); the handle
+    """Page-lock the pageable host tensors of ``tables`` (kvcopy.backends.pinning); the handle
     to release, or None when there is nothing to pin."""
     hosts = host_tensors(tables)
     if not hosts:

@@ -32,7 +32,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-logger = logging.getLogger("kvcopy.pinning")
+logger = logging.getLogger("kvcopy.backends.pinning")
 
 _HOST_REGISTER_PORTABLE = 0x01
 _HOST_REGISTER_MAPPED = 0x02

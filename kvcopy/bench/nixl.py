@@ -1,7 +1,7 @@
 """``kvcopy-bench nixl``: a P/D pull over NIXL (UCX) against one bulk READ of the same bytes.
 
 Two engines live in this process, P (prefill) and D (decode), each with its own KV
-caches built from a scenario (:mod:`kvcopy.bench_scenarios`) and its own
+caches built from a scenario (:mod:`kvcopy.bench.scenarios`) and its own
 :class:`kvcopy.nixl.TransferManager` in host-buffer mode. D plans a pull of P's blocks
 by token position into blocks of its own; then, round-robin with the other rows:
 
@@ -39,9 +39,9 @@ SIDE_P, SIDE_D = "kvcopy-bench-P", "kvcopy-bench-D"
 
 
 def add_args(p) -> None:
-    from .cli import _add_scenario_group
+    from .args import add_scenario_group
 
-    _add_scenario_group(p)
+    add_scenario_group(p)
     m = p.add_argument_group("measurement")
     m.add_argument("--iters", type=int, default=10, help="timed pulls per row")
     m.add_argument("--warmup", type=int, default=1)
@@ -60,7 +60,7 @@ class RawPair:
     """Two raw NIXL agents with buffers laid out like the plan's regions."""
 
     def __init__(self, plan, backend: str):
-        from .nixl import load_nixl
+        from ..nixl import load_nixl
 
         nixl = load_nixl()
         cfg = nixl.nixl_agent_config(backends=[backend])
@@ -171,7 +171,7 @@ def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndar
 # ---------------------------------------------------------------------- the pull
 def _padded(ids: List[List[int]], counts: List[int]) -> List[List[int]]:
     """Block lists anchored at token 0: a shorter (sliding-window) list is the suffix."""
-    from .nixl import NO_BLOCK
+    from ..nixl import NO_BLOCK
 
     n = max(counts)
     return [[NO_BLOCK] * (n - len(g)) + list(g) for g in ids]
@@ -191,9 +191,9 @@ def _d_ids(sc, num_blocks: int, seed: int) -> List[List[int]]:
 
 
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
-    from .bench_timing import measure
-    from .nixl import TransferManager
-    from .reference import as_words
+    from .timing import measure
+    from ..nixl import TransferManager
+    from ..reference import as_words
 
     P = sc.build(device)
     D = sc.build(device)
@@ -292,9 +292,10 @@ def _check(P, D, d_ids, block_dim: int, as_words) -> Optional[str]:
 def run(args) -> int:
     import json
 
-    from .bench_timing import env_info
-    from .cli import BenchError, Progress, _device, _scenarios, _write
-    from .nixl import nixl_available
+    from .timing import env_info
+    from .args import BenchError, device as _device, scenarios as _scenarios
+    from .output import Progress, write_file as _write
+    from ..nixl import nixl_available
 
     why = nixl_available()
     if why:
@@ -324,7 +325,7 @@ def run(args) -> int:
 
 
 def format_nixl(out: dict) -> str:
-    from .bench_scenarios import fmt_bytes
+    from .scenarios import fmt_bytes
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]

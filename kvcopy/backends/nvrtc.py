@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from .kernels import include_dir
+from ..kernels import include_dir
 
 HEADERS = ("block_copy.cuh", "block_copy_kernel.cuh")
 ENTRY_POINTS = {w: f"kvcopy_block_copy_w{w}" for w in (16, 8, 4, 2, 1)}

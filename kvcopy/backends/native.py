@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-LIB_DIR = Path(__file__).resolve().parent / "_lib"
+LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 
 _loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
 

@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .testing import DTYPES, LAYOUTS, POISON_BYTE
+from ..testing import DTYPES, LAYOUTS, POISON_BYTE
 
 BASELINES = ("vllm", "coalesced")
 KVCOPY_BACKENDS = ("torch", "cpu", "triton", "cuda", "ce", "auto")
@@ -344,7 +344,7 @@ class Point:
 
     def copier(self, backend: str, max_ctas: Optional[int] = None):
         """A ``BlockCopier`` for ``backend`` (cached per backend and cap)."""
-        from .copier import BlockCopier
+        from ..copier import BlockCopier
 
         key = f"{backend}@{max_ctas}"
         if key not in self.copiers:
@@ -363,7 +363,7 @@ class Point:
     # ------------------------------------------------------------- checking
     def expected(self, direction: str) -> List[torch.Tensor]:
         """Destination storages after the reference copy over poisoned destinations (CPU)."""
-        from .reference import reference_copy_groups
+        from ..reference import reference_copy_groups
 
         src, dst, _, dst_store = self.sides(direction)
         self.poison(direction)
@@ -381,7 +381,7 @@ class Point:
         self.poison(direction)
         fn()
         self.synchronize()
-        from .reference import as_words
+        from ..reference import as_words
 
         # Each storage view spans its whole allocation: comparing elements compares every byte.
         for i, (got, exp) in enumerate(zip(self.sides(direction)[3], expected)):
@@ -414,7 +414,7 @@ def copier_accepts(param: str) -> bool:
     if param not in _ACCEPTS:
         import inspect
 
-        from .copier import BlockCopier
+        from ..copier import BlockCopier
 
         sig = inspect.signature(BlockCopier.__init__)
         _ACCEPTS[param] = param in sig.parameters or any(

@@ -193,7 +193,7 @@ def _cuda_driver() -> Optional[str]:
 
 def env_info(device: str) -> dict:
     """What a result needs to be read later: machine, versions, commit, date."""
-    from . import __version__
+    from .. import __version__
 
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
