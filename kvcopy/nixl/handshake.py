@@ -77,6 +77,7 @@ class EngineInfo:
     tokens_per_page: Tuple[int, ...]
     regions: Tuple[RegionInfo, ...]
     agent_metadata: bytes
+    arena: Tuple[int, int] = (0, 0)  # "arena" mode: (address, bytes) of the registered staging arena
 
     @property
     def num_groups(self) -> int:
@@ -113,6 +114,7 @@ def encode(info: EngineInfo) -> bytes:
         "tokens_per_block": list(info.tokens_per_block),
         "tokens_per_page": list(info.tokens_per_page),
         "regions": [r.to_dict() for r in info.regions],
+        "arena": list(info.arena),
     }
     body = json.dumps(header, separators=(",", ":")).encode()
     return MAGIC + _HEADER.pack(HANDSHAKE_VERSION, len(body)) + body + info.agent_metadata
@@ -141,9 +143,12 @@ def decode(data: bytes) -> EngineInfo:
             tokens_per_block=tuple(int(x) for x in h["tokens_per_block"]),
             tokens_per_page=tuple(int(x) for x in h["tokens_per_page"]),
             regions=regions, agent_metadata=data[start + length :],
+            arena=tuple(int(x) for x in h.get("arena", (0, 0))),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed handshake header: {type(exc).__name__}: {exc}") from None
+    if len(info.arena) != 2 or min(info.arena) < 0:
+        raise ValueError(f"malformed handshake header: arena {info.arena} is not (address, bytes)")
     if len(info.tokens_per_page) != info.num_groups:
         raise ValueError("malformed handshake header: group lists of different lengths")
     for r in regions:

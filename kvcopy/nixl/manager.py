@@ -72,6 +72,7 @@ from .descriptors import check_pairs, desc_rows, index_rows, same_ref
 from .handshake import EngineInfo, LayerPair, decode, encode, pair_layers
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
+from .staging import ArenaPlan, ArenaStaging
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
 
@@ -140,8 +141,11 @@ class TransferManager:
         tp_size: int = 1,
         total_kv_heads=None,
         copy_backend: str = "auto",
+        arena_bytes: int = 1 << 30,
+        arena_ttl_s: float = 60.0,
     ):
         self._closed = True
+        self._arena: Optional[ArenaStaging] = None
         if isinstance(layer_groups, (str, bytes)) or any(isinstance(g, (str, bytes)) for g in layer_groups):
             raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
         self.name = name
@@ -149,8 +153,8 @@ class TransferManager:
         tpb, tpp = tokens_per_group(tokens_per_block, tokens_per_page, len(self.layer_groups))
         self.tokens_per_block, self.tokens_per_page = tuple(tpb), tuple(tpp)
         self.buffer = buffer
-        self._regions: RegionSet = build_regions(
-            device_caches, self.layer_groups, tpp, buffer, block_dim, kv_layout, tp_rank, tp_size, total_kv_heads
+        self._regions: RegionSet = build_regions(  # arena mode: the KV's geometry, nothing registered
+            device_caches, self.layer_groups, tpp, "device" if buffer == "arena" else buffer, block_dim, kv_layout, tp_rank, tp_size, total_kv_heads
         )
         grouped = {n: device_caches[n] for layers in self.layer_groups for n in layers}
         self._device_caches = grouped
@@ -160,12 +164,18 @@ class TransferManager:
                                        backend=copy_backend, block_dim=block_dim, kv_layout=kv_layout)
         self._on_cuda = any(t.device.type == "cuda" for t in grouped.values())
         try:
+            if buffer == "arena":  # see kvcopy.nixl.staging
+                self._arena = ArenaStaging(self._geometry(tp_rank, tp_size), grouped, self._regions.layouts,
+                                           arena_bytes, arena_ttl_s, copy_backend, self._on_cuda)
             self._agent = Agent(name, tuple(backends))
         except Exception:
             if self._copier is not None:
                 self._copier.close()
+            if self._arena is not None:
+                self._arena.close()
             raise
         self._registrations = []
+        self._kept: Dict[str, List[bytes]] = {}  # arena mode: notifications save() read for the caller
         self._peers: Dict[str, _Peer] = {}
         self._in_flight: Dict[int, PullHandle] = {}
         self._unreleased: List[object] = []  # NIXL handles whose release failed; retried
@@ -173,18 +183,29 @@ class TransferManager:
         self._local_dlist = None
         self._local_offsets = self._regions.descriptor_offsets.tolist()  # descriptor row of each region
         try:
-            for s in self._regions.storages:
+            if self._arena is not None:
+                self._registrations.append(self._agent.register([(self._arena.base, self._arena.arena.nbytes, 0)],
+                                                                "DRAM"))
+            for s in self._regions.storages if self._arena is None else ():
                 self._registrations.append(self._agent.register([(s.address, s.nbytes, s.device_id)], s.mem_type))
-            self._local_dlist = self._agent.prep_local(self._regions.descriptors(), self._regions.mem_type)
+            if self._arena is None:
+                self._local_dlist = self._agent.prep_local(self._regions.descriptors(), self._regions.mem_type)
         except NixlError:
             self._release_agent()
             raise
         self._info = EngineInfo(
-            name=name, buffer=buffer, mem_type=self._regions.mem_type, tp_rank=tp_rank, tp_size=tp_size,
+            name=name, buffer=buffer, mem_type="DRAM" if self._arena is not None else self._regions.mem_type,
+            tp_rank=tp_rank, tp_size=tp_size,
             tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
             regions=tuple(self._regions.regions), agent_metadata=self._agent.metadata(),
+            arena=(self._arena.base, self._arena.arena.nbytes) if self._arena is not None else (0, 0),
         )
         self._closed = False
+
+    def _geometry(self, tp_rank: int, tp_size: int) -> EngineInfo:
+        return EngineInfo(name=self.name, buffer=self.buffer, mem_type="DRAM", tp_rank=tp_rank, tp_size=tp_size,
+                          tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
+                          regions=tuple(self._regions.regions), agent_metadata=b"")
 
     # ------------------------------------------------------------ handshake
     def metadata(self) -> bytes:
@@ -215,8 +236,8 @@ class TransferManager:
             self._agent.remove_remote(name)
             raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent is {name!r}")
         descs, offsets = descriptor_table(remote.regions)
-        try:
-            dlist = self._agent.prep_remote(name, descs, remote.mem_type)
+        try:  # an arena peer is read at its staged spans, never at its KV
+            dlist = None if remote.buffer == "arena" else self._agent.prep_remote(name, descs, remote.mem_type)
         except NixlError as exc:
             self._agent.remove_remote(name)
             raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
@@ -233,29 +254,44 @@ class TransferManager:
             raise ValueError(f"unknown peer {name!r}")
         for h in [h for h in self._in_flight.values() if name in h.peers]:
             self._fail(h, f"peer {name!r} was removed")
-        Agent.release_dlist(peer.dlist)
+        if peer.dlist is not None:
+            Agent.release_dlist(peer.dlist)
         self._agent.remove_remote(name)
 
     # ------------------------------------------------------------ P side
-    def save(self, block_ids: Sequence[Sequence[int]], wait: bool = True):
+    def save(self, block_ids: Sequence[Sequence[int]], wait: bool = True, *, num_tokens=None,
+             request_id=None, readers: int = 1):
         """Copy these logical blocks of every group to the host buffers (host mode).
 
         One masked ``BlockCopier.to_host`` for all groups; ``NO_BLOCK`` entries are
         skipped. Returns ``None``, or on CUDA with ``wait=False`` the CUDA event to wait
         on before advertising the blocks (see the module docstring).
+
+        Arena mode: stages the blocks covering ``num_tokens`` in a span of the arena for
+        ``request_id`` and returns the :class:`~kvcopy.nixl.staging.StagedRequest` to
+        hand to D (``(record, event)`` with ``wait=False`` on CUDA). The span is freed
+        when ``readers`` notifications ``request_id`` arrived (:meth:`notifications`),
+        or after ``arena_ttl_s``. Raises :class:`~kvcopy.nixl.ArenaFull` when no span fits.
         """
         self._check_open()
-        pages = self._pages(block_ids, "block_ids")
-        if self._copier is not None:
-            self._copier.to_host(pages)
+        record = None
+        if self._arena is not None:
+            if num_tokens is None or request_id is None:
+                raise ValueError("arena mode: save needs num_tokens and request_id")
+            self.notifications(keep=True)  # spans freed by D's notifications so far
+            record = self._arena.save(self._info, block_ids, num_tokens, request_id, readers)
+        else:
+            pages = self._pages(block_ids, "block_ids")
+            if self._copier is not None:
+                self._copier.to_host(pages)
         if not self._on_cuda:
-            return None
+            return record
         event = torch.cuda.Event()
         event.record()
         if wait:
             event.synchronize()
-            return None
-        return event
+            return record
+        return event if record is None else (record, event)
 
     def _pages(self, block_ids, what: str) -> List[np.ndarray]:
         if isinstance(block_ids, (str, bytes)) or len(block_ids) != len(self.layer_groups):
@@ -270,10 +306,23 @@ class TransferManager:
             out.append(expand_blocks(arr, self.tokens_per_block[g] // self.tokens_per_page[g]))
         return out
 
-    def notifications(self) -> Dict[str, List[bytes]]:
-        """New notify messages by peer name: each says that peer is done reading a request."""
+    def notifications(self, keep: bool = False) -> Dict[str, List[bytes]]:
+        """New notify messages by peer name: each says that peer is done reading a request
+        (arena mode: frees that request's span once all its readers said so)."""
         self._check_open()
-        return self._agent.notifications()
+        new = self._agent.notifications()
+        if self._arena is None:
+            return new
+        self._arena.on_notifications(new)
+        self._arena.expire()
+        if keep:  # save() looked: hand these to the next caller
+            for k, v in new.items():
+                self._kept.setdefault(k, []).extend(v)
+            return {}
+        out, self._kept = self._kept, {}
+        for k, v in new.items():
+            out.setdefault(k, []).extend(v)
+        return out
 
     # ------------------------------------------------------------ D side
     def plan_pull(self, peer, remote_block_ids, remote_num_tokens: int, local_block_ids,
@@ -290,6 +339,12 @@ class TransferManager:
         for name in names:
             if name not in self._peers:
                 raise ValueError(f"unknown peer {name!r}; add_peer its metadata first")
+        if self._arena is not None:  # remote_block_ids: the peers' StagedRequest records
+            self._retry_releases()
+            self._arena.flush_deferred(safe=not self._unreleased)
+            return self._arena.plan_pull(self._geometry(self._info.tp_rank, self._info.tp_size),
+                                         [self._peers[n].info for n in names], remote_block_ids,
+                                         remote_num_tokens, local_block_ids, num_cached_tokens)
         sources = [(self._peers[n].info, self._peers[n].layer_pairs) for n in names]
         if isinstance(remote_block_ids, Mapping):
             ids = remote_block_ids
@@ -312,6 +367,15 @@ class TransferManager:
             if name not in self._peers:
                 raise ValueError(f"plan is for unknown peer {name!r}")
         # Everything is checked and built before the first READ is posted.
+        if self._arena is not None:
+            reads = [(name, "descs", rows) for name, rows in self._arena.reads(plan).items()]
+        else:
+            reads = self._reads(plan)
+        h = PullHandle(next(self._ids), plan, bytes(notify))
+        self._post(h, reads)
+        return h
+
+    def _reads(self, plan: PullPlan) -> list:
         mine = self._info.region_refs
         by_peer: Dict[str, list] = {name: [] for name in plan.all_peers}
         for pair in plan.pairs:
@@ -330,12 +394,15 @@ class TransferManager:
                 reads.append((name, "prepped", rows))
             else:
                 reads.append((name, "descs", desc_rows(pairs, pieces, self._info, peer.info)))
-        h = PullHandle(next(self._ids), plan, bytes(notify))
+        return reads
+
+    def _post(self, h: PullHandle, reads: list) -> None:
+        plan = h.plan
         self._in_flight[h.id] = h
         for name, how, (local_rows, remote_rows) in reads:
             if not len(local_rows):
                 h._done.add(name)
-                if notify:
+                if h.notify:
                     self._agent.send_notification(name, h.notify)
                 continue
             peer = self._peers[name]
@@ -344,17 +411,16 @@ class TransferManager:
                     self._local_dlist, local_rows, peer.dlist, remote_rows, h.notify)
             else:
                 xfer, state, reason = self._agent.post_read_descs(
-                    local_rows, self._regions.mem_type, name, remote_rows, peer.info.mem_type, h.notify)
+                    local_rows, self._info.mem_type, name, remote_rows, peer.info.mem_type, h.notify)
             if xfer is not None:
                 h._xfers[name] = xfer
             if state == ERR:
                 self._fail(h, reason)
-                return h
+                return
             if state == DONE:
                 h._done.add(name)
         if len(h._done) == len(plan.all_peers):
             self._finish(h)
-        return h
 
     def poll(self, h: PullHandle) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""
@@ -391,6 +457,8 @@ class TransferManager:
         if state == PROC:
             raise ValueError(f"{h!r} is still in flight; poll until DONE or ERR")
         h.completed = True
+        if self._arena is not None:
+            return self._complete_arena(h, state)
         if state == ERR:
             return Completion(False, h.plan.local_block_ids, h.error)
         self._check_open()
@@ -399,6 +467,33 @@ class TransferManager:
         if self._copier is not None:
             self._copier.to_device([list(p) for p in h.plan.read_pages])
         return Completion(True, tuple(() for _ in self.layer_groups), None)
+
+    def _complete_arena(self, h: PullHandle, state: str) -> Completion:
+        """Arena mode: zero, scatter D's span into the KV (one masked call per chunk
+        size), free the span; on ERR free it and write nothing."""
+        plan: ArenaPlan = h.plan
+        try:
+            if state == DONE:
+                self._check_open()
+                self._zero(plan.zero_pages)
+                self._arena.scatter(plan)
+        finally:
+            self._retry_releases()
+            self._arena.discard(plan, safe=not self._unreleased)
+        if state == ERR:
+            return Completion(False, plan.local_block_ids, h.error)
+        return Completion(True, tuple(() for _ in self.layer_groups), None)
+
+    def discard(self, plan: ArenaPlan) -> None:
+        """Arena mode: free the span of a plan that will not be pulled."""
+        if self._arena is None or not isinstance(plan, ArenaPlan):
+            raise ValueError("discard takes an arena-mode plan")
+        self._arena.discard(plan)
+
+    @property
+    def arena(self) -> Optional[ArenaStaging]:
+        """The staging arena (arena mode), else None; ``arena.stats()`` for its metrics."""
+        return self._arena
 
     def _zero_rows(self, plan: PullPlan) -> None:
         """Rows of read pages past the prompt (a plan's ``zero_segments``), in the
@@ -464,7 +559,10 @@ class TransferManager:
         """Counts for leak checks: pulls in flight, NIXL transfer handles not yet released."""
         self._retry_releases()
         live = sum(len(h._xfers) for h in self._in_flight.values()) + len(self._unreleased)
-        return {"in_flight": len(self._in_flight), "live_transfer_handles": live, "peers": len(self._peers)}
+        out = {"in_flight": len(self._in_flight), "live_transfer_handles": live, "peers": len(self._peers)}
+        if self._arena is not None:
+            out.update(self._arena.stats())
+        return out
 
     def _check_open(self) -> None:
         if self._closed:
@@ -483,6 +581,8 @@ class TransferManager:
         self._release_agent()
         if self._copier is not None:
             self._copier.close()
+        if self._arena is not None:
+            self._arena.close()
 
     def _release_agent(self) -> None:
         if self._local_dlist is not None:

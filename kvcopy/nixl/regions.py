@@ -35,7 +35,7 @@ import torch
 
 from ..layout import PageLayout, byte_extent, describe
 
-BUFFER_MODES = ("host", "device")
+BUFFER_MODES = ("host", "device")  # the manager adds "arena" (kvcopy.nixl.staging)
 _HOST_ALIGN = 64  # host buffers start at an address with the device span's alignment mod 64
 
 

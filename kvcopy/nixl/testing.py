@@ -105,15 +105,16 @@ class ManagerPairs:
     def __init__(self):
         self.made = []
 
-    def make(self, case: str, num_pages: int, p_tpb=None, d_tpb=None, buffer: str = "host", seeds=(1, 2)):
+    def make(self, case: str, num_pages: int, p_tpb=None, d_tpb=None, buffer: str = "host", seeds=(1, 2),
+             **manager_kwargs):
         """-> (P manager, D manager, P's peer name on D, P engine, D engine)."""
         pe, de = build_case(case, num_pages, p_tpb), build_case(case, num_pages, d_tpb)
         fill_random(pe.device_caches, seeds[0])
         fill_random(de.device_caches, seeds[1])
         ManagerPairs._serial += 1
-        p = pe.manager(f"P{ManagerPairs._serial}", buffer=buffer)
+        p = pe.manager(f"P{ManagerPairs._serial}", buffer=buffer, **manager_kwargs)
         self.made.append(p)
-        d = de.manager(f"D{ManagerPairs._serial}", buffer=buffer)
+        d = de.manager(f"D{ManagerPairs._serial}", buffer=buffer, **manager_kwargs)
         self.made.append(d)
         return p, d, d.add_peer(p.metadata()), pe, de
 

@@ -1,0 +1,120 @@
+"""A staging arena: one pinned host range, spans handed to requests, nothing reused early.
+
+Layout: ``nbytes`` bytes (rounded down to a whole number of ``granule`` bytes) of one
+host buffer (pinned when the KV caches are on CUDA), registered with NIXL once by the
+manager. A *span* is ``[offset, offset + nbytes)`` of it, a whole number of granules,
+owned by one request from ``allocate`` until ``free``; a span is never handed out
+again while it is owned, so a READ still posted on it (by the peer, or by this rank)
+can only ever touch that request's bytes.
+
+Allocator: first fit over a list of free ranges kept sorted by offset, coalesced on
+free (a freed span merges with its free neighbours). Why not size classes: requests of
+one model differ in size by their token counts (36 MiB for a 2k-token prompt of the
+seeds/2 model, 1 MiB for a short one), so power-of-two classes waste up to half of the
+arena to internal fragmentation, and the arena's point is to hold as many requests as
+its size allows. First fit over at most a few hundred live spans is a short Python
+loop: 64 spans allocated and freed in random order cost ~1 us per call (measured with
+``tests/test_nixl_arena.py``'s churn test on this machine).
+
+Back-pressure: a span that does not fit raises :class:`ArenaFull`; nothing is evicted.
+Metrics (:meth:`Arena.stats`): bytes in use, high-water mark, failed allocations, live
+spans.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+
+class ArenaFull(RuntimeError):
+    """No free span of the requested size: the caller retries later (nothing was dropped)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """``[offset, offset + nbytes)`` of the arena, owned by one request."""
+
+    offset: int
+    nbytes: int
+
+
+class Arena:
+    """First-fit span allocator over ``[0, nbytes)`` in units of ``granule`` bytes."""
+
+    def __init__(self, nbytes: int, granule: int = 4096):
+        if granule <= 0:
+            raise ValueError(f"arena granule {granule} must be positive")
+        self.granule = int(granule)
+        self.nbytes = int(nbytes) // self.granule * self.granule
+        if self.nbytes <= 0:
+            raise ValueError(f"arena of {nbytes} bytes holds no {granule}-byte granule")
+        self._free_starts: List[int] = [0]  # sorted offsets of free ranges
+        self._free_len: Dict[int, int] = {0: self.nbytes}
+        self._owned: Dict[int, int] = {}  # offset -> bytes of live spans
+        self.bytes_in_use = 0
+        self.high_water = 0
+        self.failed_allocations = 0
+
+    def round_up(self, nbytes: int) -> int:
+        return -(-int(nbytes) // self.granule) * self.granule
+
+    def allocate(self, nbytes: int) -> Span:
+        """A free span of at least ``nbytes`` (rounded up to granules); raises ArenaFull."""
+        need = max(self.round_up(nbytes), self.granule)
+        for start in self._free_starts:
+            have = self._free_len[start]
+            if have >= need:
+                self._take(start, have, need)
+                return Span(start, need)
+        self.failed_allocations += 1
+        raise ArenaFull(
+            f"staging arena full: {need} bytes requested, {self.nbytes - self.bytes_in_use} of "
+            f"{self.nbytes} free, largest free span {max(self._free_len.values(), default=0)}"
+        )
+
+    def _take(self, start: int, have: int, need: int) -> None:
+        i = bisect.bisect_left(self._free_starts, start)
+        del self._free_starts[i]
+        del self._free_len[start]
+        if have > need:
+            self._free_starts.insert(i, start + need)
+            self._free_len[start + need] = have - need
+        self._owned[start] = need
+        self.bytes_in_use += need
+        self.high_water = max(self.high_water, self.bytes_in_use)
+
+    def free(self, span: Span) -> None:
+        """Give a span back (merged with free neighbours); freeing twice raises."""
+        n = self._owned.get(span.offset)
+        if n is None or n != span.nbytes:
+            raise ValueError(f"{span} is not a live span of this arena")
+        del self._owned[span.offset]
+        self.bytes_in_use -= n
+        start, end = span.offset, span.offset + n
+        i = bisect.bisect_left(self._free_starts, start)
+        if i < len(self._free_starts) and self._free_starts[i] == end:  # merge the next free range
+            end += self._free_len.pop(end)
+            del self._free_starts[i]
+        if i > 0:
+            prev = self._free_starts[i - 1]
+            if prev + self._free_len[prev] == start:  # merge into the previous free range
+                self._free_len[prev] = end - prev
+                return
+        self._free_starts.insert(i, start)
+        self._free_len[start] = end - start
+
+    def owns(self, span: Span) -> bool:
+        return self._owned.get(span.offset) == span.nbytes
+
+    def free_ranges(self) -> List[Tuple[int, int]]:
+        return [(s, self._free_len[s]) for s in self._free_starts]
+
+    def stats(self) -> Dict[str, int]:
+        return {
+            "arena_bytes": self.nbytes,
+            "bytes_in_use": self.bytes_in_use,
+            "high_water": self.high_water,
+            "failed_allocations": self.failed_allocations,
+            "spans": len(self._owned),
+        }

@@ -1,0 +1,553 @@
+"""Request-packed staging ("arena" buffer mode): pack order, the staged-request record,
+D's read ranges, P's pack and D's scatter.
+
+Canonical order of a request's span (both sides compute it from a handshake alone):
+
+* a **unit** is one (KV cache group, region) pair: the layers of one group that view one
+  tensor the same way (they are staged once). Units are sorted by their first layer
+  name, so two engines with the same layers order them the same way whatever their
+  group plans.
+* a unit's **segment** is chunk-major, then page position, then the page's own bytes:
+  ``[chunk][page position][chunk bytes]``, starting at a multiple of its chunk bytes
+  (padding only between units of different chunk sizes). Page positions are the
+  request's: position ``k`` holds tokens ``[k * T, (k + 1) * T)``; P stages the blocks
+  covering its ``num_tokens`` (``NO_BLOCK`` positions are holes nobody reads).
+
+So one layer's K (or V) for the whole request is one contiguous run, tokens in order;
+a token range of it is one run in NHD pages (one per head in HND); a head slice is one
+run per page in HND pages (one per token in NHD). What a pull costs in NIXL
+descriptors per (request, peer), after merging runs adjacent on both sides:
+
+* equal geometry (same layers, groups, page sizes, TP, layout) and no prefix hit: the
+  two spans have the same layout: **1 descriptor**;
+* a prefix hit of ``C`` tokens: one per (unit, chunk): the cached pages are skipped;
+* different page sizes: still one per (unit, chunk) at most where the token pieces
+  line up on both sides (positions differ only by page size), plus one per page
+  piece where a side's partial last page breaks the run;
+* different TP sizes: a head slice, one per (unit, chunk, page) for HND pages, one
+  per (unit, chunk, token) for NHD pages (measured: ``kvcopy-bench nixl`` arena rows);
+* different group plans: units still pair by layer; runs merge across units only where
+  both sides order them alike.
+
+D's side is planned with the ordinary planner (:mod:`kvcopy.nixl.plan`) over
+*virtual* engines whose regions are the units of each span (page stride = chunk
+bytes, chunk stride = pages x chunk bytes, addresses in the arenas), so the bytes D
+writes are exactly those the mirror would write (the byte oracle's rules, token pieces
+and zeroed rows included); descriptors are then merged by address.
+
+Copies: one ``BlockCopier`` per distinct chunk size of the engine (one for uniform
+models), whose "groups" are the (unit, chunk) pairs: device view = that chunk of the
+unit's tensor, host view = the whole arena seen as blocks of that chunk size. P's pack
+is one call per copier (``to_host``), D's scatter one ``to_device`` per copier.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..copier import BlockCopier
+from .arena import Arena, ArenaFull, Span
+from .descriptors import check_pairs, desc_rows
+from .handshake import EngineInfo, pair_layers
+from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
+from .regions import RegionInfo
+
+ORDER = "unit/chunk/page:v1"
+MAX_GRANULE = 1 << 26  # an arena granule above 64 MiB (lcm of odd chunk sizes) is refused
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One (group, region) pair of an engine: its layers are staged once."""
+
+    group: int
+    region: int
+    layers: Tuple[str, ...]
+    num_chunks: int
+    chunk_bytes: int
+
+
+def stage_units(info: EngineInfo) -> List[Unit]:
+    """The units of an engine in canonical order (sorted by first layer name)."""
+    out = []
+    for r in info.regions:
+        by_group: Dict[int, List[str]] = {}
+        for name, g in r.members:
+            by_group.setdefault(g, []).append(name)
+        for g, names in by_group.items():
+            out.append(Unit(g, r.index, tuple(sorted(names)), r.num_chunks, r.chunk_bytes))
+    out.sort(key=lambda u: u.layers[0])
+    return out
+
+
+def span_layout(units: Sequence[Unit], pages_per_group: Sequence[int]) -> Tuple[List[int], int]:
+    """(segment offset per unit, span bytes) for these page counts per group."""
+    off, segs = 0, []
+    for u in units:
+        off = -(-off // u.chunk_bytes) * u.chunk_bytes
+        segs.append(off)
+        off += u.num_chunks * pages_per_group[u.group] * u.chunk_bytes
+    return segs, off
+
+
+def granule_for(units: Sequence[Unit], base: int = 4096) -> int:
+    """Span alignment: a multiple of every chunk size (host block ids are offset / chunk bytes)."""
+    g = base
+    for u in units:
+        g = g * u.chunk_bytes // math.gcd(g, u.chunk_bytes)
+    if g > MAX_GRANULE:
+        raise ValueError(f"arena mode: chunk sizes {sorted({u.chunk_bytes for u in units})} need a "
+                         f"{g}-byte span alignment (over {MAX_GRANULE}); use the mirror (buffer='host')")
+    return g
+
+
+def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int], pages: Sequence[int],
+                   base: int) -> EngineInfo:
+    """``info`` with one region per unit, laid out as a span at address ``base``."""
+    regions = []
+    for i, (u, off) in enumerate(zip(units, segs)):
+        r = info.regions[u.region]
+        n = pages[u.group]
+        regions.append(replace(
+            r, index=i, members=tuple((name, u.group) for name in u.layers), address=base + off, device_id=0,
+            num_pages=n, page_stride=u.chunk_bytes, chunk_stride=n * u.chunk_bytes if u.num_chunks > 1 else 0,
+        ))
+    # A virtual block is one page: the planner's block ids are then page positions.
+    return EngineInfo(name=info.name, buffer="arena", mem_type="DRAM", tp_rank=info.tp_rank,
+                      tp_size=info.tp_size, tokens_per_block=info.tokens_per_page,
+                      tokens_per_page=info.tokens_per_page, regions=tuple(regions), agent_metadata=b"")
+
+
+@dataclass(frozen=True)
+class StagedRequest:
+    """What P staged for one request (plain, serializable: P hands it to D with the
+    request's transfer parameters). ``blocks[g][i]`` is 1 where P staged block position
+    ``i`` of group ``g``, 0 for a hole (``NO_BLOCK``)."""
+
+    engine: str  # P's engine name (its NIXL agent)
+    request_id: str
+    offset: int  # span in P's arena
+    nbytes: int
+    num_tokens: int
+    blocks: Tuple[Tuple[int, ...], ...]
+    order: str = ORDER
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "request_id": self.request_id, "offset": self.offset,
+                "nbytes": self.nbytes, "num_tokens": self.num_tokens,
+                "blocks": [list(b) for b in self.blocks], "order": self.order}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "StagedRequest":
+        try:
+            rec = cls(engine=str(d["engine"]), request_id=str(d["request_id"]), offset=int(d["offset"]),
+                      nbytes=int(d["nbytes"]), num_tokens=int(d["num_tokens"]),
+                      blocks=tuple(tuple(int(x) for x in b) for b in d["blocks"]), order=str(d["order"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed staged-request record: {type(exc).__name__}: {exc}") from None
+        if rec.order != ORDER:
+            raise ValueError(f"staged-request record in order {rec.order!r}; this kvcopy reads {ORDER!r}")
+        if rec.offset < 0 or rec.nbytes < 0 or rec.num_tokens < 0:
+            raise ValueError(f"staged-request record with a negative field: {rec}")
+        if any(x not in (0, 1) for b in rec.blocks for x in b):
+            raise ValueError("staged-request record: block flags must be 0 or 1")
+        return rec
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "StagedRequest":
+        try:
+            d = json.loads(bytes(data).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"malformed staged-request record: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError("malformed staged-request record: not an object")
+        return cls.from_dict(d)
+
+
+@dataclass
+class ArenaPlan:
+    """D's plan for one request in arena mode: read P's spans into D's span, then
+    scatter. Quacks like a :class:`PullPlan` for the manager (peers, local block ids)."""
+
+    plan: PullPlan  # over the virtual engines (page ids = page positions)
+    span: Span
+    reads: Dict[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows)
+    scatter: List[Tuple[List[np.ndarray], List[np.ndarray]]]  # per copier: (device ids, host ids)
+    zero_pages: Tuple[Tuple[int, ...], ...]  # real local pages complete() zeroes, per group
+    zero_runs: Tuple[np.ndarray, np.ndarray]  # (arena offsets, bytes) zeroed in D's span first
+    local_block_ids: Tuple[Tuple[int, ...], ...]  # real, per group
+    read_pages: Tuple[Tuple[int, ...], ...]  # real, per group
+    live: bool = True  # D's span is owned
+    pulled: bool = False
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def peer(self) -> str:
+        return self.plan.peer
+
+    @property
+    def all_peers(self) -> Tuple[str, ...]:
+        return self.plan.all_peers
+
+    @property
+    def num_bytes(self) -> int:
+        return self.plan.num_bytes
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(len(l) for l, _ in self.reads.values())
+
+
+def merge_rows(local: np.ndarray, remote: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by local address, merged where a row continues the previous one on both sides."""
+    if len(local) <= 1:
+        return local, remote
+    order = np.argsort(local[:, 0], kind="stable")
+    la, ra, n = local[order, 0].astype(np.int64), remote[order, 0].astype(np.int64), local[order, 1].astype(np.int64)
+    cont = (la[:-1] + n[:-1] == la[1:]) & (ra[:-1] + n[:-1] == ra[1:])
+    starts = np.flatnonzero(np.concatenate([[True], ~cont]))
+    total = np.add.reduceat(n, starts)
+    lrows = np.stack([la[starts], total, local[order[starts], 2].astype(np.int64)], 1).astype(np.uint64)
+    rrows = np.stack([ra[starts], total, remote[order[starts], 2].astype(np.int64)], 1).astype(np.uint64)
+    return lrows, rrows
+
+
+class _Copiers:
+    """One BlockCopier per chunk size; its groups are the (unit, chunk) pairs."""
+
+    def __init__(self, units: Sequence[Unit], info: EngineInfo, device_caches: Mapping[str, torch.Tensor],
+                 layouts, arena_buf: torch.Tensor, backend: str):
+        self.members: Dict[int, List[Tuple[int, int]]] = {}  # chunk bytes -> [(unit index, chunk)]
+        self.copiers: List[Tuple[int, BlockCopier]] = []
+        dev: Dict[int, Dict[str, torch.Tensor]] = {}
+        host: Dict[int, Dict[str, torch.Tensor]] = {}
+        for i, u in enumerate(units):
+            t = device_caches[u.layers[0]]
+            layout = layouts[u.layers[0]]
+            for c in range(u.num_chunks):
+                view = t if u.num_chunks == 1 else t.select(_chunk_dim(t, layout), c)
+                bd = layout.block_dim if u.num_chunks == 1 or _chunk_dim(t, layout) > layout.block_dim \
+                    else layout.block_dim - 1
+                key = f"u{i}c{c}"
+                words = arena_buf.view(view.dtype)
+                strides = list(view.stride())
+                strides[bd] = u.chunk_bytes // view.element_size()
+                shape = list(view.shape)
+                shape[bd] = arena_buf.numel() // u.chunk_bytes
+                dev.setdefault(u.chunk_bytes, {})[key] = view
+                host.setdefault(u.chunk_bytes, {})[key] = torch.as_strided(words, shape, strides, 0)
+                self.members.setdefault(u.chunk_bytes, []).append((i, c))
+        self.block_dims: Dict[int, Dict[str, int]] = {}
+        try:
+            for cb, members in self.members.items():
+                names = [[f"u{i}c{c}"] for i, c in members]
+                bdims = {}
+                for i, c in members:
+                    u = units[i]
+                    layout = layouts[u.layers[0]]
+                    t = device_caches[u.layers[0]]
+                    bdims[f"u{i}c{c}"] = layout.block_dim if u.num_chunks == 1 or \
+                        _chunk_dim(t, layout) > layout.block_dim else layout.block_dim - 1
+                self.copiers.append((cb, BlockCopier(dev[cb], host[cb], names, backend=backend, block_dim=bdims)))
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for _, c in self.copiers:
+            c.close()
+        self.copiers = []
+
+
+def _chunk_dim(t: torch.Tensor, layout) -> int:
+    for d in range(t.dim()):
+        if d != layout.block_dim and t.shape[d] == layout.num_chunks and \
+                t.stride(d) * layout.itemsize == layout.chunk_stride:
+            return d
+    raise ValueError(f"cannot find the chunk axis of a tensor of shape {tuple(t.shape)}")
+
+
+class ArenaStaging:
+    """The arena of one manager and everything that packs into it and scatters out of it."""
+
+    def __init__(self, info: EngineInfo, device_caches: Mapping[str, torch.Tensor], layouts,
+                 nbytes: int, ttl_s: float, backend: str, pin: bool):
+        self.units = stage_units(info)
+        granule = granule_for(self.units)
+        if nbytes < granule:
+            raise ValueError(f"arena_bytes {nbytes} is smaller than one span granule ({granule} bytes)")
+        self.buffer = torch.empty(int(nbytes) // granule * granule, dtype=torch.uint8, pin_memory=pin)
+        self.base = self.buffer.data_ptr()
+        self.arena = Arena(self.buffer.numel(), granule)
+        self.ttl_s = float(ttl_s)
+        self._copiers = _Copiers(self.units, info, device_caches, layouts, self.buffer, backend)
+        self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
+        self._deferred: List[Span] = []  # D: spans whose READ handle release failed
+
+    # ------------------------------------------------------------ P side
+    def save(self, info: EngineInfo, block_ids, num_tokens: int, request_id, readers: int) -> StagedRequest:
+        rid = _request_key(request_id)
+        if rid in self._staged:
+            raise ValueError(f"request {request_id!r} is already staged")
+        if int(num_tokens) < 0 or readers < 1:
+            raise ValueError(f"num_tokens {num_tokens} and readers {readers} must be >= 0 and >= 1")
+        if isinstance(block_ids, (str, bytes)) or len(block_ids) != info.num_groups:
+            raise ValueError(f"block_ids: expected one block id list per KV cache group ({info.num_groups})")
+        self.expire()
+        n_tok = int(num_tokens)
+        held, positions, pages = [], [], []
+        for g, ids in enumerate(block_ids):
+            arr = np.asarray(ids)
+            if arr.size and arr.dtype.kind not in "iu":
+                raise TypeError(f"block_ids, group {g}: block ids must be integers, got {arr.dtype}")
+            arr = arr.astype(np.int64).reshape(-1)
+            n_blocks = min(len(arr), -(-n_tok // info.tokens_per_block[g]))
+            if n_blocks * info.tokens_per_block[g] < n_tok:
+                raise ValueError(f"block_ids, group {g}: {len(arr)} blocks hold fewer than {n_tok} tokens")
+            arr = arr[:n_blocks]
+            if arr.size and (arr < NO_BLOCK).any():
+                raise ValueError(f"block_ids, group {g}: negative block id {int(arr.min())}")
+            r = info.tokens_per_block[g] // info.tokens_per_page[g]
+            held.append(tuple(int(x != NO_BLOCK) for x in arr))
+            p = expand_blocks(arr, r)[:-(-n_tok // info.tokens_per_page[g])]  # the pages holding prompt tokens
+            positions.append(np.flatnonzero(p != NO_BLOCK))
+            pages.append(p)
+        counts = [len(p) for p in pages]
+        segs, total = span_layout(self.units, counts)
+        span = self.arena.allocate(total)
+        try:
+            calls = self._calls(span, segs, counts, [p[k] for p, k in zip(pages, positions)], positions)
+            for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
+                copier.plan("d2h", dev, host)  # every copy is checked before the first moves
+            for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
+                copier.to_host(dev, host)
+        except Exception:
+            self.arena.free(span)
+            raise
+        self._staged[rid] = [span, time.monotonic() + self.ttl_s, int(readers)]
+        return StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held))
+
+    def _calls(self, span: Span, segs, counts, dev_pages, positions):
+        """Per copier: (device ids, host ids) per (unit, chunk) group."""
+        out = []
+        for cb, members in self._copiers.members.items():
+            dev, host = [], []
+            for i, c in members:
+                u = self.units[i]
+                first = (span.offset + segs[i] + c * counts[u.group] * cb) // cb
+                dev.append(dev_pages[u.group])
+                host.append(first + positions[u.group])
+            out.append((dev, host))
+        return out
+
+    def on_notifications(self, notifs: Mapping[str, List[bytes]]) -> None:
+        """P: each notification naming a staged request is one reader done with it."""
+        for msgs in notifs.values():
+            for m in msgs:
+                entry = self._staged.get(bytes(m))
+                if entry is None:
+                    continue
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    self._drop(bytes(m))
+
+    def expire(self, now: Optional[float] = None) -> int:
+        """Free P's spans past their time to live; returns how many."""
+        now = time.monotonic() if now is None else now
+        old = [rid for rid, (_, deadline, _) in self._staged.items() if deadline <= now]
+        for rid in old:
+            self._drop(rid)
+        return len(old)
+
+    def release(self, request_id) -> None:
+        """P: free a staged request's span now (the caller knows no READ will touch it)."""
+        rid = _request_key(request_id)
+        if rid not in self._staged:
+            raise ValueError(f"request {request_id!r} is not staged")
+        self._drop(rid)
+
+    def _drop(self, rid: bytes) -> None:
+        span = self._staged.pop(rid)[0]
+        self.arena.free(span)
+
+    @property
+    def staged(self) -> List[str]:
+        return [r.decode("latin-1") for r in self._staged]
+
+    # ------------------------------------------------------------ D side
+    def plan_pull(self, info: EngineInfo, peers: Sequence[EngineInfo], records, num_tokens: int,
+                  local_block_ids, num_cached_tokens) -> ArenaPlan:
+        names = [p.name for p in peers]
+        if isinstance(records, StagedRequest):
+            if len(names) != 1:
+                raise ValueError("several peers: pass a mapping peer name -> its StagedRequest")
+            records = {names[0]: records}
+        if not isinstance(records, Mapping):
+            raise TypeError("records: a StagedRequest, or a mapping peer name -> StagedRequest")
+        n_tok = int(num_tokens)
+        sources, remote_ids = [], {}
+        for p in peers:
+            rec = records.get(p.name)
+            if isinstance(rec, (bytes, bytearray)):
+                rec = StagedRequest.from_bytes(rec)
+            if not isinstance(rec, StagedRequest):
+                raise ValueError(f"no StagedRequest for peer {p.name!r}")
+            sources.append(self._remote_engine(p, rec, n_tok, remote_ids))
+        if isinstance(local_block_ids, (str, bytes)) or len(local_block_ids) != info.num_groups:
+            raise ValueError(f"local_block_ids: expected one block id list per KV cache group ({info.num_groups})")
+        local = []
+        for g, ids in enumerate(local_block_ids):
+            arr = np.asarray(ids)
+            if arr.size and arr.dtype.kind not in "iu":
+                raise TypeError(f"local_block_ids, group {g}: block ids must be integers, got {arr.dtype}")
+            local.append(arr.astype(np.int64).reshape(-1))
+        vblocks = []  # D's page positions holding prompt tokens (one page per virtual block)
+        for g, arr in enumerate(local):
+            lp = expand_blocks(arr, info.tokens_per_block[g] // info.tokens_per_page[g])
+            lp = lp[:-(-n_tok // info.tokens_per_page[g])]
+            vblocks.append(np.where(lp == NO_BLOCK, NO_BLOCK, np.arange(len(lp))))
+        counts = [len(v) for v in vblocks]
+        self.flush_deferred()
+        segs, total = span_layout(self.units, counts)
+        span = self.arena.allocate(total)
+        try:
+            return self._plan(info, sources, remote_ids, n_tok, local, vblocks, counts, segs, span,
+                              num_cached_tokens)
+        except Exception:
+            self.arena.free(span)
+            raise
+
+    def _remote_engine(self, p: EngineInfo, rec: StagedRequest, n_tok: int, remote_ids) -> tuple:
+        if rec.engine != p.name:
+            raise ValueError(f"record of engine {rec.engine!r} given for peer {p.name!r}")
+        if p.buffer != "arena" or p.arena[1] <= 0:
+            raise ValueError(f"peer {p.name!r} is in {p.buffer!r} mode, not 'arena': it stages no requests")
+        if rec.num_tokens != n_tok:
+            raise ValueError(f"record of {p.name!r} staged {rec.num_tokens} tokens, the pull is for {n_tok}")
+        if len(rec.blocks) != p.num_groups:
+            raise ValueError(f"record of {p.name!r}: {len(rec.blocks)} block lists for {p.num_groups} groups")
+        units = stage_units(p)
+        counts, vpages = [], []
+        for g, b in enumerate(rec.blocks):
+            r = p.tokens_per_block[g] // p.tokens_per_page[g]
+            if len(b) != -(-n_tok // p.tokens_per_block[g]):
+                raise ValueError(f"record of {p.name!r}, group {g}: {len(b)} blocks staged for {n_tok} tokens")
+            flags = np.repeat(np.asarray(b, np.int64), r)[:-(-n_tok // p.tokens_per_page[g])]
+            counts.append(len(flags))
+            vpages.append(np.where(flags == 1, np.arange(len(flags)), NO_BLOCK))
+        segs, total = span_layout(units, counts)
+        if total > rec.nbytes or rec.offset + rec.nbytes > p.arena[1]:
+            raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
+                             f"{total} bytes inside the peer's {p.arena[1]}-byte arena")
+        remote_ids[p.name] = vpages
+        vp = virtual_engine(p, units, segs, counts, p.arena[0] + rec.offset)
+        return vp
+
+    def _plan(self, info, sources, remote_ids, n_tok, local, vblocks, counts, segs, span, cached) -> ArenaPlan:
+        vd = virtual_engine(info, self.units, segs, counts, self.base + span.offset)
+        peers = [(vp, pair_layers(vd, vp)) for vp in sources]
+        plan = build_multi_pull_plan(vd, peers, remote_ids, n_tok, vblocks, cached)
+        reads = {}
+        for vp, _ in peers:
+            pairs = [p for p in plan.pairs if p.local_pages and plan.peer_of(p) == vp.name]
+            if not pairs:
+                reads[vp.name] = (np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64))
+                continue
+            pieces = check_pairs(pairs, vd, vp, vp.name)
+            reads[vp.name] = merge_rows(*desc_rows(pairs, pieces, vd, vp))
+        # Real pages: virtual page ids are page positions.
+        real_pages, read_real, zero_real, blocks = [], [], [], []
+        for g, arr in enumerate(local):
+            r = info.tokens_per_block[g] // info.tokens_per_page[g]
+            lp = expand_blocks(arr, r)
+            real_pages.append(lp)
+            rp = np.asarray(plan.read_pages[g], np.int64)
+            read_real.append(lp[rp])
+            zfrom = max(counts[g], -(-max(n_tok, plan.num_cached_tokens[g]) // info.tokens_per_page[g]))
+            tail = lp[zfrom:]
+            z = np.concatenate([lp[np.asarray(plan.zero_pages[g], np.int64)], tail[tail != NO_BLOCK]])
+            zero_real.append(tuple(z.tolist()))
+            touched = np.concatenate([rp, np.asarray(plan.zero_pages[g], np.int64),
+                                      np.arange(zfrom, len(lp))[tail != NO_BLOCK]]) // r
+            _, first = np.unique(touched, return_index=True)
+            blocks.append(tuple(arr[touched[np.sort(first)]].tolist()))
+        # Rows of read pages past the prompt: zeroed in D's span before the scatter.
+        starts, lens = [], []
+        for p in plan.pairs:
+            if not (p.zero_segments and p.pages_to_zero):
+                continue
+            reg = vd.regions[p.local.index]
+            pg = np.asarray(p.pages_to_zero, np.int64) * reg.page_stride + (reg.address - self.base)
+            for c in range(reg.num_chunks):
+                for off, n in p.zero_segments:
+                    starts.append(pg + c * reg.chunk_stride + off)
+                    lens.append(np.full(len(pg), n, np.int64))
+        zero_runs = (np.concatenate(starts), np.concatenate(lens)) if starts else \
+            (np.empty(0, np.int64), np.empty(0, np.int64))
+        positions = [np.asarray(x, np.int64) for x in plan.read_pages]
+        scatter = self._calls(span, segs, counts, read_real, positions)
+        for (cb, copier), (dev, host) in zip(self._copiers.copiers, scatter):
+            copier.plan("h2d", dev, host)  # complete() must not fail after the read
+        return ArenaPlan(plan=plan, span=span, reads=reads, scatter=scatter, zero_pages=tuple(zero_real),
+                         zero_runs=zero_runs, local_block_ids=tuple(blocks),
+                         read_pages=tuple(tuple(x.tolist()) for x in read_real))
+
+    def reads(self, plan: ArenaPlan) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+        if not isinstance(plan, ArenaPlan) or not plan.live or plan.pulled or not self.arena.owns(plan.span):
+            raise ValueError("not a live arena plan of this manager (already pulled, completed or discarded?)")
+        plan.pulled = True  # one pull per arena plan
+        return plan.reads
+
+    def scatter(self, plan: ArenaPlan) -> None:
+        """D: zero the rows past the prompt in D's span, then one masked h2d per copier."""
+        starts, lens = plan.zero_runs
+        if len(starts):
+            idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(int(lens.sum()))
+            self.buffer.index_fill_(0, torch.as_tensor(idx), 0)
+        for (cb, copier), (dev, host) in zip(self._copiers.copiers, plan.scatter):
+            copier.to_device(dev, host)
+
+    def discard(self, plan: ArenaPlan, safe: bool = True) -> None:
+        """D: free the plan's span (``safe`` False: a READ handle on it is not released yet)."""
+        if not plan.live:
+            return
+        plan.live = False
+        if safe:
+            self.arena.free(plan.span)
+        else:
+            self._deferred.append(plan.span)
+
+    def flush_deferred(self, safe: bool = True) -> None:
+        if safe and self._deferred:
+            for s in self._deferred:
+                self.arena.free(s)
+            self._deferred = []
+
+    def stats(self) -> Dict[str, int]:
+        out = self.arena.stats()
+        out["staged_requests"] = len(self._staged)
+        return out
+
+    def close(self) -> None:
+        self._copiers.close()
+
+
+def _request_key(request_id) -> bytes:
+    if isinstance(request_id, str):
+        return request_id.encode("latin-1")
+    if isinstance(request_id, (bytes, bytearray)) and request_id:
+        return bytes(request_id)
+    raise TypeError(f"request_id must be a non-empty str or bytes, got {request_id!r}")
+
+
+__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "ORDER", "StagedRequest", "Unit", "merge_rows",
+           "span_layout", "stage_units", "virtual_engine"]
