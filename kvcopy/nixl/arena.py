@@ -40,17 +40,20 @@ class Span:
 
 
 class Arena:
-    """First-fit span allocator over ``[0, nbytes)`` in units of ``granule`` bytes."""
+    """First-fit span allocator over ``[reserved, nbytes)`` in units of ``granule``
+    bytes (the first ``reserved`` bytes are never handed out: the manager keeps zeros there)."""
 
-    def __init__(self, nbytes: int, granule: int = 4096):
+    def __init__(self, nbytes: int, granule: int = 4096, reserved: int = 0):
         if granule <= 0:
             raise ValueError(f"arena granule {granule} must be positive")
         self.granule = int(granule)
         self.nbytes = int(nbytes) // self.granule * self.granule
-        if self.nbytes <= 0:
-            raise ValueError(f"arena of {nbytes} bytes holds no {granule}-byte granule")
-        self._free_starts: List[int] = [0]  # sorted offsets of free ranges
-        self._free_len: Dict[int, int] = {0: self.nbytes}
+        self.reserved = self.round_up(reserved)
+        if self.nbytes <= self.reserved:
+            raise ValueError(f"arena of {nbytes} bytes holds no {granule}-byte granule past its "
+                             f"{self.reserved} reserved bytes")
+        self._free_starts: List[int] = [self.reserved]  # sorted offsets of free ranges
+        self._free_len: Dict[int, int] = {self.reserved: self.nbytes - self.reserved}
         self._owned: Dict[int, int] = {}  # offset -> bytes of live spans
         self.bytes_in_use = 0
         self.high_water = 0
@@ -69,8 +72,8 @@ class Arena:
                 return Span(start, need)
         self.failed_allocations += 1
         raise ArenaFull(
-            f"staging arena full: {need} bytes requested, {self.nbytes - self.bytes_in_use} of "
-            f"{self.nbytes} free, largest free span {max(self._free_len.values(), default=0)}"
+            f"staging arena full: {need} bytes requested, {self.nbytes - self.reserved - self.bytes_in_use} "
+            f"of {self.nbytes - self.reserved} free, largest free span {max(self._free_len.values(), default=0)}"
         )
 
     def _take(self, start: int, have: int, need: int) -> None:
@@ -112,7 +115,7 @@ class Arena:
 
     def stats(self) -> Dict[str, int]:
         return {
-            "arena_bytes": self.nbytes,
+            "arena_bytes": self.nbytes - self.reserved,
             "bytes_in_use": self.bytes_in_use,
             "high_water": self.high_water,
             "failed_allocations": self.failed_allocations,

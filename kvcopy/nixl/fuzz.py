@@ -22,6 +22,12 @@ request, other layers, the KV-sharing layer) keeps its poison. A case is **exact
 (the bytes equal the expectation), **raised** (a clear ``ValueError``, counted by
 reason; "raised although feasible" counts those the expectation could serve) or
 **wrong** (anything else: a bug).
+
+``--arena``: the same cases in arena mode (:mod:`kvcopy.nixl.staging`): each P rank
+packs its request into its own arena with the real copier, D plans the read of P's
+spans, the byte oracle applies the READ rows (:func:`~kvcopy.nixl.oracle.replay_rows`)
+and D's real copier scatters its span into D's caches; the result must equal the
+same expectation.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -39,9 +45,10 @@ import torch
 
 from .geometry import rank_heads, remote_ranks
 from .handshake import EngineInfo, pair_layers
-from .oracle import clone_caches, first_difference, replay, same_bytes
+from .oracle import clone_caches, first_difference, replay, replay_rows, same_bytes
 from .plan import NO_BLOCK, build_multi_pull_plan, expand_blocks
 from .regions import build_regions
+from .staging import ArenaStaging, granule_for, span_layout, stage_units
 
 DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8,
@@ -435,6 +442,69 @@ def run_case(spec: Spec) -> Outcome:
     return Outcome("exact")
 
 
+def _staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor], name: str):
+    """(arena staging, its handshake record) of one rank in arena mode, without NIXL."""
+    side = spec.side(which)
+    regions = build_regions(caches, side.groups, side.tokens_per_page, "device", None, side.kv_layout,
+                            rank, side.tp_size, spec.total_kv_heads)
+    info = EngineInfo(name=name, buffer="arena", mem_type="DRAM", tp_rank=rank, tp_size=side.tp_size,
+                      tokens_per_block=tuple(side.tokens_per_block), tokens_per_page=tuple(side.tokens_per_page),
+                      regions=tuple(regions.regions), agent_metadata=b"")
+    units = stage_units(info)
+    pages = [-(-spec.num_tokens // t) for t in side.tokens_per_page]
+    need = span_layout(units, pages)[1] + 3 * granule_for(units)  # one span, the zero granule, slack
+    grouped = {n: caches[n] for g in side.groups for n in g}
+    st = ArenaStaging(info, grouped, regions.layouts, need, 60.0, "auto", False)
+    return st, replace(info, arena=(st.base, st.arena.nbytes))
+
+
+def run_arena_case(spec: Spec) -> Outcome:
+    """One case in arena mode (see the module docstring)."""
+    logical = logical_kv(spec)
+    d_caches = build_caches(spec, "d", spec.d_rank)
+    p_caches = {r: build_caches(spec, "p", r, logical) for r in spec.p_ranks}
+    want, why = expected(spec, d_caches, logical)
+    made = []
+    try:
+        d_st, d_info = _staging(spec, "d", spec.d_rank, d_caches, "D")
+        made.append(d_st)
+        peers, records, buffers = [], {}, {}
+        for r in spec.p_ranks:
+            p_st, info = _staging(spec, "p", r, p_caches[r], f"P{r}")
+            made.append(p_st)
+            try:
+                pair_layers(d_info, info)
+            except ValueError as exc:
+                if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
+                    continue
+                raise
+            records[info.name] = p_st.save(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
+            peers.append(info)
+            buffers[info.name] = p_st.buffer
+        plan = d_st.plan_pull(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+    except ValueError as exc:
+        for st in made:
+            st.close()
+        return Outcome("raised", reason(exc), feasible=want is not None, detail=str(exc))
+    try:
+        if want is None:
+            return Outcome("wrong", f"planned although no exact pull exists ({why})")
+        try:
+            replay_rows(d_st.reads(plan), d_st.buffer, buffers)
+        except ValueError as exc:
+            return Outcome("wrong", f"replay_rows raised: {exc}")
+        d_st.scatter(plan)  # the real copier writes d_caches (its device views)
+        if not same_bytes(d_caches, want):
+            return Outcome("wrong", "bytes differ", detail=first_difference(d_caches, want) or "")
+        d_st.discard(plan)
+        if d_st.arena.bytes_in_use or d_st.stats()["spans"]:
+            return Outcome("wrong", "D's span not freed")
+        return Outcome("exact")
+    finally:
+        for st in made:
+            st.close()
+
+
 @dataclass
 class Report:
     cases: int = 0
@@ -462,7 +532,8 @@ class Report:
         return "\n".join(lines)
 
 
-def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool = False) -> Report:
+def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool = False,
+         arena: bool = False) -> Report:
     report = Report()
     start = time.perf_counter()
     before = torch.get_num_threads()
@@ -472,7 +543,7 @@ def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool =
             case_seed = seed * 1_000_003 + i
             spec = random_spec(np.random.default_rng(case_seed), case_seed)
             try:
-                out = run_case(spec)
+                out = run_arena_case(spec) if arena else run_case(spec)
             except Exception as exc:  # anything but a clear ValueError is a bug
                 out = Outcome("wrong", f"{type(exc).__name__}: {exc}")
             report.cases += 1
@@ -505,6 +576,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--case", type=int, default=None, help="run one case by its seed and print it")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--stop-on-wrong", action="store_true")
+    ap.add_argument("--arena", action="store_true", help="arena mode: pack, READ rows, scatter")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -512,11 +584,11 @@ def run(args: argparse.Namespace) -> int:
     if args.case is not None:
         spec = case(args.case)
         print(spec.summary())
-        out = run_case(spec)
+        out = run_arena_case(spec) if args.arena else run_case(spec)
         print(out.status, out.reason, out.detail)
         return 1 if out.status == "wrong" else 0
-    print(f"python -m kvcopy.nixl.fuzz --cases {args.cases} --seed {args.seed}")
-    report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong)
+    print(f"python -m kvcopy.nixl.fuzz --cases {args.cases} --seed {args.seed}" + (" --arena" if args.arena else ""))
+    report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong, args.arena)
     print(report)
     return 1 if report.wrong else 0
 

@@ -475,7 +475,6 @@ class TransferManager:
         try:
             if state == DONE:
                 self._check_open()
-                self._zero(plan.zero_pages)
                 self._arena.scatter(plan)
         finally:
             self._retry_releases()

@@ -18,7 +18,12 @@ descriptor tables, the NIXL index lists or the copy kernels it checks. Every byt
 touches is bounds-checked against the tensor's storage; a plan that would reach
 outside raises ``ValueError``.
 
-Beside it, the byte comparisons of whole cache sets the tests and the fuzzer use
+``replay_rows(reads, local, remote)`` is the arena mode's READ without NIXL: each
+descriptor row pair ``(local address, bytes)``, ``(remote address, bytes)`` copies
+those bytes from the peer's arena buffer to the local one, bounds-checked against both
+(D's span is then scattered by the real copier: :mod:`kvcopy.nixl.staging`).
+
+Beside them, the byte comparisons of whole cache sets the tests and the fuzzer use
 (:func:`clone_caches` keeps aliasing, :func:`same_bytes` compares every storage).
 """
 from __future__ import annotations
@@ -94,6 +99,24 @@ def replay(plan: PullPlan, local: Mapping[str, torch.Tensor], remote: Mapping,
                         d = dst0 + _page_chunk(pair.local, lp, c) + off
                         _check(dst, d, n, f"layer {name!r}, local page {lp}")
                         dst[d : d + n] = 0
+
+
+def replay_rows(reads: Mapping[str, tuple], local: torch.Tensor, remote: Mapping[str, torch.Tensor]) -> None:
+    """Apply NIXL READ rows (``peer -> (local rows, remote rows)``, uint64 ``[N, 3]``
+    address/bytes/device) between uint8 CPU buffers addressed by ``data_ptr()``."""
+    dst0 = local.data_ptr()
+    for peer, (lrows, rrows) in reads.items():
+        if len(lrows) != len(rrows):
+            raise ValueError(f"peer {peer!r}: {len(lrows)} local rows vs {len(rrows)} remote rows")
+        src = remote[peer]
+        src0 = src.data_ptr()
+        for (la, ln, _), (ra, rn, _) in zip(lrows.tolist(), rrows.tolist()):
+            if ln != rn:
+                raise ValueError(f"peer {peer!r}: row sizes {ln} vs {rn}")
+            d, s = la - dst0, ra - src0
+            _check(local, d, ln, f"local row at {la:#x}")
+            _check(src, s, rn, f"remote row at {ra:#x} of {peer!r}")
+            local[d : d + ln] = src[s : s + rn]
 
 
 def unique_storages(caches: Dict[str, torch.Tensor]) -> Dict[int, torch.Tensor]:

@@ -283,11 +283,14 @@ class ArenaStaging:
                  nbytes: int, ttl_s: float, backend: str, pin: bool):
         self.units = stage_units(info)
         granule = granule_for(self.units)
-        if nbytes < granule:
-            raise ValueError(f"arena_bytes {nbytes} is smaller than one span granule ({granule} bytes)")
+        if nbytes < 2 * granule:
+            raise ValueError(f"arena_bytes {nbytes} is smaller than two span granules ({granule} bytes each)")
         self.buffer = torch.empty(int(nbytes) // granule * granule, dtype=torch.uint8, pin_memory=pin)
         self.base = self.buffer.data_ptr()
-        self.arena = Arena(self.buffer.numel(), granule)
+        # Granule 0 stays zero: complete() zeroes D's pages past the prompt by copying
+        # from it in the same masked call that scatters the read pages.
+        self.buffer[:granule].zero_()
+        self.arena = Arena(self.buffer.numel(), granule, reserved=granule)
         self.ttl_s = float(ttl_s)
         self._copiers = _Copiers(self.units, info, device_caches, layouts, self.buffer, backend)
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
@@ -310,10 +313,8 @@ class ArenaStaging:
             if arr.size and arr.dtype.kind not in "iu":
                 raise TypeError(f"block_ids, group {g}: block ids must be integers, got {arr.dtype}")
             arr = arr.astype(np.int64).reshape(-1)
-            n_blocks = min(len(arr), -(-n_tok // info.tokens_per_block[g]))
-            if n_blocks * info.tokens_per_block[g] < n_tok:
-                raise ValueError(f"block_ids, group {g}: {len(arr)} blocks hold fewer than {n_tok} tokens")
-            arr = arr[:n_blocks]
+            n_blocks = -(-n_tok // info.tokens_per_block[g])  # positions P lacks are holes
+            arr = np.concatenate([arr[:n_blocks], np.full(max(0, n_blocks - len(arr)), NO_BLOCK, np.int64)])
             if arr.size and (arr < NO_BLOCK).any():
                 raise ValueError(f"block_ids, group {g}: negative block id {int(arr.min())}")
             r = info.tokens_per_block[g] // info.tokens_per_page[g]
@@ -336,16 +337,22 @@ class ArenaStaging:
         self._staged[rid] = [span, time.monotonic() + self.ttl_s, int(readers)]
         return StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held))
 
-    def _calls(self, span: Span, segs, counts, dev_pages, positions):
-        """Per copier: (device ids, host ids) per (unit, chunk) group."""
+    def _calls(self, span: Span, segs, counts, dev_pages, positions, zero_pages=None):
+        """Per copier: (device ids, host ids) per (unit, chunk) group; ``zero_pages``
+        (per group) are copied from the arena's zero granule (host block 0)."""
         out = []
         for cb, members in self._copiers.members.items():
             dev, host = [], []
             for i, c in members:
                 u = self.units[i]
                 first = (span.offset + segs[i] + c * counts[u.group] * cb) // cb
-                dev.append(dev_pages[u.group])
-                host.append(first + positions[u.group])
+                if zero_pages is None or not len(zero_pages[u.group]):
+                    dev.append(dev_pages[u.group])
+                    host.append(first + positions[u.group])
+                else:
+                    z = zero_pages[u.group]
+                    dev.append(np.concatenate([dev_pages[u.group], z]))
+                    host.append(np.concatenate([first + positions[u.group], np.zeros(len(z), np.int64)]))
             out.append((dev, host))
         return out
 
@@ -494,7 +501,8 @@ class ArenaStaging:
         zero_runs = (np.concatenate(starts), np.concatenate(lens)) if starts else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
         positions = [np.asarray(x, np.int64) for x in plan.read_pages]
-        scatter = self._calls(span, segs, counts, read_real, positions)
+        scatter = self._calls(span, segs, counts, read_real, positions,
+                              [np.asarray(z, np.int64) for z in zero_real])
         for (cb, copier), (dev, host) in zip(self._copiers.copiers, scatter):
             copier.plan("h2d", dev, host)  # complete() must not fail after the read
         return ArenaPlan(plan=plan, span=span, reads=reads, scatter=scatter, zero_pages=tuple(zero_real),
@@ -508,7 +516,8 @@ class ArenaStaging:
         return plan.reads
 
     def scatter(self, plan: ArenaPlan) -> None:
-        """D: zero the rows past the prompt in D's span, then one masked h2d per copier."""
+        """D: zero the rows past the prompt in D's span, then one masked h2d per copier
+        (read pages from the span, pages past the prompt from the zero granule)."""
         starts, lens = plan.zero_runs
         if len(starts):
             idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(int(lens.sum()))
