@@ -20,6 +20,13 @@ by token position into blocks of its own; then, round-robin with the other rows:
     the same and ``complete`` (zero unread pages, one masked h2d into D's KV).
 ``save``
     P's ``TransferManager.save`` (one masked d2h into P's host buffers).
+``arena save``, ``arena pull``, ``arena pull+complete``
+    the same with both managers in ``buffer="arena"`` mode (:mod:`kvcopy.nixl.staging`):
+    P packs the request into one span of its arena (and frees it), D reads P's span
+    into a span of its own (plans made before the timing: each timed pull uses a fresh
+    one; ``pull`` frees D's span, ``pull+complete`` scatters it into D's KV first).
+    Their ``descriptors`` are the READ's, per request; ``facts`` adds how many such
+    requests one 1 GiB arena holds at once.
 
 The raw rows use buffers laid out as the plan's regions (same page geometry), so the
 descriptors are the plan's. After the runs, D's KV is compared with P's at every
@@ -50,6 +57,8 @@ def add_args(p) -> None:
     m.add_argument("--nixl-backend", default="UCX", help="NIXL backend plugin (default UCX)")
     m.add_argument("--copy-backend", default="auto", help="kvcopy backend for save/complete")
     m.add_argument("--no-verify", dest="verify", action="store_false", default=True)
+    m.add_argument("--no-arena", dest="arena", action="store_false", default=True,
+                   help="skip the arena rows")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write results as JSON ('-': stdout, table to stderr)")
     o.add_argument("--quiet", action="store_true")
@@ -202,7 +211,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     d_ids = _d_ids(sc, num_blocks, sc.seed)
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
               backends=(args.nixl_backend,))
-    mp = md = raw = None
+    mp = md = raw = mpa = mda = None
     try:
         mp = TransferManager(SIDE_P, P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw)
         md = TransferManager(SIDE_D, D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw)
@@ -231,6 +240,9 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         def pull_only():
             pull()  # read into D's host buffers; this row does not copy them to the KV
 
+        arena_methods, arena_descs, arena_facts = {}, {}, {}
+        if args.arena:
+            mpa, mda, arena_methods, arena_descs, arena_facts = _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw)
         methods = {
             "bulk READ": raw.read(*raw.bulk_descriptors()),
             "per-page": raw.read(*per_page, skip_merge=True),
@@ -239,10 +251,11 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             "pull": pull_only,
             "pull+complete": pull_complete,
             "save": lambda: mp.save(P.ids),
+            **arena_methods,
         }
         descs = {"bulk READ": 1, "per-page": len(per_page[0]), "per-page+nixl-merge": len(per_page[0]),
                  "merged runs": len(merged[0]), "pull": len(per_page[0]), "pull+complete": len(per_page[0]),
-                 "save": None}
+                 "save": None, **arena_descs}
         verify = None
         if args.verify:
             pull_complete()
@@ -263,10 +276,15 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         facts = {"plan_bytes": bulk_n, "region_pairs": len(plan.pairs),
                  "descriptors_per_page": len(per_page[0]), "descriptors_merged": len(merged[0]),
                  "verify": verify or ("skipped" if not args.verify else "ok"),
-                 "copy_backends": md._copier.backends() if getattr(md, "_copier", None) else None}
+                 "copy_backends": md._copier.backends() if getattr(md, "_copier", None) else None,
+                 **arena_facts}
+        if args.arena and args.verify:  # the arena rows wrote D's KV last
+            if device != "cpu":
+                torch.cuda.synchronize()
+            facts["arena_verify"] = _check(P, D, d_ids, sc.block_dim(), as_words)
         return rows, facts
     finally:
-        for x in (raw, md, mp):
+        for x in (raw, md, mp, mda, mpa):
             if x is not None:
                 try:
                     x.close()
@@ -274,6 +292,67 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
                     pass
         P.close()
         D.close()
+
+
+def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
+    """Arena managers and their timed rows: (P, D, methods, descriptors, facts)."""
+    from ..nixl import TransferManager
+    from ..nixl.arena import Arena
+
+    rounds = args.iters + args.warmup
+    probe = TransferManager(SIDE_P + "-probe", P.dev, P.layer_groups, sc.block_size, sc.block_size,
+                            buffer="arena", arena_bytes=1 << 26 if sc.call_bytes() < (1 << 24) else
+                            4 * sc.call_bytes() + (1 << 24), **kw)
+    try:
+        span = probe.save(_padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
+        granule = probe.arena.arena.granule
+    finally:
+        probe.close()
+    # 64 in flight: how many such spans one 1 GiB arena holds (same allocator, same granule)
+    gib = Arena(1 << 30, granule, reserved=granule)
+    fit = 0
+    try:
+        while True:
+            gib.allocate(span)
+            fit += 1
+    except Exception:
+        pass
+    mpa = TransferManager(SIDE_P + "-arena", P.dev, P.layer_groups, sc.block_size, sc.block_size,
+                          buffer="arena", arena_bytes=4 * span + 4 * granule, arena_ttl_s=3600.0, **kw)
+    mda = TransferManager(SIDE_D + "-arena", D.dev, D.layer_groups, sc.block_size, sc.block_size,
+                          buffer="arena", arena_bytes=(2 * rounds + 4) * span + 4 * granule, **kw)
+    peer = mda.add_peer(mpa.metadata())
+    record = mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id="bench", readers=1 << 62)
+    d_padded = _padded(d_ids, counts)
+    pools = {k: [mda.plan_pull(peer, record, tokens, d_padded) for _ in range(rounds)] for k in ("pull", "pc")}
+    saves = iter(range(1 << 62))
+
+    def arena_save():
+        rid = f"s{next(saves)}"
+        mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id=rid)
+        mpa.arena.release(rid)
+
+    def arena_pull(complete: bool):
+        plan = pools["pc" if complete else "pull"].pop()
+        h = mda.pull(plan)
+        while mda.poll(h) == "PROC":
+            pass
+        if h.state != "DONE":
+            raise RuntimeError(f"arena pull failed: {h.error}")
+        if complete:
+            c = mda.complete(h)
+            if not c.ok:
+                raise RuntimeError(f"arena complete failed: {c.error}")
+        else:
+            mda.discard(plan)
+
+    n_desc = pools["pull"][0].num_descriptors
+    methods = {"arena save": arena_save, "arena pull": lambda: arena_pull(False),
+               "arena pull+complete": lambda: arena_pull(True)}
+    descs = {"arena save": None, "arena pull": n_desc, "arena pull+complete": n_desc}
+    facts = {"arena_span_bytes": span, "arena_granule": granule, "arena_requests_in_1GiB": fit,
+             "arena_descriptors_per_request": n_desc}
+    return mpa, mda, methods, descs, facts
 
 
 def _check(P, D, d_ids, block_dim: int, as_words) -> Optional[str]:
@@ -345,4 +424,9 @@ def format_nixl(out: dict) -> str:
         lines.append(f"groups {f['groups']}: {f['region_pairs']} region pairs, descriptors per request "
                      f"{f['descriptors_per_page']} per page -> {f['descriptors_merged']} after run merging; "
                      f"verify {f['verify']}")
+        if "arena_span_bytes" in f:
+            lines.append(f"groups {f['groups']}: arena span {fmt_bytes(f['arena_span_bytes'])}, "
+                         f"{f['arena_descriptors_per_request']} descriptor(s) per request, "
+                         f"{f['arena_requests_in_1GiB']} requests fit one 1 GiB arena; "
+                         f"arena verify {f.get('arena_verify', 'skipped')}")
     return "\n".join(lines) + "\n"

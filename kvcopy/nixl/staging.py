@@ -287,9 +287,11 @@ class ArenaStaging:
             raise ValueError(f"arena_bytes {nbytes} is smaller than two span granules ({granule} bytes each)")
         self.buffer = torch.empty(int(nbytes) // granule * granule, dtype=torch.uint8, pin_memory=pin)
         self.base = self.buffer.data_ptr()
-        # Granule 0 stays zero: complete() zeroes D's pages past the prompt by copying
-        # from it in the same masked call that scatters the read pages.
-        self.buffer[:granule].zero_()
+        # Written once here so no READ or pack ever pays the first-touch page faults
+        # (measured: a 36 MiB READ into untouched memory 2.6x the same READ into touched
+        # memory). Granule 0 stays zero: complete() zeroes D's pages past the prompt by
+        # copying from it in the same masked call that scatters the read pages.
+        self.buffer.zero_()
         self.arena = Arena(self.buffer.numel(), granule, reserved=granule)
         self.ttl_s = float(ttl_s)
         self._copiers = _Copiers(self.units, info, device_caches, layouts, self.buffer, backend)

@@ -190,7 +190,10 @@ def serve_prefill(conn) -> None:
     """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
     ("start_spec", fuzz spec, P ranks, names): one manager per P rank of a
     :class:`kvcopy.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
-    ("notifications", count), ("close",), ("exit",)."""
+    ("notifications", count), ("close",), ("exit",). Both starts take an optional last
+    element: manager keyword arguments (``buffer="arena"``, ``arena_bytes``); then
+    ("save_arena", block_ids, num_tokens, request_id) stages the request on every
+    manager and answers their records' bytes, ("stats",) every manager's ``stats()``."""
     managers: list = []
     torch.set_num_threads(1)
     while True:
@@ -198,26 +201,33 @@ def serve_prefill(conn) -> None:
         cmd = msg[0]
         try:
             if cmd == "start":
-                _, case, num_pages, tpb, seed, name = msg
+                _, case, num_pages, tpb, seed, name, *kw = msg
                 engine = build_case(case, num_pages, tpb)
                 caches = engine.device_caches
                 fill_random(caches, seed)
-                managers = [engine.manager(name)]
+                managers = [engine.manager(name, **(kw[0] if kw else {}))]
                 conn.send(("ok", managers[0].metadata(), _to_wire(caches)))
             elif cmd == "start_spec":
                 from . import fuzz
                 from .manager import TransferManager
 
-                _, spec, ranks, names = msg
+                _, spec, ranks, names, *kw = msg
                 logical = fuzz.logical_kv(spec)
                 for rank, name in zip(ranks, names):
                     caches = fuzz.build_caches(spec, "p", rank, logical)
-                    managers.append(TransferManager(name, caches, **fuzz.manager_kwargs(spec, "p", rank)))
+                    managers.append(TransferManager(name, caches, **fuzz.manager_kwargs(spec, "p", rank),
+                                                    **(kw[0] if kw else {})))
                 conn.send(("ok", [m.metadata() for m in managers]))
             elif cmd == "save":
                 for m in managers:
                     m.save(msg[1])
                 conn.send(("ok",))
+            elif cmd == "save_arena":
+                _, block_ids, num_tokens, request_id = msg
+                conn.send(("ok", [m.save(block_ids, num_tokens=num_tokens, request_id=request_id).to_bytes()
+                                  for m in managers]))
+            elif cmd == "stats":
+                conn.send(("ok", [m.stats() for m in managers]))
             elif cmd == "notifications":
                 if len(managers) == 1:
                     conn.send(("ok", collect_notifications(managers[0], msg[1])))
