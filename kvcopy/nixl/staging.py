@@ -59,6 +59,14 @@ from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
 from .regions import RegionInfo
 
 ORDER = "unit/chunk/page:v1"
+# D reads a gap between two runs of one peer when it is this small and the same on both
+# sides (a sliding window's dropped page, a prefix hit's cached pages, padding between
+# units): the gap lies inside both spans, which this request owns, and D never scatters
+# it. Why 64 KiB: one more descriptor costs about what moving a few tens of KiB costs
+# (measured here, UCX loopback: 1,152 per-page descriptors over 36 MiB added ~6 ms,
+# ~5 us each, ~10-20 KiB of bandwidth); on RDMA NICs the posting cost per descriptor is
+# higher, not lower.
+BRIDGE_BYTES = 64 << 10
 MAX_GRANULE = 1 << 26  # an arena granule above 64 MiB (lcm of odd chunk sizes) is refused
 
 
@@ -164,6 +172,8 @@ class StagedRequest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "StagedRequest":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"a staged-request record is bytes, got {type(data).__name__}")
         try:
             d = json.loads(bytes(data).decode())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -207,15 +217,19 @@ class ArenaPlan:
         return sum(len(l) for l, _ in self.reads.values())
 
 
-def merge_rows(local: np.ndarray, remote: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Rows sorted by local address, merged where a row continues the previous one on both sides."""
+def merge_rows(local: np.ndarray, remote: np.ndarray, bridge: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by local address, merged where a row continues the previous one on
+    both sides, or (``bridge`` > 0) follows it after a gap of the same ``<= bridge``
+    bytes on both sides: the gap is then read too (see :data:`BRIDGE_BYTES`)."""
     if len(local) <= 1:
         return local, remote
     order = np.argsort(local[:, 0], kind="stable")
     la, ra, n = local[order, 0].astype(np.int64), remote[order, 0].astype(np.int64), local[order, 1].astype(np.int64)
-    cont = (la[:-1] + n[:-1] == la[1:]) & (ra[:-1] + n[:-1] == ra[1:])
+    gap_l, gap_r = la[1:] - (la[:-1] + n[:-1]), ra[1:] - (ra[:-1] + n[:-1])
+    cont = (gap_l == gap_r) & (gap_l >= 0) & (gap_l <= bridge)
     starts = np.flatnonzero(np.concatenate([[True], ~cont]))
-    total = np.add.reduceat(n, starts)
+    ends = np.concatenate([starts[1:], [len(la)]]) - 1
+    total = la[ends] + n[ends] - la[starts]
     lrows = np.stack([la[starts], total, local[order[starts], 2].astype(np.int64)], 1).astype(np.uint64)
     rrows = np.stack([ra[starts], total, remote[order[starts], 2].astype(np.int64)], 1).astype(np.uint64)
     return lrows, rrows
@@ -472,7 +486,9 @@ class ArenaStaging:
                 reads[vp.name] = (np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64))
                 continue
             pieces = check_pairs(pairs, vd, vp, vp.name)
-            reads[vp.name] = merge_rows(*desc_rows(pairs, pieces, vd, vp))
+            # Bridging gaps is safe with one peer only: with several, a gap in one
+            # peer's rows may be bytes another peer's READ writes.
+            reads[vp.name] = merge_rows(*desc_rows(pairs, pieces, vd, vp), BRIDGE_BYTES if len(peers) == 1 else 0)
         # Real pages: virtual page ids are page positions.
         real_pages, read_real, zero_real, blocks = [], [], [], []
         for g, arr in enumerate(local):

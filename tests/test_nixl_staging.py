@@ -1,0 +1,358 @@
+"""Arena mode (request-packed staging) end to end over real NIXL (UCX, DRAM): P packs a
+request into one span, D reads it and scatters it; every byte of D's caches must equal
+the token-position expectation (D poisoned first). Spans are freed on both sides; a full
+arena raises ArenaFull and drops nothing; failures write nothing to the KV. Two-process
+tests at the end (P in a spawned child)."""
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvcopy.nixl import NO_BLOCK, TransferManager, fuzz, remote_ranks
+from kvcopy.nixl.arena import ArenaFull
+from kvcopy.nixl.staging import ORDER, ArenaPlan, StagedRequest, merge_rows
+from kvcopy.nixl.testing import (
+    ManagerPairs, PrefillProcess, allocate_blocks, build_case, clone_caches, collect_notifications,
+    expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,
+)
+
+NP = 48
+KB = 1 << 20  # test arenas: 1 MiB
+
+
+@pytest.fixture
+def pd():
+    with one_torch_thread(), ManagerPairs() as pairs:
+        yield lambda case, p_tpb=None, d_tpb=None, **kw: pairs.make(
+            case, NP, p_tpb, d_tpb, "arena", **{"arena_bytes": KB, **kw})
+
+
+def pull_arena(d, peer, de, d_ids, pe, p_ids, record, n, cached=0, notify=b""):
+    before = clone_caches(de.device_caches)
+    plan = d.plan_pull(peer, record, n, d_ids, cached)
+    h = d.pull(plan, notify=notify or record.request_id.encode())
+    assert wait(d, h) == "DONE", h.error
+    done = d.complete(h)
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, n, cached)
+    assert done.ok, done.error
+    assert not same_bytes(before, want)  # the case moves bytes: it can fail
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    return plan
+
+
+@pytest.mark.parametrize("case,counts,n", [("one_group", [3], 40), ("hybrid", [3, 6], 90), ("seeds3", [3], 300)])
+def test_equal_geometry_is_one_descriptor_and_frees_both_spans(pd, case, counts, n):
+    p, d, peer, pe, de = pd(case)
+    rng = np.random.default_rng(1)
+    p_ids = allocate_blocks(rng, pe, counts, set(), NP)
+    d_ids = allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP)  # D reserved more
+    record = p.save(p_ids, num_tokens=n, request_id="req-1")
+    assert p.stats()["bytes_in_use"] == record.nbytes > 0
+    plan = pull_arena(d, peer, de, d_ids, pe, p_ids, record, n)
+    assert plan.num_descriptors == 1
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["spans"] == 0
+    assert collect_notifications(p, 1, 10) == [(d.name, b"req-1")]
+    assert p.stats()["bytes_in_use"] == 0 and p.stats()["high_water"] == record.nbytes
+
+
+def test_sliding_window_holes_and_prefix_hit(pd):
+    p, d, peer, pe, de = pd("hybrid")
+    rng = np.random.default_rng(2)
+    p_ids = allocate_blocks(rng, pe, [3, 6], set(), NP)
+    d_ids = allocate_blocks(rng, de, [3, 6], set(), NP)
+    p_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    d_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    record = p.save(p_ids, num_tokens=90, request_id="swa")
+    assert record.blocks[1][:3] == (0, 0, 1)
+    plan = pull_arena(d, peer, de, d_ids, pe, p_ids, record, 90, cached=32)
+    # the dropped and cached pages are small gaps: read across (not scattered), one descriptor
+    assert plan.num_descriptors == 1
+
+
+def test_different_page_sizes(pd):
+    p, d, peer, pe, de = pd("seeds3", p_tpb=[128], d_tpb=[64])
+    record = p.save([[5, 9]], num_tokens=160, request_id="s3")
+    pull_arena(d, peer, de, [[20, 21, 22]], pe, [[5, 9]], record, 160)
+
+
+def test_full_arena_raises_and_drops_nothing(pd):
+    p, d, peer, pe, de = pd("one_group", arena_bytes=64 << 10)
+    span = p.save([[0, 1, 2]], num_tokens=48, request_id="a").nbytes
+    p.arena.release("a")
+    records = []
+    ids = [[[3 * i, 3 * i + 1, 3 * i + 2]] for i in range(16)]
+    with pytest.raises(ArenaFull, match="staging arena full"):
+        for i, b in enumerate(ids):
+            records.append((b, p.save(b, num_tokens=48, request_id=f"r{i}")))
+    full = p.stats()
+    assert full["failed_allocations"] == 1 and full["spans"] == len(records) >= 2
+    assert full["bytes_in_use"] == len(records) * span
+    # D's arena is as small: one plan in flight more than P's spans does not fit
+    plans = []
+    with pytest.raises(ArenaFull):
+        for k in range(len(records) + 1):
+            plans.append(d.plan_pull(peer, records[k % len(records)][1], 48, [[30 + k, 20 + k, 10 + k]]))
+    assert d.stats()["failed_allocations"] == 1 and len(plans) == len(records)
+    for plan in plans:
+        d.discard(plan)
+    assert d.stats()["bytes_in_use"] == 0
+    # every staged request is still intact: pull each in turn
+    for k, (b, rec) in enumerate(records):
+        pull_arena(d, peer, de, [[40, 41, 42]], pe, b, rec, 48, notify=f"r{k}".encode())
+    collect_notifications(p, len(records), 10)
+    assert p.stats()["bytes_in_use"] == 0
+    p.save([[0, 1, 2]], num_tokens=48, request_id="again")  # room again
+
+
+def test_ttl_frees_p_spans(pd):
+    p, d, peer, pe, de = pd("one_group", arena_ttl_s=0.0)
+    p.save([[1, 2]], num_tokens=20, request_id="old")
+    time.sleep(0.01)
+    p.notifications()
+    assert p.stats()["bytes_in_use"] == 0 and p.arena.staged == []
+
+
+def test_readers_count_notifications(pd):
+    p, d, peer, pe, de = pd("one_group")
+    record = p.save([[1, 2]], num_tokens=20, request_id="two", readers=2)
+    pull_arena(d, peer, de, [[7, 8]], pe, [[1, 2]], record, 20)
+    collect_notifications(p, 1, 10)
+    assert p.stats()["spans"] == 1  # one reader left
+    pull_arena(d, peer, de, [[9, 10]], pe, [[1, 2]], record, 20)
+    collect_notifications(p, 1, 10)
+    assert p.stats()["spans"] == 0
+
+
+def test_failed_pull_writes_nothing_and_frees_d_span(pd):
+    p, d, peer, pe, de = pd("one_group")
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="gone")
+    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+    before = clone_caches(de.device_caches)
+    p.close()  # P goes away before the READ
+    d.remove_peer(peer)
+    with pytest.raises(ValueError, match="unknown peer"):
+        d.pull(plan)
+    d.discard(plan)
+    assert d.stats()["bytes_in_use"] == 0
+    assert same_bytes(de.device_caches, before)
+
+
+def test_abort_mid_flight_frees_d_span(pd):
+    p, d, peer, pe, de = pd("one_group")
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="ab")
+    before = clone_caches(de.device_caches)
+    h = d.pull(d.plan_pull(peer, record, 40, [[10, 11, 12]]), notify=b"ab")
+    d.abort(h)
+    done = d.complete(h)
+    assert not done.ok and done.failed_block_ids == ((10, 11, 12),)
+    assert same_bytes(de.device_caches, before)
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["live_transfer_handles"] == 0
+
+
+def test_records_from_the_peer_are_checked(pd):
+    p, d, peer, pe, de = pd("one_group")
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="x")
+    assert StagedRequest.from_bytes(record.to_bytes()) == record
+    bad = [
+        (dict(record.to_dict(), order="other"), "order"),
+        (dict(record.to_dict(), offset=-1), "negative"),
+        (dict(record.to_dict(), blocks=[[1, 2, 1]]), "0 or 1"),
+        ({"engine": "P"}, "malformed"),
+    ]
+    for d_, words in bad:
+        with pytest.raises(ValueError, match=words):
+            StagedRequest.from_dict(d_)
+    with pytest.raises(ValueError, match="malformed"):
+        StagedRequest.from_bytes(b"\xff")
+    for rec, words in [
+        (StagedRequest(**{**record.__dict__, "offset": p.info.arena[1]}), "inside the peer's"),
+        (StagedRequest(**{**record.__dict__, "engine": "someone"}), "given for peer"),
+        (StagedRequest(**{**record.__dict__, "num_tokens": 20}), "staged 20 tokens"),
+        (StagedRequest(**{**record.__dict__, "blocks": ((1, 1),)}), "blocks staged"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            d.plan_pull(peer, rec, rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]])
+    assert d.stats()["bytes_in_use"] == 0  # nothing allocated by the refused plans
+    with pytest.raises(ValueError, match="already staged"):
+        p.save([[4]], num_tokens=10, request_id="x")
+    with pytest.raises(ValueError, match="num_tokens and request_id"):
+        p.save([[4]])
+    with pytest.raises(ValueError, match="out of range"):
+        p.save([[NP + 5]], num_tokens=10, request_id="y")
+    assert p.stats()["spans"] == 1  # only "x"
+
+
+def test_plan_is_pulled_once(pd):
+    p, d, peer, pe, de = pd("one_group")
+    record = p.save([[1]], num_tokens=16, request_id="once")
+    plan = d.plan_pull(peer, record, 16, [[3]])
+    assert isinstance(plan, ArenaPlan)
+    h = d.pull(plan, notify=b"once")
+    with pytest.raises(ValueError, match="live arena plan"):
+        d.pull(plan)
+    wait(d, h)
+    assert d.complete(h).ok
+
+
+def test_merge_rows_merges_what_continues_on_both_sides():
+    local = np.array([[300, 100, 0], [100, 100, 0], [200, 100, 0]], np.uint64)
+    remote = np.array([[1350, 100, 0], [1100, 100, 0], [1250, 100, 0]], np.uint64)  # 200 and 300 continue
+    lo, ro = merge_rows(local, remote)
+    assert lo[:, :2].tolist() == [[100, 100], [200, 200]] and ro[:, :2].tolist() == [[1100, 100], [1250, 200]]
+    local = np.array([[100, 50, 0], [200, 100, 0], [400, 10, 0]], np.uint64)
+    remote = np.array([[1100, 50, 0], [1200, 100, 0], [1410, 10, 0]], np.uint64)
+    lo, ro = merge_rows(local, remote, bridge=50)  # the 50-byte gap is the same on both sides
+    assert lo[:, :2].tolist() == [[100, 200], [400, 10]] and ro[:, :2].tolist() == [[1100, 200], [1410, 10]]
+
+
+def test_fuzzer_arena_mode_a_few_hundred_cases():
+    with one_torch_thread():
+        report = fuzz.fuzz(200, seed=5, arena=True)
+    assert report.wrong == 0, str(report)
+    assert report.exact + report.num_raised == report.cases == 200
+    assert report.num_raised < 0.05 * report.cases, str(report)
+
+
+# ---------------------------------------------------------------- two processes
+_names = itertools.count()
+
+
+@pytest.fixture
+def prefill():
+    proc = PrefillProcess()
+    with one_torch_thread():
+        yield proc
+    proc.stop()
+
+
+def start(prefill, case, arena_bytes=KB):
+    n = next(_names)
+    kw = {"buffer": "arena", "arena_bytes": arena_bytes}
+    metadata, wire = prefill.call("start", case, NP, None, 300 + n, f"Pst{n}", kw)
+    p_engine = build_case(case, NP)
+    d_engine = build_case(case, NP)
+    fill_random(d_engine.device_caches, 400 + n)
+    d = d_engine.manager(f"Dst{n}", **kw)
+    p_engine.device_caches = from_wire(wire)
+    return d, d.add_peer(metadata), p_engine, d_engine
+
+
+def test_two_processes_equal_geometry(prefill):
+    d, peer, pe, de = start(prefill, "hybrid")
+    try:
+        p_ids = [[1, 2, 3], [NO_BLOCK, 10, 11, 12, 13, 14]]
+        ((raw,),) = prefill.call("save_arena", p_ids, 90, "mp-1")
+        record = StagedRequest.from_bytes(raw)
+        plan = pull_arena(d, peer, de, [[20, 21, 22], [NO_BLOCK, 4, 5, 6, 7, 8]], pe, p_ids, record, 90)
+        assert plan.num_descriptors == 1
+        (got,) = prefill.call("notifications", 1)
+        assert got == [(d.name, b"mp-1")]
+        ((stats,),) = prefill.call("stats")
+        assert stats["bytes_in_use"] == 0 and stats["high_water"] == record.nbytes
+        assert d.stats()["bytes_in_use"] == 0
+    finally:
+        d.close()
+
+
+def test_two_processes_full_arena(prefill):
+    d, peer, pe, de = start(prefill, "one_group", arena_bytes=48 << 10)
+    try:
+        records = []
+        with pytest.raises(RuntimeError, match="ArenaFull"):
+            for i in range(8):
+                b = [[3 * i, 3 * i + 1, 3 * i + 2]]
+                ((raw,),) = prefill.call("save_arena", b, 48, f"f{i}")
+                records.append((b, StagedRequest.from_bytes(raw)))
+        assert len(records) >= 2
+        ((stats,),) = prefill.call("stats")
+        assert stats["failed_allocations"] == 1 and stats["spans"] == len(records)
+        for b, rec in records:  # nothing was overwritten
+            pull_arena(d, peer, de, [[40, 41, 42]], pe, b, rec, 48)
+        prefill.call("notifications", len(records))
+        ((stats,),) = prefill.call("stats")
+        assert stats["bytes_in_use"] == 0
+    finally:
+        d.close()
+
+
+def test_two_processes_p_killed_mid_flight(prefill):
+    """P's process is killed with pulls in flight: each ends DONE (exact) or ERR (KV
+    untouched); D's spans are all freed; pulls after the kill fail."""
+    d, peer, pe, de = start(prefill, "one_group", arena_bytes=4 * KB)
+    try:
+        reqs = []
+        for i in range(6):
+            b = [[2 * i, 2 * i + 1]]
+            ((raw,),) = prefill.call("save_arena", b, 32, f"k{i}")
+            reqs.append((b, [[20 + 2 * i, 21 + 2 * i]], StagedRequest.from_bytes(raw)))
+        before = clone_caches(de.device_caches)
+        handles = [d.pull(d.plan_pull(peer, r, 32, q), notify=r.request_id.encode()) for _, q, r in reqs[:4]]
+        prefill.process.kill()
+        prefill.process.join(30)
+        handles += [d.pull(d.plan_pull(peer, r, 32, q)) for _, q, r in reqs[4:]]
+        expected, states = before, []
+        deadline = time.monotonic() + 30
+        for h, (b, q, _) in zip(handles, reqs):
+            while d.poll(h) == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if h.state == "PROC":  # a dead peer's READ that never ends: D gives it up
+                d.abort(h)
+            states.append(h.state)
+            done = d.complete(h)
+            if done.ok:
+                expected = expected_pull(expected, de, q, pe.device_caches, pe, b, 32)
+            else:
+                assert done.failed_block_ids == (tuple(q[0]),)
+        assert states[4:] == ["ERR", "ERR"]
+        assert same_bytes(de.device_caches, expected), first_difference(de.device_caches, expected)
+        st = d.stats()
+        assert st["bytes_in_use"] == 0 and st["live_transfer_handles"] == 0 and st["in_flight"] == 0
+    finally:
+        d.close()
+
+
+def test_two_processes_p_tp2_to_d_tp4(prefill):
+    """P TP2 (two managers in the child) -> D TP4 (four here), different group plans and
+    page sizes, HND on both sides: each D rank reads its KV heads from one P rank's span."""
+    layers = [f"model.layers.{i}.attn" for i in range(4)]
+    n = 71
+    p = fuzz.side(2, "kvf_hnd", [layers[:2], layers[2:]], [32, 32], [16, 16], n, seed=31)
+    dside = fuzz.side(4, "kvf_hnd", [[layers[3]], layers[:3]], [16, 16], [16, 16], n, seed=32)
+    spec = fuzz.Spec(seed=33, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
+                     layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=0,
+                     p=p, d=dside, d_rank=0, p_ranks=[])
+    tag = next(_names)
+    p_names = [f"Pst{tag}.{r}" for r in range(2)]
+    kw = {"buffer": "arena", "arena_bytes": KB}
+    (metadata,) = prefill.call("start_spec", spec, [0, 1], p_names, kw)
+    (raws,) = prefill.call("save_arena", p.block_ids, n, "tp")
+    records = [StagedRequest.from_bytes(r) for r in raws]
+    managers = []
+    try:
+        for dr in range(4):
+            ranks = remote_ranks(dr, 4, 2, 4)
+            s = fuzz.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
+            d_caches = fuzz.build_caches(s, "d", dr)
+            dm = TransferManager(f"Dst{tag}.{dr}", d_caches, **fuzz.manager_kwargs(s, "d", dr), **kw)
+            managers.append(dm)
+            peers = [dm.add_peer(metadata[r]) for r in ranks]
+            before = clone_caches(d_caches)
+            plan = dm.plan_pull(peers, {peers[0]: records[ranks[0]]}, n, dside.block_ids, 0)
+            h = dm.pull(plan, notify=b"tp")
+            assert wait(dm, h) == "DONE", h.error
+            assert dm.complete(h).ok
+            want, why = fuzz.expected(s, before, fuzz.logical_kv(s))
+            assert want is not None, why
+            assert not same_bytes(want, before)
+            assert same_bytes(d_caches, want), first_difference(d_caches, want)
+            # HND: a head slice is one run per (layer, chunk, page)
+            pages = -(-n // 16)
+            assert plan.num_descriptors <= len(layers) * 2 * pages
+            assert dm.stats()["bytes_in_use"] == 0
+        (got,) = prefill.call("notifications", 2)
+        assert [sorted(m for _, m in g) for g in got] == [[b"tp", b"tp"], [b"tp", b"tp"]]
+    finally:
+        for dm in managers:
+            dm.close()
