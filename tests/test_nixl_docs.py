@@ -24,3 +24,11 @@ def test_pd_example_runs_and_prints_the_documented_plan():
     assert not d_kv["attn.3"][25].view(torch.int16).any()  # allocated, not read: zeroed
     assert (d_kv["attn.3"][26] == 1).all()  # not in the request: untouched
     assert ns["P"]._closed and ns["D"]._closed
+
+
+def test_arena_example_runs():
+    text = DOC.read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'buffer="arena"' in b)
+    ns: dict = {}
+    exec(compile(example, str(DOC), "exec"), ns)
+    assert ns["P"]._closed and ns["D"]._closed and ns["record"].num_tokens == 40

@@ -5,6 +5,8 @@ per device storage, or the device tensors), exchanges versioned handshake metada
 plans pulls by token position (across different group plans, page sizes and TP sizes:
 one plan may read from several peers), reads with NIXL and completes with one masked
 copy.
+``buffer="arena"`` stages each request in one span of a fixed-size pinned arena
+instead (:mod:`kvcopy.nixl.staging`: one descriptor per request for equal geometry).
 ``replay`` is the byte oracle that applies a plan without NIXL; ``python -m
 kvcopy.nixl.fuzz`` checks plans against it on random geometries. See ``docs/nixl.md``.
 
@@ -12,6 +14,7 @@ Importing this package does not import NIXL; creating a manager does (``nixl``,
 ``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
 """
 from ._agent import NixlError, load_nixl, nixl_available
+from .arena import ArenaFull
 from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
 from .manager import Completion, PullHandle, TransferManager
@@ -20,8 +23,11 @@ from .plan import (
     NO_BLOCK, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks, select_pages,
 )
 from .regions import RegionInfo, RegionSet, build_regions
+from .staging import ArenaPlan, StagedRequest
 
 __all__ = [
+    "ArenaFull",
+    "ArenaPlan",
     "Completion",
     "EngineInfo",
     "HANDSHAKE_VERSION",
@@ -34,6 +40,7 @@ __all__ = [
     "RegionPair",
     "RegionRef",
     "RegionSet",
+    "StagedRequest",
     "TransferManager",
     "build_multi_pull_plan",
     "build_pull_plan",

@@ -18,6 +18,12 @@ each group's layers at that group's pages) -> P's host buffers -> NIXL READ post
 ``"device"`` mode NIXL reads P's KV tensors into D's KV tensors directly; ``save``
 only orders the caller's writes and ``complete`` only zeroes.
 
+In ``"arena"`` mode (:mod:`kvcopy.nixl.staging`) one fixed-size pinned arena is
+registered instead of a mirror: ``save`` packs the request into one span and returns a
+``StagedRequest`` for D, ``plan_pull`` takes it (in place of P's block ids) and
+allocates D's span, ``complete`` scatters and zeroes in one masked call and frees D's
+span; P's span is freed by D's notification (``notifications``) or a TTL.
+
 Block ids are logical, one list per KV cache group; logical block ``b`` of a group is
 kernel pages ``b*r ... b*r + r - 1`` with ``r = tokens_per_block // tokens_per_page``.
 Host buffers mirror device pages one to one, so concurrent requests, whose blocks are
