@@ -343,8 +343,9 @@ class ArenaStaging:
         span = self.arena.allocate(total)
         try:
             calls = self._calls(span, segs, counts, [p[k] for p, k in zip(pages, positions)], positions)
-            for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
-                copier.plan("d2h", dev, host)  # every copy is checked before the first moves
+            if len(calls) > 1:  # every copy is checked before the first moves
+                for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
+                    copier.plan("d2h", dev, host)
             for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
                 copier.to_host(dev, host)
         except Exception:
@@ -356,19 +357,21 @@ class ArenaStaging:
     def _calls(self, span: Span, segs, counts, dev_pages, positions, zero_pages=None):
         """Per copier: (device ids, host ids) per (unit, chunk) group; ``zero_pages``
         (per group) are copied from the arena's zero granule (host block 0)."""
+        # Plain int lists: the copier's native planner takes those (numpy arrays take
+        # its numpy path: measured 430 ms against ~50 ms for seeds/2's 192 groups).
+        zeros = [None if zero_pages is None else np.asarray(z, np.int64) for z in (zero_pages or dev_pages)]
+        dev_of = [np.concatenate([d, z]).tolist() if z is not None and len(z) else np.asarray(d).tolist()
+                  for d, z in zip(dev_pages, zeros)]
         out = []
         for cb, members in self._copiers.members.items():
             dev, host = [], []
             for i, c in members:
                 u = self.units[i]
                 first = (span.offset + segs[i] + c * counts[u.group] * cb) // cb
-                if zero_pages is None or not len(zero_pages[u.group]):
-                    dev.append(dev_pages[u.group])
-                    host.append(first + positions[u.group])
-                else:
-                    z = zero_pages[u.group]
-                    dev.append(np.concatenate([dev_pages[u.group], z]))
-                    host.append(np.concatenate([first + positions[u.group], np.zeros(len(z), np.int64)]))
+                dev.append(dev_of[u.group])
+                h = (first + positions[u.group]).tolist()
+                z = zeros[u.group]
+                host.append(h + [0] * len(z) if z is not None and len(z) else h)
             out.append((dev, host))
         return out
 
