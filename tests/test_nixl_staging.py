@@ -356,3 +356,33 @@ def test_two_processes_p_tp2_to_d_tp4(prefill):
     finally:
         for dm in managers:
             dm.close()
+
+
+@pytest.mark.gpu
+def test_arena_mode_with_cuda_kv():
+    """CUDA KV, pinned arenas: save packs with the GPU copier, complete scatters with it."""
+    with one_torch_thread():
+        pe, de = build_case("one_group", NP), build_case("one_group", NP)
+        fill_random(pe.device_caches, 5)
+        fill_random(de.device_caches, 6)
+        pe.device_caches = {k: v.cuda() for k, v in pe.device_caches.items()}
+        de.device_caches = {k: v.cuda() for k, v in de.device_caches.items()}
+        p = pe.manager("Pgpu", buffer="arena", arena_bytes=KB)
+        d = de.manager("Dgpu", buffer="arena", arena_bytes=KB)
+        try:
+            peer = d.add_peer(p.metadata())
+            record = p.save([[4, 9, 2]], num_tokens=40, request_id="g")
+            before = {k: v.cpu() for k, v in de.device_caches.items()}
+            h = d.pull(d.plan_pull(peer, record, 40, [[30, 31, 32, 33]]), notify=b"g")
+            assert wait(d, h) == "DONE"
+            assert d.complete(h).ok
+            torch.cuda.synchronize()
+            cpu_pe = build_case("one_group", NP)
+            cpu_pe.device_caches = {k: v.cpu() for k, v in pe.device_caches.items()}
+            cpu_de = build_case("one_group", NP)
+            want = expected_pull(before, cpu_de, [[30, 31, 32, 33]], cpu_pe.device_caches, cpu_pe, [[4, 9, 2]], 40)
+            got = {k: v.cpu() for k, v in de.device_caches.items()}
+            assert same_bytes(got, want), first_difference(got, want)
+        finally:
+            d.close()
+            p.close()
