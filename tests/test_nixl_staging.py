@@ -166,6 +166,9 @@ def test_records_from_the_peer_are_checked(pd):
             StagedRequest.from_dict(d_)
     with pytest.raises(ValueError, match="malformed"):
         StagedRequest.from_bytes(b"\xff")
+    with pytest.raises(TypeError, match="is bytes"):
+        StagedRequest.from_bytes(record.to_dict())
+    d.discard(d.plan_pull(peer, record.to_bytes(), 40, [[10, 11, 12]]))  # the wire form is accepted
     for rec, words in [
         (StagedRequest(**{**record.__dict__, "offset": p.info.arena[1]}), "inside the peer's"),
         (StagedRequest(**{**record.__dict__, "engine": "someone"}), "given for peer"),

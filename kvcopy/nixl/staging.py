@@ -413,6 +413,8 @@ class ArenaStaging:
     def plan_pull(self, info: EngineInfo, peers: Sequence[EngineInfo], records, num_tokens: int,
                   local_block_ids, num_cached_tokens) -> ArenaPlan:
         names = [p.name for p in peers]
+        if isinstance(records, (bytes, bytearray, memoryview)):
+            records = StagedRequest.from_bytes(records)
         if isinstance(records, StagedRequest):
             if len(names) != 1:
                 raise ValueError("several peers: pass a mapping peer name -> its StagedRequest")
