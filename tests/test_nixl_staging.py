@@ -12,7 +12,7 @@ import torch
 
 from kvcopy.nixl import NO_BLOCK, TransferManager, fuzz, remote_ranks
 from kvcopy.nixl.arena import ArenaFull
-from kvcopy.nixl.staging import ORDER, ArenaPlan, StagedRequest, merge_rows
+from kvcopy.nixl.staging import ArenaPlan, StagedRequest, merge_rows
 from kvcopy.nixl.testing import (
     ManagerPairs, PrefillProcess, allocate_blocks, build_case, clone_caches, collect_notifications,
     expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,

@@ -56,7 +56,6 @@ from .arena import Arena, ArenaFull, Span
 from .descriptors import check_pairs, desc_rows
 from .handshake import EngineInfo, pair_layers
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
-from .regions import RegionInfo
 
 ORDER = "unit/chunk/page:v1"
 # D reads a gap between two runs of one peer when it is this small and the same on both
@@ -238,40 +237,34 @@ def merge_rows(local: np.ndarray, remote: np.ndarray, bridge: int = 0) -> Tuple[
 class _Copiers:
     """One BlockCopier per chunk size; its groups are the (unit, chunk) pairs."""
 
-    def __init__(self, units: Sequence[Unit], info: EngineInfo, device_caches: Mapping[str, torch.Tensor],
+    def __init__(self, units: Sequence[Unit], device_caches: Mapping[str, torch.Tensor],
                  layouts, arena_buf: torch.Tensor, backend: str):
         self.members: Dict[int, List[Tuple[int, int]]] = {}  # chunk bytes -> [(unit index, chunk)]
         self.copiers: List[Tuple[int, BlockCopier]] = []
         dev: Dict[int, Dict[str, torch.Tensor]] = {}
         host: Dict[int, Dict[str, torch.Tensor]] = {}
+        block_dims: Dict[str, int] = {}
         for i, u in enumerate(units):
             t = device_caches[u.layers[0]]
             layout = layouts[u.layers[0]]
+            cd = _chunk_dim(t, layout) if u.num_chunks > 1 else None
+            bd = layout.block_dim - (cd is not None and cd < layout.block_dim)  # after dropping the chunk axis
             for c in range(u.num_chunks):
-                view = t if u.num_chunks == 1 else t.select(_chunk_dim(t, layout), c)
-                bd = layout.block_dim if u.num_chunks == 1 or _chunk_dim(t, layout) > layout.block_dim \
-                    else layout.block_dim - 1
+                view = t if cd is None else t.select(cd, c)
                 key = f"u{i}c{c}"
-                words = arena_buf.view(view.dtype)
-                strides = list(view.stride())
+                # the whole arena as blocks of this chunk size, with the chunk's own in-page strides
+                strides, shape = list(view.stride()), list(view.shape)
                 strides[bd] = u.chunk_bytes // view.element_size()
-                shape = list(view.shape)
                 shape[bd] = arena_buf.numel() // u.chunk_bytes
                 dev.setdefault(u.chunk_bytes, {})[key] = view
-                host.setdefault(u.chunk_bytes, {})[key] = torch.as_strided(words, shape, strides, 0)
+                host.setdefault(u.chunk_bytes, {})[key] = torch.as_strided(arena_buf.view(view.dtype), shape, strides, 0)
+                block_dims[key] = bd
                 self.members.setdefault(u.chunk_bytes, []).append((i, c))
-        self.block_dims: Dict[int, Dict[str, int]] = {}
         try:
             for cb, members in self.members.items():
                 names = [[f"u{i}c{c}"] for i, c in members]
-                bdims = {}
-                for i, c in members:
-                    u = units[i]
-                    layout = layouts[u.layers[0]]
-                    t = device_caches[u.layers[0]]
-                    bdims[f"u{i}c{c}"] = layout.block_dim if u.num_chunks == 1 or \
-                        _chunk_dim(t, layout) > layout.block_dim else layout.block_dim - 1
-                self.copiers.append((cb, BlockCopier(dev[cb], host[cb], names, backend=backend, block_dim=bdims)))
+                self.copiers.append((cb, BlockCopier(dev[cb], host[cb], names, backend=backend,
+                                                     block_dim={n[0]: block_dims[n[0]] for n in names})))
         except Exception:
             self.close()
             raise
@@ -308,7 +301,7 @@ class ArenaStaging:
         self.buffer.zero_()
         self.arena = Arena(self.buffer.numel(), granule, reserved=granule)
         self.ttl_s = float(ttl_s)
-        self._copiers = _Copiers(self.units, info, device_caches, layouts, self.buffer, backend)
+        self._copiers = _Copiers(self.units, device_caches, layouts, self.buffer, backend)
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
         self._deferred: List[Span] = []  # D: spans whose READ handle release failed
 
