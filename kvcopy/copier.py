@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .backends import Backend, choose_backend, get_backend
-from .layout import PageLayout, byte_extent, describe
+from .layout import PageLayout, byte_extent, describe, pair_pages
 from .backends import native
 from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
@@ -56,8 +56,11 @@ class _Direction:
 class BlockCopier:
     """Masked block copies between device KV caches and host staging buffers.
 
-    ``device_caches`` and ``host_buffers`` map layer names to tensors of the same page
-    geometry (the number of blocks may differ). ``layer_groups`` has one sequence of
+    ``device_caches`` and ``host_buffers`` map layer names to tensors whose pages have
+    the same logical shape and element size (the number of blocks may differ); each
+    side may order a page's elements its own way (a head-major host buffer against a
+    token-major cache): the copy converts, element ``[i, j, ...]`` of a page to element
+    ``[i, j, ...]`` (:func:`kvcopy.layout.pair_pages`). ``layer_groups`` has one sequence of
     layer names per KV cache group. ``backend`` is ``"auto"`` or a name from
     :func:`kvcopy.available_backends`. ``block_dim`` (an int, or a dict by layer name)
     names the block axis where the shape is ambiguous; ``kv_layout`` ("NHD"/"HND")
@@ -127,12 +130,10 @@ class BlockCopier:
             hl = describe(host, bd, kv_layout)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        if dl.block_dim != hl.block_dim or len(dl.shape) != len(hl.shape) or not dl.same_page_geometry(hl):
-            raise ValueError(
-                f"{where}: device {tuple(dev.shape)} {dev.dtype} and host "
-                f"{tuple(host.shape)} {host.dtype} pages differ: {dl.describe_difference(hl)}"
-                + ("" if dl.block_dim == hl.block_dim else f"; block axis {dl.block_dim} vs {hl.block_dim}")
-            )
+        try:
+            pair_pages(dl, hl)  # same logical page and element size; any two orders
+        except ValueError as exc:
+            raise ValueError(f"{where}: device and host {exc}") from None
         self.device_layouts[name], self.host_layouts[name] = dl, hl
 
     def _direction(self, src_side: str, dst_side: str, backend: str) -> _Direction:

@@ -14,6 +14,7 @@ import pytest
 from kvcopy import backends
 from kvcopy.backends import cudalib, native
 from kvcopy.backends import Backend
+from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, check_copy, standard_cases
 
 lib, why = native.load("kvcopy_cpu")
@@ -36,7 +37,7 @@ class RangesBackend(Backend):
         static = cudalib.static_table(tables)
         e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
         base = static.ctypes.data
-        offsets = base + 8 * 8 * e
+        offsets = base + 8 * ENTRY_FIELDS * e
         group_entries = offsets + 8 * (g + 1)
         prefix = group_entries + 8 * ge
         arr = cudalib.call_array(call)

@@ -74,7 +74,7 @@ def test_interpreter_any_grid_and_row_size(interpret, monkeypatch, case, program
         copier = check_copy("triton", case, direction)
         cfg = copier.tables(direction).backend_state[tb.STATE_KEY].cfg
         assert cfg.row_bytes <= 64
-        assert copier.tables(direction).max_chunk_bytes() > cfg.row_bytes  # chunks really split
+        assert copier.tables(direction).max_run_bytes() > cfg.row_bytes  # chunks really split
 
 
 def test_interpreter_large_chunks(interpret):
