@@ -355,17 +355,21 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[
 
 def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bool:
     """Whether two views whose extents overlap never share a byte: per-layer views of
-    one cross-layer allocation (``[NB, L, ...]``, layer ``l`` at ``[:, l]``) repeat
-    with the same block stride and sit side by side within each block's period."""
-    if (la.block_stride, la.num_chunks, la.chunk_stride, la.chunk_bytes) != (
-            lb.block_stride, lb.num_chunks, lb.chunk_stride, lb.chunk_bytes):
+    one cross-layer allocation (vLLM's ``[B, L, ...]``, ``[B, H, L, ...]``,
+    ``[L, H, B, ...]`` layer views) have the same shape and strides and sit a multiple
+    of some layer stride apart. Sufficient test: the views' dims plus a dim of two
+    with their distance as stride, sorted by stride, nest (each stride at least the
+    extent of the dims inside it), so no two elements of the pair share a byte."""
+    dims_a = sorted([(n, st * la.itemsize) for n, st in la.page_dims] + [(la.num_blocks, la.block_stride)])
+    dims_b = sorted([(n, st * lb.itemsize) for n, st in lb.page_dims] + [(lb.num_blocks, lb.block_stride)])
+    if dims_a != dims_b or la.itemsize != lb.itemsize or base_a == base_b:
         return False
-    period = la.block_stride
-    footprint = (la.num_chunks - 1) * la.chunk_stride + la.chunk_bytes  # one block's bytes
-    if footprint > period:  # chunks outside the block period (KV-first): not handled
-        return False
-    d = abs(base_a - base_b) % period
-    return d >= footprint and period - d >= footprint
+    extent = la.itemsize
+    for n, stride in sorted([(2, abs(base_a - base_b))] + [d for d in dims_a if d[0] > 1], key=lambda d: d[1]):
+        if stride < extent:
+            return False
+        extent += (n - 1) * stride
+    return True
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:
