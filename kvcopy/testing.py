@@ -72,6 +72,19 @@ def physical_shape(layout: str, side: str, nb: int, bs: int, h: int, d: int) -> 
     return tuple((made[0] if made else LAYOUTS[layout][0])(nb, bs, h, d))
 
 
+def page_pairing(layout: str, bs: int, h: int, d: int, dtype: torch.dtype):
+    """The :class:`~kvcopy.layout.PagePairing` of a layout's device page against its
+    host page (run bytes and runs per page), from two-block tensors of each side."""
+    from .layout import describe, pair_pages
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sides = []
+    for side in ("device", "host"):
+        raw = torch.zeros(int(np.prod(physical_shape(layout, side, 2, bs, h, d))) * itemsize, dtype=torch.uint8)
+        sides.append(describe(shaped(raw, layout, side, dtype, 2, bs, h, d), LAYOUTS[layout][1], LAYOUTS[layout][2]))
+    return pair_pages(*sides)
+
+
 def shaped(raw: torch.Tensor, layout: str, side: str, dtype: torch.dtype, nb: int, bs: int, h: int,
            d: int) -> torch.Tensor:
     """The ``side`` tensor of ``layout`` over ``raw`` (uint8, ``physical_shape`` bytes)."""
