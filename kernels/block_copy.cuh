@@ -127,6 +127,14 @@ struct Item {
   KVCOPY_HD int64_t total_bytes() const {
     return entry[kRunsPerPage] * entry[kRunBytes] * num_blocks;
   }
+  // Byte p of the item (0 <= p < total_bytes(), segment order): its two addresses.
+  KVCOPY_HD void byte_address(int64_t p, int64_t* src, int64_t* dst) const {
+    const int64_t seg = segment_bytes();
+    const int64_t k = p / seg;
+    segment(k, src, dst);
+    *src += p - k * seg;
+    *dst += p - k * seg;
+  }
   // Segment k (0 <= k < num_segments()): source and destination addresses.
   KVCOPY_HD void segment(int64_t k, int64_t* src, int64_t* dst) const {
     const int64_t runs = entry[kRunsPerPage];
@@ -270,29 +278,57 @@ KVCOPY_HD void cursor_next_item(const CursorTables& t, Cursor* c) {
   cursor_load_item(t, c);
 }
 
-// Walk bytes [begin, end) of the call: fn(src address, dst address, bytes) once per
-// contiguous piece, in order. Pieces never cross a segment.
+// Walk bytes [begin, end) of the call item by item: fn(item, lo, hi) once per item
+// touched, with [lo, hi) the item-local bytes (segment order) that fall in the range.
 template <class Fn>
-KVCOPY_HD void for_each_piece(const CursorTables& t, int64_t begin, int64_t end, Fn& fn) {
+KVCOPY_HD void for_each_item_range(const CursorTables& t, int64_t begin, int64_t end, Fn& fn) {
   if (begin >= end) return;
   Cursor c;
   cursor_seek(t, begin, &c);
   int64_t pos = begin;
   for (;;) {
-    const int64_t seg_bytes = c.item.segment_bytes();
-    int64_t n = seg_bytes - c.off;
+    const int64_t lo = c.seg * c.item.segment_bytes() + c.off;
+    int64_t n = c.item.total_bytes() - lo;
     if (n > end - pos) n = end - pos;
-    int64_t src, dst;
-    c.item.segment(c.seg, &src, &dst);
-    fn(src + c.off, dst + c.off, n);
+    fn(c.item, lo, lo + n);
     pos += n;
     if (pos >= end) return;
-    c.off += n;
-    if (c.off == seg_bytes) {
-      c.off = 0;
-      if (++c.seg == c.item.num_segments()) cursor_next_item(t, &c);
-    }
+    cursor_next_item(t, &c);
   }
+}
+
+// Item-local bytes [lo, hi) as pieces contiguous on both sides: fn(src, dst, bytes)
+// once per piece, in order; pieces never cross a segment.
+template <class Fn>
+KVCOPY_HD void for_each_segment_piece(const Item& it, int64_t lo, int64_t hi, Fn& fn) {
+  const int64_t seg_bytes = it.segment_bytes();
+  int64_t k = lo / seg_bytes;
+  int64_t off = lo - k * seg_bytes;
+  while (lo < hi) {
+    int64_t n = seg_bytes - off;
+    if (n > hi - lo) n = hi - lo;
+    int64_t src, dst;
+    it.segment(k, &src, &dst);
+    fn(src + off, dst + off, n);
+    lo += n;
+    off = 0;
+    ++k;
+  }
+}
+
+// Loads each lane of the GPU kernel keeps in flight with words of `word_bytes`: 64
+// bytes per lane (16-byte words: 4), at most 16 loads.
+KVCOPY_HD constexpr int64_t loads_in_flight(int64_t word_bytes) {
+  return 64 / word_bytes < 16 ? 64 / word_bytes : 16;
+}
+
+// Segments shorter than one warp's loads in flight (2 KiB for 4- to 16-byte words) are
+// copied word by word by the GPU kernel, each word's addresses from
+// Item::byte_address, so every lane keeps loads_in_flight() loads outstanding across
+// segment boundaries: a converting copy's 256-512 byte runs would otherwise leave one
+// or two words in flight per lane. Longer segments fill the loads from one segment.
+KVCOPY_HD constexpr int64_t gather_below_bytes(int64_t word_bytes) {
+  return loads_in_flight(word_bytes) * 32 * word_bytes;
 }
 
 }  // namespace kvcopy

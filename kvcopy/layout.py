@@ -19,6 +19,26 @@ than that, or whose chunks overlap other blocks' bytes, is refused with a
 Two tensors hold the same page geometry when their pages have the same element size
 and the same in-page (shape, stride) list: then byte ``k`` of a page means the same
 element on both sides, whatever the dtype is called (bf16 vs int16 host buffers).
+
+Copies between two layouts (:func:`pair_pages`). A copy needs the same logical page
+on both sides (shape without the block axis and size-1 dims, element size), not the
+same order: each side keeps its own strides and the copy moves element ``[i, j, ...]``
+to element ``[i, j, ...]``, as ``dst[ids] = src[ids]`` does. The pair is cut into
+equal runs contiguous on both sides (a :class:`PagePairing`: run bytes, runs per page,
+up to three nested (count, src stride, dst stride) dims), computed once when a copier
+is built. Identical orders keep whole pages (two chunks for KV-first); a converting
+pair moves the longest runs both orders allow. Pairs that work, in both directions:
+
+* every layout above against the same layout;
+* vLLM 0.33's per-layer ``[B, H, N, C]`` views of one int8 allocation in any of its six
+  stride orders (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC) against a contiguous
+  ``[B, H, N, C]`` host buffer or another order: LBNHC/BLNHC move ``C``-element runs,
+  BHLNC/LHBNC ``N x C``, LBHNC/BLHNC whole pages;
+* legacy KV-first ``[2, NB, N, H, D]`` and FlashInfer ``[NB, 2, N, H, D]`` caches in
+  HND stride order (views of ``[2, NB, H, N, D]`` / ``[NB, 2, H, N, D]``) against plain
+  host buffers: ``D``-element runs over three dims (K/V, tokens, heads);
+* any other pair of strided pages of one logical shape whose runs need at most three
+  dims beyond the contiguous run (else ``ValueError`` naming both layouts).
 """
 from __future__ import annotations
 
@@ -123,6 +143,12 @@ def describe(
 ) -> PageLayout:
     """Describe where each block's bytes sit in ``tensor``.
 
+    Supported: blocks-first NHD/HND, HND views of NHD storage, packed ``[NB, H, BS,
+    2D]``, ``[NB, 2, BS, H, D]`` (also as an HND-order view), KV-first ``[2, NB, ...]``
+    (also HND-order views), MLA ``[NB, BS, latent]``, head slices of NHD, and per-layer
+    views of a cross-layer allocation (vLLM 0.33's six stride orders): any page that
+    is one byte range or equal chunks along one axis. Which pairs of layouts copy into
+    each other, and as which runs: :func:`pair_pages` (the module docstring lists them).
     ``block_dim`` is inferred when unambiguous (see :func:`infer_block_dim`);
     ``kv_layout`` ("NHD" or "HND") only names the token and head axes, which shapes
     alone cannot tell apart; it never changes which bytes are copied.

@@ -120,7 +120,7 @@ THREADS = 512  # KVCOPY_THREADS in kernels/block_copy_kernel.cuh
 INLINE_WORDS = 480  # KVCOPY_INLINE_WORDS
 # A warp gets at least this many bytes: below it the seek costs more than the copy.
 MIN_BYTES_PER_WARP = int(os.environ.get("KVCOPY_MIN_BYTES_PER_WARP", 4096))
-# CTAs per SM when uncapped (the kernel uses ~96 registers x 512 threads: one fits).
+# CTAs per SM when uncapped (the kernel uses 124-128 registers x 512 threads: one fits).
 CTAS_PER_SM = int(os.environ.get("KVCOPY_CTAS_PER_SM", 1))
 
 
