@@ -218,6 +218,14 @@ def test_fuzzer_arena_mode_a_few_hundred_cases():
     assert report.num_raised < 0.05 * report.cases, str(report)
 
 
+@pytest.mark.slow
+def test_fuzzer_arena_mode_ten_thousand_cases():
+    with one_torch_thread():
+        report = fuzz.fuzz(10_000, seed=0, arena=True)
+    assert report.wrong == 0, str(report)
+    assert report.exact + report.num_raised == report.cases == 10_000
+
+
 # ---------------------------------------------------------------- two processes
 _names = itertools.count()
 
