@@ -72,7 +72,6 @@ MIN_KEY_BYTES = 16
 # Documented maxima (docs/nixl.md, "Limits"): what a handshake may declare at all.
 MAX_HEADER_BYTES = 8 << 20  # JSON header: ~500 bytes per region, so ~16,000 regions
 MAX_AGENT_BYTES = 16 << 20  # NIXL agent metadata: ~200 bytes per registration here
-MAX_REGIONS = MAX_LAYERS
 MAX_TP = 1024
 MAX_TOKENS_PER_BLOCK = 1 << 20
 # Limits that follow from the local engine (check_peer_limits): a peer of the same
@@ -158,10 +157,9 @@ class EngineInfo:
         return tuple(chunk_axes(r) for r in self.regions)
 
 
-def encode(info: EngineInfo, key: Optional[bytes] = None) -> bytes:
-    """The handshake payload of ``info``; with ``key``, authenticated by its HMAC."""
-    key = check_key(key)
-    header = {
+def header_of(info: EngineInfo) -> dict:
+    """The JSON header of ``info``, as a plain dict."""
+    return {
         "name": info.name,
         "buffer": info.buffer,
         "mem_type": info.mem_type,
@@ -171,22 +169,35 @@ def encode(info: EngineInfo, key: Optional[bytes] = None) -> bytes:
         "tokens_per_page": list(info.tokens_per_page),
         "regions": [r.to_dict() for r in info.regions],
     }
-    body = json.dumps(header, separators=(",", ":")).encode()
-    agent = bytes(info.agent_metadata)
+
+
+def encode(info: EngineInfo, key: Optional[bytes] = None) -> bytes:
+    """The handshake payload of ``info``; with ``key``, authenticated by its HMAC."""
+    return frame(json.dumps(header_of(info), separators=(",", ":")).encode(), info.agent_metadata, key)
+
+
+def frame(body: bytes, agent_metadata: bytes, key: Optional[bytes] = None) -> bytes:
+    """Magic, version, flags, lengths, ``body`` (the JSON header), the agent metadata,
+    the digest and (with ``key``) the HMAC: the wire format above, for any header bytes
+    (the handshake fuzzer frames malformed headers with valid digests)."""
+    key = check_key(key)
+    agent = bytes(agent_metadata)
     flags = _FLAG_HMAC if key is not None else 0
-    data = MAGIC + _PREFIX.pack(HANDSHAKE_VERSION, flags, len(body), len(agent)) + body + agent
+    data = MAGIC + _PREFIX.pack(HANDSHAKE_VERSION, flags, len(body), len(agent)) + bytes(body) + agent
     data += hashlib.sha256(data).digest()
     if key is not None:
         data += hmac.new(key, data, hashlib.sha256).digest()
     return data
 
 
-def decode(data: bytes, key: Optional[bytes] = None) -> EngineInfo:
+def decode(data: bytes, key: Optional[bytes] = None, max_layers: int = MAX_LAYERS) -> EngineInfo:
     """Check a peer's handshake payload (see the module docstring) and read it.
 
     ``key`` None: the payload must carry no HMAC (a keyed peer's metadata is refused:
     it cannot be authenticated here, and accepting it would hide a configuration
-    mismatch). ``key`` given: the payload must carry an HMAC made with it. Raises
+    mismatch). ``key`` given: the payload must carry an HMAC made with it.
+    ``max_layers`` bounds the regions and layers before any is read (``add_peer``
+    passes :func:`layer_limit` of its engine). Raises
     ``ValueError`` (``TypeError`` for a non-bytes payload) saying what is wrong.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -231,14 +242,14 @@ def decode(data: bytes, key: Optional[bytes] = None) -> EngineInfo:
         h = json.loads(data[start : start + length].decode("utf-8"), parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"malformed handshake header: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return _engine_info(h, data[start + length : start + length + agent_length])
+    return _engine_info(h, data[start + length : start + length + agent_length], min(max_layers, MAX_LAYERS))
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a number a handshake may carry")
 
 
-def _engine_info(h, agent_metadata: bytes) -> EngineInfo:
+def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
     """The engine record from a decoded header: every field checked, then the regions
     against the engine (indices, groups, tokens per page, unique layer names)."""
     r = Record(h, "handshake header")
@@ -249,7 +260,7 @@ def _engine_info(h, agent_metadata: bytes) -> EngineInfo:
     tp_rank = r.int("tp_rank", 0, tp_size - 1)
     tpb = r.ints("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
     tpp = r.ints("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
-    raw_regions = r.list("regions", 1, MAX_REGIONS)
+    raw_regions = r.list("regions", 1, max_layers)  # a region holds at least one layer
     r.done()
     where = "malformed handshake header"
     if buffer == "host" and mem_type != "DRAM":
@@ -265,8 +276,8 @@ def _engine_info(h, agent_metadata: bytes) -> EngineInfo:
         if region.index != i:
             raise ValueError(f"{where}: region {i} says it is region {region.index}")
         layers += len(region.members)
-        if layers > MAX_LAYERS:
-            raise ValueError(f"{where}: more than {MAX_LAYERS} layers")
+        if layers > max_layers:
+            raise ValueError(f"{where}: more than {max_layers} layers")
         for layer, g in region.members:
             if g >= len(tpb):
                 raise ValueError(f"{where}: region {i}, layer {layer!r}: group {g} of {len(tpb)}")
@@ -276,6 +287,9 @@ def _engine_info(h, agent_metadata: bytes) -> EngineInfo:
             if region.tokens_per_page != tpp[g]:
                 raise ValueError(f"{where}: region {i}, layer {layer!r}: {region.tokens_per_page} tokens per "
                                  f"page, its group {g} says {tpp[g]}")
+            if tpb[g] // tpp[g] > region.num_pages:  # a logical block is pages of every layer of its group
+                raise ValueError(f"{where}: group {g}: a block of {tpb[g] // tpp[g]} pages, region {i} has "
+                                 f"{region.num_pages}")
         regions.append(region)
     return EngineInfo(
         name=name, buffer=buffer, mem_type=mem_type, tp_rank=tp_rank, tp_size=tp_size,
@@ -288,15 +302,19 @@ def num_descriptors(info: EngineInfo) -> int:
     return sum(r.num_descriptors for r in info.regions)
 
 
+def layer_limit(local: EngineInfo) -> int:
+    """The most layers (and so regions) a peer of this engine may advertise."""
+    return min(MAX_LAYERS, 2 * sum(len(r.members) for r in local.regions) + EXTRA_LAYERS)
+
+
 def check_peer_limits(local: EngineInfo, remote: EngineInfo) -> None:
     """Refuse a peer declaring more than this engine explains (see the limits above):
-    checked by ``add_peer`` before the peer's descriptors are built."""
-    local_layers = sum(len(r.members) for r in local.regions)
+    checked by ``add_peer`` before the peer's descriptors are built (the layer limit
+    is already applied by :func:`decode` when given ``max_layers``)."""
     remote_layers = sum(len(r.members) for r in remote.regions)
-    layer_limit = 2 * local_layers + EXTRA_LAYERS
-    if remote_layers > layer_limit:
-        raise ValueError(f"peer {remote.name!r} advertises {remote_layers} layers; this engine has "
-                         f"{local_layers} (limit {layer_limit})")
+    if remote_layers > layer_limit(local):
+        raise ValueError(f"peer {remote.name!r} advertises {remote_layers} layers; the limit for this "
+                         f"engine is {layer_limit(local)}")
     limit = min(MAX_DESCRIPTORS, max(MIN_DESCRIPTOR_LIMIT, DESCRIPTOR_FACTOR * num_descriptors(local)))
     declared = num_descriptors(remote)
     if declared > limit:

@@ -69,7 +69,9 @@ from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import Agent, NixlError, metadata_name
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref
-from .handshake import EngineInfo, LayerPair, check_key, check_peer_limits, decode, encode, pair_layers
+from .handshake import (
+    EngineInfo, LayerPair, check_key, check_peer_limits, decode, encode, layer_limit, pair_layers,
+)
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks, forget_routes
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
 
@@ -213,7 +215,7 @@ class TransferManager:
         see :mod:`kvcopy.nixl._agent`), so the name can be added with genuine metadata.
         """
         self._check_open()
-        remote = decode(metadata, self._key)
+        remote = decode(metadata, self._key, layer_limit(self._info))
         check_peer_limits(self._info, remote)
         layer_pairs = pair_layers(self._info, remote)
         if remote.name in self._peers:

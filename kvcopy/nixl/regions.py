@@ -49,7 +49,7 @@ MAX_DIMS = 8
 MAX_HEADS = 1 << 16
 MAX_TOKENS_PER_PAGE = 1 << 20
 MAX_GROUPS = 64
-MAX_LAYERS = 8192
+MAX_LAYERS = 4096  # the largest models have ~130 attention layers
 MAX_NAME = 256
 MAX_DEVICE_ID = (1 << 16) - 1
 DTYPE_SIZES = {
@@ -169,6 +169,15 @@ class RegionInfo:
             problems.append("KV heads held without total KV heads")
         if self.heads is not None and self.heads[0] + self.heads[1] > self.total_kv_heads:
             problems.append(f"KV heads held {self.heads} (first, count) outside {self.total_kv_heads} total")
+        chunk_dims = [size for size, stride in self.page_shape if stride is None]
+        elems = 1
+        for size, stride in self.page_shape:
+            elems *= size if stride is not None else 1
+        if chunk_dims not in ([], [self.num_chunks]) or (self.num_chunks > 1) != bool(chunk_dims):
+            problems.append(f"page shape {list(self.page_shape)} vs {self.num_chunks} chunk(s)")
+        elif elems * self.itemsize != self.chunk_bytes:
+            problems.append(f"page shape {list(self.page_shape)} holds {elems * self.itemsize} bytes per chunk, "
+                            f"chunk bytes {self.chunk_bytes}")
         if self.axes is not None:
             names = [n for n, _, _ in self.axes]
             elems = 1
