@@ -1,12 +1,15 @@
 """The handshake: versioned bytes, and peers refused with a ValueError saying what differs."""
 import dataclasses
+import hashlib
+import json
 import struct
 
 import pytest
 import torch
 
 from kvcopy.nixl import HANDSHAKE_VERSION, decode, encode, pair_layers
-from kvcopy.nixl.handshake import MAGIC
+from kvcopy.nixl.handshake import MAGIC, frame, header_of
+from kvcopy.nixl.handshake_fuzz import misplaced, set_field
 from kvcopy.nixl.testing import ToyEngine, build_case, engine_info
 
 NP = 16
@@ -65,7 +68,6 @@ def test_a_shared_key_authenticates_and_each_mismatch_is_refused():
         decode(encode(info), key)
     # tampering and recomputing the digest does not get past the key
     tampered = _flip(signed[:-64], len(MAGIC) + 30)
-    import hashlib
     forged = tampered + hashlib.sha256(tampered).digest() + signed[-32:]
     with pytest.raises(ValueError, match="HMAC does not match"):
         decode(forged, key)
@@ -80,29 +82,9 @@ def test_a_shared_key_authenticates_and_each_mismatch_is_refused():
 
 def _with_header(info, edit) -> bytes:
     """A well-formed payload (valid lengths and digest) carrying an edited header."""
-    import json
-    data = encode(info)
-    _, _, length, _ = struct.unpack_from("<IIQQ", data, len(MAGIC))
-    header = json.loads(data[len(MAGIC) + 24: len(MAGIC) + 24 + length])
+    header = json.loads(json.dumps(header_of(info)))
     edit(header)
-    return encode_header(header, info.agent_metadata)
-
-
-def encode_header(header, agent: bytes) -> bytes:
-    import hashlib
-    import json
-    body = json.dumps(header).encode()
-    out = MAGIC + struct.pack("<IIQQ", HANDSHAKE_VERSION, 0, len(body), len(agent)) + body + agent
-    return out + hashlib.sha256(out).digest()
-
-
-def _set(path, value):
-    def edit(h):
-        obj = h
-        for k in path[:-1]:
-            obj = obj[k]
-        obj[path[-1]] = value
-    return edit
+    return frame(json.dumps(header).encode(), info.agent_metadata)
 
 
 def _drop(path):
@@ -118,45 +100,45 @@ R0 = ("regions", 0)
 
 
 @pytest.mark.parametrize("edit, match", [
-    (_set(R0 + ("tokens_per_page",), -16), r"tokens_per_page: -16 out of range"),
-    (_set(("tokens_per_page",), [-16]), r"tokens_per_page\[0\]: -16 out of range"),
-    (_set(("tokens_per_page",), [0]), r"out of range"),
-    (_set(("tokens_per_block",), [24]), r"not a multiple"),
-    (_set(("tp_size",), 0), r"tp_size: 0 out of range"),
-    (_set(("tp_rank",), 2), r"tp_rank: 2 out of range \[0, 0\]"),
-    (_set(("tp_rank",), True), r"expected an integer, got True"),
-    (_set(("tp_rank",), 0.0), r"expected an integer, got 0.0"),
-    (_set(("name",), ""), r"is not a name"),
-    (_set(("name",), 7), r"expected a string"),
-    (_set(("buffer",), "disk"), r"'disk' is not one of"),
-    (_set(("mem_type",), "VRAM"), r"host buffers in VRAM"),
-    (_set(("regions",), []), r"0 entries"),
-    (_set(("regions",), {}), r"expected a list"),
-    (_set(R0 + ("num_pages",), 0), r"num_pages: 0 out of range"),
-    (_set(R0 + ("num_pages",), 10**30), r"num_pages: .* out of range"),
-    (_set(R0 + ("num_chunks",), -1), r"num_chunks: -1 out of range"),
-    (_set(R0 + ("chunk_bytes",), 0), r"chunk_bytes: 0 out of range"),
-    (_set(R0 + ("page_stride",), -512), r"page_stride: -512 out of range"),
-    (_set(R0 + ("page_stride",), 8), r"overlap"),
-    (_set(R0 + ("address",), 2**64 - 8), r"overflows 64 bits"),
-    (_set(R0 + ("dtype",), "float17"), r"not a known dtype"),
-    (_set(R0 + ("itemsize",), 4), r"not a known dtype"),
-    (_set(R0 + ("kind",), "paged"), r"'paged' is not one of"),
-    (_set(R0 + ("kv_layout",), "NDH"), r"'NDH' is not one of"),
-    (_set(R0 + ("heads",), [1, 2]), r"outside 2 total"),
-    (_set(R0 + ("heads",), [0, 0]), r"heads\[1\]: 0 out of range"),
-    (_set(R0 + ("total_kv_heads",), 0), r"total_kv_heads: 0 out of range"),
-    (_set(R0 + ("members",), [["a0", 5]]), r"group 5 of 1"),
-    (_set(R0 + ("members",), [["a0"]]), r"1 entries, expected 2"),
-    (_set(R0 + ("members",), "a0"), r"expected a list"),
-    (_set(R0 + ("index",), 3), r"region 0 says it is region 3"),
-    (_set(R0 + ("axes",), [["token", 16, 16], ["qq", 2, 8]]), r"axis name 'qq'"),
-    (_set(R0 + ("axes",), [["token", 8, 16], ["head", 2, 8], ["o0", 8, 1]]), r"hold 256 bytes"),
-    (_set(R0 + ("page_shape",), [[16, "x"]]), r"stride: expected an integer"),
+    (set_field(R0 + ("tokens_per_page",), -16), r"tokens_per_page: -16 out of range"),
+    (set_field(("tokens_per_page",), [-16]), r"tokens_per_page\[0\]: -16 out of range"),
+    (set_field(("tokens_per_page",), [0]), r"out of range"),
+    (set_field(("tokens_per_block",), [24]), r"not a multiple"),
+    (set_field(("tp_size",), 0), r"tp_size: 0 out of range"),
+    (set_field(("tp_rank",), 2), r"tp_rank: 2 out of range \[0, 0\]"),
+    (set_field(("tp_rank",), True), r"expected an integer, got True"),
+    (set_field(("tp_rank",), 0.0), r"expected an integer, got 0.0"),
+    (set_field(("name",), ""), r"is not a name"),
+    (set_field(("name",), 7), r"expected a string"),
+    (set_field(("buffer",), "disk"), r"'disk' is not one of"),
+    (set_field(("mem_type",), "VRAM"), r"host buffers in VRAM"),
+    (set_field(("regions",), []), r"0 entries"),
+    (set_field(("regions",), {}), r"expected a list"),
+    (set_field(R0 + ("num_pages",), 0), r"num_pages: 0 out of range"),
+    (set_field(R0 + ("num_pages",), 10**30), r"num_pages: .* out of range"),
+    (set_field(R0 + ("num_chunks",), -1), r"num_chunks: -1 out of range"),
+    (set_field(R0 + ("chunk_bytes",), 0), r"chunk_bytes: 0 out of range"),
+    (set_field(R0 + ("page_stride",), -512), r"page_stride: -512 out of range"),
+    (set_field(R0 + ("page_stride",), 8), r"overlap"),
+    (set_field(R0 + ("address",), 2**64 - 8), r"overflows 64 bits"),
+    (set_field(R0 + ("dtype",), "float17"), r"not a known dtype"),
+    (set_field(R0 + ("itemsize",), 4), r"not a known dtype"),
+    (set_field(R0 + ("kind",), "paged"), r"'paged' is not one of"),
+    (set_field(R0 + ("kv_layout",), "NDH"), r"'NDH' is not one of"),
+    (set_field(R0 + ("heads",), [1, 2]), r"outside 2 total"),
+    (set_field(R0 + ("heads",), [0, 0]), r"heads\[1\]: 0 out of range"),
+    (set_field(R0 + ("total_kv_heads",), 0), r"total_kv_heads: 0 out of range"),
+    (set_field(R0 + ("members",), [["a0", 5]]), r"group 5 of 1"),
+    (set_field(R0 + ("members",), [["a0"]]), r"1 entries, expected 2"),
+    (set_field(R0 + ("members",), "a0"), r"expected a list"),
+    (set_field(R0 + ("index",), 3), r"region 0 says it is region 3"),
+    (set_field(R0 + ("axes",), [["token", 16, 16], ["qq", 2, 8]]), r"axis name 'qq'"),
+    (set_field(R0 + ("axes",), [["token", 8, 16], ["head", 2, 8], ["o0", 8, 1]]), r"hold 256 bytes"),
+    (set_field(R0 + ("page_shape",), [[16, "x"]]), r"stride: expected an integer"),
     (_drop(R0 + ("chunk_stride",)), r"'chunk_stride' is missing"),
     (_drop(("tp_size",)), r"'tp_size' is missing"),
-    (_set(R0 + ("surprise",), 1), r"unknown field"),
-    (_set(("surprise",), 1), r"unknown field"),
+    (set_field(R0 + ("surprise",), 1), r"unknown field"),
+    (set_field(("surprise",), 1), r"unknown field"),
 ])
 def test_every_header_field_is_type_and_range_checked(edit, match):
     """One schema over the header: each field's type, range and agreement with the
@@ -171,12 +153,10 @@ def test_a_layer_in_two_regions_and_deep_or_odd_json_are_refused():
                     [16, 16], 16)
     info = dataclasses.replace(engine_info(eng, "P"), agent_metadata=b"agent")
     with pytest.raises(ValueError, match="is in region 0 and region 1"):
-        decode(_with_header(info, _set(("regions", 1, "members"), [["a0", 1]])))
+        decode(_with_header(info, set_field(("regions", 1, "members"), [["a0", 1]])))
     for body in (b"[" * 100000 + b"]" * 100000, b'{"name": NaN}', b"\xff\xfe", b"1" * 5000, b"[]"):
-        out = MAGIC + struct.pack("<IIQQ", HANDSHAKE_VERSION, 0, len(body), 1) + body + b"x"
-        import hashlib
         with pytest.raises(ValueError):
-            decode(out + hashlib.sha256(out).digest())
+            decode(frame(body, b"x"))
 
 
 def _engine(dtype=torch.float16, tokens=16, heads=2, tpb=16, names=("a0", "a1"), head_size=8):
@@ -234,11 +214,8 @@ def test_add_peer_refuses_regions_nixl_does_not_know():
     d = _engine().manager("D-lie")
     p = _engine().manager("P-lie")
     try:
-        info = decode(p.metadata())
-        lie = dataclasses.replace(info, regions=tuple(
-            dataclasses.replace(r, address=r.address + (1 << 40)) for r in info.regions))
         with pytest.raises(ValueError, match="not what it registered"):
-            d.add_peer(encode(lie))
+            d.add_peer(encode(misplaced(decode(p.metadata()))))
         assert d.peers() == []
         assert d.add_peer(p.metadata()) == "P-lie"  # the truthful handshake still works
     finally:

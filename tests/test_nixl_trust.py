@@ -4,6 +4,7 @@ or memory. Leak runs go in a subprocess: the count of open fds and the RSS of th
 pytest process depend on every test before them. NIXL traffic is on loopback."""
 import gc
 import json
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from kvcopy.nixl import decode, encode, nixl_available
 from kvcopy.nixl import plan as plan_module
+from kvcopy.nixl.handshake_fuzz import misplaced
 from kvcopy.nixl.testing import build_case, fill_random, pull_and_complete, same_bytes
 
 pytestmark = pytest.mark.skipif(nixl_available() is not None, reason="needs NIXL")
@@ -29,8 +31,9 @@ HYBRID_D = [[4, 5, 6], [0, 1, 2, 3, 14]]
 # The child: P and D managers, ``warmup`` then ``cycles`` rounds of one kind, and the
 # fds (/proc/self/fd), sockets, RSS, NIXL agents and peers before and after, as JSON.
 LEAK_CHILD = r'''
-import dataclasses, json, os, sys
+import json, os, sys
 from kvcopy.nixl import decode, encode
+from kvcopy.nixl.handshake_fuzz import misplaced
 from kvcopy.nixl.testing import build_case, fill_random, one_torch_thread
 
 kind, warmup, cycles = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -55,9 +58,7 @@ with one_torch_thread():
     fill_random(pe.device_caches, 1)
     p, d = pe.manager("P-leak"), de.manager("D-leak")
     genuine = p.metadata()
-    info = decode(genuine)
-    lying = encode(dataclasses.replace(info, regions=tuple(
-        dataclasses.replace(r, address=r.address + (1 << 40)) for r in info.regions)))
+    lying = encode(misplaced(decode(genuine)))
     flipped = genuine[:100] + bytes([genuine[100] ^ 1]) + genuine[101:]
     blocks = [[1, 2, 3], [8, 9, 10, 11, 12]]  # hybrid: group 0 blocks are 2 pages, sharing group 1's tensor
 
@@ -197,13 +198,10 @@ def test_a_refusal_after_nixl_loaded_the_agent_leaves_the_name_usable(engines):
     q = build_case("hybrid", NP).manager("Q-again")
     try:
         info = decode(p.metadata())
-        import dataclasses
-        lie = dataclasses.replace(info, regions=tuple(
-            dataclasses.replace(r, address=r.address + (1 << 40)) for r in info.regions))
         with pytest.raises(ValueError, match="not what it registered"):
-            d.add_peer(encode(lie))
+            d.add_peer(encode(misplaced(info)))
         with pytest.raises(ValueError, match="its NIXL agent metadata is for 'Q-again'"):
-            d.add_peer(encode(dataclasses.replace(info, agent_metadata=decode(q.metadata()).agent_metadata)))
+            d.add_peer(encode(replace(info, agent_metadata=decode(q.metadata()).agent_metadata)))
         assert not d._agent.has_remote("Q-again")  # refused before NIXL saw it
         peer = d.add_peer(p.metadata())
         p.save(HYBRID_P)
@@ -216,13 +214,12 @@ def test_a_refusal_after_nixl_loaded_the_agent_leaves_the_name_usable(engines):
 
 def test_negative_tokens_per_page_cannot_reach_the_planner(engines):
     """v2 accepted it and plan_pull then looped forever, memory growing."""
-    import dataclasses
     pe, de = engines
     p, d = pe.manager("P-neg"), de.manager("D-neg")
     try:
         info = decode(p.metadata())
-        bad = dataclasses.replace(info, tokens_per_page=(-16, -16), regions=tuple(
-            dataclasses.replace(r, tokens_per_page=-16) for r in info.regions))
+        bad = replace(info, tokens_per_page=(-16, -16), regions=tuple(
+            replace(r, tokens_per_page=-16) for r in info.regions))
         with pytest.raises(ValueError, match="out of range"):
             d.add_peer(encode(bad))
         assert d.peers() == [] and np.all([not d._agent.has_remote("P-neg") or "P-neg" in d._agent.parked])

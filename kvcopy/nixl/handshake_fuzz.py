@@ -28,6 +28,7 @@ one JSON line: variants, outcomes, the slowest variant (seconds), unexpected cas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .handshake import MAGIC, HANDSHAKE_VERSION, decode, frame, header_of
+from .handshake import MAGIC, HANDSHAKE_VERSION, EngineInfo, decode, frame
 
 BATCHES = ("random", "truncations", "flips", "counts", "types", "keys")
 _FIELD_VALUES = (None, True, False, 1.5, -1, 2 ** 70, -(2 ** 70), "1", "", [], [1], {}, {"a": 1})
@@ -61,7 +62,15 @@ def _edited(header: dict, agent: bytes, edit: Callable[[dict], None]) -> bytes:
     return frame(json.dumps(h).encode(), agent)
 
 
-def _setter(path: Sequence, value) -> Callable[[dict], None]:
+def misplaced(info: EngineInfo, offset: int = 1 << 40) -> EngineInfo:
+    """``info`` advertising its regions ``offset`` bytes away: memory its NIXL agent
+    never registered, so NIXL loads the agent and then rejects the descriptors."""
+    return dataclasses.replace(info, regions=tuple(
+        dataclasses.replace(r, address=r.address + offset) for r in info.regions))
+
+
+def set_field(path: Sequence, value) -> Callable[[dict], None]:
+    """An edit of a header dict: the field at ``path`` (keys and indices) set to ``value``."""
     def edit(h):
         obj = h
         for k in path[:-1]:
@@ -103,13 +112,12 @@ def variants(batch: str, genuine: bytes, agent: bytes, rng: np.random.Generator)
         for length, alen in ((2 ** 64 - 1, 0), (2 ** 63, 10), (0, 2 ** 64 - 1), (2 ** 40, 2 ** 40), (1, 2 ** 30)):
             yield f"lengths{length},{alen}", head + struct.pack("<IQQ", 0, length, alen) + rest
         header = _header(genuine)
-        region = header["regions"][0]
         for pages in (10 ** 7, 3 * 10 ** 7, 10 ** 8, 2 ** 31 - 1, 2 ** 31, 2 ** 63):
-            yield f"num_pages={pages}", _edited(header, agent, _setter(("regions", 0, "num_pages"), pages))
+            yield f"num_pages={pages}", _edited(header, agent, set_field(("regions", 0, "num_pages"), pages))
         for count in (1000, 8192, 100000):
             yield f"regions={count}", _many_regions(header, agent, count)
         for members in (10 ** 4, 10 ** 5):
-            yield f"members={members}", _edited(header, agent, _setter(
+            yield f"members={members}", _edited(header, agent, set_field(
                 ("regions", 0, "members"), [[f"m{i}", 0] for i in range(members)]))
         for groups in (65, 10 ** 4):
             def wide(h, groups=groups):
@@ -119,24 +127,24 @@ def variants(batch: str, genuine: bytes, agent: bytes, rng: np.random.Generator)
         for field in ("tokens_per_page", "chunk_bytes", "page_stride", "chunk_stride", "num_chunks", "address",
                       "total_kv_heads", "head_size"):
             for value in (2 ** 62, 2 ** 64, 10 ** 30):
-                yield f"{field}={value}", _edited(header, agent, _setter(("regions", 0, field), value))
+                yield f"{field}={value}", _edited(header, agent, set_field(("regions", 0, field), value))
         for value in (2 ** 31, 10 ** 6):
-            yield f"tp_size={value}", _edited(header, agent, _setter(("tp_size",), value))
-            yield f"tokens_per_block={value}", _edited(header, agent, _setter(("tokens_per_block",), [value]))
+            yield f"tp_size={value}", _edited(header, agent, set_field(("tp_size",), value))
+            yield f"tokens_per_block={value}", _edited(header, agent, set_field(("tokens_per_block",), [value]))
         yield "deep-json", frame(b"[" * 200000 + b"]" * 200000, agent)
         yield "huge-int-json", frame(b'{"tp_size": ' + b"9" * 100000 + b"}", agent)
     elif batch == "types":
         header = _header(genuine)
         for field in list(header):
             for v in _FIELD_VALUES:
-                yield f"{field}={v!r}", _edited(header, agent, _setter((field,), v))
+                yield f"{field}={v!r}", _edited(header, agent, set_field((field,), v))
         for field in list(header["regions"][0]):
             for v in _FIELD_VALUES:
-                yield f"regions[0].{field}={v!r}", _edited(header, agent, _setter(("regions", 0, field), v))
+                yield f"regions[0].{field}={v!r}", _edited(header, agent, set_field(("regions", 0, field), v))
         for v in _FIELD_VALUES:
-            yield f"regions[0].members[0]={v!r}", _edited(header, agent, _setter(("regions", 0, "members", 0), v))
+            yield f"regions[0].members[0]={v!r}", _edited(header, agent, set_field(("regions", 0, "members", 0), v))
             yield f"regions[0].page_shape[0]={v!r}", _edited(
-                header, agent, _setter(("regions", 0, "page_shape", 0), v))
+                header, agent, set_field(("regions", 0, "page_shape", 0), v))
             yield f"header={v!r}", frame(json.dumps(v).encode(), agent)
     elif batch == "keys":
         body = genuine[len(MAGIC) + 24: len(genuine) - 32]
