@@ -226,3 +226,22 @@ def test_negative_tokens_per_page_cannot_reach_the_planner(engines):
     finally:
         d.close()
         p.close()
+
+
+def test_metadata_nixl_half_loads_is_named_when_the_name_is_refused_again(engines):
+    """A documented NIXL 1.5 limitation, reachable only with a valid digest (a peer
+    that computes it, or holds the key): agent metadata whose memory sections fail to
+    load leaves a UCX connection under the name that no NIXL call removes. Both
+    refusals are ValueErrors, and the second says why the genuine metadata fails."""
+    pe, de = engines
+    p, d = pe.manager("P-half"), de.manager("D-half")
+    try:
+        info = decode(p.metadata())
+        with pytest.raises(ValueError, match="NIXL_ERR_NOT_FOUND"):
+            d.add_peer(encode(replace(info, agent_metadata=info.agent_metadata[:-1])))
+        with pytest.raises(ValueError, match="half-loaded connection"):
+            d.add_peer(p.metadata())
+        assert d.peers() == []
+    finally:
+        d.close()
+        p.close()

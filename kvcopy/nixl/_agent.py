@@ -116,6 +116,7 @@ class Agent:
             raise NixlError(f"creating NIXL agent {name!r}: {_status(exc)}") from exc
         self._loaded: Dict[str, bytes] = {}  # peers' agents this wrapper loaded: name -> metadata
         self._parked: "OrderedDict[str, None]" = OrderedDict()  # loaded, in use by no peer; oldest first
+        self._failed: set = set()  # agent names whose metadata NIXL failed to load
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise NixlError(
@@ -148,8 +149,16 @@ class Agent:
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise NixlError(f"loading the peer's NIXL agent metadata: {_status(exc)}") from exc
+            # NIXL 1.5 keeps the UCX connection of metadata whose memory sections fail
+            # to load, and no API call removes it: the name stays refused.
+            hint = (f"; earlier metadata for agent {wanted!r} failed to load, and NIXL may keep a "
+                    "half-loaded connection under that name that only a new agent clears"
+                    if wanted in self._failed else "")
+            if wanted is not None:
+                self._failed.add(wanted)
+            raise NixlError(f"loading the peer's NIXL agent metadata: {_status(exc)}{hint}") from exc
         name = name.decode() if isinstance(name, bytes) else str(name)
+        self._failed.discard(name)
         self._loaded[name] = bytes(metadata)
         self._parked.pop(name, None)
         return name
