@@ -40,7 +40,11 @@ class _Direction:
         self.src_limits = src_limits  # per group: (max block count, layer that sets it)
         self.dst_limits = dst_limits
         self.alias_classes = alias_classes  # groups whose destinations share bytes
-        fn = native.plan_call_function()
+        # The planner that also writes the block prefix (the `cuda` call array) when the
+        # library has it; an older library's plain planner otherwise.
+        fn, prefix = native.plan_call_function(prefix=True), True
+        if fn is None:
+            fn, prefix = native.plan_call_function(), False
         self.planner = None
         if fn is not None:
             dst_class = list(range(len(alias_classes), len(alias_classes) + len(dst_limits)))
@@ -50,7 +54,7 @@ class _Direction:
             # renumber densely so the planner's stamp array has one row per class
             dense = {c: i for i, c in enumerate(sorted(set(dst_class)))}
             self.planner = CallPlanner(fn, tables, [l for l, _ in src_limits], [l for l, _ in dst_limits],
-                                       [dense[c] for c in dst_class])
+                                       [dense[c] for c in dst_class], prefix=prefix)
 
 
 class BlockCopier:

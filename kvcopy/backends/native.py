@@ -23,11 +23,16 @@ def _candidates(stem: str) -> List[Path]:
     return [d / f"lib{stem}.so" for d in dirs]
 
 
+def find(stem: str) -> Optional[Path]:
+    """The file :func:`load` would load for ``stem``, or None when there is none."""
+    return next((p for p in _candidates(stem) if p.is_file()), None)
+
+
 def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     """``(library, None)``, or ``(None, why not)``; cached per process."""
     if stem not in _loaded:
         tried = _candidates(stem)
-        found = next((p for p in tried if p.is_file()), None)
+        found = find(stem)
         if found is None:
             _loaded[stem] = (None, f"lib{stem}.so not built (looked in {', '.join(str(p.parent) for p in tried)}; "
                                    "run `pip install -e .` with a C++ compiler and CMake)")
@@ -39,10 +44,14 @@ def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     return _loaded[stem]
 
 
-def plan_call_function():
-    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None."""
+def plan_call_function(prefix: bool = False):
+    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None.
+
+    ``prefix=True``: ``kvcopy_plan_call_prefix``, which also writes the CUDA kernel's
+    block prefix after the runs; None from a library built before it existed."""
     lib, _ = load("kvcopy_cpu")
-    fn = getattr(lib, "kvcopy_plan_call", None) if lib is not None else None
+    name = "kvcopy_plan_call_prefix" if prefix else "kvcopy_plan_call"
+    fn = getattr(lib, name, None) if lib is not None else None
     if fn is not None and fn.argtypes is None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.restype = i64
