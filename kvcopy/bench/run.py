@@ -69,7 +69,7 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
                 continue
             meta[key] = {"method": m, "max_ctas": cap or None}
     verify: Dict[str, str] = {}
-    if args.verify:
+    if verify_point(args, sc):
         expected = point.expected(direction)
         for key, fn in fns.items():
             if key == "memcpy":
@@ -105,12 +105,13 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
             row["gbps"] = point.total_bytes / (med * 1e-6) / 1e9
             row["pct_of_memcpy"] = 100.0 * ref / med if ref else None
             row["x_memcpy"] = med / ref if ref else None
-        row["verify"] = verify.get(key, "skipped" if not args.verify else "n/a")
+        row["verify"] = verify.get(key, "skipped" if not verify_point(args, sc) else "n/a")
         if args.op_counts:
             try:
                 counts = op_counts(fn, device)
             except Exception as exc:  # the profiler is best effort
                 counts = {"error": f"{type(exc).__name__}: {exc}"}
+            row["device_us"] = counts.pop("device_us", None)
             row["ops"] = counts
             row["ops_per_call"] = counts.get("total")
             if device == "cpu" and meta[key]["method"] in ("cpu", "auto"):
@@ -123,6 +124,18 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
                      "kind": _kind(meta[key]["method"]), "max_ctas": meta[key]["max_ctas"],
                      "bytes": point.total_bytes, "iters": 0, "verify": verify[key]})
     return rows
+
+
+def verify_point(args, scenario) -> bool:
+    """Whether this point is checked bit-exact (``--verify``, ``--verify-max-chunk``)."""
+    if not args.verify:
+        return False
+    limit = getattr(args, "verify_max_chunk", None)
+    if limit in (None, ""):
+        return True
+    from .scenarios import parse_size
+
+    return scenario.chunk_bytes() <= parse_size(str(limit))
 
 
 def _kind(method: str) -> str:
@@ -180,7 +193,13 @@ def run_bench(args, sweep: bool) -> dict:
     base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
     limit = args.time_limit if args.time_limit is not None else (30.0 if device == "cpu" else 0.0)
     t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
-    for sc in scenarios:
+    for n_done, sc in enumerate(scenarios):
+        if limit > 0 and n_done and time.perf_counter() - t_start > limit:
+            # --time-limit bounds building and verifying too: points not reached are named.
+            left = [f"{fmt_bytes(s.chunk_bytes())} x {len(s.groups())} groups" for s in scenarios[n_done:]]
+            notes.append(f"time limit {limit:g} s reached: {len(left)} point(s) not measured ({', '.join(left)})")
+            result["truncated"] = len(left)
+            break
         point = sc.build(device, pinned=args.host_memory == "pinned")
         try:
             for direction in directions:

@@ -104,6 +104,7 @@ def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, 
         if on_gpu:
             torch.cuda.synchronize()
     counts: Dict[str, float] = {}
+    device_us = 0.0
     events = prof.events()
     if on_gpu:
         for e in events:
@@ -112,6 +113,7 @@ def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, 
                 kind = ("memcpy" if "memcpy" in name.lower() else
                         "memset" if "memset" in name.lower() else "kernel")
                 counts[kind] = counts.get(kind, 0) + 1
+                device_us += e.time_range.elapsed_us()
     else:
         for e in events:
             if e.name not in _MOVING_OPS:
@@ -126,6 +128,8 @@ def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, 
                 counts[e.name] = counts.get(e.name, 0) + 1
     per_call = {k: v / calls for k, v in counts.items()}
     per_call["total"] = sum(per_call.values())
+    if on_gpu:  # the device activities' own time, beside the events' wall time
+        per_call["device_us"] = device_us / calls
     return per_call
 
 
