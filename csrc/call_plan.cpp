@@ -67,6 +67,10 @@ int64_t kvcopy_plan_call_prefix(int64_t num_groups, const int64_t* src_ids,
                    entries_per_group, seen, dst_capacity, stamp, packed, err, true);
 }
 
+// Does nothing and returns 0 (success): `kvcopy-bench overhead` calls it through ctypes
+// typed as a launch function, to time the host path without a device.
+int kvcopy_host_noop() { return 0; }
+
 }  // extern "C"
 
 namespace {

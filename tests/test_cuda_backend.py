@@ -57,3 +57,31 @@ def test_inline_launch_declines_calls_that_do_not_fit():
     scattered = np.random.default_rng(1).permutation(400)[:200].tolist()  # ~200 runs: > 480 words
     assert path(c.plan("h2d", [scattered, [0]])) is None
     assert seen == []
+
+
+def test_triton_small_call_upload_stores_the_words_per_stream():
+    """kvcopy.backends.triton_backend.SmallCallUpload (the Triton path's call array upload
+    through kvcopy_cuda_store_words): the words stored are the packed call, one buffer
+    per stream, reused on that stream; calls over 480 words take the staged path."""
+    from kvcopy.backends.triton_backend import SmallCallUpload
+
+    stored = []
+
+    def store(dst, src, count, stream):
+        stored.append((dst, list((ctypes.c_int64 * count).from_address(src)), stream))
+        return 0
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.STORE_ARGTYPES)(store)
+    current = {"stream": 11}
+    up = SmallCallUpload(fn, 0, cudalib.INLINE_WORDS, lambda device: current["stream"],
+                         lambda n: torch.empty(n, dtype=torch.int64))
+    c = _copier(num_blocks=400)
+    call = c.plan("d2h", [[3, 4, 5], [8]])
+    a = up(call)
+    assert stored[-1] == (a.data_ptr(), call.packed.tolist(), 11)
+    assert up(c.plan("d2h", [[1], [2]])) is a  # same stream: same buffer
+    current["stream"] = 12
+    b = up(call)
+    assert b is not a and stored[-1][0] == b.data_ptr() and stored[-1][2] == 12
+    scattered = np.random.default_rng(2).permutation(400)[:200].tolist()
+    n = len(stored)
+    assert up(c.plan("d2h", [scattered, [0]])) is None and len(stored) == n

@@ -59,19 +59,6 @@ class _State:
     inline: Optional["InlineLaunch"] = None  # the short per-call path (library launcher)
 
 
-def _raw_stream_function():
-    """device -> the current stream's raw pointer, without building a Stream object
-    (torch.cuda.current_stream costs ~1-2 us per call; the raw getter ~0.2 us)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw
-    return lambda device: torch.cuda.current_stream(device).cuda_stream
-
-
-def _current_device_function():
-    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
-
 class InlineLaunch:
     """The per-call host path of a call whose array fits in the kernel parameters.
 
@@ -98,8 +85,8 @@ class InlineLaunch:
         self.word = ctypes.c_int(word_bytes)
         self.head = (ctypes.c_void_p(static_ptr), ctypes.c_int64(num_entries), ctypes.c_int64(num_groups),
                      ctypes.c_int64(num_group_entries))
-        self.stream = stream or _raw_stream_function()
-        self.current_device = current_device or _current_device_function()
+        self.stream = stream or cudalib.raw_stream_getter()
+        self.current_device = current_device or cudalib.current_device_getter()
 
     @classmethod
     def stubbed(cls, tables: CopyTables, noop, sm_count: int = 132, max_ctas: Optional[int] = None):

@@ -16,8 +16,9 @@ the device launch **replaced by a no-op**:
     the host per call (what the path did before; libraries older than
     ``kvcopy_plan_call_prefix`` still take it).
 ``triton stubbed``
-    plan + the call as a tensor and the grid rule; the H2D upload of the call array and
-    Triton's launcher are no-ops here, so this is a floor, not the Triton figure.
+    plan + ``kvcopy.backends.triton_backend.SmallCallUpload`` (the call array's upload
+    through ``kvcopy_cuda_store_words``, a no-op here) + the grid rule; Triton's own
+    Python launcher is not in it, so this is a floor, not the Triton figure.
 
 With ``--real`` on a GPU: ``to_device``/``to_host`` with real launches on real
 backends, timed on the host without waiting for the device (a sync every 50 calls,
@@ -49,18 +50,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH")
 
 
-def noop_launch():
-    """A C function that does nothing, typed as kvcopy_cuda_copy: ctypes converts the
-    same arguments as for the real launch. (It is kvcopy_cpu_abi_version, which takes
-    no arguments: extra register/stack arguments are ignored by the x86-64 and AArch64
-    C calling conventions; the caller owns them.)"""
+def noop_launch(argtypes=None):
+    """A C function that does nothing and returns 0, typed as ``kvcopy_cuda_copy`` (or
+    ``argtypes``): ctypes converts the same arguments as for the real launch. (It is
+    ``kvcopy_host_noop``, which takes no arguments: extra register/stack arguments are
+    ignored by the x86-64 and AArch64 C calling conventions; the caller owns them.)"""
     from ..backends import cudalib, native
 
     lib, why = native.load("kvcopy_cpu")
-    if lib is None:
-        raise RuntimeError(f"the stub needs libkvcopy_cpu: {why}")
-    address = ctypes.cast(lib.kvcopy_cpu_abi_version, ctypes.c_void_p).value
-    return ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.COPY_ARGTYPES)(address)
+    if lib is None or not hasattr(lib, "kvcopy_host_noop"):
+        raise RuntimeError(f"the stub needs a current libkvcopy_cpu (kvcopy_host_noop): {why or 'out of date'}")
+    address = ctypes.cast(lib.kvcopy_host_noop, ctypes.c_void_p).value
+    return ctypes.CFUNCTYPE(ctypes.c_int, *(argtypes or cudalib.COPY_ARGTYPES))(address)
 
 
 def build(layers: int, groups: int, blocks: int, device: str = "cpu", backend: str = "cpu"):
@@ -90,7 +91,7 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
         path = InlineLaunch.stubbed(tables, noop_launch())
 
         def cuda():
-            if path(copier.plan("h2d", ids)) is None:
+            if path(copier.plan("h2d", ids)) != 0:
                 raise RuntimeError("the call does not fit the kernel parameters")
         modes["cuda stubbed"] = cuda
         legacy_fn = native.plan_call_function()
@@ -108,11 +109,16 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
         except ImportError as exc:
             print(f"triton stubbed: skipped ({exc})")
             return modes
+        from ..backends.triton_backend import SmallCallUpload
+
         cfg = triton_copy.launch_config(tables.word_bytes, tables.max_chunk_bytes())
+        upload = SmallCallUpload(noop_launch(cudalib.STORE_ARGTYPES), 0, cudalib.INLINE_WORDS,
+                                 lambda device: 0, lambda n: torch.empty(n, dtype=torch.int64))
 
         def triton():
             call = copier.plan("h2d", ids)
-            torch.from_numpy(call.packed)
+            if upload(call) is None:
+                raise RuntimeError("the call does not fit the store launch's parameters")
             triton_copy.grid_size(call.total_bytes, cfg, 132)
         modes["triton stubbed"] = triton
     return modes
@@ -155,7 +161,7 @@ def time_modes(modes: Dict[str, Callable[[], None]], calls: int, rounds: int, sy
 
 
 def run(args) -> int:
-    from ..bench.timing import env_info
+    from .timing import env_info
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     point, copier = build(args.layers, args.groups, args.blocks)
@@ -180,7 +186,7 @@ def run(args) -> int:
     for r in rows:
         print(f"  {r['label']:<22} {r['median_us']:8.2f} us/call  (min {r['min_us']:.2f})")
     if args.json:
-        res = {"tool": "kvcopy-bench-overhead", "description": head, "env": env_info("cpu"),
+        res = {"tool": "kvcopy-bench-overhead", "description": head, "env": env_info("cuda" if args.real else "cpu"),
                "layers": args.layers, "groups": args.groups, "blocks": args.blocks, "entries": entries,
                "rows": rows}
         write_file(args.json, json.dumps(res, indent=1, default=str) + "\n")
