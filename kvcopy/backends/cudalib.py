@@ -168,7 +168,7 @@ def call_words(call) -> Tuple[int, int, object]:
 
 def call_array(call) -> np.ndarray:
     """The packed call followed by the block prefix over its runs (R+1 values)."""
-    if call.prefix_words:  # written by the native planner, in the buffer `packed` views
+    if getattr(call, "prefix_words", 0):  # the native planner wrote it after `packed`
         return np.frombuffer(call.packed.base, dtype=np.int64, count=len(call.packed) + call.prefix_words)
     g = call.num_groups
     counts = call.packed[2 * (g + 1) + 2 :: 3]
