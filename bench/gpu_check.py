@@ -99,11 +99,13 @@ SIZES = {
                 "--iters", "30", "--budget", "0.3"],
         overhead=["--backends", "cuda,triton,ce,auto", "--iters", "100", "--budget", "0.3"],
         host_path=["--backends", "cuda,triton", "--calls", "2000"],
+        convert512=["--backends", "cuda,triton,ce,auto", "--iters", "50", "--budget", "0.3"],
     ),
     "cpu": dict(
         smoke=dict(num_layers=2, num_groups=2, blocks_per_request=2, block_size=16),
         smoke_backends=("cpu", "torch", "triton", "auto"),
-        ladder_bytes=64 << 10, ladder_page=8 << 10, ladder_iters=3, ladder_backends=("cpu", "triton"),
+        ladder_bytes=64 << 10, ladder_page=8 << 10, ladder_iters=2, ladder_backends=("cpu", "triton"),
+        ladder_caps=(1, 2, 0),  # the interpreter: ~0.1 s per call on a busy core
         test_files=1,  # the collection of every GPU test file costs CI ~15 s to skip them all
         sweep=["--num-layers", "2", "--num-groups", "1", "--layout", "nhd", "--backends", "cpu,torch",
                "--iters", "3", "--budget", "0.05", "--max-call-bytes", "256K", "--threads", "1"],
@@ -111,6 +113,7 @@ SIZES = {
                 "--budget", "0.05", "--threads", "1"],
         overhead=["--backends", "cpu", "--iters", "20", "--budget", "0.1", "--threads", "1"],
         host_path=["--backends", "cuda,triton", "--calls", "200"],
+        convert512=["--num-layers", "2", "--backends", "cpu", "--iters", "3", "--budget", "0.05", "--threads", "1"],
     ),
 }
 
@@ -615,7 +618,7 @@ def step_ladder(s: Step) -> str:
         if avail.get(b):
             s.data.setdefault("unavailable", {})[b] = avail[b]
             continue
-        for cap in (LADDER_CAPS if b in INFLIGHT_PER_CTA else (0,)):
+        for cap in (sz.get("ladder_caps", LADDER_CAPS) if b in INFLIGHT_PER_CTA else (0,)):
             try:
                 copiers[f"{b}@{cap}" if b in INFLIGHT_PER_CTA else b] = BlockCopier(
                     {"l": d_t}, {"l": h_t}, [["l"]], backend=b, block_dim=0, max_ctas=cap or None)
@@ -765,6 +768,10 @@ def step_scenario(s: Step) -> str:
                       "--block-size", "1"] + sz["overhead"]),
         ("seeds2", ["run", "--device", dev, "--op-counts"] + sz["seeds2"]),
     ]
+    from kvcopy.bench.scenarios import PRESETS
+
+    if "convert512" in PRESETS:  # issue 10's layout-converting copy, where this tree has it
+        parts.append(("convert512", ["run", "--device", dev, "--preset", "convert512"] + sz["convert512"]))
     for name, argv in parts:
         path = work_dir() / f"scenario-{name}.json"
         left = s.left() - 5
@@ -774,7 +781,8 @@ def step_scenario(s: Step) -> str:
             continue
         if argv[0] == "run":
             # seeds/2's profiler passes are not under --time-limit: leave them a third
-            argv = argv + ["--time-limit", f"{max(2.0, left * (0.6 if name == 'seeds2' else 0.5)):.0f}"]
+            share = {"seeds2": 0.5 if parts[-1][0] != "seeds2" else 0.6, "convert512": 0.6}.get(name, 0.5)
+            argv = argv + ["--time-limit", f"{max(2.0, left * share):.0f}"]
         try:
             rc = bench(argv + ["--json", str(path), "--quiet"] if argv[0] == "run" else argv + ["--json", str(path)])
         except Exception as exc:
@@ -791,12 +799,16 @@ def step_scenario(s: Step) -> str:
     return status
 
 
+SCENARIO_PARTS = ("host_path", "overhead", "seeds2", "convert512")
+
+
 def scenario_text(data: dict) -> str:
     lines = []
-    seeds = data.get("seeds2") or {}
-    for r in seeds.get("results", []):
+    rows = [("seeds/2", r) for r in (data.get("seeds2") or {}).get("results", [])]
+    rows += [("convert512", r) for r in (data.get("convert512") or {}).get("results", [])]
+    for what, r in rows:
         if r["method"] == "memcpy":
-            lines.append(f"  seeds/2 {r['groups']} groups {r['direction']} ({r['bytes'] >> 20} MiB): memcpy "
+            lines.append(f"  {what} {r['groups']} groups {r['direction']} ({r['bytes'] / 2**20:.1f} MiB): memcpy "
                          f"{r.get('median_us', 0) / 1e3:.2f} ms")
             continue
         dev_us = r.get("device_us")
@@ -813,7 +825,7 @@ def scenario_text(data: dict) -> str:
     if hp.get("rows"):
         lines.append("  host us per call, launch replaced by a no-op (stubbed), 48 x 6: " + ", ".join(
             f"{r['label']} {r['median_us']:.1f}" for r in hp["rows"]))
-    for name in ("seeds2", "overhead", "host_path"):
+    for name in SCENARIO_PARTS:
         if (data.get(name) or {}).get("error"):
             lines.append(f"  {name}: {data[name]['error'][:200]}")
     return "\n".join(lines) or "  no scenario rows"
@@ -825,7 +837,7 @@ def cmd_mark(step: str, rc: int) -> None:
     path = out_dir() / FILES[step]
     data = read_json(path) or {"step": step, "device": device()}
     if step == "scenario":  # what the sub-runs finished before the cut
-        for name in ("seeds2", "overhead", "host_path"):
+        for name in SCENARIO_PARTS:
             part = read_json(work_dir() / f"scenario-{name}.json")
             if part is not None and name not in data:
                 data[name] = part
@@ -897,7 +909,8 @@ def save(src: Path, results: Path) -> List[Path]:
     sweep = read_json(src / FILES["sweep"])
     scen = read_json(src / FILES["scenario"]) or {}
     items = [("sweep", sweep), ("seeds2", scen.get("seeds2")), ("overhead", scen.get("overhead")),
-             ("ladder", read_json(src / FILES["ladder"])), ("host-path", scen.get("host_path"))]
+             ("convert512", scen.get("convert512")), ("ladder", read_json(src / FILES["ladder"])),
+             ("host-path", scen.get("host_path"))]
     for name, data in items:
         if not data or data.get("error"):
             continue

@@ -62,7 +62,7 @@ T0=$SECONDS
 echo "gpu_check: $PY ($(command -v "$PY")), device $KVCOPY_DEVICE, commit $KVCOPY_COMMIT, files in $GPU_CHECK_OUT" | tee -a "$LOG"
 
 # Step budgets in seconds, most informative first (bench/gpu_check.py says what each does).
-STEPS="facts:20 build:75 smoke:40 tests:60 ladder:25 sweep:55 scenario:45"
+STEPS="facts:20 build:65 smoke:40 tests:60 ladder:25 sweep:55 scenario:55"
 for entry in $STEPS; do
     name=${entry%%:*}
     budget=${entry##*:}
