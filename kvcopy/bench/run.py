@@ -230,6 +230,11 @@ def cmd_list(args) -> int:
     print("presets:")
     for name, p in PRESETS.items():
         print(f"  {name:<8} {p['help']}")
+    from ..backends.native import BUILD_INFO, build_info, build_note
+
+    print(f"native libraries (install record: {BUILD_INFO if build_info() else 'none'}):")
+    for stem in ("kvcopy_cpu", "kvcopy_cuda"):
+        print(f"  {build_note(stem)}")
     print("backends:")
     for name, why in available_backends().items():
         print(f"  {name:<8} {'available' if why is None else 'unavailable: ' + why}")
