@@ -108,8 +108,12 @@ def describe(res: dict) -> str:
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda_runtime", "cuda_driver", "triton")
                          if env.get(k))
     partial = " (partial: the run was cut short)" if res.get("partial") else ""
+    threads = (res.get("threads") or {}).get("count", env.get("torch_threads"))
+    load = f", load average {env['load_average']}" if env.get("load_average") is not None else ""
+    cpu = f", {threads} thread{'' if threads == 1 else 's'} for every method{load}" if env.get("device") == "cpu" else ""
+    argv = " ".join(res.get("argv") or [])
     return (f"{res['command']} on {where}, {env.get('date', '?')[:10]}, commit {str(env.get('commit'))[:12]}"
-            f" ({versions}){partial}")
+            f" ({versions}){cpu}{partial}" + (f"; `kvcopy-bench {argv}`" if argv else ""))
 
 
 def render(results: List[dict], md: bool) -> str:
