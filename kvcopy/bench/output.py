@@ -133,7 +133,7 @@ def summary(result: dict) -> str:
         lines.append(f"  {m:<12} median {xs[len(xs) // 2]:.2f}x  worst {xs[-1]:.2f}x  best {xs[0]:.2f}x "
                      f"over {plural(len(xs), 'point')}")
     failed = [r for r in result["results"] if r["verify"].startswith("FAIL")]
-    lines.append(f"verify: {len(failed)} failure(s)" if failed else "verify: every checked method bit-exact")
+    lines.append(f"verify: {plural(len(failed), 'failure')}" if failed else "verify: every checked method bit-exact")
     return "\n".join(lines) + "\n"
 
 
