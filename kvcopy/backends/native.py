@@ -56,7 +56,8 @@ def build_note(stem: str) -> str:
     entry = ((build_info() or {}).get("libraries") or {}).get(stem)
     present = next((p for p in _candidates(stem) if p.is_file()), None)
     if present is not None:
-        return f"lib{stem}.so is built ({present.parent})"
+        how = "built at install" if entry and entry.get("built") else "is built"
+        return f"lib{stem}.so {how} ({present.parent})"
     if entry is None:
         return f"lib{stem}.so is not built (no install record {BUILD_INFO.name})"
     if entry.get("built"):
