@@ -88,7 +88,11 @@ def test_sdist_builds_the_cpu_library_offline(tmp_path):
     sdist = next(dist.glob("kvcopy-*.tar.gz"))
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        pkg_info = tar.extractfile(f"{sdist.name[:-len('.tar.gz')]}/PKG-INFO").read().decode()
     assert not [n for n in SDIST_NEEDS if n not in names], sorted(names)
+    # What the README says the install needs is what pip enforces (torch 2.13.0: no 3.9 wheel).
+    assert "Requires-Python: >=3.10" in pkg_info
+    assert "CPython 3.10-3.14" in (ROOT / "README.md").read_text()
     site = tmp_path / "site"
     env = {**os.environ, "KVCOPY_WITH_CUDA": "0"}
     env.pop("KVCOPY_NO_NATIVE", None)
