@@ -41,6 +41,7 @@ def test_wheel_contains_kernels_and_builds_without_native(tmp_path):
     assert "kvcopy/kernels/block_copy.cuh" in names
     assert "kvcopy/kernels/__init__.py" in names
     assert "kvcopy/copier.py" in names and "kvcopy/nixl/__init__.py" in names
+    assert "kvcopy/_lib/build-info.json" in names  # the record of what was (not) built
     # The pure-Python install reports the missing native library instead of failing.
     target = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
@@ -48,7 +49,9 @@ def test_wheel_contains_kernels_and_builds_without_native(tmp_path):
     probe = subprocess.run(
         [sys.executable, "-c",
          "import kvcopy, kvcopy.kernels; r = kvcopy.available_backends(); "
-         "assert r['torch'] is None and r['cpu'], r; print('ok')"],
+         "assert r['torch'] is None and r['cpu'], r; "
+         "assert 'libkvcopy_cpu.so not built at install: KVCOPY_NO_NATIVE set at install' in r['cpu'], r; "
+         "print('ok')"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)}, capture_output=True, text=True,
     )
     assert probe.stdout.strip() == "ok", probe.stderr
