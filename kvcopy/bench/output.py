@@ -47,6 +47,10 @@ def format_table(result: dict, sweep: bool) -> str:
     if th and env["device"] == "cpu":
         out.write(f"threads: {plural(th['count'], 'thread')} for every row, memcpy included "
                   f"(torch.set_num_threads, KVCOPY_CPU_THREADS for cpu): {th['why']}\n")
+        load = env.get("load_average")
+        if load is not None and load >= max(1, env["cpu_count"] / 2) and "busy" not in th["why"]:
+            out.write(f"load: average {load:.1f} on {plural(env['cpu_count'], 'core')} at the start: other "
+                      "work shares these cores, so ratios from this run will not reproduce closely\n")
     headers = (["chunk"] if sweep else []) + ["groups", "dir", "method", "bytes", "median us", "p20 us",
                                              "p80 us", "GB/s", "% memcpy", "x memcpy", "ops/call", "verify"]
     table = []
