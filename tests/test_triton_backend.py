@@ -207,7 +207,7 @@ def _compile(cfg: tc.LaunchConfig, capability: int):
     constexprs = cfg.constexprs()
     signature.update({name: "constexpr" for name in constexprs})
     src = ASTSource(kernel, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": cfg.num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
 
 
 @pytest.mark.parametrize("capability", [80, 90])

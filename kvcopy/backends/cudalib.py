@@ -247,9 +247,14 @@ def current_device_getter():
 
 
 def cuda_unavailable() -> Optional[str]:
+    """Why no kernel can run here (no device), saying too whether ``libkvcopy_cuda.so``
+    was built at install: "not built (no nvcc)" and "no device here" are different
+    fixes."""
     import torch
 
-    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    if torch.cuda.is_available():
+        return None
+    return f"no CUDA device here (torch.cuda.is_available() is False); {native.build_note('kvcopy_cuda')}"
 
 
 class GpuBackendBase:

@@ -195,6 +195,14 @@ def _cuda_driver() -> Optional[str]:
     return None
 
 
+def _load_average() -> Optional[float]:
+    """1-minute load average when the run starts: a busy machine explains noisy ratios."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def env_info(device: str) -> dict:
     """What a result needs to be read later: machine, versions, commit, date."""
     from .. import __version__
@@ -209,6 +217,7 @@ def env_info(device: str) -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "load_average": _load_average(),
         "numpy": np.__version__,
         "triton": _version("triton"),
         "cupy": _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy"),
