@@ -193,7 +193,7 @@ def describe(
     block_stride = strides[block_dim] * itemsize
     chunk_bytes = chunk_elems * itemsize
     num_blocks = shape[block_dim]
-    if num_blocks > 1 and not _chunks_disjoint(num_blocks, block_stride, num_chunks, chunk_stride, chunk_bytes):
+    if num_blocks > 1 and not chunks_disjoint(num_blocks, block_stride, num_chunks, chunk_stride, chunk_bytes):
         raise ValueError(f"blocks of the tensor of shape {shape} overlap (strides {strides})")
     return PageLayout(
         shape=shape,
@@ -213,7 +213,7 @@ def describe(
     )
 
 
-def _chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:
+def chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:
     """Whether every (block, chunk) byte range is disjoint from the others: chunks inside
     blocks (blocks outermost) or blocks inside chunks (KV-first: chunks outermost)."""
     if nc == 1:
