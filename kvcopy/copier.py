@@ -279,7 +279,11 @@ class BlockCopier:
 
 # ---------------------------------------------------------------------- helpers
 def _region_key(t: torch.Tensor, l: PageLayout) -> tuple:
-    return (t.device, t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes, l.num_chunks, l.num_blocks)
+    # The element order is part of the region: two views of the same bytes in different
+    # orders (an LBNHC view and a contiguous view of one allocation) place a page's
+    # elements differently, so they are not one region to copy once.
+    return (t.device, t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes, l.num_chunks, l.num_blocks,
+            l.itemsize, l.page_dims)
 
 
 def _limits(groups, layouts) -> List[Tuple[int, str]]:

@@ -187,6 +187,10 @@ def test_build_errors():
     _groups_error({"a": t, "b": t}, {"a": h, "b": torch.zeros_like(h)}, [["a", "b"]],
                   ValueError, "write the same device bytes from different sources")
     _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", backend="cuda")
+    # one allocation seen in two element orders by two layers: not one region, refused
+    raw = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
+    _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)}, {"a": h.transpose(1, 2), "b": h.transpose(1, 2)},
+                  [["a", "b"]], ValueError, "overlap without being the same region|write the same")
 
 
 def test_int16_host_buffer_for_bf16_cache_is_accepted():
