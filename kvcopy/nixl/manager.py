@@ -44,6 +44,12 @@ does not fit this manager or peer, page ids outside their region) raise
 transfer is made (for example a peer whose NIXL metadata was invalidated or
 re-registered since ``add_peer``: the prepared descriptors are stale) fail the request.
 
+Deadlines: ``pull(..., timeout_s=)`` or the manager's ``pull_timeout_s`` default. A
+pull still in flight past its deadline fails at the next ``poll`` (no timer thread:
+``poll`` checks the clock), its transfer is released like any failed pull's. See
+:class:`Completion` for what a failed pull may leave (its own local pages, in the
+memory NIXL writes: host buffers or device caches).
+
 Heterogeneous peers (different group plans, page sizes, TP sizes; see
 :mod:`kvcopy.nixl.plan`): a plan may read from several peers, one NIXL READ each; the
 handle is DONE when all are, and fails as a whole if one fails. Pairs that move whole
@@ -59,12 +65,14 @@ Not thread-safe: one thread drives a manager.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..checks import seconds
 from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import Agent, NixlError
@@ -78,27 +86,43 @@ PROC, DONE, ERR = "PROC", "DONE", "ERR"
 
 @dataclass(frozen=True)
 class Completion:
-    """What ``complete`` did: ``ok``, else the request's local block ids that failed."""
+    """What ``complete`` did: ``ok``, else the request's local block ids that failed.
+
+    A failed pull may have written, or may still write, the bytes of ``written_pages``
+    (per local group, the request's local kernel pages NIXL reads into) in
+    ``written_in``: ``"host buffers"`` in host mode (the device caches are untouched),
+    ``"device caches"`` in device mode (NIXL writes there directly). Never another
+    page, never another request's bytes. Both are empty / None when the pull is ok or
+    no READ was ever posted. A READ whose release NIXL reported done can still land
+    later (seen: a READ to a stopped peer, released, completes when the peer runs
+    again): treat those pages as garbage until they are written again.
+    """
 
     ok: bool
     failed_block_ids: Tuple[Tuple[int, ...], ...]  # per local group; empty lists when ok
     error: Optional[str] = None
+    written_pages: Tuple[Tuple[int, ...], ...] = ()  # per local group, failed pulls only
+    written_in: Optional[str] = None  # "host buffers", "device caches", or None
 
 
 class PullHandle:
     """One pull in flight or finished. ``state`` is PROC, DONE or ERR; ``error`` says why."""
 
-    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "_xfers", "_done")
+    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "timeout_s", "deadline", "_xfers",
+                 "_done", "_posted")
 
-    def __init__(self, id_: int, plan: PullPlan, notify: bytes):
+    def __init__(self, id_: int, plan: PullPlan, notify: bytes, timeout_s: Optional[float] = None):
         self.id = id_
         self.plan = plan
         self.notify = notify
+        self.timeout_s = timeout_s  # None: no deadline
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s  # time.monotonic()
         self.state = PROC
         self.error: Optional[str] = None
         self.completed = False
         self._xfers: Dict[str, object] = {}  # peer -> NIXL transfer handle not yet released
         self._done: set = set()  # peers whose READ finished
+        self._posted = False  # a READ was handed to NIXL (it may write the plan's local pages)
 
     @property
     def peers(self) -> Tuple[str, ...]:
@@ -140,8 +164,10 @@ class TransferManager:
         tp_size: int = 1,
         total_kv_heads=None,
         copy_backend: str = "auto",
+        pull_timeout_s: Optional[float] = None,
     ):
         self._closed = True
+        self.pull_timeout_s = seconds(pull_timeout_s, "pull_timeout_s")
         if isinstance(layer_groups, (str, bytes)) or any(isinstance(g, (str, bytes)) for g in layer_groups):
             raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
         self.name = name
@@ -303,11 +329,17 @@ class TransferManager:
             self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(plan.read_pages, plan.zero_pages)])
         return plan
 
-    def pull(self, plan: PullPlan, notify: bytes = b"") -> PullHandle:
-        """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done."""
+    def pull(self, plan: PullPlan, notify: bytes = b"", timeout_s: Optional[float] = None) -> PullHandle:
+        """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done.
+
+        ``timeout_s`` (default: the manager's ``pull_timeout_s``; None: no deadline):
+        a pull still in flight that long after this call fails at the next ``poll``
+        (``ERR``, "deadline"): its transfer is released (NIXL cancels it) and it
+        completes like any failed pull."""
         self._check_open()
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        timeout_s = self.pull_timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
         for name in plan.all_peers:
             if name not in self._peers:
                 raise ValueError(f"plan is for unknown peer {name!r}")
@@ -330,7 +362,7 @@ class TransferManager:
                 reads.append((name, "prepped", rows))
             else:
                 reads.append((name, "descs", desc_rows(pairs, pieces, self._info, peer.info)))
-        h = PullHandle(next(self._ids), plan, bytes(notify))
+        h = PullHandle(next(self._ids), plan, bytes(notify), timeout_s)
         self._in_flight[h.id] = h
         for name, how, (local_rows, remote_rows) in reads:
             if not len(local_rows):
@@ -347,6 +379,7 @@ class TransferManager:
                     local_rows, self._regions.mem_type, name, remote_rows, peer.info.mem_type, h.notify)
             if xfer is not None:
                 h._xfers[name] = xfer
+                h._posted = True
             if state == ERR:
                 self._fail(h, reason)
                 return h
@@ -374,6 +407,9 @@ class TransferManager:
                 h._done.add(name)
         if len(h._done) == len(h.peers):
             self._finish(h)
+        elif h.deadline is not None and time.monotonic() >= h.deadline:
+            late = [n for n in h.peers if n not in h._done]
+            self._fail(h, f"deadline: not done {h.timeout_s:g} s after pull (waiting on {late})")
         return h.state
 
     def abort(self, h: PullHandle) -> None:
@@ -392,7 +428,10 @@ class TransferManager:
             raise ValueError(f"{h!r} is still in flight; poll until DONE or ERR")
         h.completed = True
         if state == ERR:
-            return Completion(False, h.plan.local_block_ids, h.error)
+            if not h._posted:
+                return Completion(False, h.plan.local_block_ids, h.error)
+            where = "host buffers" if self.buffer == "host" else "device caches"
+            return Completion(False, h.plan.local_block_ids, h.error, h.plan.read_pages, where)
         self._check_open()
         self._zero_rows(h.plan)
         self._zero(h.plan.zero_pages)
