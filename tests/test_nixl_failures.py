@@ -289,8 +289,8 @@ def host_bytes(d):
 def test_a_stopped_peer_fails_the_pull_at_its_deadline_and_nothing_is_written(stopped_prefill, where):
     """P alive but not answering: the pull is ERR at the first poll past its deadline
     (per pull, or the manager's default), its transfer is released, it completes as a
-    failure (the request's block ids), and neither D's KV nor its host buffers change,
-    also after P runs again."""
+    failure (the request's block ids), and D's KV does not change, also after P runs
+    again; its host buffers change at most in the request's own pages."""
     d, peer, de = stopped_prefill(**({"pull_timeout_s": 0.3} if where == "manager" else {}))
     before, host_before = clone_caches(de.device_caches), host_bytes(d)
     plan = d.plan_pull(peer, [[1, 2, 3, 4]], 64, [[20, 21, 22, 23]])
@@ -310,6 +310,26 @@ def test_a_stopped_peer_fails_the_pull_at_its_deadline_and_nothing_is_written(st
     assert same_bytes(before, de.device_caches), first_difference(before, de.device_caches)
     only = only_pages_changed(host_before, host_bytes(d), done.written_pages[0])
     assert same_bytes(only, host_bytes(d)), first_difference(only, host_bytes(d))
+
+
+def test_device_mode_failed_pull_writes_only_its_own_destination_pages(stopped_prefill):
+    """buffer="device": NIXL reads into D's KV tensors, so a failed pull may leave
+    bytes in that request's destination pages, and Completion says which; no other
+    byte of D's KV changes (a second request's pages, already completed, included)."""
+    d, peer, de = stopped_prefill(buffer="device", pull_timeout_s=0.3)
+    before = clone_caches(de.device_caches)
+    plan = d.plan_pull(peer, [[1, 2, 3]], 40, [[30, 31, 32, 33]])  # page 33: zeroed by complete only
+    h = d.pull(plan)
+    assert wait(d, h, timeout=30) == "ERR" and "deadline" in h.error
+    done = d.complete(h)
+    assert not done.ok and done.written_in == "device caches" and done.written_pages == ((30, 31, 32),)
+    only = only_pages_changed(before, de.device_caches, done.written_pages[0])
+    assert same_bytes(only, de.device_caches), first_difference(only, de.device_caches)  # page 33 not zeroed
+    os.kill(d.stopped_pid, signal.SIGCONT)
+    time.sleep(0.5)
+    after = clone_caches(de.device_caches)
+    only = only_pages_changed(before, after, done.written_pages[0])
+    assert same_bytes(only, after), first_difference(only, after)
 
 
 def test_a_pull_without_deadline_stays_in_flight_and_a_bad_deadline_is_refused(stopped_prefill):

@@ -37,7 +37,8 @@ Synchronization (the only host waits, all documented here):
 Failures (ERR, a peer that vanished, descriptors NIXL rejects) are values, not
 exceptions: ``poll`` returns ``"ERR"`` and releases the NIXL handle, ``complete``
 returns a :class:`Completion` with ``ok=False`` and the request's local block ids, and
-writes nothing to the device caches. The peer is then sent the request's ``notify``
+writes nothing itself (NIXL may have: host mode, the request's host pages only;
+device mode, its destination pages only; :class:`Completion` says which). The peer is then sent the request's ``notify``
 message (best effort) so it can free its blocks. Input errors (bad ids, a plan that
 does not fit this manager or peer, page ids outside their region) raise
 ``ValueError``/``TypeError`` before anything moves. Descriptors NIXL rejects when the
