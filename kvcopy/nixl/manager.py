@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -109,12 +110,14 @@ class Completion:
 class PullHandle:
     """One pull in flight or finished. ``state`` is PROC, DONE or ERR; ``error`` says why."""
 
-    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "timeout_s", "deadline", "_xfers",
-                 "_done", "_posted")
+    __slots__ = ("id", "_plan", "notify", "state", "error", "completed", "timeout_s", "deadline", "_xfers",
+                 "_done", "_posted", "_owner")
 
-    def __init__(self, id_: int, plan: PullPlan, notify: bytes, timeout_s: Optional[float] = None):
+    def __init__(self, id_: int, plan: PullPlan, notify: bytes, timeout_s: Optional[float] = None,
+                 owner: object = None):
         self.id = id_
-        self.plan = plan
+        self._plan = plan
+        self._owner = owner  # the token of the manager that posted it
         self.notify = notify
         self.timeout_s = timeout_s  # None: no deadline
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s  # time.monotonic()
@@ -124,6 +127,10 @@ class PullHandle:
         self._xfers: Dict[str, object] = {}  # peer -> NIXL transfer handle not yet released
         self._done: set = set()  # peers whose READ finished
         self._posted = False  # a READ was handed to NIXL (it may write the plan's local pages)
+
+    @property
+    def plan(self) -> PullPlan:
+        return self._plan
 
     @property
     def peers(self) -> Tuple[str, ...]:
@@ -197,6 +204,11 @@ class TransferManager:
         self._in_flight: Dict[int, PullHandle] = {}
         self._unreleased: List[object] = []  # NIXL handles whose release failed; retried
         self._ids = itertools.count()
+        # Plans and handles are bound to the manager (and peers) that made them: a plan
+        # edited by the caller, made by another manager or for a peer since removed or
+        # re-added is refused before anything moves (see _bound_plan).
+        self._token = object()
+        self._plans: Dict[int, Tuple[weakref.ref, Tuple[Tuple[str, _Peer], ...]]] = {}
         self._local_dlist = None
         self._local_offsets = self._regions.descriptor_offsets.tolist()  # descriptor row of each region
         try:
@@ -328,7 +340,38 @@ class TransferManager:
                                      num_cached_tokens)
         if self._copier is not None:  # complete() must not fail after the read: check its copy now
             self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(plan.read_pages, plan.zero_pages)])
+        self._bind(plan, names)
         return plan
+
+    def _bind(self, plan: PullPlan, names: Sequence[str]) -> None:
+        """Remember ``plan`` (by identity, weakly) and the peer records it was made for."""
+        key, plans = id(plan), self._plans
+
+        def forget(ref, key=key, plans=plans):  # no reference to self: no cycle
+            if plans.get(key, (None,))[0] is ref:
+                del plans[key]
+
+        plans[key] = (weakref.ref(plan, forget), tuple((n, self._peers[n]) for n in names))
+
+    def _bound_plan(self, plan, check_peers: bool = True) -> None:
+        """Refuse a plan this manager's ``plan_pull`` did not return, or (``check_peers``)
+        one whose peers were removed or re-added since: plans are plain frozen data a
+        caller can rebuild with other pages (``dataclasses.replace``), and nothing past
+        this check re-derives them from the handshakes."""
+        entry = self._plans.get(id(plan)) if isinstance(plan, PullPlan) else None
+        if entry is None or entry[0]() is not plan:
+            raise ValueError(
+                f"{type(plan).__name__} is not a plan made by TransferManager {self.name!r}'s plan_pull "
+                "(plans are bound to the manager that made them; an edited or copied plan is refused)")
+        if check_peers:
+            for name, peer in entry[1]:
+                if self._peers.get(name) is not peer:
+                    raise ValueError(f"the plan was made for peer {name!r}, which was removed or re-added "
+                                     "since: plan_pull again")
+
+    def _own(self, h) -> None:
+        if not isinstance(h, PullHandle) or h._owner is not self._token:
+            raise ValueError(f"{h!r} is not a pull of TransferManager {self.name!r}")
 
     def pull(self, plan: PullPlan, notify: bytes = b"", timeout_s: Optional[float] = None) -> PullHandle:
         """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done.
@@ -341,6 +384,7 @@ class TransferManager:
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
         timeout_s = self.pull_timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
+        self._bound_plan(plan)
         for name in plan.all_peers:
             if name not in self._peers:
                 raise ValueError(f"plan is for unknown peer {name!r}")
@@ -363,7 +407,7 @@ class TransferManager:
                 reads.append((name, "prepped", rows))
             else:
                 reads.append((name, "descs", desc_rows(pairs, pieces, self._info, peer.info)))
-        h = PullHandle(next(self._ids), plan, bytes(notify), timeout_s)
+        h = PullHandle(next(self._ids), plan, bytes(notify), timeout_s, self._token)
         self._in_flight[h.id] = h
         for name, how, (local_rows, remote_rows) in reads:
             if not len(local_rows):
@@ -392,6 +436,7 @@ class TransferManager:
 
     def poll(self, h: PullHandle) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""
+        self._own(h)
         if h.state != PROC:
             return h.state
         if self._closed:
@@ -415,6 +460,7 @@ class TransferManager:
 
     def abort(self, h: PullHandle) -> None:
         """Give up a pull in flight: NIXL cancels it, the request fails (``ERR``)."""
+        self._own(h)
         if h.state == PROC:
             self._fail(h, "aborted")
 
@@ -422,18 +468,21 @@ class TransferManager:
         """D: after ``DONE``, zero the plan's unread pages and copy the read pages to the
         device caches (one masked copy); after ``ERR``, write nothing and report the
         request's local block ids as failed. Raises while the pull is in flight."""
+        self._own(h)
         if h.completed:
             raise ValueError(f"{h!r} was already completed")
         state = self.poll(h)
         if state == PROC:
             raise ValueError(f"{h!r} is still in flight; poll until DONE or ERR")
+        if state == DONE:
+            self._check_open()
+            self._bound_plan(h.plan, check_peers=False)  # before the first write
         h.completed = True
         if state == ERR:
             if not h._posted:
                 return Completion(False, h.plan.local_block_ids, h.error)
             where = "host buffers" if self.buffer == "host" else "device caches"
             return Completion(False, h.plan.local_block_ids, h.error, h.plan.read_pages, where)
-        self._check_open()
         self._zero_rows(h.plan)
         self._zero(h.plan.zero_pages)
         if self._copier is not None:
