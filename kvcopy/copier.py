@@ -24,6 +24,7 @@ import torch
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe
 from .backends import native
+from .storages import StorageGuard, check_disjoint
 from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
 IdLists = Sequence[Sequence[int]]
@@ -103,6 +104,11 @@ class BlockCopier:
                 + ", ".join(f"{d}: layer {n!r}" for d, n in first.items())
                 + "); one BlockCopier copies to and from one device"
             )
+        grouped = list(seen)
+        device_grouped = {n: self._device_caches[n] for n in grouped}
+        host_grouped = {n: self._host_buffers[n] for n in grouped}
+        check_disjoint(device_grouped, host_grouped)
+        self._storages = StorageGuard(device_grouped, host_grouped)  # checked before every copy
         self._max_ctas = max_ctas
         self._closed = False
         self._d2h = self._direction("device", "host", backend)
@@ -205,6 +211,7 @@ class BlockCopier:
     def _run(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
         call = self._validate(d, src_ids, dst_ids)
         if call.num_items:
+            self._storages.check()
             d.backend.copy(d.tables, call)
         return call
 
