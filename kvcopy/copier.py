@@ -24,6 +24,7 @@ import torch
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe
 from .backends import native
+from .checks import block_ids, sequence
 from .storages import StorageGuard, check_disjoint
 from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
@@ -225,6 +226,8 @@ class BlockCopier:
                 return call
         # The numpy path: the fallback without the native library, and the one that
         # names what is wrong when the native pass rejects a call.
+        sequence(src_ids, f"{d.src_side} block ids (one list per KV cache group)")
+        sequence(dst_ids, f"{d.dst_side} block ids (one list per KV cache group)")
         if len(src_ids) != n_groups or len(dst_ids) != n_groups:
             raise ValueError(
                 f"expected one id list per KV cache group ({n_groups}), got "
@@ -375,16 +378,7 @@ def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bo
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:
-    if isinstance(ids, torch.Tensor):
-        if ids.device.type != "cpu":
-            raise TypeError(f"group {g}: {side} block ids must be host data, got a {ids.device} tensor")
-        ids = ids.numpy()
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ValueError(f"group {g}: {side} block ids must be a flat list, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"group {g}: {side} block ids must be integers, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    return block_ids(ids, f"group {g}: {side} block ids")
 
 
 def _check_range(ids: np.ndarray, g: int, side: str, limit: Tuple[int, str]) -> None:

@@ -74,7 +74,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..checks import seconds
+from ..checks import block_ids as as_block_ids, seconds, sequence, shown
 from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import Agent, NixlError
@@ -175,6 +175,8 @@ class TransferManager:
         pull_timeout_s: Optional[float] = None,
     ):
         self._closed = True
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty string (the NIXL agent name), got {shown(name)}")
         self.pull_timeout_s = seconds(pull_timeout_s, "pull_timeout_s")
         if isinstance(layer_groups, (str, bytes)) or any(isinstance(g, (str, bytes)) for g in layer_groups):
             raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
@@ -297,14 +299,13 @@ class TransferManager:
         return event
 
     def _pages(self, block_ids, what: str) -> List[np.ndarray]:
-        if isinstance(block_ids, (str, bytes)) or len(block_ids) != len(self.layer_groups):
-            raise ValueError(f"{what}: expected one block id list per KV cache group ({len(self.layer_groups)})")
+        n = len(self.layer_groups)
+        if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__") or len(block_ids) != n:
+            raise ValueError(f"{what}: expected one block id list per KV cache group ({n}), got {shown(block_ids)}")
+        sequence(block_ids, what, n)
         out = []
         for g, ids in enumerate(block_ids):
-            arr = np.asarray(ids)
-            if arr.size and arr.dtype.kind not in "iu":
-                raise TypeError(f"{what}, group {g}: block ids must be integers, got {arr.dtype}")
-            arr = arr.astype(np.int64).reshape(-1)
+            arr = as_block_ids(ids, f"{what}, group {g}")
             arr = arr[arr != NO_BLOCK]
             out.append(expand_blocks(arr, self.tokens_per_block[g] // self.tokens_per_page[g]))
         return out
