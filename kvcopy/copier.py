@@ -12,7 +12,10 @@ of ``dst[l]``, and no other destination byte changes. A layer in no group (a
 KV-sharing layer) is never read or written. Layers of different groups that are views
 of one storage (hybrid models) are copied at their own group's blocks only; two names
 for the same bytes within a group are copied once. Bad input raises ``ValueError`` or
-``TypeError`` naming the group, layer and id before any byte moves.
+``TypeError`` naming the group, layer and id before any byte moves (ids are checked by
+:mod:`kvcopy.checks`). Device and host tensors that share bytes are refused at build,
+and a storage replaced or freed after build is refused at the call
+(:mod:`kvcopy.storages`, per unique storage).
 """
 from __future__ import annotations
 
