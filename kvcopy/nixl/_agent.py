@@ -52,6 +52,10 @@ class NixlError(RuntimeError):
     """A NIXL call failed; the message names the call and NIXL's status."""
 
 
+class BackendUnavailable(NixlError, ValueError):
+    """A backend name no plugin here serves: bad input (a ``ValueError``) as well."""
+
+
 def load_nixl() -> ModuleType:
     """The NIXL Python module (``nixl``, ``nixl_cu12`` or ``nixl_cu13``)."""
     global _module, _import_error
@@ -133,7 +137,7 @@ class Agent:
         self._failed: set = set()  # agent names whose metadata NIXL failed to load
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise NixlError(
+            raise BackendUnavailable(
                 f"NIXL agent {name!r}: backend(s) {missing} unavailable; plugins here: "
                 f"{self._agent.get_plugin_list()}"
             )
