@@ -108,8 +108,16 @@ def describe(res: dict) -> str:
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "cuda_runtime", "cuda_driver", "triton")
                          if env.get(k))
     partial = " (partial: the run was cut short)" if res.get("partial") else ""
+    load = f", load average {env['load_average']}" if env.get("load_average") is not None else ""
+    if res.get("threads"):
+        n = res["threads"]["count"]
+        threads = f"{n} thread{'' if n == 1 else 's'} for every method"
+    else:  # a run older than the thread rule: only torch's count was recorded
+        threads = f"torch on {env.get('torch_threads')} threads (the cpu backend's not recorded)"
+    cpu = f", {threads}{load}" if env.get("device") == "cpu" else ""
+    argv = " ".join(res.get("argv") or [])
     return (f"{res['command']} on {where}, {env.get('date', '?')[:10]}, commit {str(env.get('commit'))[:12]}"
-            f" ({versions}){partial}")
+            f" ({versions}){cpu}{partial}" + (f"; `kvcopy-bench {argv}`" if argv else ""))
 
 
 def render(results: List[dict], md: bool) -> str:
@@ -120,6 +128,9 @@ def render(results: List[dict], md: bool) -> str:
         lines.append("")
         lines.append(f"`{res['_path']}`: {res.get('description', '')}" if md else res.get("description", ""))
         lines.append("")
+        if res["command"] != "sweep":
+            lines += ["x memcpy: time / memcpy time of the same bytes in the same run, lower is better "
+                      "(1.00x is the floor); ops/call from --op-counts (`-`: not counted)", ""]
         lines += sweep_tables(res, md) if res["command"] == "sweep" else run_tables(res, md)
     return "\n".join(lines).rstrip() + "\n"
 

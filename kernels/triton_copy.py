@@ -20,8 +20,10 @@ Work decomposition and grid mapping
 An item is ``segments`` byte ranges contiguous on both sides (one per page run of a
 merged block run, one per (block, page run) otherwise; ``Item::segment`` in the
 header). A page run's offsets on both sides come from its digits over the entry's
-three dims (one int32 division per dim and row), so a layout-converting copy (C-byte
-runs of a head-major page against a token-major one) is the same loop. Each segment
+three dims (int32 divisions per row), so a layout-converting copy (C-byte runs of a
+head-major page against a token-major one) is the same loop. The dims are read from
+the entry row each step (L1 hits) rather than kept per worker: kept, they pushed
+ptxas from 8 to 16 bytes of stack at 128 registers (sm_90). Each segment
 is cut into **rows** of at most ``ROW_BYTES`` bytes, so item ``i`` has
 ``rows(i) = segments(i) * ceil(segment_bytes(i) / ROW_BYTES)`` rows, and the call is
 one flat row space of ``T = sum rows(i)`` rows.
@@ -120,7 +122,7 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
              ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr):
     """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
     (src item base, dst item base, src block stride, dst block stride, runs per page,
-    the page-run dims (c0, s0, d0, c1, s1, d1, c2, s2, d2), merged, segment bytes,
+    the entry row (for the page-run dims), merged, segment bytes,
     rows per segment, rows)."""
     j = tl.where(valid, j, 0)
     item_offsets = call + num_groups + 1
@@ -147,16 +149,6 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     dst_bstride = tl.load(entry + 3, mask=valid, other=0)
     run_bytes = tl.load(entry + 4, mask=valid, other=0)
     num_runs = tl.maximum(tl.load(entry + 5, mask=valid, other=1), 1)
-    # Page-run dims (count, src stride, dst stride), outermost first; counts >= 1.
-    c0 = tl.maximum(tl.load(entry + 6, mask=valid, other=1), 1)
-    s0 = tl.load(entry + 7, mask=valid, other=0)
-    d0 = tl.load(entry + 8, mask=valid, other=0)
-    c1 = tl.maximum(tl.load(entry + 9, mask=valid, other=1), 1)
-    s1 = tl.load(entry + 10, mask=valid, other=0)
-    d1 = tl.load(entry + 11, mask=valid, other=0)
-    c2 = tl.maximum(tl.load(entry + 12, mask=valid, other=1), 1)
-    s2 = tl.load(entry + 13, mask=valid, other=0)
-    d2 = tl.load(entry + 14, mask=valid, other=0)
     # A block run adjacent on both sides moves each page run of all its blocks as one
     # segment.
     merged = (num_blocks == 1) | ((src_bstride == run_bytes) & (dst_bstride == run_bytes))
@@ -165,7 +157,8 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     tiles = (seg_bytes + ROW_BYTES - 1) // ROW_BYTES
     src_item = src_base + src_block * src_bstride
     dst_item = dst_base + dst_block * dst_bstride
-    return (src_item, dst_item, src_bstride, dst_bstride, num_runs, c0, s0, d0, c1, s1, d1, c2, s2, d2,
+    # The page-run dims stay in the entry row (read per row, from L1: fewer live values).
+    return (src_item, dst_item, src_bstride, dst_bstride, num_runs, tl.where(valid, entry, entries),
             merged, seg_bytes, tiles, num_segs * tiles)
 
 
@@ -187,7 +180,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
     for start in range(0, n_items, SCAN):
         j = start + lane
         rows = _resolve(j, j < n_items, entries, group_offsets, group_entries, call, num_groups,
-                        ROW_BYTES, GROUPS)[17]
+                        ROW_BYTES, GROUPS)[9]
         total += _total(rows, 0)
 
     # Each worker's contiguous share of the rows.
@@ -204,7 +197,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         j = start + lane
         valid = j < n_items
         rows = _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
-                        ROW_BYTES, GROUPS)[17]
+                        ROW_BYTES, GROUPS)[9]
         ends = tl.associative_scan(rows, 0, _ADD) + carry
         done = (ends[None, :] <= begin[:, None]) & valid[None, :]
         item += _total(done.to(tl.int64), 1)
@@ -212,7 +205,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         carry += _total(rows, 0)
     row = begin - before  # row within the current item
 
-    (src_item, dst_item, src_bstride, dst_bstride, num_runs, c0, s0, d0, c1, s1, d1, c2, s2, d2,
+    (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry,
      merged, seg_bytes, tiles, rows) = _resolve(
         item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
     cols = tl.arange(0, ROW_ELEMS)
@@ -222,7 +215,17 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         seg = row // tl.maximum(tiles, 1)
         tile = row - seg * tiles
         block = tl.where(merged, 0, seg // num_runs)
-        # Page run -> its digits over the dims (< 2^31: 32-bit divisions).
+        # Page run -> its digits over the entry's dims (count, src stride, dst stride),
+        # outermost first (< 2^31: 32-bit divisions); the outermost digit is what the
+        # inner two leave.
+        c1 = tl.maximum(tl.load(entry + 9), 1)
+        c2 = tl.maximum(tl.load(entry + 12), 1)
+        s0 = tl.load(entry + 7)
+        d0 = tl.load(entry + 8)
+        s1 = tl.load(entry + 10)
+        d1 = tl.load(entry + 11)
+        s2 = tl.load(entry + 13)
+        d2 = tl.load(entry + 14)
         run = (seg - block * num_runs).to(tl.int32)
         i2 = run % c2.to(tl.int32)
         q = run // c2.to(tl.int32)
@@ -245,7 +248,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         if _total(wrap.to(tl.int32), 0) > 0:
             item += wrap.to(tl.int64)
             row = tl.where(wrap, 0, row)
-            (src_item, dst_item, src_bstride, dst_bstride, num_runs, c0, s0, d0, c1, s1, d1, c2, s2, d2,
+            (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry,
              merged, seg_bytes, tiles, rows) = _resolve(
                 item, item < n_items, entries, group_offsets, group_entries, call, num_groups,
                 ROW_BYTES, GROUPS)
@@ -302,12 +305,20 @@ def grid_size(total_bytes: int, cfg: LaunchConfig, max_ctas: int) -> int:
     return max(1, min(int(max_ctas), tiles))
 
 
+# Compile options given explicitly. FP fusion (FMA contraction) cannot change a kernel
+# that moves integers and does integer address math only; asking for it off (Triton
+# 3.10's default) keeps codegen the same across 3.9/3.10 and silences 3.9's
+# "TRITON_DEFAULT_FP_FUSION is unset" warning without touching the process-wide default
+# that the model's own Triton kernels use.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
 def launch(mod: ModuleType, grid: int, entries, group_offsets, group_entries, call,
            num_groups: int, cfg: LaunchConfig) -> None:
     """The one kernel launch of a call (``mod`` from :func:`kernels`)."""
     mod.fused_copy_kernel[(grid,)](
         entries, group_offsets, group_entries, call, num_groups,
-        num_warps=cfg.num_warps, **cfg.constexprs())
+        num_warps=cfg.num_warps, **COMPILE_OPTIONS, **cfg.constexprs())
 
 
 # ------------------------------------------------------- compiled / interpreted

@@ -12,7 +12,10 @@ of ``dst[l]``, and no other destination byte changes. A layer in no group (a
 KV-sharing layer) is never read or written. Layers of different groups that are views
 of one storage (hybrid models) are copied at their own group's blocks only; two names
 for the same bytes within a group are copied once. Bad input raises ``ValueError`` or
-``TypeError`` naming the group, layer and id before any byte moves.
+``TypeError`` naming the group, layer and id before any byte moves (ids are checked by
+:mod:`kvcopy.checks`). Device and host tensors that share bytes are refused at build,
+and a storage replaced or freed after build is refused at the call
+(:mod:`kvcopy.storages`, per unique storage).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import torch
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe, pair_pages
 from .backends import native
+from .checks import block_ids, sequence
+from .storages import StorageGuard, check_disjoint
 from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
 IdLists = Sequence[Sequence[int]]
@@ -40,7 +45,11 @@ class _Direction:
         self.src_limits = src_limits  # per group: (max block count, layer that sets it)
         self.dst_limits = dst_limits
         self.alias_classes = alias_classes  # groups whose destinations share bytes
-        fn = native.plan_call_function()
+        # The planner that also writes the block prefix (the `cuda` call array) when the
+        # library has it; an older library's plain planner otherwise.
+        fn, prefix = native.plan_call_function(prefix=True), True
+        if fn is None:
+            fn, prefix = native.plan_call_function(), False
         self.planner = None
         if fn is not None:
             dst_class = list(range(len(alias_classes), len(alias_classes) + len(dst_limits)))
@@ -50,7 +59,7 @@ class _Direction:
             # renumber densely so the planner's stamp array has one row per class
             dense = {c: i for i, c in enumerate(sorted(set(dst_class)))}
             self.planner = CallPlanner(fn, tables, [l for l, _ in src_limits], [l for l, _ in dst_limits],
-                                       [dense[c] for c in dst_class])
+                                       [dense[c] for c in dst_class], prefix=prefix)
 
 
 class BlockCopier:
@@ -106,6 +115,11 @@ class BlockCopier:
                 + ", ".join(f"{d}: layer {n!r}" for d, n in first.items())
                 + "); one BlockCopier copies to and from one device"
             )
+        grouped = list(seen)
+        device_grouped = {n: self._device_caches[n] for n in grouped}
+        host_grouped = {n: self._host_buffers[n] for n in grouped}
+        check_disjoint(device_grouped, host_grouped)
+        self._storages = StorageGuard(device_grouped, host_grouped)  # checked before every copy
         self._max_ctas = max_ctas
         self._closed = False
         self._d2h = self._direction("device", "host", backend)
@@ -206,6 +220,7 @@ class BlockCopier:
     def _run(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
         call = self._validate(d, src_ids, dst_ids)
         if call.num_items:
+            self._storages.check()
             d.backend.copy(d.tables, call)
         return call
 
@@ -219,6 +234,8 @@ class BlockCopier:
                 return call
         # The numpy path: the fallback without the native library, and the one that
         # names what is wrong when the native pass rejects a call.
+        sequence(src_ids, f"{d.src_side} block ids (one list per KV cache group)")
+        sequence(dst_ids, f"{d.dst_side} block ids (one list per KV cache group)")
         if len(src_ids) != n_groups or len(dst_ids) != n_groups:
             raise ValueError(
                 f"expected one id list per KV cache group ({n_groups}), got "
@@ -275,7 +292,11 @@ class BlockCopier:
 
 # ---------------------------------------------------------------------- helpers
 def _region_key(t: torch.Tensor, l: PageLayout) -> tuple:
-    return (t.device, t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes, l.num_chunks, l.num_blocks)
+    # The element order is part of the region: two views of the same bytes in different
+    # orders (an LBNHC view and a contiguous view of one allocation) place a page's
+    # elements differently, so they are not one region to copy once.
+    return (t.device, t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes, l.num_chunks, l.num_blocks,
+            l.itemsize, l.page_dims)
 
 
 def _limits(groups, layouts) -> List[Tuple[int, str]]:
@@ -373,16 +394,7 @@ def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bo
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:
-    if isinstance(ids, torch.Tensor):
-        if ids.device.type != "cpu":
-            raise TypeError(f"group {g}: {side} block ids must be host data, got a {ids.device} tensor")
-        ids = ids.numpy()
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ValueError(f"group {g}: {side} block ids must be a flat list, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"group {g}: {side} block ids must be integers, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    return block_ids(ids, f"group {g}: {side} block ids")
 
 
 def _check_range(ids: np.ndarray, g: int, side: str, limit: Tuple[int, str]) -> None:

@@ -181,6 +181,58 @@ def test_verify_catches_missing_and_stray_writes(layout):
         point.close()
 
 
+def test_every_row_on_the_same_threads_stated_in_the_header(tmp_path, capsys, monkeypatch):
+    """The memcpy floor and the cpu backend run on one thread count, which the header
+    states; the cpu backend's team size is read when its copier is prepared."""
+    import torch
+
+    from kvcopy.backends import get_backend
+
+    get_backend("cpu")  # an instance that existed before the run must still follow --threads
+    monkeypatch.delenv("KVCOPY_CPU_THREADS", raising=False)
+    before = torch.get_num_threads()
+    seen = []
+    real_prepare = type(get_backend("cpu")).prepare
+
+    def spy(self, tables):
+        real_prepare(self, tables)
+        seen.append((torch.get_num_threads(), tables.backend_state["cpu"][-1]))
+
+    monkeypatch.setattr(type(get_backend("cpu")), "prepare", spy)
+    rc, res = run_json(tmp_path, "--num-groups", "2", "--threads", "1", "--direction", "h2d", *SMALL)
+    assert rc == 0
+    assert res["threads"] == {"count": 1, "why": "--threads"} and res["env"]["torch_threads"] == 1
+    assert seen and all(s == (1, 1) for s in seen), seen
+    assert torch.get_num_threads() == before and "KVCOPY_CPU_THREADS" not in os.environ
+    out = capsys.readouterr().out
+    assert "threads: 1 thread for every row, memcpy included" in out
+    assert "lower is better" in out and "ops/call: '-' = not counted (pass --op-counts" in out
+    assert "1 threads" not in out and "(s)" not in out and "2 groups" in out
+
+
+def test_progress_bar_uses_the_table_size_unit(tmp_path, capsys):
+    rc = main(["--num-groups", "1,2", "--direction", "h2d", "--json", str(tmp_path / "o.json"),
+               *[a for a in SMALL if a != "--quiet"]])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "1 group, chunk 64 B, h2d" in err and "2 groups, chunk 64 B, h2d" in err, err
+
+
+def test_row_faster_than_its_floor_is_flagged():
+    from kvcopy.bench.output import below_floor, format_table
+
+    def row(method, p20, med, p80):
+        return {"method": method, "chunk_bytes": 1024, "groups": 1, "direction": "h2d", "bytes": 4096,
+                "p20_us": p20, "median_us": med, "p80_us": p80, "x_memcpy": med / 10.0, "verify": "ok"}
+
+    rows = [row("memcpy", 9.0, 10.0, 11.0), row("cpu", 5.0, 6.0, 7.0), row("torch", 8.0, 10.5, 12.0)]
+    result = {"command": "run", "env": {"device": "cpu", "cpu_count": 2, "torch": "x"}, "description": "d",
+              "results": rows, "skipped": {}, "notes": [], "threads": {"count": 1, "why": "--threads"}}
+    assert below_floor(result) == {id(rows[1])}  # torch's p80 overlaps the floor: noise, not flagged
+    text = format_table(result, sweep=False)
+    assert "0.60!" in text and "1 row faster than the memcpy floor" in text
+
+
 @pytest.mark.parametrize("layout", ["lbnhc", "blnhc"])
 def test_converting_preset_verifies_every_method(tmp_path, layout):
     """The convert512 preset (LBNHC cache vs contiguous host) and a cross-layer layout

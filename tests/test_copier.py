@@ -187,6 +187,10 @@ def test_build_errors():
     _groups_error({"a": t, "b": t}, {"a": h, "b": torch.zeros_like(h)}, [["a", "b"]],
                   ValueError, "write the same device bytes from different sources")
     _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", backend="cuda")
+    # one allocation seen in two element orders by two layers: not one region, refused
+    raw = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
+    _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)}, {"a": h.transpose(1, 2), "b": h.transpose(1, 2)},
+                  [["a", "b"]], ValueError, "overlap without being the same region|write the same")
 
 
 def test_int16_host_buffer_for_bf16_cache_is_accepted():
@@ -255,3 +259,45 @@ def test_cross_layer_allocation_per_layer_views(backend):
         kvcopy.BlockCopier({"a": big[:, 0], "b": big[:, 0:2].reshape(16, 8, 2, 8)},
                            {"a": host["l0"], "b": torch.zeros(16, 8, 2, 8, dtype=torch.bfloat16)},
                            [["a"], ["b"]], backend=backend)
+
+
+# ---------------------------------------------------------------- misuse of the memory
+def _one_layer(dev, host):
+    return kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
+
+
+def test_source_and_destination_overlap_is_refused_at_build():
+    """One storage, the host view half a page past the device view (old code: accepted,
+    and the cpu backend gave wrong bytes)."""
+    pool = torch.zeros(2 * 8 * 16 * 8 + 64, dtype=torch.float16)
+    page = 16 * 8
+    dev = pool[: 8 * page].view(8, 16, 8)
+    host = pool[page // 2 : page // 2 + 8 * page].view(8, 16, 8)
+    with pytest.raises(ValueError, match="share bytes"):
+        _one_layer(dev, host)
+    with pytest.raises(ValueError, match="share bytes"):
+        _one_layer(dev, dev)
+    _one_layer(pool[: 8 * page].view(8, 16, 8), pool[8 * page : 16 * page].view(8, 16, 8)).close()  # adjacent: fine
+
+
+@pytest.mark.parametrize("how", ["set_", "resize_(0)"])
+@pytest.mark.parametrize("side", ["device", "host"])
+def test_storage_replaced_or_freed_after_build_raises_at_the_call(side, how):
+    """Old code wrote into the freed storage (SIGSEGV or silent corruption)."""
+    dev = torch.randn(8, 16, 8).to(torch.float16)
+    host = torch.zeros(8, 16, 8, dtype=torch.float16)
+    copier = _one_layer(dev, host)
+    copier.to_host([[1, 2]])
+    target = dev if side == "device" else host
+    if how == "set_":
+        target.set_(torch.zeros(8, 16, 8, dtype=torch.float16))
+    else:
+        target.untyped_storage().resize_(0)
+    other = host if side == "device" else dev
+    before = other.clone()
+    for call in (copier.to_host, copier.to_device):
+        with pytest.raises(ValueError, match="replaced or freed after the BlockCopier was built"):
+            call([[3, 4]])
+    assert torch.equal(other.view(torch.int16), before.view(torch.int16))
+    copier.plan("d2h", [[3]])  # validating ids touches no memory: still allowed
+    copier.close()

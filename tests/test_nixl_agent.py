@@ -53,3 +53,31 @@ def test_setup_errors_raise_and_transfer_errors_are_values():
         Agent.release_dlist(local)
     finally:
         a.close()
+
+
+def test_nixl_info_lines_are_off_by_default():
+    """A new agent prints nothing to stdout (NIXL logs an INFO line per agent and backend)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("nixl_cu12")
+    code = "from kvcopy.nixl._agent import Agent\na = Agent('quiet-probe')\na.close()\nprint('end')\n"
+    env = {k: v for k, v in os.environ.items() if k not in ("NIXL_LOG_LEVEL", "KVCOPY_VERBOSE")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout == "end\n"
+
+
+def test_verbose_or_nixl_log_level_keeps_nixl_logging(monkeypatch):
+    import logging
+
+    logger = logging.getLogger("nixl")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    for var in ("KVCOPY_VERBOSE", "NIXL_LOG_LEVEL"):
+        monkeypatch.setenv(var, "1" if var == "KVCOPY_VERBOSE" else "INFO")
+        _agent._quiet_nixl_logging()
+        assert logger.level == logging.INFO, var
+        monkeypatch.delenv(var)
+    _agent._quiet_nixl_logging()
+    assert logger.level == logging.WARNING

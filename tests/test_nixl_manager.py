@@ -6,6 +6,9 @@ expectation (P's bytes at each group's read pages, zero in pages listed for zero
 D's poison everywhere else, KV-sharing and ungrouped layers included) and the byte
 oracle's replay of the plan.
 """
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -148,3 +151,65 @@ def test_api_misuse_raises(pd):
     d.close()
     with pytest.raises(ValueError, match="closed"):
         d.plan_pull(peer, [[1]], 16, [[2]])
+
+
+def edited_plans(plan, pe):
+    """Plans a caller could build from a genuine one with other pages (old code: each
+    made ``complete`` zero or copy wrong pages with ok=True, or raise IndexError after
+    the READ)."""
+    pair = plan.pairs[0]
+    rp = dataclasses.replace
+    return {
+        "negative local page": rp(plan, pairs=(rp(pair, local_pages=(-1,) + pair.local_pages[1:]),) + plan.pairs[1:]),
+        "out-of-range remote page": rp(plan, pairs=(rp(pair, remote_pages=(10**6,) + pair.remote_pages[1:]),)
+                                       + plan.pairs[1:]),
+        "page no pair reads": rp(plan, read_pages=((plan.read_pages[0][0] + 1,) + plan.read_pages[0][1:],)),
+        "out-of-range zero page": rp(plan, zero_pages=((NP + 3,),)),
+        "copied plan": rp(plan),
+    }
+
+
+def test_edited_or_foreign_plans_and_handles_are_refused_before_anything_moves(pd):
+    p, d, peer, pe, de = pd("one_group")
+    p2, d2, peer2, _, de2 = pd("one_group")
+    p.save([[1, 2, 3]])
+    plan = d.plan_pull(peer, [[1, 2, 3]], 40, [[10, 11, 12, 13]])
+    assert plan.zero_pages == ((13,),)
+    before, host_before = clone_caches(de.device_caches), clone_caches(d.regions.host_views)
+    for what, bad in edited_plans(plan, pe).items():
+        with pytest.raises(ValueError, match="not a plan made by"):
+            d.pull(bad)
+    with pytest.raises(ValueError, match="not a plan made by"):
+        d2.pull(plan)  # another manager's plan
+    with pytest.raises(ValueError, match="not a plan made by"):
+        d.pull(pickle.loads(pickle.dumps(plan)))  # a plan that crossed a process boundary
+    assert same_bytes(before, de.device_caches) and same_bytes(host_before, d.regions.host_views)
+    assert d.stats()["in_flight"] == 0
+
+    h = d.pull(plan)
+    for call in (d2.poll, d2.abort, d2.complete):  # a handle completed on another manager
+        with pytest.raises(ValueError, match="is not a pull of"):
+            call(h)
+    assert wait(d, h) == "DONE"
+    # complete checks its plan before its first write: a handle whose plan was swapped
+    h._plan = edited_plans(plan, pe)["page no pair reads"]
+    with pytest.raises(ValueError, match="not a plan made by"):
+        d.complete(h)
+    assert same_bytes(before, de.device_caches)
+    h._plan = plan
+    assert d.complete(h).ok
+    assert not same_bytes(before, de.device_caches)
+    assert d2.stats()["in_flight"] == 0 and same_bytes(clone_caches(de2.device_caches), de2.device_caches)
+
+
+def test_a_plan_for_a_peer_removed_or_re_added_since_is_refused(pd):
+    p, d, peer, pe, de = pd("one_group")
+    plan = d.plan_pull(peer, [[1]], 16, [[2]])
+    d.remove_peer(peer)
+    with pytest.raises(ValueError, match="removed or re-added"):
+        d.pull(plan)
+    d.add_peer(p.metadata())
+    with pytest.raises(ValueError, match="removed or re-added"):
+        d.pull(plan)
+    h = d.pull(d.plan_pull(peer, [[1]], 16, [[2]]))
+    assert wait(d, h) == "DONE" and d.complete(h).ok

@@ -1,5 +1,6 @@
 """kvcopy.tables: entry tables and the packed per-call array the kernels read."""
 import numpy as np
+import pytest
 import torch
 
 import kvcopy
@@ -99,3 +100,34 @@ def test_cta_cap(monkeypatch):
     monkeypatch.setenv("KVCOPY_MAX_CTAS", "zero")
     with pytest.raises(ValueError, match="KVCOPY_MAX_CTAS must be a positive integer"):
         kvcopy.BlockCopier(t, h, [["a"]], backend="torch")
+
+
+def test_native_planner_writes_the_cuda_block_prefix():
+    """kvcopy_plan_call_prefix: the same packed call as the numpy path, and after it the
+    block prefix the cuda kernel reads (prefix[r] = blocks in the runs before r)."""
+    from kvcopy.backends import cudalib, native
+    from kvcopy.tables import pack_call
+
+    if native.plan_call_function(prefix=True) is None:
+        pytest.skip("CPU library not built (or built before kvcopy_plan_call_prefix)")
+    t = {f"l{i}": torch.zeros(64, 2, 8, dtype=torch.uint8) for i in range(4)}
+    h = {k: torch.zeros(80, 2, 8, dtype=torch.uint8) for k in t}
+    c = kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2"], ["l3"]], backend="cpu")
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        dev, host = [], []
+        for g in range(3):
+            n = int(rng.integers(0, 12))
+            start = int(rng.integers(0, 64 - n)) if trial % 2 else 0
+            d = (np.arange(start, start + n) if trial % 3 == 0 else rng.permutation(64)[:n]).tolist()
+            dev.append(d)
+            host.append((rng.permutation(80)[:n] if trial % 4 == 1 else np.array(d, dtype=np.int64)).tolist())
+        call = c.plan("h2d", dev, host)
+        assert call.prefix_words == call.num_runs + 1
+        ref = pack_call(c.tables("h2d"), [np.array(x, dtype=np.int64) for x in host],
+                        [np.array(x, dtype=np.int64) for x in dev])
+        assert ref.prefix_words == 0
+        assert call.packed.tolist() == ref.packed.tolist()
+        assert cudalib.call_array(call).tolist() == cudalib.call_array(ref).tolist()
+        address, words, _ = cudalib.call_words(call)
+        assert address == call.packed_address and words == len(call.packed) + call.num_runs + 1

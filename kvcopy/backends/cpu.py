@@ -3,7 +3,9 @@
 Both sides must be CPU tensors (a CPU-only engine, or the tests). The call passes the
 static tables' addresses and the packed call array; the library walks every item
 (OpenMP threads above 1 MiB per call) and memcpy's its segments. ctypes releases the
-GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads.
+GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads; it is read
+when a copier direction is prepared (not once per process), so a benchmark that sets
+it before building its copiers runs them on that many threads.
 """
 from __future__ import annotations
 
@@ -22,6 +24,15 @@ def _ptr(a) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
+def _threads() -> int:
+    """``KVCOPY_CPU_THREADS`` (0 or unset: OpenMP's default team)."""
+    text = os.environ.get("KVCOPY_CPU_THREADS", "").strip()
+    try:
+        return max(0, int(text)) if text else 0
+    except ValueError:
+        raise ValueError(f"KVCOPY_CPU_THREADS must be an integer, got {text!r}") from None
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -34,7 +45,6 @@ class CpuBackend(Backend):
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ]
-        self._threads = int(os.environ.get("KVCOPY_CPU_THREADS", "0"))
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -48,13 +58,13 @@ class CpuBackend(Backend):
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             _ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries),
-            tables.num_groups,
+            tables.num_groups, _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        entries, offsets, group_entries, groups = self.state(tables)
+        entries, offsets, group_entries, groups, threads = self.state(tables)
         rc = self._lib.kvcopy_cpu_copy(
-            entries, offsets, group_entries, groups, call.packed_address, call.total_bytes, self._threads
+            entries, offsets, group_entries, groups, call.packed_address, call.total_bytes, threads
         )
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")

@@ -56,6 +56,58 @@ class _State:
     max_ctas: Optional[int]  # resolved once (tables.cta_cap()), not per call
     graph_buffers: List[torch.Tensor] = field(default_factory=list)
     launches: int = 0
+    inline: Optional["InlineLaunch"] = None  # the short per-call path (library launcher)
+
+
+class InlineLaunch:
+    """The per-call host path of a call whose array fits in the kernel parameters.
+
+    Everything constant for a copier direction is resolved once, at prepare: the
+    static table's device pointer and counts as ctypes values, the word size, the SM
+    count and CTA cap, the launch function. A call then costs the grid rule, the
+    current device and raw stream (two cheap torch getters: the stream can change
+    between calls, so it is read every call, never cached) and one ctypes call with
+    the planner's buffer as the call array (the native planner wrote the block prefix
+    in the same pass: no numpy on this path). ``launch`` is ``kvcopy_cuda_copy``, or,
+    for ``kvcopy-bench overhead``, a no-op C function with the same argument types
+    (:meth:`stubbed`), so the host cost is measurable without a GPU.
+    """
+
+    __slots__ = ("launch", "device", "sm_count", "max_ctas", "inline_words", "word", "head",
+                 "stream", "current_device")
+
+    def __init__(self, launch, device: int, static_ptr: int, num_entries: int, num_groups: int,
+                 num_group_entries: int, word_bytes: int, sm_count: int, max_ctas: Optional[int],
+                 inline_words: int, stream=None, current_device=None):
+        self.launch = launch
+        self.device = device
+        self.sm_count, self.max_ctas, self.inline_words = sm_count, max_ctas, inline_words
+        self.word = ctypes.c_int(word_bytes)
+        self.head = (ctypes.c_void_p(static_ptr), ctypes.c_int64(num_entries), ctypes.c_int64(num_groups),
+                     ctypes.c_int64(num_group_entries))
+        self.stream = stream or cudalib.raw_stream_getter()
+        self.current_device = current_device or cudalib.current_device_getter()
+
+    @classmethod
+    def stubbed(cls, tables: CopyTables, noop, sm_count: int = 132, max_ctas: Optional[int] = None):
+        """This path over ``tables`` (CPU tables do), launching ``noop``: no device, no stream."""
+        return cls(noop, 0, 0, tables.num_entries, tables.num_groups, len(tables.group_entries),
+                   tables.word_bytes, sm_count, max_ctas, cudalib.INLINE_WORDS,
+                   stream=lambda device: 0, current_device=lambda: 0)
+
+    def __call__(self, call: CallPlan) -> Optional[int]:
+        """The launch's return code, or None when the call does not fit inline."""
+        address, words, owner = cudalib.call_words(call)
+        if words > self.inline_words:
+            return None
+        grid = cudalib.grid_size(call.total_bytes, self.sm_count, self.max_ctas)
+        if self.current_device() != self.device:
+            with torch.cuda.device(self.device):
+                return self._launch(address, words, call.total_bytes, grid)
+        return self._launch(address, words, call.total_bytes, grid)
+
+    def _launch(self, address: int, words: int, total: int, grid: int) -> int:
+        return self.launch(*self.head, address, None, words, total, self.word, grid, self.stream(self.device))
 
 
 class _LibLauncher:
@@ -64,6 +116,7 @@ class _LibLauncher:
         self.inline_words = lib.kvcopy_cuda_inline_words()
         self.threads = lib.kvcopy_cuda_threads()
         self.kind = "library"
+        self.copy_function = lib.kvcopy_cuda_copy  # ctypes, argtypes declared (cudalib)
 
     def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
         return self._lib.kvcopy_cuda_copy(tables, e, g, ge, call_host, call_device, call_words, total,
@@ -141,17 +194,30 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
             if pinning is not None:
                 pinning.release()
             raise
-        tables.backend_state["cuda"] = _State(
+        st = _State(
             device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
             num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
             word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.cta_cap(),
         )
+        if isinstance(self._launcher, _LibLauncher):
+            st.inline = InlineLaunch(self._launcher.copy_function, device, static.data_ptr(), st.num_entries,
+                                     st.num_groups, st.num_group_entries, st.word_bytes, sms, st.max_ctas,
+                                     self._launcher.inline_words)
+        tables.backend_state["cuda"] = st
 
     # ------------------------------------------------------------ the copy
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
         st: _State = self.state(tables)
         if call.total_bytes <= 0:
             return
+        if st.inline is not None:
+            rc = st.inline(call)
+            if rc is not None:
+                if rc != 0:
+                    raise cudalib.CudaError(f"kvcopy_block_copy_w{st.word_bytes} launch (library)", rc,
+                                            self._launcher.error_name(rc))
+                st.launches += 1
+                return
         arr = cudalib.call_array(call)
         stream = torch.cuda.current_stream(st.device)
         grid = cudalib.grid_size(call.total_bytes, st.sm_count, st.max_ctas)

@@ -53,6 +53,13 @@ def library() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     return _lib, _lib_reason
 
 
+# kvcopy_cuda_copy(static, entries, groups, group_entries, call_host, call_device,
+# call_words, total_bytes, word_bytes, grid, stream)
+COPY_ARGTYPES = [_vp, _i64, _i64, _i64, _vp, _vp, _i64, _i64, _int, _int, _vp]
+# kvcopy_cuda_store_words(dst, src, count, stream)
+STORE_ARGTYPES = [_vp, _vp, _i64, _vp]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     sig = {
         "kvcopy_cuda_abi_version": (_int, []),
@@ -65,9 +72,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvcopy_cuda_device_count": (_int, [ctypes.POINTER(_int)]),
         "kvcopy_cuda_device_info": (_int, [_int, ctypes.POINTER(_int), ctypes.POINTER(_int)]),
         "kvcopy_cuda_host_device_pointer": (_int, [_vp, ctypes.POINTER(_vp)]),
-        "kvcopy_cuda_copy": (_int, [_vp, _i64, _i64, _i64, _vp, _vp, _i64, _i64, _int, _int, _vp]),
+        "kvcopy_cuda_copy": (_int, COPY_ARGTYPES),
         "kvcopy_cuda_stream_capturing": (_int, [_vp, ctypes.POINTER(_int)]),
-        "kvcopy_cuda_store_words": (_int, [_vp, _vp, _i64, _vp]),
+        "kvcopy_cuda_store_words": (_int, STORE_ARGTYPES),
         "kvcopy_ce_batch_abi": (_int, []),
         "kvcopy_ce_error_name": (ctypes.c_char_p, [_int]),
         "kvcopy_ce_copy": (_int, [_vp, _vp, _vp, _i64, _vp, _int, _int, _int, _int, _vp,
@@ -148,8 +155,21 @@ def static_table(tables, entries: Optional[np.ndarray] = None) -> np.ndarray:
     return np.concatenate([e.ravel(), tables.group_offsets, tables.group_entries, prefix]).astype(np.int64)
 
 
+def call_words(call) -> Tuple[int, int, object]:
+    """(host address, words, owner) of the fused kernel's call array. The native
+    planner wrote the block prefix after the packed call in its own buffer
+    (``call.prefix_words``): that buffer as is. Else :func:`call_array` builds it;
+    ``owner`` keeps it alive until the launch has read it."""
+    if call.prefix_words:
+        return call.packed_address, len(call.packed) + call.prefix_words, call
+    arr = call_array(call)
+    return arr.ctypes.data, len(arr), arr
+
+
 def call_array(call) -> np.ndarray:
     """The packed call followed by the block prefix over its runs (R+1 values)."""
+    if getattr(call, "prefix_words", 0):  # the native planner wrote it after `packed`
+        return np.frombuffer(call.packed.base, dtype=np.int64, count=len(call.packed) + call.prefix_words)
     g = call.num_groups
     counts = call.packed[2 * (g + 1) + 2 :: 3]
     out = np.empty(len(call.packed) + len(counts) + 1, dtype=np.int64)
@@ -208,10 +228,33 @@ def call_on_device(device: int, fn, *args):
         return fn(*args)
 
 
-def cuda_unavailable() -> Optional[str]:
+def raw_stream_getter():
+    """device -> the current stream's raw pointer, without building a Stream object
+    (torch.cuda.current_stream costs ~1-2 us per call; torch's raw getter ~0.2 us)."""
     import torch
 
-    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+def current_device_getter():
+    """() -> the current CUDA device index (torch's raw getter where it has one)."""
+    import torch
+
+    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def cuda_unavailable() -> Optional[str]:
+    """Why no kernel can run here (no device), saying too whether ``libkvcopy_cuda.so``
+    was built at install: "not built (no nvcc)" and "no device here" are different
+    fixes."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"no CUDA device here (torch.cuda.is_available() is False); {native.build_note('kvcopy_cuda')}"
 
 
 class GpuBackendBase:

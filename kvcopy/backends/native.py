@@ -1,18 +1,22 @@
 """Finding and loading kvcopy's native libraries (ctypes, C ABI).
 
-``setup.py`` builds them with CMake next to this file (``kvcopy/_lib/``); a source
+``setup.py`` builds them with CMake into ``kvcopy/_lib/``, beside a record of what
+it built and why not (``build-info.json``, read by :func:`build_info`); a source
 checkout can build them in place with ``python setup.py build_ext --inplace`` or
 ``pip install -e .``. ``KVCOPY_LIB_DIR`` points elsewhere (a build tree). A library
-that is missing is a reason a backend is unavailable, never an import error.
+that is missing is a reason a backend is unavailable, never an import error; the
+reason says whether the install skipped it (and why) or it went missing since.
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
+BUILD_INFO = LIB_DIR / "build-info.json"
 
 _loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
 
@@ -23,14 +27,18 @@ def _candidates(stem: str) -> List[Path]:
     return [d / f"lib{stem}.so" for d in dirs]
 
 
+def find(stem: str) -> Optional[Path]:
+    """The file :func:`load` would load for ``stem``, or None when there is none."""
+    return next((p for p in _candidates(stem) if p.is_file()), None)
+
+
 def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     """``(library, None)``, or ``(None, why not)``; cached per process."""
     if stem not in _loaded:
         tried = _candidates(stem)
-        found = next((p for p in tried if p.is_file()), None)
+        found = find(stem)
         if found is None:
-            _loaded[stem] = (None, f"lib{stem}.so not built (looked in {', '.join(str(p.parent) for p in tried)}; "
-                                   "run `pip install -e .` with a C++ compiler and CMake)")
+            _loaded[stem] = (None, missing_reason(stem, tried))
         else:
             try:
                 _loaded[stem] = (ctypes.CDLL(str(found)), None)
@@ -39,10 +47,45 @@ def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
     return _loaded[stem]
 
 
-def plan_call_function():
-    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None."""
+def build_info() -> Optional[dict]:
+    """The install's record of what it built (``kvcopy/_lib/build-info.json``), or None
+    where there is none (libraries built by hand, or an install older than the record)."""
+    try:
+        return json.loads(BUILD_INFO.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_note(stem: str) -> str:
+    """One phrase on ``lib{stem}.so``: there, or not built at install and why."""
+    entry = ((build_info() or {}).get("libraries") or {}).get(stem)
+    present = next((p for p in _candidates(stem) if p.is_file()), None)
+    if present is not None:
+        how = "built at install" if entry and entry.get("built") else "is built"
+        return f"lib{stem}.so {how} ({present.parent})"
+    if entry is None:
+        return f"lib{stem}.so is not built (no install record {BUILD_INFO.name})"
+    if entry.get("built"):
+        return f"lib{stem}.so was built at install but is gone"
+    return f"lib{stem}.so not built at install: {entry.get('reason') or 'no reason recorded'}"
+
+
+def missing_reason(stem: str, tried: List[Path]) -> str:
+    entry = ((build_info() or {}).get("libraries") or {}).get(stem)
+    if entry is not None and not entry.get("built"):
+        return f"{build_note(stem)} (`pip install -v .` shows the build)"
+    return (f"{build_note(stem)}; looked in {', '.join(str(p.parent) for p in tried)}; build it with "
+            "`pip install -v -e .` (CMake and a C++ compiler; nvcc for the CUDA library)")
+
+
+def plan_call_function(prefix: bool = False):
+    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None.
+
+    ``prefix=True``: ``kvcopy_plan_call_prefix``, which also writes the CUDA kernel's
+    block prefix after the runs; None from a library built before it existed."""
     lib, _ = load("kvcopy_cpu")
-    fn = getattr(lib, "kvcopy_plan_call", None) if lib is not None else None
+    name = "kvcopy_plan_call_prefix" if prefix else "kvcopy_plan_call"
+    fn = getattr(lib, name, None) if lib is not None else None
     if fn is not None and fn.argtypes is None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.restype = i64

@@ -3,10 +3,17 @@
 ``prepare`` (once per copier direction) page-locks pageable host buffers in place
 (:mod:`kvcopy.backends.pinning`), uploads the static tables to the device and picks the launch
 shape (word size from the tables' alignment, rows about one chunk long). ``copy``
-then does exactly two things on the caller's current stream: one small
-host-to-device copy of the packed call array (from a pinned staging tensor of
-PyTorch's caching host allocator, which keeps the block from being reused until the
-copy has run) and one kernel launch. Nothing synchronizes the host.
+then does exactly two things on the caller's current stream: it puts the packed call
+array on the device, and launches the kernel. Nothing synchronizes the host.
+
+The call array goes up one of two ways. A call of at most 480 words (about 150 runs),
+when ``libkvcopy_cuda`` is there: ``kvcopy_cuda_store_words`` carries the words in its
+kernel parameters into a device buffer kept per stream (:class:`SmallCallUpload`): no
+pinned staging block, no ``cudaMemcpyAsync``, one ctypes call on the host. The
+buffer is reused by the next call on the same stream only, which runs after this
+call's kernel by stream order. Larger calls (or no library): a pinned staging tensor
+of PyTorch's caching host allocator (which keeps the block from being reused until
+the copy has run) and one host-to-device copy.
 
 Grid: at most ``max_ctas`` programs (``BlockCopier(..., max_ctas=N)``, which lands in
 ``tables.max_ctas``; else the ``KVCOPY_MAX_CTAS`` environment
@@ -48,6 +55,45 @@ class _State:
     cfg: Any  # triton_copy.LaunchConfig
     max_ctas: int
     pinning: Any  # kvcopy.backends.pinning.HostPinning or None
+    small_upload: Optional["SmallCallUpload"] = None  # GPU, with libkvcopy_cuda
+
+
+class SmallCallUpload:
+    """Small call arrays to the device through ``kvcopy_cuda_store_words``, into one
+    device buffer per stream (see the module docstring). ``store`` is that function,
+    or for ``kvcopy-bench overhead`` a no-op with its argument types; ``stream`` maps
+    the device index to the current raw stream; ``allocate`` makes a buffer."""
+
+    def __init__(self, store, device_index: int, max_words: int, stream, allocate):
+        self._store, self._device, self.max_words = store, device_index, max_words
+        self._stream, self._allocate = stream, allocate
+        self._buffers: dict = {}
+
+    def __call__(self, call: CallPlan):
+        """The device buffer now holding ``call.packed`` (or None: too large)."""
+        words = len(call.packed)
+        if words > self.max_words:
+            return None
+        stream = self._stream(self._device)
+        buf = self._buffers.get(stream)
+        if buf is None:
+            buf = self._buffers[stream] = self._allocate(self.max_words)
+        rc = self._store(buf.data_ptr(), call.packed_address, words, stream)
+        if rc != 0:
+            from .cudalib import CudaError, error_name
+
+            raise CudaError("kvcopy_cuda_store_words (triton call array)", rc, error_name(rc))
+        return buf
+
+
+def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
+    from . import cudalib
+
+    lib, _ = cudalib.library()
+    if lib is None:
+        return None
+    return SmallCallUpload(lib.kvcopy_cuda_store_words, device.index, cudalib.INLINE_WORDS, cudalib.raw_stream_getter(),
+                           lambda n: torch.empty(n, dtype=torch.int64, device=device))
 
 
 class TritonBackend(Backend):
@@ -130,6 +176,7 @@ class TritonBackend(Backend):
             cfg=tc.launch_config(tables.word_bytes, min_chunk),
             max_ctas=max_ctas,
             pinning=pinning,
+            small_upload=_small_upload(device) if device.type == "cuda" else None,
         )
 
     # ------------------------------------------------------------ per call
@@ -137,27 +184,29 @@ class TritonBackend(Backend):
         st = self.state(tables)
         if call.num_items == 0:
             return
-        packed = torch.from_numpy(call.packed)
         grid = self._kernels.grid_size(call.total_bytes, st.cfg, st.max_ctas)
         if st.device.type != "cuda":
             self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
-                                 packed, call.num_groups, st.cfg)
+                                 torch.from_numpy(call.packed), call.num_groups, st.cfg)
             return
         # One small H2D copy of the call, then the launch, both on the current stream.
         # pin_memory() draws from the caching host allocator, which records the copy's
         # stream and does not hand the block out again before the copy has run.
         if torch.cuda.current_device() != st.device.index:
             with torch.cuda.device(st.device):
-                self._launch_cuda(st, packed, grid, call.num_groups)
+                self._launch_cuda(st, call, grid)
         else:
-            self._launch_cuda(st, packed, grid, call.num_groups)
+            self._launch_cuda(st, call, grid)
 
-    def _launch_cuda(self, st: _State, packed: torch.Tensor, grid: int, num_groups: int) -> None:
+    def _launch_cuda(self, st: _State, call: CallPlan, grid: int) -> None:
         if torch.cuda.is_current_stream_capturing():
             # A captured copy from a cached pinned block would re-read host memory the
-            # allocator has long reused at every replay. The `cuda` backend stages the
-            # call array on the device for graphs.
+            # allocator has long reused at every replay, and a captured store into the
+            # per-stream buffer would replay over later calls' words. The `cuda`
+            # backend stages the call array on the device for graphs.
             raise RuntimeError("the triton backend cannot be captured in a CUDA graph; use backend='cuda'")
-        call_dev = packed.pin_memory().to(st.device, non_blocking=True)
+        call_dev = st.small_upload(call) if st.small_upload is not None else None
+        if call_dev is None:
+            call_dev = torch.from_numpy(call.packed).pin_memory().to(st.device, non_blocking=True)
         self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
-                             call_dev, num_groups, st.cfg)
+                             call_dev, call.num_groups, st.cfg)

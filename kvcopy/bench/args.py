@@ -55,8 +55,9 @@ def add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "(after 5 calls; default 0.75 CPU, 3 GPU): bounds slow methods (the Triton "
                         "interpreter, baselines on a busy machine)")
     m.add_argument("--time-limit", type=float,
-                   help="aim to finish the timed part within this many seconds by shrinking --budget "
-                        "for the points left (default 30 on CPU, none on GPU; 0: none)")
+                   help="aim to finish within this many seconds: --budget shrinks for the points left, "
+                        "and no new point is built once it has passed (default 30 on CPU, none on GPU; "
+                        "0: none)")
     m.add_argument("--max-ctas", type=int_list, default=[0], metavar="N[,N...]",
                    help="cap the grid of GPU kernel backends (0: uncapped); several values give a "
                         "row each")
@@ -64,6 +65,9 @@ def add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
     m.add_argument("--verify", dest="verify", action="store_true", default=True,
                    help="bit-exact check against the torch reference (default on)")
     m.add_argument("--no-verify", dest="verify", action="store_false")
+    m.add_argument("--verify-max-chunk", metavar="SIZE",
+                   help="verify only points whose chunk is at most SIZE (e.g. 32K): checking a large "
+                        "point reads every destination byte on the host")
     m.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
     m.add_argument("--threads", type=int,
                    help="torch intra-op threads (torch.set_num_threads) and KVCOPY_CPU_THREADS for the "

@@ -6,6 +6,7 @@
     kvcopy-bench nixl                     # NIXL pull vs one bulk READ (two agents, UCX)
     kvcopy-bench fuzz --cases 10000       # byte-oracle fuzzer of heterogeneous P/D plans
     kvcopy-bench calibrate                # auto's per-device table (GPU)
+    kvcopy-bench overhead                 # host cost per call, launch stubbed (no GPU needed)
     kvcopy-bench list                     # presets and which backends run here
 
 This module only dispatches: each subcommand is ``(add_args, run)`` in its own module
@@ -85,6 +86,8 @@ register("list", "presets and the backends this install can run", lambda p: None
          _lazy(".run", "add_run_args", "cmd_list")[1])
 register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans (python -m kvcopy.nixl.fuzz)",
          *_lazy("kvcopy.nixl.fuzz", "add_args", "run"))
+register("overhead", "host cost per call with the device launch replaced by a no-op (no GPU needed)",
+         *_lazy(".overhead", "add_args", "run"))
 register("calibrate", "measure this GPU's backends per descriptor size; store the table auto reads",
          *_lazy(".calibrate", "add_args", "run"))
 

@@ -374,6 +374,7 @@ def run(args) -> int:
     from .timing import env_info
     from .args import BenchError, device as _device, scenarios as _scenarios
     from .output import Progress, write_file as _write
+    from .scenarios import plural
     from ..nixl import nixl_available
 
     why = nixl_available()
@@ -390,7 +391,7 @@ def run(args) -> int:
         rows, f = measure_nixl(sc, args, device)
         results += rows
         facts.append({"groups": len(sc.groups()), **f})
-        progress.step(f"{len(sc.groups())} groups")
+        progress.step(plural(len(sc.groups()), "group"))
     out = {"tool": "kvcopy-bench", "command": "nixl", "argv": getattr(args, "argv", None),
            "env": env_info(device), "scenario": [s.to_dict() for s in scenarios],
            "description": scenarios[0].describe(), "plans": facts, "results": results}
@@ -404,7 +405,7 @@ def run(args) -> int:
 
 
 def format_nixl(out: dict) -> str:
-    from .scenarios import fmt_bytes
+    from .scenarios import fmt_bytes, plural
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]
@@ -420,6 +421,7 @@ def format_nixl(out: dict) -> str:
         lines.append(f"{r['groups']:>6}  {r['method']:<20} {fmt_bytes(r['bytes']):>9} {d:>6} "
                      f"{r.get('median_us', 0):>10.1f} {r.get('p20_us', 0):>9.1f} {r.get('p80_us', 0):>9.1f} "
                      f"{r.get('gbps', 0):>7.2f} {r.get('x_bulk') or 0:>7.2f}")
+    lines.append("x bulk = time / one bulk READ of the same bytes, same run: lower is better (1.00x is the floor)")
     for f in out["plans"]:
         lines.append(f"groups {f['groups']}: {f['region_pairs']} region pairs, descriptors per request "
                      f"{f['descriptors_per_page']} per page -> {f['descriptors_merged']} after run merging; "

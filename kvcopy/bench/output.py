@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Dict, List
 
-from .scenarios import fmt_bytes
+from .scenarios import fmt_bytes, plural
 
 
 class Progress:
@@ -40,19 +40,28 @@ class Progress:
 def format_table(result: dict, sweep: bool) -> str:
     env = result["env"]
     out = io.StringIO()
-    where = env.get("gpu") or f"{env['cpu_count']} CPU cores, torch {env['torch']} ({env['torch_threads']} threads)"
+    where = env.get("gpu") or f"{plural(env['cpu_count'], 'CPU core')}, torch {env['torch']}"
     out.write(f"kvcopy-bench {result['command']}  on {env['device']}: {where}\n")
     out.write(f"scenario {result['description']}\n")
+    th = result.get("threads")
+    if th and env["device"] == "cpu":
+        out.write(f"threads: {plural(th['count'], 'thread')} for every row, memcpy included "
+                  f"(torch.set_num_threads, KVCOPY_CPU_THREADS for cpu): {th['why']}\n")
+        load = env.get("load_average")
+        if load is not None and load >= max(1, env["cpu_count"] / 2) and "busy" not in th["why"]:
+            out.write(f"load: average {load:.1f} on {plural(env['cpu_count'], 'core')} at the start: other "
+                      "work shares these cores, so ratios from this run will not reproduce closely\n")
     headers = (["chunk"] if sweep else []) + ["groups", "dir", "method", "bytes", "median us", "p20 us",
                                              "p80 us", "GB/s", "% memcpy", "x memcpy", "ops/call", "verify"]
     table = []
+    below = below_floor(result)
     for r in result["results"]:
         ops = r.get("ops_per_call")
         ops_s = "-" if ops is None else f"{ops:g}" + ("+1C" if r.get("ops_note") else "")
         cells = ([fmt_bytes(r["chunk_bytes"])] if sweep else []) + [
             str(r["groups"]), r["direction"], r["method"], fmt_bytes(r["bytes"]),
             _f(r.get("median_us"), 1), _f(r.get("p20_us"), 1), _f(r.get("p80_us"), 1), _f(r.get("gbps"), 2),
-            _f(r.get("pct_of_memcpy"), 1), _f(r.get("x_memcpy"), 2), ops_s,
+            _f(r.get("pct_of_memcpy"), 1), _f(r.get("x_memcpy"), 2) + ("!" if id(r) in below else ""), ops_s,
             r["verify"] if len(r["verify"]) < 40 else r["verify"][:37] + "...",
         ]
         table.append(cells)
@@ -74,10 +83,44 @@ def format_table(result: dict, sweep: bool) -> str:
         out.write(f"skipped {name}: {why}\n")
     for note in result["notes"]:
         out.write(f"note: {note}\n")
-    if any(r.get("ops_note") for r in result["results"]):
-        out.write("ops/call: on the CPU, torch operators that move bytes (+1C: one native call)\n")
+    out.write(legend(result))
+    if below:
+        out.write(f"! {plural(len(below), 'row')} faster than the memcpy floor (p80 below memcpy's p20): "
+                  "a measurement problem (load, threads, caches), not a result; rerun on a quiet "
+                  "machine with --threads 1\n")
     out.write(summary(result))
     return out.getvalue()
+
+
+def legend(result: dict) -> str:
+    """What the columns mean and which way is better."""
+    lines = ["columns: time per call (median, p20, p80); x memcpy = time / memcpy time of the same "
+             "bytes in the same run, lower is better (1.00x is the floor); % memcpy = its inverse, "
+             "higher is better"]
+    counted = any(r.get("ops_per_call") is not None for r in result["results"])
+    if not counted:
+        lines.append("ops/call: '-' = not counted (pass --op-counts: torch.profiler, slower)")
+    elif result["env"]["device"] == "cpu":
+        lines.append("ops/call: on the CPU, torch operators that move bytes (+1C: one native call "
+                     "the profiler cannot see)")
+    else:
+        lines.append("ops/call: device kernels + memcpys + memsets per call")
+    return "".join(line + "\n" for line in lines)
+
+
+def below_floor(result: dict) -> set:
+    """ids of rows clearly faster than their point's memcpy (p80 < memcpy p20): no copy
+    of the same bytes beats a contiguous memcpy, so such a row is a measurement bug."""
+    floors = {}
+    for r in result["results"]:
+        if r["method"] == "memcpy" and r.get("p20_us"):
+            floors[(r["chunk_bytes"], r["groups"], r["direction"])] = r["p20_us"]
+    out = set()
+    for r in result["results"]:
+        floor = floors.get((r["chunk_bytes"], r["groups"], r["direction"]))
+        if r["method"] != "memcpy" and floor and r.get("p80_us") and r["p80_us"] < floor:
+            out.add(id(r))
+    return out
 
 
 def summary(result: dict) -> str:
@@ -88,13 +131,13 @@ def summary(result: dict) -> str:
             by_method.setdefault(r["method"], []).append(r["x_memcpy"])
     if not by_method:
         return ""
-    lines = ["summary (time / memcpy time of the same bytes, same run):"]
+    lines = ["summary (x memcpy: time / memcpy time of the same bytes, same run; lower is better):"]
     for m, xs in by_method.items():
         xs.sort()
         lines.append(f"  {m:<12} median {xs[len(xs) // 2]:.2f}x  worst {xs[-1]:.2f}x  best {xs[0]:.2f}x "
-                     f"over {len(xs)} point(s)")
+                     f"over {plural(len(xs), 'point')}")
     failed = [r for r in result["results"] if r["verify"].startswith("FAIL")]
-    lines.append(f"verify: {len(failed)} failure(s)" if failed else "verify: every checked method bit-exact")
+    lines.append(f"verify: {plural(len(failed), 'failure')}" if failed else "verify: every checked method bit-exact")
     return "\n".join(lines) + "\n"
 
 

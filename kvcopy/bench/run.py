@@ -69,7 +69,7 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
                 continue
             meta[key] = {"method": m, "max_ctas": cap or None}
     verify: Dict[str, str] = {}
-    if args.verify:
+    if verify_point(args, sc):
         expected = point.expected(direction)
         for key, fn in fns.items():
             if key == "memcpy":
@@ -105,12 +105,13 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
             row["gbps"] = point.total_bytes / (med * 1e-6) / 1e9
             row["pct_of_memcpy"] = 100.0 * ref / med if ref else None
             row["x_memcpy"] = med / ref if ref else None
-        row["verify"] = verify.get(key, "skipped" if not args.verify else "n/a")
+        row["verify"] = verify.get(key, "skipped" if not verify_point(args, sc) else "n/a")
         if args.op_counts:
             try:
                 counts = op_counts(fn, device)
             except Exception as exc:  # the profiler is best effort
                 counts = {"error": f"{type(exc).__name__}: {exc}"}
+            row["device_us"] = counts.pop("device_us", None)
             row["ops"] = counts
             row["ops_per_call"] = counts.get("total")
             if device == "cpu" and meta[key]["method"] in ("cpu", "auto"):
@@ -125,6 +126,18 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     return rows
 
 
+def verify_point(args, scenario) -> bool:
+    """Whether this point is checked bit-exact (``--verify``, ``--verify-max-chunk``)."""
+    if not args.verify:
+        return False
+    limit = getattr(args, "verify_max_chunk", None)
+    if limit in (None, ""):
+        return True
+    from .scenarios import parse_size
+
+    return scenario.chunk_bytes() <= parse_size(str(limit))
+
+
 def _kind(method: str) -> str:
     from .scenarios import BASELINES
 
@@ -134,19 +147,17 @@ def _kind(method: str) -> str:
 def run_bench(args, sweep: bool) -> dict:
     import torch
 
-    from .scenarios import copier_accepts, fmt_bytes, parse_size
+    from .scenarios import copier_accepts, fmt_bytes, parse_size, plural
     from .timing import env_info
 
     device = _device(args)
     notes = []
-    threads = args.threads
-    if threads is None and device == "cpu" and busy():
-        threads = 1
-        notes.append(f"machine busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
-                     "1 thread for every method; --threads 0 to keep torch's default")
-    if threads:
-        torch.set_num_threads(threads)
-        os.environ["KVCOPY_CPU_THREADS"] = str(threads)  # read when the cpu backend loads
+    threads, threads_why = _threads(args, device)
+    # Every method and the memcpy floor on the same threads: torch's intra-op pool (the
+    # floor, the baselines, the torch backend) and the cpu backend's OpenMP team, which
+    # reads KVCOPY_CPU_THREADS when a copier is prepared.
+    torch.set_num_threads(threads)
+    os.environ["KVCOPY_CPU_THREADS"] = str(threads)
     if sweep and args.max_call_bytes is None:
         args.max_call_bytes = (256 << 20) if device != "cpu" else (32 << 20)
     elif sweep:
@@ -172,6 +183,7 @@ def run_bench(args, sweep: bool) -> dict:
             f"{min(s.blocks_per_request for s in scenarios)} where a call would pass "
             f"{fmt_bytes(args.max_call_bytes)}" if sweep else ""),
         "methods": methods,
+        "threads": {"count": threads, "why": threads_why},
         "skipped": skipped,
         "notes": notes,
         "results": rows,
@@ -180,7 +192,13 @@ def run_bench(args, sweep: bool) -> dict:
     base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
     limit = args.time_limit if args.time_limit is not None else (30.0 if device == "cpu" else 0.0)
     t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
-    for sc in scenarios:
+    for n_done, sc in enumerate(scenarios):
+        if limit > 0 and n_done and time.perf_counter() - t_start > limit:
+            # --time-limit bounds building and verifying too: points not reached are named.
+            left = [f"{fmt_bytes(s.chunk_bytes())} x {len(s.groups())} groups" for s in scenarios[n_done:]]
+            notes.append(f"time limit {limit:g} s reached: {len(left)} point(s) not measured ({', '.join(left)})")
+            result["truncated"] = len(left)
+            break
         point = sc.build(device, pinned=args.host_memory == "pinned")
         try:
             for direction in directions:
@@ -190,7 +208,8 @@ def run_bench(args, sweep: bool) -> dict:
                     budget = min(base_budget, left / steps_left / max(1, len(methods)))
                 steps_left -= 1
                 rows += measure_point(point, direction, methods, args, device, skipped, budget)
-                progress.step(f"{len(sc.groups())} groups, chunk {sc.chunk_bytes()} B, {direction}")
+                progress.step(f"{plural(len(sc.groups()), 'group')}, chunk {fmt_bytes(sc.chunk_bytes())}, "
+                              f"{direction}")
                 if args.json and args.json != "-" and steps_left:
                     # A checkpoint: a run killed by a timeout still leaves its finished points.
                     write_file(args.json, json.dumps(dict(result, partial=True), indent=1, default=str) + "\n")
@@ -200,6 +219,18 @@ def run_bench(args, sweep: bool) -> dict:
             if device != "cpu":
                 torch.cuda.empty_cache()
     return result
+
+
+def _threads(args, device: str) -> Tuple[int, str]:
+    """(threads for every method, why that many)."""
+    import torch
+
+    if args.threads:
+        return args.threads, "--threads"
+    if args.threads is None and device == "cpu" and busy():
+        return 1, (f"machine busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); "
+                   "--threads N to choose")
+    return torch.get_num_threads(), "torch's default" + (" (--threads 0)" if args.threads == 0 else "")
 
 
 def cmd_run(args, sweep: bool = False) -> int:
@@ -230,6 +261,11 @@ def cmd_list(args) -> int:
     print("presets:")
     for name, p in PRESETS.items():
         print(f"  {name:<8} {p['help']}")
+    from ..backends.native import BUILD_INFO, build_info, build_note
+
+    print(f"native libraries (install record: {BUILD_INFO if build_info() else 'none'}):")
+    for stem in ("kvcopy_cpu", "kvcopy_cuda"):
+        print(f"  {build_note(stem)}")
     print("backends:")
     for name, why in available_backends().items():
         print(f"  {name:<8} {'available' if why is None else 'unavailable: ' + why}")

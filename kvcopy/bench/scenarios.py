@@ -157,7 +157,8 @@ class Scenario:
             per_group = self.call_bytes() // len(self.groups())
             per_call = f"{fmt_bytes(per_group * min(group_counts))}-{fmt_bytes(per_group * max(group_counts))}"
         return (
-            f"{self.name}: {self.num_layers} layers, {groups} group(s) ({self.layer_map} map), "
+            f"{self.name}: {plural(self.num_layers, 'layer')}, {groups} "
+            f"{'group' if groups == '1' else 'groups'} ({self.layer_map} map), "
             f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}, "
             f"chunk {fmt_bytes(self.chunk_bytes())}, {per_call}/call"
         )
@@ -432,6 +433,11 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} GiB"
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 group``, ``2 groups``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def parse_size(text: str) -> int:

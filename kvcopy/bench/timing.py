@@ -104,6 +104,7 @@ def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, 
         if on_gpu:
             torch.cuda.synchronize()
     counts: Dict[str, float] = {}
+    device_us = 0.0
     events = prof.events()
     if on_gpu:
         for e in events:
@@ -112,6 +113,7 @@ def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, 
                 kind = ("memcpy" if "memcpy" in name.lower() else
                         "memset" if "memset" in name.lower() else "kernel")
                 counts[kind] = counts.get(kind, 0) + 1
+                device_us += e.time_range.elapsed_us()
     else:
         for e in events:
             if e.name not in _MOVING_OPS:
@@ -126,6 +128,8 @@ def op_counts(fn: Callable[[], None], device: str, calls: int = 3) -> Dict[str, 
                 counts[e.name] = counts.get(e.name, 0) + 1
     per_call = {k: v / calls for k, v in counts.items()}
     per_call["total"] = sum(per_call.values())
+    if on_gpu:  # the device activities' own time, beside the events' wall time
+        per_call["device_us"] = device_us / calls
     return per_call
 
 
@@ -191,6 +195,14 @@ def _cuda_driver() -> Optional[str]:
     return None
 
 
+def _load_average() -> Optional[float]:
+    """1-minute load average when the run starts: a busy machine explains noisy ratios."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def env_info(device: str) -> dict:
     """What a result needs to be read later: machine, versions, commit, date."""
     from .. import __version__
@@ -205,6 +217,7 @@ def env_info(device: str) -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "load_average": _load_average(),
         "numpy": np.__version__,
         "triton": _version("triton"),
         "cupy": _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy"),

@@ -26,10 +26,16 @@ from it, and it is taken up again only by byte-identical metadata (then re-valid
 in full by ``add_peer``); different metadata under its name unloads it first (a
 restarted peer). At most :data:`MAX_PARKED` are kept (the oldest is unloaded); all go
 with the agent.
+
+Logging: NIXL's Python logger prints an ``INFO`` line to stdout for every agent and
+backend it creates. kvcopy sets that logger to ``WARNING`` when it loads NIXL, unless
+``NIXL_LOG_LEVEL`` (NIXL's own knob, which then applies) or ``KVCOPY_VERBOSE=1`` is set.
 """
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from collections import OrderedDict
 from types import ModuleType
 from typing import Dict, List, Optional, Tuple
@@ -46,6 +52,10 @@ class NixlError(RuntimeError):
     """A NIXL call failed; the message names the call and NIXL's status."""
 
 
+class BackendUnavailable(NixlError, ValueError):
+    """A backend name no plugin here serves: bad input (a ``ValueError``) as well."""
+
+
 def load_nixl() -> ModuleType:
     """The NIXL Python module (``nixl``, ``nixl_cu12`` or ``nixl_cu13``)."""
     global _module, _import_error
@@ -60,6 +70,7 @@ def load_nixl() -> ModuleType:
                 errors.append(f"{candidate}: {exc}")
                 break
             if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+                _quiet_nixl_logging()
                 _module = mod
                 return mod
             errors.append(f"{candidate}: has no nixl_agent")
@@ -67,6 +78,13 @@ def load_nixl() -> ModuleType:
     raise ImportError(
         "kvcopy.nixl needs NIXL: pip install nixl-cu12 (or nixl-cu13, or nixl). " + _import_error
     )
+
+
+def _quiet_nixl_logging() -> None:
+    """NIXL's INFO lines off by default, on request loud (see the module doc)."""
+    if os.environ.get("NIXL_LOG_LEVEL") or os.environ.get("KVCOPY_VERBOSE", "") not in ("", "0"):
+        return
+    logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def nixl_available() -> Optional[str]:
@@ -119,7 +137,7 @@ class Agent:
         self._failed: set = set()  # agent names whose metadata NIXL failed to load
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise NixlError(
+            raise BackendUnavailable(
                 f"NIXL agent {name!r}: backend(s) {missing} unavailable; plugins here: "
                 f"{self._agent.get_plugin_list()}"
             )

@@ -43,12 +43,19 @@ Synchronization (the only host waits, all documented here):
 Failures (ERR, a peer that vanished, descriptors NIXL rejects) are values, not
 exceptions: ``poll`` returns ``"ERR"`` and releases the NIXL handle, ``complete``
 returns a :class:`Completion` with ``ok=False`` and the request's local block ids, and
-writes nothing to the device caches. The peer is then sent the request's ``notify``
+writes nothing itself (NIXL may have: host mode, the request's host pages only;
+device mode, its destination pages only; :class:`Completion` says which). The peer is then sent the request's ``notify``
 message (best effort) so it can free its blocks. Input errors (bad ids, a plan that
 does not fit this manager or peer, page ids outside their region) raise
 ``ValueError``/``TypeError`` before anything moves. Descriptors NIXL rejects when the
 transfer is made (for example a peer whose NIXL metadata was invalidated or
 re-registered since ``add_peer``: the prepared descriptors are stale) fail the request.
+
+Deadlines: ``pull(..., timeout_s=)`` or the manager's ``pull_timeout_s`` default. A
+pull still in flight past its deadline fails at the next ``poll`` (no timer thread:
+``poll`` checks the clock), its transfer is released like any failed pull's. See
+:class:`Completion` for what a failed pull may leave (its own local pages, in the
+memory NIXL writes: host buffers or device caches).
 
 Heterogeneous peers (different group plans, page sizes, TP sizes; see
 :mod:`kvcopy.nixl.plan`): a plan may read from several peers, one NIXL READ each; the
@@ -65,12 +72,15 @@ Not thread-safe: one thread drives a manager.
 from __future__ import annotations
 
 import itertools
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..checks import block_ids as as_block_ids, seconds, sequence, shown
 from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import Agent, NixlError, metadata_name
@@ -87,27 +97,49 @@ PROC, DONE, ERR = "PROC", "DONE", "ERR"
 
 @dataclass(frozen=True)
 class Completion:
-    """What ``complete`` did: ``ok``, else the request's local block ids that failed."""
+    """What ``complete`` did: ``ok``, else the request's local block ids that failed.
+
+    A failed pull may have written, or may still write, the bytes of ``written_pages``
+    (per local group, the request's local kernel pages NIXL reads into) in
+    ``written_in``: ``"host buffers"`` in host mode (the device caches are untouched),
+    ``"device caches"`` in device mode (NIXL writes there directly). Never another
+    page, never another request's bytes. Both are empty / None when the pull is ok or
+    no READ was ever posted. A READ whose release NIXL reported done can still land
+    later (seen: a READ to a stopped peer, released, completes when the peer runs
+    again): treat those pages as garbage until they are written again.
+    """
 
     ok: bool
     failed_block_ids: Tuple[Tuple[int, ...], ...]  # per local group; empty lists when ok
     error: Optional[str] = None
+    written_pages: Tuple[Tuple[int, ...], ...] = ()  # per local group, failed pulls only
+    written_in: Optional[str] = None  # "host buffers", "device caches", or None
 
 
 class PullHandle:
     """One pull in flight or finished. ``state`` is PROC, DONE or ERR; ``error`` says why."""
 
-    __slots__ = ("id", "plan", "notify", "state", "error", "completed", "_xfers", "_done")
+    __slots__ = ("id", "_plan", "notify", "state", "error", "completed", "timeout_s", "deadline", "_xfers",
+                 "_done", "_posted", "_owner")
 
-    def __init__(self, id_: int, plan: PullPlan, notify: bytes):
+    def __init__(self, id_: int, plan: PullPlan, notify: bytes, timeout_s: Optional[float] = None,
+                 owner: object = None):
         self.id = id_
-        self.plan = plan
+        self._plan = plan
+        self._owner = owner  # the token of the manager that posted it
         self.notify = notify
+        self.timeout_s = timeout_s  # None: no deadline
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s  # time.monotonic()
         self.state = PROC
         self.error: Optional[str] = None
         self.completed = False
         self._xfers: Dict[str, object] = {}  # peer -> NIXL transfer handle not yet released
         self._done: set = set()  # peers whose READ finished
+        self._posted = False  # a READ was handed to NIXL (it may write the plan's local pages)
+
+    @property
+    def plan(self) -> PullPlan:
+        return self._plan
 
     @property
     def peers(self) -> Tuple[str, ...]:
@@ -149,12 +181,16 @@ class TransferManager:
         tp_size: int = 1,
         total_kv_heads=None,
         copy_backend: str = "auto",
+        pull_timeout_s: Optional[float] = None,
         key: Optional[bytes] = None,
         arena_bytes: int = 1 << 30,
         arena_ttl_s: float = 60.0,
     ):
         self._closed = True
         self._arena: Optional[ArenaStaging] = None
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty string (the NIXL agent name), got {shown(name)}")
+        self.pull_timeout_s = seconds(pull_timeout_s, "pull_timeout_s")
         # Shared HMAC key (docs/nixl.md, "Trust model"): metadata() is authenticated
         # with it and add_peer accepts only metadata authenticated with it.
         self._key = check_key(key)
@@ -192,6 +228,11 @@ class TransferManager:
         self._in_flight: Dict[int, PullHandle] = {}
         self._unreleased: List[object] = []  # NIXL handles whose release failed; retried
         self._ids = itertools.count()
+        # Plans and handles are bound to the manager (and peers) that made them: a plan
+        # edited by the caller, made by another manager or for a peer since removed or
+        # re-added is refused before anything moves (see _bound_plan).
+        self._token = object()
+        self._plans: Dict[int, Tuple[weakref.ref, Tuple[Tuple[str, _Peer], ...]]] = {}
         self._local_dlist = None
         self._local_offsets = self._regions.descriptor_offsets.tolist()  # descriptor row of each region
         try:
@@ -320,14 +361,13 @@ class TransferManager:
         return event if record is None else (record, event)
 
     def _pages(self, block_ids, what: str) -> List[np.ndarray]:
-        if isinstance(block_ids, (str, bytes)) or len(block_ids) != len(self.layer_groups):
-            raise ValueError(f"{what}: expected one block id list per KV cache group ({len(self.layer_groups)})")
+        n = len(self.layer_groups)
+        if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__") or len(block_ids) != n:
+            raise ValueError(f"{what}: expected one block id list per KV cache group ({n}), got {shown(block_ids)}")
+        sequence(block_ids, what, n)
         out = []
         for g, ids in enumerate(block_ids):
-            arr = np.asarray(ids)
-            if arr.size and arr.dtype.kind not in "iu":
-                raise TypeError(f"{what}, group {g}: block ids must be integers, got {arr.dtype}")
-            arr = arr.astype(np.int64).reshape(-1)
+            arr = as_block_ids(ids, f"{what}, group {g}")
             arr = arr[arr != NO_BLOCK]
             out.append(expand_blocks(arr, self.tokens_per_block[g] // self.tokens_per_page[g]))
         return out
@@ -368,9 +408,11 @@ class TransferManager:
         if self._arena is not None:  # remote_block_ids: the peers' StagedRequest records
             self._retry_releases()
             self._arena.flush_deferred(safe=not self._unreleased)
-            return self._arena.plan_pull(self._geometry(self._info.tp_rank, self._info.tp_size),
+            plan = self._arena.plan_pull(self._geometry(self._info.tp_rank, self._info.tp_size),
                                          [self._peers[n].info for n in names], remote_block_ids,
                                          remote_num_tokens, local_block_ids, num_cached_tokens)
+            self._bind(plan, names)
+            return plan
         sources = [(self._peers[n].info, self._peers[n].layer_pairs) for n in names]
         if isinstance(remote_block_ids, Mapping):
             ids = remote_block_ids
@@ -382,13 +424,51 @@ class TransferManager:
                                      num_cached_tokens)
         if self._copier is not None:  # complete() must not fail after the read: check its copy now
             self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(plan.read_pages, plan.zero_pages)])
+        self._bind(plan, names)
         return plan
 
-    def pull(self, plan: PullPlan, notify: bytes = b"") -> PullHandle:
-        """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done."""
+    def _bind(self, plan: PullPlan, names: Sequence[str]) -> None:
+        """Remember ``plan`` (by identity, weakly) and the peer records it was made for."""
+        key, plans = id(plan), self._plans
+
+        def forget(ref, key=key, plans=plans):  # no reference to self: no cycle
+            if plans.get(key, (None,))[0] is ref:
+                del plans[key]
+
+        plans[key] = (weakref.ref(plan, forget), tuple((n, self._peers[n]) for n in names))
+
+    def _bound_plan(self, plan, check_peers: bool = True) -> None:
+        """Refuse a plan this manager's ``plan_pull`` did not return, or (``check_peers``)
+        one whose peers were removed or re-added since: plans are plain frozen data a
+        caller can rebuild with other pages (``dataclasses.replace``), and nothing past
+        this check re-derives them from the handshakes."""
+        entry = self._plans.get(id(plan)) if isinstance(plan, (PullPlan, ArenaPlan)) else None
+        if entry is None or entry[0]() is not plan:
+            raise ValueError(
+                f"{type(plan).__name__} is not a plan made by TransferManager {self.name!r}'s plan_pull "
+                "(plans are bound to the manager that made them; an edited or copied plan is refused)")
+        if check_peers:
+            for name, peer in entry[1]:
+                if self._peers.get(name) is not peer:
+                    raise ValueError(f"the plan was made for peer {name!r}, which was removed or re-added "
+                                     "since: plan_pull again")
+
+    def _own(self, h) -> None:
+        if not isinstance(h, PullHandle) or h._owner is not self._token:
+            raise ValueError(f"{h!r} is not a pull of TransferManager {self.name!r}")
+
+    def pull(self, plan: PullPlan, notify: bytes = b"", timeout_s: Optional[float] = None) -> PullHandle:
+        """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done.
+
+        ``timeout_s`` (default: the manager's ``pull_timeout_s``; None: no deadline):
+        a pull still in flight that long after this call fails at the next ``poll``
+        (``ERR``, "deadline"): its transfer is released (NIXL cancels it) and it
+        completes like any failed pull."""
         self._check_open()
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
+        timeout_s = self.pull_timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
+        self._bound_plan(plan)
         for name in plan.all_peers:
             if name not in self._peers:
                 raise ValueError(f"plan is for unknown peer {name!r}")
@@ -397,7 +477,7 @@ class TransferManager:
             reads = [(name, "descs", rows) for name, rows in self._arena.reads(plan).items()]
         else:
             reads = self._reads(plan)
-        h = PullHandle(next(self._ids), plan, bytes(notify))
+        h = PullHandle(next(self._ids), plan, bytes(notify), timeout_s, self._token)
         self._post(h, reads)
         return h
 
@@ -440,6 +520,7 @@ class TransferManager:
                     local_rows, self._info.mem_type, name, remote_rows, peer.info.mem_type, h.notify)
             if xfer is not None:
                 h._xfers[name] = xfer
+                h._posted = True
             if state == ERR:
                 self._fail(h, reason)
                 return
@@ -450,6 +531,7 @@ class TransferManager:
 
     def poll(self, h: PullHandle) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""
+        self._own(h)
         if h.state != PROC:
             return h.state
         if self._closed:
@@ -466,10 +548,14 @@ class TransferManager:
                 h._done.add(name)
         if len(h._done) == len(h.peers):
             self._finish(h)
+        elif h.deadline is not None and time.monotonic() >= h.deadline:
+            late = [n for n in h.peers if n not in h._done]
+            self._fail(h, f"deadline: not done {h.timeout_s:g} s after pull (waiting on {late})")
         return h.state
 
     def abort(self, h: PullHandle) -> None:
         """Give up a pull in flight: NIXL cancels it, the request fails (``ERR``)."""
+        self._own(h)
         if h.state == PROC:
             self._fail(h, "aborted")
 
@@ -477,17 +563,23 @@ class TransferManager:
         """D: after ``DONE``, zero the plan's unread pages and copy the read pages to the
         device caches (one masked copy); after ``ERR``, write nothing and report the
         request's local block ids as failed. Raises while the pull is in flight."""
+        self._own(h)
         if h.completed:
             raise ValueError(f"{h!r} was already completed")
         state = self.poll(h)
         if state == PROC:
             raise ValueError(f"{h!r} is still in flight; poll until DONE or ERR")
+        if state == DONE:
+            self._check_open()
+            self._bound_plan(h.plan, check_peers=False)  # before the first write
         h.completed = True
         if self._arena is not None:
             return self._complete_arena(h, state)
         if state == ERR:
-            return Completion(False, h.plan.local_block_ids, h.error)
-        self._check_open()
+            if not h._posted:
+                return Completion(False, h.plan.local_block_ids, h.error)
+            where = "host buffers" if self.buffer == "host" else "device caches"
+            return Completion(False, h.plan.local_block_ids, h.error, h.plan.read_pages, where)
         self._zero_rows(h.plan)
         self._zero(h.plan.zero_pages)
         if self._copier is not None:
@@ -513,6 +605,7 @@ class TransferManager:
         """Arena mode: free the span of a plan that will not be pulled."""
         if self._arena is None or not isinstance(plan, ArenaPlan):
             raise ValueError("discard takes an arena-mode plan")
+        self._bound_plan(plan, check_peers=False)  # only this manager's plans free its spans
         self._arena.discard(plan)
 
     @property

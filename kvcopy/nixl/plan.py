@@ -56,6 +56,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..checks import block_ids, integer, per_group_counts, sequence, shown
 from .handshake import EngineInfo, LayerPair
 from .geometry import head_owners, local_segments, segments, token_pieces
 from .regions import RegionRef
@@ -191,16 +192,12 @@ def select_pages(
 
 
 def _id_lists(ids, n_groups: int, what: str) -> List[np.ndarray]:
-    if isinstance(ids, (str, bytes)) or len(ids) != n_groups:
-        raise ValueError(f"{what}: expected one block id list per KV cache group ({n_groups})")
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or len(ids) != n_groups:
+        raise ValueError(f"{what}: expected one block id list per KV cache group ({n_groups}), got {shown(ids)}")
+    sequence(ids, what, n_groups)
     out = []
     for g, lst in enumerate(ids):
-        arr = np.asarray(lst)
-        if arr.ndim != 1:
-            raise ValueError(f"{what}, group {g}: block ids must be a flat list")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"{what}, group {g}: block ids must be integers, got {arr.dtype}")
-        arr = arr.astype(np.int64)
+        arr = block_ids(lst, f"{what}, group {g}")
         if arr.size and (arr < NO_BLOCK).any():
             raise ValueError(f"{what}, group {g}: negative block id {int(arr.min())} (only {NO_BLOCK} = none)")
         out.append(arr)
@@ -240,17 +237,8 @@ def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, S
                       for p, _ in peers]
     else:
         remote_ids = [_id_lists(remote_block_ids, p.num_groups, "remote_block_ids") for p, _ in peers]
-    if int(remote_num_tokens) < 0:
-        raise ValueError(f"remote_num_tokens {remote_num_tokens} is negative")
-    n_tok = int(remote_num_tokens)
-    if isinstance(num_cached_tokens, (int, np.integer)):
-        cached = [int(num_cached_tokens)] * local.num_groups
-    else:
-        cached = [int(c) for c in num_cached_tokens]
-        if len(cached) != local.num_groups:
-            raise ValueError(f"num_cached_tokens: expected an int or one per local group ({local.num_groups})")
-    if any(c < 0 for c in cached):
-        raise ValueError(f"num_cached_tokens {cached} is negative")
+    n_tok = integer(remote_num_tokens, "remote_num_tokens", minimum=0)
+    cached = per_group_counts(num_cached_tokens, local.num_groups, "num_cached_tokens")
 
     # Local side, per group: page positions read, pages read, pages zeroed (by token
     # position; they do not depend on the peers).

@@ -1,0 +1,21 @@
+"""kvcopy-bench overhead: the per-call host cost with the launch stubbed, without a GPU."""
+import json
+
+import pytest
+
+from kvcopy.backends import native
+from kvcopy.bench.cli import main
+
+
+@pytest.mark.skipif(native.load("kvcopy_cpu")[0] is None, reason="CPU library not built")
+def test_overhead_rows_are_labelled_stubbed(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert main(["overhead", "--layers", "8", "--groups", "3", "--calls", "20", "--rounds", "2",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "launch replaced by a no-op" in text
+    res = json.loads(out.read_text())
+    labels = [r["label"] for r in res["rows"]]
+    assert labels[:2] == ["plan", "cuda stubbed"] and "triton stubbed" in labels
+    assert all(r["median_us"] > 0 for r in res["rows"])
+    assert res["layers"] == 8 and res["groups"] == 3
