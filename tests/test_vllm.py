@@ -3,11 +3,11 @@
 Each case builds vLLM's own KV cache config (``get_kv_cache_groups`` +
 ``get_kv_cache_config_from_groups``), device caches (``allocate_kv_cache``, KV-sharing
 layers aliased as the model runner does) and a real connector worker (real NIXL
-agent, vLLM's ``register_kv_caches`` and host buffers), then runs P's real
-``save_kv_to_host``, replays the NIXL READ D would post (each registered region's
-pages of its own transfer group, from the worker's own region tables, P's host
-buffers into D's) and D's real ``sync_recved_kv_to_device``. D's device bytes must
-equal P's for every layer at every group's blocks, and no other byte may change.
+agent, vLLM's ``register_kv_caches`` and host buffers) per engine, then runs P's real
+``save_kv_to_host`` (``wait_for_save``), D's real pull over NIXL (UCX on loopback:
+``add_remote_agent`` with P's handshake payload, ``start_load_kv``, ``get_finished``)
+and so D's real ``sync_recved_kv_to_device``. D's device bytes must equal P's for
+every layer at every group's blocks, and no other byte may change.
 
 The host here is both sides: "device" caches are CPU tensors, and the worker is told
 it runs on a GPU (``device_type="cuda"``, ``use_host_buffer=True``), the only state
@@ -25,7 +25,9 @@ import ctypes
 import json
 import os
 import textwrap
+import time
 
+import msgspec
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
-    NixlConnectorMetadata, ReqMeta,
+    NixlAgentMetadata, NixlConnectorMetadata,
 )
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa: E402
@@ -178,14 +180,29 @@ class Engine:
         self.connector.shutdown()
 
 
-def _replay_read(p: Engine, d: Engine, p_ids, d_ids):
-    """The NIXL READ D posts: region r's pages of its own group, P's host -> D's host."""
-    pr, dr = p.regions(), d.regions()
-    assert len(pr) == len(dr)
-    for (g, pb, plen, pst), (dg, db, dlen, dst) in zip(pr, dr):
-        assert g == dg and plen == dlen
-        for s, t in zip(p_ids[g], d_ids[g]):
-            ctypes.memmove(db + t * dst, pb + s * pst, plen)
+def _real_nixl_read(p: Engine, d: Engine, p_logical, d_logical):
+    """D pulls the request from P over real NIXL (UCX, loopback) with vLLM's own code:
+    P's handshake payload goes to D's ``add_remote_agent`` (what ``_nixl_handshake``
+    does once the side channel has fetched it), then D's ``start_load_kv`` posts the
+    READs and ``get_finished`` polls them and runs ``sync_recved_kv_to_device``."""
+    payload = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(
+        p.worker.xfer_handshake_metadata.agent_metadata_bytes)
+    with set_current_vllm_config(d.config):
+        agent = d.worker.add_remote_agent(payload, 0, 1)
+        d.worker._remote_agents[p.worker.engine_id] = {(0, 0): agent}
+        recv = NixlConnectorMetadata()
+        recv.add_new_req_to_recv("req", d_logical, {
+            "remote_block_ids": p_logical, "remote_engine_id": p.worker.engine_id,
+            "remote_request_id": "req", "remote_host": "127.0.0.1", "remote_port": 0, "tp_size": 1})
+        d.connector.bind_connector_metadata(recv)
+        d.connector.start_load_kv(None)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            _, done_recving = d.worker.get_finished()
+            if "req" in done_recving:
+                return recv.reqs_to_recv["req"]
+            time.sleep(0.02)
+    raise AssertionError("D's NIXL READ did not complete within 60 s")
 
 
 def _kernel_ids(ids, ratio):
@@ -217,18 +234,16 @@ def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False)
                                     lambda tables, call, _o=orig: (calls.append(call), _o(tables, call))[1])
 
         save = NixlConnectorMetadata()
-        save.reqs_to_save["req"] = ReqMeta(local_block_ids=p_logical, local_physical_block_ids=p_logical, tp_size=1)
+        save.add_new_req_to_save("req", p_logical, {"tp_size": 1})
         with set_current_vllm_config(p.config):
             p.connector.bind_connector_metadata(save)
             p.connector.wait_for_save()  # -> save_kv_to_host
         p_kernel = save.reqs_to_save["req"].local_physical_block_ids
-        d_kernel = _kernel_ids(d_logical, d.ratio)
         assert p_kernel == _kernel_ids(p_logical, p.ratio)
-        _replay_read(p, d, p_kernel, d_kernel)
         before = d.raw_bytes()
-        with set_current_vllm_config(d.config):
-            meta = ReqMeta(local_block_ids=d_logical, local_physical_block_ids=d_kernel, tp_size=1)
-            d.worker.sync_recved_kv_to_device("req", meta)
+        meta = _real_nixl_read(p, d, p_logical, d_logical)  # ... -> sync_recved_kv_to_device
+        d_kernel = meta.local_physical_block_ids
+        assert d_kernel == _kernel_ids(d_logical, d.ratio)
 
         # Expected D: P's pages at each group's blocks for each layer of the group.
         expected = before.clone()
