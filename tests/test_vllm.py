@@ -27,15 +27,16 @@ import os
 import textwrap
 import time
 
-import msgspec
 import pytest
 import torch
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-kv_vllm = pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)")
+kv_vllm = pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)",
+                             exc_type=ImportError)
 
+import msgspec  # noqa: E402  (a vLLM dependency)
 import vllm  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
