@@ -36,7 +36,6 @@ Supported: vLLM 0.33.x (``SUPPORTED_VLLM``). ``import kvcopy`` never imports vLL
 """
 from __future__ import annotations
 
-import logging
 from typing import List, Optional, Sequence
 
 SUPPORTED_VLLM = "0.33"
@@ -74,9 +73,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
     NixlPullConnectorWorker,
 )
 
+from vllm.logger import init_logger  # noqa: E402
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed  # noqa: E402
+
 from .copier import BlockCopier  # noqa: E402
 
-logger = logging.getLogger("kvcopy.vllm")
+# Under vLLM's logger tree, so the registration line shows in vLLM's own log output.
+logger = init_logger("vllm.kvcopy")
 
 __all__ = ["KvcopyNixlConnector", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
 
@@ -150,10 +153,12 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         return ids
 
     def _wait(self) -> None:
-        # vLLM's op is synchronous; keep that contract (see module docstring).
+        # vLLM's op is synchronous; keep that contract (see module docstring). Allowed
+        # under vLLM's sync debugger, as its own copies are.
         dev = next(iter(self.device_kv_caches.values())).device
         if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
+            with gpu_sync_allowed():
+                torch.cuda.current_stream(dev).synchronize()
 
     def save_kv_to_host(self, metadata) -> None:
         """P: device -> host buffers, one masked call per request for all groups."""

@@ -307,11 +307,26 @@ def test_vllm_version_is_the_supported_one():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kvcopy_connector_moves_every_group_exactly(vllm_env, case, monkeypatch):
-    bad, stray, calls, n_groups = _transfer(vllm_env, CASES[case], KvcopyNixlConnector, monkeypatch,
-                                            count_calls=True)
+    import logging
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("vllm.kvcopy")
+    log.addHandler(handler)
+    monkeypatch.setattr(log, "level", logging.INFO)  # the line is INFO; vLLM's default level
+    try:
+        bad, stray, calls, n_groups = _transfer(vllm_env, CASES[case], KvcopyNixlConnector, monkeypatch,
+                                                count_calls=True)
+    finally:
+        log.removeHandler(handler)
     assert bad == [] and stray == 0
     # one backend call for P's save and one for D's sync, whatever the number of groups
     assert len(calls) == 2
+    # one registration line per worker (P, D): backend, groups, layers
+    n_layers = len(CASES[case]["specs"])
+    assert len(lines) == 2 and all(f"{n_groups} transfer groups, {n_layers} layers copied" in m for m in lines)
+    assert all(("KV-sharing" in m) == bool(CASES[case].get("kv_sharing")) for m in lines)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
