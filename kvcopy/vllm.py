@@ -110,10 +110,9 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
     """vLLM's pull worker; host-buffer copies through one masked :class:`BlockCopier`."""
 
     kvcopy_backend = "auto"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.kvcopy_copier: Optional[BlockCopier] = None
+    # Built by register_kv_caches when vLLM uses host buffers. Until then (or without
+    # host buffers) the copy methods are vLLM's own, through its copy op.
+    kvcopy_copier: Optional[BlockCopier] = None
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
