@@ -94,6 +94,9 @@ OVER="$RES/${TAG}-overhead.json"
 run_step overhead 25 $PY -m kvcopy --device $DEV --num-layers 48 --num-groups 6 --blocks-per-request 1 \
     --block-size 1 --backends cuda,triton,ce,auto --iters 100 --budget 0.5 --json "$OVER" --quiet
 
+# -- issue 10 (layout-converting copies), a separate point: LBNHC cache vs contiguous host, 512-byte runs; goal >= 90% of memcpy
+CONV="$RES/${TAG}-convert512.json"; step "6b. converting copy, 512-byte runs (issue 10)"; run_step convert512 30 $PY -m kvcopy --preset convert512 --device $DEV --backends cuda,triton,ce,auto --iters 50 --budget 0.5 --json "$CONV" --quiet && $PY bench/report.py --text "$CONV"
+
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
     cp "$RES/${TAG}"-*.json "$OUT/" 2>/dev/null
 fi

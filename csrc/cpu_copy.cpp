@@ -34,6 +34,26 @@ struct MemcpyPiece {
   }
 };
 
+// One warp's share of one item, as block_copy_kernel.cuh's WarpItemCopy splits it:
+// long segments piece by piece, short ones word by word through Item::byte_address
+// (the lanes' order does not matter to the bytes; the addresses are what is checked).
+struct RangeItemCopy {
+  int64_t word_bytes;
+
+  void operator()(const kvcopy::Item& it, int64_t lo, int64_t hi) const {
+    if (it.segment_bytes() >= kvcopy::gather_below_bytes(word_bytes)) {
+      MemcpyPiece fn;
+      kvcopy::for_each_segment_piece(it, lo, hi, fn);
+      return;
+    }
+    for (int64_t p = lo; p < hi; p += word_bytes) {
+      int64_t src, dst;
+      it.byte_address(p, &src, &dst);
+      memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(word_bytes));
+    }
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -93,11 +113,11 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
   t.call = kvcopy::CallView::from_packed(call_ext, num_groups);
   t.block_prefix = t.call.runs + 3 * t.call.run_offsets[num_groups];
   const int64_t words = total_bytes / word_bytes;
-  MemcpyPiece fn;
+  RangeItemCopy fn{word_bytes};
   for (int64_t w = 0; w < num_ranges; ++w) {
     const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)num_ranges);
     const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) / (unsigned long long)num_ranges);
-    kvcopy::for_each_piece(t, begin * word_bytes, end * word_bytes, fn);
+    kvcopy::for_each_item_range(t, begin * word_bytes, end * word_bytes, fn);
   }
   return 0;
 }

@@ -7,10 +7,16 @@
 //
 // Data model (built in kvcopy/tables.py, documented there in full):
 //
-//   entries[E][8]   int64, static per copier and direction. One row per copied layer
-//                   (deduplicated by storage): src base address, dst base address,
-//                   src/dst block stride (bytes), src/dst chunk stride (bytes),
-//                   chunk bytes, chunks per block (1, or 2 for KV-first tensors).
+//   entries[E][16]  int64, static per copier and direction. One row per copied layer
+//                   (deduplicated by storage), bytes throughout: src base address, dst
+//                   base address, src/dst block stride, run bytes, runs per page, then
+//                   three nested run dims (count, src stride, dst stride), outermost
+//                   first, and one zero. A page is `runs per page` runs of `run bytes`,
+//                   contiguous on both sides; run r = (i0 * c1 + i1) * c2 + i2 starts
+//                   i0*s0 + i1*s1 + i2*s2 bytes into its page on each side with that
+//                   side's strides. Identical orders: one run per dense page (2 for
+//                   KV-first, one dim); converting orders (a head-major host page
+//                   against a token-major cache page): C-byte runs over up to 3 dims.
 //   group_offsets[G+1], group_entries[...]
 //                   int64, static: group g copies entries
 //                   group_entries[group_offsets[g] .. group_offsets[g+1]).
@@ -21,10 +27,11 @@
 //       runs[R][3]         (src first block, dst first block, number of blocks)
 //
 // An item is one (entry, run) pair: entry-major within a group, so consecutive items
-// walk the runs of one layer. An item is made of segments: byte ranges that are
-// contiguous on both sides. When a run's blocks are adjacent on both sides
-// (block stride == chunk bytes) a chunk of the whole run is one segment; otherwise
-// each (block, chunk) is one.
+// walk the runs of one layer (a "run" of the call is a run of block ids; a run of a
+// page is a run of bytes). An item is made of segments: byte ranges that are
+// contiguous on both sides. When a block run's pages are adjacent on both sides
+// (block stride == run bytes) a page run of the whole block run is one segment;
+// otherwise each (block, page run) is one.
 //
 // All offsets are 64-bit: a 48-layer cache of 2 MiB pages passes 2^31 bytes per layer.
 #pragma once
@@ -33,6 +40,7 @@
 // NVRTC has no C library headers; the fixed-width types are all this file needs.
 typedef signed char int8_t;
 typedef long long int64_t;
+typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
 #else
 #include <stdint.h>
@@ -51,12 +59,37 @@ enum EntryField : int {
   kDstBase = 1,
   kSrcBlockStride = 2,
   kDstBlockStride = 3,
-  kSrcChunkStride = 4,
-  kDstChunkStride = 5,
-  kChunkBytes = 6,
-  kNumChunks = 7,
-  kEntryFields = 8,
+  kRunBytes = 4,
+  kRunsPerPage = 5,
+  kRunDims = 6,  // 3 x (count, src stride, dst stride), outermost first
+  kEntryFields = 16,
 };
+
+// Byte offsets of page run r (0 <= r < runs per page, < 2^31) into its page on both
+// sides. One dim (the innermost slot: KV-first's two chunks, a head-major page's
+// heads) costs one multiply; only converting pages over 2-3 dims pay the 32-bit
+// divisions.
+KVCOPY_HD void page_run_offsets(const int64_t* entry, int64_t r, int64_t* src, int64_t* dst) {
+  const int64_t* d = entry + kRunDims;
+  if (r == 0) {
+    *src = 0;
+    *dst = 0;
+    return;
+  }
+  if (d[6] == entry[kRunsPerPage]) {
+    *src = r * d[7];
+    *dst = r * d[8];
+    return;
+  }
+  uint32_t q = (uint32_t)r;
+  const uint32_t c2 = (uint32_t)d[6], c1 = (uint32_t)d[3];
+  const uint32_t i2 = q % c2;
+  q /= c2;
+  const uint32_t i1 = q % c1;
+  const uint32_t i0 = q / c1;
+  *src = (int64_t)i0 * d[1] + (int64_t)i1 * d[4] + (int64_t)i2 * d[7];
+  *dst = (int64_t)i0 * d[2] + (int64_t)i1 * d[5] + (int64_t)i2 * d[8];
+}
 
 // The per-call array, split into its three parts.
 struct CallView {
@@ -82,26 +115,35 @@ struct Item {
   int64_t src_block;
   int64_t dst_block;
   int64_t num_blocks;
-  bool merged;           // run adjacent on both sides: one segment per chunk
+  bool merged;           // block run adjacent on both sides: one segment per page run
 
-  KVCOPY_HD int64_t chunk_bytes() const { return entry[kChunkBytes]; }
+  KVCOPY_HD int64_t run_bytes() const { return entry[kRunBytes]; }
   KVCOPY_HD int64_t num_segments() const {
-    return merged ? entry[kNumChunks] : entry[kNumChunks] * num_blocks;
+    return merged ? entry[kRunsPerPage] : entry[kRunsPerPage] * num_blocks;
   }
   KVCOPY_HD int64_t segment_bytes() const {
-    return merged ? entry[kChunkBytes] * num_blocks : entry[kChunkBytes];
+    return merged ? entry[kRunBytes] * num_blocks : entry[kRunBytes];
   }
   KVCOPY_HD int64_t total_bytes() const {
-    return entry[kNumChunks] * entry[kChunkBytes] * num_blocks;
+    return entry[kRunsPerPage] * entry[kRunBytes] * num_blocks;
+  }
+  // Byte p of the item (0 <= p < total_bytes(), segment order): its two addresses.
+  KVCOPY_HD void byte_address(int64_t p, int64_t* src, int64_t* dst) const {
+    const int64_t seg = segment_bytes();
+    const int64_t k = p / seg;
+    segment(k, src, dst);
+    *src += p - k * seg;
+    *dst += p - k * seg;
   }
   // Segment k (0 <= k < num_segments()): source and destination addresses.
   KVCOPY_HD void segment(int64_t k, int64_t* src, int64_t* dst) const {
-    int64_t block = merged ? 0 : k / entry[kNumChunks];
-    int64_t chunk = merged ? k : k % entry[kNumChunks];
-    *src = entry[kSrcBase] + (src_block + block) * entry[kSrcBlockStride] +
-           chunk * entry[kSrcChunkStride];
-    *dst = entry[kDstBase] + (dst_block + block) * entry[kDstBlockStride] +
-           chunk * entry[kDstChunkStride];
+    const int64_t runs = entry[kRunsPerPage];
+    const int64_t block = merged || runs == 1 ? (merged ? 0 : k) : k / runs;
+    const int64_t run = merged ? k : k - block * runs;
+    int64_t s, d;
+    page_run_offsets(entry, run, &s, &d);
+    *src = entry[kSrcBase] + (src_block + block) * entry[kSrcBlockStride] + s;
+    *dst = entry[kDstBase] + (dst_block + block) * entry[kDstBlockStride] + d;
   }
 };
 
@@ -112,9 +154,9 @@ KVCOPY_HD Item make_item(const int64_t* entries, int64_t entry_index, const int6
   it.src_block = run[0];
   it.dst_block = run[1];
   it.num_blocks = run[2];
-  const int64_t cb = it.entry[kChunkBytes];
+  const int64_t rb = it.entry[kRunBytes];
   it.merged = it.num_blocks == 1 ||
-              (it.entry[kSrcBlockStride] == cb && it.entry[kDstBlockStride] == cb);
+              (it.entry[kSrcBlockStride] == rb && it.entry[kDstBlockStride] == rb);
   return it;
 }
 
@@ -137,7 +179,7 @@ KVCOPY_HD Item locate_item(int64_t i, const CallView& call, const int64_t* entri
 //
 // Order: group, then entry within the group, then run, then the item's segments
 // (Item::segment order), then bytes. Seeking needs two prefix arrays:
-//   entry_bytes_prefix[GE+1]  static: cumulative page bytes (chunks x chunk bytes)
+//   entry_bytes_prefix[GE+1]  static: cumulative page bytes (runs x run bytes)
 //                             over the flat group_entries list
 //   block_prefix[R+1]         per call: cumulative run lengths (blocks) over all runs
 // Group g then spans page_bytes(g) x blocks(g) bytes, entry k of it
@@ -145,7 +187,7 @@ KVCOPY_HD Item locate_item(int64_t i, const CallView& call, const int64_t* entri
 // page_bytes(k) x (block_prefix[r] - block_prefix[first run]) bytes further.
 
 struct CursorTables {
-  const int64_t* entries;             // [E][8]
+  const int64_t* entries;             // [E][16]
   const int64_t* group_offsets;       // [G+1]
   const int64_t* group_entries;       // [GE]
   const int64_t* entry_bytes_prefix;  // [GE+1]
@@ -236,29 +278,57 @@ KVCOPY_HD void cursor_next_item(const CursorTables& t, Cursor* c) {
   cursor_load_item(t, c);
 }
 
-// Walk bytes [begin, end) of the call: fn(src address, dst address, bytes) once per
-// contiguous piece, in order. Pieces never cross a segment.
+// Walk bytes [begin, end) of the call item by item: fn(item, lo, hi) once per item
+// touched, with [lo, hi) the item-local bytes (segment order) that fall in the range.
 template <class Fn>
-KVCOPY_HD void for_each_piece(const CursorTables& t, int64_t begin, int64_t end, Fn& fn) {
+KVCOPY_HD void for_each_item_range(const CursorTables& t, int64_t begin, int64_t end, Fn& fn) {
   if (begin >= end) return;
   Cursor c;
   cursor_seek(t, begin, &c);
   int64_t pos = begin;
   for (;;) {
-    const int64_t seg_bytes = c.item.segment_bytes();
-    int64_t n = seg_bytes - c.off;
+    const int64_t lo = c.seg * c.item.segment_bytes() + c.off;
+    int64_t n = c.item.total_bytes() - lo;
     if (n > end - pos) n = end - pos;
-    int64_t src, dst;
-    c.item.segment(c.seg, &src, &dst);
-    fn(src + c.off, dst + c.off, n);
+    fn(c.item, lo, lo + n);
     pos += n;
     if (pos >= end) return;
-    c.off += n;
-    if (c.off == seg_bytes) {
-      c.off = 0;
-      if (++c.seg == c.item.num_segments()) cursor_next_item(t, &c);
-    }
+    cursor_next_item(t, &c);
   }
+}
+
+// Item-local bytes [lo, hi) as pieces contiguous on both sides: fn(src, dst, bytes)
+// once per piece, in order; pieces never cross a segment.
+template <class Fn>
+KVCOPY_HD void for_each_segment_piece(const Item& it, int64_t lo, int64_t hi, Fn& fn) {
+  const int64_t seg_bytes = it.segment_bytes();
+  int64_t k = lo / seg_bytes;
+  int64_t off = lo - k * seg_bytes;
+  while (lo < hi) {
+    int64_t n = seg_bytes - off;
+    if (n > hi - lo) n = hi - lo;
+    int64_t src, dst;
+    it.segment(k, &src, &dst);
+    fn(src + off, dst + off, n);
+    lo += n;
+    off = 0;
+    ++k;
+  }
+}
+
+// Loads each lane of the GPU kernel keeps in flight with words of `word_bytes`: 64
+// bytes per lane (16-byte words: 4), at most 16 loads.
+KVCOPY_HD constexpr int64_t loads_in_flight(int64_t word_bytes) {
+  return 64 / word_bytes < 16 ? 64 / word_bytes : 16;
+}
+
+// Segments shorter than one warp's loads in flight (2 KiB for 4- to 16-byte words) are
+// copied word by word by the GPU kernel, each word's addresses from
+// Item::byte_address, so every lane keeps loads_in_flight() loads outstanding across
+// segment boundaries: a converting copy's 256-512 byte runs would otherwise leave one
+// or two words in flight per lane. Longer segments fill the loads from one segment.
+KVCOPY_HD constexpr int64_t gather_below_bytes(int64_t word_bytes) {
+  return loads_in_flight(word_bytes) * 32 * word_bytes;
 }
 
 }  // namespace kvcopy

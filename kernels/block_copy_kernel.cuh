@@ -10,7 +10,10 @@
 // 2 MiB segment is spread over many warps (and CTAs) and thousands of 2 KiB pages are
 // dealt out evenly, whatever the mix of layers, groups and run lengths. A warp seeks
 // its first byte once (a few broadcast loads and two short binary searches), then
-// walks forward piece by piece: no per-tile search, no host-side per-item prefix.
+// walks forward item by item: no per-tile search, no host-side per-item prefix. Within
+// an item, segments of 2 KiB and up move piece by piece; shorter ones (the C-byte runs
+// of a layout-converting copy) word by word, each word's two addresses from the item
+// body (Item::byte_address), so every lane still has kLoadsInFlight loads outstanding.
 // The host chooses the grid (csrc/cuda_copy.cu): enough warps for bytes in flight,
 // never more than `max_ctas` CTAs, no warp with less than a few KiB.
 //
@@ -52,7 +55,7 @@ struct KernelParams {
 
 template <typename W>
 struct WarpCopy {
-  static constexpr int kLoadsInFlight = (64 / (int)sizeof(W)) < 16 ? (64 / (int)sizeof(W)) : 16;
+  static constexpr int kLoadsInFlight = (int)loads_in_flight((int64_t)sizeof(W));
   int lane;
 
   __device__ __forceinline__ void operator()(int64_t src_addr, int64_t dst_addr, int64_t bytes) const {
@@ -80,6 +83,41 @@ struct WarpCopy {
   }
 };
 
+// One warp's share of one item: segments of 2 KiB and up piece by piece (WarpCopy),
+// shorter ones (a converting copy's runs) word by word, each lane kLoadsInFlight words
+// of the range (with their own addresses) loaded before it stores them.
+template <typename W>
+struct WarpItemCopy {
+  int lane;
+
+  __device__ __forceinline__ void operator()(const Item& it, int64_t lo, int64_t hi) const {
+    // Each gathered load carries its own 64-bit store address: at most 8 per lane keep
+    // the narrow-word kernels within the 128 registers of 512-thread CTAs, no spills.
+    constexpr int U = WarpCopy<W>::kLoadsInFlight < 8 ? WarpCopy<W>::kLoadsInFlight : 8;
+    if (it.segment_bytes() >= gather_below_bytes((int64_t)sizeof(W))) {
+      WarpCopy<W> fn{lane};
+      for_each_segment_piece(it, lo, hi, fn);
+      return;
+    }
+    const int64_t n = (hi - lo) / (int64_t)sizeof(W);
+    for (int64_t i = lane; i < n; i += U * 32) {
+      W v[U];
+      int64_t dst[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i + u * 32 < n) {
+          int64_t src;
+          it.byte_address(lo + (i + u * 32) * (int64_t)sizeof(W), &src, &dst[u]);
+          v[u] = __ldcs(reinterpret_cast<const W*>(src));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + u * 32 < n) __stcs(reinterpret_cast<W*>(dst[u]), v[u]);
+    }
+  }
+};
+
 template <typename W>
 __device__ __forceinline__ void block_copy_body(const KernelParams& p) {
   const int64_t* call = p.call != nullptr ? p.call : p.inline_call;
@@ -95,12 +133,12 @@ __device__ __forceinline__ void block_copy_body(const KernelParams& p) {
   const int64_t words = p.total_bytes / (int64_t)sizeof(W);
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
   const int64_t lane = threadIdx.x & 31;
-  WarpCopy<W> fn{(int)lane};
+  WarpItemCopy<W> fn{(int)lane};
   // One contiguous range per warp; the grid is sized by the host (at most max_ctas).
   const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
   const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)warps);
   const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) / (unsigned long long)warps);
-  for_each_piece(t, begin * (int64_t)sizeof(W), end * (int64_t)sizeof(W), fn);
+  for_each_item_range(t, begin * (int64_t)sizeof(W), end * (int64_t)sizeof(W), fn);
 }
 
 // Parameters of the staging kernel: up to KVCOPY_INLINE_WORDS words carried by value

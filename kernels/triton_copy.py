@@ -5,8 +5,9 @@ and segment arithmetic, one ``tl.load``/``tl.store`` pair per tile of integer wo
 
 Data layout (built by :mod:`kvcopy.tables`, uploaded once per copier direction)
 -----------------------------------------------------------------------------
-``entries``        int64 ``[E, 8]``: src base, dst base, src/dst block stride, src/dst
-                   chunk stride (bytes), chunk bytes, chunks per block. Base addresses
+``entries``        int64 ``[E, 16]``: src base, dst base, src/dst block stride, run
+                   bytes, runs per page, three page-run dims (count, src stride, dst
+                   stride), outermost first (bytes; see ``kvcopy.tables``). Base addresses
                    are raw ``data_ptr()`` values: device memory, or pinned host memory
                    read and written by the SMs over unified addressing. The kernel
                    casts them with ``.to(tl.pointer_type(...))``.
@@ -16,8 +17,11 @@ Data layout (built by :mod:`kvcopy.tables`, uploaded once per copier direction)
 
 Work decomposition and grid mapping
 -----------------------------------
-An item is ``segments`` byte ranges contiguous on both sides (one per chunk of a merged
-run, one per (block, chunk) otherwise; ``Item::segment`` in the header). Each segment
+An item is ``segments`` byte ranges contiguous on both sides (one per page run of a
+merged block run, one per (block, page run) otherwise; ``Item::segment`` in the
+header). A page run's offsets on both sides come from its digits over the entry's
+three dims (one int32 division per dim and row), so a layout-converting copy (C-byte
+runs of a head-major page against a token-major one) is the same loop. Each segment
 is cut into **rows** of at most ``ROW_BYTES`` bytes, so item ``i`` has
 ``rows(i) = segments(i) * ceil(segment_bytes(i) / ROW_BYTES)`` rows, and the call is
 one flat row space of ``T = sum rows(i)`` rows.
@@ -115,9 +119,9 @@ def _total(x, axis: tl.constexpr):
 def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
              ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr):
     """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
-    (src item base, dst item base, src block stride, dst block stride, src chunk
-    stride, dst chunk stride, chunks per block, merged, segment bytes, rows per
-    segment, rows)."""
+    (src item base, dst item base, src block stride, dst block stride, runs per page,
+    the page-run dims (c0, s0, d0, c1, s1, d1, c2, s2, d2), merged, segment bytes,
+    rows per segment, rows)."""
     j = tl.where(valid, j, 0)
     item_offsets = call + num_groups + 1
     # group of item j: how many later groups start at or before it (empty groups
@@ -132,7 +136,7 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
     local = j - tl.load(item_offsets + g, mask=valid, other=0)
     slot = tl.load(group_offsets + g, mask=valid, other=0) + local // runs_in_group
-    entry = entries + 8 * tl.load(group_entries + slot, mask=valid, other=0)
+    entry = entries + 16 * tl.load(group_entries + slot, mask=valid, other=0)
     run = call + 2 * (num_groups + 1) + 3 * (first_run + local % runs_in_group)
     src_block = tl.load(run, mask=valid, other=0)
     dst_block = tl.load(run + 1, mask=valid, other=0)
@@ -141,19 +145,28 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     dst_base = tl.load(entry + 1, mask=valid, other=0)
     src_bstride = tl.load(entry + 2, mask=valid, other=0)
     dst_bstride = tl.load(entry + 3, mask=valid, other=0)
-    src_cstride = tl.load(entry + 4, mask=valid, other=0)
-    dst_cstride = tl.load(entry + 5, mask=valid, other=0)
-    chunk_bytes = tl.load(entry + 6, mask=valid, other=0)
-    num_chunks = tl.maximum(tl.load(entry + 7, mask=valid, other=1), 1)
-    # A run adjacent on both sides moves each chunk of all its blocks as one segment.
-    merged = (num_blocks == 1) | ((src_bstride == chunk_bytes) & (dst_bstride == chunk_bytes))
-    seg_bytes = tl.where(merged, chunk_bytes * num_blocks, chunk_bytes)
-    num_segs = tl.where(merged, num_chunks, num_chunks * num_blocks)
+    run_bytes = tl.load(entry + 4, mask=valid, other=0)
+    num_runs = tl.maximum(tl.load(entry + 5, mask=valid, other=1), 1)
+    # Page-run dims (count, src stride, dst stride), outermost first; counts >= 1.
+    c0 = tl.maximum(tl.load(entry + 6, mask=valid, other=1), 1)
+    s0 = tl.load(entry + 7, mask=valid, other=0)
+    d0 = tl.load(entry + 8, mask=valid, other=0)
+    c1 = tl.maximum(tl.load(entry + 9, mask=valid, other=1), 1)
+    s1 = tl.load(entry + 10, mask=valid, other=0)
+    d1 = tl.load(entry + 11, mask=valid, other=0)
+    c2 = tl.maximum(tl.load(entry + 12, mask=valid, other=1), 1)
+    s2 = tl.load(entry + 13, mask=valid, other=0)
+    d2 = tl.load(entry + 14, mask=valid, other=0)
+    # A block run adjacent on both sides moves each page run of all its blocks as one
+    # segment.
+    merged = (num_blocks == 1) | ((src_bstride == run_bytes) & (dst_bstride == run_bytes))
+    seg_bytes = tl.where(merged, run_bytes * num_blocks, run_bytes)
+    num_segs = tl.where(merged, num_runs, num_runs * num_blocks)
     tiles = (seg_bytes + ROW_BYTES - 1) // ROW_BYTES
     src_item = src_base + src_block * src_bstride
     dst_item = dst_base + dst_block * dst_bstride
-    return (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride,
-            num_chunks, merged, seg_bytes, tiles, num_segs * tiles)
+    return (src_item, dst_item, src_bstride, dst_bstride, num_runs, c0, s0, d0, c1, s1, d1, c2, s2, d2,
+            merged, seg_bytes, tiles, num_segs * tiles)
 
 
 @triton.jit(do_not_specialize=["num_groups"])
@@ -173,8 +186,8 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
     total = n_items * 0
     for start in range(0, n_items, SCAN):
         j = start + lane
-        _a, _b, _c, _d, _e, _f, _g, _h, _i, _k, rows = _resolve(
-            j, j < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
+        rows = _resolve(j, j < n_items, entries, group_offsets, group_entries, call, num_groups,
+                        ROW_BYTES, GROUPS)[17]
         total += _total(rows, 0)
 
     # Each worker's contiguous share of the rows.
@@ -190,8 +203,8 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
     for start in range(0, n_items, SCAN):
         j = start + lane
         valid = j < n_items
-        _a, _b, _c, _d, _e, _f, _g, _h, _i, _k, rows = _resolve(
-            j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
+        rows = _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
+                        ROW_BYTES, GROUPS)[17]
         ends = tl.associative_scan(rows, 0, _ADD) + carry
         done = (ends[None, :] <= begin[:, None]) & valid[None, :]
         item += _total(done.to(tl.int64), 1)
@@ -199,7 +212,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         carry += _total(rows, 0)
     row = begin - before  # row within the current item
 
-    (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride, num_chunks,
+    (src_item, dst_item, src_bstride, dst_bstride, num_runs, c0, s0, d0, c1, s1, d1, c2, s2, d2,
      merged, seg_bytes, tiles, rows) = _resolve(
         item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
     cols = tl.arange(0, ROW_ELEMS)
@@ -208,11 +221,18 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         active = step < count
         seg = row // tl.maximum(tiles, 1)
         tile = row - seg * tiles
-        block = tl.where(merged, 0, seg // num_chunks)
-        chunk = seg - block * num_chunks
+        block = tl.where(merged, 0, seg // num_runs)
+        # Page run -> its digits over the dims (< 2^31: 32-bit divisions).
+        run = (seg - block * num_runs).to(tl.int32)
+        i2 = run % c2.to(tl.int32)
+        q = run // c2.to(tl.int32)
+        i1 = q % c1.to(tl.int32)
+        i0 = (q // c1.to(tl.int32)).to(tl.int64)
+        i1 = i1.to(tl.int64)
+        i2 = i2.to(tl.int64)
         off = tile * ROW_BYTES
-        src = src_item + block * src_bstride + chunk * src_cstride + off
-        dst = dst_item + block * dst_bstride + chunk * dst_cstride + off
+        src = src_item + block * src_bstride + i0 * s0 + i1 * s1 + i2 * s2 + off
+        dst = dst_item + block * dst_bstride + i0 * d0 + i1 * d1 + i2 * d2 + off
         n = tl.where(active, tl.minimum(seg_bytes - off, ROW_BYTES) // ELEM_BYTES, 0)
         n = tl.multiple_of(n, VEC)
         src_ptr = tl.multiple_of(src.to(tl.pointer_type(ELEM)), WORD)
@@ -225,8 +245,8 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         if _total(wrap.to(tl.int32), 0) > 0:
             item += wrap.to(tl.int64)
             row = tl.where(wrap, 0, row)
-            (src_item, dst_item, src_bstride, dst_bstride, src_cstride, dst_cstride,
-             num_chunks, merged, seg_bytes, tiles, rows) = _resolve(
+            (src_item, dst_item, src_bstride, dst_bstride, num_runs, c0, s0, d0, c1, s1, d1, c2, s2, d2,
+             merged, seg_bytes, tiles, rows) = _resolve(
                 item, item < n_items, entries, group_offsets, group_entries, call, num_groups,
                 ROW_BYTES, GROUPS)
         tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .backends import Backend, choose_backend, get_backend
-from .layout import PageLayout, byte_extent, describe
+from .layout import PageLayout, byte_extent, describe, pair_pages
 from .backends import native
 from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
 
@@ -56,8 +56,11 @@ class _Direction:
 class BlockCopier:
     """Masked block copies between device KV caches and host staging buffers.
 
-    ``device_caches`` and ``host_buffers`` map layer names to tensors of the same page
-    geometry (the number of blocks may differ). ``layer_groups`` has one sequence of
+    ``device_caches`` and ``host_buffers`` map layer names to tensors whose pages have
+    the same logical shape and element size (the number of blocks may differ); each
+    side may order a page's elements its own way (a head-major host buffer against a
+    token-major cache): the copy converts, element ``[i, j, ...]`` of a page to element
+    ``[i, j, ...]`` (:func:`kvcopy.layout.pair_pages`). ``layer_groups`` has one sequence of
     layer names per KV cache group. ``backend`` is ``"auto"`` or a name from
     :func:`kvcopy.available_backends`. ``block_dim`` (an int, or a dict by layer name)
     names the block axis where the shape is ambiguous; ``kv_layout`` ("NHD"/"HND")
@@ -135,12 +138,10 @@ class BlockCopier:
             hl = describe(host, bd, kv_layout)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        if dl.block_dim != hl.block_dim or len(dl.shape) != len(hl.shape) or not dl.same_page_geometry(hl):
-            raise ValueError(
-                f"{where}: device {tuple(dev.shape)} {dev.dtype} and host "
-                f"{tuple(host.shape)} {host.dtype} pages differ: {dl.describe_difference(hl)}"
-                + ("" if dl.block_dim == hl.block_dim else f"; block axis {dl.block_dim} vs {hl.block_dim}")
-            )
+        try:
+            pair_pages(dl, hl)  # same logical page and element size; any two orders
+        except ValueError as exc:
+            raise ValueError(f"{where}: device and host {exc}") from None
         self.device_layouts[name], self.host_layouts[name] = dl, hl
 
     def _direction(self, src_side: str, dst_side: str, backend: str) -> _Direction:
@@ -371,17 +372,21 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[
 
 def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bool:
     """Whether two views whose extents overlap never share a byte: per-layer views of
-    one cross-layer allocation (``[NB, L, ...]``, layer ``l`` at ``[:, l]``) repeat
-    with the same block stride and sit side by side within each block's period."""
-    if (la.block_stride, la.num_chunks, la.chunk_stride, la.chunk_bytes) != (
-            lb.block_stride, lb.num_chunks, lb.chunk_stride, lb.chunk_bytes):
+    one cross-layer allocation (vLLM's ``[B, L, ...]``, ``[B, H, L, ...]``,
+    ``[L, H, B, ...]`` layer views) have the same shape and strides and sit a multiple
+    of some layer stride apart. Sufficient test: the views' dims plus a dim of two
+    with their distance as stride, sorted by stride, nest (each stride at least the
+    extent of the dims inside it), so no two elements of the pair share a byte."""
+    dims_a = sorted([(n, st * la.itemsize) for n, st in la.page_dims] + [(la.num_blocks, la.block_stride)])
+    dims_b = sorted([(n, st * lb.itemsize) for n, st in lb.page_dims] + [(lb.num_blocks, lb.block_stride)])
+    if dims_a != dims_b or la.itemsize != lb.itemsize or base_a == base_b:
         return False
-    period = la.block_stride
-    footprint = (la.num_chunks - 1) * la.chunk_stride + la.chunk_bytes  # one block's bytes
-    if footprint > period:  # chunks outside the block period (KV-first): not handled
-        return False
-    d = abs(base_a - base_b) % period
-    return d >= footprint and period - d >= footprint
+    extent = la.itemsize
+    for n, stride in sorted([(2, abs(base_a - base_b))] + [d for d in dims_a if d[0] > 1], key=lambda d: d[1]):
+        if stride < extent:
+            return False
+        extent += (n - 1) * stride
+    return True
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:

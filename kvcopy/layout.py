@@ -19,6 +19,26 @@ than that, or whose chunks overlap other blocks' bytes, is refused with a
 Two tensors hold the same page geometry when their pages have the same element size
 and the same in-page (shape, stride) list: then byte ``k`` of a page means the same
 element on both sides, whatever the dtype is called (bf16 vs int16 host buffers).
+
+Copies between two layouts (:func:`pair_pages`). A copy needs the same logical page
+on both sides (shape without the block axis and size-1 dims, element size), not the
+same order: each side keeps its own strides and the copy moves element ``[i, j, ...]``
+to element ``[i, j, ...]``, as ``dst[ids] = src[ids]`` does. The pair is cut into
+equal runs contiguous on both sides (a :class:`PagePairing`: run bytes, runs per page,
+up to three nested (count, src stride, dst stride) dims), computed once when a copier
+is built. Identical orders keep whole pages (two chunks for KV-first); a converting
+pair moves the longest runs both orders allow. Pairs that work, in both directions:
+
+* every layout above against the same layout;
+* vLLM 0.33's per-layer ``[B, H, N, C]`` views of one int8 allocation in any of its six
+  stride orders (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC) against a contiguous
+  ``[B, H, N, C]`` host buffer or another order: LBNHC/BLNHC move ``C``-element runs,
+  BHLNC/LHBNC ``N x C``, LBHNC/BLHNC whole pages;
+* legacy KV-first ``[2, NB, N, H, D]`` and FlashInfer ``[NB, 2, N, H, D]`` caches in
+  HND stride order (views of ``[2, NB, H, N, D]`` / ``[NB, 2, H, N, D]``) against plain
+  host buffers: ``D``-element runs over three dims (K/V, tokens, heads);
+* any other pair of strided pages of one logical shape whose runs need at most three
+  dims beyond the contiguous run (else ``ValueError`` naming both layouts).
 """
 from __future__ import annotations
 
@@ -45,6 +65,7 @@ class PageLayout:
     chunk_stride: int  # bytes between chunk c and c+1 of one page (0 if one chunk)
     chunk_bytes: int
     page_geometry: Tuple[Tuple[int, Optional[int]], ...]  # in-page (size, stride), elements; None: the chunk axis
+    page_dims: Tuple[Tuple[int, int], ...]  # in-page (size, stride) in elements, logical order, size-1 dims dropped
     token_dim: Optional[int]  # axis of tokens within the tensor, where known
     head_dim: Optional[int]  # axis of KV heads, where the tensor has one
     kind: str  # "kv_first", "blocks_first", "mla" or "flat"
@@ -122,6 +143,12 @@ def describe(
 ) -> PageLayout:
     """Describe where each block's bytes sit in ``tensor``.
 
+    Supported: blocks-first NHD/HND, HND views of NHD storage, packed ``[NB, H, BS,
+    2D]``, ``[NB, 2, BS, H, D]`` (also as an HND-order view), KV-first ``[2, NB, ...]``
+    (also HND-order views), MLA ``[NB, BS, latent]``, head slices of NHD, and per-layer
+    views of a cross-layer allocation (vLLM 0.33's six stride orders): any page that
+    is one byte range or equal chunks along one axis. Which pairs of layouts copy into
+    each other, and as which runs: :func:`pair_pages` (the module docstring lists them).
     ``block_dim`` is inferred when unambiguous (see :func:`infer_block_dim`);
     ``kv_layout`` ("NHD" or "HND") only names the token and head axes, which shapes
     alone cannot tell apart; it never changes which bytes are copied.
@@ -166,7 +193,7 @@ def describe(
     block_stride = strides[block_dim] * itemsize
     chunk_bytes = chunk_elems * itemsize
     num_blocks = shape[block_dim]
-    if num_blocks > 1 and not _chunks_disjoint(num_blocks, block_stride, num_chunks, chunk_stride, chunk_bytes):
+    if num_blocks > 1 and not chunks_disjoint(num_blocks, block_stride, num_chunks, chunk_stride, chunk_bytes):
         raise ValueError(f"blocks of the tensor of shape {shape} overlap (strides {strides})")
     return PageLayout(
         shape=shape,
@@ -179,13 +206,14 @@ def describe(
         chunk_stride=chunk_stride,
         chunk_bytes=chunk_bytes,
         page_geometry=page_geometry,
+        page_dims=tuple(live),
         token_dim=token_dim,
         head_dim=head_dim,
         kind=kind,
     )
 
 
-def _chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:
+def chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:
     """Whether every (block, chunk) byte range is disjoint from the others: chunks inside
     blocks (blocks outermost) or blocks inside chunks (KV-first: chunks outermost)."""
     if nc == 1:
@@ -211,3 +239,93 @@ def alignment(*values: int) -> int:
     while a > 1 and g % a:
         a //= 2
     return a
+
+
+# ---------------------------------------------------------------------- page pairs
+MAX_RUN_DIMS = 3  # nested (count, stride) dims the item body expands a run index with
+
+
+@dataclass(frozen=True)
+class PagePairing:
+    """How one page of a source layout maps onto one page of a destination layout.
+
+    A page is ``runs_per_page`` runs of ``run_bytes`` contiguous bytes on both sides;
+    run ``r`` of a page starts at ``sum(i_k * src_stride_k)`` bytes into the source
+    page and ``sum(i_k * dst_stride_k)`` bytes into the destination page, where
+    ``r = (i_0 * count_1 + i_1) * count_2 + i_2`` over ``dims`` (outermost first, at
+    most :data:`MAX_RUN_DIMS`; trivial dims are ``(1, 0, 0)``, so ``dims`` always
+    has three). Identical orders give today's chunks: one run per dense page, two
+    for KV-first; differing orders give the longest runs both orders allow.
+    """
+
+    run_bytes: int
+    runs_per_page: int
+    dims: Tuple[Tuple[int, int, int], ...]  # (count, src stride, dst stride) bytes, outermost first
+
+    @property
+    def page_bytes(self) -> int:
+        return self.run_bytes * self.runs_per_page
+
+
+def _coalesce(dims, key):
+    """Dims sorted innermost-first by ``key``, adjacent ones merged where both sides
+    continue the inner one (``stride_outer == count_inner * stride_inner``)."""
+    out = []
+    for n, a, b in sorted(dims, key=key):
+        if out and a == out[-1][0] * out[-1][1] and b == out[-1][0] * out[-1][2]:
+            m, x, y = out.pop()
+            out.append((m * n, x, y))
+        else:
+            out.append((n, a, b))
+    return out
+
+
+def _layout_name(layout: PageLayout) -> str:
+    strides = tuple(st for _, st in layout.page_dims)
+    return (f"{layout.kind} {tuple(layout.shape)} {str(layout.dtype).replace('torch.', '')} "
+            f"(block axis {layout.block_dim}, in-page strides {strides})")
+
+
+def pair_pages(src: PageLayout, dst: PageLayout) -> PagePairing:
+    """The run structure that copies a page of ``src`` into a page of ``dst``.
+
+    The two pages must have the same logical shape (the dims other than the block
+    axis, size-1 dims ignored) and the same element size; the copy then moves
+    element ``[i, j, ...]`` of the source page to element ``[i, j, ...]`` of the
+    destination page, as ``dst[ids] = src[ids]`` does, whatever either side's strides
+    are. Both sides' dims are permuted alike (the order of runs is free) and merged
+    where both sides are contiguous, so identical orders keep whole pages (or
+    KV-first's two chunks) and converting orders get the longest common runs:
+    ``C`` elements for a head-major page against a token-major one. Anything else
+    raises a ``ValueError`` naming both layouts.
+    """
+    src_shape = tuple(n for n, _ in src.page_dims)
+    dst_shape = tuple(n for n, _ in dst.page_dims)
+    if src.itemsize != dst.itemsize or src_shape != dst_shape:
+        what = (f"element size {src.itemsize} vs {dst.itemsize} bytes" if src.itemsize != dst.itemsize
+                else f"logical page shape {src_shape} ({math.prod(src_shape)} elements) vs "
+                     f"{dst_shape} ({math.prod(dst_shape)} elements)")
+        raise ValueError(f"pages differ: {what}; {_layout_name(src)} vs {_layout_name(dst)}")
+    isz = src.itemsize
+    dims = [(n, a * isz, b * isz) for (n, a), (_, b) in zip(src.page_dims, dst.page_dims)]
+    best = None
+    for key in (lambda d: (d[1], d[2]), lambda d: (d[2], d[1])):  # by src, then by dst stride
+        merged = _coalesce(dims, key) if dims else []
+        if merged and merged[0][1] == isz and merged[0][2] == isz:
+            run, rest = merged[0][0] * isz, merged[1:]
+        else:
+            run, rest = isz, merged
+        score = (len(rest) > MAX_RUN_DIMS, -run, len(rest))
+        if best is None or score < best[0]:
+            best = (score, run, rest)
+    _, run, rest = best
+    if len(rest) > MAX_RUN_DIMS:
+        raise ValueError(
+            f"pages differ in more than {MAX_RUN_DIMS} nested dims beyond a contiguous run "
+            f"({len(rest)}); {_layout_name(src)} vs {_layout_name(dst)}")
+    runs = math.prod(n for n, _, _ in rest)
+    if runs >= 2**31:
+        raise ValueError(f"{runs} runs per page: more than the kernels index; "
+                         f"{_layout_name(src)} vs {_layout_name(dst)}")
+    outer_first = [(1, 0, 0)] * (MAX_RUN_DIMS - len(rest)) + list(reversed(rest))
+    return PagePairing(run_bytes=run, runs_per_page=runs, dims=tuple(outer_first))

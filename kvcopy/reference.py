@@ -28,14 +28,28 @@ def reference_copy(
     src_ids: torch.Tensor | Sequence[int],
     dst_ids: torch.Tensor | Sequence[int],
     block_dim: int = 0,
+    dst_block_dim: int | None = None,
 ) -> None:
-    """``dst[block dst_ids[i]] = src[block src_ids[i]]`` along ``block_dim``, in place."""
+    """``dst[block dst_ids[i]] = src[block src_ids[i]]`` along ``block_dim``, in place.
+
+    Element ``[i, j, ...]`` of a page goes to element ``[i, j, ...]`` whatever either
+    side's strides are (a layout-converting copy is a logical-index copy). A
+    destination with its block axis elsewhere (``dst_block_dim``) or another shape of
+    the same elements gets the pages in row-major order of the in-page dims.
+    """
     src_ids = torch.as_tensor(src_ids, dtype=torch.int64)
     dst_ids = torch.as_tensor(dst_ids, dtype=torch.int64)
     if src_ids.numel() == 0:
         return
-    pages = as_words(src).index_select(block_dim, src_ids.to(src.device))
-    as_words(dst).index_copy_(block_dim, dst_ids.to(dst.device), pages.to(dst.device))
+    dbd = block_dim if dst_block_dim is None else dst_block_dim
+    pages = as_words(src).index_select(block_dim, src_ids.to(src.device)).to(dst.device)
+    out = as_words(dst)
+    if dbd == block_dim and pages.shape[:dbd] + pages.shape[dbd + 1:] == out.shape[:dbd] + out.shape[dbd + 1:]:
+        out.index_copy_(dbd, dst_ids.to(dst.device), pages)
+        return
+    out = out.movedim(dbd, 0)  # a view: index_copy_ writes through it
+    pages = pages.movedim(block_dim, 0).reshape((pages.shape[block_dim],) + tuple(out.shape[1:]))
+    out.index_copy_(0, dst_ids.to(dst.device), pages)
 
 
 def reference_copy_groups(

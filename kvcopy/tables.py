@@ -2,12 +2,17 @@
 
 Static, built once per copier and direction (:class:`CopyTables`):
 
-* ``entries``: int64 ``[E, 8]``, one row per copied layer, deduplicated by storage
+* ``entries``: int64 ``[E, 16]``, one row per copied layer, deduplicated by storage
   within a group (two names for the same bytes are copied once). Columns, in the order
-  of ``kernels/block_copy.cuh``'s ``EntryField``: src base address, dst base address,
-  src block stride, dst block stride, src chunk stride, dst chunk stride (bytes),
-  chunk bytes, chunks per block. Addresses are ``data_ptr()`` values: host pointers of
-  pinned memory are valid on the device under unified addressing.
+  of ``kernels/block_copy.cuh``'s ``EntryField`` (bytes throughout): src base address,
+  dst base address, src block stride, dst block stride, run bytes, runs per page, then
+  three nested run dims ``(count, src stride, dst stride)``, outermost first, and one
+  zero. A page is ``runs per page`` runs of ``run bytes``, run ``r`` at the offsets its
+  digits over the dims give (:class:`kvcopy.layout.PagePairing`, computed here once
+  per entry from both sides' layouts): one run per page when both sides order a dense
+  page alike, two for KV-first, ``C``-element runs for a head-major page against a
+  token-major one. Addresses are ``data_ptr()`` values: host pointers of pinned memory
+  are valid on the device under unified addressing.
 * ``group_offsets`` int64 ``[G+1]`` and ``group_entries``: group ``g`` copies entries
   ``group_entries[group_offsets[g]:group_offsets[g+1]]``, its layer mask. A layer in no
   group (KV-sharing) has no entry and is never touched.
@@ -33,26 +38,25 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .layout import PageLayout, alignment
+from .layout import MAX_RUN_DIMS, PageLayout, alignment, pair_pages
 
-ENTRY_FIELDS = 8
+ENTRY_FIELDS = 16
 (
     SRC_BASE,
     DST_BASE,
     SRC_BLOCK_STRIDE,
     DST_BLOCK_STRIDE,
-    SRC_CHUNK_STRIDE,
-    DST_CHUNK_STRIDE,
-    CHUNK_BYTES,
-    NUM_CHUNKS,
-) = range(ENTRY_FIELDS)
+    RUN_BYTES,
+    RUNS_PER_PAGE,
+) = range(6)
+RUN_DIMS = 6  # first of MAX_RUN_DIMS x (count, src stride, dst stride) columns
 
 
 @dataclass
 class CopyTables:
     """Static description of one direction of a copier."""
 
-    entries: np.ndarray  # int64 [E, 8]
+    entries: np.ndarray  # int64 [E, 16]
     group_offsets: np.ndarray  # int64 [G+1]
     group_entries: np.ndarray  # int64 [sum]
     src_tensors: List[torch.Tensor]  # per entry (kept alive: the table holds raw addresses)
@@ -96,8 +100,15 @@ class CopyTables:
             raise ValueError(f"{where} must be a positive integer, got {value!r}")
         return n
 
-    def max_chunk_bytes(self) -> int:
-        return int(self.entries[:, CHUNK_BYTES].max()) if len(self.entries) else 0
+    def max_run_bytes(self) -> int:
+        return int(self.entries[:, RUN_BYTES].max()) if len(self.entries) else 0
+
+    def min_run_bytes(self) -> int:
+        return int(self.entries[:, RUN_BYTES].min()) if len(self.entries) else 0
+
+    def page_bytes(self) -> np.ndarray:
+        """int64 [E]: bytes one block moves per entry."""
+        return self.entries[:, RUN_BYTES] * self.entries[:, RUNS_PER_PAGE]
 
 
 def build_tables(
@@ -108,25 +119,26 @@ def build_tables(
 ) -> CopyTables:
     """Tables for entries ``src[i] -> dst[i]``; group g copies ``group_entry_lists[g]``."""
     rows = []
-    for (st, sl), (dt, dl) in zip(src, dst):
-        rows.append(
-            [
-                st.data_ptr(),
-                dt.data_ptr(),
-                sl.block_stride,
-                dl.block_stride,
-                sl.chunk_stride,
-                dl.chunk_stride,
-                sl.chunk_bytes,
-                sl.num_chunks,
-            ]
-        )
+    for (st, sl), (dt, dl), name in zip(src, dst, names):
+        try:
+            pair = pair_pages(sl, dl)
+        except ValueError as exc:
+            raise ValueError(f"layer {name!r}: {exc}") from None
+        row = [st.data_ptr(), dt.data_ptr(), sl.block_stride, dl.block_stride,
+               pair.run_bytes, pair.runs_per_page]
+        for dim in pair.dims:
+            row.extend(dim)
+        rows.append(row + [0] * (ENTRY_FIELDS - len(row)))
     entries = np.array(rows, dtype=np.int64).reshape(-1, ENTRY_FIELDS)
     offsets = np.zeros(len(group_entry_lists) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(e) for e in group_entry_lists])
     flat = np.array([i for e in group_entry_lists for i in e], dtype=np.int64)
-    word = alignment(*entries[:, :NUM_CHUNKS].ravel().tolist()) if len(entries) else 16
-    page_bytes = entries[:, CHUNK_BYTES] * entries[:, NUM_CHUNKS]
+    # The widest word dividing every address, stride and size the item body adds up
+    # (counts excluded; trivial dims' zero strides divide by anything).
+    sized = [SRC_BASE, DST_BASE, SRC_BLOCK_STRIDE, DST_BLOCK_STRIDE, RUN_BYTES]
+    sized += [RUN_DIMS + 3 * k + j for k in range(MAX_RUN_DIMS) for j in (1, 2)]
+    word = alignment(*entries[:, sized].ravel().tolist()) if len(entries) else 16
+    page_bytes = entries[:, RUN_BYTES] * entries[:, RUNS_PER_PAGE]
     group_bytes = np.array([int(page_bytes[list(e)].sum()) for e in group_entry_lists], dtype=np.int64)
     src_dev = src[0][0].device if src else torch.device("cpu")
     dst_dev = dst[0][0].device if dst else torch.device("cpu")

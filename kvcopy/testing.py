@@ -24,15 +24,73 @@ import torch
 from .copier import BlockCopier
 from .reference import as_words, reference_copy_groups
 
-# name -> (shape builder (nb, bs, h, d) -> shape, block_dim, kv_layout, transpose-view)
+# name -> (logical shape builder (nb, bs, h, d) -> shape, block_dim, kv_layout)
 LAYOUTS = {
     "nhd": (lambda nb, bs, h, d: (nb, bs, h, d), 0, "NHD"),
     "hnd": (lambda nb, bs, h, d: (nb, h, bs, d), 0, "HND"),
-    "hnd_view_of_nhd": (lambda nb, bs, h, d: (nb, bs, h, 2 * d), 0, "HND"),  # viewed (nb, h, bs, 2d)
+    "hnd_view_of_nhd": (lambda nb, bs, h, d: (nb, h, bs, 2 * d), 0, "HND"),  # both sides (nb, bs, h, 2d) viewed
     "kv_first": (lambda nb, bs, h, d: (2, nb, bs, h, d), 1, "NHD"),
     "blocks_first_kv": (lambda nb, bs, h, d: (nb, 2, bs, h, d), 0, "NHD"),
     "mla": (lambda nb, bs, h, d: (nb, bs, h * d), 0, "NHD"),
+    # Layout-converting pairs (vLLM 0.33, v1/kv_cache_layout.py): the device cache is a
+    # strided view, the host buffer contiguous in the logical shape, unless named below.
+    "lbnhc": (lambda nb, bs, h, d: (nb, h, bs, 2 * d), 0, "HND"),  # [B,H,N,C] view of [B,N,H,C]
+    "blnhc": (lambda nb, bs, h, d: (nb, h, bs, 2 * d), 0, "HND"),  # layer view of [B,L,N,H,C]
+    "bhlnc": (lambda nb, bs, h, d: (nb, h, bs, 2 * d), 0, "HND"),  # layer view of [B,H,L,N,C]
+    "lhbnc": (lambda nb, bs, h, d: (nb, h, bs, 2 * d), 0, "HND"),  # layer view of [L,H,B,N,C]
+    "kv_first_hnd": (lambda nb, bs, h, d: (2, nb, bs, h, d), 1, "NHD"),  # [2,NB,N,H,D] view of [2,NB,H,N,D]
+    "flashinfer_hnd": (lambda nb, bs, h, d: (nb, 2, bs, h, d), 0, "NHD"),  # [NB,2,N,H,D] view of [NB,2,H,N,D]
+    "host_lbnhc": (lambda nb, bs, h, d: (nb, h, bs, 2 * d), 0, "HND"),  # the host is the LBNHC view
 }
+
+# Layers a cross-layer allocation holds in the cases; a case's tensor is layer 1 of it,
+# so its pages sit between bytes of other layers that must never change.
+CROSS_LAYERS = 3
+
+# How a side of a layout is made from raw bytes: (physical shape (nb, bs, h, d) ->
+# shape, view of that physical tensor). A side not named is contiguous in the logical
+# shape. Each view has the logical shape of LAYOUTS.
+VIEWS = {
+    "hnd_view_of_nhd": {side: (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.transpose(1, 2))
+                        for side in ("device", "host")},
+    "lbnhc": {"device": (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.permute(0, 2, 1, 3))},
+    "blnhc": {"device": (lambda nb, bs, h, d: (nb, CROSS_LAYERS, bs, h, 2 * d),
+                         lambda t: t[:, 1].permute(0, 2, 1, 3))},
+    "bhlnc": {"device": (lambda nb, bs, h, d: (nb, h, CROSS_LAYERS, bs, 2 * d), lambda t: t[:, :, 1])},
+    "lhbnc": {"device": (lambda nb, bs, h, d: (CROSS_LAYERS, h, nb, bs, 2 * d),
+                         lambda t: t[1].transpose(0, 1))},
+    "kv_first_hnd": {"device": (lambda nb, bs, h, d: (2, nb, h, bs, d), lambda t: t.transpose(2, 3))},
+    "flashinfer_hnd": {"device": (lambda nb, bs, h, d: (nb, 2, h, bs, d), lambda t: t.transpose(2, 3))},
+    "host_lbnhc": {"host": (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.permute(0, 2, 1, 3))},
+}
+CONVERTING = ("lbnhc", "blnhc", "bhlnc", "lhbnc", "kv_first_hnd", "flashinfer_hnd", "host_lbnhc")
+
+
+def physical_shape(layout: str, side: str, nb: int, bs: int, h: int, d: int) -> Tuple[int, ...]:
+    """Shape of the allocation that holds a ``side`` ("device"/"host") tensor."""
+    made = VIEWS.get(layout, {}).get(side)
+    return tuple((made[0] if made else LAYOUTS[layout][0])(nb, bs, h, d))
+
+
+def page_pairing(layout: str, bs: int, h: int, d: int, dtype: torch.dtype):
+    """The :class:`~kvcopy.layout.PagePairing` of a layout's device page against its
+    host page (run bytes and runs per page), from two-block tensors of each side."""
+    from .layout import describe, pair_pages
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sides = []
+    for side in ("device", "host"):
+        raw = torch.zeros(int(np.prod(physical_shape(layout, side, 2, bs, h, d))) * itemsize, dtype=torch.uint8)
+        sides.append(describe(shaped(raw, layout, side, dtype, 2, bs, h, d), LAYOUTS[layout][1], LAYOUTS[layout][2]))
+    return pair_pages(*sides)
+
+
+def shaped(raw: torch.Tensor, layout: str, side: str, dtype: torch.dtype, nb: int, bs: int, h: int,
+           d: int) -> torch.Tensor:
+    """The ``side`` tensor of ``layout`` over ``raw`` (uint8, ``physical_shape`` bytes)."""
+    made = VIEWS.get(layout, {}).get(side)
+    t = raw.view(dtype).reshape(physical_shape(layout, side, nb, bs, h, d))
+    return made[1](t) if made else t
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -117,20 +175,16 @@ class CopyCase:
         return dev, host
 
     # ---------------------------------------------------------------- tensors
-    def _tensor(self, nb: int, device, fill: Optional[int], gen: torch.Generator) -> torch.Tensor:
-        shape_of, _, _ = LAYOUTS[self.layout]
-        shape = shape_of(nb, self.block_size, self.num_heads, self.head_size)
+    def _tensor(self, nb: int, device, fill: Optional[int], gen: torch.Generator, side: str) -> torch.Tensor:
+        dims = (nb, self.block_size, self.num_heads, self.head_size)
         dtype = DTYPES[self.dtype]
         itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = int(np.prod(shape)) * itemsize
+        nbytes = int(np.prod(physical_shape(self.layout, side, *dims))) * itemsize
         if fill is None:
             raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
         else:
             raw = torch.full((nbytes,), fill, dtype=torch.uint8)
-        t = raw.view(dtype).reshape(shape).to(device)
-        if self.layout == "hnd_view_of_nhd":
-            t = t.transpose(1, 2)
-        return t
+        return shaped(raw.to(device), self.layout, side, dtype, *dims)
 
     def build(self, device="cpu", poison: str = "host") -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
         """(device caches, host buffers): the ``poison`` side filled with POISON_BYTE,
@@ -145,22 +199,31 @@ class CopyCase:
         for i in range(self.layers_per_group):
             shared_dev = shared_host = None
             if self.aliasing:
-                shared_dev = self._tensor(self.num_blocks, device, dev_fill, gen)
+                shared_dev = self._tensor(self.num_blocks, device, dev_fill, gen, "device")
                 if not self.separate_host_buffers:
-                    shared_host = self._tensor(host_nb, "cpu", host_fill, gen)
+                    shared_host = self._tensor(host_nb, "cpu", host_fill, gen, "host")
             for layers in groups:
                 name = layers[i]
-                dev[name] = shared_dev if shared_dev is not None else self._tensor(self.num_blocks, device, dev_fill, gen)
-                host[name] = shared_host if shared_host is not None else self._tensor(host_nb, "cpu", host_fill, gen)
+                dev[name] = (shared_dev if shared_dev is not None
+                             else self._tensor(self.num_blocks, device, dev_fill, gen, "device"))
+                host[name] = (shared_host if shared_host is not None
+                              else self._tensor(host_nb, "cpu", host_fill, gen, "host"))
         for name, target in self.sharing_layers():
             dev[name] = dev[target]
             # Never filled by a transfer: random junk that must never reach the device.
-            host[name] = self._tensor(host_nb, "cpu", None, gen)
+            host[name] = self._tensor(host_nb, "cpu", None, gen, "host")
         return dev, host
 
 
 def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(as_words(a.cpu()), as_words(b.cpu()))
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of the allocation ``t`` views (uint8, on the CPU): a cross-layer
+    view's neighbours included, so a stray write between its pages shows."""
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.set_(t.untyped_storage()).cpu()
 
 
 @dataclass
@@ -192,6 +255,13 @@ class PreparedCheck:
                     raise AssertionError(
                         f"{self.label}: {side} tensor of {name!r} differs from the reference at "
                         f"{diff.shape[0]} elements, first at index {diff[0].tolist()}"
+                    )
+                e_all, g_all = storage_bytes(exp[name]), storage_bytes(got[name])
+                if not torch.equal(e_all, g_all):
+                    first = int((e_all != g_all).nonzero()[0])
+                    raise AssertionError(
+                        f"{self.label}: the allocation under the {side} tensor of {name!r} differs "
+                        f"from the reference outside the tensor, first at byte {first}"
                     )
 
 
@@ -226,7 +296,7 @@ def standard_cases(quick: bool = False) -> List[CopyCase]:
     buffers shared, or one per layer as vLLM allocates them) and KV-sharing, odd
     sizes, host id remapping. ``quick`` keeps a covering subset."""
     cases = []
-    layouts = list(LAYOUTS)
+    layouts = [name for name in LAYOUTS if name not in CONVERTING]  # those: below
     dtypes = ["bf16", "fp8", "uint8", "fp16", "fp32"]
     for layout, dtype in itertools.product(layouts, dtypes[: 2 if quick else 5]):
         cases.append(CopyCase(layout=layout, dtype=dtype))
@@ -248,5 +318,21 @@ def standard_cases(quick: bool = False) -> List[CopyCase]:
         CopyCase(host_ids_differ=True, host_num_blocks=13, layout="kv_first"),  # K/V apart by a different NB
         CopyCase(ids="all", num_groups=2, layout="kv_first"),
         CopyCase(ids="all", num_groups=1, layout="nhd", num_blocks=64, dtype="fp32"),
+    ]
+    # Layout-converting pairs: several and odd head counts, fp8 (uint8 in vLLM), MLA
+    # (one head: the orders agree, whole pages), aliasing, KV-sharing, merged runs.
+    for layout in CONVERTING:
+        cases.append(CopyCase(layout=layout, num_heads=3, ids="runs"))
+        if not quick:
+            cases.append(CopyCase(layout=layout, dtype="fp8", num_heads=4, host_ids_differ=True,
+                                  host_num_blocks=17))
+    cases += [
+        CopyCase(layout="lbnhc", dtype="uint8", num_heads=5, head_size=7, ids="scattered"),  # 1-byte runs of 14
+        CopyCase(layout="flashinfer_hnd", dtype="fp8", num_heads=2, ids="all", num_groups=1),
+        CopyCase(layout="blnhc", num_heads=1, head_size=16, ids="runs"),  # MLA-like: one head
+        CopyCase(layout="lhbnc", aliasing=True, kv_sharing=1, num_groups=3, ids="odd"),
+        CopyCase(layout="kv_first_hnd", aliasing=True, separate_host_buffers=True, num_groups=2,
+                 ids="runs", num_heads=3),
+        CopyCase(layout="bhlnc", num_groups=7, layers_per_group=1, num_blocks=48, dtype="fp16"),
     ]
     return cases

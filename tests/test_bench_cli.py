@@ -179,3 +179,14 @@ def test_verify_catches_missing_and_stray_writes(layout):
         assert "storage 1" in point.check(stray, "h2d", exp)
     finally:
         point.close()
+
+
+@pytest.mark.parametrize("layout", ["lbnhc", "blnhc"])
+def test_converting_preset_verifies_every_method(tmp_path, layout):
+    """The convert512 preset (LBNHC cache vs contiguous host) and a cross-layer layout
+    run and check bit-exact (every byte of each allocation) with small sizes."""
+    rc, res = run_json(tmp_path, "--preset", "convert512", "--layout", layout, *SMALL)
+    assert rc == 0
+    rows = [r for r in res["results"] if r["method"] != "memcpy"]
+    assert rows and all(r["verify"] == "ok" for r in rows), [(r["method"], r["verify"]) for r in rows]
+    assert {int(r["chunk_bytes"]) for r in res["results"]} == {2 * 8 * 2}  # C = 2 x 8 bf16 per run

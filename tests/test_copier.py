@@ -172,8 +172,13 @@ def test_build_errors():
                   ValueError, "pages differ")
     _groups_error({"a": t}, {"a": torch.zeros(8, 4, 2, 8, dtype=torch.float32)}, [["a"]],
                   ValueError, "element size 2 vs 4")
-    _groups_error({"a": t}, {"a": torch.zeros(8, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2)},
-                  [["a"]], ValueError, "pages differ")
+    # same elements per page, another logical shape: refused, naming both layouts
+    _groups_error({"a": t}, {"a": torch.zeros(8, 2, 4, 8, dtype=torch.bfloat16)}, [["a"]], ValueError,
+                  r"pages differ: logical page shape \(4, 2, 8\) \(64 elements\) vs \(2, 4, 8\).*"
+                  r"blocks_first \(8, 4, 2, 8\) bfloat16.* vs blocks_first \(8, 2, 4, 8\)")
+    # the same logical page in another order is a converting copy, not an error
+    kvcopy.BlockCopier({"a": t}, {"a": torch.zeros(8, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2)},
+                       [["a"]], backend="torch").close()
     # device tensors that overlap without being the same region
     big = torch.zeros(9, 4, 2, 8, dtype=torch.bfloat16)
     _groups_error({"a": big[:8], "b": big[1:]}, {"a": h, "b": torch.zeros_like(h)}, [["a"], ["b"]],

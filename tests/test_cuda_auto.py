@@ -58,6 +58,22 @@ def test_mean_descriptor_bytes_merged_and_unmerged():
     c2.close()
 
 
+def test_auto_counts_runs_not_pages_for_converting_layouts():
+    """A 128 KiB page of 512-byte runs (LBNHC cache, contiguous [B, H, N, C] host) is
+    256 descriptors per block: auto sees 512-byte descriptors and keeps to the SM
+    kernel, though the page alone would pass the copy engines' 64 KiB threshold."""
+    nb, n, h, c = 8, 32, 8, 256  # 128 KiB pages of bf16, runs of C = 512 B
+    dev = {"a": torch.zeros(nb, n, h, c, dtype=torch.bfloat16).permute(0, 2, 1, 3)}
+    host = {"a": torch.zeros(nb, h, n, c, dtype=torch.bfloat16)}
+    cp = BlockCopier(dev, host, [["a"]], backend="cpu")
+    call = cp.plan("h2d", [[0, 1, 2, 5]])
+    size = mean_descriptor_bytes(_Shape(cp.tables("h2d")), call)
+    assert size == pytest.approx(512)
+    assert pick("h2d", size, ["ce", "cuda", "triton"]) == "cuda"
+    assert cp.tables("h2d").page_bytes()[0] >= DEFAULT_CE_MIN_BYTES
+    cp.close()
+
+
 def test_table_path_respects_xdg_and_override(monkeypatch, tmp_path):
     monkeypatch.delenv("KVCOPY_CALIBRATION", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

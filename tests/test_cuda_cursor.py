@@ -14,6 +14,7 @@ import pytest
 from kvcopy import backends
 from kvcopy.backends import cudalib, native
 from kvcopy.backends import Backend
+from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, check_copy, standard_cases
 
 lib, why = native.load("kvcopy_cpu")
@@ -36,7 +37,7 @@ class RangesBackend(Backend):
         static = cudalib.static_table(tables)
         e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
         base = static.ctypes.data
-        offsets = base + 8 * 8 * e
+        offsets = base + 8 * ENTRY_FIELDS * e
         group_entries = offsets + 8 * (g + 1)
         prefix = group_entries + 8 * ge
         arr = cudalib.call_array(call)
@@ -88,3 +89,17 @@ def test_grid_size_rule():
     assert cudalib.grid_size(1 << 30, 132, 16) == 16
     per_cta = cudalib.THREADS // 32 * cudalib.MIN_BYTES_PER_WARP
     assert cudalib.grid_size(3 * per_cta, 132, None) == 3
+
+
+@pytest.mark.parametrize("num_ranges", [1, 7, 300])
+@pytest.mark.parametrize("case", [
+    CopyCase(layout="bhlnc", num_heads=3, head_size=256, block_size=4, ids="runs"),  # 4 KiB runs: whole segments
+    CopyCase(layout="lbnhc", num_heads=8, head_size=128, block_size=4, ids="scattered"),  # 512 B runs: word by word
+    CopyCase(layout="flashinfer_hnd", num_heads=3, head_size=8, ids="runs", dtype="fp8"),  # 8 B runs, 3 dims
+], ids=lambda c: c.id + f"-h{c.num_heads}-d{c.head_size}")
+def test_cursor_converting_runs_long_and_short(case, num_ranges, ranges_backend):
+    """Runs above the kernel's gather threshold (2 KiB) move segment by segment, runs
+    below it word by word through Item::byte_address; range cuts land inside runs."""
+    name = ranges_backend(num_ranges)
+    for direction in ("d2h", "h2d"):
+        check_copy(name, case, direction).close()

@@ -107,3 +107,58 @@ def test_overlapping_chunks_of_different_blocks_are_refused():
     t = torch.zeros(8 * 16, dtype=torch.uint8).as_strided((4, 16), (0, 1))  # every block the same bytes
     with pytest.raises(ValueError, match="overlap"):
         describe(t)
+
+
+# ---------------------------------------------------------------------- page pairs
+from kvcopy.layout import MAX_RUN_DIMS, pair_pages  # noqa: E402
+
+
+def _pair(a, b, **kw):
+    return pair_pages(describe(a, **kw), describe(b, **kw))
+
+
+def test_identical_orders_keep_whole_pages_and_kv_first_chunks():
+    t = torch.zeros(NB, BS, H, D, dtype=torch.bfloat16)
+    p = _pair(t, torch.zeros_like(t))
+    assert (p.run_bytes, p.runs_per_page) == (BS * H * D * 2, 1)
+    assert p.dims == ((1, 0, 0),) * MAX_RUN_DIMS
+    v = torch.zeros(NB, BS, H, 2 * D).transpose(1, 2)  # HND view of NHD on both sides: one range
+    assert _pair(v, torch.zeros(NB, BS, H, 2 * D).transpose(1, 2)).runs_per_page == 1
+    kv = torch.zeros(2, NB, BS, H, D, dtype=torch.bfloat16)
+    host = torch.zeros(2, NB + 3, BS, H, D, dtype=torch.bfloat16)  # K/V apart by another NB
+    p = _pair(kv, host)
+    page = BS * H * D * 2
+    assert (p.run_bytes, p.runs_per_page) == (page, 2)
+    assert p.dims[-1] == (2, NB * page, (NB + 3) * page)
+
+
+def test_lbnhc_against_contiguous_host_moves_c_runs():
+    c = 2 * D
+    dev = torch.zeros(NB, BS, H, c, dtype=torch.bfloat16).permute(0, 2, 1, 3)  # [B, H, N, C] of [B, N, H, C]
+    host = torch.zeros(NB, H, BS, c, dtype=torch.bfloat16)
+    p = _pair(dev, host, kv_layout="HND")
+    assert (p.run_bytes, p.runs_per_page) == (c * 2, H * BS)
+    # run r's digits over the dims land on the same logical (head, token) on both sides
+    seen = set()
+    for r in range(p.runs_per_page):
+        (c0, s0, d0), (c1, s1, d1), (c2, s2, d2) = p.dims
+        i2, q = r % c2, r // c2
+        i1, i0 = q % c1, q // c1
+        src, dst = i0 * s0 + i1 * s1 + i2 * s2, i0 * d0 + i1 * d1 + i2 * d2
+        tok, head = divmod(src // (c * 2), H)  # source page is [N, H, C]
+        assert dst == (head * BS + tok) * c * 2  # destination page is [H, N, C]
+        seen.add(dst)
+    assert len(seen) == p.runs_per_page
+
+
+def test_pairs_that_cannot_be_copied_name_both_layouts():
+    a = torch.zeros(NB, BS, H, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"logical page shape \(4, 2, 8\).*vs \(2, 4, 8\).*blocks_first"):
+        _pair(a, torch.zeros(NB, H, BS, D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="element size 2 vs 4 bytes"):
+        _pair(a, torch.zeros(NB, BS, H, D, dtype=torch.float32))
+    # every in-page dim reversed: no contiguous run on both sides, 4 dims of 1-element runs
+    src = torch.zeros(NB, 2, 3, 4, 5, dtype=torch.uint8)
+    dst = torch.zeros(NB, 5, 4, 3, 2, dtype=torch.uint8).permute(0, 4, 3, 2, 1)
+    with pytest.raises(ValueError, match=f"more than {MAX_RUN_DIMS} nested dims"):
+        pair_pages(describe(src, block_dim=0), describe(dst, block_dim=0))

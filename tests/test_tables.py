@@ -3,7 +3,7 @@ import numpy as np
 import torch
 
 import kvcopy
-from kvcopy.tables import CHUNK_BYTES, NUM_CHUNKS, SRC_BLOCK_STRIDE, merge_runs
+from kvcopy.tables import ENTRY_FIELDS, RUN_BYTES, RUNS_PER_PAGE, SRC_BLOCK_STRIDE, merge_runs
 
 
 def test_merge_runs():
@@ -18,9 +18,9 @@ def test_packed_layout_and_items():
     h = {k: torch.zeros_like(v) for k, v in t.items()}
     c = kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2", "l3", "l4"]], backend="torch")
     tab = c.tables("d2h")
-    assert tab.entries.shape == (5, 8) and tab.group_offsets.tolist() == [0, 2, 5]
-    assert tab.entries[:, NUM_CHUNKS].tolist() == [2] * 5
-    assert (tab.entries[:, CHUNK_BYTES] == tab.entries[:, SRC_BLOCK_STRIDE]).all()
+    assert tab.entries.shape == (5, ENTRY_FIELDS) and tab.group_offsets.tolist() == [0, 2, 5]
+    assert tab.entries[:, RUNS_PER_PAGE].tolist() == [2] * 5
+    assert (tab.entries[:, RUN_BYTES] == tab.entries[:, SRC_BLOCK_STRIDE]).all()
     assert tab.word_bytes == 16
     call = c.plan("d2h", [[1, 2, 3], [7, 20]], [[4, 5, 6], [8, 9]])
     assert call.run_offsets().tolist() == [0, 1, 3]

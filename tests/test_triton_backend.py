@@ -27,6 +27,7 @@ from kvcopy import BlockCopier  # noqa: E402
 from kvcopy.backends import get_backend  # noqa: E402
 from kvcopy.backends import triton_backend as tb  # noqa: E402
 from kvcopy.kernels import triton_copy as tc  # noqa: E402
+from kvcopy.tables import ENTRY_FIELDS  # noqa: E402
 from kvcopy.testing import CopyCase, check_copy, standard_cases  # noqa: E402
 
 QUICK = standard_cases(quick=True)
@@ -58,6 +59,8 @@ GRID_CASES = [
     CopyCase(aliasing=True, kv_sharing=2, num_groups=2, layout="kv_first"),
     CopyCase(head_size=7, dtype="uint8", layout="nhd", ids="runs"),
     CopyCase(ids="all", num_groups=2, layout="hnd_view_of_nhd"),
+    CopyCase(layout="bhlnc", num_heads=3, ids="runs"),  # converting: 128-byte runs, one dim
+    CopyCase(layout="flashinfer_hnd", num_heads=2, head_size=64, ids="runs"),  # 128-byte runs, 3 dims
 ]
 
 
@@ -74,7 +77,7 @@ def test_interpreter_any_grid_and_row_size(interpret, monkeypatch, case, program
         copier = check_copy("triton", case, direction)
         cfg = copier.tables(direction).backend_state[tb.STATE_KEY].cfg
         assert cfg.row_bytes <= 64
-        assert copier.tables(direction).max_chunk_bytes() > cfg.row_bytes  # chunks really split
+        assert copier.tables(direction).max_run_bytes() > cfg.row_bytes  # chunks really split
 
 
 def test_interpreter_large_chunks(interpret):
@@ -144,7 +147,7 @@ def test_backend_state_and_release(interpret):
     st = copier.tables("h2d").backend_state[tb.STATE_KEY]
     assert st.device.type == "cpu" and st.max_ctas == 3 and st.pinning is None
     assert tc.is_interpreted(st.mod)
-    assert torch.equal(st.entries.view(-1, 8).cpu(), torch.from_numpy(copier.tables("h2d").entries))
+    assert torch.equal(st.entries.view(-1, ENTRY_FIELDS).cpu(), torch.from_numpy(copier.tables("h2d").entries))
     copier.close()
     assert tb.STATE_KEY not in copier.tables("h2d").backend_state
 
@@ -208,7 +211,8 @@ def _compile(cfg: tc.LaunchConfig, capability: int):
 
 
 @pytest.mark.parametrize("capability", [80, 90])
-@pytest.mark.parametrize("word,chunk", [(16, 2048), (8, 4096), (1, 57)], ids=["w16", "w8", "w1"])
+@pytest.mark.parametrize("word,chunk", [(16, 2048), (8, 4096), (1, 57), (16, 512)],
+                         ids=["w16", "w8", "w1", "w16-run512"])
 def test_compiles_to_ptx_and_cubin_offline(capability, word, chunk):
     cfg = tc.launch_config(word, chunk)
     compiled = _compile(cfg, capability)

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ..tables import CHUNK_BYTES, DST_BLOCK_STRIDE, NUM_CHUNKS, SRC_BLOCK_STRIDE, CallPlan, CopyTables
+from ..tables import DST_BLOCK_STRIDE, RUN_BYTES, RUNS_PER_PAGE, SRC_BLOCK_STRIDE, CallPlan, CopyTables
 from . import Backend
 
 
@@ -22,8 +22,8 @@ class _Shape:
 
     def __init__(self, tables: CopyTables):
         e = tables.entries
-        merge = (e[:, SRC_BLOCK_STRIDE] == e[:, CHUNK_BYTES]) & (e[:, DST_BLOCK_STRIDE] == e[:, CHUNK_BYTES])
-        chunks = e[:, NUM_CHUNKS]
+        merge = (e[:, SRC_BLOCK_STRIDE] == e[:, RUN_BYTES]) & (e[:, DST_BLOCK_STRIDE] == e[:, RUN_BYTES])
+        chunks = e[:, RUNS_PER_PAGE]
         g = tables.num_groups
         # per group: descriptors per run (merged entries) and per block (the others)
         self.per_run = np.zeros(g, dtype=np.int64)

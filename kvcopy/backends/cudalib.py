@@ -120,7 +120,7 @@ THREADS = 512  # KVCOPY_THREADS in kernels/block_copy_kernel.cuh
 INLINE_WORDS = 480  # KVCOPY_INLINE_WORDS
 # A warp gets at least this many bytes: below it the seek costs more than the copy.
 MIN_BYTES_PER_WARP = int(os.environ.get("KVCOPY_MIN_BYTES_PER_WARP", 4096))
-# CTAs per SM when uncapped (the kernel uses ~96 registers x 512 threads: one fits).
+# CTAs per SM when uncapped (the kernel uses 124-128 registers x 512 threads: one fits).
 CTAS_PER_SM = int(os.environ.get("KVCOPY_CTAS_PER_SM", 1))
 
 
@@ -138,10 +138,10 @@ def grid_size(total_bytes: int, sm_count: int, max_ctas: Optional[int]) -> int:
 def static_table(tables, entries: Optional[np.ndarray] = None) -> np.ndarray:
     """entries | group_offsets | group_entries | entry_bytes_prefix, one int64 array
     (``entries`` replaces the tables' own rows, e.g. with translated host pointers)."""
-    from ..tables import CHUNK_BYTES, NUM_CHUNKS
+    from ..tables import RUN_BYTES, RUNS_PER_PAGE
 
     e = tables.entries if entries is None else entries
-    page = (e[:, CHUNK_BYTES] * e[:, NUM_CHUNKS]) if len(e) else np.zeros(0, np.int64)
+    page = (e[:, RUN_BYTES] * e[:, RUNS_PER_PAGE]) if len(e) else np.zeros(0, np.int64)
     prefix = np.zeros(len(tables.group_entries) + 1, dtype=np.int64)
     if len(tables.group_entries):
         np.cumsum(page[tables.group_entries], out=prefix[1:])

@@ -24,4 +24,4 @@ class TorchBackend(Backend):
             for e in tables.group_entry_ids(g):
                 src = tables.src_tensors[e]
                 dst = tables.dst_tensors[e]
-                reference_copy(src, dst, src_ids, dst_ids, tables.src_block_dims[e])
+                reference_copy(src, dst, src_ids, dst_ids, tables.src_block_dims[e], tables.dst_block_dims[e])

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..tables import CHUNK_BYTES, CallPlan, CopyTables
+from ..tables import RUN_BYTES, CallPlan, CopyTables
 from . import Backend
 
 STATE_KEY = "triton"
@@ -93,7 +93,7 @@ class TritonBackend(Backend):
             if not host_pointer_usable(index if index is not None else torch.cuda.current_device()):
                 return ("this GPU cannot use registered host pointers directly "
                         "(cudaDevAttrCanUseHostPointerForRegisteredMem = 0); use backend 'ce'")
-        if len(tables.entries) and (tables.entries[:, CHUNK_BYTES] <= 0).any():
+        if len(tables.entries) and (tables.entries[:, RUN_BYTES] <= 0).any():
             return "an entry has zero-byte pages"
         return None
 
@@ -120,7 +120,7 @@ class TritonBackend(Backend):
         def upload(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64).reshape(-1)).to(device)
 
-        min_chunk = int(tables.entries[:, CHUNK_BYTES].min()) if len(tables.entries) else 0
+        min_chunk = tables.min_run_bytes()
         tables.backend_state[STATE_KEY] = _State(
             mod=tc.kernels(interpret=interp),
             device=device,

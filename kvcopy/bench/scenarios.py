@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..testing import DTYPES, LAYOUTS, POISON_BYTE
+from ..testing import DTYPES, LAYOUTS, POISON_BYTE, page_pairing, physical_shape, shaped
 
 BASELINES = ("vllm", "coalesced")
 KVCOPY_BACKENDS = ("torch", "cpu", "triton", "cuda", "ce", "auto")
@@ -59,7 +59,7 @@ class Scenario:
     num_kv_heads: int = 8
     head_size: int = 128
     dtype: str = "bf16"
-    layout: str = "kv_first"  # a name from kvcopy.testing.LAYOUTS
+    layout: str = "kv_first"  # a name from kvcopy.testing.LAYOUTS (converting ones included)
     ids: str = "random"  # "random" (scattered, one pool) | "contiguous" (one run per group)
     seed: int = 0
 
@@ -114,10 +114,14 @@ class Scenario:
         return int(np.prod(shape)) * self.itemsize()
 
     def chunks_per_page(self) -> int:
-        return 2 if self.layout == "kv_first" else 1
+        """Runs per page of the device/host pair: 2 for KV-first, 1 where both sides
+        hold a page as one range, more for a layout-converting pair."""
+        return page_pairing(self.layout, self.block_size, self.num_kv_heads, self.head_size,
+                            DTYPES[self.dtype]).runs_per_page
 
     def chunk_bytes(self) -> int:
-        """Bytes of one contiguous range of a page (K or V for KV-first layouts)."""
+        """Bytes of one run contiguous on both sides (K or V for KV-first layouts, C
+        elements for a head-major host page against a token-major cache)."""
         return self.page_bytes() // self.chunks_per_page()
 
     def call_bytes(self) -> int:
@@ -185,29 +189,25 @@ class Scenario:
 
     def build(self, device: str = "cpu", pinned: bool = True) -> "Point":
         num_blocks, ids = self.block_ids()
-        shape = LAYOUTS[self.layout][0](num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        dims = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         dtype = DTYPES[self.dtype]
-        nbytes = int(np.prod(shape)) * self.itemsize()
+        dev_bytes = int(np.prod(physical_shape(self.layout, "device", *dims))) * self.itemsize()
+        host_bytes = int(np.prod(physical_shape(self.layout, "host", *dims))) * self.itemsize()
         # Random bytes, made where they are fastest to make (the GPU when there is one).
         gen = torch.Generator(device=device).manual_seed(self.seed)
         pin = pinned and device != "cpu"
         dev_store, host_store = [], []
         for _ in range(self.num_storages()):
-            raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device)
-            dev_store.append(_shaped(raw, dtype, shape, self.layout))
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-            host.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device))
-            host_store.append(_shaped(host, dtype, shape, self.layout))
+            raw = torch.randint(0, 256, (dev_bytes,), dtype=torch.uint8, generator=gen, device=device)
+            dev_store.append(shaped(raw, self.layout, "device", dtype, *dims))
+            host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pin)
+            host.copy_(torch.randint(0, 256, (host_bytes,), dtype=torch.uint8, generator=gen, device=device))
+            host_store.append(shaped(host, self.layout, "host", dtype, *dims))
         names = self.layer_names()
         storage = self.storage_of()
         dev = {n: dev_store[storage[n]] for g in names for n in g}
         host = {n: host_store[storage[n]] for g in names for n in g}
         return Point(self, device, pin, dev, host, dev_store, host_store, names, ids)
-
-
-def _shaped(raw: torch.Tensor, dtype, shape, layout: str) -> torch.Tensor:
-    t = raw.view(dtype).reshape(shape)
-    return t.transpose(1, 2) if layout == "hnd_view_of_nhd" else t
 
 
 # ------------------------------------------------------------------ presets
@@ -231,6 +231,12 @@ PRESETS: Dict[str, dict] = {
     "mla": dict(scenario=Scenario(name="mla", num_layers=27, blocks_per_request=8, block_size=64,
                                   num_kv_heads=1, head_size=576, layout="mla"), num_groups=[1],
                 help="mla: DeepSeek-V2-Lite-like, 27 layers, latent 576 bf16, 64-token blocks, 8 blocks"),
+    # A layout-converting copy (issue 10): vLLM's LBNHC cache ([B, H, N, C] view of
+    # [B, N, H, C]) against a contiguous [B, H, N, C] host buffer (enable_permute_local_kv):
+    # 512-byte runs (C = 2 x 128 bf16), 8 x 16 runs per page.
+    "convert512": dict(scenario=Scenario(name="convert512", layout="lbnhc"), num_groups=[1],
+                       help="convert512: layout-converting copy, LBNHC cache vs contiguous [B,H,N,C] host, "
+                            "16 layers, 6 blocks, 16 tokens x 8 heads x 2x128 bf16: 512-byte runs"),
 }
 
 
@@ -370,7 +376,7 @@ class Point:
         bd = {n: self.scenario.block_dim() for g in self.layer_groups for n in g}
         reference_copy_groups(src, dst, self.layer_groups, self.ids, self.ids, bd)
         self.synchronize()
-        return [t.detach().cpu().clone() for t in dst_store]
+        return [_raw_bytes(t).cpu().clone() for t in dst_store]
 
     def poison(self, direction: str) -> None:
         for t in self.sides(direction)[3]:
@@ -381,11 +387,9 @@ class Point:
         self.poison(direction)
         fn()
         self.synchronize()
-        from ..reference import as_words
-
-        # Each storage view spans its whole allocation: comparing elements compares every byte.
+        # Every byte of each allocation (a cross-layer view's neighbours included).
         for i, (got, exp) in enumerate(zip(self.sides(direction)[3], expected)):
-            a, b = as_words(got.detach().cpu()), as_words(exp)
+            a, b = _raw_bytes(got).cpu(), exp
             if not torch.equal(a, b):
                 bad = int((a != b).sum())
                 return f"storage {i}: {bad} of {a.numel()} elements differ from the reference"

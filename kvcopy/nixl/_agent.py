@@ -15,16 +15,29 @@ too, not only by returning ``"ERR"``. :class:`Agent` funnels them into two shape
   that escapes ``poll``.
 
 Descriptor lists are numpy ``[N, 3]`` uint64 arrays of (address, bytes, device id).
+
+Peers' agents are *parked*, not unloaded, when the manager stops using them
+(:meth:`Agent.release_remote`): with NIXL 1.5 over UCX, unloading the agent of a peer
+that is still alive (``remove_remote_agent``) leaves its UCX endpoint, and one TCP
+socket on each side, open until the peer dies (UCX closes an endpoint with error
+handling only when the connection breaks; NIXL issue #2025), so every add/remove cycle
+of a live peer leaked two loopback sockets. A parked agent is no peer: nothing reads
+from it, and it is taken up again only by byte-identical metadata (then re-validated
+in full by ``add_peer``); different metadata under its name unloads it first (a
+restarted peer). At most :data:`MAX_PARKED` are kept (the oldest is unloaded); all go
+with the agent.
 """
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from types import ModuleType
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 _MODULE_NAMES = ("nixl", "nixl_cu12", "nixl_cu13")
+MAX_PARKED = 64  # peers' agents kept loaded after their last use (see the module docstring)
 _module: Optional[ModuleType] = None
 _import_error: Optional[str] = None
 
@@ -65,6 +78,25 @@ def nixl_available() -> Optional[str]:
     return None
 
 
+_MD_PREFIX = b"nixlSerDes|Agent"
+
+
+def metadata_name(blob: bytes) -> Optional[str]:
+    """The agent name NIXL agent metadata starts with (NIXL 1.5's serialization:
+    ``nixlSerDes|Agent`` then a u64 length and the name), or None where the bytes are
+    not in that form: the manager then checks the name NIXL reports after loading."""
+    if not blob.startswith(_MD_PREFIX) or len(blob) < len(_MD_PREFIX) + 8:
+        return None
+    n = int.from_bytes(blob[len(_MD_PREFIX):len(_MD_PREFIX) + 8], "little")
+    start = len(_MD_PREFIX) + 8
+    if n > 4096 or len(blob) < start + n:
+        return None
+    try:
+        return blob[start:start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 def _status(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if text.startswith("NIXL") else f"{type(exc).__name__}: {text}"
@@ -82,6 +114,9 @@ class Agent:
             self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=list(backends)))
         except Exception as exc:
             raise NixlError(f"creating NIXL agent {name!r}: {_status(exc)}") from exc
+        self._loaded: Dict[str, bytes] = {}  # peers' agents this wrapper loaded: name -> metadata
+        self._parked: "OrderedDict[str, None]" = OrderedDict()  # loaded, in use by no peer; oldest first
+        self._failed: set = set()  # agent names whose metadata NIXL failed to load
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise NixlError(
@@ -104,17 +139,60 @@ class Agent:
         self._agent.deregister_memory(registration)
 
     def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's agent metadata (or take up its parked agent); returns its name."""
+        wanted = metadata_name(metadata)
+        if wanted is not None and wanted in self._parked:
+            if self._loaded.get(wanted) == metadata and self.has_remote(wanted):
+                del self._parked[wanted]
+                return wanted
+            self.unload_remote(wanted)  # a restarted peer, or unloaded behind our back
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise NixlError(f"loading the peer's NIXL agent metadata: {_status(exc)}") from exc
-        return name.decode() if isinstance(name, bytes) else str(name)
+            # NIXL 1.5 keeps the UCX connection of metadata whose memory sections fail
+            # to load, and no API call removes it: the name stays refused.
+            hint = (f"; earlier metadata for agent {wanted!r} failed to load, and NIXL may keep a "
+                    "half-loaded connection under that name that only a new agent clears"
+                    if wanted in self._failed else "")
+            if wanted is not None:
+                self._failed.add(wanted)
+            raise NixlError(f"loading the peer's NIXL agent metadata: {_status(exc)}{hint}") from exc
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._failed.discard(name)
+        self._loaded[name] = bytes(metadata)
+        self._parked.pop(name, None)
+        return name
 
-    def remove_remote(self, name: str) -> None:
+    def release_remote(self, name: str) -> None:
+        """The manager no longer uses this peer's agent: park it (module docstring);
+        an agent this wrapper did not load (a failed load) is unloaded."""
+        if name not in self._loaded:
+            self.unload_remote(name)
+            return
+        self._parked[name] = None
+        self._parked.move_to_end(name)
+        while len(self._parked) > MAX_PARKED:
+            self.unload_remote(next(iter(self._parked)))
+
+    def unload_remote(self, name: str) -> None:
+        """Unload a peer's agent from NIXL (``remove_remote_agent``)."""
+        self._parked.pop(name, None)
+        self._loaded.pop(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except Exception:  # already gone: nothing left to remove
             pass
+
+    @property
+    def parked(self) -> Tuple[str, ...]:
+        return tuple(self._parked)
+
+    def has_remote(self, name: str) -> bool:
+        """Whether NIXL holds metadata of agent ``name`` (leak checks)."""
+        try:
+            return bool(self._agent.check_remote_metadata(name))
+        except Exception:
+            return False
 
     def prep_local(self, descs: np.ndarray, mem_type: str):
         return self._prep("NIXL_INIT_AGENT", descs, mem_type)

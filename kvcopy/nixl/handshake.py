@@ -1,43 +1,87 @@
-"""The handshake: versioned metadata bytes, and the check that a peer can be served.
+"""The handshake: versioned, digested (optionally keyed) metadata bytes, checked
+field by field, and the check that a peer can be served.
 
 Wire format (all integers little-endian)::
 
     b"KVCOPY-NIXL\\0"  magic, 12 bytes
     u32              version (HANDSHAKE_VERSION)
+    u32              flags: bit 0 set = an HMAC follows the digest
     u64              length J of the JSON header
+    u64              length A of the NIXL agent metadata
     J bytes          JSON header, UTF-8: engine fields + one object per region
-    rest             the NIXL agent metadata, opaque
+    A bytes          the NIXL agent metadata, opaque
+    32 bytes         SHA-256 of every byte before it
+    [32 bytes]       HMAC-SHA256 (shared key) of every byte before it, if flag bit 0
 
 The JSON header carries the engine's name, buffer mode and memory type, TP rank and
 size, per KV cache group its tokens per logical block and per kernel page, and per
 region everything :class:`~kvcopy.nixl.regions.RegionInfo` holds: members ``(layer,
 group)``, address, page count and strides, chunks, dtype, layout, tokens per page, KV
-heads (total and the range this rank holds), head size.
+heads (total and the range this rank holds), head size, named in-chunk axes.
 
-:func:`decode` refuses bytes that are not a handshake, are truncated, or carry a
-version it does not know (never guessed). :func:`pair_layers` decides, before any
-transfer, whether a peer can serve this engine: every local grouped layer must exist
-on the peer with the same meaning of its bytes (element size, layout kind, chunks, total
-KV heads, head size; see :func:`pair_layers`). Everything that differs is
-listed in one ``ValueError``. Layers are paired by name, each with its own group on
-each side, so the pairing is per (local group, remote group). Different tokens per
-page, TP sizes (heads held) and NHD/HND orders are accepted where both sides name
-their token and head axes: plans move token pieces and head ranges.
+:func:`decode` treats the bytes as untrusted network input and checks, in this order
+and before anything proportional to a declared count is allocated or looped over: the
+magic, the version (never guessed), the two declared lengths against the payload's own
+length and against :data:`MAX_HEADER_BYTES`/:data:`MAX_AGENT_BYTES`, the SHA-256
+digest over the whole payload, the HMAC when a key is involved, then every header field
+(:mod:`kvcopy.nixl.schema`: types, ranges, known dtypes and layouts, the fields of each
+region against each other, the regions against the engine's groups). Only then does
+the manager hand the agent metadata to NIXL. :func:`check_peer_limits` bounds what a
+peer may declare by the local engine (descriptors, layers).
+
+What the digest and the key protect against, and what they do not (docs/nixl.md,
+"Trust model"): the digest catches accidental corruption (bit flips, truncation,
+concatenation, a wrong length) anywhere in the payload, NIXL's part included; it does
+not authenticate, since anyone can recompute it. A shared key (HMAC) authenticates:
+without the key no one can make metadata a keyed manager accepts. Neither encrypts,
+prevents replay of metadata recorded earlier, nor protects against a peer that holds
+the key: NIXL still parses its agent metadata.
+
+:func:`pair_layers` decides, before any transfer, whether a peer can serve this engine:
+every local grouped layer must exist on the peer with the same meaning of its bytes
+(element size, layout kind, chunks, total KV heads, head size; see :func:`pair_layers`).
+Everything that differs is listed in one ``ValueError``. Layers are paired by name,
+each with its own group on each side, so the pairing is per (local group, remote
+group). Different tokens per page, TP sizes (heads held) and NHD/HND orders are
+accepted where both sides name their token and head axes: plans move token pieces and
+head ranges.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .geometry import chunk_axes
-from .regions import RegionInfo, RegionRef
+from .regions import (
+    BUFFER_MODES, MAX_GROUPS, MAX_LAYERS, MAX_NAME, MAX_TOKENS_PER_PAGE, MEM_TYPES, RegionInfo, RegionRef,
+)
+from .schema import Record
 
 MAGIC = b"KVCOPY-NIXL\0"
-HANDSHAKE_VERSION = 2  # 2: regions carry their named in-chunk axes
-_HEADER = struct.Struct("<IQ")
+HANDSHAKE_VERSION = 3  # 3: lengths, SHA-256 digest, optional HMAC; 2: regions carry named in-chunk axes
+_PREFIX = struct.Struct("<IIQQ")  # version, flags, header length, agent metadata length
+_FLAG_HMAC = 1
+_DIGEST = 32  # SHA-256 and HMAC-SHA256 bytes
+MIN_KEY_BYTES = 16
+
+# Documented maxima (docs/nixl.md, "Limits"): what a handshake may declare at all.
+MAX_HEADER_BYTES = 8 << 20  # JSON header: ~500 bytes per region, so ~16,000 regions
+MAX_AGENT_BYTES = 16 << 20  # NIXL agent metadata: ~200 bytes per registration here
+MAX_TP = 1024
+MAX_TOKENS_PER_BLOCK = 1 << 20
+# Limits that follow from the local engine (check_peer_limits): a peer of the same
+# model has about as many layers, and a number of descriptors within what TP and page
+# size ratios explain (TP 8 vs 1 times 4x smaller pages is 32x).
+EXTRA_LAYERS = 64  # layers a peer may advertise beyond 2x this engine's grouped layers
+DESCRIPTOR_FACTOR = 64  # a peer's descriptors: at most this many times this engine's ...
+MIN_DESCRIPTOR_LIMIT = 1 << 20  # ... or this many, whichever is larger ...
+MAX_DESCRIPTORS = 1 << 26  # ... and never more than this (24 bytes each at add_peer)
+_MAX_LISTED = 12
 
 # RegionInfo fields a pulled layer must agree on, with the words an error uses.
 _MUST_MATCH = (
@@ -61,7 +105,17 @@ _MUST_MATCH_SLICED = (
     ("total_kv_heads", "total KV heads"),
     ("head_size", "head size"),
 )
-_MAX_LISTED = 12
+
+
+def check_key(key) -> Optional[bytes]:
+    """A shared HMAC key: None, or bytes of at least :data:`MIN_KEY_BYTES`."""
+    if key is None:
+        return None
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"key must be bytes (a shared secret), got {type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    return bytes(key)
 
 
 @dataclass(frozen=True)
@@ -103,8 +157,9 @@ class EngineInfo:
         return tuple(chunk_axes(r) for r in self.regions)
 
 
-def encode(info: EngineInfo) -> bytes:
-    header = {
+def header_of(info: EngineInfo) -> dict:
+    """The JSON header of ``info``, as a plain dict."""
+    return {
         "name": info.name,
         "buffer": info.buffer,
         "mem_type": info.mem_type,
@@ -114,42 +169,157 @@ def encode(info: EngineInfo) -> bytes:
         "tokens_per_page": list(info.tokens_per_page),
         "regions": [r.to_dict() for r in info.regions],
     }
-    body = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + _HEADER.pack(HANDSHAKE_VERSION, len(body)) + body + info.agent_metadata
 
 
-def decode(data: bytes) -> EngineInfo:
+def encode(info: EngineInfo, key: Optional[bytes] = None) -> bytes:
+    """The handshake payload of ``info``; with ``key``, authenticated by its HMAC."""
+    return frame(json.dumps(header_of(info), separators=(",", ":")).encode(), info.agent_metadata, key)
+
+
+def frame(body: bytes, agent_metadata: bytes, key: Optional[bytes] = None) -> bytes:
+    """Magic, version, flags, lengths, ``body`` (the JSON header), the agent metadata,
+    the digest and (with ``key``) the HMAC: the wire format above, for any header bytes
+    (the handshake fuzzer frames malformed headers with valid digests)."""
+    key = check_key(key)
+    agent = bytes(agent_metadata)
+    flags = _FLAG_HMAC if key is not None else 0
+    data = MAGIC + _PREFIX.pack(HANDSHAKE_VERSION, flags, len(body), len(agent)) + bytes(body) + agent
+    data += hashlib.sha256(data).digest()
+    if key is not None:
+        data += hmac.new(key, data, hashlib.sha256).digest()
+    return data
+
+
+def decode(data: bytes, key: Optional[bytes] = None, max_layers: int = MAX_LAYERS) -> EngineInfo:
+    """Check a peer's handshake payload (see the module docstring) and read it.
+
+    ``key`` None: the payload must carry no HMAC (a keyed peer's metadata is refused:
+    it cannot be authenticated here, and accepting it would hide a configuration
+    mismatch). ``key`` given: the payload must carry an HMAC made with it.
+    ``max_layers`` bounds the regions and layers before any is read (``add_peer``
+    passes :func:`layer_limit` of its engine). Raises
+    ``ValueError`` (``TypeError`` for a non-bytes payload) saying what is wrong.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"handshake metadata must be bytes, got {type(data).__name__}")
+    key = check_key(key)
     data = bytes(data)
+    fixed = len(MAGIC) + _PREFIX.size
     if not data.startswith(MAGIC):
         raise ValueError("not kvcopy NIXL handshake metadata (bad magic)")
-    if len(data) < len(MAGIC) + _HEADER.size:
-        raise ValueError("handshake metadata truncated before its header")
-    version, length = _HEADER.unpack_from(data, len(MAGIC))
+    if len(data) < fixed:
+        raise ValueError(f"handshake metadata truncated before its header ({len(data)} bytes)")
+    version, flags, length, agent_length = _PREFIX.unpack_from(data, len(MAGIC))
     if version != HANDSHAKE_VERSION:
         raise ValueError(
             f"handshake version {version} is not supported (this kvcopy speaks {HANDSHAKE_VERSION})"
         )
-    start = len(MAGIC) + _HEADER.size
-    if len(data) < start + length:
-        raise ValueError(f"handshake metadata truncated: header says {length} bytes, {len(data) - start} left")
+    if flags & ~_FLAG_HMAC:
+        raise ValueError(f"handshake flags {flags:#x}: unknown bits")
+    if not 0 < length <= MAX_HEADER_BYTES or agent_length > MAX_AGENT_BYTES:
+        raise ValueError(f"handshake declares a {length}-byte header and {agent_length}-byte agent "
+                         f"metadata (limits: 1 to {MAX_HEADER_BYTES} and {MAX_AGENT_BYTES})")
+    keyed = bool(flags & _FLAG_HMAC)
+    expected = fixed + length + agent_length + _DIGEST * (2 if keyed else 1)
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "followed by extra bytes"
+        raise ValueError(f"handshake metadata {what}: its lengths make {expected} bytes, got {len(data)}")
+    signed = len(data) - (_DIGEST if keyed else 0)
+    digest_at = signed - _DIGEST
+    if not hmac.compare_digest(hashlib.sha256(data[:digest_at]).digest(), data[digest_at:signed]):
+        raise ValueError("handshake metadata corrupted: its SHA-256 digest does not match")
+    if keyed and key is None:
+        raise ValueError("handshake metadata is authenticated with a shared key and this manager has "
+                         "none: pass the same key= to both managers")
+    if key is not None:
+        if not keyed:
+            raise ValueError("handshake metadata is not authenticated: this manager requires a shared key")
+        if not hmac.compare_digest(hmac.new(key, data[:signed], hashlib.sha256).digest(), data[signed:]):
+            raise ValueError("handshake metadata not authenticated: its HMAC does not match this "
+                             "manager's key (a different key, or tampered bytes)")
+    start = fixed
     try:
-        h = json.loads(data[start : start + length].decode())
-        regions = tuple(RegionInfo.from_dict(r) for r in h["regions"])
-        info = EngineInfo(
-            name=str(h["name"]), buffer=str(h["buffer"]), mem_type=str(h["mem_type"]),
-            tp_rank=int(h["tp_rank"]), tp_size=int(h["tp_size"]),
-            tokens_per_block=tuple(int(x) for x in h["tokens_per_block"]),
-            tokens_per_page=tuple(int(x) for x in h["tokens_per_page"]),
-            regions=regions, agent_metadata=data[start + length :],
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed handshake header: {type(exc).__name__}: {exc}") from None
-    if len(info.tokens_per_page) != info.num_groups:
-        raise ValueError("malformed handshake header: group lists of different lengths")
-    for r in regions:
-        if any(not 0 <= g < info.num_groups for _, g in r.members):
-            raise ValueError(f"malformed handshake header: region {r.index} names a group out of range")
-    return info
+        h = json.loads(data[start : start + length].decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"malformed handshake header: {type(exc).__name__}: {str(exc)[:200]}") from None
+    return _engine_info(h, data[start + length : start + length + agent_length], min(max_layers, MAX_LAYERS))
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a handshake may carry")
+
+
+def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
+    """The engine record from a decoded header: every field checked, then the regions
+    against the engine (indices, groups, tokens per page, unique layer names)."""
+    r = Record(h, "handshake header")
+    name = r.str("name", MAX_NAME)
+    buffer = r.choice("buffer", BUFFER_MODES)
+    mem_type = r.choice("mem_type", MEM_TYPES)
+    tp_size = r.int("tp_size", 1, MAX_TP)
+    tp_rank = r.int("tp_rank", 0, tp_size - 1)
+    tpb = r.ints("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
+    tpp = r.ints("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
+    raw_regions = r.list("regions", 1, max_layers)  # a region holds at least one layer
+    r.done()
+    where = "malformed handshake header"
+    if buffer == "host" and mem_type != "DRAM":
+        raise ValueError(f"{where}: host buffers in {mem_type}")
+    for g, (b, p) in enumerate(zip(tpb, tpp)):
+        if b % p:
+            raise ValueError(f"{where}: group {g}: {b} tokens per block is not a multiple of {p} per page")
+    regions = []
+    seen: Dict[str, int] = {}
+    layers = 0
+    for i, raw in enumerate(raw_regions):
+        region = RegionInfo.from_dict(raw)
+        if region.index != i:
+            raise ValueError(f"{where}: region {i} says it is region {region.index}")
+        layers += len(region.members)
+        if layers > max_layers:
+            raise ValueError(f"{where}: more than {max_layers} layers")
+        for layer, g in region.members:
+            if g >= len(tpb):
+                raise ValueError(f"{where}: region {i}, layer {layer!r}: group {g} of {len(tpb)}")
+            if layer in seen:
+                raise ValueError(f"{where}: layer {layer!r} is in region {seen[layer]} and region {i}")
+            seen[layer] = i
+            if region.tokens_per_page != tpp[g]:
+                raise ValueError(f"{where}: region {i}, layer {layer!r}: {region.tokens_per_page} tokens per "
+                                 f"page, its group {g} says {tpp[g]}")
+            if tpb[g] // tpp[g] > region.num_pages:  # a logical block is pages of every layer of its group
+                raise ValueError(f"{where}: group {g}: a block of {tpb[g] // tpp[g]} pages, region {i} has "
+                                 f"{region.num_pages}")
+        regions.append(region)
+    return EngineInfo(
+        name=name, buffer=buffer, mem_type=mem_type, tp_rank=tp_rank, tp_size=tp_size,
+        tokens_per_block=tuple(tpb), tokens_per_page=tuple(tpp), regions=tuple(regions),
+        agent_metadata=agent_metadata,
+    )
+
+
+def num_descriptors(info: EngineInfo) -> int:
+    return sum(r.num_descriptors for r in info.regions)
+
+
+def layer_limit(local: EngineInfo) -> int:
+    """The most layers (and so regions) a peer of this engine may advertise."""
+    return min(MAX_LAYERS, 2 * sum(len(r.members) for r in local.regions) + EXTRA_LAYERS)
+
+
+def check_peer_limits(local: EngineInfo, remote: EngineInfo) -> None:
+    """Refuse a peer declaring more than this engine explains (see the limits above):
+    checked by ``add_peer`` before the peer's descriptors are built (the layer limit
+    is already applied by :func:`decode` when given ``max_layers``)."""
+    remote_layers = sum(len(r.members) for r in remote.regions)
+    if remote_layers > layer_limit(local):
+        raise ValueError(f"peer {remote.name!r} advertises {remote_layers} layers; the limit for this "
+                         f"engine is {layer_limit(local)}")
+    limit = min(MAX_DESCRIPTORS, max(MIN_DESCRIPTOR_LIMIT, DESCRIPTOR_FACTOR * num_descriptors(local)))
+    declared = num_descriptors(remote)
+    if declared > limit:
+        raise ValueError(f"peer {remote.name!r} declares {declared} page descriptors (pages x chunks over its "
+                         f"regions); the limit for this engine is {limit}")
 
 
 @dataclass(frozen=True)

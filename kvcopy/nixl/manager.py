@@ -67,10 +67,12 @@ import torch
 
 from ..copier import BlockCopier
 from ..reference import as_words
-from ._agent import Agent, NixlError
+from ._agent import Agent, NixlError, metadata_name
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref
-from .handshake import EngineInfo, LayerPair, decode, encode, pair_layers
-from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
+from .handshake import (
+    EngineInfo, LayerPair, check_key, check_peer_limits, decode, encode, layer_limit, pair_layers,
+)
+from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks, forget_routes
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
@@ -140,8 +142,12 @@ class TransferManager:
         tp_size: int = 1,
         total_kv_heads=None,
         copy_backend: str = "auto",
+        key: Optional[bytes] = None,
     ):
         self._closed = True
+        # Shared HMAC key (docs/nixl.md, "Trust model"): metadata() is authenticated
+        # with it and add_peer accepts only metadata authenticated with it.
+        self._key = check_key(key)
         if isinstance(layer_groups, (str, bytes)) or any(isinstance(g, (str, bytes)) for g in layer_groups):
             raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
         self.name = name
@@ -190,7 +196,7 @@ class TransferManager:
     def metadata(self) -> bytes:
         """The handshake payload (versioned bytes) to hand to the peer."""
         self._check_open()
-        return encode(self._info)
+        return encode(self._info, self._key)
 
     @property
     def info(self) -> EngineInfo:
@@ -201,24 +207,37 @@ class TransferManager:
         return self._regions
 
     def add_peer(self, metadata: bytes) -> str:
-        """Validate a peer's handshake and prepare to read from it; returns its name."""
+        """Validate a peer's handshake and prepare to read from it; returns its name.
+
+        Everything is checked before any byte reaches NIXL (:func:`decode`: lengths,
+        digest, key, every header field; :func:`check_peer_limits`; the layer pairing),
+        and a refusal after NIXL loaded the peer's agent releases it again (parked,
+        see :mod:`kvcopy.nixl._agent`), so the name can be added with genuine metadata.
+        """
         self._check_open()
-        remote = decode(metadata)
+        remote = decode(metadata, self._key, layer_limit(self._info))
+        check_peer_limits(self._info, remote)
         layer_pairs = pair_layers(self._info, remote)
         if remote.name in self._peers:
             raise ValueError(f"peer {remote.name!r} is already added; remove_peer it first")
+        agent_name = metadata_name(remote.agent_metadata)
+        if agent_name is not None and agent_name != remote.name:
+            raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent metadata is "
+                             f"for {agent_name!r}")
+        descs, offsets = descriptor_table(remote.regions)  # bounded by check_peer_limits
         try:
             name = self._agent.add_remote(remote.agent_metadata)
         except NixlError as exc:
+            self._agent.unload_remote(remote.name)  # NIXL may keep what it loaded before failing
             raise ValueError(f"peer {remote.name!r}: {exc}") from None
         if name != remote.name:
-            self._agent.remove_remote(name)
+            if name not in self._peers and name != self.name:  # never touch a peer in use
+                self._agent.release_remote(name)
             raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent is {name!r}")
-        descs, offsets = descriptor_table(remote.regions)
         try:
             dlist = self._agent.prep_remote(name, descs, remote.mem_type)
         except NixlError as exc:
-            self._agent.remove_remote(name)
+            self._agent.release_remote(name)
             raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
         self._peers[name] = _Peer(remote, layer_pairs, dlist, offsets.tolist())
         return name
@@ -234,7 +253,8 @@ class TransferManager:
         for h in [h for h in self._in_flight.values() if name in h.peers]:
             self._fail(h, f"peer {name!r} was removed")
         Agent.release_dlist(peer.dlist)
-        self._agent.remove_remote(name)
+        self._agent.release_remote(name)  # parked, not unloaded: see kvcopy.nixl._agent
+        forget_routes(peer.info)  # the planner's cached routes must not keep the peer alive
 
     # ------------------------------------------------------------ P side
     def save(self, block_ids: Sequence[Sequence[int]], wait: bool = True):

@@ -50,6 +50,7 @@ layers x 500 pages, one peer: ~1 ms on an idle core (was ~40-60 ms).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -400,8 +401,30 @@ class _Route:
         return segs
 
 
-_ROUTE_CACHE: Dict[tuple, tuple] = {}  # id key -> (local, peers snapshot, routes)
+# Routes per (local engine, peers), by the identity of their EngineInfo records. The
+# cache holds the records only weakly: an entry dies with any of its records (a peer
+# removed from its manager, a manager closed), and forget_routes drops a peer's
+# entries at once. It never keeps a removed peer's record (and its regions) alive.
+_ROUTE_CACHE: Dict[tuple, tuple] = {}  # id key -> (weakrefs of local and peers, layer pairs, routes)
 _ROUTE_CACHE_SIZE = 64
+
+
+def forget_routes(info: EngineInfo) -> None:
+    """Drop every cached route entry that involves ``info`` (``remove_peer`` calls it)."""
+    for key in [k for k in _ROUTE_CACHE if id(info) in _ids(k)]:
+        _ROUTE_CACHE.pop(key, None)
+
+
+def _ids(key: tuple):
+    return (key[0],) + tuple(i for i, _ in key[1:])
+
+
+def _drop_key(key: tuple):
+    def drop(ref):
+        entry = _ROUTE_CACHE.get(key)
+        if entry is not None and any(r is ref for r in entry[0]):
+            del _ROUTE_CACHE[key]
+    return drop
 
 
 def _routes(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerPair]]],
@@ -412,9 +435,9 @@ def _routes(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerP
     snapshot = tuple((info, tuple(pairs)) for info, pairs in peers)
     key = (id(local),) + tuple((id(info), len(lps)) for info, lps in snapshot)
     hit = _ROUTE_CACHE.get(key)
-    if hit is not None and hit[0] is local and all(
-            a is b and len(x) == len(y) and all(p is q for p, q in zip(x, y))
-            for (a, x), (b, y) in zip(hit[1], snapshot)):
+    if hit is not None and hit[0][0]() is local and all(
+            ref() is info and len(x) == len(y) and all(p is q for p, q in zip(x, y))
+            for ref, x, (info, y) in zip(hit[0][1:], hit[1], snapshot)):
         return hit[2]
     peer_layers = [{lp.layer: lp for lp in pairs} for _, pairs in snapshot]
     # Who serves each local layer: (peer, remote group, remote region, head ranges).
@@ -443,7 +466,9 @@ def _routes(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerP
     routes = [_Route(k, keyed[k], local, peers[k[1]][0], multi) for k in sorted(keyed)]
     if len(_ROUTE_CACHE) >= _ROUTE_CACHE_SIZE:
         _ROUTE_CACHE.pop(next(iter(_ROUTE_CACHE)))
-    _ROUTE_CACHE[key] = (local, snapshot, routes)
+    drop = _drop_key(key)
+    refs = (weakref.ref(local, drop),) + tuple(weakref.ref(info, drop) for info, _ in snapshot)
+    _ROUTE_CACHE[key] = (refs, tuple(pairs for _, pairs in snapshot), routes)
     return routes
 
 

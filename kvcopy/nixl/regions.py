@@ -33,9 +33,32 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..layout import PageLayout, byte_extent, describe
+from ..layout import KV_LAYOUTS, PageLayout, byte_extent, chunks_disjoint, describe
+from .schema import Record, check_int, check_list, check_str, shown
 
 BUFFER_MODES = ("host", "device")
+MEM_TYPES = ("DRAM", "VRAM")
+LAYOUT_KINDS = ("kv_first", "blocks_first", "mla", "flat")  # kvcopy.layout's kinds
+AXIS_NAMES = ("token", "head") + tuple(f"o{i}" for i in range(8))
+# Largest values a peer's region may declare (checked by RegionInfo.from_dict). The
+# engine-relative limits (descriptors, layers) are in kvcopy.nixl.handshake.
+MAX_PAGES = 1 << 31
+MAX_CHUNKS = 64
+MAX_BYTES = 1 << 48  # strides, chunk bytes, sizes
+MAX_DIMS = 8
+MAX_HEADS = 1 << 16
+MAX_TOKENS_PER_PAGE = 1 << 20
+MAX_GROUPS = 64
+MAX_LAYERS = 4096  # the largest models have ~130 attention layers
+MAX_NAME = 256
+MAX_DEVICE_ID = (1 << 16) - 1
+DTYPE_SIZES = {
+    name: getattr(torch, name).itemsize
+    for name in ("float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
+                 "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                 "float8_e5m2fnuz", "float8_e8m0fnu")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
 _HOST_ALIGN = 64  # host buffers start at an address with the device span's alignment mod 64
 
 
@@ -92,13 +115,105 @@ class RegionInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "RegionInfo":
-        d = dict(d)
-        d["members"] = tuple((str(n), int(g)) for n, g in d["members"])
-        d["page_shape"] = tuple((int(s), None if st is None else int(st)) for s, st in d["page_shape"])
-        d["heads"] = None if d["heads"] is None else (int(d["heads"][0]), int(d["heads"][1]))
-        d["axes"] = None if d.get("axes") is None else tuple((str(n), int(s), int(st)) for n, s, st in d["axes"])
-        return cls(**d)
+    def from_dict(cls, d) -> "RegionInfo":
+        """A region from a peer's handshake header: every field type- and range-checked,
+        and the fields checked against each other (see :mod:`kvcopy.nixl.schema`);
+        ``ValueError`` on anything else. ``index`` and group numbers are checked
+        against the engine record by :func:`kvcopy.nixl.handshake.decode`."""
+        r = Record(d, "region " + (shown(d.get("index")) if isinstance(d, Mapping) else "?"))
+        members = r.list("members", 1, MAX_LAYERS)
+        members = tuple(_member(m, r.at(f"members[{i}]")) for i, m in enumerate(members))
+        dtype = r.str("dtype", 32)
+        itemsize = r.int("itemsize", 1, 16)
+        if DTYPE_SIZES.get(dtype) != itemsize:
+            raise ValueError(f"{r.where}: dtype {shown(dtype)} with itemsize {itemsize} is not a known "
+                             f"dtype (known: {sorted(DTYPE_SIZES)})")
+        page_shape = r.list("page_shape", 0, MAX_DIMS)
+        page_shape = tuple(_size_stride(p, r.at(f"page_shape[{i}]")) for i, p in enumerate(page_shape))
+        total = r.int("total_kv_heads", 1, MAX_HEADS, optional=True)
+        heads = r.list("heads", 2, 2, optional=True)
+        if heads is not None:
+            heads = (check_int(heads[0], 0, MAX_HEADS - 1, r.at("heads[0]")),
+                     check_int(heads[1], 1, MAX_HEADS, r.at("heads[1]")))
+        axes = r.list("axes", 1, MAX_DIMS, optional=True)
+        if axes is not None:
+            axes = tuple(_axis(a, r.at(f"axes[{i}]")) for i, a in enumerate(axes))
+        info = cls(
+            index=r.int("index", 0, MAX_LAYERS - 1), members=members,
+            address=r.int("address", 0, (1 << 64) - 1), device_id=r.int("device_id", 0, MAX_DEVICE_ID),
+            num_pages=r.int("num_pages", 1, MAX_PAGES), num_chunks=r.int("num_chunks", 1, MAX_CHUNKS),
+            chunk_bytes=r.int("chunk_bytes", 1, MAX_BYTES), page_stride=r.int("page_stride", 0, MAX_BYTES),
+            chunk_stride=r.int("chunk_stride", 0, MAX_BYTES), dtype=dtype, itemsize=itemsize,
+            page_shape=page_shape, kind=r.choice("kind", LAYOUT_KINDS), kv_layout=r.choice("kv_layout", KV_LAYOUTS),
+            tokens_per_page=r.int("tokens_per_page", 1, MAX_TOKENS_PER_PAGE), total_kv_heads=total,
+            heads=heads, head_size=r.int("head_size", 1, MAX_BYTES, optional=True), axes=axes,
+        )
+        r.done()
+        info._check_consistent(r.where)
+        return info
+
+    def _check_consistent(self, where: str) -> None:
+        """The fields of one region agree with each other, as :func:`build_regions` makes them."""
+        problems = []
+        if self.chunk_bytes % self.itemsize:
+            problems.append(f"chunk bytes {self.chunk_bytes} not a multiple of itemsize {self.itemsize}")
+        if (self.num_chunks == 1) != (self.chunk_stride == 0):
+            problems.append(f"chunk stride {self.chunk_stride} with {self.num_chunks} chunk(s)")
+        if self.num_pages > 1 and not chunks_disjoint(self.num_pages, self.page_stride, self.num_chunks,
+                                                      self.chunk_stride, self.chunk_bytes):
+            problems.append("its pages or chunks overlap")
+        span = (self.num_pages - 1) * self.page_stride + (self.num_chunks - 1) * self.chunk_stride + self.chunk_bytes
+        if self.address + span > 1 << 64:
+            problems.append(f"address {self.address:#x} + {span} bytes overflows 64 bits")
+        if (self.heads is None) != (self.total_kv_heads is None) and self.heads is not None:
+            problems.append("KV heads held without total KV heads")
+        if self.heads is not None and self.heads[0] + self.heads[1] > self.total_kv_heads:
+            problems.append(f"KV heads held {self.heads} (first, count) outside {self.total_kv_heads} total")
+        chunk_dims = [size for size, stride in self.page_shape if stride is None]
+        elems = 1
+        for size, stride in self.page_shape:
+            elems *= size if stride is not None else 1
+        if chunk_dims not in ([], [self.num_chunks]) or (self.num_chunks > 1) != bool(chunk_dims):
+            problems.append(f"page shape {list(self.page_shape)} vs {self.num_chunks} chunk(s)")
+        elif elems * self.itemsize != self.chunk_bytes:
+            problems.append(f"page shape {list(self.page_shape)} holds {elems * self.itemsize} bytes per chunk, "
+                            f"chunk bytes {self.chunk_bytes}")
+        if self.axes is not None:
+            names = [n for n, _, _ in self.axes]
+            elems = 1
+            for _, size, _ in self.axes:
+                elems *= size
+            if len(set(names)) != len(names):
+                problems.append(f"axis names repeat: {names}")
+            if elems * self.itemsize != self.chunk_bytes:
+                problems.append(f"axes {list(self.axes)} hold {elems * self.itemsize} bytes, a chunk "
+                                f"{self.chunk_bytes}")
+            sizes = {n: s for n, s, _ in self.axes}
+            if sizes.get("token", self.tokens_per_page) != self.tokens_per_page:
+                problems.append(f"token axis of {sizes['token']} vs {self.tokens_per_page} tokens per page")
+            if "head" in sizes and (self.heads is None or sizes["head"] != self.heads[1]):
+                problems.append(f"head axis of {sizes['head']} vs KV heads held {self.heads}")
+        if problems:
+            raise ValueError(f"{where}: " + "; ".join(problems))
+
+
+def _member(value, where: str) -> Tuple[str, int]:
+    check_list(value, 2, 2, where)
+    return check_str(value[0], MAX_NAME, f"{where} layer"), check_int(value[1], 0, MAX_GROUPS - 1, f"{where} group")
+
+
+def _size_stride(value, where: str) -> Tuple[int, Optional[int]]:
+    check_list(value, 2, 2, where)
+    stride = None if value[1] is None else check_int(value[1], 0, MAX_BYTES, f"{where} stride")
+    return check_int(value[0], 1, MAX_BYTES, f"{where} size"), stride
+
+
+def _axis(value, where: str) -> Tuple[str, int, int]:
+    check_list(value, 3, 3, where)
+    if value[0] not in AXIS_NAMES:
+        raise ValueError(f"{where}: axis name {shown(value[0])} is not one of {list(AXIS_NAMES)}")
+    return value[0], check_int(value[1], 1, MAX_BYTES, f"{where} size"), check_int(value[2], 0, MAX_BYTES,
+                                                                                    f"{where} stride")
 
 
 @dataclass(frozen=True)
