@@ -25,10 +25,10 @@ Refused (``ValueError``/``TypeError``, nothing written):
   layer missing from ``dst_kv_caches`` (vLLM: ``KeyError``), ids out of range or
   negative (vLLM: ``IndexError``, or a wrapped index), a destination id repeated
   (order-dependent in torch), a direction other than ``"h2d"``/``"d2h"`` or one that
-  contradicts where the tensors live, host and device pages of different geometry
-  (vLLM would convert dtypes). Layout-converting copies (a contiguous host buffer for
-  an LBNHC device cache under ``enable_permute_local_kv``) raise until kvcopy's
-  converting copies land.
+  contradicts where the tensors live, host and device pages of different element
+  sizes or shapes (vLLM would convert dtypes or broadcast). Layout-converting copies
+  (a contiguous host buffer for a head-strided device cache: LHBNC, BLNHC, BHLNC, or
+  LBNHC under ``enable_permute_local_kv``) are done element for element, as vLLM's.
 
 The caches vLLM passes are the same tensors on every call, so the validated
 :class:`~kvcopy.copier.BlockCopier` for them is built once (one direction) and cached,

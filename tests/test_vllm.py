@@ -120,10 +120,11 @@ def vllm_env(tmp_path_factory):
     cleanup_dist_env_and_memory()
 
 
-def _vllm_config(model_config, block_size, connector, role, layout="LBHNC"):
+def _vllm_config(model_config, block_size, connector, role, layout="LBHNC", permute=False):
     cache_config = CacheConfig(block_size=block_size)
     cache_config.kv_cache_layout = layout
     kv = KVTransferConfig(kv_connector=connector, kv_role=role, kv_buffer_device="cpu",
+                          enable_permute_local_kv=permute,
                           kv_connector_module_path="kvcopy.vllm" if connector.startswith("Kvcopy") else None)
     return VllmConfig(model_config=model_config, cache_config=cache_config, kv_transfer_config=kv,
                       device_config=DeviceConfig("cpu"),
@@ -136,7 +137,9 @@ class Engine:
 
     def __init__(self, model_config, case, connector_cls, role, num_blocks, monkeypatch):
         name = "KvcopyNixlConnector" if connector_cls is KvcopyNixlConnector else "NixlConnector"
-        self.config = _vllm_config(model_config, case["block_size"], name, role)
+        layout = case.get("layout", "LBHNC")
+        self.config = _vllm_config(model_config, case["block_size"], name, role, layout,
+                                   case.get("permute", False))
         self.config.cache_config.num_gpu_blocks_override = num_blocks
         backend = case.get("backend", FlashAttentionBackend)
         monkeypatch.setattr(base_worker, "get_current_attn_backends", lambda *a, **k: [backend])
@@ -152,7 +155,7 @@ class Engine:
             kernel_sizes = [select_common_block_size(g.kv_cache_spec.block_size, [backend], [g.kv_cache_spec])
                             for g in self.kv_cache_config.kv_cache_groups]
             self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
-                                            KVCacheLayout.LBHNC, kernel_sizes)
+                                            KVCacheLayout[layout], kernel_sizes)
             for layer, target in case.get("kv_sharing", {}).items():  # as the model runner does
                 self.caches[layer] = self.caches[target]
             affinity = os.sched_getaffinity(0)
@@ -290,8 +293,13 @@ CASES = {
                                  kv_sharing={LAYER.format(4): LAYER.format(1)}),
     "kernel_split_32_to_16": dict(block_size=32, specs=_specs(4, sliding=64), backend=Kernel16Backend),
     "mla": dict(block_size=16, specs=_specs(3, mla=True), mla=True),
+    # LBNHC device caches: host (B, N, H, C) viewed HND (a byte copy), or with
+    # enable_permute_local_kv contiguous [B, H, N, C] (a converting copy)
+    "hybrid_lbnhc": dict(block_size=16, specs=_specs(4, sliding=32), layout="LBNHC"),
+    "hybrid_lbnhc_permute": dict(block_size=16, specs=_specs(4, sliding=32), layout="LBNHC", permute=True),
 }
-CORRUPTED_BY_STOCK = {"hybrid_kv_sharing", "kv_sharing_one_group", "kernel_split_32_to_16"}
+CORRUPTED_BY_STOCK = {"hybrid_kv_sharing", "kv_sharing_one_group", "kernel_split_32_to_16",
+                      "hybrid_lbnhc", "hybrid_lbnhc_permute"}
 
 
 @pytest.fixture
@@ -398,39 +406,33 @@ def _parity(src, dst, src_ids, dst_ids, direction):
     return all(torch.equal(m, t) for m, t in zip(mine.values(), theirs.values()))
 
 
-# Host buffers with the device's page bytes in the same order: plain byte copies.
-LAYOUTS_NOW = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC]
-# Head-strided pages (device LHBNC, BLNHC, BHLNC; host contiguous [B, H, N, C]) and
-# enable_permute_local_kv with LBNHC: converting copies, kvcopy's layout issue (#10).
-LAYOUTS_CONVERTING = [KVCacheLayout.LHBNC, KVCacheLayout.BLNHC, KVCacheLayout.BHLNC]
+# Every layout vLLM 0.33 allocates. Host buffers as its worker allocates them: LBNHC
+# as an HND view of (B, N, H, C) storage, or (enable_permute_local_kv) contiguous
+# [B, H, N, C]; the head-strided layouts (LHBNC, BLNHC, BHLNC) against contiguous host
+# pages and the permute case are converting copies.
+LAYOUTS = [(l, False) for l in KVCacheLayout] + [(KVCacheLayout.LBNHC, True)]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="converting copies: layout issue #10")
-@pytest.mark.parametrize("layout,permute", [(l, False) for l in LAYOUTS_CONVERTING]
-                         + [(KVCacheLayout.LBNHC, True)], ids=lambda x: getattr(x, "name", str(x)))
-def test_copy_blocks_converting_layouts_pending(vllm_env, layout, permute, stock_op):
-    dev, host = _vllm_caches(vllm_env, CASES["one_group"]["specs"], layout, permute=permute)
-    _fill(dev, 1)
-    _fill(host, 2)
-    assert _parity(dev, host, [1, 4, 5, 11], [0, 4, 10, 2], "d2h")
+def _layout_id(x):
+    return x.name if isinstance(x, KVCacheLayout) else ("permute" if x else "")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_NOW, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout,permute", LAYOUTS, ids=_layout_id)
 @pytest.mark.parametrize("model", ["one_group", "hybrid_kv_sharing", "mla"])
-def test_copy_blocks_d2h_equals_vllm_op(vllm_env, model, layout, stock_op):
+def test_copy_blocks_d2h_equals_vllm_op(vllm_env, model, layout, permute, stock_op):
     case = CASES[model]
     if model == "mla" and not layout.is_layer_compact:
         pytest.skip("vLLM plans block-outermost MLA as a packed cache (one region per block)")
     dev, host = _vllm_caches(vllm_env, case["specs"], layout, kv_sharing=case.get("kv_sharing"),
-                             mla=case.get("mla", False))
+                             mla=case.get("mla", False), permute=permute)
     _fill(dev, 1)
     _fill(host, 2)
     assert _parity(dev, host, [1, 4, 5, 11], [0, 4, 10, 2], "d2h")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_NOW, ids=lambda l: l.name)
-def test_copy_blocks_h2d_equals_vllm_op(vllm_env, layout, stock_op):
-    dev, host = _vllm_caches(vllm_env, CASES["one_group"]["specs"], layout)
+@pytest.mark.parametrize("layout,permute", LAYOUTS, ids=_layout_id)
+def test_copy_blocks_h2d_equals_vllm_op(vllm_env, layout, permute, stock_op):
+    dev, host = _vllm_caches(vllm_env, CASES["one_group"]["specs"], layout, permute=permute)
     _fill(dev, 3)
     _fill(host, 4)
     assert _parity(host, dev, [0, 4, 10, 2], [1, 4, 5, 11], "h2d")
