@@ -214,7 +214,7 @@ def _kernel_ids(ids, ratio):
 
 
 def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False):
-    """P saves, NIXL is replayed, D syncs. Returns (mismatched layers, stray bytes, calls)."""
+    """P saves, D reads over real NIXL, D syncs. Returns (mismatched layers, stray bytes, calls)."""
     nb = 24
     p = Engine(model_config, case, connector_cls, "kv_producer", nb, monkeypatch)
     d = Engine(model_config, case, connector_cls, "kv_consumer", nb, monkeypatch)
