@@ -77,6 +77,11 @@ class BlockCopier:
     the kernel backends (``cuda``, ``triton``) to leave SMs to the model (default:
     ``KVCOPY_MAX_CTAS``, else uncapped; see ``CopyTables.cta_cap``).
 
+    ``directions`` names the directions to build (``"d2h"``, ``"h2d"``; default both):
+    a copier built for ``"d2h"`` only accepts device bytes shared by layers with
+    different host buffers (reading shared bytes into separate buffers is well
+    defined), which the ``"h2d"`` tables refuse; calling an unbuilt direction raises.
+
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
     """
@@ -90,7 +95,10 @@ class BlockCopier:
         block_dim: Optional[int | Mapping[str, int]] = None,
         kv_layout: str = "NHD",
         max_ctas: Optional[int] = None,
+        directions: Sequence[str] = ("d2h", "h2d"),
     ):
+        if isinstance(directions, str) or not directions or any(d not in ("d2h", "h2d") for d in directions):
+            raise ValueError(f"directions must be 'd2h' and/or 'h2d', got {list(directions)!r}")
         if isinstance(layer_groups, (str, bytes)) or any(
             isinstance(g, (str, bytes)) for g in layer_groups
         ):
@@ -122,8 +130,8 @@ class BlockCopier:
         self._storages = StorageGuard(device_grouped, host_grouped)  # checked before every copy
         self._max_ctas = max_ctas
         self._closed = False
-        self._d2h = self._direction("device", "host", backend)
-        self._h2d = self._direction("host", "device", backend)
+        self._d2h = self._direction("device", "host", backend) if "d2h" in directions else None
+        self._h2d = self._direction("host", "device", backend) if "h2d" in directions else None
 
     # ------------------------------------------------------------------ building
     def _check_layer(self, g, name, block_dim, kv_layout) -> None:
@@ -192,32 +200,40 @@ class BlockCopier:
     @property
     def backend(self) -> str:
         """Name of the backend in use (the same for both directions unless ``auto``)."""
-        return self._d2h.backend.name
+        return (self._d2h or self._h2d).backend.name
 
     def backends(self) -> Dict[str, str]:
-        return {"to_host": self._d2h.backend.name, "to_device": self._h2d.backend.name}
+        return {side: d.backend.name for side, d in (("to_host", self._d2h), ("to_device", self._h2d))
+                if d is not None}
 
     def to_host(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Device -> host: block ``block_ids[g][i]`` to host block ``host_block_ids[g][i]``."""
-        return self._run(self._d2h, block_ids, block_ids if host_block_ids is None else host_block_ids)
+        return self._run("d2h", block_ids, block_ids if host_block_ids is None else host_block_ids)
 
     def to_device(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Host -> device: host block ``host_block_ids[g][i]`` to block ``block_ids[g][i]``."""
-        return self._run(self._h2d, block_ids if host_block_ids is None else host_block_ids, block_ids)
+        return self._run("h2d", block_ids if host_block_ids is None else host_block_ids, block_ids)
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``)."""
         host = block_ids if host_block_ids is None else host_block_ids
         if direction == "d2h":
-            return self._validate(self._d2h, block_ids, host)
+            return self._validate(self._built("d2h"), block_ids, host)
         if direction == "h2d":
-            return self._validate(self._h2d, host, block_ids)
+            return self._validate(self._built("h2d"), host, block_ids)
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
 
     def tables(self, direction: str) -> CopyTables:
-        return {"d2h": self._d2h, "h2d": self._h2d}[direction].tables
+        return self._built(direction).tables
 
-    def _run(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+    def _built(self, direction: str) -> _Direction:
+        d = {"d2h": self._d2h, "h2d": self._h2d}[direction]
+        if d is None:
+            raise ValueError(f"this BlockCopier was built without the {direction!r} direction")
+        return d
+
+    def _run(self, direction: str, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+        d = self._built(direction)
         call = self._validate(d, src_ids, dst_ids)
         if call.num_items:
             self._storages.check()
@@ -275,7 +291,8 @@ class BlockCopier:
         if not getattr(self, "_closed", True):
             self._closed = True
             for d in (self._d2h, self._h2d):
-                d.backend.release(d.tables)
+                if d is not None:
+                    d.backend.release(d.tables)
 
     def __del__(self):
         try:

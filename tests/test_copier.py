@@ -301,3 +301,20 @@ def test_storage_replaced_or_freed_after_build_raises_at_the_call(side, how):
     assert torch.equal(other.view(torch.int16), before.view(torch.int16))
     copier.plan("d2h", [[3]])  # validating ids touches no memory: still allowed
     copier.close()
+
+
+def test_one_direction_copier_accepts_shared_device_bytes_for_d2h_only():
+    BlockCopier = kvcopy.BlockCopier
+    shared = torch.arange(16 * 64, dtype=torch.int16).view(16, 4, 2, 8)
+    dev = {"x": shared, "y": shared}
+    host = {"x": torch.zeros_like(shared), "y": torch.zeros_like(shared)}
+    with pytest.raises(ValueError, match="same device bytes from different sources"):
+        BlockCopier(dev, host, [["x", "y"]])
+    copier = BlockCopier(dev, host, [["x", "y"]], directions=("d2h",))
+    copier.to_host([[2, 7]], [[0, 1]])
+    assert all(torch.equal(host[k][[0, 1]], shared[[2, 7]]) for k in host)
+    assert not any(host[k][2:].any() for k in host)
+    with pytest.raises(ValueError, match="built without the 'h2d' direction"):
+        copier.to_device([[1]])
+    with pytest.raises(ValueError, match="directions must be"):
+        BlockCopier(dev, host, [["x"]], directions="d2h")

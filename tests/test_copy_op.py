@@ -47,13 +47,47 @@ def test_empty_lists_are_a_noop():
     assert all(int(t.view(torch.int16).abs().sum()) == 0 for t in dst.values())
 
 
+@pytest.mark.parametrize("args", [
+    ({}, "dst", [1], [1]), ("src", {}, [1], [1]), ("src", "dst", [], [1]), ("src", "dst", [1], []),
+    ("src", "dst", [1, 2], [1]),  # different lengths: vLLM returns without copying
+])
+def test_inputs_vllm_ignores_are_a_noop(args):
+    src, dst = _caches(seed=1), _caches(fill=0)
+    a = [src if x == "src" else dst if x == "dst" else x for x in args]
+    for direction in ("h2d", "d2h"):
+        assert kvcopy.copy_blocks(*a, direction) is None
+    assert all(int(t.view(torch.int16).abs().sum()) == 0 for t in dst.values())
+
+
+def test_extra_destination_layers_are_left_alone():
+    """vLLM loops over the source dict; destination layers it does not name stay."""
+    src, dst = _caches(n_layers=2, seed=1), _caches(n_layers=3, fill=0)
+    kvcopy.copy_blocks(src, dst, [4, 5], [0, 1], "h2d")
+    for k in src:
+        assert bytes_equal(dst[k][[0, 1]], src[k][[4, 5]])
+    assert not dst["model.layers.2.self_attn.attn"].view(torch.int16).any()
+
+
+def test_d2h_from_shared_device_bytes_into_separate_host_buffers():
+    """Hybrid groups overlaid from byte 0 and KV-sharing layers: every host buffer gets
+    the shared device bytes, as vLLM's save_kv_to_host does."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(-2**15, 2**15, (16, 4, 2, 8), dtype=torch.int16, generator=g).view(torch.bfloat16)
+    other = torch.randint(-2**15, 2**15, (16, 4, 2, 8), dtype=torch.int16, generator=g).view(torch.bfloat16)
+    dev = {"full.0": shared, "swa.0": shared, "shared.0": shared, "full.1": other}
+    host = {k: torch.full_like(v, -7.0) for k, v in dev.items()}
+    expected = {k: v.clone() for k, v in host.items()}
+    for k in dev:  # vLLM's loop: dst[ids] = src[ids]
+        expected[k][[0, 3, 9]] = dev[k][[1, 2, 3]]
+    kvcopy.copy_blocks(dev, host, [1, 2, 3], [0, 3, 9], "d2h")
+    assert all(bytes_equal(host[k], expected[k]) for k in host)
+
+
 def test_bad_input_raises_and_writes_nothing():
     src, dst = _caches(seed=1), _caches(fill=0)
-    with pytest.raises(ValueError, match="2 source block ids but 1 destination"):
-        kvcopy.copy_blocks(src, dst, [1, 2], [1], "h2d")
     with pytest.raises(ValueError, match="direction must be"):
         kvcopy.copy_blocks(src, dst, [1], [1], "up")
-    with pytest.raises(ValueError, match="not in both"):
+    with pytest.raises(ValueError, match="source layers not in the destination"):
         kvcopy.copy_blocks(src, {k: v for k, v in list(dst.items())[:2]}, [1], [1], "h2d")
     with pytest.raises(ValueError, match="out of range"):
         kvcopy.copy_blocks(src, dst, [1, 99], [1, 2], "d2h")
@@ -77,9 +111,18 @@ def test_hybrid_caches_through_one_id_list_are_refused_not_corrupted():
     shared = torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16)
     dev = {"full.0": shared, "swa.0": shared}
     host = {"full.0": torch.ones_like(shared), "swa.0": torch.full_like(shared, 2.0)}
-    with pytest.raises(ValueError, match="write the same device bytes from different sources"):
+    with pytest.raises(ValueError, match=r"order-dependent.*'full.0', 'swa.0'.*KvcopyNixlConnector"):
         kvcopy.copy_blocks(host, dev, [1, 2], [1, 2], "h2d")
     assert not shared.view(torch.int16).any()
     # the per-group copier does it right: each layer at its own group's blocks
     kvcopy.BlockCopier(dev, host, [["full.0"], ["swa.0"]]).to_device([[1], [2]])
     assert (shared[1] == 1).all() and (shared[2] == 2).all() and not shared[[0, 3]].view(torch.int16).any()
+
+
+def test_h2d_shared_device_bytes_from_one_host_buffer_is_well_defined():
+    """Two names for one device tensor and one host buffer: every order gives the same bytes."""
+    shared = torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16)
+    hbuf = torch.randint(-2**15, 2**15, (16, 4, 2, 8), dtype=torch.int16).view(torch.bfloat16)
+    kvcopy.copy_blocks({"a": hbuf, "b": hbuf}, {"a": shared, "b": shared}, [3, 4], [5, 6], "h2d")
+    assert bytes_equal(shared[[5, 6]], hbuf[[3, 4]])
+    assert not shared[[0, 1, 2, 3, 4, 7]].view(torch.int16).any()

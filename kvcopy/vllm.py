@@ -1,0 +1,208 @@
+"""``KvcopyNixlConnector``: vLLM 0.33's NIXL connector with kvcopy's host-buffer sync.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvcopyNixlConnector",
+        "kv_connector_module_path": "kvcopy.vllm", "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu"}'
+
+Everything of vLLM's pull connector (scheduler, handshake, NIXL registration and
+transfers, heartbeats, failure handling) is vLLM's own code; only the two host-buffer
+copies of its worker change (``kv_buffer_device="cpu"`` on a GPU):
+
+* ``save_kv_to_host`` (P) and ``sync_recved_kv_to_device`` (D) in vLLM 0.33 flatten
+  every transfer group's ids into one list and copy every host buffer at all of them.
+  With several KV cache groups (overlaid from byte 0: one device byte belongs to a
+  layer of each group) or KV-sharing layers (whose host buffers NIXL never fills),
+  D's h2d lets unfilled host pages overwrite received KV (seeds/1).
+* Here one :class:`~kvcopy.copier.BlockCopier` is built when the KV caches are
+  registered, from vLLM's own ``device_kv_caches``, ``host_xfer_buffers`` and
+  ``kv_cache_config.transfer_groups``: each transfer group copies its own layers at its
+  own blocks, KV-sharing layers (no transfer group, never registered with NIXL) are
+  never copied. Each request-sync is one masked call for all groups (one backend
+  launch), in kernel-page ids (``meta.local_physical_block_ids``: vLLM's
+  logical-to-kernel block split applied by vLLM's own ``_logical_to_kernel_block_ids``).
+
+Layout: vLLM's caches are ``[B, H, N, C]`` views of one int8 allocation (any of its
+six layouts); the host buffers are contiguous ``[B, H, N, C]`` (or, for LBNHC, an HND
+view of ``(B, N, H, C)``), one per layer name. The copier validates both once; a
+layer whose pages it cannot place raises at registration, never mid-request.
+
+Pageable host buffers are pinned once by the copier's GPU backends (see
+:mod:`kvcopy.backends.pinning`). vLLM's copies are synchronous (``.cpu()``, pageable
+``.to()``); so are these: after the call the stream is synchronized, because P's host
+pages are read by a remote NIXL READ as soon as the request is reported saved.
+
+Supported: vLLM 0.33.x (``SUPPORTED_VLLM``). ``import kvcopy`` never imports vLLM;
+``import kvcopy.vllm`` without vLLM 0.33 raises ``ImportError`` naming the version.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+SUPPORTED_VLLM = "0.33"
+
+
+def _require_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(
+            f"kvcopy.vllm needs vLLM {SUPPORTED_VLLM}.x (pip install 'vllm=={SUPPORTED_VLLM}.0'); "
+            f"vLLM is not importable: {exc}"
+        ) from exc
+    version = getattr(vllm, "__version__", "unknown")
+    if version.split("+")[0].rsplit(".", 1)[0] != SUPPORTED_VLLM:
+        raise ImportError(
+            f"kvcopy.vllm needs vLLM {SUPPORTED_VLLM}.x, found vLLM {version}"
+        )
+    return version
+
+
+VLLM_VERSION = _require_vllm()
+
+import torch  # noqa: E402
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # noqa: E402
+    NixlPullConnectorWorker,
+)
+
+from vllm.logger import init_logger  # noqa: E402
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed  # noqa: E402
+
+from .copier import BlockCopier  # noqa: E402
+
+# Under vLLM's logger tree, so the registration line shows in vLLM's own log output.
+logger = init_logger("vllm.kvcopy")
+
+__all__ = ["KvcopyNixlConnector", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
+
+
+def transfer_layer_groups(kv_cache_config, host_buffers, kv_sharing_layers=()) -> List[List[str]]:
+    """Layer names per transfer group, as vLLM's NIXL worker registers them.
+
+    vLLM's worker registers (and NIXL fills) the host buffer of a layer only when the
+    layer is in a transfer group of the connector's ``kv_cache_config``; a KV-sharing
+    layer gets a host buffer (one per ``kv_caches`` entry) but no group, so it is left
+    out. ``kv_sharing_layers`` names layers to leave out even if a group lists them
+    (the model runner appends them to its own copy of the groups).
+    """
+    skip = set(kv_sharing_layers)
+    return [
+        [n for n in group.layer_names if n in host_buffers and n not in skip]
+        for group in kv_cache_config.transfer_groups
+    ]
+
+
+def _kv_sharing_layers(vllm_config) -> List[str]:
+    """Layers that read another layer's KV, from the model's attention modules."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    return [name for name, mod in ctx.items() if getattr(mod, "kv_sharing_target_layer_name", None)]
+
+
+class KvcopyNixlWorker(NixlPullConnectorWorker):
+    """vLLM's pull worker; host-buffer copies through one masked :class:`BlockCopier`."""
+
+    kvcopy_backend = "auto"
+    # Built by register_kv_caches when vLLM uses host buffers. Until then (or without
+    # host buffers) the copy methods are vLLM's own, through its copy op.
+    kvcopy_copier: Optional[BlockCopier] = None
+
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        if self.use_host_buffer:
+            self._build_copier()
+
+    def _build_copier(self) -> None:
+        groups = transfer_layer_groups(
+            self.kv_cache_config, self.host_xfer_buffers, _kv_sharing_layers(self.vllm_config)
+        )
+        try:
+            copier = BlockCopier(self.device_kv_caches, self.host_xfer_buffers, groups,
+                                 backend=self.kvcopy_backend)
+        except ValueError as exc:
+            raise ValueError(
+                f"KvcopyNixlConnector: cannot build the host-buffer copier for kv cache layout "
+                f"{self.kv_cache_layout} (host {self.host_buffer_kv_cache_layout}): {exc}"
+            ) from exc
+        if self.kvcopy_copier is not None:
+            self.kvcopy_copier.close()
+        self.kvcopy_copier = copier
+        copied = sum(len(g) for g in groups)
+        skipped = sorted(set(self.host_xfer_buffers) - {n for g in groups for n in g})
+        logger.info(
+            "kvcopy: host-buffer sync through backend %s (d2h %s, h2d %s): %d transfer groups, "
+            "%d layers copied%s",
+            copier.backend, copier.backends()["to_host"], copier.backends()["to_device"],
+            len(groups), copied,
+            f", {len(skipped)} KV-sharing layers never copied" if skipped else "",
+        )
+
+    def _group_ids(self, ids: Sequence[Sequence[int]]) -> Optional[Sequence[Sequence[int]]]:
+        """Per-group kernel-page ids, or None when the request moves nothing (vLLM
+        signals a full prefix hit with an empty list)."""
+        if not ids or not any(len(g) for g in ids):
+            return None
+        return ids
+
+    def _wait(self) -> None:
+        # vLLM's op is synchronous; keep that contract (see module docstring). Allowed
+        # under vLLM's sync debugger, as its own copies are.
+        dev = next(iter(self.device_kv_caches.values())).device
+        if dev.type == "cuda":
+            with gpu_sync_allowed():
+                torch.cuda.current_stream(dev).synchronize()
+
+    def save_kv_to_host(self, metadata) -> None:
+        """P: device -> host buffers, one masked call per request for all groups."""
+        if self.kvcopy_copier is None:
+            return super().save_kv_to_host(metadata)
+        copied = False
+        for _req_id, meta in metadata.reqs_to_save.items():
+            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
+                meta.local_block_ids, self._physical_blocks_per_logical_kv_block
+            )
+            ids = self._group_ids(meta.local_physical_block_ids)
+            if ids is not None:
+                self.kvcopy_copier.to_host(ids)
+                copied = True
+        if copied:
+            self._wait()
+
+    def sync_recved_kv_to_device(self, req_id, meta) -> None:
+        """D: host buffers -> device, each group's layers at that group's blocks only."""
+        if self.kvcopy_copier is None:
+            return super().sync_recved_kv_to_device(req_id, meta)
+        ids = self._group_ids(meta.local_physical_block_ids)
+        if ids is not None:
+            self.kvcopy_copier.to_device(ids)
+            self._wait()
+
+    def shutdown(self) -> None:
+        if getattr(self, "kvcopy_copier", None) is not None:
+            self.kvcopy_copier.close()
+            self.kvcopy_copier = None
+        super().shutdown()
+
+
+class KvcopyNixlConnector(NixlPullConnector):
+    """vLLM's ``NixlConnector`` (pull) with :class:`KvcopyNixlWorker` as its worker."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvcopyNixlWorker(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"unsupported KVConnectorRole: {role}")
