@@ -35,7 +35,7 @@ bytes, chunk stride = pages x chunk bytes, addresses in the arenas), so the byte
 writes are exactly those the mirror would write (the byte oracle's rules, token pieces
 and zeroed rows included); descriptors are then merged by address.
 
-Copies: one ``BlockCopier`` per distinct chunk size of the engine (one for uniform
+Copies: one ``BlockCopier`` per distinct chunk size and page geometry (one for uniform
 models), whose "groups" are the (unit, chunk) pairs: device view = that chunk of the
 unit's tensor, host view = the whole arena seen as blocks of that chunk size. P's pack
 is one call per copier (``to_host``), D's scatter one ``to_device`` per copier.
@@ -239,7 +239,7 @@ class _Copiers:
 
     def __init__(self, units: Sequence[Unit], device_caches: Mapping[str, torch.Tensor],
                  layouts, arena_buf: torch.Tensor, backend: str):
-        self.members: Dict[int, List[Tuple[int, int]]] = {}  # chunk bytes -> [(unit index, chunk)]
+        self.members: Dict[tuple, List[Tuple[int, int]]] = {}  # (chunk bytes, page geometry) -> [(unit, chunk)]
         self.copiers: List[Tuple[int, BlockCopier]] = []
         dev: Dict[int, Dict[str, torch.Tensor]] = {}
         host: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -256,10 +256,14 @@ class _Copiers:
                 strides, shape = list(view.stride()), list(view.shape)
                 strides[bd] = u.chunk_bytes // view.element_size()
                 shape[bd] = arena_buf.numel() // u.chunk_bytes
-                dev.setdefault(u.chunk_bytes, {})[key] = view
-                host.setdefault(u.chunk_bytes, {})[key] = torch.as_strided(arena_buf.view(view.dtype), shape, strides, 0)
+                # one copier per chunk size and in-page geometry: the copier's host views
+                # of one arena must be the same region (same bytes, same geometry)
+                ck = (u.chunk_bytes, view.element_size(),
+                      tuple((n, st) for d, (n, st) in enumerate(zip(view.shape, view.stride())) if d != bd))
+                dev.setdefault(ck, {})[key] = view
+                host.setdefault(ck, {})[key] = torch.as_strided(arena_buf.view(view.dtype), shape, strides, 0)
                 block_dims[key] = bd
-                self.members.setdefault(u.chunk_bytes, []).append((i, c))
+                self.members.setdefault(ck, []).append((i, c))
         try:
             for cb, members in self.members.items():
                 names = [[f"u{i}c{c}"] for i, c in members]
@@ -356,7 +360,7 @@ class ArenaStaging:
         dev_of = [np.concatenate([d, z]).tolist() if z is not None and len(z) else np.asarray(d).tolist()
                   for d, z in zip(dev_pages, zeros)]
         out = []
-        for cb, members in self._copiers.members.items():
+        for (cb, *_), members in self._copiers.members.items():
             dev, host = [], []
             for i, c in members:
                 u = self.units[i]
