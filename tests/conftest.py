@@ -10,3 +10,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def prefill():
+    """A prefill engine in a child process, driven over a pipe (kvcopy.nixl.testing)."""
+    from kvcopy.nixl.testing import PrefillProcess, one_torch_thread
+
+    proc = PrefillProcess()
+    with one_torch_thread():
+        yield proc
+    proc.stop()

@@ -3,24 +3,15 @@ ids and its KV bytes travel over the pipe; KV moves only through NIXL)."""
 import itertools
 
 import numpy as np
-import pytest
 
 from kvcopy.nixl import NO_BLOCK
 from kvcopy.nixl.testing import (
-    PrefillProcess, build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire,
-    one_torch_thread, pull_and_complete, same_bytes, wait,
+    build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire,
+    pull_and_complete, same_bytes, wait,
 )
 
 NP = 64
 _names = itertools.count()
-
-
-@pytest.fixture
-def prefill():
-    proc = PrefillProcess()
-    with one_torch_thread():
-        yield proc
-    proc.stop()
 
 
 def start(prefill, case, p_tpb=None, d_tpb=None):

@@ -14,7 +14,7 @@ from kvcopy.nixl import NO_BLOCK, TransferManager, fuzz, remote_ranks
 from kvcopy.nixl.arena import ArenaFull
 from kvcopy.nixl.staging import ArenaPlan, StagedRequest, merge_rows
 from kvcopy.nixl.testing import (
-    ManagerPairs, PrefillProcess, allocate_blocks, build_case, clone_caches, collect_notifications,
+    ManagerPairs, allocate_blocks, build_case, clone_caches, collect_notifications,
     expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,
 )
 
@@ -228,14 +228,6 @@ def test_fuzzer_arena_mode_ten_thousand_cases():
 
 # ---------------------------------------------------------------- two processes
 _names = itertools.count()
-
-
-@pytest.fixture
-def prefill():
-    proc = PrefillProcess()
-    with one_torch_thread():
-        yield proc
-    proc.stop()
 
 
 def start(prefill, case, arena_bytes=KB):
