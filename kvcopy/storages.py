@@ -11,9 +11,11 @@ them point at the wrong bytes:
 * **storage replaced or freed after build** (``t.set_(other)``, or
   ``t.untyped_storage().resize_(0)``): the tables would write into freed memory.
   :class:`StorageGuard` records, per unique storage (not per layer, not per block),
-  one tensor viewing it, the storage's address and the bytes the copier needs, and
-  :meth:`StorageGuard.check` compares them before every call: two attribute reads per
-  storage (vLLM: one storage per layer or one for all layers; ~0.3 us each).
+  one tensor viewing it and that tensor's address, and holds the storage; before every
+  call :meth:`StorageGuard.check` compares all the addresses in one C-level list
+  comparison (96 storages, vLLM's per-layer host buffers of 48 layers plus as many
+  device tensors: 19 us on this 2-core machine, against 30 us for reading each
+  storage's address and size in a Python loop).
 
 What the guard does not see: ``set_`` on one of several views of a storage other than
 the one it watches. The storage itself is then still alive (the watched view holds it),
@@ -67,13 +69,27 @@ class StorageGuard:
                 elif need > entry[3]:
                     entry[3] = need
         self._watched = [tuple(e) for e in watched.values()]
+        # The storages themselves are held, so none of them can be freed and its address
+        # handed to a new allocation while the copier lives: a watched tensor's data_ptr
+        # then changes on every misuse (set_ moves it, a storage resize_ reallocates it,
+        # resize_(0) nulls it), and one C-level comparison of all of them per call
+        # suffices (96 storages: about half the cost of reading each storage's address
+        # and size in a Python loop, measured 30 us).
+        self._held = [t.untyped_storage() for t, _, _, _ in self._watched]
+        self._tensors = [t for t, _, _, _ in self._watched]
+        self._addresses = [t.data_ptr() for t in self._tensors]
 
     def check(self) -> None:
         """Raise ``ValueError`` if a watched storage moved or shrank since build."""
-        for t, name, base, need in self._watched:
-            storage = t.untyped_storage()
-            if storage.data_ptr() != base or storage.nbytes() < need:
+        if list(map(_data_ptr, self._tensors)) == self._addresses:
+            return
+        for (t, name, base, need), address in zip(self._watched, self._addresses):
+            if t.data_ptr() != address:
+                storage = t.untyped_storage()
                 raise ValueError(
                     f"the storage of layer {name!r} was replaced or freed after the BlockCopier was built "
                     f"(it was {need} bytes at {base:#x}, now {storage.nbytes()} bytes at {storage.data_ptr():#x}): "
                     "build a new copier for the new tensors")
+
+
+_data_ptr = torch.Tensor.data_ptr
