@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import ctypes
 import datetime
-import glob
 import io
 import json
 import os

@@ -21,7 +21,6 @@ skipped where vLLM 0.33 is not installed.
 from __future__ import annotations
 
 import ast
-import ctypes
 import json
 import os
 import textwrap

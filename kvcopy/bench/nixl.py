@@ -36,7 +36,6 @@ merging.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -405,7 +404,7 @@ def run(args) -> int:
 
 
 def format_nixl(out: dict) -> str:
-    from .scenarios import fmt_bytes, plural
+    from .scenarios import fmt_bytes
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]

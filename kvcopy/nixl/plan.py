@@ -307,7 +307,6 @@ def build_multi_pull_plan(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, S
             _check_max(zero_max[g], local.regions[lr].num_pages, f"local group {g}, region {lr}: local page")
     # Token pieces past the prompt inside read pages: zeroed, not read.
     for (g, lr, lt, n), (layers, pages) in sorted(zero_pieces.items()):
-        lreg = local.regions[lr]
         zsegs = local_segments(local.region_axes[lr], (lt, n))
         lref = local.region_refs[lr]
         pairs.append(RegionPair(
