@@ -81,3 +81,72 @@ def test_verbose_or_nixl_log_level_keeps_nixl_logging(monkeypatch):
         monkeypatch.delenv(var)
     _agent._quiet_nixl_logging()
     assert logger.level == logging.WARNING
+
+
+def _cpu_seconds_per_second(seconds: float = 1.0) -> float:
+    import resource
+    import time
+
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(seconds)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / seconds
+
+
+def test_idle_agents_sleep_and_delay_zero_busy_polls():
+    """With the default progress delay two idle agents use (almost) no CPU; with NIXL's
+    own delay 0 one idle agent busy-polls (the behaviour the delay exists to avoid)."""
+    quiet = [Agent(f"agent-idle-{i}") for i in range(2)]
+    try:
+        assert _cpu_seconds_per_second() < 0.2
+    finally:
+        for a in quiet:
+            a.close()
+    busy = Agent("agent-busy", progress_delay_us=0)
+    try:
+        assert _cpu_seconds_per_second() > 0.5
+    finally:
+        busy.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 10_000_001, 1.5, True, "100"])
+def test_progress_delay_is_checked(bad):
+    with pytest.raises(ValueError, match="progress_delay_us"):
+        Agent("agent-bad-delay", progress_delay_us=bad)
+
+
+def test_sleeping_agents_still_read_and_notify():
+    """A READ between two agents whose progress threads sleep completes bit-exact, and
+    its notification reaches the target (woken by UCX's event fd, not by the timeout)."""
+    import time
+
+    src, dst = Agent("agent-sleep-src", progress_delay_us=10_000_000), Agent("agent-sleep-dst", progress_delay_us=10_000_000)
+    try:
+        a = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+        b = np.full(1 << 20, 0xA5, dtype=np.uint8)
+        src.register([(a.ctypes.data, a.nbytes, 0)], "DRAM")
+        dst.register([(b.ctypes.data, b.nbytes, 0)], "DRAM")
+        peer = dst.add_remote(src.metadata())
+        src.add_remote(dst.metadata())
+        rows = np.array([[b.ctypes.data, b.nbytes, 0]], np.uint64)
+        local = dst.prep_local(rows, "DRAM")
+        remote = dst.prep_remote(peer, np.array([[a.ctypes.data, a.nbytes, 0]], np.uint64), "DRAM")
+        idx = np.array([0], np.int32)
+        handle, state, reason = dst.post_read(local, idx, remote, idx, b"done-1")
+        t0 = time.monotonic()
+        while state == "PROC" and time.monotonic() - t0 < 60:
+            state, reason = dst.state(handle)
+        assert state == "DONE", reason
+        assert np.array_equal(a, b)
+        got = {}
+        while not got and time.monotonic() - t0 < 60:
+            got = src.notifications()
+        assert got == {"agent-sleep-dst": [b"done-1"]}
+        # Woken by the event, not by the 10 s timeout.
+        assert time.monotonic() - t0 < 5
+        dst.release(handle)
+        Agent.release_dlist(local)
+        Agent.release_dlist(remote)
+    finally:
+        dst.close()
+        src.close()

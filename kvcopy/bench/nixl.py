@@ -56,6 +56,9 @@ def add_args(p) -> None:
     m.add_argument("--nixl-backend", default="UCX", help="NIXL backend plugin (default UCX)")
     m.add_argument("--copy-backend", default="auto", help="kvcopy backend for save/complete")
     m.add_argument("--no-verify", dest="verify", action="store_false", default=True)
+    m.add_argument("--progress-delay-us", type=int, default=None,
+                   help="NIXL progress-thread poll timeout of every agent (default: the manager's, "
+                        "100000; 0 is NIXL's own busy polling)")
     m.add_argument("--no-arena", dest="arena", action="store_false", default=True,
                    help="skip the arena rows")
     o = p.add_argument_group("output")
@@ -67,13 +70,14 @@ def add_args(p) -> None:
 class RawPair:
     """Two raw NIXL agents with buffers laid out like the plan's regions."""
 
-    def __init__(self, plan, backend: str):
+    def __init__(self, plan, backend: str, progress_delay_us: int):
         from ..nixl import load_nixl
+        from ..nixl._agent import make_agent
 
         nixl = load_nixl()
-        cfg = nixl.nixl_agent_config(backends=[backend])
-        self.src = nixl.nixl_agent(SIDE_P + "-raw", cfg)
-        self.dst = nixl.nixl_agent(SIDE_D + "-raw", cfg)
+        # The managers' progress-thread delay: every row runs beside the same threads.
+        self.src = make_agent(nixl, SIDE_P + "-raw", [backend], progress_delay_us)
+        self.dst = make_agent(nixl, SIDE_D + "-raw", [backend], progress_delay_us)
         self.plan = plan
         self._regs: List[Tuple[object, object]] = []
         self._bufs: List[torch.Tensor] = []
@@ -208,8 +212,11 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     counts = sc.blocks_per_group()
     num_blocks, _ = sc.block_ids()
     d_ids = _d_ids(sc, num_blocks, sc.seed)
+    from ..nixl._agent import PROGRESS_DELAY_US
+
+    delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
-              backends=(args.nixl_backend,))
+              backends=(args.nixl_backend,), progress_delay_us=delay)
     mp = md = raw = mpa = mda = None
     try:
         mp = TransferManager(SIDE_P, P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw)
@@ -218,7 +225,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         mp.save(P.ids)
         tokens = max(counts) * sc.block_size
         plan = md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts))
-        raw = RawPair(plan, args.nixl_backend)
+        raw = RawPair(plan, args.nixl_backend, delay)
         per_page = raw.descriptors(merge=False)
         merged = raw.descriptors(merge=True)
         bulk_n = int(plan.num_bytes)
@@ -272,7 +279,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
                 row["gbps"] = bulk_n / (st["median_us"] * 1e-6) / 1e9
                 row["x_bulk"] = st["median_us"] / ref if ref else None
             rows.append(row)
-        facts = {"plan_bytes": bulk_n, "region_pairs": len(plan.pairs),
+        facts = {"plan_bytes": bulk_n, "progress_delay_us": delay, "region_pairs": len(plan.pairs),
                  "descriptors_per_page": len(per_page[0]), "descriptors_merged": len(merged[0]),
                  "verify": verify or ("skipped" if not args.verify else "ok"),
                  "copy_backends": md._copier.backends() if getattr(md, "_copier", None) else None,

@@ -83,7 +83,7 @@ import torch
 from ..checks import block_ids as as_block_ids, seconds, sequence, shown
 from ..copier import BlockCopier
 from ..reference import as_words
-from ._agent import Agent, NixlError, metadata_name
+from ._agent import PROGRESS_DELAY_US, Agent, NixlError, metadata_name
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref
 from .handshake import (
     EngineInfo, LayerPair, check_key, check_peer_limits, decode, encode, layer_limit, pair_layers,
@@ -185,6 +185,7 @@ class TransferManager:
         key: Optional[bytes] = None,
         arena_bytes: int = 1 << 30,
         arena_ttl_s: float = 60.0,
+        progress_delay_us: int = PROGRESS_DELAY_US,
     ):
         self._closed = True
         self._arena: Optional[ArenaStaging] = None
@@ -215,7 +216,7 @@ class TransferManager:
             if buffer == "arena":  # see kvcopy.nixl.staging
                 self._arena = ArenaStaging(self._geometry(tp_rank, tp_size), grouped, self._regions.layouts,
                                            arena_bytes, arena_ttl_s, copy_backend, self._on_cuda)
-            self._agent = Agent(name, tuple(backends))
+            self._agent = Agent(name, tuple(backends), progress_delay_us)
         except Exception:
             if self._copier is not None:
                 self._copier.close()
