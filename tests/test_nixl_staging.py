@@ -106,6 +106,30 @@ def test_full_arena_raises_and_drops_nothing(pd):
     p.save([[0, 1, 2]], num_tokens=48, request_id="again")  # room again
 
 
+def test_save_waits_for_space_until_a_notification_or_its_deadline(pd):
+    p, d, peer, pe, de = pd("one_group", arena_bytes=64 << 10)
+    records = []
+    with pytest.raises(ArenaFull):
+        for i in range(16):
+            b = [[3 * i, 3 * i + 1, 3 * i + 2]]
+            records.append((b, p.save(b, num_tokens=48, request_id=f"w{i}")))
+    assert p.stats()["failed_allocations"] == 1
+    with pytest.raises(ValueError, match="space_timeout_s"):
+        p.save([[0, 1, 2]], num_tokens=48, request_id="x", space_timeout_s=-1)
+    t0 = time.monotonic()
+    with pytest.raises(ArenaFull):  # nothing frees a span: it waited, then raised
+        p.save([[0, 1, 2]], num_tokens=48, request_id="late", space_timeout_s=0.2)
+    assert time.monotonic() - t0 >= 0.2
+    assert p.stats()["failed_allocations"] == 2  # one per refused save, not per retry
+    # D reads one staged request; its notification frees that span while save waits
+    b, rec = records[0]
+    pull_arena(d, peer, de, [[40, 41, 42]], pe, b, rec, 48)
+    got = p.save([[45, 46, 47]], num_tokens=48, request_id="waited", space_timeout_s=30)
+    assert got.offset == rec.offset and p.stats()["failed_allocations"] == 2
+    assert "w0" not in p.arena.staged and "waited" in p.arena.staged
+    assert p.notifications() == {d.name: [b"w0"]}  # what save read is kept for the caller
+
+
 def test_ttl_frees_p_spans(pd):
     p, d, peer, pe, de = pd("one_group", arena_ttl_s=0.0)
     p.save([[1, 2]], num_tokens=20, request_id="old")
@@ -208,6 +232,96 @@ def test_merge_rows_merges_what_continues_on_both_sides():
     remote = np.array([[1100, 50, 0], [1200, 100, 0], [1410, 10, 0]], np.uint64)
     lo, ro = merge_rows(local, remote, bridge=50)  # the 50-byte gap is the same on both sides
     assert lo[:, :2].tolist() == [[100, 200], [400, 10]] and ro[:, :2].tolist() == [[1100, 200], [1410, 10]]
+
+
+# ---------------------------------------------------------------- head order (HND)
+_hnd = itertools.count()
+
+
+def hnd_pull(p_tp, d_tp, order, cached=0, p_tpp=16, d_tpp=16, n=71, heads=4):
+    """P TP ``p_tp`` -> D TP ``d_tp`` in this process over real NIXL, HND pages, P
+    staging in ``order``; every D rank's caches are checked bit-exact against the
+    fuzzer's expectation. Returns the descriptors per D rank and peer."""
+    layers = [f"model.layers.{i}.attn" for i in range(3)]
+    p = fuzz.side(p_tp, "kvf_hnd", [layers], [32], [p_tpp], n, seed=41)
+    dside = fuzz.side(d_tp, "kvf_hnd", [layers], [max(16, d_tpp)], [d_tpp], n, seed=42)
+    spec = fuzz.Spec(seed=43, dtype="bfloat16", total_kv_heads=heads, head_size=8, latent=16,
+                     layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=cached,
+                     p=p, d=dside, d_rank=0, p_ranks=list(range(p_tp)))
+    logical = fuzz.logical_kv(spec)
+    tag = next(_hnd)
+    made, counts = [], []
+    try:
+        pms, records = [], []
+        for r in range(p_tp):
+            pm = TransferManager(f"Phnd{tag}.{r}", fuzz.build_caches(spec, "p", r, logical),
+                                 **fuzz.manager_kwargs(spec, "p", r), buffer="arena", arena_bytes=KB,
+                                 arena_order=order)
+            made.append(pm)
+            pms.append(pm)
+            records.append(pm.save(p.block_ids, num_tokens=n, request_id="hnd"))
+            assert records[-1].order == ("unit/head/chunk/page:v1" if order == "head" else "unit/chunk/page:v1")
+        for dr in range(d_tp):
+            ranks = remote_ranks(dr, d_tp, p_tp, heads)
+            s = fuzz.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
+            d_caches = fuzz.build_caches(s, "d", dr)
+            dm = TransferManager(f"Dhnd{tag}.{dr}", d_caches, **fuzz.manager_kwargs(s, "d", dr),
+                                 buffer="arena", arena_bytes=KB)
+            made.append(dm)
+            peers = [dm.add_peer(pms[r].metadata()) for r in ranks]
+            before = clone_caches(d_caches)
+            plan = dm.plan_pull(peers, {peers[i]: records[r] for i, r in enumerate(ranks)}, n,
+                                dside.block_ids, cached)
+            h = dm.pull(plan, notify=b"hnd")
+            assert wait(dm, h) == "DONE", h.error
+            assert dm.complete(h).ok
+            want, why = fuzz.expected(s, before, logical)
+            assert want is not None, why
+            assert not same_bytes(want, before)
+            assert same_bytes(d_caches, want), first_difference(d_caches, want)
+            assert dm.stats()["bytes_in_use"] == 0
+            counts.append([len(rows[0]) for rows in plan.reads.values()])
+        return counts, len(layers)
+    finally:
+        for m in made:
+            m.close()
+
+
+def test_head_order_equal_geometry_is_one_descriptor():
+    with one_torch_thread():
+        counts, _ = hnd_pull(1, 1, "head")
+    assert counts == [[1]]
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2), (1, 2), (2, 1)])
+def test_head_order_tp_is_one_descriptor_per_layer_and_peer(p_tp, d_tp):
+    """A TP head slice is contiguous per layer in head order: one descriptor per
+    (layer, peer) on every side of the TP change (3 layers here). Token order needs one
+    per (layer, chunk, page): 3 x 2 x 5 = 30."""
+    with one_torch_thread():
+        head, layers = hnd_pull(p_tp, d_tp, "head")
+        token, _ = hnd_pull(p_tp, d_tp, "token")
+    peers = max(1, p_tp // d_tp)
+    assert head == [[layers] * peers] * d_tp
+    assert token == [[layers * 2 * 5] * peers] * d_tp
+
+
+def test_head_order_prefix_hit_and_page_sizes():
+    """A prefix hit in head order skips the cached pages of every (layer, head, chunk):
+    gaps that small (2 pages of one head here) are read across, so still one
+    descriptor; different page sizes still move exact bytes."""
+    with one_torch_thread():
+        counts, layers = hnd_pull(1, 1, "head", cached=32)
+        assert counts == [[1]]
+        hnd_pull(1, 1, "head", p_tpp=32, d_tpp=16)
+        hnd_pull(2, 4, "head", p_tpp=16, d_tpp=32)
+
+
+def test_arena_order_is_checked(pd):
+    with pytest.raises(ValueError, match="arena_order"):
+        pd("one_group", arena_order="heads")
+    with pytest.raises(ValueError, match="needs HND pages"):
+        pd("one_group", arena_order="head")  # NHD pages: a head slice is never contiguous
 
 
 def test_fuzzer_arena_mode_a_few_hundred_cases():
@@ -316,9 +430,11 @@ def test_two_processes_p_killed_mid_flight(prefill):
         d.close()
 
 
-def test_two_processes_p_tp2_to_d_tp4(prefill):
+@pytest.mark.parametrize("order", ["token", "head"])
+def test_two_processes_p_tp2_to_d_tp4(prefill, order):
     """P TP2 (two managers in the child) -> D TP4 (four here), different group plans and
-    page sizes, HND on both sides: each D rank reads its KV heads from one P rank's span."""
+    block sizes, HND on both sides: each D rank reads its KV heads from one P rank's span.
+    Token order: one descriptor per (layer, chunk, page); head order: one per layer."""
     layers = [f"model.layers.{i}.attn" for i in range(4)]
     n = 71
     p = fuzz.side(2, "kvf_hnd", [layers[:2], layers[2:]], [32, 32], [16, 16], n, seed=31)
@@ -328,7 +444,7 @@ def test_two_processes_p_tp2_to_d_tp4(prefill):
                      p=p, d=dside, d_rank=0, p_ranks=[])
     tag = next(_names)
     p_names = [f"Pst{tag}.{r}" for r in range(2)]
-    kw = {"buffer": "arena", "arena_bytes": KB}
+    kw = {"buffer": "arena", "arena_bytes": KB, "arena_order": order}
     (metadata,) = prefill.call("start_spec", spec, [0, 1], p_names, kw)
     (raws,) = prefill.call("save_arena", p.block_ids, n, "tp")
     records = [StagedRequest.from_bytes(r) for r in raws]
@@ -350,9 +466,11 @@ def test_two_processes_p_tp2_to_d_tp4(prefill):
             assert want is not None, why
             assert not same_bytes(want, before)
             assert same_bytes(d_caches, want), first_difference(d_caches, want)
-            # HND: a head slice is one run per (layer, chunk, page)
             pages = -(-n // 16)
-            assert plan.num_descriptors <= len(layers) * 2 * pages
+            if order == "token":  # a head slice is one run per (layer, chunk, page)
+                assert len(layers) < plan.num_descriptors <= len(layers) * 2 * pages
+            else:  # [head][chunk][page]: a head slice of a layer is one run
+                assert plan.num_descriptors == len(layers)
             assert dm.stats()["bytes_in_use"] == 0
         (got,) = prefill.call("notifications", 2)
         assert [sorted(m for _, m in g) for g in got] == [[b"tp", b"tp"], [b"tp", b"tp"]]

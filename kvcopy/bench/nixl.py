@@ -7,6 +7,10 @@ by token position into blocks of its own; then, round-robin with the other rows:
 
 ``bulk READ``
     one READ of one descriptor of ``plan.num_bytes`` between two raw agents: the floor.
+``bulk READ+copy``
+    the same READ, then one contiguous copy of as many bytes into the KV's device
+    (on the CPU the bytes just read; on CUDA from a pinned buffer, enqueued): the floor
+    of ``pull+complete``, which reads and then scatters.
 ``per-page``
     raw agents, one descriptor per (region, chunk, page) as the plan lists them, with
     NIXL's own descriptor merging off (``skip_desc_merge``).
@@ -86,6 +90,7 @@ class RawPair:
         # One contiguous range of the plan's bytes on each side, for the bulk READ.
         n = int(plan.num_bytes)
         self.bulk = [self._buffer(self.src, n), self._buffer(self.dst, n)]
+        self.bulk_dst = self._bufs[-1]
         # Registered memory travels in the metadata: exchange it only after registering.
         self.peer = self.dst.add_remote_agent(self.src.get_agent_metadata())
         if isinstance(self.peer, bytes):
@@ -147,6 +152,22 @@ class RawPair:
             agent.release_xfer_handle(h)
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL READ ended in state {state}")
+
+        return run
+
+    def read_then_copy(self, device: str):
+        """A callable: the bulk READ, then one contiguous copy of the bytes it read to a
+        buffer on ``device`` (the floor of ``pull+complete``: a READ, then one copy)."""
+        read = self.read(*self.bulk_descriptors())
+        src = self.bulk_dst.pin_memory() if device != "cpu" else self.bulk_dst
+        if device != "cpu":
+            self._bufs.append(src)
+        out = torch.empty_like(self.bulk_dst, device=device)
+        out.fill_(0)  # touched once: the copies never pay first-touch faults
+
+        def run():
+            read()
+            out.copy_(src, non_blocking=True)
 
         return run
 
@@ -251,6 +272,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             mpa, mda, arena_methods, arena_descs, arena_facts = _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw)
         methods = {
             "bulk READ": raw.read(*raw.bulk_descriptors()),
+            "bulk READ+copy": raw.read_then_copy(device),
             "per-page": raw.read(*per_page, skip_merge=True),
             "per-page+nixl-merge": raw.read(*per_page),
             "merged runs": raw.read(*merged),
@@ -259,7 +281,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             "save": lambda: mp.save(P.ids),
             **arena_methods,
         }
-        descs = {"bulk READ": 1, "per-page": len(per_page[0]), "per-page+nixl-merge": len(per_page[0]),
+        descs = {"bulk READ": 1, "bulk READ+copy": 1, "per-page": len(per_page[0]), "per-page+nixl-merge": len(per_page[0]),
                  "merged runs": len(merged[0]), "pull": len(per_page[0]), "pull+complete": len(per_page[0]),
                  "save": None, **arena_descs}
         verify = None

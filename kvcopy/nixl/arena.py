@@ -17,6 +17,8 @@ loop: 64 spans allocated and freed in random order cost ~1 us per call (measured
 ``tests/test_nixl_arena.py``'s churn test on this machine).
 
 Back-pressure: a span that does not fit raises :class:`ArenaFull`; nothing is evicted.
+(``TransferManager.save(..., space_timeout_s=)`` retries until D's notifications or
+the TTL free enough space, then raises.)
 Metrics (:meth:`Arena.stats`): bytes in use, high-water mark, failed allocations, live
 spans.
 """
@@ -62,15 +64,17 @@ class Arena:
     def round_up(self, nbytes: int) -> int:
         return -(-int(nbytes) // self.granule) * self.granule
 
-    def allocate(self, nbytes: int) -> Span:
-        """A free span of at least ``nbytes`` (rounded up to granules); raises ArenaFull."""
+    def allocate(self, nbytes: int, count_failure: bool = True) -> Span:
+        """A free span of at least ``nbytes`` (rounded up to granules); raises ArenaFull
+        (counted in ``failed_allocations`` unless ``count_failure`` is False: a caller
+        that will retry counts only its last attempt)."""
         need = max(self.round_up(nbytes), self.granule)
         for start in self._free_starts:
             have = self._free_len[start]
             if have >= need:
                 self._take(start, have, need)
                 return Span(start, need)
-        self.failed_allocations += 1
+        self.failed_allocations += bool(count_failure)
         raise ArenaFull(
             f"staging arena full: {need} bytes requested, {self.nbytes - self.reserved - self.bytes_in_use} "
             f"of {self.nbytes - self.reserved} free, largest free span {max(self._free_len.values(), default=0)}"

@@ -91,9 +91,12 @@ class Pieces:
         return la, ra, None if size is None else np.asarray(size, np.int64)[entry]
 
 
-def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineInfo, name: str) -> Pieces:
+def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineInfo, name: str,
+                extents: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> Pieces:
     """Refuse pairs that do not fit this manager's regions and peer ``name``'s (see the
-    module docstring); returns their pieces."""
+    module docstring); returns their pieces. ``extents``: (local, remote) bytes per
+    region a byte segment may reach from its chunk's start (default: the chunk bytes;
+    arena mode passes its own virtual regions' reach, see :mod:`kvcopy.nixl.staging`)."""
     pieces = Pieces()
     mine, theirs = local.region_refs, remote.region_refs
     for pair in pairs:
@@ -102,8 +105,10 @@ def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineIn
             raise ValueError(f"plan region {lref.index} is not this manager's region")
         if not same_ref(rref, theirs):
             raise ValueError(f"plan region {rref.index} is not peer {name!r}'s region")
+        lmax = extents[0][lref.index] if extents else lref.chunk_bytes
+        rmax = extents[1][rref.index] if extents else rref.chunk_bytes
         for lo, ro, n in pair.segments:
-            if n <= 0 or lo < 0 or ro < 0 or lo + n > lref.chunk_bytes or ro + n > rref.chunk_bytes:
+            if n <= 0 or lo < 0 or ro < 0 or lo + n > lmax or ro + n > rmax:
                 raise ValueError(f"plan byte segment {(lo, ro, n)} outside a chunk of region "
                                  f"{lref.index} or peer region {rref.index}")
         if len(pair.local_pages) != len(pair.remote_pages):

@@ -27,7 +27,8 @@ reason; "raised although feasible" counts those the expectation could serve) or
 packs its request into its own arena with the real copier, D plans the read of P's
 spans, the byte oracle applies the READ rows (:func:`~kvcopy.nixl.oracle.replay_rows`)
 and D's real copier scatters its span into D's caches; the result must equal the
-same expectation.
+same expectation. Cases with an odd seed whose P pages are HND (with a GQA layer) stage in head order
+(``arena_order="head"``), the others in token order; the report counts both.
 """
 from __future__ import annotations
 
@@ -442,6 +443,12 @@ def run_case(spec: Spec) -> Outcome:
     return Outcome("exact")
 
 
+def arena_order(spec: Spec) -> str:
+    """The staging order a case's P ranks use in arena mode (see the module docstring)."""
+    gqa = any(kind == "gqa" for _, kind, _ in spec.layers)  # MLA pages have no head axis
+    return "head" if spec.seed % 2 and spec.p.kv_layout == "HND" and gqa else "token"
+
+
 def _staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor], name: str):
     """(arena staging, its handshake record) of one rank in arena mode, without NIXL."""
     side = spec.side(which)
@@ -454,7 +461,8 @@ def _staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor],
     pages = [-(-spec.num_tokens // t) for t in side.tokens_per_page]
     need = span_layout(units, pages)[1] + 3 * granule_for(units)  # one span, the zero granule, slack
     grouped = {n: caches[n] for g in side.groups for n in g}
-    st = ArenaStaging(info, grouped, regions.layouts, need, 60.0, "auto", False)
+    order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
+    st = ArenaStaging(info, grouped, regions.layouts, need, 60.0, "auto", False, order)
     return st, replace(info, arena=(st.base, st.arena.nbytes))
 
 
@@ -514,6 +522,7 @@ class Report:
     raised_feasible: int = 0
     wrong_cases: List[Tuple[int, str]] = field(default_factory=list)
     seconds: float = 0.0
+    orders: Counter = field(default_factory=Counter)  # arena mode: cases per staging order
 
     @property
     def num_raised(self) -> int:
@@ -523,6 +532,8 @@ class Report:
         lines = [f"cases {self.cases}, exact {self.exact}, raised {self.num_raised} "
                  f"({100.0 * self.num_raised / max(self.cases, 1):.2f}%), wrong {self.wrong}  "
                  f"[{self.seconds:.1f} s]"]
+        if self.orders:
+            lines.append("  arena staging order: " + ", ".join(f"{k} {v}" for k, v in sorted(self.orders.items())))
         for r, k in self.raised.most_common():
             lines.append(f"  raised {k:6d}  {r}")
         if self.raised_feasible:
@@ -547,6 +558,8 @@ def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool =
             except Exception as exc:  # anything but a clear ValueError is a bug
                 out = Outcome("wrong", f"{type(exc).__name__}: {exc}")
             report.cases += 1
+            if arena:
+                report.orders[arena_order(spec)] += 1
             if out.status == "exact":
                 report.exact += 1
             elif out.status == "raised":

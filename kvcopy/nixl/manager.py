@@ -90,6 +90,7 @@ from .handshake import (
 )
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks, forget_routes
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group
+from .arena import ArenaFull
 from .staging import ArenaPlan, ArenaStaging
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
@@ -185,6 +186,7 @@ class TransferManager:
         key: Optional[bytes] = None,
         arena_bytes: int = 1 << 30,
         arena_ttl_s: float = 60.0,
+        arena_order: str = "token",
         progress_delay_us: int = PROGRESS_DELAY_US,
     ):
         self._closed = True
@@ -215,7 +217,8 @@ class TransferManager:
         try:
             if buffer == "arena":  # see kvcopy.nixl.staging
                 self._arena = ArenaStaging(self._geometry(tp_rank, tp_size), grouped, self._regions.layouts,
-                                           arena_bytes, arena_ttl_s, copy_backend, self._on_cuda)
+                                           arena_bytes, arena_ttl_s, copy_backend, self._on_cuda,
+                                           arena_order)
             self._agent = Agent(name, tuple(backends), progress_delay_us)
         except Exception:
             if self._copier is not None:
@@ -328,7 +331,7 @@ class TransferManager:
 
     # ------------------------------------------------------------ P side
     def save(self, block_ids: Sequence[Sequence[int]], wait: bool = True, *, num_tokens=None,
-             request_id=None, readers: int = 1):
+             request_id=None, readers: int = 1, space_timeout_s: Optional[float] = None):
         """Copy these logical blocks of every group to the host buffers (host mode).
 
         One masked ``BlockCopier.to_host`` for all groups; ``NO_BLOCK`` entries are
@@ -339,15 +342,31 @@ class TransferManager:
         ``request_id`` and returns the :class:`~kvcopy.nixl.staging.StagedRequest` to
         hand to D (``(record, event)`` with ``wait=False`` on CUDA). The span is freed
         when ``readers`` notifications ``request_id`` arrived (:meth:`notifications`),
-        or after ``arena_ttl_s``. Raises :class:`~kvcopy.nixl.ArenaFull` when no span fits.
+        or after ``arena_ttl_s``. Raises :class:`~kvcopy.nixl.ArenaFull` when no span fits,
+        at once, or with ``space_timeout_s`` after waiting that long for D's notifications
+        (or TTLs) to free enough space (this call then blocks the host: it is opt-in).
+        Nothing is copied before the span is held.
         """
         self._check_open()
         record = None
+        if space_timeout_s is not None and self._arena is None:
+            raise ValueError("space_timeout_s: arena mode only (host mode has no spans to wait for)")
         if self._arena is not None:
             if num_tokens is None or request_id is None:
                 raise ValueError("arena mode: save needs num_tokens and request_id")
-            self.notifications(keep=True)  # spans freed by D's notifications so far
-            record = self._arena.save(self._info, block_ids, num_tokens, request_id, readers)
+            wait_s = seconds(space_timeout_s, "space_timeout_s")
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            while True:
+                self.notifications(keep=True)  # spans freed by D's notifications so far
+                last = deadline is None or time.monotonic() >= deadline
+                try:
+                    record = self._arena.save(self._info, block_ids, num_tokens, request_id, readers,
+                                              count_failure=last)
+                    break
+                except ArenaFull:
+                    if last:
+                        raise
+                time.sleep(0.001)  # a notification or a TTL frees space; nothing else will
         else:
             pages = self._pages(block_ids, "block_ids")
             if self._copier is not None:

@@ -1,33 +1,49 @@
 """Request-packed staging ("arena" buffer mode): pack order, the staged-request record,
 D's read ranges, P's pack and D's scatter.
 
-Canonical order of a request's span (both sides compute it from a handshake alone):
+Canonical orders of a request's span (both sides compute them from a handshake and
+the record's ``order`` alone):
 
 * a **unit** is one (KV cache group, region) pair: the layers of one group that view one
   tensor the same way (they are staged once). Units are sorted by their first layer
   name, so two engines with the same layers order them the same way whatever their
-  group plans.
-* a unit's **segment** is chunk-major, then page position, then the page's own bytes:
-  ``[chunk][page position][chunk bytes]``, starting at a multiple of its chunk bytes
-  (padding only between units of different chunk sizes). Page positions are the
-  request's: position ``k`` holds tokens ``[k * T, (k + 1) * T)``; P stages the blocks
-  covering its ``num_tokens`` (``NO_BLOCK`` positions are holes nobody reads).
+  group plans. Each unit's segment starts at a multiple of its chunk bytes (padding
+  only between units of different chunk sizes). Page positions are the request's:
+  position ``k`` holds tokens ``[k * T, (k + 1) * T)``; P stages the blocks covering
+  its ``num_tokens`` (``NO_BLOCK`` positions are holes nobody reads).
+* **token order** (``arena_order="token"``, the default, record order
+  ``unit/chunk/page:v1``): a segment is ``[chunk][page position][page chunk]``. One
+  layer's K (or V) for the whole request is one contiguous run, tokens in order.
+* **head order** (``arena_order="head"``, ``unit/head/chunk/page:v1``, HND pages
+  only): a segment is ``[head][chunk][page position][head slab]``, where a head slab
+  is one head's ``[token][head size]`` of a page chunk. A run of KV heads of one layer,
+  K and V and all pages, is one contiguous run: a TP head slice per layer. Units
+  without a head axis in that form (MLA, NHD pages in a mixed model) keep token order.
+  P chooses the order; D lays out its own span in the record's order, so the runs
+  line up.
 
-So one layer's K (or V) for the whole request is one contiguous run, tokens in order;
-a token range of it is one run in NHD pages (one per head in HND); a head slice is one
-run per page in HND pages (one per token in NHD). What a pull costs in NIXL
-descriptors per (request, peer), after merging runs adjacent on both sides:
+What a pull costs in NIXL descriptors per (request, peer), after merging runs adjacent
+on both sides (gaps of at most :data:`BRIDGE_BYTES` that are the same on both sides
+are read across, so small cases often merge further). Measured by the tests, 3
+layers, HND, 5 pages of 16 tokens (``tests/test_nixl_staging.py``):
 
-* equal geometry (same layers, groups, page sizes, TP, layout) and no prefix hit: the
-  two spans have the same layout: **1 descriptor**;
-* a prefix hit of ``C`` tokens: one per (unit, chunk): the cached pages are skipped;
-* different page sizes: still one per (unit, chunk) at most where the token pieces
-  line up on both sides (positions differ only by page size), plus one per page
-  piece where a side's partial last page breaks the run;
-* different TP sizes: a head slice, one per (unit, chunk, page) for HND pages, one
-  per (unit, chunk, token) for NHD pages (measured: ``kvcopy-bench nixl`` arena rows);
-* different group plans: units still pair by layer; runs merge across units only where
-  both sides order them alike.
+==============================  ==========================  ======================
+case                            token order                 head order
+==============================  ==========================  ======================
+equal geometry, no prefix hit   **1**                       **1**
+prefix hit of ``C`` tokens      1 per (unit, chunk)         1 per (unit, head, chunk)
+different page sizes            1 per (unit, chunk) where   1 per (unit, head, chunk)
+                                the token pieces line up    where they line up
+different TP sizes (HND)        1 per (unit, chunk, page):  **1 per (unit, peer)**:
+                                30 (P TP2 -> D TP4)         3 (P TP2 -> D TP4, and
+                                                            TP4 -> TP2 per peer)
+different TP sizes (NHD)        1 per (unit, chunk, token)  (refused: no HND pages)
+different group plans           units pair by layer; runs merge across units only
+                                where both sides order them alike
+==============================  ==========================  ======================
+
+So: token order where P and D run the same TP size (prefix hits stay cheap), head
+order where D's TP size differs from P's and pages are HND.
 
 D's side is planned with the ordinary planner (:mod:`kvcopy.nixl.plan`) over
 *virtual* engines whose regions are the units of each span (page stride = chunk
@@ -35,10 +51,17 @@ bytes, chunk stride = pages x chunk bytes, addresses in the arenas), so the byte
 writes are exactly those the mirror would write (the byte oracle's rules, token pieces
 and zeroed rows included); descriptors are then merged by address.
 
-Copies: one ``BlockCopier`` per distinct chunk size and page geometry (one for uniform
-models), whose "groups" are the (unit, chunk) pairs: device view = that chunk of the
-unit's tensor, host view = the whole arena seen as blocks of that chunk size. P's pack
-is one call per copier (``to_host``), D's scatter one ``to_device`` per copier.
+A head-order virtual region keeps its pages' axes with the head stride moved outside
+the page, so the planner's byte segments land in the head-major span unchanged; the
+descriptor check then bounds a segment by the axes' reach (:func:`chunk_extents`), and
+every READ row is checked to lie inside the two spans.
+
+Copies: one ``BlockCopier`` per distinct block size and page geometry (one for uniform
+models), whose "groups" are the (unit, chunk) pairs in token order and the (unit,
+chunk, head) triples in head order: device view = that chunk (head) of the unit's
+tensor, host view = the whole arena seen as blocks of that size. P's pack is one call
+per copier (``to_host``), D's scatter one ``to_device`` per copier; head order has
+``heads`` times more, smaller blocks (one head slab each) in the same call.
 """
 from __future__ import annotations
 
@@ -57,7 +80,9 @@ from .descriptors import check_pairs, desc_rows
 from .handshake import EngineInfo, pair_layers
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
 
-ORDER = "unit/chunk/page:v1"
+ORDER = "unit/chunk/page:v1"  # the token order (the default)
+HEAD_ORDER = "unit/head/chunk/page:v1"
+ORDERS = {"token": ORDER, "head": HEAD_ORDER}  # the manager's arena_order -> the record's name
 # D reads a gap between two runs of one peer when it is this small and the same on both
 # sides (a sliding window's dropped page, a prefix hit's cached pages, padding between
 # units): the gap lies inside both spans, which this request owns, and D never scatters
@@ -78,17 +103,49 @@ class Unit:
     layers: Tuple[str, ...]
     num_chunks: int
     chunk_bytes: int
+    heads: int = 1  # head order: head slabs per page chunk (1: the unit is staged as in token order)
+    head_bytes: int = 0  # head order: bytes of one head's slab of a page chunk (= chunk_bytes / heads)
+    head_stride: int = 0  # elements between heads in the page chunk (the head axis' stride)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes the copier moves per block in head order (one head's slab of a page chunk)."""
+        return self.head_bytes or self.chunk_bytes
 
 
-def stage_units(info: EngineInfo) -> List[Unit]:
-    """The units of an engine in canonical order (sorted by first layer name)."""
+def _head_slabs(r) -> Tuple[int, int, int]:
+    """(heads, bytes per head slab, head stride in elements) where the page chunk is
+    ``[head][everything else, dense]`` (HND pages), else (0, chunk bytes, 0)."""
+    names = [n for n, _, _ in r.axes or ()]
+    if "head" not in names:
+        return 0, r.chunk_bytes, 0
+    _, k, stride = r.axes[names.index("head")]
+    rest = 1
+    for n, size, st in r.axes:
+        if n != "head":
+            rest *= size
+            if st >= stride and size > 1:
+                return 0, r.chunk_bytes, 0  # an axis outside the head axis (NHD: tokens)
+    if stride != rest or k * rest * r.itemsize != r.chunk_bytes:
+        return 0, r.chunk_bytes, 0
+    return k, rest * r.itemsize, stride
+
+
+def stage_units(info: EngineInfo, order: str = ORDER) -> List[Unit]:
+    """The units of an engine in canonical order (sorted by first layer name); in head
+    order, HND units are split into head slabs."""
+    if order not in ORDERS.values():
+        raise ValueError(f"unknown staging order {order!r}; known: {sorted(ORDERS.values())}")
     out = []
     for r in info.regions:
         by_group: Dict[int, List[str]] = {}
         for name, g in r.members:
             by_group.setdefault(g, []).append(name)
+        heads, head_bytes, head_stride = _head_slabs(r) if order == HEAD_ORDER else (0, r.chunk_bytes, 0)
+        heads = max(heads, 1)  # one head, or no head axis: the unit is staged as in token order
         for g, names in by_group.items():
-            out.append(Unit(g, r.index, tuple(sorted(names)), r.num_chunks, r.chunk_bytes))
+            out.append(Unit(g, r.index, tuple(sorted(names)), r.num_chunks, r.chunk_bytes,
+                            heads, head_bytes if heads > 1 else 0, head_stride))
     out.sort(key=lambda u: u.layers[0])
     return out
 
@@ -116,14 +173,22 @@ def granule_for(units: Sequence[Unit], base: int = 4096) -> int:
 
 def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int], pages: Sequence[int],
                    base: int) -> EngineInfo:
-    """``info`` with one region per unit, laid out as a span at address ``base``."""
+    """``info`` with one region per unit, laid out as a span at address ``base``. A
+    head-slab unit's region keeps its page chunk's axes with the head axis' stride
+    moved outside the pages (``[head][chunk][page][slab]``): the planner's byte
+    segments then land in the head-major span as they are."""
     regions = []
     for i, (u, off) in enumerate(zip(units, segs)):
         r = info.regions[u.region]
         n = pages[u.group]
+        b = u.block_bytes
+        axes = r.axes
+        if u.heads > 1:
+            hs = u.num_chunks * n * b // r.itemsize
+            axes = tuple((name, size, hs if name == "head" else st) for name, size, st in r.axes)
         regions.append(replace(
             r, index=i, members=tuple((name, u.group) for name in u.layers), address=base + off, device_id=0,
-            num_pages=n, page_stride=u.chunk_bytes, chunk_stride=n * u.chunk_bytes if u.num_chunks > 1 else 0,
+            num_pages=n, page_stride=b, chunk_stride=n * b if u.num_chunks > 1 else 0, axes=axes,
         ))
     # A virtual block is one page: the planner's block ids are then page positions.
     return EngineInfo(name=info.name, buffer="arena", mem_type="DRAM", tp_rank=info.tp_rank,
@@ -161,8 +226,9 @@ class StagedRequest:
                       blocks=tuple(tuple(int(x) for x in b) for b in d["blocks"]), order=str(d["order"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed staged-request record: {type(exc).__name__}: {exc}") from None
-        if rec.order != ORDER:
-            raise ValueError(f"staged-request record in order {rec.order!r}; this kvcopy reads {ORDER!r}")
+        if rec.order not in ORDERS.values():
+            raise ValueError(f"staged-request record in order {rec.order!r}; this kvcopy reads "
+                             f"{sorted(ORDERS.values())}")
         if rec.offset < 0 or rec.nbytes < 0 or rec.num_tokens < 0:
             raise ValueError(f"staged-request record with a negative field: {rec}")
         if any(x not in (0, 1) for b in rec.blocks for x in b):
@@ -195,6 +261,7 @@ class ArenaPlan:
     zero_runs: Tuple[np.ndarray, np.ndarray]  # (arena offsets, bytes) zeroed in D's span first
     local_block_ids: Tuple[Tuple[int, ...], ...]  # real, per group
     read_pages: Tuple[Tuple[int, ...], ...]  # real, per group
+    order: str = ORDER  # the staging order of both spans (the records')
     live: bool = True  # D's span is owned
     pulled: bool = False
     extra: Dict[str, object] = field(default_factory=dict)
@@ -235,14 +302,16 @@ def merge_rows(local: np.ndarray, remote: np.ndarray, bridge: int = 0) -> Tuple[
 
 
 class _Copiers:
-    """One BlockCopier per chunk size; its groups are the (unit, chunk) pairs."""
+    """One BlockCopier per block size and page geometry; its groups are the units'
+    (unit, chunk, head slab) triples (head 0 only, the whole page chunk, in token order)."""
 
     def __init__(self, units: Sequence[Unit], device_caches: Mapping[str, torch.Tensor],
                  layouts, arena_buf: torch.Tensor, backend: str):
-        self.members: Dict[tuple, List[Tuple[int, int]]] = {}  # (chunk bytes, page geometry) -> [(unit, chunk)]
+        self.units = list(units)
+        self.members: Dict[tuple, List[Tuple[int, int, int]]] = {}  # (block bytes, geometry) -> [(unit, chunk, head)]
         self.copiers: List[Tuple[int, BlockCopier]] = []
-        dev: Dict[int, Dict[str, torch.Tensor]] = {}
-        host: Dict[int, Dict[str, torch.Tensor]] = {}
+        dev: Dict[tuple, Dict[str, torch.Tensor]] = {}
+        host: Dict[tuple, Dict[str, torch.Tensor]] = {}
         block_dims: Dict[str, int] = {}
         for i, u in enumerate(units):
             t = device_caches[u.layers[0]]
@@ -250,25 +319,29 @@ class _Copiers:
             cd = _chunk_dim(t, layout) if u.num_chunks > 1 else None
             bd = layout.block_dim - (cd is not None and cd < layout.block_dim)  # after dropping the chunk axis
             for c in range(u.num_chunks):
-                view = t if cd is None else t.select(cd, c)
-                key = f"u{i}c{c}"
-                # the whole arena as blocks of this chunk size, with the chunk's own in-page strides
-                strides, shape = list(view.stride()), list(view.shape)
-                strides[bd] = u.chunk_bytes // view.element_size()
-                shape[bd] = arena_buf.numel() // u.chunk_bytes
-                # one copier per chunk size and in-page geometry: the copier's host views
-                # of one arena must be the same region (same bytes, same geometry)
-                ck = (u.chunk_bytes, view.element_size(),
-                      tuple((n, st) for d, (n, st) in enumerate(zip(view.shape, view.stride())) if d != bd))
-                dev.setdefault(ck, {})[key] = view
-                host.setdefault(ck, {})[key] = torch.as_strided(arena_buf.view(view.dtype), shape, strides, 0)
-                block_dims[key] = bd
-                self.members.setdefault(ck, []).append((i, c))
+                chunk = t if cd is None else t.select(cd, c)
+                hd = _head_dim(chunk, bd, u) if u.heads > 1 else None
+                for h in range(u.heads):
+                    view = chunk if hd is None else chunk.select(hd, h)
+                    vbd = bd - (hd is not None and hd < bd)
+                    key = f"u{i}c{c}h{h}"
+                    # the whole arena as blocks of this block size, with the view's own in-block strides
+                    strides, shape = list(view.stride()), list(view.shape)
+                    strides[vbd] = u.block_bytes // view.element_size()
+                    shape[vbd] = arena_buf.numel() // u.block_bytes
+                    # one copier per block size and in-block geometry: the copier's host views
+                    # of one arena must be the same region (same bytes, same geometry)
+                    ck = (u.block_bytes, view.element_size(),
+                          tuple((n, st) for d, (n, st) in enumerate(zip(view.shape, view.stride())) if d != vbd))
+                    dev.setdefault(ck, {})[key] = view
+                    host.setdefault(ck, {})[key] = torch.as_strided(arena_buf.view(view.dtype), shape, strides, 0)
+                    block_dims[key] = vbd
+                    self.members.setdefault(ck, []).append((i, c, h))
         try:
-            for cb, members in self.members.items():
-                names = [[f"u{i}c{c}"] for i, c in members]
-                self.copiers.append((cb, BlockCopier(dev[cb], host[cb], names, backend=backend,
-                                                     block_dim={n[0]: block_dims[n[0]] for n in names})))
+            for ck, members in self.members.items():
+                names = [[f"u{i}c{c}h{h}"] for i, c, h in members]
+                self.copiers.append((ck[0], BlockCopier(dev[ck], host[ck], names, backend=backend,
+                                                        block_dim={n[0]: block_dims[n[0]] for n in names})))
         except Exception:
             self.close()
             raise
@@ -277,6 +350,14 @@ class _Copiers:
         for _, c in self.copiers:
             c.close()
         self.copiers = []
+
+
+def _head_dim(chunk: torch.Tensor, bd: int, u: Unit) -> int:
+    for d in range(chunk.dim()):
+        if d != bd and chunk.shape[d] == u.heads and chunk.stride(d) == u.head_stride:
+            return d
+    raise ValueError(f"cannot find the head axis ({u.heads} heads, stride {u.head_stride}) of a page "
+                     f"chunk of shape {tuple(chunk.shape)}")
 
 
 def _chunk_dim(t: torch.Tensor, layout) -> int:
@@ -291,9 +372,12 @@ class ArenaStaging:
     """The arena of one manager and everything that packs into it and scatters out of it."""
 
     def __init__(self, info: EngineInfo, device_caches: Mapping[str, torch.Tensor], layouts,
-                 nbytes: int, ttl_s: float, backend: str, pin: bool):
+                 nbytes: int, ttl_s: float, backend: str, pin: bool, order: str = "token"):
+        if order not in ORDERS:
+            raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {order!r}")
+        self.order = ORDERS[order]  # the order save() stages in; plan_pull follows the records'
         self.units = stage_units(info)
-        granule = granule_for(self.units)
+        granule = granule_for(self.units)  # head slabs divide chunks: one granule serves both orders
         if nbytes < 2 * granule:
             raise ValueError(f"arena_bytes {nbytes} is smaller than two span granules ({granule} bytes each)")
         self.buffer = torch.empty(int(nbytes) // granule * granule, dtype=torch.uint8, pin_memory=pin)
@@ -305,12 +389,27 @@ class ArenaStaging:
         self.buffer.zero_()
         self.arena = Arena(self.buffer.numel(), granule, reserved=granule)
         self.ttl_s = float(ttl_s)
-        self._copiers = _Copiers(self.units, device_caches, layouts, self.buffer, backend)
+        if order == "head" and not any(_head_slabs(r)[0] for r in info.regions):
+            raise ValueError("arena_order='head' needs HND pages (a page chunk [head][token][...]): "
+                             "no layer here has them; use arena_order='token'")
+        self._make = (info, device_caches, layouts, backend)
+        self._by_order: Dict[str, _Copiers] = {}
+        self._copiers_for(self.order)
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
         self._deferred: List[Span] = []  # D: spans whose READ handle release failed
 
+    def _copiers_for(self, order: str) -> "_Copiers":
+        """The units and copiers of one staging order (built on first use: D builds the
+        head-order copiers when the first head-order record arrives)."""
+        cps = self._by_order.get(order)
+        if cps is None:
+            info, caches, layouts, backend = self._make
+            cps = self._by_order[order] = _Copiers(stage_units(info, order), caches, layouts, self.buffer, backend)
+        return cps
+
     # ------------------------------------------------------------ P side
-    def save(self, info: EngineInfo, block_ids, num_tokens: int, request_id, readers: int) -> StagedRequest:
+    def save(self, info: EngineInfo, block_ids, num_tokens: int, request_id, readers: int,
+             count_failure: bool = True) -> StagedRequest:
         rid = _request_key(request_id)
         if rid in self._staged:
             raise ValueError(f"request {request_id!r} is already staged")
@@ -337,34 +436,39 @@ class ArenaStaging:
             pages.append(p)
         counts = [len(p) for p in pages]
         segs, total = span_layout(self.units, counts)
-        span = self.arena.allocate(total)
+        span = self.arena.allocate(total, count_failure)
+        cps = self._copiers_for(self.order)
         try:
-            calls = self._calls(span, segs, counts, [p[k] for p, k in zip(pages, positions)], positions)
+            calls = self._calls(cps, span, segs, counts, [p[k] for p, k in zip(pages, positions)], positions)
             if len(calls) > 1:  # every copy is checked before the first moves
-                for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
+                for (cb, copier), (dev, host) in zip(cps.copiers, calls):
                     copier.plan("d2h", dev, host)
-            for (cb, copier), (dev, host) in zip(self._copiers.copiers, calls):
+            for (cb, copier), (dev, host) in zip(cps.copiers, calls):
                 copier.to_host(dev, host)
         except Exception:
             self.arena.free(span)
             raise
         self._staged[rid] = [span, time.monotonic() + self.ttl_s, int(readers)]
-        return StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held))
+        return StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
+                             self.order)
 
-    def _calls(self, span: Span, segs, counts, dev_pages, positions, zero_pages=None):
-        """Per copier: (device ids, host ids) per (unit, chunk) group; ``zero_pages``
-        (per group) are copied from the arena's zero granule (host block 0)."""
+    @staticmethod
+    def _calls(cps: "_Copiers", span: Span, segs, counts, dev_pages, positions, zero_pages=None):
+        """Per copier: (device ids, host ids) per (unit, chunk, head slab) group; ``zero_pages``
+        (per group) are copied from the arena's zero granule (host block 0). A unit's
+        segment is ``[head][chunk][page][block]`` (one head slab per page chunk in
+        token order), so group (u, c, h) starts at block ``(h * chunks + c) * pages``."""
         # Plain int lists: the copier's native planner takes those (numpy arrays take
         # its numpy path: measured 430 ms against ~50 ms for seeds/2's 192 groups).
         zeros = [None if zero_pages is None else np.asarray(z, np.int64) for z in (zero_pages or dev_pages)]
         dev_of = [np.concatenate([d, z]).tolist() if z is not None and len(z) else np.asarray(d).tolist()
                   for d, z in zip(dev_pages, zeros)]
         out = []
-        for (cb, *_), members in self._copiers.members.items():
+        for (cb, *_), members in cps.members.items():
             dev, host = [], []
-            for i, c in members:
-                u = self.units[i]
-                first = (span.offset + segs[i] + c * counts[u.group] * cb) // cb
+            for i, c, h in members:
+                u = cps.units[i]
+                first = (span.offset + segs[i] + (h * u.num_chunks + c) * counts[u.group] * cb) // cb
                 dev.append(dev_of[u.group])
                 h = (first + positions[u.group]).tolist()
                 z = zeros[u.group]
@@ -419,7 +523,7 @@ class ArenaStaging:
         if not isinstance(records, Mapping):
             raise TypeError("records: a StagedRequest, or a mapping peer name -> StagedRequest")
         n_tok = int(num_tokens)
-        sources, remote_ids = [], {}
+        sources, remote_ids, remote_spans = [], {}, {}
         for p in peers:
             rec = records.get(p.name)
             if isinstance(rec, (bytes, bytearray)):
@@ -427,6 +531,12 @@ class ArenaStaging:
             if not isinstance(rec, StagedRequest):
                 raise ValueError(f"no StagedRequest for peer {p.name!r}")
             sources.append(self._remote_engine(p, rec, n_tok, remote_ids))
+            remote_spans[p.name] = (p.arena[0] + rec.offset, rec.nbytes)
+        orders = {records[p.name].order if isinstance(records[p.name], StagedRequest) else
+                  StagedRequest.from_bytes(records[p.name]).order for p in peers}
+        if len(orders) > 1:
+            raise ValueError(f"the peers staged this request in different orders {sorted(orders)}")
+        order = orders.pop() if orders else ORDER  # D's span follows P's order: the runs line up
         if isinstance(local_block_ids, (str, bytes)) or len(local_block_ids) != info.num_groups:
             raise ValueError(f"local_block_ids: expected one block id list per KV cache group ({info.num_groups})")
         local = []
@@ -445,8 +555,8 @@ class ArenaStaging:
         segs, total = span_layout(self.units, counts)
         span = self.arena.allocate(total)
         try:
-            return self._plan(info, sources, remote_ids, n_tok, local, vblocks, counts, segs, span,
-                              num_cached_tokens)
+            return self._plan(info, sources, remote_ids, remote_spans, n_tok, local, vblocks, counts, segs, span,
+                              num_cached_tokens, order)
         except Exception:
             self.arena.free(span)
             raise
@@ -460,7 +570,7 @@ class ArenaStaging:
             raise ValueError(f"record of {p.name!r} staged {rec.num_tokens} tokens, the pull is for {n_tok}")
         if len(rec.blocks) != p.num_groups:
             raise ValueError(f"record of {p.name!r}: {len(rec.blocks)} block lists for {p.num_groups} groups")
-        units = stage_units(p)
+        units = stage_units(p, rec.order)
         counts, vpages = [], []
         for g, b in enumerate(rec.blocks):
             r = p.tokens_per_block[g] // p.tokens_per_page[g]
@@ -477,8 +587,10 @@ class ArenaStaging:
         vp = virtual_engine(p, units, segs, counts, p.arena[0] + rec.offset)
         return vp
 
-    def _plan(self, info, sources, remote_ids, n_tok, local, vblocks, counts, segs, span, cached) -> ArenaPlan:
-        vd = virtual_engine(info, self.units, segs, counts, self.base + span.offset)
+    def _plan(self, info, sources, remote_ids, remote_spans, n_tok, local, vblocks, counts, segs, span,
+              cached, order) -> ArenaPlan:
+        cps = self._copiers_for(order)
+        vd = virtual_engine(info, cps.units, segs, counts, self.base + span.offset)
         peers = [(vp, pair_layers(vd, vp)) for vp in sources]
         plan = build_multi_pull_plan(vd, peers, remote_ids, n_tok, vblocks, cached)
         reads = {}
@@ -487,10 +599,14 @@ class ArenaStaging:
             if not pairs:
                 reads[vp.name] = (np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64))
                 continue
-            pieces = check_pairs(pairs, vd, vp, vp.name)
+            pieces = check_pairs(pairs, vd, vp, vp.name, (chunk_extents(vd), chunk_extents(vp)))
             # Bridging gaps is safe with one peer only: with several, a gap in one
             # peer's rows may be bytes another peer's READ writes.
-            reads[vp.name] = merge_rows(*desc_rows(pairs, pieces, vd, vp), BRIDGE_BYTES if len(peers) == 1 else 0)
+            lrows, rrows = merge_rows(*desc_rows(pairs, pieces, vd, vp), BRIDGE_BYTES if len(peers) == 1 else 0)
+            # Every byte read lies in the two spans (belt and braces over the planner).
+            _inside(lrows, self.base + span.offset, span.nbytes, "D's span")
+            _inside(rrows, *remote_spans[vp.name], f"{vp.name!r}'s staged span")
+            reads[vp.name] = (lrows, rrows)
         # Real pages: virtual page ids are page positions.
         real_pages, read_real, zero_real, blocks = [], [], [], []
         for g, arr in enumerate(local):
@@ -521,13 +637,13 @@ class ArenaStaging:
         zero_runs = (np.concatenate(starts), np.concatenate(lens)) if starts else \
             (np.empty(0, np.int64), np.empty(0, np.int64))
         positions = [np.asarray(x, np.int64) for x in plan.read_pages]
-        scatter = self._calls(span, segs, counts, read_real, positions,
+        scatter = self._calls(cps, span, segs, counts, read_real, positions,
                               [np.asarray(z, np.int64) for z in zero_real])
-        for (cb, copier), (dev, host) in zip(self._copiers.copiers, scatter):
+        for (cb, copier), (dev, host) in zip(cps.copiers, scatter):
             copier.plan("h2d", dev, host)  # complete() must not fail after the read
         return ArenaPlan(plan=plan, span=span, reads=reads, scatter=scatter, zero_pages=tuple(zero_real),
                          zero_runs=zero_runs, local_block_ids=tuple(blocks),
-                         read_pages=tuple(tuple(x.tolist()) for x in read_real))
+                         read_pages=tuple(tuple(x.tolist()) for x in read_real), order=order)
 
     def reads(self, plan: ArenaPlan) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
         if not isinstance(plan, ArenaPlan) or not plan.live or plan.pulled or not self.arena.owns(plan.span):
@@ -542,7 +658,7 @@ class ArenaStaging:
         if len(starts):
             idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(int(lens.sum()))
             self.buffer.index_fill_(0, torch.as_tensor(idx), 0)
-        for (cb, copier), (dev, host) in zip(self._copiers.copiers, plan.scatter):
+        for (cb, copier), (dev, host) in zip(self._copiers_for(plan.order).copiers, plan.scatter):
             copier.to_device(dev, host)
 
     def discard(self, plan: ArenaPlan, safe: bool = True) -> None:
@@ -567,7 +683,27 @@ class ArenaStaging:
         return out
 
     def close(self) -> None:
-        self._copiers.close()
+        for cps in self._by_order.values():
+            cps.close()
+        self._by_order = {}
+
+
+def chunk_extents(info: EngineInfo) -> List[int]:
+    """Per region, the bytes from a page chunk's start that its axes reach (the chunk
+    bytes, or more for a head-order virtual region, whose heads lie outside the page)."""
+    out = []
+    for r in info.regions:
+        reach = r.itemsize
+        for _, size, stride in r.axes or ():
+            reach += (size - 1) * stride * r.itemsize
+        out.append(max(r.chunk_bytes, reach))
+    return out
+
+
+def _inside(rows: np.ndarray, start: int, nbytes: int, what: str) -> None:
+    if len(rows) and (int(rows[:, 0].min()) < start or
+                      int((rows[:, 0] + rows[:, 1]).max()) > start + nbytes):
+        raise ValueError(f"arena plan: a READ row falls outside {what} [{start}, +{nbytes})")
 
 
 def _request_key(request_id) -> bytes:
@@ -578,5 +714,5 @@ def _request_key(request_id) -> bytes:
     raise TypeError(f"request_id must be a non-empty str or bytes, got {request_id!r}")
 
 
-__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "ORDER", "StagedRequest", "Unit", "merge_rows",
+__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents", "StagedRequest", "Unit", "merge_rows",
            "span_layout", "stage_units", "virtual_engine"]
