@@ -176,3 +176,51 @@ def test_sleeping_agents_still_read_and_notify():
     finally:
         dst.close()
         src.close()
+
+
+def _fake_wrapper(calls_binding: bool, fail: bool = False):
+    """A NIXL-like wrapper module whose agent is built through ``nixlBind.nixlAgent``
+    (or not), recording the configs the binding saw."""
+    seen = []
+    bind = types.SimpleNamespace(nixlAgentConfig=lambda: types.SimpleNamespace(pthrDelay=0))
+
+    def binding_agent(name, config):
+        seen.append(config.pthrDelay)
+        if fail:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        return name
+
+    bind.nixlAgent = binding_agent
+    mod = types.ModuleType("fake_nixl_api")
+
+    class nixl_agent:  # noqa: N801 (NIXL's name)
+        def __init__(self, name, conf):
+            cfg = bind.nixlAgentConfig()
+            self.agent = bind.nixlAgent(name, cfg) if calls_binding else name
+
+    mod.nixl_agent, mod.nixl_agent_config, mod.nixlBind = nixl_agent, (lambda backends: None), bind
+    nixl_agent.__module__ = mod.__name__
+    return mod, bind, binding_agent, seen
+
+
+def test_make_agent_sets_the_delay_and_restores_the_binding(monkeypatch):
+    mod, bind, original, seen = _fake_wrapper(True)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    _agent.make_agent(mod, "a", ["UCX"], 1234)
+    assert seen == [1234] and bind.nixlAgent is original
+    mod, bind, original, seen = _fake_wrapper(True, fail=True)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    with pytest.raises(RuntimeError, match="NIXL_ERR_BACKEND"):
+        _agent.make_agent(mod, "a", ["UCX"], 1234)
+    assert seen == [1234] and bind.nixlAgent is original  # restored after a failed build
+
+
+def test_make_agent_warns_when_the_wrapper_bypasses_the_binding(monkeypatch, caplog):
+    import logging
+
+    mod, bind, original, seen = _fake_wrapper(False)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    with caplog.at_level(logging.WARNING, logger="kvcopy.nixl"):
+        _agent.make_agent(mod, "a", ["UCX"], 1234)
+    assert seen == [] and bind.nixlAgent is original
+    assert "busy polling" in caplog.text and "progress_delay_us=1234" in caplog.text

@@ -141,24 +141,34 @@ def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
     """``nixl.nixl_agent(name, config)`` with the progress thread's poll delay set to
     ``delay_us``: the wrapper hard-codes 0, so its binding constructor is wrapped for
     the duration of this one call (under a lock: agents built by other threads at the
-    same time are not affected)."""
+    same time are not affected). A wrapper that builds its agent some other way (a
+    later NIXL) gets NIXL's own delay, with a warning: the agent works, its idle
+    progress thread busy-polls."""
     wrapper = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""), nixl)  # nixl_cu12._api
     binding = getattr(wrapper, "nixlBind", None)
     real = getattr(binding, "nixlAgent", None)
     if real is None:
         raise NixlError(f"{wrapper.__name__} builds its agents without a binding module (nixlBind) "
                         "in reach: this kvcopy cannot set the progress-thread delay on this NIXL")
+    applied = []
 
-    def with_delay(agent_name, config):
+    def with_delay(agent_name, config, *args, **kwargs):
         config.pthrDelay = delay_us
-        return real(agent_name, config)
+        applied.append(True)
+        return real(agent_name, config, *args, **kwargs)
 
     with _build_lock:
         binding.nixlAgent = with_delay
         try:
-            return nixl.nixl_agent(name, nixl.nixl_agent_config(backends=backends))
+            agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=backends))
         finally:
             binding.nixlAgent = real
+    if not applied and delay_us:
+        logging.getLogger("kvcopy.nixl").warning(
+            "%s built NIXL agent %r without %s.nixlAgent: its progress thread keeps NIXL's own poll "
+            "delay (0: busy polling), not progress_delay_us=%d", wrapper.__name__, name,
+            getattr(binding, "__name__", "nixlBind"), delay_us)
+    return agent
 
 
 class Agent:
