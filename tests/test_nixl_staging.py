@@ -317,6 +317,24 @@ def test_head_order_prefix_hit_and_page_sizes():
         hnd_pull(2, 4, "head", p_tpp=16, d_tpp=32)
 
 
+def test_head_order_shares_the_token_copiers_where_no_unit_splits():
+    """D builds head-order copiers for the first head-order record; where no unit has
+    head slabs (NHD pages here) they are the token-order ones, not a second set."""
+    from kvcopy.nixl.staging import HEAD_ORDER, ORDER
+
+    layers = [f"model.layers.{i}.attn" for i in range(2)]
+    for layout, shared in (("nhd", True), ("kvf_hnd", False)):
+        side = fuzz.side(1, layout, [layers], [16], [16], 40, seed=3)
+        spec = fuzz.Spec(seed=3, dtype="float16", total_kv_heads=2, head_size=8, latent=8,
+                         layers=[(n, "gqa", "full") for n in layers], num_tokens=40, num_cached=0,
+                         p=side, d=side, d_rank=0, p_ranks=[0])
+        st, _ = fuzz._staging(spec, "d", 0, fuzz.build_caches(spec, "d", 0), "D")
+        try:
+            assert (st._copiers_for(HEAD_ORDER) is st._copiers_for(ORDER)) == shared
+        finally:
+            st.close()
+
+
 def test_arena_order_is_checked(pd):
     with pytest.raises(ValueError, match="arena_order"):
         pd("one_group", arena_order="heads")

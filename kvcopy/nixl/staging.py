@@ -400,11 +400,17 @@ class ArenaStaging:
 
     def _copiers_for(self, order: str) -> "_Copiers":
         """The units and copiers of one staging order (built on first use: D builds the
-        head-order copiers when the first head-order record arrives)."""
+        head-order copiers when the first head-order record arrives). Where no unit
+        splits into head slabs (NHD or MLA pages, one head per rank) both orders stage
+        the same units: their copiers are shared, not built twice."""
         cps = self._by_order.get(order)
         if cps is None:
             info, caches, layouts, backend = self._make
-            cps = self._by_order[order] = _Copiers(stage_units(info, order), caches, layouts, self.buffer, backend)
+            units = stage_units(info, order)
+            cps = next((c for c in self._by_order.values() if c.units == units), None)
+            if cps is None:
+                cps = _Copiers(units, caches, layouts, self.buffer, backend)
+            self._by_order[order] = cps
         return cps
 
     # ------------------------------------------------------------ P side
