@@ -525,3 +525,42 @@ def test_arena_mode_with_cuda_kv():
         finally:
             d.close()
             p.close()
+
+
+def _blocks_first_hnd(t: torch.Tensor) -> torch.Tensor:
+    """The same logical ``[NB, 2, T, H, D]`` tensor over ``[NB, 2, H, T, D]`` storage
+    (FlashInfer's HND page: K and V inside one page chunk, heads inside each)."""
+    s = torch.empty((t.shape[0], 2, t.shape[3], t.shape[2], t.shape[4]), dtype=t.dtype).permute(0, 1, 3, 2, 4)
+    s.copy_(t)
+    return s
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 4)])
+def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
+    """Block-first HND pages ``[NB, 2, H, T, D]`` stage in head order too: each head's
+    K and V slabs, head-major, so a TP head slice is still one run per layer; bytes
+    exact by the fuzzer's expectation."""
+    from kvcopy.nixl.staging import HEAD_ORDER, stage_units
+
+    build = fuzz.build_caches
+    monkeypatch.setattr(fuzz, "build_caches", lambda spec, which, rank, logical=None: {
+        n: _blocks_first_hnd(t) for n, t in build(spec, which, rank, logical).items()})
+    monkeypatch.setattr(fuzz, "arena_order", lambda spec: "head")
+    layers = [f"model.layers.{i}.attn" for i in range(3)]
+    n = 45
+    p = fuzz.side(p_tp, "bf_kv", [layers[:2], layers[2:]], [16, 16], [16, 16], n, seed=5)
+    d = fuzz.side(d_tp, "bf_kv", [layers], [32], [16], n, seed=6)
+    for d_rank in range(d_tp):
+        spec = fuzz.Spec(seed=7, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=8,
+                         layers=[(x, "gqa", "full") for x in layers], num_tokens=n, num_cached=0,
+                         p=p, d=d, d_rank=d_rank, p_ranks=remote_ranks(d_rank, d_tp, p_tp, 4))
+        with one_torch_thread():
+            out = fuzz.run_arena_case(spec)
+        assert out.status == "exact", (out.reason, out.detail)
+    caches = fuzz.build_caches(spec, "p", 0, fuzz.logical_kv(spec))
+    st, info = fuzz._staging(spec, "p", 0, caches, "P0")
+    try:
+        units = stage_units(info, HEAD_ORDER)
+        assert {(u.heads, u.outer) for u in units} == {(4 // p_tp, 2)}
+    finally:
+        st.close()

@@ -17,8 +17,11 @@ the record's ``order`` alone):
 * **head order** (``arena_order="head"``, ``unit/head/chunk/page:v1``, HND pages
   only): a segment is ``[head][chunk][page position][head slab]``, where a head slab
   is one head's ``[token][head size]`` of a page chunk. A run of KV heads of one layer,
-  K and V and all pages, is one contiguous run: a TP head slice per layer. Units
-  without a head axis in that form (MLA, NHD pages in a mixed model) keep token order.
+  K and V and all pages, is one contiguous run: a TP head slice per layer. A page
+  chunk ``[2][head][token][head size]`` (block-first ``[NB, 2, H, T, D]`` HND pages,
+  K and V in one chunk) stages as ``[head][K/V][chunk][page position][head slab]``:
+  still one run per head range. Units without a head axis in that form (MLA, NHD
+  pages in a mixed model) keep token order.
   P chooses the order; D lays out its own span in the record's order, so the runs
   line up.
 
@@ -106,29 +109,43 @@ class Unit:
     heads: int = 1  # head order: head slabs per page chunk (1: the unit is staged as in token order)
     head_bytes: int = 0  # head order: bytes of one head's slab of a page chunk (= chunk_bytes / heads)
     head_stride: int = 0  # elements between heads in the page chunk (the head axis' stride)
+    outer: int = 1  # head order: slabs per head (2: K and V of a [2][head][token][size] page chunk)
+    outer_stride: int = 0  # elements between those slabs of one head in the page chunk (0: one)
 
     @property
     def block_bytes(self) -> int:
         """Bytes the copier moves per block in head order (one head's slab of a page chunk)."""
         return self.head_bytes or self.chunk_bytes
 
+    @property
+    def slabs(self) -> int:
+        """Slabs per page chunk in head order, head-major (slab ``h * outer + o``)."""
+        return self.heads * self.outer
 
-def _head_slabs(r) -> Tuple[int, int, int]:
-    """(heads, bytes per head slab, head stride in elements) where the page chunk is
-    ``[head][everything else, dense]`` (HND pages), else (0, chunk bytes, 0)."""
+
+def _head_slabs(r) -> Tuple[int, int, int, int, int]:
+    """(heads, bytes per head slab, head stride, slabs per head, their stride; strides in
+    elements) where the page chunk is ``[head][everything else, dense]`` (HND pages) or
+    ``[o][head][everything else, dense]`` with one axis ``o`` outside the heads (K/V of
+    a block-first ``[NB, 2, H, T, D]`` page, one chunk), else (0, chunk bytes, 0, 1, 0)."""
+    none = 0, r.chunk_bytes, 0, 1, 0
     names = [n for n, _, _ in r.axes or ()]
     if "head" not in names:
-        return 0, r.chunk_bytes, 0
+        return none
     _, k, stride = r.axes[names.index("head")]
-    rest = 1
+    rest, outer = 1, []
     for n, size, st in r.axes:
-        if n != "head":
-            rest *= size
-            if st >= stride and size > 1:
-                return 0, r.chunk_bytes, 0  # an axis outside the head axis (NHD: tokens)
-    if stride != rest or k * rest * r.itemsize != r.chunk_bytes:
-        return 0, r.chunk_bytes, 0
-    return k, rest * r.itemsize, stride
+        if n != "head" and size > 1:
+            if st >= stride:
+                outer.append((n, size, st))
+            else:
+                rest *= size
+    if len(outer) > 1 or (outer and (outer[0][0] == "token" or outer[0][2] != k * rest)):
+        return none  # tokens outside the heads (NHD), or more than one axis outside them
+    o, o_stride = (outer[0][1], outer[0][2]) if outer else (1, 0)
+    if stride != rest or o * k * rest * r.itemsize != r.chunk_bytes:
+        return none
+    return k, rest * r.itemsize, stride, o, o_stride
 
 
 def stage_units(info: EngineInfo, order: str = ORDER) -> List[Unit]:
@@ -141,11 +158,13 @@ def stage_units(info: EngineInfo, order: str = ORDER) -> List[Unit]:
         by_group: Dict[int, List[str]] = {}
         for name, g in r.members:
             by_group.setdefault(g, []).append(name)
-        heads, head_bytes, head_stride = _head_slabs(r) if order == HEAD_ORDER else (0, r.chunk_bytes, 0)
-        heads = max(heads, 1)  # one head, or no head axis: the unit is staged as in token order
+        heads, head_bytes, head_stride, outer, outer_stride = (
+            _head_slabs(r) if order == HEAD_ORDER else (0, r.chunk_bytes, 0, 1, 0))
+        if heads <= 1:  # one head, or no head axis: the unit is staged as in token order
+            heads, head_bytes, head_stride, outer, outer_stride = 1, 0, 0, 1, 0
         for g, names in by_group.items():
             out.append(Unit(g, r.index, tuple(sorted(names)), r.num_chunks, r.chunk_bytes,
-                            heads, head_bytes if heads > 1 else 0, head_stride))
+                            heads, head_bytes, head_stride, outer, outer_stride))
     out.sort(key=lambda u: u.layers[0])
     return out
 
@@ -183,9 +202,12 @@ def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int],
         n = pages[u.group]
         b = u.block_bytes
         axes = r.axes
-        if u.heads > 1:
-            hs = u.num_chunks * n * b // r.itemsize
-            axes = tuple((name, size, hs if name == "head" else st) for name, size, st in r.axes)
+        if u.heads > 1:  # [head][outer][chunk][page][slab]
+            os = u.num_chunks * n * b // r.itemsize
+            moved = {"head": u.outer * os}
+            if u.outer > 1:
+                moved.update({name: os for name, size, st in r.axes if st == u.outer_stride and size == u.outer})
+            axes = tuple((name, size, moved.get(name, st)) for name, size, st in r.axes)
         regions.append(replace(
             r, index=i, members=tuple((name, u.group) for name in u.layers), address=base + off, device_id=0,
             num_pages=n, page_stride=b, chunk_stride=n * b if u.num_chunks > 1 else 0, axes=axes,
@@ -320,10 +342,14 @@ class _Copiers:
             bd = layout.block_dim - (cd is not None and cd < layout.block_dim)  # after dropping the chunk axis
             for c in range(u.num_chunks):
                 chunk = t if cd is None else t.select(cd, c)
-                hd = _head_dim(chunk, bd, u) if u.heads > 1 else None
-                for h in range(u.heads):
-                    view = chunk if hd is None else chunk.select(hd, h)
+                hd = _axis_dim(chunk, bd, u.heads, u.head_stride, "head") if u.heads > 1 else None
+                for h in range(u.slabs):
+                    view = chunk if hd is None else chunk.select(hd, h // u.outer)
                     vbd = bd - (hd is not None and hd < bd)
+                    if u.outer > 1:  # then the slab of this head: K or V
+                        od = _axis_dim(view, vbd, u.outer, u.outer_stride, "K/V")
+                        view = view.select(od, h % u.outer)
+                        vbd -= od < vbd
                     key = f"u{i}c{c}h{h}"
                     # the whole arena as blocks of this block size, with the view's own in-block strides
                     strides, shape = list(view.stride()), list(view.shape)
@@ -352,11 +378,11 @@ class _Copiers:
         self.copiers = []
 
 
-def _head_dim(chunk: torch.Tensor, bd: int, u: Unit) -> int:
+def _axis_dim(chunk: torch.Tensor, bd: int, size: int, stride: int, what: str) -> int:
     for d in range(chunk.dim()):
-        if d != bd and chunk.shape[d] == u.heads and chunk.stride(d) == u.head_stride:
+        if d != bd and chunk.shape[d] == size and chunk.stride(d) == stride:
             return d
-    raise ValueError(f"cannot find the head axis ({u.heads} heads, stride {u.head_stride}) of a page "
+    raise ValueError(f"cannot find the {what} axis ({size} of stride {stride}) of a page "
                      f"chunk of shape {tuple(chunk.shape)}")
 
 
