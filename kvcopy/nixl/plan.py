@@ -392,8 +392,11 @@ class _Route:
 # cache holds the records only weakly: an entry dies with any of its records (a peer
 # removed from its manager, a manager closed), and forget_routes drops a peer's
 # entries at once. It never keeps a removed peer's record (and its regions) alive.
+# Least recently used entries go first (a hit moves its entry to the end): arena mode
+# plans over one pair of virtual engines per request shape (kvcopy.nixl.staging keeps
+# up to 128 per D), so the cache holds more than one entry per peer.
 _ROUTE_CACHE: Dict[tuple, tuple] = {}  # id key -> (weakrefs of local and peers, layer pairs, routes)
-_ROUTE_CACHE_SIZE = 64
+_ROUTE_CACHE_SIZE = 256
 
 
 def forget_routes(info: EngineInfo) -> None:
@@ -425,6 +428,7 @@ def _routes(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerP
     if hit is not None and hit[0][0]() is local and all(
             ref() is info and len(x) == len(y) and all(p is q for p, q in zip(x, y))
             for ref, x, (info, y) in zip(hit[0][1:], hit[1], snapshot)):
+        _ROUTE_CACHE[key] = _ROUTE_CACHE.pop(key)  # most recently used last
         return hit[2]
     peer_layers = [{lp.layer: lp for lp in pairs} for _, pairs in snapshot]
     # Who serves each local layer: (peer, remote group, remote region, head ranges).

@@ -68,6 +68,8 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -77,7 +79,7 @@ import torch
 from ..copier import BlockCopier
 from .arena import Arena, ArenaFull, Span
 from .descriptors import check_pairs, desc_rows
-from .handshake import EngineInfo, pair_layers
+from .handshake import EngineInfo, LayerPair, pair_layers
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
 
 ORDER = "unit/chunk/page:v1"  # the token order (the default)
@@ -172,7 +174,7 @@ def granule_for(units: Sequence[Unit], base: int = 4096) -> int:
 
 
 def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int], pages: Sequence[int],
-                   base: int) -> EngineInfo:
+                   base: int = 0) -> EngineInfo:
     """``info`` with one region per unit, laid out as a span at address ``base``. A
     head-slab unit's region keeps its page chunk's axes with the head axis' stride
     moved outside the pages (``[head][chunk][page][slab]``): the planner's byte
@@ -368,6 +370,69 @@ def _chunk_dim(t: torch.Tensor, layout) -> int:
     raise ValueError(f"cannot find the chunk axis of a tensor of shape {tuple(t.shape)}")
 
 
+SHAPE_CACHE_SIZE = 128  # request shapes kept per D (LRU); the planner's route cache holds 256
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the plans of one request shape share: the virtual engines of D and of each
+    peer, address-free (address 0 = the start of the span: a plan moves its rows by
+    the spans' addresses), the peers' layer pairs, the span sizes and region extents.
+    Handing the planner the same objects for every request of a shape makes its route
+    cache (:func:`kvcopy.nixl.plan._routes`, keyed by identity) hit."""
+
+    local: EngineInfo  # D's virtual engine
+    segs: Tuple[int, ...]  # D's segment offset per unit
+    nbytes: int  # D's span bytes
+    peers: Tuple[Tuple[EngineInfo, Tuple[LayerPair, ...]], ...]  # per peer: virtual engine, layer pairs
+    peer_bytes: Tuple[int, ...]  # per peer: the bytes its staged span must hold
+    local_extents: List[int]  # chunk_extents of the virtual engines
+    peer_extents: Tuple[List[int], ...]
+
+
+class ShapeCache:
+    """LRU of :class:`_Shape` s by (D's engine, staging order, D's page counts per group,
+    per peer: its engine and page counts). Engines are keyed by identity and held only
+    weakly: an entry is served only while every engine it was made for is alive and is
+    the same object (an ``id`` reused by a new engine misses), ``forget`` drops a
+    removed peer's entries, dead entries are swept on each miss. An entry holds no
+    reference to a real engine record (the virtual engines copy what they need)."""
+
+    def __init__(self, size: int = SHAPE_CACHE_SIZE):
+        self.size = int(size)
+        self._entries: "OrderedDict[tuple, Tuple[tuple, _Shape]]" = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, info: EngineInfo, peers: Sequence[EngineInfo], order: str, counts: Tuple[int, ...],
+            peer_counts: Sequence[Tuple[int, ...]], make) -> _Shape:
+        """The shape of this request, made by ``make(info, peers, order, counts, peer_counts)`` on a miss."""
+        key = (id(info), order, counts, tuple((id(p), c) for p, c in zip(peers, peer_counts)))
+        entry = self._entries.get(key)
+        if entry is not None and entry[0][0]() is info and all(r() is p for r, p in zip(entry[0][1:], peers)):
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[1]
+        self.misses += 1
+        shape = make(info, peers, order, counts, peer_counts)  # raises before anything is cached
+        self._sweep()
+        while len(self._entries) >= self.size:
+            self._entries.popitem(last=False)
+        self._entries[key] = ((weakref.ref(info),) + tuple(weakref.ref(p) for p in peers), shape)
+        return shape
+
+    def forget(self, info: EngineInfo) -> None:
+        """Drop every entry made for ``info`` (D's ``remove_peer``)."""
+        for key in [k for k, (refs, _) in self._entries.items() if any(r() is info for r in refs)]:
+            del self._entries[key]
+
+    def _sweep(self) -> None:
+        for key in [k for k, (refs, _) in self._entries.items() if any(r() is None for r in refs)]:
+            del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class ArenaStaging:
     """The arena of one manager and everything that packs into it and scatters out of it."""
 
@@ -397,6 +462,8 @@ class ArenaStaging:
         self._copiers_for(self.order)
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
         self._deferred: List[Span] = []  # D: spans whose READ handle release failed
+        self.info = info  # this engine's geometry: the manager plans with this one object (see ShapeCache)
+        self.shapes = ShapeCache()  # D: the virtual engines per request shape
 
     def _copiers_for(self, order: str) -> "_Copiers":
         """The units and copiers of one staging order (built on first use: D builds the
@@ -523,17 +590,16 @@ class ArenaStaging:
         if not isinstance(records, Mapping):
             raise TypeError("records: a StagedRequest, or a mapping peer name -> StagedRequest")
         n_tok = int(num_tokens)
-        sources, remote_ids, remote_spans = [], {}, {}
+        recs, remote_ids, peer_counts = [], {}, []
         for p in peers:
             rec = records.get(p.name)
             if isinstance(rec, (bytes, bytearray)):
                 rec = StagedRequest.from_bytes(rec)
             if not isinstance(rec, StagedRequest):
                 raise ValueError(f"no StagedRequest for peer {p.name!r}")
-            sources.append(self._remote_engine(p, rec, n_tok, remote_ids))
-            remote_spans[p.name] = (p.arena[0] + rec.offset, rec.nbytes)
-        orders = {records[p.name].order if isinstance(records[p.name], StagedRequest) else
-                  StagedRequest.from_bytes(records[p.name]).order for p in peers}
+            peer_counts.append(self._check_record(p, rec, n_tok, remote_ids))
+            recs.append(rec)
+        orders = {rec.order for rec in recs}
         if len(orders) > 1:
             raise ValueError(f"the peers staged this request in different orders {sorted(orders)}")
         order = orders.pop() if orders else ORDER  # D's span follows P's order: the runs line up
@@ -550,18 +616,27 @@ class ArenaStaging:
             lp = expand_blocks(arr, info.tokens_per_block[g] // info.tokens_per_page[g])
             lp = lp[:-(-n_tok // info.tokens_per_page[g])]
             vblocks.append(np.where(lp == NO_BLOCK, NO_BLOCK, np.arange(len(lp))))
-        counts = [len(v) for v in vblocks]
+        counts = tuple(len(v) for v in vblocks)
+        shape = self.shapes.get(info, peers, order, counts, peer_counts, self._shape)
+        remote_spans = {}
+        for p, rec, need in zip(peers, recs, shape.peer_bytes):
+            if need > rec.nbytes or rec.offset < 0 or rec.offset + rec.nbytes > p.arena[1]:
+                raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
+                                 f"{need} bytes inside the peer's {p.arena[1]}-byte arena")
+            remote_spans[p.name] = (p.arena[0] + rec.offset, rec.nbytes)
         self.flush_deferred()
-        segs, total = span_layout(self.units, counts)
-        span = self.arena.allocate(total)
+        span = self.arena.allocate(shape.nbytes)
         try:
-            return self._plan(info, sources, remote_ids, remote_spans, n_tok, local, vblocks, counts, segs, span,
+            return self._plan(info, shape, remote_ids, remote_spans, n_tok, local, vblocks, counts, span,
                               num_cached_tokens, order)
         except Exception:
             self.arena.free(span)
             raise
 
-    def _remote_engine(self, p: EngineInfo, rec: StagedRequest, n_tok: int, remote_ids) -> tuple:
+    @staticmethod
+    def _check_record(p: EngineInfo, rec: StagedRequest, n_tok: int, remote_ids) -> Tuple[int, ...]:
+        """Check one peer's record against its handshake; its page positions held go to
+        ``remote_ids``; returns its page counts per group (the span's shape)."""
         if rec.engine != p.name:
             raise ValueError(f"record of engine {rec.engine!r} given for peer {p.name!r}")
         if p.buffer != "arena" or p.arena[1] <= 0:
@@ -570,7 +645,6 @@ class ArenaStaging:
             raise ValueError(f"record of {p.name!r} staged {rec.num_tokens} tokens, the pull is for {n_tok}")
         if len(rec.blocks) != p.num_groups:
             raise ValueError(f"record of {p.name!r}: {len(rec.blocks)} block lists for {p.num_groups} groups")
-        units = stage_units(p, rec.order)
         counts, vpages = [], []
         for g, b in enumerate(rec.blocks):
             r = p.tokens_per_block[g] // p.tokens_per_page[g]
@@ -579,32 +653,46 @@ class ArenaStaging:
             flags = np.repeat(np.asarray(b, np.int64), r)[:-(-n_tok // p.tokens_per_page[g])]
             counts.append(len(flags))
             vpages.append(np.where(flags == 1, np.arange(len(flags)), NO_BLOCK))
-        segs, total = span_layout(units, counts)
-        if total > rec.nbytes or rec.offset + rec.nbytes > p.arena[1]:
-            raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
-                             f"{total} bytes inside the peer's {p.arena[1]}-byte arena")
         remote_ids[p.name] = vpages
-        vp = virtual_engine(p, units, segs, counts, p.arena[0] + rec.offset)
-        return vp
+        return tuple(counts)
 
-    def _plan(self, info, sources, remote_ids, remote_spans, n_tok, local, vblocks, counts, segs, span,
+    def _shape(self, info: EngineInfo, peers: Sequence[EngineInfo], order: str, counts: Tuple[int, ...],
+               peer_counts: Sequence[Tuple[int, ...]]) -> "_Shape":
+        """The address-free virtual engines of one request shape (a cache miss of :attr:`shapes`)."""
+        units = self._copiers_for(order).units
+        segs, total = span_layout(units, counts)
+        vd = virtual_engine(info, units, segs, counts)
+        sources, need = [], []
+        for p, pc in zip(peers, peer_counts):
+            p_units = stage_units(p, order)
+            p_segs, p_total = span_layout(p_units, pc)
+            vp = virtual_engine(p, p_units, p_segs, pc)
+            sources.append((vp, tuple(pair_layers(vd, vp))))
+            need.append(p_total)
+        return _Shape(vd, tuple(segs), total, tuple(sources), tuple(need), chunk_extents(vd),
+                      tuple(chunk_extents(vp) for vp, _ in sources))
+
+    def _plan(self, info, shape: "_Shape", remote_ids, remote_spans, n_tok, local, vblocks, counts, span,
               cached, order) -> ArenaPlan:
         cps = self._copiers_for(order)
-        vd = virtual_engine(info, cps.units, segs, counts, self.base + span.offset)
-        peers = [(vp, pair_layers(vd, vp)) for vp in sources]
-        plan = build_multi_pull_plan(vd, peers, remote_ids, n_tok, vblocks, cached)
+        vd, segs = shape.local, shape.segs
+        plan = build_multi_pull_plan(vd, shape.peers, remote_ids, n_tok, vblocks, cached)
+        d_at = self.base + span.offset  # the virtual engines' address 0, on each side
         reads = {}
-        for vp, _ in peers:
+        for (vp, _), extents in zip(shape.peers, shape.peer_extents):
             pairs = [p for p in plan.pairs if p.local_pages and plan.peer_of(p) == vp.name]
             if not pairs:
                 reads[vp.name] = (np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64))
                 continue
-            pieces = check_pairs(pairs, vd, vp, vp.name, (chunk_extents(vd), chunk_extents(vp)))
+            pieces = check_pairs(pairs, vd, vp, vp.name, (shape.local_extents, extents))
             # Bridging gaps is safe with one peer only: with several, a gap in one
-            # peer's rows may be bytes another peer's READ writes.
-            lrows, rrows = merge_rows(*desc_rows(pairs, pieces, vd, vp), BRIDGE_BYTES if len(peers) == 1 else 0)
+            # peer's rows may be bytes another peer's READ writes. Merging is the same
+            # before or after moving both sides by their span's address.
+            lrows, rrows = merge_rows(*desc_rows(pairs, pieces, vd, vp), BRIDGE_BYTES if len(shape.peers) == 1 else 0)
+            lrows[:, 0] += np.uint64(d_at)
+            rrows[:, 0] += np.uint64(remote_spans[vp.name][0])
             # Every byte read lies in the two spans (belt and braces over the planner).
-            _inside(lrows, self.base + span.offset, span.nbytes, "D's span")
+            _inside(lrows, d_at, span.nbytes, "D's span")
             _inside(rrows, *remote_spans[vp.name], f"{vp.name!r}'s staged span")
             reads[vp.name] = (lrows, rrows)
         # Real pages: virtual page ids are page positions.
@@ -629,7 +717,7 @@ class ArenaStaging:
             if not (p.zero_segments and p.pages_to_zero):
                 continue
             reg = vd.regions[p.local.index]
-            pg = np.asarray(p.pages_to_zero, np.int64) * reg.page_stride + (reg.address - self.base)
+            pg = np.asarray(p.pages_to_zero, np.int64) * reg.page_stride + (span.offset + reg.address)
             for c in range(reg.num_chunks):
                 for off, n in p.zero_segments:
                     starts.append(pg + c * reg.chunk_stride + off)
@@ -682,7 +770,12 @@ class ArenaStaging:
         out["staged_requests"] = len(self._staged)
         return out
 
+    def forget(self, peer: EngineInfo) -> None:
+        """D: drop what is cached for a removed peer."""
+        self.shapes.forget(peer)
+
     def close(self) -> None:
+        self.shapes = ShapeCache()
         for cps in self._by_order.values():
             cps.close()
         self._by_order = {}
@@ -714,5 +807,5 @@ def _request_key(request_id) -> bytes:
     raise TypeError(f"request_id must be a non-empty str or bytes, got {request_id!r}")
 
 
-__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents", "StagedRequest", "Unit", "merge_rows",
-           "span_layout", "stage_units", "virtual_engine"]
+__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents", "ShapeCache",
+           "StagedRequest", "Unit", "merge_rows", "span_layout", "stage_units", "virtual_engine"]
