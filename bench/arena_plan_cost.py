@@ -11,7 +11,12 @@ tensors, bf16 KV-first, 16-token blocks, 8 KV heads x 128) for P and D, two
 one ``save`` of the request on P. Then, interleaved per round:
 
 ``plan_pull``   D's ``plan_pull(peer, record, ...)`` + ``discard`` of the plan (D's span
-                allocated and freed; no READ)
+                allocated and freed; no READ): a request of a shape seen before (the
+                arena's shape cache and the planner's route cache hit)
+``plan_pull cold``  the same after clearing D's shape cache (``arena.shapes.clear()``):
+                a request of a new shape (page counts per group), which builds the
+                virtual engines, pairs their layers and plans from scratch (left
+                out on a kvcopy without the cache, so the script runs on older code)
 ``memcpy``      one contiguous ``copy_`` of the request's bytes (the span size) between
                 two touched CPU buffers: the scale of a request's bytes on this machine
 
@@ -107,7 +112,13 @@ def main(argv=None) -> int:
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
             print(f"==== cProfile: plan_pull + discard x10 (tottime)\n{out.getvalue()}")
 
-        rows = {"plan_pull": plan_pull, "memcpy": memcpy}
+        def plan_pull_cold():
+            md.arena.shapes.clear()
+            plan_pull()
+
+        rows = {"plan_pull": plan_pull, "plan_pull cold": plan_pull_cold, "memcpy": memcpy}
+        if getattr(md.arena, "shapes", None) is None:  # a kvcopy without the shape cache: nothing to clear
+            del rows["plan_pull cold"]
         times = {k: [] for k in rows}
         for fn in rows.values():  # warm-up
             fn()
@@ -120,9 +131,9 @@ def main(argv=None) -> int:
         print(f"arena_plan_cost: seeds/2, {args.groups} group(s), {len(P.layer_groups[0])} layers each, "
               f"{args.order} order, span {span / 2**20:.1f} MiB, {n_desc} descriptor(s); "
               f"median of {args.iters}")
-        print(f"{'row':<12}{'median ms':>10}{'p20 ms':>9}{'min ms':>9}")
+        print(f"{'row':<16}{'median ms':>10}{'p20 ms':>9}{'min ms':>9}")
         for k, v in times.items():
-            print(f"{k:<12}{statistics.median(v) * 1e3:>10.2f}{float(np.percentile(v, 20)) * 1e3:>9.2f}"
+            print(f"{k:<16}{statistics.median(v) * 1e3:>10.2f}{float(np.percentile(v, 20)) * 1e3:>9.2f}"
                   f"{min(v) * 1e3:>9.2f}")
         return 0
     finally:
