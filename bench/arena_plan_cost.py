@@ -20,7 +20,8 @@ one ``save`` of the request on P. Then, interleaved per round:
 ``memcpy``      one contiguous ``copy_`` of the request's bytes (the span size) between
                 two touched CPU buffers: the scale of a request's bytes on this machine
 
-Median, 20th percentile and minimum of ``--iters`` rounds. The script checks once that
+Median, 20th percentile and minimum of ``--iters`` round-robin rounds
+(:func:`kvcopy.bench.timing.measure`). The script checks once that
 a pull + complete of a plan leaves D's KV equal to P's at the request's blocks. Compare
 rows of one run only: on a loaded machine both move.
 """
@@ -30,12 +31,9 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
-import time
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 # The checkout this script is in, before any installed kvcopy (``python bench/...``
@@ -46,6 +44,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 def main(argv=None) -> int:
     from kvcopy.bench.nixl import _d_ids, _padded
     from kvcopy.bench.scenarios import PRESETS
+    from kvcopy.bench.timing import measure
     from kvcopy.nixl import TransferManager
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,13 +103,9 @@ def main(argv=None) -> int:
 
         if args.profile:
             prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(10):
-                plan_pull()
-            prof.disable()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-            print(f"==== cProfile: plan_pull + discard x10 (tottime)\n{out.getvalue()}")
+            prof.runcall(lambda: [plan_pull() for _ in range(10)])
+            pstats.Stats(prof, stream=(out := io.StringIO())).sort_stats("tottime").print_stats(18)
+            print(f"==== cProfile: plan_pull + discard x10, a shape seen before (tottime)\n{out.getvalue()}")
 
         def plan_pull_cold():
             md.arena.shapes.clear()
@@ -119,22 +114,14 @@ def main(argv=None) -> int:
         rows = {"plan_pull": plan_pull, "plan_pull cold": plan_pull_cold, "memcpy": memcpy}
         if getattr(md.arena, "shapes", None) is None:  # a kvcopy without the shape cache: nothing to clear
             del rows["plan_pull cold"]
-        times = {k: [] for k in rows}
-        for fn in rows.values():  # warm-up
-            fn()
-        order = list(rows.items())
-        for i in range(args.iters):
-            for k, fn in (order if i % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
+        timings = measure(rows, "cpu", args.iters, warmup=1, budget_s=60.0)  # round-robin, one thread
         print(f"arena_plan_cost: seeds/2, {args.groups} group(s), {len(P.layer_groups[0])} layers each, "
               f"{args.order} order, span {span / 2**20:.1f} MiB, {n_desc} descriptor(s); "
               f"median of {args.iters}")
         print(f"{'row':<16}{'median ms':>10}{'p20 ms':>9}{'min ms':>9}")
-        for k, v in times.items():
-            print(f"{k:<16}{statistics.median(v) * 1e3:>10.2f}{float(np.percentile(v, 20)) * 1e3:>9.2f}"
-                  f"{min(v) * 1e3:>9.2f}")
+        for k, t in timings.items():
+            st = t.stats()
+            print(f"{k:<16}{st['median_us'] / 1e3:>10.2f}{st['p20_us'] / 1e3:>9.2f}{st['min_us'] / 1e3:>9.2f}")
         return 0
     finally:
         md.close()
