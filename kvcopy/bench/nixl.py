@@ -63,6 +63,8 @@ def add_args(p) -> None:
     m.add_argument("--progress-delay-us", type=int, default=None,
                    help="NIXL progress-thread poll timeout of every agent (default: the manager's, "
                         "100000; 0 is NIXL's own busy polling)")
+    m.add_argument("--arena-order", choices=("token", "head"), default="token",
+                   help="P's staging order for the arena rows (head: HND layouts only)")
     m.add_argument("--no-arena", dest="arena", action="store_false", default=True,
                    help="skip the arena rows")
     o = p.add_argument_group("output")
@@ -329,7 +331,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
 
     rounds = args.iters + args.warmup
     probe = TransferManager(SIDE_P + "-probe", P.dev, P.layer_groups, sc.block_size, sc.block_size,
-                            buffer="arena", arena_bytes=1 << 26 if sc.call_bytes() < (1 << 24) else
+                            buffer="arena", arena_order=args.arena_order, arena_bytes=1 << 26 if sc.call_bytes() < (1 << 24) else
                             4 * sc.call_bytes() + (1 << 24), **kw)
     try:
         span = probe.save(_padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
@@ -346,7 +348,8 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
     except Exception:
         pass
     mpa = TransferManager(SIDE_P + "-arena", P.dev, P.layer_groups, sc.block_size, sc.block_size,
-                          buffer="arena", arena_bytes=4 * span + 4 * granule, arena_ttl_s=3600.0, **kw)
+                          buffer="arena", arena_bytes=4 * span + 4 * granule, arena_ttl_s=3600.0,
+                          arena_order=args.arena_order, **kw)
     mda = TransferManager(SIDE_D + "-arena", D.dev, D.layer_groups, sc.block_size, sc.block_size,
                           buffer="arena", arena_bytes=(2 * rounds + 4) * span + 4 * granule, **kw)
     peer = mda.add_peer(mpa.metadata())
@@ -379,6 +382,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
                "arena pull+complete": lambda: arena_pull(True)}
     descs = {"arena save": None, "arena pull": n_desc, "arena pull+complete": n_desc}
     facts = {"arena_span_bytes": span, "arena_granule": granule, "arena_requests_in_1GiB": fit,
+             "arena_order": args.arena_order,
              "arena_descriptors_per_request": n_desc}
     return mpa, mda, methods, descs, facts
 
@@ -456,6 +460,7 @@ def format_nixl(out: dict) -> str:
                      f"verify {f['verify']}")
         if "arena_span_bytes" in f:
             lines.append(f"groups {f['groups']}: arena span {fmt_bytes(f['arena_span_bytes'])}, "
+                         f"{f.get('arena_order', 'token')} order, "
                          f"{f['arena_descriptors_per_request']} descriptor(s) per request, "
                          f"{f['arena_requests_in_1GiB']} requests fit one 1 GiB arena; "
                          f"arena verify {f.get('arena_verify', 'skipped')}")
