@@ -399,8 +399,9 @@ def _chunk_dim(t: torch.Tensor, layout) -> int:
 
 
 # Request shapes kept per D (LRU); the planner's route cache holds 256. One seeds/2
-# 6-group shape (96 units, its virtual plan and routes) measured ~250 KiB of host
-# memory (tracemalloc): at most ~32 MiB per D at this size.
+# 6-group shape (96 units, one virtual plan, routes) measured ~250 KiB of host
+# memory (tracemalloc): ~32 MiB for 128 such shapes (more where shapes keep several
+# virtual plans: prefix hits, holes).
 SHAPE_CACHE_SIZE = 128
 PLANS_PER_SHAPE = 16  # virtual plans kept per shape (prefix hits and holes make more than one)
 
