@@ -28,7 +28,10 @@ packs its request into its own arena with the real copier, D plans the read of P
 spans, the byte oracle applies the READ rows (:func:`~kvcopy.nixl.oracle.replay_rows`)
 and D's real copier scatters its span into D's caches; the result must equal the
 same expectation. Cases with an odd seed whose P pages are HND (with a GQA layer) stage in head order
-(``arena_order="head"``), the others in token order; the report counts both.
+(``arena_order="head"``), the others in token order; the report counts both. D plans
+each request twice and replays the second plan, made from D's caches (the shape's
+virtual engines and plan, :class:`~kvcopy.nixl.staging.ShapeCache`) at another span
+of D's arena, so the cached path is what the oracle checks.
 """
 from __future__ import annotations
 
@@ -459,7 +462,8 @@ def _staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor],
                       regions=tuple(regions.regions), agent_metadata=b"")
     units = stage_units(info)
     pages = [-(-spec.num_tokens // t) for t in side.tokens_per_page]
-    need = span_layout(units, pages)[1] + 3 * granule_for(units)  # one span, the zero granule, slack
+    # one span (two on D: see run_arena_case), the zero granule, slack
+    need = (2 if which == "d" else 1) * span_layout(units, pages)[1] + 3 * granule_for(units)
     grouped = {n: caches[n] for g in side.groups for n in g}
     order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
     st = ArenaStaging(info, grouped, regions.layouts, need, 60.0, "auto", False, order)
@@ -489,7 +493,10 @@ def run_arena_case(spec: Spec) -> Outcome:
             records[info.name] = p_st.save(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
             peers.append(info)
             buffers[info.name] = p_st.buffer
+        first = d_st.plan_pull(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        # the same request again, while the first holds its span: from the caches, at another span
         plan = d_st.plan_pull(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        d_st.discard(first)
     except ValueError as exc:
         for st in made:
             st.close()

@@ -328,6 +328,8 @@ class TransferManager:
             Agent.release_dlist(peer.dlist)
         self._agent.release_remote(name)  # parked, not unloaded: see kvcopy.nixl._agent
         forget_routes(peer.info)  # the planner's cached routes must not keep the peer alive
+        if self._arena is not None:
+            self._arena.forget(peer.info)  # nor the arena's virtual engines of its request shapes
 
     # ------------------------------------------------------------ P side
     def save(self, block_ids: Sequence[Sequence[int]], wait: bool = True, *, num_tokens=None,
@@ -428,8 +430,7 @@ class TransferManager:
         if self._arena is not None:  # remote_block_ids: the peers' StagedRequest records
             self._retry_releases()
             self._arena.flush_deferred(safe=not self._unreleased)
-            plan = self._arena.plan_pull(self._geometry(self._info.tp_rank, self._info.tp_size),
-                                         [self._peers[n].info for n in names], remote_block_ids,
+            plan = self._arena.plan_pull(self._arena.info, [self._peers[n].info for n in names], remote_block_ids,
                                          remote_num_tokens, local_block_ids, num_cached_tokens)
             self._bind(plan, names)
             return plan

@@ -50,9 +50,20 @@ order where D's TP size differs from P's and pages are HND.
 
 D's side is planned with the ordinary planner (:mod:`kvcopy.nixl.plan`) over
 *virtual* engines whose regions are the units of each span (page stride = chunk
-bytes, chunk stride = pages x chunk bytes, addresses in the arenas), so the bytes D
+bytes, chunk stride = pages x chunk bytes), so the bytes D
 writes are exactly those the mirror would write (the byte oracle's rules, token pieces
 and zeroed rows included); descriptors are then merged by address.
+
+The virtual engines are address-free (address 0 = the span's start; a plan moves its
+rows by the two spans' addresses, which merging does not see) and cached per request
+shape (:class:`ShapeCache`: D's and each peer's engine by identity, held weakly, the
+order, the page counts per group). With them the plan over the virtual engines, its
+READ rows and zero runs are cached (per token count, cached tokens and holes). The
+planner's route cache then hits too, and a request's own work is the translation, the
+span checks, its real pages and the copier's id lists. Measured
+(``bench/arena_plan_cost.py``, seeds/2 with 6 groups, 36 MiB, loaded 2-core machine):
+``plan_pull`` + ``discard`` 10.3 -> 1.5 ms for a shape seen before (a 36 MiB memcpy:
+4-6 ms); ~11 ms for a new shape.
 
 A head-order virtual region keeps its pages' axes with the head stride moved outside
 the page, so the planner's byte segments land in the head-major span unchanged; the
@@ -71,17 +82,21 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..checks import per_group_counts
 from ..copier import BlockCopier
 from .arena import Arena, ArenaFull, Span
 from .descriptors import check_pairs, desc_rows
-from .handshake import EngineInfo, pair_layers
+from .handshake import EngineInfo, LayerPair, pair_layers
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
+from .regions import RegionInfo
 
 ORDER = "unit/chunk/page:v1"  # the token order (the default)
 HEAD_ORDER = "unit/head/chunk/page:v1"
@@ -190,8 +205,11 @@ def granule_for(units: Sequence[Unit], base: int = 4096) -> int:
     return g
 
 
+_REGION_FIELDS = tuple(f.name for f in fields(RegionInfo))
+
+
 def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int], pages: Sequence[int],
-                   base: int) -> EngineInfo:
+                   base: int = 0) -> EngineInfo:
     """``info`` with one region per unit, laid out as a span at address ``base``. A
     head-slab unit's region keeps its page chunk's axes with the head axis' stride
     moved outside the pages (``[head][chunk][page][slab]``): the planner's byte
@@ -208,10 +226,12 @@ def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int],
             if u.outer > 1:
                 moved.update({name: os for name, size, st in r.axes if st == u.outer_stride and size == u.outer})
             axes = tuple((name, size, moved.get(name, st)) for name, size, st in r.axes)
-        regions.append(replace(
-            r, index=i, members=tuple((name, u.group) for name in u.layers), address=base + off, device_id=0,
-            num_pages=n, page_stride=b, chunk_stride=n * b if u.num_chunks > 1 else 0, axes=axes,
-        ))
+        # RegionInfo(**fields) rather than dataclasses.replace: ~4x cheaper (measured:
+        # 192 regions per seeds/2 request, ~2.9 -> ~0.7 ms on a cold shape here)
+        f = {k: getattr(r, k) for k in _REGION_FIELDS}
+        f.update(index=i, members=tuple((name, u.group) for name in u.layers), address=base + off, device_id=0,
+                 num_pages=n, page_stride=b, chunk_stride=n * b if u.num_chunks > 1 else 0, axes=axes)
+        regions.append(RegionInfo(**f))
     # A virtual block is one page: the planner's block ids are then page positions.
     return EngineInfo(name=info.name, buffer="arena", mem_type="DRAM", tp_rank=info.tp_rank,
                       tp_size=info.tp_size, tokens_per_block=info.tokens_per_page,
@@ -363,6 +383,16 @@ class _Copiers:
                     host.setdefault(ck, {})[key] = torch.as_strided(arena_buf.view(view.dtype), shape, strides, 0)
                     block_dims[key] = vbd
                     self.members.setdefault(ck, []).append((i, c, h))
+        # Per copier, for ArenaStaging._calls: (block bytes, unit, group and slab index
+        # (head * chunks + chunk) per copier group, then per KV cache group the copier
+        # groups of its units).
+        self.index = []
+        for ck, members in self.members.items():
+            unit = np.array([i for i, _, _ in members], np.int64)
+            group = np.array([self.units[i].group for i, _, _ in members], np.int64)
+            slab = np.array([h * self.units[i].num_chunks + c for i, c, h in members], np.int64)
+            self.index.append((ck[0], unit, group, slab,
+                               [(g, np.flatnonzero(group == g)) for g in sorted(set(group.tolist()))]))
         try:
             for ck, members in self.members.items():
                 names = [[f"u{i}c{c}h{h}"] for i, c, h in members]
@@ -394,6 +424,94 @@ def _chunk_dim(t: torch.Tensor, layout) -> int:
     raise ValueError(f"cannot find the chunk axis of a tensor of shape {tuple(t.shape)}")
 
 
+# Request shapes kept per D (LRU); the planner's route cache holds 256. One seeds/2
+# 6-group shape (96 units, one virtual plan, routes) measured ~250 KiB of host
+# memory (tracemalloc): ~32 MiB for 128 such shapes (more where shapes keep several
+# virtual plans: prefix hits, holes).
+SHAPE_CACHE_SIZE = 128
+PLANS_PER_SHAPE = 16  # virtual plans kept per shape (prefix hits and holes make more than one)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the plans of one request shape share: the virtual engines of D and of each
+    peer, address-free (address 0 = the start of the span: a plan moves its rows by
+    the spans' addresses), the peers' layer pairs, the span sizes and region extents.
+    Handing the planner the same objects for every request of a shape makes its route
+    cache (:func:`kvcopy.nixl.plan._routes`, keyed by identity) hit."""
+
+    local: EngineInfo  # D's virtual engine
+    segs: Tuple[int, ...]  # D's segment offset per unit
+    nbytes: int  # D's span bytes
+    peers: Tuple[Tuple[EngineInfo, Tuple[LayerPair, ...]], ...]  # per peer: virtual engine, layer pairs
+    peer_bytes: Tuple[int, ...]  # per peer: the bytes its staged span must hold
+    local_extents: List[int]  # chunk_extents of the virtual engines
+    peer_extents: Tuple[List[int], ...]
+    # (tokens, cached tokens per group, D's and the peers' holes) -> _VirtualPlan, at most
+    # PLANS_PER_SHAPE (oldest out first): the plan over the virtual engines is a function of these alone
+    plans: Dict[tuple, "_VirtualPlan"] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class _VirtualPlan:
+    """One plan over a shape's virtual engines and what follows from it alone: the READ
+    rows per peer and the zero runs, relative to the spans' starts (a request moves
+    copies of them by its spans' addresses)."""
+
+    plan: PullPlan
+    reads: Dict[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows), span-relative
+    zero_runs: Tuple[np.ndarray, np.ndarray]  # (offsets in D's span, bytes)
+
+
+class ShapeCache:
+    """LRU of values made for some engines and a key: the arena's request shapes
+    (:class:`_Shape`, by D's engine and each peer's, staging order and page counts per
+    group) and layer pairings (by D's engine, a peer's and the order: those do not
+    depend on page counts). Engines are keyed by identity and held only weakly: an
+    entry is served only while every engine it was made for is alive and is the same
+    object (an ``id`` reused by a new engine misses), ``forget`` drops a removed peer's
+    entries, dead entries are swept on each miss. Values hold no reference to a real
+    engine record (virtual engines copy what they need)."""
+
+    def __init__(self, size: int = SHAPE_CACHE_SIZE):
+        self.size = int(size)
+        self._entries: "OrderedDict[tuple, Tuple[tuple, object]]" = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, engines: Sequence[EngineInfo], key: tuple, make):
+        """The value for ``engines`` and ``key``, made by ``make()`` on a miss (a ``make``
+        that raises caches nothing)."""
+        full = tuple(id(e) for e in engines) + key
+        entry = self._entries.get(full)
+        if entry is not None and len(entry[0]) == len(engines) and all(
+                r() is e for r, e in zip(entry[0], engines)):
+            self._entries.move_to_end(full)
+            self.hits += 1
+            return entry[1]
+        self.misses += 1
+        value = make()
+        self._sweep()
+        while len(self._entries) >= self.size:
+            self._entries.popitem(last=False)
+        self._entries[full] = (tuple(weakref.ref(e) for e in engines), value)
+        return value
+
+    def forget(self, info: EngineInfo) -> None:
+        """Drop every entry made for ``info`` (D's ``remove_peer``)."""
+        for key in [k for k, (refs, _) in self._entries.items() if any(r() is info for r in refs)]:
+            del self._entries[key]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _sweep(self) -> None:
+        for key in [k for k, (refs, _) in self._entries.items() if any(r() is None for r in refs)]:
+            del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class ArenaStaging:
     """The arena of one manager and everything that packs into it and scatters out of it."""
 
@@ -423,6 +541,9 @@ class ArenaStaging:
         self._copiers_for(self.order)
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
         self._deferred: List[Span] = []  # D: spans whose READ handle release failed
+        self.info = info  # this engine's geometry: the manager plans with this one object (see ShapeCache)
+        self.shapes = ShapeCache()  # D: the virtual engines per request shape
+        self.pairings = ShapeCache()  # D: layer pairs per (peer, order), whatever the shape
 
     def _copiers_for(self, order: str) -> "_Copiers":
         """The units and copiers of one staging order (built on first use: D builds the
@@ -492,20 +613,24 @@ class ArenaStaging:
         token order), so group (u, c, h) starts at block ``(h * chunks + c) * pages``."""
         # Plain int lists: the copier's native planner takes those (numpy arrays take
         # its numpy path: measured 430 ms against ~50 ms for seeds/2's 192 groups).
+        # Host ids: one broadcast add and one tolist per (copier, KV cache group), not
+        # per copier group (seeds/2, 192 groups: ~0.7 -> ~0.2 ms per plan here).
         zeros = [None if zero_pages is None else np.asarray(z, np.int64) for z in (zero_pages or dev_pages)]
         dev_of = [np.concatenate([d, z]).tolist() if z is not None and len(z) else np.asarray(d).tolist()
                   for d, z in zip(dev_pages, zeros)]
+        seg_at, count = np.asarray(segs, np.int64), np.asarray(counts, np.int64)
         out = []
-        for (cb, *_), members in cps.members.items():
-            dev, host = [], []
-            for i, c, h in members:
-                u = cps.units[i]
-                first = (span.offset + segs[i] + (h * u.num_chunks + c) * counts[u.group] * cb) // cb
-                dev.append(dev_of[u.group])
-                h = (first + positions[u.group]).tolist()
-                z = zeros[u.group]
-                host.append(h + [0] * len(z) if z is not None and len(z) else h)
-            out.append((dev, host))
+        for cb, unit, group, slab, by_group in cps.index:
+            first = (span.offset + seg_at[unit] + slab * count[group] * cb) // cb
+            host: List[Optional[List[int]]] = [None] * len(unit)
+            for g, at in by_group:
+                rows = first[at][:, None] + np.asarray(positions[g], np.int64)[None, :]
+                z = zeros[g]
+                if z is not None and len(z):
+                    rows = np.concatenate([rows, np.zeros((len(at), len(z)), np.int64)], 1)
+                for j, row in zip(at.tolist(), rows.tolist()):
+                    host[j] = row
+            out.append(([dev_of[g] for g in group.tolist()], host))
         return out
 
     def on_notifications(self, notifs: Mapping[str, List[bytes]]) -> None:
@@ -555,17 +680,16 @@ class ArenaStaging:
         if not isinstance(records, Mapping):
             raise TypeError("records: a StagedRequest, or a mapping peer name -> StagedRequest")
         n_tok = int(num_tokens)
-        sources, remote_ids, remote_spans = [], {}, {}
+        recs, remote_ids, peer_counts = [], {}, []
         for p in peers:
             rec = records.get(p.name)
             if isinstance(rec, (bytes, bytearray)):
                 rec = StagedRequest.from_bytes(rec)
             if not isinstance(rec, StagedRequest):
                 raise ValueError(f"no StagedRequest for peer {p.name!r}")
-            sources.append(self._remote_engine(p, rec, n_tok, remote_ids))
-            remote_spans[p.name] = (p.arena[0] + rec.offset, rec.nbytes)
-        orders = {records[p.name].order if isinstance(records[p.name], StagedRequest) else
-                  StagedRequest.from_bytes(records[p.name]).order for p in peers}
+            peer_counts.append(self._check_record(p, rec, n_tok, remote_ids))
+            recs.append(rec)
+        orders = {rec.order for rec in recs}
         if len(orders) > 1:
             raise ValueError(f"the peers staged this request in different orders {sorted(orders)}")
         order = orders.pop() if orders else ORDER  # D's span follows P's order: the runs line up
@@ -582,18 +706,29 @@ class ArenaStaging:
             lp = expand_blocks(arr, info.tokens_per_block[g] // info.tokens_per_page[g])
             lp = lp[:-(-n_tok // info.tokens_per_page[g])]
             vblocks.append(np.where(lp == NO_BLOCK, NO_BLOCK, np.arange(len(lp))))
-        counts = [len(v) for v in vblocks]
+        counts = tuple(len(v) for v in vblocks)
+        peer_counts = tuple(peer_counts)
+        shape = self.shapes.get((info, *peers), (order, counts, peer_counts),
+                                lambda: self._shape(info, peers, order, counts, peer_counts))
+        remote_spans = {}
+        for p, rec, need in zip(peers, recs, shape.peer_bytes):
+            if need > rec.nbytes or rec.offset < 0 or rec.offset + rec.nbytes > p.arena[1]:
+                raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
+                                 f"{need} bytes inside the peer's {p.arena[1]}-byte arena")
+            remote_spans[p.name] = (p.arena[0] + rec.offset, rec.nbytes)
         self.flush_deferred()
-        segs, total = span_layout(self.units, counts)
-        span = self.arena.allocate(total)
+        span = self.arena.allocate(shape.nbytes)
         try:
-            return self._plan(info, sources, remote_ids, remote_spans, n_tok, local, vblocks, counts, segs, span,
+            return self._plan(info, shape, remote_ids, remote_spans, n_tok, local, vblocks, counts, span,
                               num_cached_tokens, order)
         except Exception:
             self.arena.free(span)
             raise
 
-    def _remote_engine(self, p: EngineInfo, rec: StagedRequest, n_tok: int, remote_ids) -> tuple:
+    @staticmethod
+    def _check_record(p: EngineInfo, rec: StagedRequest, n_tok: int, remote_ids) -> Tuple[int, ...]:
+        """Check one peer's record against its handshake; its page positions held go to
+        ``remote_ids``; returns its page counts per group (the span's shape)."""
         if rec.engine != p.name:
             raise ValueError(f"record of engine {rec.engine!r} given for peer {p.name!r}")
         if p.buffer != "arena" or p.arena[1] <= 0:
@@ -602,7 +737,6 @@ class ArenaStaging:
             raise ValueError(f"record of {p.name!r} staged {rec.num_tokens} tokens, the pull is for {n_tok}")
         if len(rec.blocks) != p.num_groups:
             raise ValueError(f"record of {p.name!r}: {len(rec.blocks)} block lists for {p.num_groups} groups")
-        units = stage_units(p, rec.order)
         counts, vpages = [], []
         for g, b in enumerate(rec.blocks):
             r = p.tokens_per_block[g] // p.tokens_per_page[g]
@@ -611,34 +745,84 @@ class ArenaStaging:
             flags = np.repeat(np.asarray(b, np.int64), r)[:-(-n_tok // p.tokens_per_page[g])]
             counts.append(len(flags))
             vpages.append(np.where(flags == 1, np.arange(len(flags)), NO_BLOCK))
-        segs, total = span_layout(units, counts)
-        if total > rec.nbytes or rec.offset + rec.nbytes > p.arena[1]:
-            raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
-                             f"{total} bytes inside the peer's {p.arena[1]}-byte arena")
         remote_ids[p.name] = vpages
-        vp = virtual_engine(p, units, segs, counts, p.arena[0] + rec.offset)
-        return vp
+        return tuple(counts)
 
-    def _plan(self, info, sources, remote_ids, remote_spans, n_tok, local, vblocks, counts, segs, span,
-              cached, order) -> ArenaPlan:
-        cps = self._copiers_for(order)
-        vd = virtual_engine(info, cps.units, segs, counts, self.base + span.offset)
-        peers = [(vp, pair_layers(vd, vp)) for vp in sources]
-        plan = build_multi_pull_plan(vd, peers, remote_ids, n_tok, vblocks, cached)
+    def _shape(self, info: EngineInfo, peers: Sequence[EngineInfo], order: str, counts: Tuple[int, ...],
+               peer_counts: Sequence[Tuple[int, ...]]) -> "_Shape":
+        """The address-free virtual engines of one request shape (a cache miss of :attr:`shapes`)."""
+        units = self._copiers_for(order).units
+        segs, total = span_layout(units, counts)
+        vd = virtual_engine(info, units, segs, counts)
+        sources, need = [], []
+        for p, pc in zip(peers, peer_counts):
+            p_units = stage_units(p, order)
+            p_segs, p_total = span_layout(p_units, pc)
+            vp = virtual_engine(p, p_units, p_segs, pc)
+            # Layers pair on what does not depend on page counts (names, dtypes, chunks,
+            # heads, in-page axes): once per (peer, order), not per shape.
+            pairs = self.pairings.get((info, p), (order,), lambda: tuple(pair_layers(vd, vp)))
+            sources.append((vp, pairs))
+            need.append(p_total)
+        return _Shape(vd, tuple(segs), total, tuple(sources), tuple(need), chunk_extents(vd),
+                      tuple(chunk_extents(vp) for vp, _ in sources))
+
+    def _virtual_plan(self, shape: "_Shape", remote_ids, n_tok, vblocks, cached) -> "_VirtualPlan":
+        """The plan over the shape's virtual engines, its READ rows and zero runs, relative
+        to the spans' starts (every check the planner and the descriptors make runs here)."""
+        vd = shape.local
+        plan = build_multi_pull_plan(vd, shape.peers, remote_ids, n_tok, vblocks, cached)
         reads = {}
-        for vp, _ in peers:
+        for (vp, _), extents in zip(shape.peers, shape.peer_extents):
             pairs = [p for p in plan.pairs if p.local_pages and plan.peer_of(p) == vp.name]
             if not pairs:
                 reads[vp.name] = (np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64))
                 continue
-            pieces = check_pairs(pairs, vd, vp, vp.name, (chunk_extents(vd), chunk_extents(vp)))
+            pieces = check_pairs(pairs, vd, vp, vp.name, (shape.local_extents, extents))
             # Bridging gaps is safe with one peer only: with several, a gap in one
-            # peer's rows may be bytes another peer's READ writes.
-            lrows, rrows = merge_rows(*desc_rows(pairs, pieces, vd, vp), BRIDGE_BYTES if len(peers) == 1 else 0)
+            # peer's rows may be bytes another peer's READ writes. Merging is the same
+            # before or after moving both sides by their span's address.
+            reads[vp.name] = merge_rows(*desc_rows(pairs, pieces, vd, vp),
+                                        BRIDGE_BYTES if len(shape.peers) == 1 else 0)
+        # Rows of read pages past the prompt: zeroed in D's span before the scatter.
+        starts, lens = [], []
+        for p in plan.pairs:
+            if not (p.zero_segments and p.pages_to_zero):
+                continue
+            reg = vd.regions[p.local.index]
+            pg = np.asarray(p.pages_to_zero, np.int64) * reg.page_stride + reg.address
+            for c in range(reg.num_chunks):
+                for off, n in p.zero_segments:
+                    starts.append(pg + c * reg.chunk_stride + off)
+                    lens.append(np.full(len(pg), n, np.int64))
+        zero_runs = (np.concatenate(starts), np.concatenate(lens)) if starts else \
+            (np.empty(0, np.int64), np.empty(0, np.int64))
+        return _VirtualPlan(plan, reads, zero_runs)
+
+    def _plan(self, info, shape: "_Shape", remote_ids, remote_spans, n_tok, local, vblocks, counts, span,
+              cached, order) -> ArenaPlan:
+        cps = self._copiers_for(order)
+        segs = shape.segs
+        cached = tuple(per_group_counts(cached, info.num_groups, "num_cached_tokens"))
+        key = (n_tok, cached, tuple((v == NO_BLOCK).tobytes() for v in vblocks),
+               tuple((v == NO_BLOCK).tobytes() for name in sorted(remote_ids) for v in remote_ids[name]))
+        virt = shape.plans.get(key)
+        if virt is None:
+            virt = self._virtual_plan(shape, remote_ids, n_tok, vblocks, cached)
+            if len(shape.plans) >= PLANS_PER_SHAPE:
+                shape.plans.pop(next(iter(shape.plans)))
+            shape.plans[key] = virt
+        plan = virt.plan
+        d_at = self.base + span.offset  # the virtual engines' address 0, on each side
+        reads = {}
+        for name, (lrel, rrel) in virt.reads.items():
+            lrows, rrows = lrel.copy(), rrel.copy()
+            lrows[:, 0] += np.uint64(d_at)
+            rrows[:, 0] += np.uint64(remote_spans[name][0])
             # Every byte read lies in the two spans (belt and braces over the planner).
-            _inside(lrows, self.base + span.offset, span.nbytes, "D's span")
-            _inside(rrows, *remote_spans[vp.name], f"{vp.name!r}'s staged span")
-            reads[vp.name] = (lrows, rrows)
+            _inside(lrows, d_at, span.nbytes, "D's span")
+            _inside(rrows, *remote_spans[name], f"{name!r}'s staged span")
+            reads[name] = (lrows, rrows)
         # Real pages: virtual page ids are page positions.
         real_pages, read_real, zero_real, blocks = [], [], [], []
         for g, arr in enumerate(local):
@@ -655,19 +839,7 @@ class ArenaStaging:
                                       np.arange(zfrom, len(lp))[tail != NO_BLOCK]]) // r
             _, first = np.unique(touched, return_index=True)
             blocks.append(tuple(arr[touched[np.sort(first)]].tolist()))
-        # Rows of read pages past the prompt: zeroed in D's span before the scatter.
-        starts, lens = [], []
-        for p in plan.pairs:
-            if not (p.zero_segments and p.pages_to_zero):
-                continue
-            reg = vd.regions[p.local.index]
-            pg = np.asarray(p.pages_to_zero, np.int64) * reg.page_stride + (reg.address - self.base)
-            for c in range(reg.num_chunks):
-                for off, n in p.zero_segments:
-                    starts.append(pg + c * reg.chunk_stride + off)
-                    lens.append(np.full(len(pg), n, np.int64))
-        zero_runs = (np.concatenate(starts), np.concatenate(lens)) if starts else \
-            (np.empty(0, np.int64), np.empty(0, np.int64))
+        zero_runs = (virt.zero_runs[0] + span.offset, virt.zero_runs[1])
         positions = [np.asarray(x, np.int64) for x in plan.read_pages]
         scatter = self._calls(cps, span, segs, counts, read_real, positions,
                               [np.asarray(z, np.int64) for z in zero_real])
@@ -714,7 +886,14 @@ class ArenaStaging:
         out["staged_requests"] = len(self._staged)
         return out
 
+    def forget(self, peer: EngineInfo) -> None:
+        """D: drop what is cached for a removed peer."""
+        self.shapes.forget(peer)
+        self.pairings.forget(peer)
+
     def close(self) -> None:
+        self.shapes.clear()
+        self.pairings.clear()
         for cps in self._by_order.values():
             cps.close()
         self._by_order = {}
@@ -746,5 +925,5 @@ def _request_key(request_id) -> bytes:
     raise TypeError(f"request_id must be a non-empty str or bytes, got {request_id!r}")
 
 
-__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents", "StagedRequest", "Unit", "merge_rows",
-           "span_layout", "stage_units", "virtual_engine"]
+__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents", "ShapeCache",
+           "StagedRequest", "Unit", "merge_rows", "span_layout", "stage_units", "virtual_engine"]
