@@ -642,10 +642,21 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
         with one_torch_thread():
             out = fuzz.run_arena_case(spec)
         assert out.status == "exact", (out.reason, out.detail)
-    caches = fuzz.build_caches(spec, "p", 0, fuzz.logical_kv(spec))
-    st, info = fuzz._staging(spec, "p", 0, caches, "P0")
+    logical = fuzz.logical_kv(spec)
+    made = []
     try:
-        units = stage_units(info, HEAD_ORDER)
-        assert {(u.heads, u.outer) for u in units} == {(4 // p_tp, 2)}
+        d_st, d_info = fuzz._staging(spec, "d", spec.d_rank, fuzz.build_caches(spec, "d", spec.d_rank), "D")
+        made.append(d_st)
+        peers, records = [], {}
+        for r in spec.p_ranks:
+            st, info = fuzz._staging(spec, "p", r, fuzz.build_caches(spec, "p", r, logical), f"P{r}")
+            made.append(st)
+            assert {(u.heads, u.outer) for u in stage_units(info, HEAD_ORDER)} == {(4 // p_tp, 2)}
+            records[info.name] = st.save(info, p.block_ids, n, b"q", 1)
+            peers.append(info)
+        plan = d_st.plan_pull(d_info, peers, records, n, d.block_ids, 0)
+        # a head slice of each layer is one run per peer (fewer where runs line up across layers)
+        assert all(len(rows[0]) <= len(layers) for rows in plan.reads.values())
     finally:
-        st.close()
+        for st in made:
+            st.close()

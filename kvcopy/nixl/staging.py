@@ -121,7 +121,7 @@ class Unit:
     layers: Tuple[str, ...]
     num_chunks: int
     chunk_bytes: int
-    heads: int = 1  # head order: head slabs per page chunk (1: the unit is staged as in token order)
+    heads: int = 1  # head order: heads per page chunk (with outer 1, 1: the unit is staged as in token order)
     head_bytes: int = 0  # head order: bytes of one head's slab of a page chunk (= chunk_bytes / heads)
     head_stride: int = 0  # elements between heads in the page chunk (the head axis' stride)
     outer: int = 1  # head order: slabs per head (2: K and V of a [2][head][token][size] page chunk)
@@ -175,7 +175,7 @@ def stage_units(info: EngineInfo, order: str = ORDER) -> List[Unit]:
             by_group.setdefault(g, []).append(name)
         heads, head_bytes, head_stride, outer, outer_stride = (
             _head_slabs(r) if order == HEAD_ORDER else (0, r.chunk_bytes, 0, 1, 0))
-        if heads <= 1:  # one head, or no head axis: the unit is staged as in token order
+        if heads == 0 or heads * outer == 1:  # no head axis, or one head slab: as in token order
             heads, head_bytes, head_stride, outer, outer_stride = 1, 0, 0, 1, 0
         for g, names in by_group.items():
             out.append(Unit(g, r.index, tuple(sorted(names)), r.num_chunks, r.chunk_bytes,
@@ -220,7 +220,7 @@ def virtual_engine(info: EngineInfo, units: Sequence[Unit], segs: Sequence[int],
         n = pages[u.group]
         b = u.block_bytes
         axes = r.axes
-        if u.heads > 1:  # [head][outer][chunk][page][slab]
+        if u.slabs > 1:  # [head][outer][chunk][page][slab]
             os = u.num_chunks * n * b // r.itemsize
             moved = {"head": u.outer * os}
             if u.outer > 1:
