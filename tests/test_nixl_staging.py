@@ -134,6 +134,16 @@ def test_save_waits_for_space_until_a_notification_or_its_deadline(pd):
     assert p.notifications() == {d.name: [b"w0"]}  # what save read is kept for the caller
 
 
+def test_save_larger_than_the_arena_does_not_wait(pd):
+    p, d, peer, pe, de = pd("one_group", arena_bytes=64 << 10)
+    t0 = time.monotonic()
+    with pytest.raises(ArenaFull, match="more than the whole arena") as info:
+        p.save([list(range(NP))], num_tokens=16 * NP, request_id="huge", space_timeout_s=20)
+    assert info.value.ever_fits is False
+    assert time.monotonic() - t0 < 10  # no retry can help: raised without waiting
+    assert p.stats()["failed_allocations"] == 1 and p.stats()["spans"] == 0
+
+
 def test_ttl_frees_p_spans(pd):
     p, d, peer, pe, de = pd("one_group", arena_ttl_s=0.0)
     p.save([[1, 2]], num_tokens=20, request_id="old")

@@ -30,7 +30,10 @@ from typing import Dict, List, Tuple
 
 
 class ArenaFull(RuntimeError):
-    """No free span of the requested size: the caller retries later (nothing was dropped)."""
+    """No free span of the requested size: the caller retries later (nothing was dropped).
+    ``ever_fits`` is False where the request is larger than the whole arena: no retry helps."""
+
+    ever_fits: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ class Arena:
             if have >= need:
                 self._take(start, have, need)
                 return Span(start, need)
+        if need > self.nbytes - self.reserved:
+            self.failed_allocations += 1
+            exc = ArenaFull(f"staging arena full: {need} bytes requested, more than the whole arena "
+                            f"({self.nbytes - self.reserved} bytes): make arena_bytes larger")
+            exc.ever_fits = False
+            raise exc
         self.failed_allocations += bool(count_failure)
         raise ArenaFull(
             f"staging arena full: {need} bytes requested, {self.nbytes - self.reserved - self.bytes_in_use} "

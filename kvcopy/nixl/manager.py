@@ -365,8 +365,8 @@ class TransferManager:
                     record = self._arena.save(self._info, block_ids, num_tokens, request_id, readers,
                                               count_failure=last)
                     break
-                except ArenaFull:
-                    if last:
+                except ArenaFull as exc:
+                    if last or not exc.ever_fits:
                         raise
                 time.sleep(0.001)  # a notification or a TTL frees space; nothing else will
         else:
