@@ -177,16 +177,29 @@ def test_failed_pull_writes_nothing_and_frees_d_span(pd):
     assert same_bytes(de.device_caches, before)
 
 
-def test_abort_mid_flight_frees_d_span(pd):
-    p, d, peer, pe, de = pd("one_group")
+def test_abort_mid_flight_quarantines_d_span_for_its_ttl(pd):
+    """An aborted READ may still land (its peer is alive): D's span is not handed out
+    again before arena_ttl_s, then freed; the KV is untouched."""
+    p, d, peer, pe, de = pd("one_group", arena_ttl_s=0.3)
     record = p.save([[1, 2, 3]], num_tokens=40, request_id="ab")
     before = clone_caches(de.device_caches)
-    h = d.pull(d.plan_pull(peer, record, 40, [[10, 11, 12]]), notify=b"ab")
+    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+    h = d.pull(plan, notify=b"ab")
     d.abort(h)
     done = d.complete(h)
     assert not done.ok and done.failed_block_ids == ((10, 11, 12),)
     assert same_bytes(de.device_caches, before)
-    assert d.stats()["bytes_in_use"] == 0 and d.stats()["live_transfer_handles"] == 0
+    st = d.stats()
+    assert st["quarantined_spans"] == 1 and st["bytes_in_use"] == plan.span.nbytes
+    assert st["live_transfer_handles"] == 0
+    again = d.plan_pull(peer, record, 40, [[10, 11, 12]])  # inside the TTL: another span
+    assert again.span.offset != plan.span.offset
+    d.discard(again)
+    time.sleep(0.35)
+    later = d.plan_pull(peer, record, 40, [[10, 11, 12]])  # past it: the span is free again
+    assert d.stats()["quarantined_spans"] == 0 and d.stats()["bytes_in_use"] == later.span.nbytes
+    d.discard(later)
+    assert d.stats()["bytes_in_use"] == 0
 
 
 def test_records_from_the_peer_are_checked(pd):

@@ -617,7 +617,11 @@ class TransferManager:
                 self._arena.scatter(plan)
         finally:
             self._retry_releases()
-            self._arena.discard(plan, safe=not self._unreleased)
+            # A READ given up on while its peer may still be alive (deadline, abort) may
+            # still land (see docs/nixl.md, "Deadlines"): its span is not reused for
+            # arena_ttl_s. A READ that failed on its own has stopped touching it.
+            late = state == ERR and plan.pulled and str(h.error or "").startswith(("deadline", "aborted"))
+            self._arena.discard(plan, safe=not self._unreleased, quarantine=late)
         if state == ERR:
             return Completion(False, plan.local_block_ids, h.error)
         return Completion(True, tuple(() for _ in self.layer_groups), None)

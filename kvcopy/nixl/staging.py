@@ -541,6 +541,7 @@ class ArenaStaging:
         self._copiers_for(self.order)
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
         self._deferred: List[Span] = []  # D: spans whose READ handle release failed
+        self._quarantine: List[Tuple[float, Span]] = []  # D: (free after, span) of READs given up on
         self.info = info  # this engine's geometry: the manager plans with this one object (see ShapeCache)
         self.shapes = ShapeCache()  # D: the virtual engines per request shape
         self.pairings = ShapeCache()  # D: layer pairs per (peer, order), whatever the shape
@@ -716,7 +717,9 @@ class ArenaStaging:
                 raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
                                  f"{need} bytes inside the peer's {p.arena[1]}-byte arena")
             remote_spans[p.name] = (p.arena[0] + rec.offset, rec.nbytes)
-        self.flush_deferred()
+        # Quarantined spans past their time only: the spans of unreleased READ handles
+        # are the manager's call (it knows whether the release went through).
+        self.flush_deferred(safe=False)
         span = self.arena.allocate(shape.nbytes)
         try:
             return self._plan(info, shape, remote_ids, remote_spans, n_tok, local, vblocks, counts, span,
@@ -865,25 +868,41 @@ class ArenaStaging:
         for (cb, copier), (dev, host) in zip(self._copiers_for(plan.order).copiers, plan.scatter):
             copier.to_device(dev, host)
 
-    def discard(self, plan: ArenaPlan, safe: bool = True) -> None:
-        """D: free the plan's span (``safe`` False: a READ handle on it is not released yet)."""
+    def discard(self, plan: ArenaPlan, safe: bool = True, quarantine: bool = False) -> None:
+        """D: free the plan's span (``safe`` False: a READ handle on it is not released
+        yet; ``quarantine``: a READ given up on may still land in it, so it is freed only
+        after ``ttl_s``)."""
         if not plan.live:
             return
         plan.live = False
-        if safe:
+        if quarantine:
+            self._quarantine.append((time.monotonic() + self.ttl_s, plan.span))
+        elif safe:
             self.arena.free(plan.span)
         else:
             self._deferred.append(plan.span)
 
-    def flush_deferred(self, safe: bool = True) -> None:
+    def flush_deferred(self, safe: bool = True, now: Optional[float] = None) -> None:
+        """D: free the spans whose READ handles are released now (``safe``), and the
+        quarantined spans past their time."""
         if safe and self._deferred:
             for s in self._deferred:
                 self.arena.free(s)
             self._deferred = []
+        if self._quarantine:
+            now = time.monotonic() if now is None else now
+            keep = []
+            for deadline, s in self._quarantine:
+                if deadline <= now:
+                    self.arena.free(s)
+                else:
+                    keep.append((deadline, s))
+            self._quarantine = keep
 
     def stats(self) -> Dict[str, int]:
         out = self.arena.stats()
         out["staged_requests"] = len(self._staged)
+        out["quarantined_spans"] = len(self._quarantine)
         return out
 
     def forget(self, peer: EngineInfo) -> None:
