@@ -140,8 +140,9 @@ def _status(exc: BaseException) -> str:
 def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
     """``nixl.nixl_agent(name, config)`` with the progress thread's poll delay set to
     ``delay_us``: the wrapper hard-codes 0, so its binding constructor is wrapped for
-    the duration of this one call (under a lock: agents built by other threads at the
-    same time are not affected). A wrapper that builds its agent some other way (a
+    the duration of this one call (under a lock, so kvcopy builds its agents one at a
+    time; another thread building a NIXL agent directly inside that window gets the same
+    delay, which does it no harm). A wrapper that builds its agent some other way (a
     later NIXL) gets NIXL's own delay, with a warning: the agent works, its idle
     progress thread busy-polls."""
     wrapper = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""), nixl)  # nixl_cu12._api
