@@ -215,13 +215,28 @@ class BlockCopier:
         return self._run("h2d", block_ids if host_block_ids is None else host_block_ids, block_ids)
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
-        """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``)."""
+        """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``); :meth:`run`
+        copies it later without validating again."""
         host = block_ids if host_block_ids is None else host_block_ids
-        if direction == "d2h":
-            return self._validate(self._built("d2h"), block_ids, host)
-        if direction == "h2d":
-            return self._validate(self._built("h2d"), host, block_ids)
-        raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        if direction not in ("d2h", "h2d"):
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        d = self._built(direction)
+        call = self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
+        call.made_by = d
+        return call
+
+    def run(self, direction: str, call: CallPlan) -> CallPlan:
+        """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
+        were checked then; the storages are checked now, as for every call)."""
+        d = self._built(direction)
+        if call.made_by is not d:
+            raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
+        if self._closed:
+            raise ValueError("BlockCopier is closed")
+        if call.num_items:
+            self._storages.check()
+            d.backend.copy(d.tables, call)
+        return call
 
     def tables(self, direction: str) -> CopyTables:
         return self._built(direction).tables

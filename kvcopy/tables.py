@@ -178,6 +178,9 @@ class CallPlan:
     # ``packed`` in the same buffer (the `cuda` call array is then
     # ``packed_address``, ``len(packed) + prefix_words`` words); 0 when not written.
     prefix_words: int = 0
+    # The copier direction that planned this call (``BlockCopier.plan``), so that
+    # ``BlockCopier.run`` takes only its own plans; None for a plan made elsewhere.
+    made_by: object = field(default=None, repr=False, compare=False)
 
     @property
     def num_runs(self) -> int:

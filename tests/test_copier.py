@@ -318,3 +318,32 @@ def test_one_direction_copier_accepts_shared_device_bytes_for_d2h_only():
         copier.to_device([[1]])
     with pytest.raises(ValueError, match="directions must be"):
         BlockCopier(dev, host, [["x"]], directions="d2h")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_planned_call_runs_later_bit_exact_and_only_on_its_copier(backend):
+    """``plan`` checks and packs a call, ``run`` copies it as it is: the bytes equal the
+    reference (host poisoned first); another copier's or direction's plan is refused."""
+    from kvcopy.reference import reference_copy_groups
+
+    case = CopyCase(num_groups=3, host_ids_differ=True)
+    dev, host = case.build()
+    want = {n: t.clone() for n, t in host.items()}
+    ids, host_ids = case.block_ids()
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend=backend)
+    other = kvcopy.BlockCopier(dev, {n: t.clone() for n, t in host.items()}, case.layer_groups(), backend=backend)
+    same = lambda a, b: all(bytes_equal(a[n], b[n]) for n in a)  # noqa: E731
+    call = copier.plan("d2h", ids, host_ids)
+    assert same(host, want)  # planning moves nothing: still all poison
+    copier.run("d2h", call)
+    reference_copy_groups(dev, want, case.layer_groups(), ids, host_ids)
+    assert not same(want, {n: torch.full_like(t, POISON_BYTE) for n, t in want.items()})  # bytes moved
+    assert same(host, want)
+    with pytest.raises(ValueError, match="not a 'h2d' call planned by this BlockCopier"):
+        copier.run("h2d", call)
+    with pytest.raises(ValueError, match="planned by this BlockCopier"):
+        other.run("d2h", call)
+    copier.close()
+    with pytest.raises(ValueError, match="closed"):
+        copier.run("d2h", call)
+    other.close()

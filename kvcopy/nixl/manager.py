@@ -121,7 +121,7 @@ class PullHandle:
     """One pull in flight or finished. ``state`` is PROC, DONE or ERR; ``error`` says why."""
 
     __slots__ = ("id", "_plan", "notify", "state", "error", "completed", "timeout_s", "deadline", "_xfers",
-                 "_done", "_posted", "_owner")
+                 "_done", "_posted", "_owner", "_abandoned")
 
     def __init__(self, id_: int, plan: PullPlan, notify: bytes, timeout_s: Optional[float] = None,
                  owner: object = None):
@@ -137,6 +137,9 @@ class PullHandle:
         self._xfers: Dict[str, object] = {}  # peer -> NIXL transfer handle not yet released
         self._done: set = set()  # peers whose READ finished
         self._posted = False  # a READ was handed to NIXL (it may write the plan's local pages)
+        # D released a READ of it that had not ended (deadline, abort, removed peer, a
+        # failed sibling READ): it may still land (docs/nixl.md, "Deadlines")
+        self._abandoned = False
 
     @property
     def plan(self) -> PullPlan:
@@ -543,7 +546,7 @@ class TransferManager:
                 h._xfers[name] = xfer
                 h._posted = True
             if state == ERR:
-                self._fail(h, reason)
+                self._fail(h, reason, ended=name)
                 return
             if state == DONE:
                 h._done.add(name)
@@ -563,7 +566,7 @@ class TransferManager:
                 continue
             state, reason = self._agent.state(xfer)
             if state == ERR:
-                self._fail(h, reason if len(h.peers) == 1 else f"peer {name!r}: {reason}")
+                self._fail(h, reason if len(h.peers) == 1 else f"peer {name!r}: {reason}", ended=name)
                 return h.state
             if state == DONE:
                 h._done.add(name)
@@ -617,11 +620,10 @@ class TransferManager:
                 self._arena.scatter(plan)
         finally:
             self._retry_releases()
-            # A READ given up on while its peer may still be alive (deadline, abort) may
-            # still land (see docs/nixl.md, "Deadlines"): its span is not reused for
-            # arena_ttl_s. A READ that failed on its own has stopped touching it.
-            late = state == ERR and plan.pulled and str(h.error or "").startswith(("deadline", "aborted"))
-            self._arena.discard(plan, safe=not self._unreleased, quarantine=late)
+            # A READ D released unfinished may still land (see docs/nixl.md,
+            # "Deadlines"): its span is not reused for arena_ttl_s. A READ that NIXL
+            # ended in ERR has stopped touching it.
+            self._arena.discard(plan, safe=not self._unreleased, quarantine=state == ERR and h._abandoned)
         if state == ERR:
             return Completion(False, plan.local_block_ids, h.error)
         return Completion(True, tuple(() for _ in self.layer_groups), None)
@@ -678,9 +680,12 @@ class TransferManager:
         h.state = DONE
         self._release(h)
 
-    def _fail(self, h: PullHandle, reason: Optional[str]) -> None:
+    def _fail(self, h: PullHandle, reason: Optional[str], ended: Optional[str] = None) -> None:
+        """Fail a pull; ``ended``: the peer whose READ NIXL ended in ERR (the others still
+        in flight are released unfinished: abandoned)."""
         h.state = ERR
         h.error = reason or "transfer failed"
+        h._abandoned = any(name != ended and name not in h._done for name in h._xfers)
         self._release(h)
         if h.notify:  # let P's ranks whose READ did not finish free their blocks; best effort
             for name in h.peers:

@@ -74,7 +74,8 @@ Copies: one ``BlockCopier`` per distinct block size and page geometry (one for u
 models), whose "groups" are the (unit, chunk) pairs in token order and the (unit,
 chunk, head) triples in head order: device view = that chunk (head) of the unit's
 tensor, host view = the whole arena seen as blocks of that size. P's pack is one call
-per copier (``to_host``), D's scatter one ``to_device`` per copier; head order has
+per copier (planned, then run), D's scatter one h2d call per copier (planned, which
+checks it, when the pull is planned; run as it is by ``complete``); head order has
 ``heads`` times more, smaller blocks (one head slab each) in the same call.
 """
 from __future__ import annotations
@@ -92,6 +93,7 @@ import torch
 
 from ..checks import per_group_counts
 from ..copier import BlockCopier
+from ..tables import CallPlan
 from .arena import Arena, ArenaFull, Span
 from .descriptors import check_pairs, desc_rows
 from .handshake import EngineInfo, LayerPair, pair_layers
@@ -299,7 +301,7 @@ class ArenaPlan:
     plan: PullPlan  # over the virtual engines (page ids = page positions)
     span: Span
     reads: Dict[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows)
-    scatter: List[Tuple[List[np.ndarray], List[np.ndarray]]]  # per copier: (device ids, host ids)
+    scatter: List[CallPlan]  # per copier: its planned h2d call (span -> KV pages, zero granule -> zeroed pages)
     zero_pages: Tuple[Tuple[int, ...], ...]  # real local pages complete() zeroes, per group
     zero_runs: Tuple[np.ndarray, np.ndarray]  # (arena offsets, bytes) zeroed in D's span first
     local_block_ids: Tuple[Tuple[int, ...], ...]  # real, per group
@@ -595,11 +597,10 @@ class ArenaStaging:
         cps = self._copiers_for(self.order)
         try:
             calls = self._calls(cps, span, segs, counts, [p[k] for p, k in zip(pages, positions)], positions)
-            if len(calls) > 1:  # every copy is checked before the first moves
-                for (cb, copier), (dev, host) in zip(cps.copiers, calls):
-                    copier.plan("d2h", dev, host)
-            for (cb, copier), (dev, host) in zip(cps.copiers, calls):
-                copier.to_host(dev, host)
+            # every copy is checked before the first moves, and planned once
+            planned = [copier.plan("d2h", dev, host) for (cb, copier), (dev, host) in zip(cps.copiers, calls)]
+            for (cb, copier), call in zip(cps.copiers, planned):
+                copier.run("d2h", call)
         except Exception:
             self.arena.free(span)
             raise
@@ -845,10 +846,11 @@ class ArenaStaging:
             blocks.append(tuple(arr[touched[np.sort(first)]].tolist()))
         zero_runs = (virt.zero_runs[0] + span.offset, virt.zero_runs[1])
         positions = [np.asarray(x, np.int64) for x in plan.read_pages]
-        scatter = self._calls(cps, span, segs, counts, read_real, positions,
-                              [np.asarray(z, np.int64) for z in zero_real])
-        for (cb, copier), (dev, host) in zip(cps.copiers, scatter):
-            copier.plan("h2d", dev, host)  # complete() must not fail after the read
+        ids = self._calls(cps, span, segs, counts, read_real, positions,
+                          [np.asarray(z, np.int64) for z in zero_real])
+        # Planned (checked and packed) now: complete() must not fail after the read, and
+        # it runs these calls as they are.
+        scatter = [copier.plan("h2d", dev, host) for (cb, copier), (dev, host) in zip(cps.copiers, ids)]
         return ArenaPlan(plan=plan, span=span, reads=reads, scatter=scatter, zero_pages=tuple(zero_real),
                          zero_runs=zero_runs, local_block_ids=tuple(blocks),
                          read_pages=tuple(tuple(x.tolist()) for x in read_real), order=order)
@@ -866,8 +868,8 @@ class ArenaStaging:
         if len(starts):
             idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(int(lens.sum()))
             self.buffer.index_fill_(0, torch.as_tensor(idx), 0)
-        for (cb, copier), (dev, host) in zip(self._copiers_for(plan.order).copiers, plan.scatter):
-            copier.to_device(dev, host)
+        for (cb, copier), call in zip(self._copiers_for(plan.order).copiers, plan.scatter):
+            copier.run("h2d", call)
 
     def discard(self, plan: ArenaPlan, safe: bool = True, quarantine: bool = False) -> None:
         """D: free the plan's span (``safe`` False: a READ handle on it is not released
