@@ -32,10 +32,10 @@ poll delay of 0, so each idle agent busy-polls one CPU (measured here with NIXL 
 1 agent 0.99 CPU/s, 2 agents 1.99 of the 2 cores, doing nothing). The thread already
 wakes on UCX's event fd when there is work, so :class:`Agent` gives it a delay
 (``progress_delay_us``, default :data:`PROGRESS_DELAY_US`): idle agents then use no
-CPU (0.00 CPU/s), and transfers and copies beside them stop losing the cores. Measured
-here, one process, a 36 MiB READ and a 36 MiB memcpy side by side: delay 0 15.8 / 6.3 ms,
-with 4 more idle agents 32.8 / 15.1 ms; delay 100 ms 7.5 / 3.0 ms, with 4 more idle
-agents 8.7 / 4.0 ms. The delay is also the longest the thread sleeps between
+CPU (0.01 CPU/s), and transfers and copies beside them stop losing the cores. Measured
+by ``bench/nixl_progress_delay.py`` (a 36 MiB READ and a 36 MiB memcpy, interleaved,
+idle machine): delay 0 23.2 / 7.0 ms, with 4 more idle agents 44.6 / 15.7 ms; delay
+100 ms 11.3 / 3.6 ms, with 4 more idle agents 9.5 / 3.5 ms. The delay is also the longest the thread sleeps between
 unprompted progress calls (UCX keepalive, failure detection). ``0`` restores NIXL's
 busy polling. NIXL's wrapper has no knob for it: the delay is set on the binding's
 agent config while the wrapper builds the agent (:func:`make_agent`).
