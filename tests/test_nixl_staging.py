@@ -16,7 +16,7 @@ from kvcopy.nixl import NO_BLOCK, TransferManager, fuzz, remote_ranks
 from kvcopy.nixl.arena import ArenaFull
 from kvcopy.nixl import plan as plan_module
 from kvcopy.nixl.handshake import EngineInfo
-from kvcopy.nixl.staging import ORDER, ArenaPlan, ShapeCache, StagedRequest, merge_rows
+from kvcopy.nixl.staging import ORDER, ArenaPlan, StagedRequest, merge_rows
 from kvcopy.nixl.testing import (
     ManagerPairs, allocate_blocks, build_case, clone_caches, collect_notifications,
     expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,
@@ -267,13 +267,13 @@ def test_plans_of_one_shape_share_cached_virtual_engines(pd):
     (pa, da, ra), (pb, db, rb) = request([3, 6], 90, "a"), request([3, 6], 90, "b")
     plan_a = pull_arena(d, peer, de, da, pe, pa, ra, 90)
     assert (shapes.hits, shapes.misses, len(shapes)) == (0, 1, 1)
-    (shape,) = [s for _, s in shapes._entries.values()]
-    routes = [k for k in plan_module._ROUTE_CACHE if k[0] == id(shape.local)]
-    assert len(routes) == 1
+    (shape,) = shapes.values()
+    assert plan_module._ROUTES.holds(shape.local) == 1
+    routes_before = len(plan_module._ROUTES)
     plan_b = pull_arena(d, peer, de, db, pe, pb, rb, 90)
     assert (shapes.hits, shapes.misses, len(shapes)) == (1, 1, 1)
     assert plan_b.plan is plan_a.plan  # the same virtual plan ...
-    assert [k for k in plan_module._ROUTE_CACHE if k[0] == id(shape.local)] == routes
+    assert plan_module._ROUTES.holds(shape.local) == 1
     # ... with each request's own rows: P's spans differ, D's rows lie in D's span
     (la, rra), (lb, rrb) = plan_a.reads[peer], plan_b.reads[peer]
     assert int(rra[0, 0]) - int(rrb[0, 0]) == ra.offset - rb.offset != 0
@@ -291,44 +291,11 @@ def test_plans_of_one_shape_share_cached_virtual_engines(pd):
     d.remove_peer(peer)
     gc.collect()
     assert len(shapes) == 0 and info_ref() is None and shape_ref() is None
-    assert not any(k in plan_module._ROUTE_CACHE for k in routes)
+    assert len(plan_module._ROUTES) < routes_before  # its virtual engines' routes went with them
     assert d.add_peer(p.metadata()) == peer
     pd_, dd, rd = request([3, 6], 90, "d")
     pull_arena(d, peer, de, dd, pe, pd_, rd, 90)
     assert (shapes.misses, len(shapes)) == (3, 1)
-
-
-def test_shape_cache_is_bounded_and_checks_identity():
-    """The LRU keeps at most ``size`` entries, drops the least recently used first, and
-    never serves an entry for an engine that is not the one it was made for."""
-    infos = [EngineInfo(f"e{i}", "arena", "DRAM", 0, 1, (16,), (16,), (), b"") for i in range(4)]
-    cache = ShapeCache(size=2)
-    made = []
-
-    def get(peer, key=(ORDER, (3,))):
-        return cache.get((infos[0], peer), key, lambda: made.append(peer.name) or object())
-
-    first = get(infos[1])
-    assert get(infos[1]) is first and cache.hits == 1
-    get(infos[1], (ORDER, (4,)))  # another shape: a miss
-    get(infos[1])  # refreshes the first entry
-    get(infos[2])  # evicts the (4,) shape's, the least recently used
-    assert len(cache) == 2 and made == ["e1", "e1", "e2"]
-    get(infos[1], (ORDER, (4,)))
-    assert made == ["e1", "e1", "e2", "e1"]  # it was gone
-    cache.forget(infos[2])
-    assert len(cache) == 1
-    # an equal engine that is another object is not served (keys are identities)
-    twin = EngineInfo("e1", "arena", "DRAM", 0, 1, (16,), (16,), (), b"")
-    get(twin, (ORDER, (4,)))
-    assert made[-1] == "e1" and len(made) == 5 and len(cache) == 2
-    # a dead engine's entries are swept at the next miss (its id may come back)
-    del twin
-    gc.collect()
-    with pytest.raises(ValueError):  # a make that raises caches nothing
-        cache.get((infos[0], infos[3]), (), lambda: (_ for _ in ()).throw(ValueError("no")))
-    get(infos[3])
-    assert len(cache) == 2 and not any(r() is None for refs, _ in cache._entries.values() for r in refs)
 
 
 def test_merge_rows_merges_what_continues_on_both_sides():

@@ -30,7 +30,7 @@ and D's real copier scatters its span into D's caches; the result must equal the
 same expectation. Cases with an odd seed whose P pages are HND (with a GQA layer) stage in head order
 (``arena_order="head"``), the others in token order; the report counts both. D plans
 each request twice and replays the second plan, made from D's caches (the shape's
-virtual engines and plan, :class:`~kvcopy.nixl.staging.ShapeCache`) at another span
+virtual engines and plan, :class:`~kvcopy.nixl.identity_cache.IdentityCache`) at another span
 of D's arena, so the cached path is what the oracle checks.
 """
 from __future__ import annotations

@@ -50,7 +50,6 @@ layers x 500 pages, one peer: ~1 ms on an idle core (was ~40-60 ms).
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -59,6 +58,7 @@ import numpy as np
 from ..checks import block_ids, integer, per_group_counts, sequence, shown
 from .handshake import EngineInfo, LayerPair
 from .geometry import head_owners, local_segments, segments, token_pieces
+from .identity_cache import IdentityCache
 from .regions import RegionRef
 
 NO_BLOCK = -1
@@ -388,48 +388,37 @@ class _Route:
         return segs
 
 
-# Routes per (local engine, peers), by the identity of their EngineInfo records. The
-# cache holds the records only weakly: an entry dies with any of its records (a peer
-# removed from its manager, a manager closed), and forget_routes drops a peer's
-# entries at once. It never keeps a removed peer's record (and its regions) alive.
-# Least recently used entries go first (a hit moves its entry to the end): arena mode
-# plans over one pair of virtual engines per request shape (kvcopy.nixl.staging keeps
-# up to 128 per D), so the cache holds more than one entry per peer.
-_ROUTE_CACHE: Dict[tuple, tuple] = {}  # id key -> (weakrefs of local and peers, layer pairs, routes)
-_ROUTE_CACHE_SIZE = 256
+# Routes per (local engine, peers, their layer pairs), by identity
+# (:class:`~kvcopy.nixl.identity_cache.IdentityCache`: records held weakly, least
+# recently used out first). The routes hold the records they serve, so an entry keeps
+# its peer's record (and regions) alive until it leaves: forget_routes drops a removed
+# peer's entries at once. Arena mode plans over one pair of virtual engines per request
+# shape (kvcopy.nixl.staging keeps up to 128 per D), so there is more than one entry
+# per peer.
+_ROUTES = IdentityCache(256)
 
 
 def forget_routes(info: EngineInfo) -> None:
     """Drop every cached route entry that involves ``info`` (``remove_peer`` calls it)."""
-    for key in [k for k in _ROUTE_CACHE if id(info) in _ids(k)]:
-        _ROUTE_CACHE.pop(key, None)
-
-
-def _ids(key: tuple):
-    return (key[0],) + tuple(i for i, _ in key[1:])
-
-
-def _drop_key(key: tuple):
-    def drop(ref):
-        entry = _ROUTE_CACHE.get(key)
-        if entry is not None and any(r is ref for r in entry[0]):
-            del _ROUTE_CACHE[key]
-    return drop
+    _ROUTES.forget(info)
 
 
 def _routes(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerPair]]],
             names: Sequence[str]) -> List[_Route]:
     """The routes serving every local layer, in plan order (sorted by key); cached by
-    the identity of ``local``, each peer's ``EngineInfo`` (frozen) and its layer pairs
-    (compared element by element, so a list changed in place is not served stale)."""
+    the identity of ``local``, each peer's ``EngineInfo`` (frozen) and each of its layer
+    pairs (a list changed in place is not served stale)."""
     snapshot = tuple((info, tuple(pairs)) for info, pairs in peers)
-    key = (id(local),) + tuple((id(info), len(lps)) for info, lps in snapshot)
-    hit = _ROUTE_CACHE.get(key)
-    if hit is not None and hit[0][0]() is local and all(
-            ref() is info and len(x) == len(y) and all(p is q for p, q in zip(x, y))
-            for ref, x, (info, y) in zip(hit[0][1:], hit[1], snapshot)):
-        _ROUTE_CACHE[key] = _ROUTE_CACHE.pop(key)  # most recently used last
-        return hit[2]
+    # The pairs are keyed by identity too; the entry holds them, so their ids stay theirs.
+    key = tuple(tuple(map(id, pairs)) for _, pairs in snapshot)
+    return _ROUTES.get((local, *(info for info, _ in snapshot)), key,
+                       lambda: (snapshot, _make_routes(local, snapshot, names)))[1]
+
+
+def _make_routes(local: EngineInfo, snapshot, names: Sequence[str]) -> List[_Route]:
+    """The routes of a cache miss of :func:`_routes` (``snapshot``: per peer, its record
+    and its layer pairs as a tuple)."""
+    peers = snapshot
     peer_layers = [{lp.layer: lp for lp in pairs} for _, pairs in snapshot]
     # Every layer of a model asks head_owners the same question: ask once per distinct
     # (local heads, peers' heads) (seeds/2 in arena mode, 96 layers: ~2 ms of a ~10 ms
@@ -465,13 +454,7 @@ def _routes(local: EngineInfo, peers: Sequence[Tuple[EngineInfo, Sequence[LayerP
                 key_ = (g, i, lp.remote_group, region.index, lp.remote_region, lh, rhd, k)
                 keyed.setdefault(key_, []).append(name)
     multi = len(peers) > 1
-    routes = [_Route(k, keyed[k], local, peers[k[1]][0], multi) for k in sorted(keyed)]
-    if len(_ROUTE_CACHE) >= _ROUTE_CACHE_SIZE:
-        _ROUTE_CACHE.pop(next(iter(_ROUTE_CACHE)))
-    drop = _drop_key(key)
-    refs = (weakref.ref(local, drop),) + tuple(weakref.ref(info, drop) for info, _ in snapshot)
-    _ROUTE_CACHE[key] = (refs, tuple(pairs for _, pairs in snapshot), routes)
-    return routes
+    return [_Route(k, keyed[k], local, peers[k[1]][0], multi) for k in sorted(keyed)]
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ and zeroed rows included); descriptors are then merged by address.
 
 The virtual engines are address-free (address 0 = the span's start; a plan moves its
 rows by the two spans' addresses, which merging does not see) and cached per request
-shape (:class:`ShapeCache`: D's and each peer's engine by identity, held weakly, the
+shape (:class:`~kvcopy.nixl.identity_cache.IdentityCache`: D's and each peer's engine by identity, held weakly, the
 order, the page counts per group). With them the plan over the virtual engines, its
 READ rows and zero runs are cached (per token count, cached tokens and holes). The
 planner's route cache then hits too, and a request's own work is the translation, the
@@ -83,8 +83,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -97,6 +95,7 @@ from ..tables import CallPlan
 from .arena import Arena, ArenaFull, Span
 from .descriptors import check_pairs, desc_rows
 from .handshake import EngineInfo, LayerPair, pair_layers
+from .identity_cache import IdentityCache
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks
 from .regions import RegionInfo
 
@@ -466,55 +465,6 @@ class _VirtualPlan:
     zero_runs: Tuple[np.ndarray, np.ndarray]  # (offsets in D's span, bytes)
 
 
-class ShapeCache:
-    """LRU of values made for some engines and a key: the arena's request shapes
-    (:class:`_Shape`, by D's engine and each peer's, staging order and page counts per
-    group) and layer pairings (by D's engine, a peer's and the order: those do not
-    depend on page counts). Engines are keyed by identity and held only weakly: an
-    entry is served only while every engine it was made for is alive and is the same
-    object (an ``id`` reused by a new engine misses), ``forget`` drops a removed peer's
-    entries, dead entries are swept on each miss. Values hold no reference to a real
-    engine record (virtual engines copy what they need)."""
-
-    def __init__(self, size: int = SHAPE_CACHE_SIZE):
-        self.size = int(size)
-        self._entries: "OrderedDict[tuple, Tuple[tuple, object]]" = OrderedDict()
-        self.hits = self.misses = 0
-
-    def get(self, engines: Sequence[EngineInfo], key: tuple, make):
-        """The value for ``engines`` and ``key``, made by ``make()`` on a miss (a ``make``
-        that raises caches nothing)."""
-        full = tuple(id(e) for e in engines) + key
-        entry = self._entries.get(full)
-        if entry is not None and len(entry[0]) == len(engines) and all(
-                r() is e for r, e in zip(entry[0], engines)):
-            self._entries.move_to_end(full)
-            self.hits += 1
-            return entry[1]
-        self.misses += 1
-        value = make()
-        self._sweep()
-        while len(self._entries) >= self.size:
-            self._entries.popitem(last=False)
-        self._entries[full] = (tuple(weakref.ref(e) for e in engines), value)
-        return value
-
-    def forget(self, info: EngineInfo) -> None:
-        """Drop every entry made for ``info`` (D's ``remove_peer``)."""
-        for key in [k for k, (refs, _) in self._entries.items() if any(r() is info for r in refs)]:
-            del self._entries[key]
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def _sweep(self) -> None:
-        for key in [k for k, (refs, _) in self._entries.items() if any(r() is None for r in refs)]:
-            del self._entries[key]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 class ArenaStaging:
     """The arena of one manager and everything that packs into it and scatters out of it."""
 
@@ -545,9 +495,9 @@ class ArenaStaging:
         self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
         self._deferred: List[Span] = []  # D: spans whose READ handle release failed
         self._quarantine: List[Tuple[float, Span]] = []  # D: (free after, span) of READs given up on
-        self.info = info  # this engine's geometry: the manager plans with this one object (see ShapeCache)
-        self.shapes = ShapeCache()  # D: the virtual engines per request shape
-        self.pairings = ShapeCache()  # D: layer pairs per (peer, order), whatever the shape
+        self.info = info  # this engine's geometry: the manager plans with this one object (see IdentityCache)
+        self.shapes = IdentityCache(SHAPE_CACHE_SIZE)  # D: the virtual engines per request shape
+        self.pairings = IdentityCache(SHAPE_CACHE_SIZE)  # D: layer pairs per (peer, order), whatever the shape
 
     def _copiers_for(self, order: str) -> "_Copiers":
         """The units and copiers of one staging order (built on first use: D builds the
@@ -947,5 +897,5 @@ def _request_key(request_id) -> bytes:
     raise TypeError(f"request_id must be a non-empty str or bytes, got {request_id!r}")
 
 
-__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents", "ShapeCache",
+__all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "HEAD_ORDER", "ORDER", "ORDERS", "chunk_extents",
            "StagedRequest", "Unit", "merge_rows", "span_layout", "stage_units", "virtual_engine"]
