@@ -45,9 +45,8 @@ extern "C" {
 int64_t kvcopy_plan_call(int64_t num_groups, const int64_t* src_ids, const int64_t* dst_ids,
                          const int64_t* group_lens, const int64_t* src_limit,
                          const int64_t* dst_limit, const int64_t* dst_class,
-                         const int64_t* entries_per_group, int64_t* seen,
-                         int64_t dst_capacity, int64_t stamp, int64_t* packed,
-                         int64_t* err) {
+                         const int64_t* entries_per_group, int64_t* seen, int64_t dst_capacity,
+                         int64_t stamp, int64_t* packed, int64_t* err) {
   return plan_call(num_groups, src_ids, dst_ids, group_lens, src_limit, dst_limit, dst_class,
                    entries_per_group, seen, dst_capacity, stamp, packed, err, false);
 }
@@ -57,12 +56,12 @@ int64_t kvcopy_plan_call(int64_t num_groups, const int64_t* src_ids, const int64
 // the `cuda` backend hands to its launch is packed[0 : n + R + 1] as written, with no
 // numpy pass on the host (~5-8 us per call saved). packed needs room for
 // 2 * (G + 1) + 4 * total ids + 1 words. Returns n, as kvcopy_plan_call.
-int64_t kvcopy_plan_call_prefix(int64_t num_groups, const int64_t* src_ids,
-                                const int64_t* dst_ids, const int64_t* group_lens,
-                                const int64_t* src_limit, const int64_t* dst_limit,
-                                const int64_t* dst_class, const int64_t* entries_per_group,
-                                int64_t* seen, int64_t dst_capacity, int64_t stamp,
-                                int64_t* packed, int64_t* err) {
+int64_t kvcopy_plan_call_prefix(int64_t num_groups, const int64_t* src_ids, const int64_t* dst_ids,
+                                const int64_t* group_lens, const int64_t* src_limit,
+                                const int64_t* dst_limit, const int64_t* dst_class,
+                                const int64_t* entries_per_group, int64_t* seen,
+                                int64_t dst_capacity, int64_t stamp, int64_t* packed,
+                                int64_t* err) {
   return plan_call(num_groups, src_ids, dst_ids, group_lens, src_limit, dst_limit, dst_class,
                    entries_per_group, seen, dst_capacity, stamp, packed, err, true);
 }

@@ -27,12 +27,13 @@ namespace {
 
 constexpr int kDriverErrorBase = 100000;
 
-#if defined(CUDA_VERSION) && CUDA_VERSION >= 12080 && defined(CUDART_VERSION) && CUDART_VERSION >= 12050
+#if defined(CUDA_VERSION) && CUDA_VERSION >= 12080 && defined(CUDART_VERSION) && \
+    CUDART_VERSION >= 12050
 #define KVCOPY_HAVE_BATCH 1
-using BatchV13 = CUresult(CUDAAPI*)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, CUmemcpyAttributes*,
-                                    size_t*, size_t, CUstream);
-using BatchV12 = CUresult(CUDAAPI*)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, CUmemcpyAttributes*,
-                                    size_t*, size_t, size_t*, CUstream);
+using BatchV13 = CUresult(CUDAAPI*)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t,
+                                    CUmemcpyAttributes*, size_t*, size_t, CUstream);
+using BatchV12 = CUresult(CUDAAPI*)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t,
+                                    CUmemcpyAttributes*, size_t*, size_t, size_t*, CUstream);
 using ErrorNameFn = CUresult(CUDAAPI*)(CUresult, const char**);
 
 struct Driver {
@@ -49,19 +50,22 @@ const Driver& driver() {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
     if (cudaGetDriverEntryPointByVersion("cuMemcpyBatchAsync", &fn, 13000, cudaEnableDefault, &q) ==
-            cudaSuccess && q == cudaDriverEntryPointSuccess && fn != nullptr) {
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess && fn != nullptr) {
       d.batch13 = reinterpret_cast<BatchV13>(fn);
       d.abi = 13000;
     } else {
       fn = nullptr;
-      if (cudaGetDriverEntryPointByVersion("cuMemcpyBatchAsync", &fn, 12080, cudaEnableDefault, &q) ==
-              cudaSuccess && q == cudaDriverEntryPointSuccess && fn != nullptr) {
+      if (cudaGetDriverEntryPointByVersion("cuMemcpyBatchAsync", &fn, 12080, cudaEnableDefault,
+                                           &q) == cudaSuccess &&
+          q == cudaDriverEntryPointSuccess && fn != nullptr) {
         d.batch12 = reinterpret_cast<BatchV12>(fn);
         d.abi = 12080;
       }
     }
     fn = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuGetErrorName", &fn, 6000, cudaEnableDefault, &q) == cudaSuccess &&
+    if (cudaGetDriverEntryPointByVersion("cuGetErrorName", &fn, 6000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
         q == cudaDriverEntryPointSuccess) {
       d.error_name = reinterpret_cast<ErrorNameFn>(fn);
     }
@@ -107,9 +111,7 @@ cudaError_t side_stream(int device, SideStream** out) {
   return cudaSuccess;
 }
 
-bool is_legacy(cudaStream_t stream) {
-  return stream == nullptr || stream == cudaStreamLegacy;
-}
+bool is_legacy(cudaStream_t stream) { return stream == nullptr || stream == cudaStreamLegacy; }
 
 void collect_segments(const int64_t* entries, const int64_t* group_offsets,
                       const int64_t* group_entries, int64_t num_groups, const int64_t* packed) {
@@ -135,7 +137,8 @@ void collect_segments(const int64_t* entries, const int64_t* group_offsets,
 
 int copy_loop(cudaStream_t stream, cudaMemcpyKind kind) {
   for (size_t k = 0; k < scratch.sizes.size(); ++k) {
-    cudaError_t err = cudaMemcpyAsync(scratch.dst[k], scratch.src[k], scratch.sizes[k], kind, stream);
+    cudaError_t err =
+        cudaMemcpyAsync(scratch.dst[k], scratch.src[k], scratch.sizes[k], kind, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -187,7 +190,8 @@ const char* kvcopy_ce_error_name(int code) {
 #if KVCOPY_HAVE_BATCH
   const char* name = nullptr;
   if (driver().error_name != nullptr &&
-      driver().error_name(static_cast<CUresult>(code - kDriverErrorBase), &name) == CUDA_SUCCESS && name)
+      driver().error_name(static_cast<CUresult>(code - kDriverErrorBase), &name) == CUDA_SUCCESS &&
+      name)
     return name;
 #endif
   return "CUDA_ERROR_UNKNOWN";
@@ -198,9 +202,10 @@ const char* kvcopy_ce_error_name(int code) {
 //   mode        0: batch when available, else loop; 1: batch or fail; 2: loop
 //   used_batch  out: 1 when one batched call carried the segments
 //   segments    out: number of descriptors
-int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets, const int64_t* group_entries,
-                   int64_t num_groups, const int64_t* packed, int src_is_host, int dst_is_host,
-                   int host_access_any, int mode, void* stream_ptr, int* used_batch, int64_t* segments) {
+int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets,
+                   const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
+                   int src_is_host, int dst_is_host, int host_access_any, int mode,
+                   void* stream_ptr, int* used_batch, int64_t* segments) {
   *used_batch = 0;
   collect_segments(entries, group_offsets, group_entries, num_groups, packed);
   *segments = static_cast<int64_t>(scratch.sizes.size());
@@ -222,7 +227,8 @@ int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets, const i
   err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (!is_legacy(stream)) {
-    int rc = copy_batch(drv, stream, src_is_host != 0, dst_is_host != 0, device, host_access_any != 0);
+    int rc =
+        copy_batch(drv, stream, src_is_host != 0, dst_is_host != 0, device, host_access_any != 0);
     if (rc == 0) *used_batch = 1;
     return rc;
   }
@@ -231,7 +237,8 @@ int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets, const i
   if (err == cudaSuccess) err = cudaEventRecord(side->before, stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(side->stream, side->before, 0);
   if (err != cudaSuccess) return err;
-  int rc = copy_batch(drv, side->stream, src_is_host != 0, dst_is_host != 0, device, host_access_any != 0);
+  int rc = copy_batch(drv, side->stream, src_is_host != 0, dst_is_host != 0, device,
+                      host_access_any != 0);
   if (rc == 0) *used_batch = 1;
   // Order the caller's stream after the side stream even when the batch failed.
   err = cudaEventRecord(side->after, side->stream);

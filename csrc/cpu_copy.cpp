@@ -30,7 +30,8 @@ void copy_item(const kvcopy::Item& it) {
 
 struct MemcpyPiece {
   void operator()(int64_t src, int64_t dst, int64_t bytes) const {
-    memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(bytes));
+    memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+           static_cast<size_t>(bytes));
   }
 };
 
@@ -49,7 +50,8 @@ struct RangeItemCopy {
     for (int64_t p = lo; p < hi; p += word_bytes) {
       int64_t src, dst;
       it.byte_address(p, &src, &dst);
-      memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(word_bytes));
+      memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+             static_cast<size_t>(word_bytes));
     }
   }
 };
@@ -71,8 +73,8 @@ int kvcopy_cpu_has_openmp() {
 // entries [E][8], group_offsets [G+1], group_entries, packed call (see block_copy.cuh).
 // total_bytes only decides whether to use threads; num_threads <= 0: OpenMP's default.
 int kvcopy_cpu_copy(const int64_t* entries, const int64_t* group_offsets,
-                    const int64_t* group_entries, int64_t num_groups,
-                    const int64_t* packed, int64_t total_bytes, int num_threads) {
+                    const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
+                    int64_t total_bytes, int num_threads) {
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
 #ifdef _OPENMP
@@ -115,8 +117,10 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
   const int64_t words = total_bytes / word_bytes;
   RangeItemCopy fn{word_bytes};
   for (int64_t w = 0; w < num_ranges; ++w) {
-    const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)num_ranges);
-    const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) / (unsigned long long)num_ranges);
+    const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w /
+                                    (unsigned long long)num_ranges);
+    const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) /
+                                  (unsigned long long)num_ranges);
     kvcopy::for_each_item_range(t, begin * word_bytes, end * word_bytes, fn);
   }
   return 0;

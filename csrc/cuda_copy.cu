@@ -18,12 +18,18 @@ using KernelFn = void (*)(const kvcopy::KernelParams);
 
 KernelFn kernel_for(int word_bytes) {
   switch (word_bytes) {
-    case 16: return kvcopy_block_copy_w16;
-    case 8: return kvcopy_block_copy_w8;
-    case 4: return kvcopy_block_copy_w4;
-    case 2: return kvcopy_block_copy_w2;
-    case 1: return kvcopy_block_copy_w1;
-    default: return nullptr;
+    case 16:
+      return kvcopy_block_copy_w16;
+    case 8:
+      return kvcopy_block_copy_w8;
+    case 4:
+      return kvcopy_block_copy_w4;
+    case 2:
+      return kvcopy_block_copy_w2;
+    case 1:
+      return kvcopy_block_copy_w1;
+    default:
+      return nullptr;
   }
 }
 
@@ -58,7 +64,8 @@ int kvcopy_cuda_device_count(int* count) { return cudaGetDeviceCount(count); }
 int kvcopy_cuda_device_info(int device, int* sm_count, int* host_pointer_ok) {
   cudaError_t err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  return cudaDeviceGetAttribute(host_pointer_ok, cudaDevAttrCanUseHostPointerForRegisteredMem, device);
+  return cudaDeviceGetAttribute(host_pointer_ok, cudaDevAttrCanUseHostPointerForRegisteredMem,
+                                device);
 }
 
 // The device address of pinned or registered host memory (identity under UVA on x86).
@@ -67,9 +74,10 @@ int kvcopy_cuda_host_device_pointer(void* host, void** device_pointer) {
 }
 
 // One launch of the fused kernel on `stream`.
-//   tables       device int64: entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
-//   call_host    host copy of the per-call array (packed call | block prefix), or null
-//   call_device  device copy of the same, or null; used when call_words exceeds the
+//   tables       device int64: entries[E*8] | group_offsets[G+1] | group_entries[GE] |
+//   entry_bytes_prefix[GE+1] call_host    host copy of the per-call array (packed call | block
+//   prefix), or null call_device  device copy of the same, or null; used when call_words exceeds
+//   the
 //                inline capacity or call_host is null
 //   total_bytes  bytes the call moves; word_bytes 16/8/4/2/1 divides every address and size
 //   grid         CTAs (KVCOPY_THREADS threads each), >= 1
@@ -111,8 +119,8 @@ int kvcopy_cuda_store_words(int64_t* dst, const int64_t* src, int64_t count, voi
     p.count = n;
     memcpy(p.words, src + done, sizeof(int64_t) * (size_t)n);
     void* args[] = {&p};
-    cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(kvcopy_store_words), dim3(1), dim3(256),
-                                       args, 0, static_cast<cudaStream_t>(stream));
+    cudaError_t err = cudaLaunchKernel(reinterpret_cast<const void*>(kvcopy_store_words), dim3(1),
+                                       dim3(256), args, 0, static_cast<cudaStream_t>(stream));
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

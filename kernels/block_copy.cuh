@@ -115,7 +115,7 @@ struct Item {
   int64_t src_block;
   int64_t dst_block;
   int64_t num_blocks;
-  bool merged;           // block run adjacent on both sides: one segment per page run
+  bool merged;  // block run adjacent on both sides: one segment per page run
 
   KVCOPY_HD int64_t run_bytes() const { return entry[kRunBytes]; }
   KVCOPY_HD int64_t num_segments() const {
@@ -155,8 +155,8 @@ KVCOPY_HD Item make_item(const int64_t* entries, int64_t entry_index, const int6
   it.dst_block = run[1];
   it.num_blocks = run[2];
   const int64_t rb = it.entry[kRunBytes];
-  it.merged = it.num_blocks == 1 ||
-              (it.entry[kSrcBlockStride] == rb && it.entry[kDstBlockStride] == rb);
+  it.merged =
+      it.num_blocks == 1 || (it.entry[kSrcBlockStride] == rb && it.entry[kDstBlockStride] == rb);
   return it;
 }
 
@@ -207,8 +207,8 @@ struct Cursor {
 KVCOPY_HD int64_t group_bytes(const CursorTables& t, int64_t g) {
   const int64_t* ro = t.call.run_offsets;
   const int64_t blocks = t.block_prefix[ro[g + 1]] - t.block_prefix[ro[g]];
-  const int64_t page = t.entry_bytes_prefix[t.group_offsets[g + 1]] -
-                       t.entry_bytes_prefix[t.group_offsets[g]];
+  const int64_t page =
+      t.entry_bytes_prefix[t.group_offsets[g + 1]] - t.entry_bytes_prefix[t.group_offsets[g]];
   return page * blocks;
 }
 
@@ -233,7 +233,10 @@ KVCOPY_HD void cursor_seek(const CursorTables& t, int64_t pos, Cursor* c) {
   int64_t lo = go[g], hi = go[g + 1] - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if ((ebp[mid] - ebp[go[g]]) * blocks <= pos) lo = mid; else hi = mid - 1;
+    if ((ebp[mid] - ebp[go[g]]) * blocks <= pos)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   pos -= (ebp[lo] - ebp[go[g]]) * blocks;
   const int64_t page = ebp[lo + 1] - ebp[lo];
@@ -242,7 +245,10 @@ KVCOPY_HD void cursor_seek(const CursorTables& t, int64_t pos, Cursor* c) {
   int64_t rlo = ro[g], rhi = ro[g + 1] - 1;
   while (rlo < rhi) {
     const int64_t mid = (rlo + rhi + 1) / 2;
-    if (bp[mid] - bp[ro[g]] <= block) rlo = mid; else rhi = mid - 1;
+    if (bp[mid] - bp[ro[g]] <= block)
+      rlo = mid;
+    else
+      rhi = mid - 1;
   }
   pos -= (bp[rlo] - bp[ro[g]]) * page;
   c->group = g;

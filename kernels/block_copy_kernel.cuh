@@ -44,12 +44,13 @@ namespace kvcopy {
 
 // The kernel's single parameter. Layout mirrored by ctypes in kvcopy/nvrtc.py.
 struct KernelParams {
-  const int64_t* tables;     // entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
-  const int64_t* call;       // packed call | block_prefix[R+1]; nullptr: use inline_call
+  const int64_t*
+      tables;  // entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
+  const int64_t* call;  // packed call | block_prefix[R+1]; nullptr: use inline_call
   int64_t num_entries;
   int64_t num_groups;
   int64_t num_group_entries;
-  int64_t total_bytes;       // bytes the call moves (a multiple of the word size)
+  int64_t total_bytes;  // bytes the call moves (a multiple of the word size)
   int64_t inline_call[KVCOPY_INLINE_WORDS];
 };
 
@@ -58,7 +59,8 @@ struct WarpCopy {
   static constexpr int kLoadsInFlight = (int)loads_in_flight((int64_t)sizeof(W));
   int lane;
 
-  __device__ __forceinline__ void operator()(int64_t src_addr, int64_t dst_addr, int64_t bytes) const {
+  __device__ __forceinline__ void operator()(int64_t src_addr, int64_t dst_addr,
+                                             int64_t bytes) const {
     const W* __restrict__ src = reinterpret_cast<const W*>(src_addr);
     W* __restrict__ dst = reinterpret_cast<W*>(dst_addr);
     const int64_t n = bytes / (int64_t)sizeof(W);
@@ -136,8 +138,10 @@ __device__ __forceinline__ void block_copy_body(const KernelParams& p) {
   WarpItemCopy<W> fn{(int)lane};
   // One contiguous range per warp; the grid is sized by the host (at most max_ctas).
   const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-  const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)warps);
-  const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) / (unsigned long long)warps);
+  const int64_t begin =
+      (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)warps);
+  const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) /
+                                (unsigned long long)warps);
   for_each_item_range(t, begin * (int64_t)sizeof(W), end * (int64_t)sizeof(W), fn);
 }
 
@@ -153,18 +157,18 @@ struct StoreParams {
 }  // namespace kvcopy
 
 // The entry points, one per word width; names looked up by NVRTC and the launcher.
-#define KVCOPY_DEFINE_KERNEL(NAME, WORD)                                        \
-  extern "C" __global__ void __launch_bounds__(KVCOPY_THREADS)                \
-      NAME(const __grid_constant__ kvcopy::KernelParams p) {                    \
-    kvcopy::block_copy_body<WORD>(p);                                           \
+#define KVCOPY_DEFINE_KERNEL(NAME, WORD)                       \
+  extern "C" __global__ void __launch_bounds__(KVCOPY_THREADS) \
+      NAME(const __grid_constant__ kvcopy::KernelParams p) {   \
+    kvcopy::block_copy_body<WORD>(p);                          \
   }
 
-#define KVCOPY_DEFINE_KERNELS                                                   \
+#define KVCOPY_DEFINE_KERNELS                                                                    \
   extern "C" __global__ void kvcopy_store_words(const __grid_constant__ kvcopy::StoreParams p) { \
-    for (int64_t i = threadIdx.x; i < p.count; i += blockDim.x) p.dst[i] = p.words[i];          \
-  }                                                                             \
-  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w16, uint4)                            \
-  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w8, uint2)                             \
-  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w4, unsigned int)                      \
-  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w2, unsigned short)                    \
+    for (int64_t i = threadIdx.x; i < p.count; i += blockDim.x) p.dst[i] = p.words[i];           \
+  }                                                                                              \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w16, uint4)                                             \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w8, uint2)                                              \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w4, unsigned int)                                       \
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w2, unsigned short)                                     \
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w1, unsigned char)
