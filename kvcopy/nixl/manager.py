@@ -85,9 +85,10 @@ from ..copier import BlockCopier
 from ..reference import as_words
 from ._agent import PROGRESS_DELAY_US, Agent, NixlError, metadata_name
 from .arena import ArenaFull
+from .framing import check_key
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref
 from .handshake import (
-    EngineInfo, LayerPair, check_key, check_peer_limits, decode, encode, layer_limit, pair_layers,
+    EngineInfo, LayerPair, check_peer_limits, decode, encode, layer_limit, pair_layers,
 )
 from .plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks, forget_routes
 from .regions import RegionSet, build_regions, descriptor_table, tokens_per_group

@@ -33,8 +33,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..checks import shown
 from ..layout import KV_LAYOUTS, PageLayout, byte_extent, chunks_disjoint, describe
-from .schema import Record, check_int, check_list, check_str, shown
+from .schema import Record, check_int, check_list, check_str
 
 BUFFER_MODES = ("host", "device")  # the manager adds "arena" (kvcopy.nixl.staging)
 MEM_TYPES = ("DRAM", "VRAM")

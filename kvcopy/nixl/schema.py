@@ -1,6 +1,10 @@
-"""Typed, range-checked reading of untrusted JSON records (the handshake header).
+"""Typed, range-checked reading of untrusted JSON records (the handshake header, the
+staged-request record of arena mode).
 
-A peer's handshake header is JSON: objects, lists, strings, numbers, ``null``.
+A peer's record is JSON: objects, lists, strings, numbers, ``null``. :func:`loads`
+parses it (duplicate keys, ``NaN``/``Infinity`` and nesting past Python's recursion
+limit are refused as ``ValueError``, not taken last-wins or raised as whatever the
+parser raises).
 :class:`Record` reads one object field by field, each read saying what it expects
 (an int in a range, a string from a set, a list of at most so many entries), so a
 record is validated in the one place that reads it, with no per-input special case:
@@ -18,15 +22,32 @@ value given (shortened), never ``KeyError``/``TypeError`` from deep inside.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, List, Mapping, Optional
 
-_SHOWN = 60  # characters of a bad value an error message shows
+from ..checks import shown
 
 
-def shown(value: Any) -> str:
-    """``repr`` of a value, cut to a readable length (a peer may send megabytes)."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+def loads(data: bytes, where: str) -> Any:
+    """JSON from a peer: UTF-8, no duplicate keys, no ``NaN``/``Infinity``; every
+    failure (deep nesting included) is a ``ValueError`` naming ``where``."""
+    try:
+        return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"malformed {where}: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a peer's record may carry")
+
+
+def _no_duplicates(pairs):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {shown(dup)}")
+    return out
 
 
 def is_int(value: Any) -> bool:
