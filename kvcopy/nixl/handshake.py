@@ -70,6 +70,7 @@ MAX_AGENT_BYTES = 16 << 20  # NIXL agent metadata: ~200 bytes per NIXL registrat
 HANDSHAKE = Framing(MAGIC, HANDSHAKE_VERSION, ((1, MAX_HEADER_BYTES), (0, MAX_AGENT_BYTES)),
                     "handshake metadata", "handshake")
 MAX_TP = 1024
+MAX_GROUP_PAGES = 1 << 62  # the page-id bound of a group without regions (EngineInfo.group_blocks)
 MAX_TOKENS_PER_BLOCK = 1 << 20
 # Limits that follow from the local engine (check_peer_limits): a peer of the same
 # model has about as many layers, and a number of descriptors within what TP and page
@@ -143,6 +144,17 @@ class EngineInfo:
         """:func:`~kvcopy.nixl.geometry.chunk_axes` per region, by index."""
         return tuple(chunk_axes(r) for r in self.regions)
 
+    @cached_property
+    def group_blocks(self) -> Tuple[int, ...]:
+        """Per group, the logical blocks every region of the group holds: its block ids
+        lie in ``[0, group_blocks[g])`` (or are ``NO_BLOCK``). A group with no region
+        holds no page; its bound only keeps ``id * pages per block`` inside int64."""
+        pages = [MAX_GROUP_PAGES] * self.num_groups
+        for r in self.regions:
+            for _, g in r.members:
+                pages[g] = min(pages[g], r.num_pages)
+        return tuple(n // (b // p) for n, b, p in zip(pages, self.tokens_per_block, self.tokens_per_page))
+
 
 def header_of(info: EngineInfo) -> dict:
     """The JSON header of ``info``, as a plain dict."""
@@ -188,15 +200,15 @@ def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
     """The engine record from a decoded header: every field checked, then the regions
     against the engine (indices, groups, tokens per page, unique layer names)."""
     r = Record(h, "handshake header")
-    name = r.str("name", MAX_NAME)
+    name = r.name("name", MAX_NAME)
     buffer = r.choice("buffer", BUFFER_MODES + ("arena",))
     mem_type = r.choice("mem_type", MEM_TYPES)
-    tp_size = r.int("tp_size", 1, MAX_TP)
-    tp_rank = r.int("tp_rank", 0, tp_size - 1)
-    tpb = r.ints("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
-    tpp = r.ints("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
-    raw_regions = r.list("regions", 1, max_layers)  # a region holds at least one layer
-    arena = r.ints("arena", 2, 2, 0, (1 << 64) - 1)  # (address, bytes) of an arena-mode engine's arena
+    tp_size = r.integer("tp_size", 1, MAX_TP)
+    tp_rank = r.integer("tp_rank", 0, tp_size - 1)
+    tpb = r.integers("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
+    tpp = r.integers("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
+    raw_regions = r.entries("regions", 1, max_layers)  # a region holds at least one layer
+    arena = r.integers("arena", 2, 2, 0, (1 << 64) - 1)  # (address, bytes) of an arena-mode engine's arena
     r.done()
     where = "malformed handshake header"
     if buffer in ("host", "arena") and mem_type != "DRAM":

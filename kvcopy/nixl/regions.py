@@ -122,32 +122,29 @@ class RegionInfo:
         ``ValueError`` on anything else. ``index`` and group numbers are checked
         against the engine record by :func:`kvcopy.nixl.handshake.decode`."""
         r = Record(d, "region " + (shown(d.get("index")) if isinstance(d, Mapping) else "?"))
-        members = r.list("members", 1, MAX_LAYERS)
-        members = tuple(_member(m, r.at(f"members[{i}]")) for i, m in enumerate(members))
-        dtype = r.str("dtype", 32)
-        itemsize = r.int("itemsize", 1, 16)
+        members = tuple(_member(m, r.at(f"members[{i}]")) for i, m in enumerate(r.entries("members", 1, MAX_LAYERS)))
+        dtype = r.name("dtype", 32)
+        itemsize = r.integer("itemsize", 1, 16)
         if DTYPE_SIZES.get(dtype) != itemsize:
             raise ValueError(f"{r.where}: dtype {shown(dtype)} with itemsize {itemsize} is not a known "
                              f"dtype (known: {sorted(DTYPE_SIZES)})")
-        page_shape = r.list("page_shape", 0, MAX_DIMS)
-        page_shape = tuple(_size_stride(p, r.at(f"page_shape[{i}]")) for i, p in enumerate(page_shape))
-        total = r.int("total_kv_heads", 1, MAX_HEADS, optional=True)
-        heads = r.list("heads", 2, 2, optional=True)
-        if heads is not None:
-            heads = (check_int(heads[0], 0, MAX_HEADS - 1, r.at("heads[0]")),
-                     check_int(heads[1], 1, MAX_HEADS, r.at("heads[1]")))
-        axes = r.list("axes", 1, MAX_DIMS, optional=True)
-        if axes is not None:
-            axes = tuple(_axis(a, r.at(f"axes[{i}]")) for i, a in enumerate(axes))
+        page_shape = tuple(_size_stride(p, r.at(f"page_shape[{i}]"))
+                           for i, p in enumerate(r.entries("page_shape", 0, MAX_DIMS)))
+        total = r.integer_or_none("total_kv_heads", 1, MAX_HEADS)
+        raw_heads = r.entries_or_none("heads", 2, 2)
+        heads = None if raw_heads is None else (check_int(raw_heads[0], 0, MAX_HEADS - 1, r.at("heads[0]")),
+                                                check_int(raw_heads[1], 1, MAX_HEADS, r.at("heads[1]")))
+        raw_axes = r.entries_or_none("axes", 1, MAX_DIMS)
+        axes = None if raw_axes is None else tuple(_axis(a, r.at(f"axes[{i}]")) for i, a in enumerate(raw_axes))
         info = cls(
-            index=r.int("index", 0, MAX_LAYERS - 1), members=members,
-            address=r.int("address", 0, (1 << 64) - 1), device_id=r.int("device_id", 0, MAX_DEVICE_ID),
-            num_pages=r.int("num_pages", 1, MAX_PAGES), num_chunks=r.int("num_chunks", 1, MAX_CHUNKS),
-            chunk_bytes=r.int("chunk_bytes", 1, MAX_BYTES), page_stride=r.int("page_stride", 0, MAX_BYTES),
-            chunk_stride=r.int("chunk_stride", 0, MAX_BYTES), dtype=dtype, itemsize=itemsize,
+            index=r.integer("index", 0, MAX_LAYERS - 1), members=members,
+            address=r.integer("address", 0, (1 << 64) - 1), device_id=r.integer("device_id", 0, MAX_DEVICE_ID),
+            num_pages=r.integer("num_pages", 1, MAX_PAGES), num_chunks=r.integer("num_chunks", 1, MAX_CHUNKS),
+            chunk_bytes=r.integer("chunk_bytes", 1, MAX_BYTES), page_stride=r.integer("page_stride", 0, MAX_BYTES),
+            chunk_stride=r.integer("chunk_stride", 0, MAX_BYTES), dtype=dtype, itemsize=itemsize,
             page_shape=page_shape, kind=r.choice("kind", LAYOUT_KINDS), kv_layout=r.choice("kv_layout", KV_LAYOUTS),
-            tokens_per_page=r.int("tokens_per_page", 1, MAX_TOKENS_PER_PAGE), total_kv_heads=total,
-            heads=heads, head_size=r.int("head_size", 1, MAX_BYTES, optional=True), axes=axes,
+            tokens_per_page=r.integer("tokens_per_page", 1, MAX_TOKENS_PER_PAGE), total_kv_heads=total,
+            heads=heads, head_size=r.integer_or_none("head_size", 1, MAX_BYTES), axes=axes,
         )
         r.done()
         info._check_consistent(r.where)
@@ -168,7 +165,8 @@ class RegionInfo:
             problems.append(f"address {self.address:#x} + {span} bytes overflows 64 bits")
         if (self.heads is None) != (self.total_kv_heads is None) and self.heads is not None:
             problems.append("KV heads held without total KV heads")
-        if self.heads is not None and self.heads[0] + self.heads[1] > self.total_kv_heads:
+        if self.heads is not None and self.total_kv_heads is not None and \
+                self.heads[0] + self.heads[1] > self.total_kv_heads:
             problems.append(f"KV heads held {self.heads} (first, count) outside {self.total_kv_heads} total")
         chunk_dims = [size for size, stride in self.page_shape if stride is None]
         elems = 1

@@ -10,13 +10,13 @@ parser raises).
 record is validated in the one place that reads it, with no per-input special case:
 
     r = Record(obj, "region 3")
-    pages = r.int("num_pages", 1, MAX_PAGES)
+    pages = r.integer("num_pages", 1, MAX_PAGES)
     kind = r.choice("kind", KINDS)
     r.done()                       # a field nobody read is an error, not ignored
 
 Rules, for every field: JSON ``true``/``false`` are not integers (Python's ``bool`` is
 an ``int``; the check refuses it), floats are not integers, ``null`` is only taken
-where the reader says ``optional``, and every list has a length limit checked before
+by the ``*_or_none`` readers, and every list has a length limit checked before
 anything walks it. Errors are ``ValueError`` naming the record, the field and the
 value given (shortened), never ``KeyError``/``TypeError`` from deep inside.
 """
@@ -105,11 +105,14 @@ class Record:
     def at(self, name: str) -> str:
         return f"{self.where}, {name}"
 
-    def int(self, name: str, lo: int, hi: int, optional: bool = False) -> Optional[int]:
-        value = self._get(name, optional)
+    def integer(self, name: str, lo: int, hi: int) -> int:
+        return check_int(self._get(name, False), lo, hi, self.at(name))
+
+    def integer_or_none(self, name: str, lo: int, hi: int) -> Optional[int]:
+        value = self._get(name, True)
         return None if value is None else check_int(value, lo, hi, self.at(name))
 
-    def str(self, name: str, max_len: int = 256) -> str:
+    def name(self, name: str, max_len: int = 256) -> str:
         return check_str(self._get(name, False), max_len, self.at(name))
 
     def choice(self, name: str, choices: Iterable[str]) -> str:
@@ -119,12 +122,15 @@ class Record:
             raise ValueError(f"{self.at(name)}: {shown(value)} is not one of {list(options)}")
         return value
 
-    def list(self, name: str, min_len: int, max_len: int, optional: bool = False) -> Optional[List[Any]]:
-        value = self._get(name, optional)
+    def entries(self, name: str, min_len: int, max_len: int) -> List[Any]:
+        return check_list(self._get(name, False), min_len, max_len, self.at(name))
+
+    def entries_or_none(self, name: str, min_len: int, max_len: int) -> Optional[List[Any]]:
+        value = self._get(name, True)
         return None if value is None else check_list(value, min_len, max_len, self.at(name))
 
-    def ints(self, name: str, min_len: int, max_len: int, lo: int, hi: int) -> List[int]:
-        values = self.list(name, min_len, max_len)
+    def integers(self, name: str, min_len: int, max_len: int, lo: int, hi: int) -> List[int]:
+        values = self.entries(name, min_len, max_len)
         return [check_int(v, lo, hi, f"{self.at(name)}[{i}]") for i, v in enumerate(values)]
 
     def done(self) -> None:
