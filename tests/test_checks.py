@@ -114,7 +114,7 @@ LOOSE_PLAN_ARGS = {  # kwargs overriding (remote ids, num_tokens, local ids, cac
     "local bool id": (dict(local=[[2, True, 4]]), TypeError),
     "local uint64 max": (dict(local=[np.array([2, 3, 2**64 - 1], dtype=np.uint64)]), ValueError),
     "remote nested": (dict(remote=[[[1, 2, 3]]]), ValueError),
-    "remote None": (dict(remote=None), ValueError),
+    "remote None": (dict(remote=None), TypeError),
 }
 
 
