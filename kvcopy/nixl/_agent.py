@@ -148,7 +148,7 @@ def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
     wrapper = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""), nixl)  # nixl_cu12._api
     binding = getattr(wrapper, "nixlBind", None)
     real = getattr(binding, "nixlAgent", None)
-    if real is None:
+    if binding is None or real is None:
         raise NixlError(f"{wrapper.__name__} builds its agents without a binding module (nixlBind) "
                         "in reach: this kvcopy cannot set the progress-thread delay on this NIXL")
     applied = []

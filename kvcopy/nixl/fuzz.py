@@ -482,7 +482,8 @@ def run_arena_case(spec: Spec) -> Outcome:
     try:
         d_st, d_info = _staging(spec, "d", spec.d_rank, d_caches, "D")
         made.append(d_st)
-        peers, records, buffers = [], {}, {}
+        peers: List[Peer] = []
+        records, buffers = {}, {}
         for r in spec.p_ranks:
             p_st, info = _staging(spec, "p", r, p_caches[r], f"P{r}")
             made.append(p_st)

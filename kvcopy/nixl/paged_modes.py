@@ -17,7 +17,7 @@ on a bad id. Device mode: NIXL reads P's KV into D's KV; ``complete`` only zeroe
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -61,11 +61,12 @@ class PagedMode(BufferMode):
         if waits:
             raise ValueError(f"space_timeout_s: arena mode only ({self.name} mode has no spans to wait for)")
         ids = request_block_ids(info, block_ids, "block_ids")
-        self._save([expand_blocks(a[a != NO_BLOCK], b // p)
-                    for a, b, p in zip(ids, info.tokens_per_block, info.tokens_per_page)])
+        pages: List[Any] = [expand_blocks(a[a != NO_BLOCK], b // p)  # int64 arrays: the copier takes them
+                            for a, b, p in zip(ids, info.tokens_per_block, info.tokens_per_page)]
+        self._save(pages)
         return None
 
-    def _save(self, pages: List[np.ndarray]) -> None:
+    def _save(self, pages: List[Any]) -> None:
         """P's pages (per group) become readable by a peer."""
 
     def on_notifications(self, new) -> None:
@@ -124,8 +125,9 @@ class PagedMode(BufferMode):
                 continue
             t = self.regions.transfer_tensors[pair.layers[0]]
             buf = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            starts, lens = zero_runs(pair.pages_to_zero, pair.local.page_stride, t.storage_offset() * t.element_size(),
-                                     pair.local.num_chunks, pair.local.chunk_stride, pair.zero_segments)
+            base = int(t.storage_offset()) * t.element_size()
+            starts, lens = zero_runs(pair.pages_to_zero, pair.local.page_stride, base, pair.local.num_chunks,
+                                     pair.local.chunk_stride, pair.zero_segments)
             buf.index_fill_(0, torch.as_tensor(byte_index(starts, lens), device=t.device), 0)
 
     def _zero_pages(self, zero_pages: Sequence[Sequence[int]]) -> None:
@@ -168,7 +170,7 @@ class MirrorMode(PagedMode):
                                 opts.tp_rank, opts.tp_size, opts.total_kv_heads)
         return cls(regions, device_caches, layer_groups, opts)
 
-    def _save(self, pages: List[np.ndarray]) -> None:
+    def _save(self, pages: List[Any]) -> None:
         self._copier.to_host(pages)
 
     def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens) -> PullPlan:

@@ -18,7 +18,7 @@ host block 0 in the same scatter call.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ class SpanCopiers:
         out = []
         for cb, unit, group, slab, by_group in self.index:
             first = (span_offset + seg_at[unit] + slab * count[group] * cb) // cb
-            host: List[Optional[List[int]]] = [None] * len(unit)
+            host: List[List[int]] = [[] for _ in range(len(unit))]  # every one set below
             for g, at in by_group:
                 rows = first[at][:, None] + np.asarray(positions[g], np.int64)[None, :]
                 z = zeros[g]

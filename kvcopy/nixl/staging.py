@@ -37,7 +37,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -360,7 +360,7 @@ class ArenaStaging(BufferMode):
             vp = virtual_engine(p.info, p_units, p_segs, pc)
             # Layers pair on what does not depend on page counts (names, dtypes, chunks,
             # heads, in-page axes): once per (peer, order), not per shape.
-            pairs = self.pairings.get((p.key, order), lambda vp=vp: tuple(pair_layers(vd, vp)), tags=(p.key,))
+            pairs = self.pairings.get((p.key, order), _pairing(vd, vp), tags=(p.key,))
             sources.append((vp, pairs))
             need.append(p_total)
         return _Shape(vd, tuple(segs), total, tuple(sources), plan_routes(vd, sources), tuple(need),
@@ -410,7 +410,8 @@ class ArenaStaging(BufferMode):
             rrows[:, 0] += np.uint64(remote_spans[name][0])
             # Every byte read lies in the two spans (belt and braces over the planner).
             check_inside(lrows, d_at, span.nbytes, "D's span")
-            check_inside(rrows, *remote_spans[name], f"{name!r}'s staged span")
+            start, nbytes = remote_spans[name]
+            check_inside(rrows, start, nbytes, f"{name!r}'s staged span")
             reads[name] = (_frozen(lrows), _frozen(rrows))
         read_real, zero_real, blocks = _real_pages(req, virt.plan)
         cps = self.span_copiers(req.order)
@@ -495,6 +496,10 @@ class ArenaStaging(BufferMode):
         for cps in self._by_order.values():
             cps.close()
         self._by_order = {}
+
+
+def _pairing(local: EngineInfo, remote: EngineInfo) -> Callable[[], Tuple[LayerPair, ...]]:
+    return lambda: tuple(pair_layers(local, remote))
 
 
 def _check_record(p: EngineInfo, rec: StagedRequest, n_tok: int) -> Tuple[Tuple[int, ...], List[np.ndarray]]:
