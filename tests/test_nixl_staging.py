@@ -5,6 +5,7 @@ arena raises ArenaFull and drops nothing; failures write nothing to the KV. Two-
 tests at the end (P in a spawned child)."""
 import gc
 import itertools
+import json
 import time
 import weakref
 
@@ -239,6 +240,39 @@ def test_records_from_the_peer_are_checked(pd):
     with pytest.raises(ValueError, match="out of range"):
         p.save([[NP + 5]], num_tokens=10, request_id="y")
     assert p.stats()["spans"] == 1  # only "x"
+
+
+def test_corrupted_records_are_refused_by_plan_pull_and_keyed_managers_authenticate_them():
+    """Bit flips in the offset's digits, the order, the block flags of a record in wire
+    form (which completed ok=True with foreign bytes before records carried a digest),
+    and records made without the managers' shared key: plan_pull refuses each before
+    allocating D's span."""
+    key = b"kvcopy-arena-test-key-0123456789"
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB, key=key)
+        record = p.save([[1, 2, 3]], num_tokens=40, request_id="flip")
+        wire = record.to_bytes(key)
+        body = json.dumps(record.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        start = len(wire) - 64 - len(body)
+        refused = 0
+        for field in (b'"offset":', b'"order":', b'"blocks":'):
+            at = start + body.index(field) + len(field)
+            for i in range(at, at + 6):
+                for bit in range(8):
+                    flipped = wire[:i] + bytes([wire[i] ^ (1 << bit)]) + wire[i + 1:]
+                    with pytest.raises(ValueError):
+                        d.plan_pull(peer, flipped, 40, [[10, 11, 12]])
+                    refused += 1
+        for unkeyed in (record.to_bytes(), record.to_bytes(b"not-the-managers-key-0123456789")):
+            with pytest.raises(ValueError, match="authenticated|HMAC"):
+                d.plan_pull(peer, unkeyed, 40, [[10, 11, 12]])
+        assert refused == 3 * 6 * 8 and d.stats()["bytes_in_use"] == 0
+        before = clone_caches(de.device_caches)
+        plan = d.plan_pull(peer, wire, 40, [[10, 11, 12]])
+        h = d.pull(plan, notify=b"flip")
+        assert wait(d, h) == "DONE" and d.complete(h).ok
+        want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[1, 2, 3]], 40)
+        assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
 
 
 def test_plan_is_pulled_once(pd):
