@@ -7,9 +7,9 @@ rows are in (pair, chunk, segment, page) order, as before this module existed, s
 adjacent pages stay adjacent rows and NIXL merges them the same way.
 
 Why a module: the per-pull work used to be numpy calls per pair and per chunk (two
-``asarray`` of the page tuples, range checks, one add per chunk and side), which for
-64 layers x 500 pages cost ~27 ms per pull on this loaded 2-core machine, and
-``RegionRef.of`` per pair for the region checks. Here:
+``asarray`` of the page tuples, range checks, one add per chunk and side), tens of
+milliseconds per pull for 64 layers x 500 pages (``docs/nixl.md``, "Host cost per
+request"), and ``RegionRef.of`` per pair for the region checks. Here:
 
 * the plan's page tuples are converted once per distinct tuple object (the planner
   shares one tuple per token piece between all the layers it serves, so a homogeneous

@@ -135,8 +135,8 @@ class EngineInfo:
     @cached_property
     def region_refs(self):
         """``RegionRef`` per region, by index: plans share these objects, so ``pull``
-        recognizes its own regions by identity (measured: ``RegionRef.of`` per pair cost
-        about 5 ms of a 64-layer plan on a loaded 2-core machine)."""
+        recognizes its own regions by identity (a ``RegionRef.of`` per pair was a
+        visible part of a 64-layer plan's host cost)."""
         return tuple(RegionRef.of(r) for r in self.regions)
 
     @cached_property

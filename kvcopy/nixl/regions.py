@@ -1,6 +1,7 @@
 """Regions: the memory a manager registers with NIXL and the page geometry of each view.
 
-Two levels, because layers alias (DESIGN.md section 2):
+Two levels, because layers alias (layers of different groups can be views of one
+device storage; several layers can view the same bytes the same way):
 
 * a **storage** is one registered byte range. Grouped layers whose device tensors are
   views of one device storage share it: in ``"host"`` mode the storage is one host
