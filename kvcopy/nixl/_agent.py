@@ -32,7 +32,7 @@ poll delay of 0, so each idle agent busy-polls one CPU. The thread already wakes
 UCX's event fd when there is work, so :class:`Agent` gives it a delay
 (``progress_delay_us``, default :data:`PROGRESS_DELAY_US`): idle agents then use no
 CPU, and transfers and copies beside them keep the cores (the figures, from
-``bench/nixl_progress_delay.py``: ``docs/bench.md``, "NIXL progress-thread delay").
+``bench/nixl_progress_delay.py``: ``docs/nixl.md``, "Progress thread").
 The delay is also the longest the thread sleeps between
 unprompted progress calls (UCX keepalive, failure detection). ``0`` restores NIXL's
 busy polling. NIXL's wrapper has no knob for it: the delay is set on the binding's
