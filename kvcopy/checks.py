@@ -172,7 +172,10 @@ def per_group_counts(value, n_groups: int, what: str, minimum: int = 0) -> List[
     """An int (the same for every group) or one int per group, each >= ``minimum``."""
     if not isinstance(value, (list, tuple, np.ndarray)):
         return [integer(value, what, minimum=minimum)] * n_groups
-    sequence(value, what, n_groups)
+    sequence(value, what)
+    if len(value) != n_groups:
+        raise ValueError(f"{what}: expected one value per KV cache group ({n_groups}), got {len(value)}: "
+                         f"{shown(value)}")
     return [integer(v, f"{what}[{g}]", minimum=minimum) for g, v in enumerate(value)]
 
 

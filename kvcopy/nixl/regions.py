@@ -93,10 +93,6 @@ class RegionInfo:
     axes: Optional[Tuple[Tuple[str, int, int], ...]] = None
 
     @property
-    def page_bytes(self) -> int:
-        return self.num_chunks * self.chunk_bytes
-
-    @property
     def layers(self) -> Tuple[str, ...]:
         return tuple(name for name, _ in self.members)
 
@@ -258,12 +254,10 @@ class RegionSet:
     buffer: str
     regions: List[RegionInfo]
     storages: List[Storage]
-    region_of_layer: Dict[str, int]
     transfer_tensors: Dict[str, torch.Tensor]  # per grouped layer: host view or device cache
     host_views: Dict[str, torch.Tensor]  # host mode only
     layouts: Dict[str, PageLayout]  # device layout per grouped layer
     descriptor_offsets: np.ndarray  # int64 [R + 1]
-    group_num_pages: List[int]  # per group: the smallest page count of its layers
 
     @property
     def mem_type(self) -> str:
@@ -365,7 +359,6 @@ def build_regions(
     layouts = _layouts(device_caches, group_of, tokens_per_page, block_dim, kv_layout)
     storages, transfer_tensors, host_views, storage_of = _storages(device_caches, list(group_of), buffer)
     # Regions: grouped layers by the exact bytes and geometry they view.
-    region_of_layer: Dict[str, int] = {}
     key_to_region: Dict[tuple, int] = {}
     members: List[List[Tuple[str, int]]] = []
     for name in group_of:
@@ -376,19 +369,14 @@ def build_regions(
             key_to_region[key] = len(members)
             members.append([])
         members[key_to_region[key]].append((name, group_of[name]))
-        region_of_layer[name] = key_to_region[key]
     def heads(name: str):
         return _heads(name, device_caches[name], layouts[name], total_kv_heads, tp_rank, tp_size)
 
     regions = [_region(r, mem, transfer_tensors, layouts, storages[storage_of[mem[0][0]]], tokens_per_page,
                        kv_layout, heads) for r, mem in enumerate(members)]
-    group_pages = [
-        min((layouts[n].num_blocks for n in layers), default=0) for layers in layer_groups
-    ]
     return RegionSet(
-        buffer=buffer, regions=regions, storages=storages, region_of_layer=region_of_layer,
-        transfer_tensors=transfer_tensors, host_views=host_views, layouts=layouts,
-        descriptor_offsets=descriptor_table(regions)[1], group_num_pages=group_pages,
+        buffer=buffer, regions=regions, storages=storages, transfer_tensors=transfer_tensors,
+        host_views=host_views, layouts=layouts, descriptor_offsets=descriptor_table(regions)[1],
     )
 
 
