@@ -1,7 +1,8 @@
 """The handshake: versioned, digested (optionally keyed) metadata bytes, checked
 field by field, and the check that a peer can be served.
 
-Wire format (all integers little-endian)::
+Wire format (all integers little-endian; the frame is :mod:`kvcopy.nixl.framing`'s,
+with two parts, as for the staged-request records of arena mode)::
 
     b"KVCOPY-NIXL\\0"  magic, 12 bytes
     u32              version (HANDSHAKE_VERSION)
@@ -23,7 +24,8 @@ heads (total and the range this rank holds), head size, named in-chunk axes.
 and before anything proportional to a declared count is allocated or looped over: the
 magic, the version (never guessed), the two declared lengths against the payload's own
 length and against :data:`MAX_HEADER_BYTES`/:data:`MAX_AGENT_BYTES`, the SHA-256
-digest over the whole payload, the HMAC when a key is involved, then every header field
+digest over the whole payload, the HMAC when a key is involved, then the JSON (duplicate
+keys refused) and every header field
 (:mod:`kvcopy.nixl.schema`: types, ranges, known dtypes and layouts, the fields of each
 region against each other, the regions against the engine's groups). Only then does
 the manager hand the agent metadata to NIXL. :func:`check_peer_limits` bounds what a

@@ -123,11 +123,11 @@ class Plan:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PullPlan(Plan):
     """One request's pull of pages (host and device modes; see the module docstring)."""
 
-    pairs: Tuple[RegionPair, ...] = ()
+    pairs: Tuple[RegionPair, ...]
 
     def peer_of(self, pair: RegionPair) -> str:
         return pair.peer or self.peer

@@ -65,7 +65,7 @@ SHAPE_CACHE_SIZE = 128
 PLANS_PER_SHAPE = 16  # virtual plans kept per shape (prefix hits and holes make more than one)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ArenaPlan(Plan):
     """D's plan for one request in arena mode: read P's spans into D's span, then scatter.
     ``read_pages``, ``zero_pages`` and ``local_block_ids`` are D's real pages and blocks;
@@ -74,17 +74,17 @@ class ArenaPlan(Plan):
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    virtual: Optional[PullPlan] = None  # over the virtual engines (page ids = page positions)
-    span: Span = Span(0, 0)  # D's span
-    reads: Mapping[str, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # peer -> (local, remote rows)
-    scatter: Tuple[CallPlan, ...] = ()  # per copier: its planned h2d (span -> KV, zero granule -> zeroed pages)
-    zero_runs: Tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int64), np.empty(0, np.int64))  # in D's span first
-    order: str = ORDER  # the staging order of both spans (the records')
-    ticket: int = -1  # this plan in its staging's ledger of live spans
+    virtual: PullPlan  # over the virtual engines (page ids = page positions)
+    span: Span  # D's span
+    reads: Mapping[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows), read-only
+    scatter: Tuple[CallPlan, ...]  # per copier: its planned h2d (span -> KV, zero granule -> zeroed pages)
+    zero_runs: Tuple[np.ndarray, np.ndarray]  # (arena offsets, bytes) zeroed in D's span before the scatter
+    order: str  # the staging order of both spans (the records')
+    ticket: int  # this plan in its staging's ledger of live spans
 
     @property
     def num_bytes(self) -> int:
-        return self.virtual.num_bytes if self.virtual is not None else 0
+        return self.virtual.num_bytes
 
     @property
     def num_descriptors(self) -> int:
