@@ -73,7 +73,7 @@ def raw_indices(D, peer: str, plan):
     from kvcopy.nixl.regions import descriptor_table
 
     local_off = descriptor_table(D.info.regions)[1]
-    remote_off = descriptor_table(D._peers[peer].info.regions)[1]
+    remote_off = descriptor_table(D._peers[peer].peer.info.regions)[1]
     loc, rem = [], []
     for p in plan.pairs:
         lp = np.asarray(p.local_pages, np.int64)

@@ -114,7 +114,7 @@ LOOSE_PLAN_ARGS = {  # kwargs overriding (remote ids, num_tokens, local ids, cac
     "local bool id": (dict(local=[[2, True, 4]]), TypeError),
     "local uint64 max": (dict(local=[np.array([2, 3, 2**64 - 1], dtype=np.uint64)]), ValueError),
     "remote nested": (dict(remote=[[[1, 2, 3]]]), ValueError),
-    "remote None": (dict(remote=None), ValueError),
+    "remote None": (dict(remote=None), TypeError),
 }
 
 
@@ -144,3 +144,155 @@ def test_manager_name_and_backends_are_checked():
         eng.manager(5)
     with pytest.raises(ValueError, match="unavailable"):
         eng.manager("Xbackends", backends=("NO_SUCH_BACKEND",))
+
+
+# ---------------------------------------------------------------- id lists of every kind, one validator
+from kvcopy.checks import block_id_lists  # noqa: E402
+
+NOT_LISTS = {  # an outer "one list per group" or one group's ids that is not a list
+    "a set of lists": ({(1, 2)}, TypeError),
+    "dict.values()": ({0: [1, 2]}.values(), TypeError),
+    "masked array": (np.ma.array([[1, 2]], mask=[[0, 1]]), TypeError),
+    "a generator": ((x for x in [[1]]), TypeError),
+    "None": (None, TypeError),
+    "two groups for one": ([[1], [2]], ValueError),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_LISTS))
+def test_block_id_lists_refuses_what_is_not_one_list_per_group(name):
+    value, exc = NOT_LISTS[name]
+    with pytest.raises(exc, match="ids"):
+        block_id_lists(value, 1, "ids")
+
+
+def test_block_id_lists_checks_ranges_once():
+    assert [a.tolist() for a in block_id_lists([[0, -1, 5], (2,)], 2, "ids", lowest=-1, limits=[6, 3])] == \
+        [[0, -1, 5], [2]]
+    with pytest.raises(ValueError, match=r"ids, group 0: block id 6 out of range \[0, 6\)"):
+        block_id_lists([[6]], 1, "ids", limits=[6])
+    with pytest.raises(ValueError, match="ids, group 1: negative block id -2"):
+        block_id_lists([[1], [-2]], 2, "ids", lowest=-1)
+    with pytest.raises(TypeError, match="masked array"):
+        block_id_lists([np.ma.array([1, 2], mask=[0, 1])], 1, "ids")
+
+
+# ---------------------------------------------------------------- arena mode: the same checks
+@pytest.fixture
+def arena_pd():
+    with nixl_testing.one_torch_thread(), nixl_testing.ManagerPairs() as pairs:
+        yield pairs.make("one_group", 48, buffer="arena", arena_bytes=1 << 20)
+
+
+LOOSE_SAVE_ARGS = {  # save() kwargs overriding (ids, num_tokens, request_id, readers) -> exception
+    "num_tokens 50.5": (dict(num_tokens=50.5), TypeError),
+    "num_tokens '50'": (dict(num_tokens="50"), TypeError),
+    "num_tokens np.float64": (dict(num_tokens=np.float64(50)), TypeError),
+    "num_tokens True": (dict(num_tokens=True), TypeError),
+    "num_tokens inf": (dict(num_tokens=float("inf")), TypeError),
+    "num_tokens 1e400": (dict(num_tokens=1e400), TypeError),
+    "num_tokens -1": (dict(num_tokens=-1), ValueError),
+    "num_tokens 2**70": (dict(num_tokens=2**70), ValueError),
+    "readers 1.5": (dict(readers=1.5), TypeError),
+    "readers 0": (dict(readers=0), ValueError),
+    "readers True": (dict(readers=True), TypeError),
+    "request_id ''": (dict(request_id=""), ValueError),
+    "request_id b''": (dict(request_id=b""), ValueError),
+    "request_id 5": (dict(request_id=5), TypeError),
+    "request_id not latin-1": (dict(request_id="\u4e2d"), ValueError),
+    "request_id too long": (dict(request_id="r" * 5000), ValueError),
+    "ids bool": (dict(ids=[[True, 2]]), TypeError),
+    "ids nested": (dict(ids=[[[1, 2]]]), ValueError),
+    "ids 2-D": (dict(ids=[np.zeros((1, 2), np.int64)]), ValueError),
+    "ids set": (dict(ids=[{1, 2}]), TypeError),
+    "ids dict.values()": (dict(ids=[{0: 1, 1: 2}.values()]), TypeError),
+    "ids masked": (dict(ids=[np.ma.array([1, 2], mask=[0, 1])]), TypeError),
+    "ids uint64 max": (dict(ids=[np.array([1, 2**64 - 1], np.uint64)]), ValueError),
+    "ids float": (dict(ids=[[1.0, 2]]), TypeError),
+    "ids out of range": (dict(ids=[[1, 48]]), ValueError),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOSE_SAVE_ARGS))
+def test_arena_save_refuses_loose_arguments_and_stages_nothing(arena_pd, name):
+    """Old code: int(num_tokens) truncated 50.5, True staged block 1, 2**64-1 became a
+    hole, readers=1.5 and request_id='' were taken, 2-D ids were flattened, sets,
+    dict views and masked arrays read in hash order or with the mask ignored."""
+    p, d, peer, pe, de = arena_pd
+    kw, exc = LOOSE_SAVE_ARGS[name]
+    args = dict(ids=[[1, 2, 3, 4]], num_tokens=50, request_id="r", readers=1)
+    args.update(kw)
+    before = p.arena.buffer.clone()
+    with pytest.raises(exc):
+        p.save(args.pop("ids"), **args)
+    assert p.stats()["spans"] == 0 and p.stats()["failed_allocations"] == 0
+    assert torch.equal(p.arena.buffer, before)
+
+
+@pytest.mark.parametrize("num_tokens", [10**8, 10**12])
+def test_arena_save_of_more_tokens_than_the_arena_holds_raises_arena_full_at_once(arena_pd, num_tokens):
+    """Old code built per-token arrays first: 10**8 tokens spent seconds before its
+    ArenaFull, 10**12 raised MemoryError. Nothing proportional to the token count is
+    built before the span is sized (peak traced memory bounds it, not a timer)."""
+    import tracemalloc
+
+    from kvcopy.nixl import ArenaFull
+
+    p, d, peer, pe, de = arena_pd
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArenaFull, match="more than the whole arena") as info:
+            p.save([[1, 2, 3]], num_tokens=num_tokens, request_id="huge")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.ever_fits is False and peak < 1 << 20
+    assert p.stats()["spans"] == 0 and p.stats()["failed_allocations"] == 1
+
+
+LOOSE_ARENA_PLAN_ARGS = {  # plan_pull overrides of (num_tokens, local ids, cached) -> exception
+    "num_tokens 40.5": (dict(n=40.5), TypeError),
+    "num_tokens '40'": (dict(n="40"), TypeError),
+    "num_tokens np.float64": (dict(n=np.float64(40)), TypeError),
+    "num_tokens inf": (dict(n=float("inf")), TypeError),
+    "local bool": (dict(local=[[2, True, 4]]), TypeError),
+    "local nested": (dict(local=[[[2, 3, 4]]]), ValueError),
+    "local 2-D": (dict(local=[np.array([[2, 3, 4]])]), ValueError),
+    "local set": (dict(local=[{2, 3, 4}]), TypeError),
+    "local masked": (dict(local=[np.ma.array([2, 3, 4], mask=[0, 0, 1])]), TypeError),
+    "local uint64 max": (dict(local=[np.array([2, 3, 2**64 - 1], np.uint64)]), ValueError),
+    "local too few blocks": (dict(local=[[2, 3]]), ValueError),
+    "local out of range": (dict(local=[[2, 3, 48]]), ValueError),
+    "cached '16'": (dict(c="16"), TypeError),
+    "cached [16.0]": (dict(c=[16.0]), TypeError),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOSE_ARENA_PLAN_ARGS))
+def test_arena_plan_pull_refuses_loose_arguments_and_allocates_nothing(arena_pd, name):
+    p, d, peer, pe, de = arena_pd
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="x")
+    kw, exc = LOOSE_ARENA_PLAN_ARGS[name]
+    args = dict(n=40, local=[[2, 3, 4]], c=0)
+    args.update(kw)
+    with pytest.raises(exc):
+        d.plan_pull(peer, record, args["n"], args["local"], args["c"])
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["spans"] == 0
+
+
+def test_a_pull_for_more_tokens_than_d_has_blocks_for_raises_naming_both(pd):
+    """Old code planned 100 tokens over blocks holding 48, printed "100 tokens" and moved 48."""
+    p, d, peer, pe, de = pd
+    with pytest.raises(ValueError, match=r"3 block\(s\) of 16 tokens hold 48 tokens; the pull is for 100"):
+        d.plan_pull(peer, [[1, 2, 3, 4, 5, 6, 7]], 100, [[2, 3, 4]])
+    plan = d.plan_pull(peer, [[1, 2, 3, 4, 5, 6, 7]], 100, [[2, 3, 4, 5, 6, 7, 8]])
+    assert "100 tokens" in str(plan) and sum(map(len, plan.read_pages)) == 7
+
+
+@pytest.mark.parametrize("ids", [[{1, 2}], [{0: 1}.values()], [np.ma.array([1, 2], mask=[0, 1])], [[1, 48]]])
+def test_host_save_refuses_sets_views_masked_arrays_and_ids_past_the_cache(pd, ids):
+    p, d, peer, pe, de = pd
+    before = nixl_testing.clone_caches(p.regions.host_views)
+    with pytest.raises((TypeError, ValueError)):
+        p.save(ids)
+    assert nixl_testing.same_bytes(before, p.regions.host_views)

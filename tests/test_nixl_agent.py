@@ -146,7 +146,8 @@ def test_sleeping_agents_still_read_and_notify():
     its notification reaches the target (woken by UCX's event fd, not by the timeout)."""
     import time
 
-    src, dst = Agent("agent-sleep-src", progress_delay_us=10_000_000), Agent("agent-sleep-dst", progress_delay_us=10_000_000)
+    src = Agent("agent-sleep-src", progress_delay_us=10_000_000)
+    dst = Agent("agent-sleep-dst", progress_delay_us=10_000_000)
     try:
         a = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
         b = np.full(1 << 20, 0xA5, dtype=np.uint8)

@@ -1,10 +1,9 @@
 """The byte-oracle fuzzer: random heterogeneous geometries planned and replayed on CPU
 tensors (no NIXL), each byte-exact against an expectation built from token and head
 semantics, or a clear ValueError. A silently wrong case fails the test."""
-import numpy as np
 import pytest
 
-from kvcopy.nixl import fuzz, geometry, plan as plan_mod
+from kvcopy.nixl import fuzz, geometry, routes as routes_mod
 from kvcopy.nixl.geometry import ChunkAxes, remote_ranks, segments
 from kvcopy.nixl.testing import one_torch_thread
 
@@ -43,7 +42,7 @@ def test_the_cases_cover_the_heterogeneous_geometries():
 def test_the_fuzzer_catches_a_planted_bug(monkeypatch):
     """Read every head range from the peer's first head: the oracle must see it."""
     real = geometry.head_owners
-    monkeypatch.setattr(plan_mod, "head_owners",
+    monkeypatch.setattr(routes_mod, "head_owners",
                         lambda lh, ph, prefer: [(i, a, 0, k) for i, a, _, k in real(lh, ph, prefer)])
     report = fuzz.fuzz(60, seed=0)
     assert report.wrong > 0

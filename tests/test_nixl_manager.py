@@ -94,7 +94,7 @@ def test_many_requests_in_flight_complete_in_any_order(pd):
     p, d, peer, pe, de = pd("hybrid", num_pages=256)
     rng = np.random.default_rng(7)
     p_used, d_used, reqs = set(), set(), []
-    for i in range(12):
+    for _ in range(12):
         n = int(rng.integers(1, 97))
         g0, g1 = -(-n // 32), -(-n // 16)
         p_ids = allocate_blocks(rng, pe, [g0, g1], p_used, 256)
@@ -176,7 +176,7 @@ def test_edited_or_foreign_plans_and_handles_are_refused_before_anything_moves(p
     plan = d.plan_pull(peer, [[1, 2, 3]], 40, [[10, 11, 12, 13]])
     assert plan.zero_pages == ((13,),)
     before, host_before = clone_caches(de.device_caches), clone_caches(d.regions.host_views)
-    for what, bad in edited_plans(plan, pe).items():
+    for _, bad in edited_plans(plan, pe).items():
         with pytest.raises(ValueError, match="not a plan made by"):
             d.pull(bad)
     with pytest.raises(ValueError, match="not a plan made by"):

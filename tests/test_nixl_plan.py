@@ -92,8 +92,11 @@ def test_groups_numbered_differently_on_each_side_pair_by_layer_name():
 
 @pytest.mark.parametrize("p_ids, n, d_ids, cached, exc, match", [
     ([[5, 9]], 160, [[20, 21, 22], [1]], 0, ValueError, "one block id list per KV cache group"),
-    ([[5, 39]], 160, [[20, 21, 22]], 0, ValueError, "remote page 78 out of range"),
-    ([[5, 9]], 160, [[20, 21, 40]], 0, ValueError, "local page 40 out of range"),
+    ([[5, 39]], 160, [[20, 21, 22]], 0, ValueError, r"remote_block_ids.*group 0: block id 39 out of range"),
+    ([[5, 9]], 160, [[20, 21, 40]], 0, ValueError, r"local_block_ids, group 0: block id 40 out of range"),
+    ([[5, 9]], 160, [[20, 21]], 0, ValueError, r"2 block\(s\) of 64 tokens hold 128 tokens; the pull is for 160"),
+    ([[5, 9]], 160, [[20, True, 22]], 0, TypeError, "integers"),
+    ([[5, 9]], 160, [[20, 21, 2**62]], 0, ValueError, "out of range"),
     ([[5, 9]], 160, [[20, 21, 20]], 0, ValueError, "page 20 appears at two token positions"),
     ([[5, 9]], 160, [[20, -3, 22]], 0, ValueError, "negative block id"),
     ([[5, 9]], 160, [[20.0, 21, 22]], 0, TypeError, "integers"),

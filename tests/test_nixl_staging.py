@@ -5,6 +5,7 @@ arena raises ArenaFull and drops nothing; failures write nothing to the KV. Two-
 tests at the end (P in a spawned child)."""
 import gc
 import itertools
+import json
 import time
 import weakref
 
@@ -14,9 +15,8 @@ import torch
 
 from kvcopy.nixl import NO_BLOCK, TransferManager, fuzz, remote_ranks
 from kvcopy.nixl.arena import ArenaFull
-from kvcopy.nixl import plan as plan_module
-from kvcopy.nixl.handshake import EngineInfo
-from kvcopy.nixl.staging import ORDER, ArenaPlan, StagedRequest, merge_rows
+from kvcopy.nixl.record import StagedRequest
+from kvcopy.nixl.staging import ArenaPlan
 from kvcopy.nixl.testing import (
     ManagerPairs, allocate_blocks, build_case, clone_caches, collect_notifications,
     expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,
@@ -203,21 +203,23 @@ def test_abort_mid_flight_quarantines_d_span_for_its_ttl(pd):
 
 
 def test_records_from_the_peer_are_checked(pd):
+    """Records are parsed through the schema (tests/test_nixl_record.py has the wire
+    form's mutations); here, the checks D makes against the peer's handshake."""
     p, d, peer, pe, de = pd("one_group")
     record = p.save([[1, 2, 3]], num_tokens=40, request_id="x")
     assert StagedRequest.from_bytes(record.to_bytes()) == record
     bad = [
-        (dict(record.to_dict(), order="other"), "order"),
-        (dict(record.to_dict(), offset=-1), "negative"),
-        (dict(record.to_dict(), blocks=[[1, 2, 1]]), "0 or 1"),
+        (dict(record.to_dict(), order="other"), "order: 'other' is not one of"),
+        (dict(record.to_dict(), offset=-1), r"offset: -1 out of range"),
+        (dict(record.to_dict(), blocks=[[1, 2, 1]]), r"blocks\[0\]\[1\]: 2 out of range \[0, 1\]"),
         ({"engine": "P"}, "malformed"),
     ]
     for d_, words in bad:
         with pytest.raises(ValueError, match=words):
             StagedRequest.from_dict(d_)
-    with pytest.raises(ValueError, match="malformed"):
+    with pytest.raises(ValueError, match="bad magic"):
         StagedRequest.from_bytes(b"\xff")
-    with pytest.raises(TypeError, match="is bytes"):
+    with pytest.raises(TypeError, match="must be bytes"):
         StagedRequest.from_bytes(record.to_dict())
     d.discard(d.plan_pull(peer, record.to_bytes(), 40, [[10, 11, 12]]))  # the wire form is accepted
     for rec, words in [
@@ -228,6 +230,8 @@ def test_records_from_the_peer_are_checked(pd):
     ]:
         with pytest.raises(ValueError, match=words):
             d.plan_pull(peer, rec, rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]])
+        with pytest.raises(ValueError, match=words):  # the same record in wire form
+            d.plan_pull(peer, rec.to_bytes(), rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]])
     assert d.stats()["bytes_in_use"] == 0  # nothing allocated by the refused plans
     with pytest.raises(ValueError, match="already staged"):
         p.save([[4]], num_tokens=10, request_id="x")
@@ -236,6 +240,39 @@ def test_records_from_the_peer_are_checked(pd):
     with pytest.raises(ValueError, match="out of range"):
         p.save([[NP + 5]], num_tokens=10, request_id="y")
     assert p.stats()["spans"] == 1  # only "x"
+
+
+def test_corrupted_records_are_refused_by_plan_pull_and_keyed_managers_authenticate_them():
+    """Bit flips in the offset's digits, the order, the block flags of a record in wire
+    form (which completed ok=True with foreign bytes before records carried a digest),
+    and records made without the managers' shared key: plan_pull refuses each before
+    allocating D's span."""
+    key = b"kvcopy-arena-test-key-0123456789"
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB, key=key)
+        record = p.save([[1, 2, 3]], num_tokens=40, request_id="flip")
+        wire = record.to_bytes(key)
+        body = json.dumps(record.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        start = len(wire) - 64 - len(body)
+        refused = 0
+        for field in (b'"offset":', b'"order":', b'"blocks":'):
+            at = start + body.index(field) + len(field)
+            for i in range(at, at + 6):
+                for bit in range(8):
+                    flipped = wire[:i] + bytes([wire[i] ^ (1 << bit)]) + wire[i + 1:]
+                    with pytest.raises(ValueError):
+                        d.plan_pull(peer, flipped, 40, [[10, 11, 12]])
+                    refused += 1
+        for unkeyed in (record.to_bytes(), record.to_bytes(b"not-the-managers-key-0123456789")):
+            with pytest.raises(ValueError, match="authenticated|HMAC"):
+                d.plan_pull(peer, unkeyed, 40, [[10, 11, 12]])
+        assert refused == 3 * 6 * 8 and d.stats()["bytes_in_use"] == 0
+        before = clone_caches(de.device_caches)
+        plan = d.plan_pull(peer, wire, 40, [[10, 11, 12]])
+        h = d.pull(plan, notify=b"flip")
+        assert wait(d, h) == "DONE" and d.complete(h).ok
+        want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[1, 2, 3]], 40)
+        assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
 
 
 def test_plan_is_pulled_once(pd):
@@ -252,9 +289,10 @@ def test_plan_is_pulled_once(pd):
 
 def test_plans_of_one_shape_share_cached_virtual_engines(pd):
     """Requests of one shape (page counts per group, peer, order) plan over the same
-    address-free virtual engines, so the planner's route cache hits and the virtual plan
-    is reused; each plan's rows are its own spans'; bytes stay exact. Another shape or
-    a re-added peer misses; a removed peer's entries are dropped and it is freed."""
+    address-free virtual engines and routes, keyed by those values and the peer's key,
+    and reuse the virtual plan; each plan's rows are its own spans'; bytes stay exact.
+    Another shape or a re-added peer misses; a removed peer's entries are dropped and
+    it is freed."""
     p, d, peer, pe, de = pd("hybrid")
     rng = np.random.default_rng(5)
     shapes = d.arena.shapes
@@ -268,45 +306,35 @@ def test_plans_of_one_shape_share_cached_virtual_engines(pd):
     plan_a = pull_arena(d, peer, de, da, pe, pa, ra, 90)
     assert (shapes.hits, shapes.misses, len(shapes)) == (0, 1, 1)
     (shape,) = shapes.values()
-    assert plan_module._ROUTES.holds(shape.local) == 1
-    routes_before = len(plan_module._ROUTES)
+    assert shape.routes.local is shape.local  # the routes of the shape's own virtual engines
     plan_b = pull_arena(d, peer, de, db, pe, pb, rb, 90)
     assert (shapes.hits, shapes.misses, len(shapes)) == (1, 1, 1)
-    assert plan_b.plan is plan_a.plan  # the same virtual plan ...
-    assert plan_module._ROUTES.holds(shape.local) == 1
+    assert plan_b.virtual is plan_a.virtual  # the same virtual plan ...
     # ... with each request's own rows: P's spans differ, D's rows lie in D's span
-    (la, rra), (lb, rrb) = plan_a.reads[peer], plan_b.reads[peer]
+    (_, rra), (lb, rrb) = plan_a.reads[peer], plan_b.reads[peer]
     assert int(rra[0, 0]) - int(rrb[0, 0]) == ra.offset - rb.offset != 0
     assert int(lb[0, 0]) == d.arena.base + plan_b.span.offset
     assert plan_a.local_block_ids != plan_b.local_block_ids
+    assert not lb.flags.writeable and not plan_b.zero_runs[0].flags.writeable
     # another shape: its own engines
     pc, dc, rc = request([2, 4], 60, "c")
     plan_c = pull_arena(d, peer, de, dc, pe, pc, rc, 60)
     assert (shapes.misses, len(shapes)) == (2, 2)
-    assert plan_c.plan.pairs[0].local is not plan_a.plan.pairs[0].local
+    assert plan_c.virtual.pairs[0].local is not plan_a.virtual.pairs[0].local
     # a removed peer: its entries go, nothing keeps its record alive; re-added, it misses
-    info_ref = weakref.ref(d._peers[peer].info)
+    key = d._peers[peer].peer.key
+    info_ref = weakref.ref(d._peers[peer].peer.info)
     shape_ref = weakref.ref(shape)
+    assert shapes.holds(key) == 2 and d.arena.pairings.holds(key) == 1
     del shape, plan_a, plan_b, plan_c  # (a live plan holds its peer's record: the manager binds them)
     d.remove_peer(peer)
     gc.collect()
     assert len(shapes) == 0 and info_ref() is None and shape_ref() is None
-    assert len(plan_module._ROUTES) < routes_before  # its virtual engines' routes went with them
+    assert len(d.arena.pairings) == 0
     assert d.add_peer(p.metadata()) == peer
     pd_, dd, rd = request([3, 6], 90, "d")
     pull_arena(d, peer, de, dd, pe, pd_, rd, 90)
-    assert (shapes.misses, len(shapes)) == (3, 1)
-
-
-def test_merge_rows_merges_what_continues_on_both_sides():
-    local = np.array([[300, 100, 0], [100, 100, 0], [200, 100, 0]], np.uint64)
-    remote = np.array([[1350, 100, 0], [1100, 100, 0], [1250, 100, 0]], np.uint64)  # 200 and 300 continue
-    lo, ro = merge_rows(local, remote)
-    assert lo[:, :2].tolist() == [[100, 100], [200, 200]] and ro[:, :2].tolist() == [[1100, 100], [1250, 200]]
-    local = np.array([[100, 50, 0], [200, 100, 0], [400, 10, 0]], np.uint64)
-    remote = np.array([[1100, 50, 0], [1200, 100, 0], [1410, 10, 0]], np.uint64)
-    lo, ro = merge_rows(local, remote, bridge=50)  # the 50-byte gap is the same on both sides
-    assert lo[:, :2].tolist() == [[100, 200], [400, 10]] and ro[:, :2].tolist() == [[1100, 200], [1410, 10]]
+    assert (shapes.misses, len(shapes)) == (3, 1) and shapes.holds(key) == 0
 
 
 # ---------------------------------------------------------------- head order (HND)
@@ -395,7 +423,7 @@ def test_head_order_prefix_hit_and_page_sizes():
 def test_head_order_shares_the_token_copiers_where_no_unit_splits():
     """D builds head-order copiers for the first head-order record; where no unit has
     head slabs (NHD pages here) they are the token-order ones, not a second set."""
-    from kvcopy.nixl.staging import HEAD_ORDER, ORDER
+    from kvcopy.nixl.pack_order import HEAD_ORDER, ORDER
 
     layers = [f"model.layers.{i}.attn" for i in range(2)]
     for layout, shared in (("nhd", True), ("kvf_hnd", False)):
@@ -405,7 +433,7 @@ def test_head_order_shares_the_token_copiers_where_no_unit_splits():
                          p=side, d=side, d_rank=0, p_ranks=[0])
         st, _ = fuzz._staging(spec, "d", 0, fuzz.build_caches(spec, "d", 0), "D")
         try:
-            assert (st._copiers_for(HEAD_ORDER) is st._copiers_for(ORDER)) == shared
+            assert (st.span_copiers(HEAD_ORDER) is st.span_copiers(ORDER)) == shared
         finally:
             st.close()
 
@@ -615,7 +643,8 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
     """Block-first HND pages ``[NB, 2, H, T, D]`` stage in head order too: each head's
     K and V slabs, head-major, so a TP head slice is still one run per layer; bytes
     exact by the fuzzer's expectation."""
-    from kvcopy.nixl.staging import HEAD_ORDER, stage_units
+    from kvcopy.nixl.buffer_mode import Peer
+    from kvcopy.nixl.pack_order import HEAD_ORDER, stage_units
 
     build = fuzz.build_caches
     monkeypatch.setattr(fuzz, "build_caches", lambda spec, which, rank, logical=None: {
@@ -641,10 +670,10 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
         for r in spec.p_ranks:
             st, info = fuzz._staging(spec, "p", r, fuzz.build_caches(spec, "p", r, logical), f"P{r}")
             made.append(st)
-            assert {(u.heads, u.outer) for u in stage_units(info, HEAD_ORDER)} == {(4 // p_tp, 2)}
-            records[info.name] = st.save(info, p.block_ids, n, b"q", 1)
-            peers.append(info)
-        plan = d_st.plan_pull(d_info, peers, records, n, d.block_ids, 0)
+            assert {(u.heads, u.outer) for u in stage_units(info.regions, HEAD_ORDER)} == {(4 // p_tp, 2)}
+            records[info.name] = st.stage(info, p.block_ids, n, b"q", 1)
+            peers.append(Peer(len(peers), info, (), ()))
+        plan = d_st.plan(d_info, peers, records, n, d.block_ids, 0)
         # a head slice of each layer is one run per peer (fewer where runs line up across layers)
         assert all(len(rows[0]) <= len(layers) for rows in plan.reads.values())
     finally:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from kvcopy.nixl import decode, encode, nixl_available
-from kvcopy.nixl import plan as plan_module
 from kvcopy.nixl.handshake_fuzz import misplaced
 from kvcopy.nixl.testing import build_case, fill_random, pull_and_complete, same_bytes
 
@@ -171,20 +170,27 @@ def test_bad_keys_are_refused_at_construction(engines):
 
 def test_a_removed_peer_is_not_kept_alive_by_the_route_cache(engines):
     """The planner's route cache held the peer's EngineInfo (and its regions) until
-    64 other plans pushed it out; now remove_peer drops it and nothing else holds it."""
+    64 other plans pushed it out; now remove_peer drops it and nothing else holds it.
+    Routes are keyed by the peer's key, which a re-added peer does not share."""
     pe, de = engines
     p, d = pe.manager("P-routes"), de.manager("D-routes")
     try:
+        routes = d._mode._routes
         name = d.add_peer(p.metadata())
         d.plan_pull(name, HYBRID_P, 70, HYBRID_D)
-        info_ref = weakref.ref(d._peers[name].info)
-        assert plan_module._ROUTES.holds(info_ref()) >= 1
-        before = len(plan_module._ROUTES)
+        key = d._peers[name].peer.key
+        info_ref = weakref.ref(d._peers[name].peer.info)
+        assert routes.holds(key) == 1
+        d.plan_pull(name, HYBRID_P, 70, HYBRID_D)
+        assert (routes.hits, routes.misses) == (1, 1)
         d.remove_peer(name)
         gc.collect()
         assert info_ref() is None
-        assert len(plan_module._ROUTES) < before  # its entries went
+        assert routes.holds(key) == 0 and len(routes) == 0  # its entries went
         assert d.add_peer(p.metadata()) == name  # and the name comes back with genuine metadata
+        assert d._peers[name].peer.key != key
+        d.plan_pull(name, HYBRID_P, 70, HYBRID_D)
+        assert (routes.hits, routes.misses) == (1, 2)  # the re-added peer's own routes
     finally:
         d.close()
         p.close()

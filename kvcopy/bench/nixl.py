@@ -248,7 +248,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         peer = md.add_peer(mp.metadata())
         mp.save(P.ids)
         tokens = max(counts) * sc.block_size
-        plan = md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts))
+        plan = _page_plan(md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts)))
         raw = RawPair(plan, args.nixl_backend, delay)
         per_page = raw.descriptors(merge=False)
         merged = raw.descriptors(merge=True)
@@ -309,7 +309,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         facts = {"plan_bytes": bulk_n, "progress_delay_us": delay, "region_pairs": len(plan.pairs),
                  "descriptors_per_page": len(per_page[0]), "descriptors_merged": len(merged[0]),
                  "verify": verify or ("skipped" if not args.verify else "ok"),
-                 "copy_backends": md._copier.backends() if getattr(md, "_copier", None) else None,
+                 "copy_backends": _copy_backends(md),
                  **arena_facts}
         if args.arena and args.verify:  # the arena rows wrote D's KV last
             if device != "cpu":
@@ -468,3 +468,18 @@ def format_nixl(out: dict) -> str:
                          f"{f['arena_requests_in_1GiB']} requests fit one 1 GiB arena; "
                          f"arena verify {f.get('arena_verify', 'skipped')}")
     return "\n".join(lines) + "\n"
+
+
+def _page_plan(plan):
+    """A host-mode plan (a PullPlan: pages, region pairs)."""
+    from ..nixl import PullPlan
+
+    if not isinstance(plan, PullPlan):
+        raise TypeError(f"host mode planned a {type(plan).__name__}")
+    return plan
+
+
+def _copy_backends(manager) -> Optional[Dict[str, str]]:
+    """The backends of a host-mode manager's BlockCopier (its buffer mode holds it)."""
+    copier = getattr(getattr(manager, "_mode", None), "_copier", None)
+    return copier.backends() if copier is not None else None

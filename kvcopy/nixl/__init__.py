@@ -7,6 +7,7 @@ one plan may read from several peers), reads with NIXL and completes with one ma
 copy.
 ``buffer="arena"`` stages each request in one span of a fixed-size pinned arena
 instead (:mod:`kvcopy.nixl.staging`: one descriptor per request for equal geometry).
+What differs between the buffer modes is :mod:`kvcopy.nixl.buffer_mode`.
 ``replay`` is the byte oracle that applies a plan without NIXL; ``python -m
 kvcopy.nixl.fuzz`` checks plans against it on random geometries. See ``docs/nixl.md``.
 
@@ -18,12 +19,16 @@ from .arena import ArenaFull
 from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
 from .manager import Completion, PullHandle, TransferManager
+from .options import ManagerOptions
 from .oracle import replay
 from .plan import (
-    NO_BLOCK, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks, select_pages,
+    NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
+    select_pages,
 )
+from .record import StagedRequest
 from .regions import RegionInfo, RegionSet, build_regions
-from .staging import ArenaPlan, StagedRequest
+from .routes import Routes, plan_routes
+from .staging import ArenaPlan
 
 __all__ = [
     "ArenaFull",
@@ -32,14 +37,17 @@ __all__ = [
     "EngineInfo",
     "HANDSHAKE_VERSION",
     "LayerPair",
+    "ManagerOptions",
     "NO_BLOCK",
     "NixlError",
+    "Plan",
     "PullHandle",
     "PullPlan",
     "RegionInfo",
     "RegionPair",
     "RegionRef",
     "RegionSet",
+    "Routes",
     "StagedRequest",
     "TransferManager",
     "build_multi_pull_plan",
@@ -51,6 +59,7 @@ __all__ = [
     "load_nixl",
     "nixl_available",
     "pair_layers",
+    "plan_routes",
     "rank_heads",
     "remote_ranks",
     "replay",

@@ -28,14 +28,12 @@ restarted peer). At most :data:`MAX_PARKED` are kept (the oldest is unloaded); a
 with the agent.
 
 Progress thread: NIXL's Python wrapper starts every agent's progress thread with a
-poll delay of 0, so each idle agent busy-polls one CPU (measured here with NIXL 1.5.1:
-1 agent 0.99 CPU/s, 2 agents 1.99 of the 2 cores, doing nothing). The thread already
-wakes on UCX's event fd when there is work, so :class:`Agent` gives it a delay
+poll delay of 0, so each idle agent busy-polls one CPU. The thread already wakes on
+UCX's event fd when there is work, so :class:`Agent` gives it a delay
 (``progress_delay_us``, default :data:`PROGRESS_DELAY_US`): idle agents then use no
-CPU (0.01 CPU/s), and transfers and copies beside them stop losing the cores. Measured
-by ``bench/nixl_progress_delay.py`` (a 36 MiB READ and a 36 MiB memcpy, interleaved,
-idle machine): delay 0 23.2 / 7.0 ms, with 4 more idle agents 44.6 / 15.7 ms; delay
-100 ms 11.3 / 3.6 ms, with 4 more idle agents 9.5 / 3.5 ms. The delay is also the longest the thread sleeps between
+CPU, and transfers and copies beside them keep the cores (the figures, from
+``bench/nixl_progress_delay.py``: ``docs/nixl.md``, "Progress thread").
+The delay is also the longest the thread sleeps between
 unprompted progress calls (UCX keepalive, failure detection). ``0`` restores NIXL's
 busy polling. NIXL's wrapper has no knob for it: the delay is set on the binding's
 agent config while the wrapper builds the agent (:func:`make_agent`).
@@ -148,7 +146,7 @@ def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
     wrapper = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""), nixl)  # nixl_cu12._api
     binding = getattr(wrapper, "nixlBind", None)
     real = getattr(binding, "nixlAgent", None)
-    if real is None:
+    if binding is None or real is None:
         raise NixlError(f"{wrapper.__name__} builds its agents without a binding module (nixlBind) "
                         "in reach: this kvcopy cannot set the progress-thread delay on this NIXL")
     applied = []

@@ -9,12 +9,12 @@ can only ever touch that request's bytes.
 
 Allocator: first fit over a list of free ranges kept sorted by offset, coalesced on
 free (a freed span merges with its free neighbours). Why not size classes: requests of
-one model differ in size by their token counts (36 MiB for a 2k-token prompt of the
-seeds/2 model, 1 MiB for a short one), so power-of-two classes waste up to half of the
-arena to internal fragmentation, and the arena's point is to hold as many requests as
-its size allows. First fit over at most a few hundred live spans is a short Python
-loop: 64 spans allocated and freed in random order cost ~1 us per call (measured with
-``tests/test_nixl_arena.py``'s churn test on this machine).
+one model differ in size by their token counts (36 MiB for a prompt of the ``seeds2``
+preset of ``kvcopy-bench nixl``, 1 MiB for a short one), so power-of-two classes waste
+up to half of the arena to internal fragmentation, and the arena's point is to hold as
+many requests as its size allows. First fit over at most a few hundred live spans is a short Python
+loop (microseconds per call; ``tests/test_nixl_arena.py`` churns 64 spans in random
+order).
 
 Back-pressure: a span that does not fit raises :class:`ArenaFull`; nothing is evicted.
 (``TransferManager.save(..., space_timeout_s=)`` retries until D's notifications or

@@ -7,9 +7,9 @@ rows are in (pair, chunk, segment, page) order, as before this module existed, s
 adjacent pages stay adjacent rows and NIXL merges them the same way.
 
 Why a module: the per-pull work used to be numpy calls per pair and per chunk (two
-``asarray`` of the page tuples, range checks, one add per chunk and side), which for
-64 layers x 500 pages cost ~27 ms per pull on this loaded 2-core machine, and
-``RegionRef.of`` per pair for the region checks. Here:
+``asarray`` of the page tuples, range checks, one add per chunk and side), tens of
+milliseconds per pull for 64 layers x 500 pages (``docs/nixl.md``, "Host cost per
+request"), and ``RegionRef.of`` per pair for the region checks. Here:
 
 * the plan's page tuples are converted once per distinct tuple object (the planner
   shares one tuple per token piece between all the layers it serves, so a homogeneous
@@ -33,6 +33,9 @@ import numpy as np
 
 from .handshake import EngineInfo
 from .plan import RegionPair, RegionRef
+
+
+_NO_SIZES = np.empty(0, np.int64)
 
 
 def same_ref(ref: RegionRef, refs: Sequence[RegionRef]) -> bool:
@@ -65,30 +68,30 @@ class Pieces:
         return j
 
     def expand(self, piece: Sequence[int], l_add, l_mul, r_add, r_mul, size=None
-               ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows for entries ``e`` (one per (pair, chunk, segment)), entry by entry, each
         over its piece's pages ``i``: ``l_add[e] + l_mul[e] * local[i]`` and the same on
         the remote side (``*_mul`` None: 1), and ``size[e]`` per row when given.
-        Returns (local, remote, sizes or None)."""
+        Returns (local, remote, sizes; no sizes when ``size`` is None)."""
         col = lambda v: np.asarray(v, np.int64)[:, None]  # noqa: E731
         if len(self.local) == 1:  # one piece (homogeneous plans): one broadcast per side
             lp, rp = self.local[0], self.remote[0]
             la = (col(l_add) + (lp if l_mul is None else col(l_mul) * lp)).reshape(-1)
             ra = (col(r_add) + (rp if r_mul is None else col(r_mul) * rp)).reshape(-1)
-            n = None if size is None else np.repeat(np.asarray(size, np.int64), len(lp))
+            n = _NO_SIZES if size is None else np.repeat(np.asarray(size, np.int64), len(lp))
             return la, ra, n
         lens = np.array([len(a) for a in self.local], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        piece = np.asarray(piece, dtype=np.int64)
-        n = lens[piece]
-        entry = np.repeat(np.arange(len(piece)), n)
+        which = np.asarray(piece, dtype=np.int64)
+        n = lens[which]
+        entry = np.repeat(np.arange(len(which)), n)
         # position of each row in the concatenated page arrays
-        at = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(starts[piece] - (np.cumsum(n) - n), n)
+        at = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(starts[which] - (np.cumsum(n) - n), n)
         lp = np.concatenate(self.local)[at]
         rp = np.concatenate(self.remote)[at]
         la = np.asarray(l_add, np.int64)[entry] + (lp if l_mul is None else np.asarray(l_mul, np.int64)[entry] * lp)
         ra = np.asarray(r_add, np.int64)[entry] + (rp if r_mul is None else np.asarray(r_mul, np.int64)[entry] * rp)
-        return la, ra, None if size is None else np.asarray(size, np.int64)[entry]
+        return la, ra, _NO_SIZES if size is None else np.asarray(size, np.int64)[entry]
 
 
 def check_pairs(pairs: Sequence[RegionPair], local: EngineInfo, remote: EngineInfo, name: str,
@@ -169,11 +172,11 @@ def desc_rows(pairs: Sequence[RegionPair], pieces: Pieces, local: EngineInfo,
                 size.append(n)
     if not piece:
         return np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64)
-    la, ra, n = pieces.expand(piece, l_add, l_mul, r_add, r_mul, size)
+    la, ra, sizes = pieces.expand(piece, l_add, l_mul, r_add, r_mul, size)
     # merge runs: row i+1 continues row i on both sides
-    cont = (la[:-1] + n[:-1] == la[1:]) & (ra[:-1] + n[:-1] == ra[1:])
+    cont = (la[:-1] + sizes[:-1] == la[1:]) & (ra[:-1] + sizes[:-1] == ra[1:])
     starts = np.flatnonzero(np.concatenate([[True], ~cont]))
-    total = np.add.reduceat(n, starts)
+    total = np.add.reduceat(sizes, starts)
     local_rows = np.stack([la[starts], total, np.full(len(starts), local.regions[0].device_id)], 1)
     remote_dev = remote.regions[pairs[0].remote.index].device_id
     remote_rows = np.stack([ra[starts], total, np.full(len(starts), remote_dev)], 1)

@@ -30,7 +30,7 @@ and D's real copier scatters its span into D's caches; the result must equal the
 same expectation. Cases with an odd seed whose P pages are HND (with a GQA layer) stage in head order
 (``arena_order="head"``), the others in token order; the report counts both. D plans
 each request twice and replays the second plan, made from D's caches (the shape's
-virtual engines and plan, :class:`~kvcopy.nixl.identity_cache.IdentityCache`) at another span
+virtual engines and plan, :class:`~kvcopy.nixl.keyed_cache.KeyedCache`) at another span
 of D's arena, so the cached path is what the oracle checks.
 """
 from __future__ import annotations
@@ -52,7 +52,9 @@ from .handshake import EngineInfo, pair_layers
 from .oracle import clone_caches, first_difference, replay, replay_rows, same_bytes
 from .plan import NO_BLOCK, build_multi_pull_plan, expand_blocks
 from .regions import build_regions
-from .staging import ArenaStaging, granule_for, span_layout, stage_units
+from .buffer_mode import Peer
+from .pack_order import granule_for, span_layout, stage_units
+from .staging import ArenaStaging
 
 DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8,
@@ -460,13 +462,13 @@ def _staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor],
     info = EngineInfo(name=name, buffer="arena", mem_type="DRAM", tp_rank=rank, tp_size=side.tp_size,
                       tokens_per_block=tuple(side.tokens_per_block), tokens_per_page=tuple(side.tokens_per_page),
                       regions=tuple(regions.regions), agent_metadata=b"")
-    units = stage_units(info)
+    units = stage_units(info.regions)
     pages = [-(-spec.num_tokens // t) for t in side.tokens_per_page]
     # one span (two on D: see run_arena_case), the zero granule, slack
     need = (2 if which == "d" else 1) * span_layout(units, pages)[1] + 3 * granule_for(units)
     grouped = {n: caches[n] for g in side.groups for n in g}
     order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
-    st = ArenaStaging(info, grouped, regions.layouts, need, 60.0, "auto", False, order)
+    st = ArenaStaging(regions, grouped, need, 60.0, "auto", False, order)
     return st, replace(info, arena=(st.base, st.arena.nbytes))
 
 
@@ -480,7 +482,8 @@ def run_arena_case(spec: Spec) -> Outcome:
     try:
         d_st, d_info = _staging(spec, "d", spec.d_rank, d_caches, "D")
         made.append(d_st)
-        peers, records, buffers = [], {}, {}
+        peers: List[Peer] = []
+        records, buffers = {}, {}
         for r in spec.p_ranks:
             p_st, info = _staging(spec, "p", r, p_caches[r], f"P{r}")
             made.append(p_st)
@@ -490,12 +493,12 @@ def run_arena_case(spec: Spec) -> Outcome:
                 if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
                     continue
                 raise
-            records[info.name] = p_st.save(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
-            peers.append(info)
+            records[info.name] = p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
+            peers.append(Peer(len(peers), info, (), ()))
             buffers[info.name] = p_st.buffer
-        first = d_st.plan_pull(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        first = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
         # the same request again, while the first holds its span: from the caches, at another span
-        plan = d_st.plan_pull(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        plan = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
         d_st.discard(first)
     except ValueError as exc:
         for st in made:
@@ -505,10 +508,10 @@ def run_arena_case(spec: Spec) -> Outcome:
         if want is None:
             return Outcome("wrong", f"planned although no exact pull exists ({why})")
         try:
-            replay_rows(d_st.reads(plan), d_st.buffer, buffers)
+            replay_rows({r.peer: (r.local, r.remote) for r in d_st.reads(d_info, plan, {})}, d_st.buffer, buffers)
         except ValueError as exc:
             return Outcome("wrong", f"replay_rows raised: {exc}")
-        d_st.scatter(plan)  # the real copier writes d_caches (its device views)
+        d_st.complete(plan)  # the real copier writes d_caches (its device views)
         if not same_bytes(d_caches, want):
             return Outcome("wrong", "bytes differ", detail=first_difference(d_caches, want) or "")
         d_st.discard(plan)

@@ -141,12 +141,12 @@ def head_owners(local_heads: Optional[Tuple[int, int]], peer_heads: Sequence[Opt
         if not holders:
             raise ValueError(f"KV head {h} is held by none of the given peers")
         i = holders[prefer % len(holders)]
-        r = h - peer_heads[i][0]
+        r = h - (peer_heads[i] or (0, 0))[0]  # a holder has heads: holds() is False without
         if out and out[-1][0] == i and out[-1][2] + out[-1][3] == r:
             out[-1][3] += 1
         else:
             out.append([i, h - first, r, 1])
-    return [tuple(x) for x in out]
+    return [(a, b, c, d) for a, b, c, d in out]
 
 
 def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> Tuple[int, int]:

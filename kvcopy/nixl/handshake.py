@@ -1,7 +1,8 @@
 """The handshake: versioned, digested (optionally keyed) metadata bytes, checked
 field by field, and the check that a peer can be served.
 
-Wire format (all integers little-endian)::
+Wire format (all integers little-endian; the frame is :mod:`kvcopy.nixl.framing`'s,
+with two parts, as for the staged-request records of arena mode)::
 
     b"KVCOPY-NIXL\\0"  magic, 12 bytes
     u32              version (HANDSHAKE_VERSION)
@@ -23,7 +24,8 @@ heads (total and the range this rank holds), head size, named in-chunk axes.
 and before anything proportional to a declared count is allocated or looped over: the
 magic, the version (never guessed), the two declared lengths against the payload's own
 length and against :data:`MAX_HEADER_BYTES`/:data:`MAX_AGENT_BYTES`, the SHA-256
-digest over the whole payload, the HMAC when a key is involved, then every header field
+digest over the whole payload, the HMAC when a key is involved, then the JSON (duplicate
+keys refused) and every header field
 (:mod:`kvcopy.nixl.schema`: types, ranges, known dtypes and layouts, the fields of each
 region against each other, the regions against the engine's groups). Only then does
 the manager hand the agent metadata to NIXL. :func:`check_peer_limits` bounds what a
@@ -48,31 +50,29 @@ head ranges.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import struct
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
+from .framing import Framing
 from .geometry import chunk_axes
 from .regions import (
     BUFFER_MODES, MAX_GROUPS, MAX_LAYERS, MAX_NAME, MAX_TOKENS_PER_PAGE, MEM_TYPES, RegionInfo, RegionRef,
 )
-from .schema import Record
+from .schema import Record, loads
 
 MAGIC = b"KVCOPY-NIXL\0"
 HANDSHAKE_VERSION = 3  # 3: lengths, SHA-256 digest, optional HMAC; 2: regions carry named in-chunk axes
-_PREFIX = struct.Struct("<IIQQ")  # version, flags, header length, agent metadata length
-_FLAG_HMAC = 1
-_DIGEST = 32  # SHA-256 and HMAC-SHA256 bytes
-MIN_KEY_BYTES = 16
 
 # Documented maxima (docs/nixl.md, "Limits"): what a handshake may declare at all.
 MAX_HEADER_BYTES = 8 << 20  # JSON header: ~500 bytes per region, so ~16,000 regions
-MAX_AGENT_BYTES = 16 << 20  # NIXL agent metadata: ~200 bytes per registration here
+MAX_AGENT_BYTES = 16 << 20  # NIXL agent metadata: ~200 bytes per NIXL registration
+# Two parts: the JSON header (at least one byte), NIXL's agent metadata.
+HANDSHAKE = Framing(MAGIC, HANDSHAKE_VERSION, ((1, MAX_HEADER_BYTES), (0, MAX_AGENT_BYTES)),
+                    "handshake metadata", "handshake")
 MAX_TP = 1024
+MAX_GROUP_PAGES = 1 << 62  # the page-id bound of a group without regions (EngineInfo.group_blocks)
 MAX_TOKENS_PER_BLOCK = 1 << 20
 # Limits that follow from the local engine (check_peer_limits): a peer of the same
 # model has about as many layers, and a number of descriptors within what TP and page
@@ -107,17 +107,6 @@ _MUST_MATCH_SLICED = (
 )
 
 
-def check_key(key) -> Optional[bytes]:
-    """A shared HMAC key: None, or bytes of at least :data:`MIN_KEY_BYTES`."""
-    if key is None:
-        return None
-    if not isinstance(key, (bytes, bytearray)):
-        raise TypeError(f"key must be bytes (a shared secret), got {type(key).__name__}")
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
-    return bytes(key)
-
-
 @dataclass(frozen=True)
 class EngineInfo:
     """One engine rank's side of the handshake."""
@@ -148,14 +137,25 @@ class EngineInfo:
     @cached_property
     def region_refs(self):
         """``RegionRef`` per region, by index: plans share these objects, so ``pull``
-        recognizes its own regions by identity (measured: ``RegionRef.of`` per pair cost
-        about 5 ms of a 64-layer plan on a loaded 2-core machine)."""
+        recognizes its own regions by identity (a ``RegionRef.of`` per pair was a
+        visible part of a 64-layer plan's host cost)."""
         return tuple(RegionRef.of(r) for r in self.regions)
 
     @cached_property
     def region_axes(self):
         """:func:`~kvcopy.nixl.geometry.chunk_axes` per region, by index."""
         return tuple(chunk_axes(r) for r in self.regions)
+
+    @cached_property
+    def group_blocks(self) -> Tuple[int, ...]:
+        """Per group, the logical blocks every region of the group holds: its block ids
+        lie in ``[0, group_blocks[g])`` (or are ``NO_BLOCK``). A group with no region
+        holds no page; its bound only keeps ``id * pages per block`` inside int64."""
+        pages = [MAX_GROUP_PAGES] * self.num_groups
+        for r in self.regions:
+            for _, g in r.members:
+                pages[g] = min(pages[g], r.num_pages)
+        return tuple(n // (b // p) for n, b, p in zip(pages, self.tokens_per_block, self.tokens_per_page))
 
 
 def header_of(info: EngineInfo) -> dict:
@@ -179,17 +179,9 @@ def encode(info: EngineInfo, key: Optional[bytes] = None) -> bytes:
 
 
 def frame(body: bytes, agent_metadata: bytes, key: Optional[bytes] = None) -> bytes:
-    """Magic, version, flags, lengths, ``body`` (the JSON header), the agent metadata,
-    the digest and (with ``key``) the HMAC: the wire format above, for any header bytes
-    (the handshake fuzzer frames malformed headers with valid digests)."""
-    key = check_key(key)
-    agent = bytes(agent_metadata)
-    flags = _FLAG_HMAC if key is not None else 0
-    data = MAGIC + _PREFIX.pack(HANDSHAKE_VERSION, flags, len(body), len(agent)) + bytes(body) + agent
-    data += hashlib.sha256(data).digest()
-    if key is not None:
-        data += hmac.new(key, data, hashlib.sha256).digest()
-    return data
+    """The wire format above for any header bytes ``body`` and the agent metadata (the
+    handshake fuzzer frames malformed headers with valid digests)."""
+    return HANDSHAKE.frame((body, agent_metadata), key)
 
 
 def decode(data: bytes, key: Optional[bytes] = None, max_layers: int = MAX_LAYERS) -> EngineInfo:
@@ -202,68 +194,23 @@ def decode(data: bytes, key: Optional[bytes] = None, max_layers: int = MAX_LAYER
     passes :func:`layer_limit` of its engine). Raises
     ``ValueError`` (``TypeError`` for a non-bytes payload) saying what is wrong.
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"handshake metadata must be bytes, got {type(data).__name__}")
-    key = check_key(key)
-    data = bytes(data)
-    fixed = len(MAGIC) + _PREFIX.size
-    if not data.startswith(MAGIC):
-        raise ValueError("not kvcopy NIXL handshake metadata (bad magic)")
-    if len(data) < fixed:
-        raise ValueError(f"handshake metadata truncated before its header ({len(data)} bytes)")
-    version, flags, length, agent_length = _PREFIX.unpack_from(data, len(MAGIC))
-    if version != HANDSHAKE_VERSION:
-        raise ValueError(
-            f"handshake version {version} is not supported (this kvcopy speaks {HANDSHAKE_VERSION})"
-        )
-    if flags & ~_FLAG_HMAC:
-        raise ValueError(f"handshake flags {flags:#x}: unknown bits")
-    if not 0 < length <= MAX_HEADER_BYTES or agent_length > MAX_AGENT_BYTES:
-        raise ValueError(f"handshake declares a {length}-byte header and {agent_length}-byte agent "
-                         f"metadata (limits: 1 to {MAX_HEADER_BYTES} and {MAX_AGENT_BYTES})")
-    keyed = bool(flags & _FLAG_HMAC)
-    expected = fixed + length + agent_length + _DIGEST * (2 if keyed else 1)
-    if len(data) != expected:
-        what = "truncated" if len(data) < expected else "followed by extra bytes"
-        raise ValueError(f"handshake metadata {what}: its lengths make {expected} bytes, got {len(data)}")
-    signed = len(data) - (_DIGEST if keyed else 0)
-    digest_at = signed - _DIGEST
-    if not hmac.compare_digest(hashlib.sha256(data[:digest_at]).digest(), data[digest_at:signed]):
-        raise ValueError("handshake metadata corrupted: its SHA-256 digest does not match")
-    if keyed and key is None:
-        raise ValueError("handshake metadata is authenticated with a shared key and this manager has "
-                         "none: pass the same key= to both managers")
-    if key is not None:
-        if not keyed:
-            raise ValueError("handshake metadata is not authenticated: this manager requires a shared key")
-        if not hmac.compare_digest(hmac.new(key, data[:signed], hashlib.sha256).digest(), data[signed:]):
-            raise ValueError("handshake metadata not authenticated: its HMAC does not match this "
-                             "manager's key (a different key, or tampered bytes)")
-    start = fixed
-    try:
-        h = json.loads(data[start : start + length].decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"malformed handshake header: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return _engine_info(h, data[start + length : start + length + agent_length], min(max_layers, MAX_LAYERS))
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number a handshake may carry")
+    header, agent = HANDSHAKE.unframe(data, key)
+    return _engine_info(loads(header, "handshake header"), agent, min(max_layers, MAX_LAYERS))
 
 
 def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
     """The engine record from a decoded header: every field checked, then the regions
     against the engine (indices, groups, tokens per page, unique layer names)."""
     r = Record(h, "handshake header")
-    name = r.str("name", MAX_NAME)
+    name = r.name("name", MAX_NAME)
     buffer = r.choice("buffer", BUFFER_MODES + ("arena",))
     mem_type = r.choice("mem_type", MEM_TYPES)
-    tp_size = r.int("tp_size", 1, MAX_TP)
-    tp_rank = r.int("tp_rank", 0, tp_size - 1)
-    tpb = r.ints("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
-    tpp = r.ints("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
-    raw_regions = r.list("regions", 1, max_layers)  # a region holds at least one layer
-    arena = r.ints("arena", 2, 2, 0, (1 << 64) - 1)  # (address, bytes) of an arena-mode engine's arena
+    tp_size = r.integer("tp_size", 1, MAX_TP)
+    tp_rank = r.integer("tp_rank", 0, tp_size - 1)
+    tpb = r.integers("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
+    tpp = r.integers("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
+    raw_regions = r.entries("regions", 1, max_layers)  # a region holds at least one layer
+    arena = r.integers("arena", 2, 2, 0, (1 << 64) - 1)  # (address, bytes) of an arena-mode engine's arena
     r.done()
     where = "malformed handshake header"
     if buffer in ("host", "arena") and mem_type != "DRAM":

@@ -1,6 +1,7 @@
 """Regions: the memory a manager registers with NIXL and the page geometry of each view.
 
-Two levels, because layers alias (DESIGN.md section 2):
+Two levels, because layers alias (layers of different groups can be views of one
+device storage; several layers can view the same bytes the same way):
 
 * a **storage** is one registered byte range. Grouped layers whose device tensors are
   views of one device storage share it: in ``"host"`` mode the storage is one host
@@ -27,14 +28,16 @@ local side keeps the tensors in :class:`RegionSet`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..checks import per_group_counts, shown
 from ..layout import KV_LAYOUTS, PageLayout, byte_extent, chunks_disjoint, describe
-from .schema import Record, check_int, check_list, check_str, shown
+from .schema import Record, check_int, check_list, check_str
 
 BUFFER_MODES = ("host", "device")  # the manager adds "arena" (kvcopy.nixl.staging)
 MEM_TYPES = ("DRAM", "VRAM")
@@ -90,10 +93,6 @@ class RegionInfo:
     axes: Optional[Tuple[Tuple[str, int, int], ...]] = None
 
     @property
-    def page_bytes(self) -> int:
-        return self.num_chunks * self.chunk_bytes
-
-    @property
     def layers(self) -> Tuple[str, ...]:
         return tuple(name for name, _ in self.members)
 
@@ -121,32 +120,29 @@ class RegionInfo:
         ``ValueError`` on anything else. ``index`` and group numbers are checked
         against the engine record by :func:`kvcopy.nixl.handshake.decode`."""
         r = Record(d, "region " + (shown(d.get("index")) if isinstance(d, Mapping) else "?"))
-        members = r.list("members", 1, MAX_LAYERS)
-        members = tuple(_member(m, r.at(f"members[{i}]")) for i, m in enumerate(members))
-        dtype = r.str("dtype", 32)
-        itemsize = r.int("itemsize", 1, 16)
+        members = tuple(_member(m, r.at(f"members[{i}]")) for i, m in enumerate(r.entries("members", 1, MAX_LAYERS)))
+        dtype = r.name("dtype", 32)
+        itemsize = r.integer("itemsize", 1, 16)
         if DTYPE_SIZES.get(dtype) != itemsize:
             raise ValueError(f"{r.where}: dtype {shown(dtype)} with itemsize {itemsize} is not a known "
                              f"dtype (known: {sorted(DTYPE_SIZES)})")
-        page_shape = r.list("page_shape", 0, MAX_DIMS)
-        page_shape = tuple(_size_stride(p, r.at(f"page_shape[{i}]")) for i, p in enumerate(page_shape))
-        total = r.int("total_kv_heads", 1, MAX_HEADS, optional=True)
-        heads = r.list("heads", 2, 2, optional=True)
-        if heads is not None:
-            heads = (check_int(heads[0], 0, MAX_HEADS - 1, r.at("heads[0]")),
-                     check_int(heads[1], 1, MAX_HEADS, r.at("heads[1]")))
-        axes = r.list("axes", 1, MAX_DIMS, optional=True)
-        if axes is not None:
-            axes = tuple(_axis(a, r.at(f"axes[{i}]")) for i, a in enumerate(axes))
+        page_shape = tuple(_size_stride(p, r.at(f"page_shape[{i}]"))
+                           for i, p in enumerate(r.entries("page_shape", 0, MAX_DIMS)))
+        total = r.integer_or_none("total_kv_heads", 1, MAX_HEADS)
+        raw_heads = r.entries_or_none("heads", 2, 2)
+        heads = None if raw_heads is None else (check_int(raw_heads[0], 0, MAX_HEADS - 1, r.at("heads[0]")),
+                                                check_int(raw_heads[1], 1, MAX_HEADS, r.at("heads[1]")))
+        raw_axes = r.entries_or_none("axes", 1, MAX_DIMS)
+        axes = None if raw_axes is None else tuple(_axis(a, r.at(f"axes[{i}]")) for i, a in enumerate(raw_axes))
         info = cls(
-            index=r.int("index", 0, MAX_LAYERS - 1), members=members,
-            address=r.int("address", 0, (1 << 64) - 1), device_id=r.int("device_id", 0, MAX_DEVICE_ID),
-            num_pages=r.int("num_pages", 1, MAX_PAGES), num_chunks=r.int("num_chunks", 1, MAX_CHUNKS),
-            chunk_bytes=r.int("chunk_bytes", 1, MAX_BYTES), page_stride=r.int("page_stride", 0, MAX_BYTES),
-            chunk_stride=r.int("chunk_stride", 0, MAX_BYTES), dtype=dtype, itemsize=itemsize,
+            index=r.integer("index", 0, MAX_LAYERS - 1), members=members,
+            address=r.integer("address", 0, (1 << 64) - 1), device_id=r.integer("device_id", 0, MAX_DEVICE_ID),
+            num_pages=r.integer("num_pages", 1, MAX_PAGES), num_chunks=r.integer("num_chunks", 1, MAX_CHUNKS),
+            chunk_bytes=r.integer("chunk_bytes", 1, MAX_BYTES), page_stride=r.integer("page_stride", 0, MAX_BYTES),
+            chunk_stride=r.integer("chunk_stride", 0, MAX_BYTES), dtype=dtype, itemsize=itemsize,
             page_shape=page_shape, kind=r.choice("kind", LAYOUT_KINDS), kv_layout=r.choice("kv_layout", KV_LAYOUTS),
-            tokens_per_page=r.int("tokens_per_page", 1, MAX_TOKENS_PER_PAGE), total_kv_heads=total,
-            heads=heads, head_size=r.int("head_size", 1, MAX_BYTES, optional=True), axes=axes,
+            tokens_per_page=r.integer("tokens_per_page", 1, MAX_TOKENS_PER_PAGE), total_kv_heads=total,
+            heads=heads, head_size=r.integer_or_none("head_size", 1, MAX_BYTES), axes=axes,
         )
         r.done()
         info._check_consistent(r.where)
@@ -154,6 +150,12 @@ class RegionInfo:
 
     def _check_consistent(self, where: str) -> None:
         """The fields of one region agree with each other, as :func:`build_regions` makes them."""
+        problems = self._extent_problems() + self._shape_problems()
+        if problems:
+            raise ValueError(f"{where}: " + "; ".join(problems))
+
+    def _extent_problems(self) -> List[str]:
+        """Chunks, pages, address and heads against each other."""
         problems = []
         if self.chunk_bytes % self.itemsize:
             problems.append(f"chunk bytes {self.chunk_bytes} not a multiple of itemsize {self.itemsize}")
@@ -165,36 +167,37 @@ class RegionInfo:
         span = (self.num_pages - 1) * self.page_stride + (self.num_chunks - 1) * self.chunk_stride + self.chunk_bytes
         if self.address + span > 1 << 64:
             problems.append(f"address {self.address:#x} + {span} bytes overflows 64 bits")
-        if (self.heads is None) != (self.total_kv_heads is None) and self.heads is not None:
+        if self.heads is not None and self.total_kv_heads is None:
             problems.append("KV heads held without total KV heads")
-        if self.heads is not None and self.heads[0] + self.heads[1] > self.total_kv_heads:
+        if self.heads is not None and self.total_kv_heads is not None and \
+                self.heads[0] + self.heads[1] > self.total_kv_heads:
             problems.append(f"KV heads held {self.heads} (first, count) outside {self.total_kv_heads} total")
+        return problems
+
+    def _shape_problems(self) -> List[str]:
+        """The page shape and the named axes against the chunk bytes, tokens and heads."""
+        problems = []
         chunk_dims = [size for size, stride in self.page_shape if stride is None]
-        elems = 1
-        for size, stride in self.page_shape:
-            elems *= size if stride is not None else 1
+        elems = math.prod(size for size, stride in self.page_shape if stride is not None)
         if chunk_dims not in ([], [self.num_chunks]) or (self.num_chunks > 1) != bool(chunk_dims):
             problems.append(f"page shape {list(self.page_shape)} vs {self.num_chunks} chunk(s)")
         elif elems * self.itemsize != self.chunk_bytes:
             problems.append(f"page shape {list(self.page_shape)} holds {elems * self.itemsize} bytes per chunk, "
                             f"chunk bytes {self.chunk_bytes}")
-        if self.axes is not None:
-            names = [n for n, _, _ in self.axes]
-            elems = 1
-            for _, size, _ in self.axes:
-                elems *= size
-            if len(set(names)) != len(names):
-                problems.append(f"axis names repeat: {names}")
-            if elems * self.itemsize != self.chunk_bytes:
-                problems.append(f"axes {list(self.axes)} hold {elems * self.itemsize} bytes, a chunk "
-                                f"{self.chunk_bytes}")
-            sizes = {n: s for n, s, _ in self.axes}
-            if sizes.get("token", self.tokens_per_page) != self.tokens_per_page:
-                problems.append(f"token axis of {sizes['token']} vs {self.tokens_per_page} tokens per page")
-            if "head" in sizes and (self.heads is None or sizes["head"] != self.heads[1]):
-                problems.append(f"head axis of {sizes['head']} vs KV heads held {self.heads}")
-        if problems:
-            raise ValueError(f"{where}: " + "; ".join(problems))
+        if self.axes is None:
+            return problems
+        names = [n for n, _, _ in self.axes]
+        elems = math.prod(size for _, size, _ in self.axes)
+        if len(set(names)) != len(names):
+            problems.append(f"axis names repeat: {names}")
+        if elems * self.itemsize != self.chunk_bytes:
+            problems.append(f"axes {list(self.axes)} hold {elems * self.itemsize} bytes, a chunk {self.chunk_bytes}")
+        sizes = {n: s for n, s, _ in self.axes}
+        if sizes.get("token", self.tokens_per_page) != self.tokens_per_page:
+            problems.append(f"token axis of {sizes['token']} vs {self.tokens_per_page} tokens per page")
+        if "head" in sizes and (self.heads is None or sizes["head"] != self.heads[1]):
+            problems.append(f"head axis of {sizes['head']} vs KV heads held {self.heads}")
+        return problems
 
 
 def _member(value, where: str) -> Tuple[str, int]:
@@ -251,12 +254,10 @@ class RegionSet:
     buffer: str
     regions: List[RegionInfo]
     storages: List[Storage]
-    region_of_layer: Dict[str, int]
     transfer_tensors: Dict[str, torch.Tensor]  # per grouped layer: host view or device cache
     host_views: Dict[str, torch.Tensor]  # host mode only
     layouts: Dict[str, PageLayout]  # device layout per grouped layer
     descriptor_offsets: np.ndarray  # int64 [R + 1]
-    group_num_pages: List[int]  # per group: the smallest page count of its layers
 
     @property
     def mem_type(self) -> str:
@@ -276,22 +277,13 @@ def descriptor_table(regions: Sequence[RegionInfo]) -> Tuple[np.ndarray, np.ndar
     return np.concatenate([r.descriptors() for r in regions]), offsets
 
 
-def _per_group(value, n_groups: int, what: str) -> List[int]:
-    if isinstance(value, (int, np.integer)):
-        return [int(value)] * n_groups
-    values = [int(v) for v in value]
-    if len(values) != n_groups:
-        raise ValueError(f"{what}: expected one value per KV cache group ({n_groups}), got {len(values)}")
-    return values
-
-
 def tokens_per_group(tokens_per_block, tokens_per_page, n_groups: int) -> Tuple[List[int], List[int]]:
-    """Per group (tokens per logical block, tokens per kernel page), checked to divide."""
-    tpb = _per_group(tokens_per_block, n_groups, "tokens_per_block")
-    tpp = list(tpb) if tokens_per_page is None else _per_group(tokens_per_page, n_groups, "tokens_per_page")
+    """Per group (tokens per logical block, tokens per kernel page): an int or one int
+    per group each (:func:`kvcopy.checks.per_group_counts`), positive, pages dividing blocks."""
+    tpb = per_group_counts(tokens_per_block, n_groups, "tokens_per_block", minimum=1)
+    tpp = list(tpb) if tokens_per_page is None else per_group_counts(tokens_per_page, n_groups, "tokens_per_page",
+                                                                     minimum=1)
     for g, (b, p) in enumerate(zip(tpb, tpp)):
-        if b <= 0 or p <= 0:
-            raise ValueError(f"group {g}: tokens per block {b} and per page {p} must be positive")
         if b % p:
             raise ValueError(f"group {g}: tokens_per_block {b} is not a multiple of tokens_per_page {p}")
     return tpb, tpp
@@ -363,6 +355,34 @@ def build_regions(
         raise ValueError(f"buffer must be one of {BUFFER_MODES}, got {buffer!r}")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    group_of = _group_of(device_caches, layer_groups)
+    layouts = _layouts(device_caches, group_of, tokens_per_page, block_dim, kv_layout)
+    storages, transfer_tensors, host_views, storage_of = _storages(device_caches, list(group_of), buffer)
+    # Regions: grouped layers by the exact bytes and geometry they view.
+    key_to_region: Dict[tuple, int] = {}
+    members: List[List[Tuple[str, int]]] = []
+    for name in group_of:
+        t, l = transfer_tensors[name], layouts[name]
+        key = (storage_of[name], t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes,
+               l.num_chunks, l.num_blocks)
+        if key not in key_to_region:
+            key_to_region[key] = len(members)
+            members.append([])
+        members[key_to_region[key]].append((name, group_of[name]))
+    def heads(name: str):
+        return _heads(name, device_caches[name], layouts[name], total_kv_heads, tp_rank, tp_size)
+
+    regions = [_region(r, mem, transfer_tensors, layouts, storages[storage_of[mem[0][0]]], tokens_per_page,
+                       kv_layout, heads) for r, mem in enumerate(members)]
+    return RegionSet(
+        buffer=buffer, regions=regions, storages=storages, transfer_tensors=transfer_tensors,
+        host_views=host_views, layouts=layouts, descriptor_offsets=descriptor_table(regions)[1],
+    )
+
+
+def _group_of(device_caches: Mapping[str, torch.Tensor], layer_groups: Sequence[Sequence[str]]) -> Dict[str, int]:
+    """Each grouped layer's group, in group order; a layer in two groups, or without a
+    cache, raises, as do caches on several devices."""
     group_of: Dict[str, int] = {}
     for g, layers in enumerate(layer_groups):
         for name in layers:
@@ -371,14 +391,19 @@ def build_regions(
             if name not in device_caches:
                 raise ValueError(f"group {g}, layer {name!r}: no device cache for this layer")
             group_of[name] = g
-    grouped = list(group_of)
-    if not grouped:
+    if not group_of:
         raise ValueError("no layer in any KV cache group: nothing to register")
-    devices = {device_caches[n].device for n in grouped if isinstance(device_caches[n], torch.Tensor)}
+    devices = {device_caches[n].device for n in group_of if isinstance(device_caches[n], torch.Tensor)}
     if len(devices) > 1:
         raise ValueError(f"KV caches on several devices {sorted(map(str, devices))}: one manager per device")
+    return group_of
+
+
+def _layouts(device_caches: Mapping[str, torch.Tensor], group_of: Mapping[str, int], tokens_per_page: Sequence[int],
+             block_dim, kv_layout: str) -> Dict[str, PageLayout]:
+    """Each grouped layer's page layout, its token axis checked against its group's page size."""
     layouts: Dict[str, PageLayout] = {}
-    for name in grouped:
+    for name, g in group_of.items():
         t = device_caches[name]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"layer {name!r}: device cache is a {type(t).__name__}, not a tensor")
@@ -386,15 +411,20 @@ def build_regions(
         try:
             layouts[name] = layout = describe(t, bd, kv_layout)
         except ValueError as exc:
-            raise ValueError(f"group {group_of[name]}, layer {name!r}: {exc}") from None
-        tpp = tokens_per_page[group_of[name]]
+            raise ValueError(f"group {g}, layer {name!r}: {exc}") from None
+        tpp = tokens_per_page[g]
         if layout.token_dim is not None and t.shape[layout.token_dim] != tpp:
             raise ValueError(
-                f"group {group_of[name]}, layer {name!r}: the tensor's token axis {layout.token_dim} "
+                f"group {g}, layer {name!r}: the tensor's token axis {layout.token_dim} "
                 f"holds {t.shape[layout.token_dim]} tokens per page, the group says {tpp}"
             )
+    return layouts
 
-    # Storages: grouped layers by the device storage they view.
+
+def _storages(device_caches: Mapping[str, torch.Tensor], grouped: Sequence[str], buffer: str):
+    """(storages, transfer tensor per layer, host view per layer, storage index per
+    layer): grouped layers by the device storage they view; in host mode one host buffer
+    per storage, each layer's host view at its device view's offset, shape and strides."""
     by_storage: Dict[tuple, List[str]] = {}
     for name in grouped:
         t = device_caches[name]
@@ -408,65 +438,45 @@ def build_regions(
         extents = [byte_extent(device_caches[n]) for n in names]
         lo = min(s for s, _ in extents) // _HOST_ALIGN * _HOST_ALIGN
         hi = max(e for _, e in extents)
-        dev_id = (device.index or 0) if device.type == "cuda" else 0
         if buffer == "host":
             nbytes = -(-(hi - lo) // _HOST_ALIGN) * _HOST_ALIGN
             host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
             for n in names:
                 d = device_caches[n]
-                offset = d.data_ptr() - lo
                 words = host.view(d.dtype)
-                host_views[n] = torch.as_strided(words, d.shape, d.stride(), offset // d.element_size())
+                host_views[n] = torch.as_strided(words, d.shape, d.stride(), (d.data_ptr() - lo) // d.element_size())
                 transfer_tensors[n] = host_views[n]
             storages.append(Storage(host.data_ptr(), nbytes, "DRAM", 0, host, tuple(names)))
         else:
-            mem = "VRAM" if device.type == "cuda" else "DRAM"
-            storages.append(Storage(lo, hi - lo, mem, dev_id, None, tuple(names)))
+            dev_id = (device.index or 0) if device.type == "cuda" else 0
+            storages.append(Storage(lo, hi - lo, "VRAM" if device.type == "cuda" else "DRAM", dev_id, None,
+                                    tuple(names)))
             for n in names:
                 transfer_tensors[n] = device_caches[n]
         for n in names:
             storage_of[n] = len(storages) - 1
+    return storages, transfer_tensors, host_views, storage_of
 
-    # Regions: grouped layers by the exact bytes and geometry they view.
-    regions: List[RegionInfo] = []
-    region_of_layer: Dict[str, int] = {}
-    key_to_region: Dict[tuple, int] = {}
-    members: List[List[Tuple[str, int]]] = []
-    for name in grouped:
-        t, l = transfer_tensors[name], layouts[name]
-        key = (storage_of[name], t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes,
-               l.num_chunks, l.num_blocks)
-        if key not in key_to_region:
-            key_to_region[key] = len(members)
-            members.append([])
-        r = key_to_region[key]
-        members[r].append((name, group_of[name]))
-        region_of_layer[name] = r
-    for r, mem in enumerate(members):
-        name = mem[0][0]
-        t, l = transfer_tensors[name], layouts[name]
-        tpps = {tokens_per_page[g] for _, g in mem}
-        if len(tpps) > 1:
-            raise ValueError(f"layers {[n for n, _ in mem]} share one tensor but their groups "
-                             f"disagree on tokens per page: {sorted(tpps)}")
-        heads = {_heads(n, device_caches[n], layouts[n], total_kv_heads, tp_rank, tp_size) for n, _ in mem}
-        if len(heads) > 1:
-            raise ValueError(f"layers {[n for n, _ in mem]} share one tensor but disagree on KV heads")
-        total, held, head_size = heads.pop()
-        st = storages[storage_of[name]]
-        regions.append(RegionInfo(
-            index=r, members=tuple(mem), address=t.data_ptr(), device_id=st.device_id,
-            num_pages=l.num_blocks, num_chunks=l.num_chunks, chunk_bytes=l.chunk_bytes,
-            page_stride=l.block_stride, chunk_stride=l.chunk_stride, dtype=str(l.dtype).replace("torch.", ""),
-            itemsize=l.itemsize, page_shape=tuple(l.page_geometry), kind=l.kind, kv_layout=kv_layout,
-            tokens_per_page=tpps.pop(), total_kv_heads=total, heads=held, head_size=head_size,
-            axes=chunk_axes_of(t, l),
-        ))
-    group_pages = [
-        min((layouts[n].num_blocks for n in layers), default=0) for layers in layer_groups
-    ]
-    return RegionSet(
-        buffer=buffer, regions=regions, storages=storages, region_of_layer=region_of_layer,
-        transfer_tensors=transfer_tensors, host_views=host_views, layouts=layouts,
-        descriptor_offsets=descriptor_table(regions)[1], group_num_pages=group_pages,
+
+def _region(r: int, mem: List[Tuple[str, int]], transfer_tensors, layouts, storage: Storage,
+            tokens_per_page: Sequence[int], kv_layout: str, heads: Callable[[str], tuple]) -> RegionInfo:
+    """Region ``r``: its member layers (which view the same bytes the same way) must
+    agree on tokens per page and KV heads."""
+    name = mem[0][0]
+    t, l = transfer_tensors[name], layouts[name]
+    tpps = {tokens_per_page[g] for _, g in mem}
+    if len(tpps) > 1:
+        raise ValueError(f"layers {[n for n, _ in mem]} share one tensor but their groups "
+                         f"disagree on tokens per page: {sorted(tpps)}")
+    held = {heads(n) for n, _ in mem}
+    if len(held) > 1:
+        raise ValueError(f"layers {[n for n, _ in mem]} share one tensor but disagree on KV heads")
+    total, own, head_size = held.pop()
+    return RegionInfo(
+        index=r, members=tuple(mem), address=t.data_ptr(), device_id=storage.device_id,
+        num_pages=l.num_blocks, num_chunks=l.num_chunks, chunk_bytes=l.chunk_bytes,
+        page_stride=l.block_stride, chunk_stride=l.chunk_stride, dtype=str(l.dtype).replace("torch.", ""),
+        itemsize=l.itemsize, page_shape=tuple(l.page_geometry), kind=l.kind, kv_layout=kv_layout,
+        tokens_per_page=tpps.pop(), total_kv_heads=total, heads=own, head_size=head_size,
+        axes=chunk_axes_of(t, l),
     )

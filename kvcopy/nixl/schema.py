@@ -1,32 +1,53 @@
-"""Typed, range-checked reading of untrusted JSON records (the handshake header).
+"""Typed, range-checked reading of untrusted JSON records (the handshake header, the
+staged-request record of arena mode).
 
-A peer's handshake header is JSON: objects, lists, strings, numbers, ``null``.
+A peer's record is JSON: objects, lists, strings, numbers, ``null``. :func:`loads`
+parses it (duplicate keys, ``NaN``/``Infinity`` and nesting past Python's recursion
+limit are refused as ``ValueError``, not taken last-wins or raised as whatever the
+parser raises).
 :class:`Record` reads one object field by field, each read saying what it expects
 (an int in a range, a string from a set, a list of at most so many entries), so a
 record is validated in the one place that reads it, with no per-input special case:
 
     r = Record(obj, "region 3")
-    pages = r.int("num_pages", 1, MAX_PAGES)
+    pages = r.integer("num_pages", 1, MAX_PAGES)
     kind = r.choice("kind", KINDS)
     r.done()                       # a field nobody read is an error, not ignored
 
 Rules, for every field: JSON ``true``/``false`` are not integers (Python's ``bool`` is
 an ``int``; the check refuses it), floats are not integers, ``null`` is only taken
-where the reader says ``optional``, and every list has a length limit checked before
+by the ``*_or_none`` readers, and every list has a length limit checked before
 anything walks it. Errors are ``ValueError`` naming the record, the field and the
 value given (shortened), never ``KeyError``/``TypeError`` from deep inside.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, List, Mapping, Optional
 
-_SHOWN = 60  # characters of a bad value an error message shows
+from ..checks import shown
 
 
-def shown(value: Any) -> str:
-    """``repr`` of a value, cut to a readable length (a peer may send megabytes)."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+def loads(data: bytes, where: str) -> Any:
+    """JSON from a peer: UTF-8, no duplicate keys, no ``NaN``/``Infinity``; every
+    failure (deep nesting included) is a ``ValueError`` naming ``where``."""
+    try:
+        return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"malformed {where}: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a peer's record may carry")
+
+
+def _no_duplicates(pairs):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {shown(dup)}")
+    return out
 
 
 def is_int(value: Any) -> bool:
@@ -84,11 +105,14 @@ class Record:
     def at(self, name: str) -> str:
         return f"{self.where}, {name}"
 
-    def int(self, name: str, lo: int, hi: int, optional: bool = False) -> Optional[int]:
-        value = self._get(name, optional)
+    def integer(self, name: str, lo: int, hi: int) -> int:
+        return check_int(self._get(name, False), lo, hi, self.at(name))
+
+    def integer_or_none(self, name: str, lo: int, hi: int) -> Optional[int]:
+        value = self._get(name, True)
         return None if value is None else check_int(value, lo, hi, self.at(name))
 
-    def str(self, name: str, max_len: int = 256) -> str:
+    def name(self, name: str, max_len: int = 256) -> str:
         return check_str(self._get(name, False), max_len, self.at(name))
 
     def choice(self, name: str, choices: Iterable[str]) -> str:
@@ -98,12 +122,15 @@ class Record:
             raise ValueError(f"{self.at(name)}: {shown(value)} is not one of {list(options)}")
         return value
 
-    def list(self, name: str, min_len: int, max_len: int, optional: bool = False) -> Optional[List[Any]]:
-        value = self._get(name, optional)
+    def entries(self, name: str, min_len: int, max_len: int) -> List[Any]:
+        return check_list(self._get(name, False), min_len, max_len, self.at(name))
+
+    def entries_or_none(self, name: str, min_len: int, max_len: int) -> Optional[List[Any]]:
+        value = self._get(name, True)
         return None if value is None else check_list(value, min_len, max_len, self.at(name))
 
-    def ints(self, name: str, min_len: int, max_len: int, lo: int, hi: int) -> List[int]:
-        values = self.list(name, min_len, max_len)
+    def integers(self, name: str, min_len: int, max_len: int, lo: int, hi: int) -> List[int]:
+        values = self.entries(name, min_len, max_len)
         return [check_int(v, lo, hi, f"{self.at(name)}[{i}]") for i, v in enumerate(values)]
 
     def done(self) -> None:

@@ -1,0 +1,64 @@
+"""The keyword options of a ``TransferManager``, checked once, as one frozen value.
+
+``TransferManager(name, caches, groups, tokens_per_block, ..., **options)`` takes these
+by name (or ``options=ManagerOptions(...)``, with keywords overriding it); the buffer
+modes (:mod:`kvcopy.nixl.buffer_mode`) read what they need from the same value.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from ..checks import integer, seconds
+from ._agent import PROGRESS_DELAY_US
+from .framing import check_key
+from .pack_order import ORDERS
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """Everything a manager takes besides its name, caches, groups and block sizes."""
+
+    kv_layout: str = "NHD"  # as for BlockCopier
+    block_dim: Any = None  # as for BlockCopier: None, an int, or per layer
+    tp_rank: int = 0
+    tp_size: int = 1
+    total_kv_heads: Any = None  # an int or per layer; default: heads in the tensor x tp_size
+    copy_backend: str = "auto"  # BlockCopier backend for save and complete
+    pull_timeout_s: Optional[float] = None  # default deadline of every pull; None: none
+    key: Optional[bytes] = field(default=None, repr=False)  # shared HMAC key (bytes, >= 16)
+    arena_bytes: int = 1 << 30  # arena mode: the staging arena's size
+    arena_ttl_s: float = 60.0  # arena mode: how long P keeps a staged span without D's notification
+    arena_order: str = "token"  # arena mode: "token" or "head" (HND pages)
+    progress_delay_us: int = PROGRESS_DELAY_US  # NIXL progress-thread poll timeout
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__  # frozen: normalized values are set once, here
+        put(self, "tp_size", integer(self.tp_size, "tp_size", minimum=1))
+        put(self, "tp_rank", integer(self.tp_rank, "tp_rank", minimum=0))
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        put(self, "pull_timeout_s", seconds(self.pull_timeout_s, "pull_timeout_s"))
+        put(self, "key", check_key(self.key))
+        put(self, "arena_bytes", integer(self.arena_bytes, "arena_bytes", minimum=1))
+        ttl = seconds(self.arena_ttl_s, "arena_ttl_s", allow_zero=True)
+        if ttl is None:
+            raise TypeError("arena_ttl_s must be a number of seconds, got None")
+        put(self, "arena_ttl_s", ttl)
+        if self.arena_order not in ORDERS:
+            raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
+        put(self, "progress_delay_us", integer(self.progress_delay_us, "progress_delay_us", minimum=0))
+
+    @classmethod
+    def make(cls, options: Optional["ManagerOptions"], overrides: Mapping[str, Any]) -> "ManagerOptions":
+        """``options`` (default: all defaults) with ``overrides`` by name; an unknown name
+        raises ``TypeError`` naming it."""
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"options must be a ManagerOptions, got {type(options).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"TransferManager got unknown option(s) {unknown}; known: {sorted(known)}")
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **overrides) if overrides else base

@@ -1,0 +1,39 @@
+"""ManagerOptions: every keyword option of a TransferManager checked once, by name."""
+import pytest
+
+from kvcopy.nixl.options import ManagerOptions
+
+
+def test_defaults_and_overrides():
+    base = ManagerOptions()
+    assert base.arena_order == "token" and base.pull_timeout_s is None and base.tp_size == 1
+    opts = ManagerOptions.make(ManagerOptions(tp_size=4, tp_rank=1), {"tp_rank": 3, "pull_timeout_s": 2})
+    assert (opts.tp_rank, opts.tp_size, opts.pull_timeout_s) == (3, 4, 2.0)
+    assert ManagerOptions.make(None, {}) == base
+    assert "key" not in repr(ManagerOptions(key=b"0123456789abcdef"))  # a secret never printed
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"no_such_option": 1}, TypeError, "unknown option"),
+    ({"tp_rank": 2, "tp_size": 2}, ValueError, "tp_rank 2 out of range"),
+    ({"tp_size": 1.5}, TypeError, "tp_size"),
+    ({"tp_rank": True}, TypeError, "tp_rank"),
+    ({"pull_timeout_s": 0}, ValueError, "pull_timeout_s"),
+    ({"pull_timeout_s": "1"}, TypeError, "pull_timeout_s"),
+    ({"arena_ttl_s": -1}, ValueError, "arena_ttl_s"),
+    ({"arena_ttl_s": None}, TypeError, "arena_ttl_s"),
+    ({"arena_bytes": 2.5}, TypeError, "arena_bytes"),
+    ({"arena_order": "heads"}, ValueError, "arena_order"),
+    ({"key": "a string key, long enough"}, TypeError, "key must be bytes"),
+    ({"key": b"short"}, ValueError, "at least 16"),
+    ({"progress_delay_us": -1}, ValueError, "progress_delay_us"),
+])
+def test_bad_options_raise_naming_them(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        ManagerOptions.make(None, kw)
+
+
+def test_options_must_be_options():
+    with pytest.raises(TypeError, match="ManagerOptions"):
+        ManagerOptions.make({"tp_rank": 0}, {})
+    assert ManagerOptions(arena_ttl_s=0).arena_ttl_s == 0.0  # P frees staged spans at its next look
