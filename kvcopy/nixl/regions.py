@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -219,9 +219,10 @@ def _axis(value, where: str) -> Tuple[str, int, int]:
                                                                                     f"{where} stride")
 
 
-@dataclass(frozen=True)
-class RegionRef:
-    """The addressing of one region, as a plan needs it (offsets relative to page 0)."""
+class RegionRef(NamedTuple):
+    """The addressing of one region, as a plan needs it (offsets relative to page 0).
+    A tuple: plans share these with the engine record they were made from, so nothing
+    reachable from a plan handed out can change them."""
 
     index: int
     num_pages: int
