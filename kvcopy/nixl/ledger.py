@@ -64,8 +64,10 @@ class Issued:
     def check(self, to: str) -> None:
         """Raise ``ValueError`` unless the plan may go to state ``to`` now."""
         if to not in _NEXT.get(self.state, ()):
+            need = next(state for state, nxt in _NEXT.items() if to in nxt)
             hint = _HINT.get((self.state, to), "")
-            raise ValueError(f"the plan is {self.state}: it cannot be {to}" + (f" ({hint})" if hint else ""))
+            raise ValueError(f"the plan is {self.state}: only a {need} plan can be {to}"
+                             + (f" ({hint})" if hint else ""))
 
     def advance(self, to: str) -> None:
         self.check(to)

@@ -258,6 +258,7 @@ class TransferManager:
         cached for it is dropped."""
         if name not in self._peers:
             raise ValueError(f"unknown peer {name!r}")
+        self._reap()  # plans the caller dropped go now, with the peer records they hold
         for rec in [r for r in self._in_flight.values() if name in r.peers]:
             self._fail(rec, f"peer {name!r} was removed")
         remote = self._peers.pop(name)
