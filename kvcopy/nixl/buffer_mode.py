@@ -136,6 +136,7 @@ class BufferMode(ABC):
     def reads(self, work: "Work") -> Sequence[Read]:
         """The READs of a plan, one per peer, made and checked when it was planned."""
 
+    @abstractmethod
     def check_writable(self, work: "Work") -> None:
         """Raise :class:`~kvcopy.nixl.pull.PagesHeld` where the pull of ``work`` would
         read or zero into memory a held READ (:meth:`hold`) may still write."""
@@ -144,13 +145,16 @@ class BufferMode(ABC):
     def complete(self, work: "Work") -> None:
         """After every READ of the plan is DONE: write the request into the KV."""
 
+    @abstractmethod
     def hold(self, work: "Work", pull_id: int) -> None:
         """A READ of ``work`` (pull ``pull_id``) was given up on before it ended: it may
         still write the work's READ rows until :meth:`unhold`."""
 
+    @abstractmethod
     def unhold(self, work: "Work") -> None:
         """NIXL reported every READ of ``work`` given up on ended."""
 
+    @abstractmethod
     def free(self, work: "Work") -> None:
         """The plan is completed or discarded and no READ of it may land: free what the
         work holds (arena mode: D's span)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from .buffer_mode import Work
 from .plan import Plan
 from .pull import PROC, PullHandle
 
@@ -50,7 +51,7 @@ class Issued:
 
     __slots__ = ("ref", "peers", "work", "state", "landing")
 
-    def __init__(self, ref: weakref.ref, peers: Tuple[Tuple[str, object], ...], work: object):
+    def __init__(self, ref: weakref.ref, peers: Tuple[Tuple[str, object], ...], work: Work):
         self.ref = ref
         self.peers = peers  # (name, the manager's record of that peer when the plan was made)
         self.work = work
@@ -121,7 +122,7 @@ class Ledger:
         self._dead_pulls: List[PullRecord] = []
 
     # ------------------------------------------------------------ plans
-    def bind(self, plan: Plan, peers: Tuple[Tuple[str, object], ...], work: object) -> Issued:
+    def bind(self, plan: Plan, peers: Tuple[Tuple[str, object], ...], work: Work) -> Issued:
         key, plans, dead = id(plan), self._plans, self._dead_plans
 
         def forget(ref, key=key, plans=plans, dead=dead):  # no reference to the manager: no cycle

@@ -92,7 +92,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -101,11 +101,12 @@ from ._agent import Agent, NixlError, metadata_name
 from .arena import ArenaFull
 from .buffer_mode import BufferMode, Peer, Read
 from .handshake import EngineInfo, check_peer_limits, decode, encode, layer_limit, pair_layers
+from .late_reads import LateReads
 from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
 from .paged_modes import DeviceMode, MirrorMode
 from .plan import Plan
-from .pull import DONE, ERR, PROC, Completion, PagesHeld, PullHandle
+from .pull import DONE, ERR, PROC, Completion, PullHandle
 from .regions import MAX_NAME, RegionSet, descriptor_table, tokens_per_group
 from .staging import ArenaStaging
 
@@ -122,16 +123,6 @@ class _Remote:
 
     peer: Peer
     dlist: object
-
-
-class _Abandoned(NamedTuple):
-    """A READ given up on before it ended: its NIXL handle, kept and polled until NIXL
-    reports it ended; ``issued`` holds what it may write."""
-
-    issued: Issued
-    peer: str
-    xfer: object
-    pull_id: int
 
 
 class TransferManager:
@@ -170,7 +161,7 @@ class TransferManager:
         self._peers: Dict[str, _Remote] = {}
         self._peer_keys = itertools.count()  # Peer.key: never reused, so caches never serve a re-added peer
         self._in_flight: Dict[int, PullRecord] = {}
-        self._abandoned: List[_Abandoned] = []  # READs given up on, not yet ended (module docstring)
+        self._late = LateReads(mode)  # READs given up on, not yet ended (module docstring)
         self._unreleased: List[object] = []  # NIXL handles of ended READs whose release failed; retried
         self._ids = itertools.count()
         # Plans and handles are found by identity in the ledger; nothing the caller does
@@ -490,11 +481,7 @@ class TransferManager:
         """Per local group, the local blocks of pulls whose READs were given up on and
         have not ended (see :class:`Completion`, ``read_pending``)."""
         self._reap()
-        held: List[set] = [set() for _ in self.layer_groups]
-        for a in self._abandoned:
-            for g, ids in enumerate(a.issued.work.local_block_ids):
-                held[g].update(ids)
-        return tuple(tuple(sorted(s)) for s in held)
+        return self._late.blocks(len(self.layer_groups))
 
     @property
     def arena(self) -> Optional[ArenaStaging]:
@@ -531,12 +518,8 @@ class TransferManager:
         self._in_flight.pop(rec.id, None)
         if ended is not None:
             self._ended(rec, ended, ERR)
-        issued = rec.issued
         for name, xfer in rec.xfers.items():
-            self._abandoned.append(_Abandoned(issued, name, xfer, rec.id))
-            issued.landing += 1
-            if issued.landing == 1:
-                self._mode.hold(issued.work, rec.id)
+            self._late.abandon(rec.issued, name, xfer, rec.id)
         rec.xfers = {}
         for name in rec.peers:  # P frees what the request holds on its side
             self._notify(rec, name)
@@ -547,24 +530,7 @@ class TransferManager:
         self._ledger.dropped(self._discard, self._drop_pull)
         if self._unreleased:
             self._unreleased = [x for x in self._unreleased if Agent.release(x) is not None]
-        if not self._abandoned:
-            return
-        keep = []
-        for a in self._abandoned:
-            state, _ = self._agent.state(a.xfer)
-            if state == PROC:
-                keep.append(a)
-                continue
-            self._release_xfer(a.xfer)
-            self._landed(a.issued)
-        self._abandoned = keep
-
-    def _landed(self, issued: Issued) -> None:
-        issued.landing -= 1
-        if not issued.landing:
-            self._mode.unhold(issued.work)
-            if issued.state in (COMPLETED, DISCARDED):
-                self._mode.free(issued.work)
+        self._late.reap(self._agent.state, self._release_xfer)
 
     def _drop_pull(self, rec: PullRecord) -> None:
         """The caller dropped a handle it had not completed: complete it (as a failure
@@ -588,7 +554,7 @@ class TransferManager:
             self._reap()
         live = sum(len(r.xfers) for r in self._in_flight.values()) + len(self._unreleased)
         out = {"in_flight": len(self._in_flight), "live_transfer_handles": live,
-               "abandoned_reads": len(self._abandoned), "peers": len(self._peers)}
+               "abandoned_reads": len(self._late), "peers": len(self._peers)}
         out.update(self._mode.stats())
         return out
 
@@ -606,10 +572,7 @@ class TransferManager:
         self._reap()
         for name in list(self._peers):
             self.remove_peer(name)
-        pending = bool(self._abandoned)
-        for a in self._abandoned:  # a release is no cancel: they may land until the agent is gone
-            Agent.release(a.xfer)
-        self._abandoned = []
+        pending = self._late.drop(Agent.release)  # a release is no cancel: they may land until the agent is gone
         self._unreleased = [x for x in self._unreleased if Agent.release(x) is not None]
         self._closed = True
         destroyed = self._release_agent()

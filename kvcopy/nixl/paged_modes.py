@@ -221,6 +221,9 @@ class PagedMode(BufferMode):
                         parts_e.append(s + n)
         return np.concatenate(parts_s), np.concatenate(parts_e)
 
+    def free(self, work) -> None:
+        """Nothing to free: the pages a plan writes are the request's own, the caller's to reuse."""
+
     def stats(self) -> Dict[str, int]:
         return {"held_reads": len(self._held)}
 

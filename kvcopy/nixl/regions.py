@@ -224,7 +224,7 @@ class RegionRef(NamedTuple):
     A tuple: plans share these with the engine record they were made from, so nothing
     reachable from a plan handed out can change them."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, which nothing here calls
     num_pages: int
     num_chunks: int
     chunk_bytes: int

@@ -467,6 +467,9 @@ class ArenaStaging(BufferMode):
             self.buffer.index_fill_(0, torch.as_tensor(byte_index(work.zero_starts, work.zero_lens)), 0)
         self.span_copiers(work.order).run("h2d", work.scatter)
 
+    def check_writable(self, work) -> None:
+        """Nothing to check: a plan's span is its own until no READ may write it."""
+
     def hold(self, work, pull_id: int) -> None:
         """D's span stays owned (the manager frees it only once the READ ended); counted."""
         self._held[id(work)] = work.nbytes
