@@ -82,20 +82,6 @@ class PageLayout:
             and self.chunk_bytes == other.chunk_bytes
         )
 
-    def describe_difference(self, other: "PageLayout") -> str:
-        parts = []
-        if self.itemsize != other.itemsize:
-            parts.append(f"element size {self.itemsize} vs {other.itemsize} bytes")
-        if self.page_geometry != other.page_geometry:
-            parts.append(
-                f"page (size, stride) {list(self.page_geometry)} vs {list(other.page_geometry)}"
-            )
-        if (self.num_chunks, self.chunk_bytes) != (other.num_chunks, other.chunk_bytes):
-            parts.append(
-                f"{self.num_chunks}x{self.chunk_bytes} vs {other.num_chunks}x{other.chunk_bytes} chunk bytes"
-            )
-        return "; ".join(parts) or "none"
-
 
 def infer_block_dim(shape: Tuple[int, ...]) -> int:
     """The block axis when the shape says it unambiguously, else ``ValueError``.

@@ -71,12 +71,12 @@ def test_library_built_with_c_abi():
         assert hasattr(lib, sym), sym
     lib.kvcopy_cuda_params_bytes.restype = ctypes.c_int
     lib.kvcopy_cuda_inline_words.restype = ctypes.c_int
-    from kvcopy.backends import cudalib, nvrtc
+    from kvcopy.backends import kernel_inputs, nvrtc
 
     # the ctypes mirror used by the NVRTC launcher has the C++ layout
     assert lib.kvcopy_cuda_params_bytes() == ctypes.sizeof(nvrtc.KernelParams)
     assert lib.kvcopy_cuda_params_bytes() <= 4096  # kernel parameter limit of every CUDA version
-    assert lib.kvcopy_cuda_inline_words() == cudalib.INLINE_WORDS == nvrtc.NvrtcLauncher.inline_words
+    assert lib.kvcopy_cuda_inline_words() == kernel_inputs.INLINE_WORDS == nvrtc.NvrtcLauncher.inline_words
 
 
 def test_library_holds_sm80_sm90_and_ptx():

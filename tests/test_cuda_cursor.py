@@ -3,16 +3,15 @@
 ``kvcopy_cpu_copy_ranges`` (csrc/cpu_copy.cpp) cuts a call into N equal word ranges
 and walks each with the byte cursor of ``kernels/block_copy.cuh`` exactly as one warp
 of the fused CUDA kernel walks its range, over the same static table and per-call
-array the CUDA backend builds (:mod:`kvcopy.backends.cudalib`). Range counts from 1 to more
+array the CUDA backend builds (:mod:`kvcopy.backends.kernel_inputs`). Range counts from 1 to more
 ranges than words put range boundaries inside pages, chunks and merged runs.
 """
 import ctypes
 
-import numpy as np
 import pytest
 
 from kvcopy import backends
-from kvcopy.backends import cudalib, native
+from kvcopy.backends import kernel_inputs, native
 from kvcopy.backends import Backend
 from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, check_copy, standard_cases
@@ -34,13 +33,13 @@ class RangesBackend(Backend):
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
 
     def copy(self, tables, call):
-        static = cudalib.static_table(tables)
+        static = kernel_inputs.static_table(tables)
         e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
         base = static.ctypes.data
         offsets = base + 8 * ENTRY_FIELDS * e
         group_entries = offsets + 8 * (g + 1)
         prefix = group_entries + 8 * ge
-        arr = cudalib.call_array(call)
+        arr = kernel_inputs.call_array(call)
         word = self.word_bytes or tables.word_bytes
         rc = lib.kvcopy_cpu_copy_ranges(base, offsets, group_entries, prefix, g, arr.ctypes.data,
                                         call.total_bytes, self.num_ranges, word)
@@ -73,22 +72,27 @@ def test_cursor_narrow_words(word, ranges_backend):
 
 
 def test_call_array_block_prefix():
-    from types import SimpleNamespace
+    """The call array the kernel reads: the packed call, then the block prefix over
+    its runs, as the planner wrote them in one buffer."""
+    import kvcopy
+    import torch
 
+    t = {"a": torch.zeros(16, 2, 8, dtype=torch.uint8), "b": torch.zeros(16, 2, 8, dtype=torch.uint8)}
+    c = kvcopy.BlockCopier(t, {k: torch.zeros_like(v) for k, v in t.items()}, [["a"], ["b"]], backend="cpu")
     # 2 groups, runs (5,5,3) | (9,1,1), (2,7,4): the block prefix is 0, 3, 4, 8
-    packed = np.array([0, 1, 3, 0, 2, 6, 5, 5, 3, 9, 1, 1, 2, 7, 4], dtype=np.int64)
-    call = SimpleNamespace(packed=packed, num_groups=2, total_bytes=0)
-    arr = cudalib.call_array(call)
-    assert arr[: len(packed)].tolist() == packed.tolist()
+    call = c.plan("h2d", [[5, 6, 7], [1, 7, 8, 9, 10]], [[5, 6, 7], [9, 2, 3, 4, 5]])
+    packed = [0, 1, 3, 0, 1, 3, 5, 5, 3, 9, 1, 1, 2, 7, 4]
+    arr = kernel_inputs.call_array(call)
+    assert arr[: len(packed)].tolist() == packed
     assert arr[len(packed):].tolist() == [0, 3, 4, 8]
 
 
 def test_grid_size_rule():
-    assert cudalib.grid_size(1, 132, None) == 1
-    assert cudalib.grid_size(1 << 30, 132, None) == 132 * cudalib.CTAS_PER_SM
-    assert cudalib.grid_size(1 << 30, 132, 16) == 16
-    per_cta = cudalib.THREADS // 32 * cudalib.MIN_BYTES_PER_WARP
-    assert cudalib.grid_size(3 * per_cta, 132, None) == 3
+    assert kernel_inputs.grid_size(1, 132, None) == 1
+    assert kernel_inputs.grid_size(1 << 30, 132, None) == 132 * kernel_inputs.CTAS_PER_SM
+    assert kernel_inputs.grid_size(1 << 30, 132, 16) == 16
+    per_cta = kernel_inputs.THREADS // 32 * kernel_inputs.MIN_BYTES_PER_WARP
+    assert kernel_inputs.grid_size(3 * per_cta, 132, None) == 3
 
 
 @pytest.mark.parametrize("num_ranges", [1, 7, 300])

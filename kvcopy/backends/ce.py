@@ -25,9 +25,10 @@ from typing import Any, Optional
 
 import torch
 
-from . import cudalib
+from . import Backend, cudalib
+from .gpu import GpuBackendBase, call_on_device, gpu_side
+from .pinning import pin_host_side
 from ..tables import CallPlan, CopyTables
-from . import Backend
 
 _MODES = {"auto": 0, "batch": 1, "loop": 2}
 
@@ -47,7 +48,7 @@ def _ptr(a) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
+class CopyEngineBackend(GpuBackendBase, Backend):
     name = "ce"
     _lib = None
 
@@ -64,12 +65,12 @@ class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
         self._resolve()
         if self._lib is None:
             raise ValueError(f"backend 'ce' is not available: {self._why}")
-        device, why = cudalib.gpu_side(tables)
+        device, why = gpu_side(tables)
         if why:
             raise ValueError(f"backend 'ce': {why}")
         tables.backend_state["ce"] = _State(
             device=device,
-            pinning=cudalib.pin_host_side(tables),
+            pinning=pin_host_side(tables),
             src_host=int(tables.src_device.type == "cpu"),
             dst_host=int(tables.dst_device.type == "cpu"),
             pointers=(_ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries)),
@@ -84,9 +85,9 @@ class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
         stream = torch.cuda.current_stream(st.device).cuda_stream
         used, segs = ctypes.c_int(0), ctypes.c_int64(0)
         entries, offsets, group_entries = st.pointers
-        rc = cudalib.call_on_device(st.device, self._lib.kvcopy_ce_copy, entries, offsets, group_entries,
-                                    tables.num_groups, _ptr(call.packed), st.src_host, st.dst_host, host_any,
-                                    mode, stream, ctypes.byref(used), ctypes.byref(segs))
+        rc = call_on_device(st.device, self._lib.kvcopy_ce_copy, entries, offsets, group_entries,
+                            tables.num_groups, call.packed_address, st.src_host, st.dst_host, host_any,
+                            mode, stream, ctypes.byref(used), ctypes.byref(segs))
         st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)
         cudalib.check(rc, f"copy-engine copy of {segs.value} segments "
                           f"({'cuMemcpyBatchAsync' if mode != 2 else 'cudaMemcpyAsync loop'})")

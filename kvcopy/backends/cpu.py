@@ -13,11 +13,8 @@ import ctypes
 import os
 from typing import Optional
 
-from . import native
+from . import Backend, native
 from ..tables import CallPlan, CopyTables
-from . import Backend
-
-_p64 = ctypes.POINTER(ctypes.c_int64)
 
 
 def _ptr(a) -> ctypes.c_void_p:

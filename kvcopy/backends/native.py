@@ -77,17 +77,3 @@ def missing_reason(stem: str, tried: List[Path]) -> str:
     return (f"{build_note(stem)}; looked in {', '.join(str(p.parent) for p in tried)}; build it with "
             "`pip install -v -e .` (CMake and a C++ compiler; nvcc for the CUDA library)")
 
-
-def plan_call_function(prefix: bool = False):
-    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None.
-
-    ``prefix=True``: ``kvcopy_plan_call_prefix``, which also writes the CUDA kernel's
-    block prefix after the runs; None from a library built before it existed."""
-    lib, _ = load("kvcopy_cpu")
-    name = "kvcopy_plan_call_prefix" if prefix else "kvcopy_plan_call"
-    fn = getattr(lib, name, None) if lib is not None else None
-    if fn is not None and fn.argtypes is None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.restype = i64
-        fn.argtypes = [i64] + [ptr] * 8 + [i64, i64, ptr, ptr]
-    return fn

@@ -234,6 +234,13 @@ def pin_host_tensors(tensors: Iterable[torch.Tensor], registry: Optional[Registr
     return pinning
 
 
+def pin_host_side(tables) -> Optional[HostPinning]:
+    """Page-lock the pageable host tensors of a copier direction's tables (both sides'
+    CPU tensors); None when there is nothing on the host."""
+    hosts = [t for t in list(tables.src_tensors) + list(tables.dst_tensors) if t.device.type == "cpu"]
+    return pin_host_tensors(hosts) if hosts else None
+
+
 def _log_pinned(p: HostPinning) -> None:
     global _logged
     with _log_lock:

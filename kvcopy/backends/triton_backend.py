@@ -88,11 +88,13 @@ class SmallCallUpload:
 
 def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
     from . import cudalib
+    from .gpu import raw_stream_getter
+    from .kernel_inputs import INLINE_WORDS
 
     lib, _ = cudalib.library()
     if lib is None:
         return None
-    return SmallCallUpload(lib.kvcopy_cuda_store_words, device.index, cudalib.INLINE_WORDS, cudalib.raw_stream_getter(),
+    return SmallCallUpload(lib.kvcopy_cuda_store_words, device.index, INLINE_WORDS, raw_stream_getter(),
                            lambda n: torch.empty(n, dtype=torch.int64, device=device))
 
 
@@ -158,10 +160,9 @@ class TritonBackend(Backend):
         max_ctas = tables.cta_cap() or default_ctas
         pinning = None
         if device.type == "cuda":
-            from .pinning import pin_host_tensors
+            from .pinning import pin_host_side
 
-            host = [t for t in list(tables.src_tensors) + list(tables.dst_tensors) if t.device.type == "cpu"]
-            pinning = pin_host_tensors(host)
+            pinning = pin_host_side(tables)
 
         def upload(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64).reshape(-1)).to(device)
