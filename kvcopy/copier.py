@@ -25,6 +25,7 @@ import torch
 
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe, pair_pages
+from .checks import shown
 from .planner import CallPlanner
 from .storages import StorageGuard, check_disjoint
 from .tables import CallPlan, CopyTables, build_tables
@@ -63,6 +64,14 @@ class BlockCopier:
 
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
+
+    Threads: one copier may be called from several threads at once (``to_host``,
+    ``to_device``, ``plan``, ``run``); each call is checked and copied as if it were
+    alone. The call planner keeps no state between calls (its duplicate check uses a
+    per-thread array in the native library), a plan is immutable, and the backends'
+    per-copier state is read-only during calls. Calls from several threads on one CUDA
+    stream are ordered on it as they are enqueued. :meth:`close` must not run while
+    another thread is in a call: it releases what those calls use.
     """
 
     def __init__(
@@ -195,10 +204,9 @@ class BlockCopier:
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``); :meth:`run`
-        copies it later without validating again."""
+        copies it later without validating again. The plan is immutable (nothing in it
+        can be edited between the two)."""
         host = block_ids if host_block_ids is None else host_block_ids
-        if direction not in ("d2h", "h2d"):
-            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
         d = self._built(direction)
         return self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
 
@@ -206,7 +214,7 @@ class BlockCopier:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
         were checked then; the storages are checked now, as for every call)."""
         d = self._built(direction)
-        if not isinstance(call, CallPlan) or call.origin is not d.planner.origin:
+        if type(call) is not CallPlan or call.origin is not d.planner.origin:
             raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
         if self._closed:
             raise ValueError("BlockCopier is closed")
@@ -216,10 +224,16 @@ class BlockCopier:
         return call
 
     def tables(self, direction: str) -> CopyTables:
+        """The static tables of ``direction`` ("d2h" or "h2d")."""
         return self._built(direction).tables
 
     def _built(self, direction: str) -> _Direction:
-        d = {"d2h": self._d2h, "h2d": self._h2d}[direction]
+        if direction == "d2h":
+            d = self._d2h
+        elif direction == "h2d":
+            d = self._h2d
+        else:
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {shown(direction)}")
         if d is None:
             raise ValueError(f"this BlockCopier was built without the {direction!r} direction")
         return d

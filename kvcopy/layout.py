@@ -48,7 +48,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from .checks import integer
+
 KV_LAYOUTS = ("NHD", "HND")
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor of the same element width (a view): what
+    kvcopy compares and moves, bit for bit, whatever the dtype (bf16 NaN payloads, fp8)."""
+    return t.view(_INT_OF_WIDTH[t.element_size()])
 
 
 @dataclass(frozen=True)
@@ -139,13 +149,14 @@ def describe(
     ``kv_layout`` ("NHD" or "HND") only names the token and head axes, which shapes
     alone cannot tell apart; it never changes which bytes are copied.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    _check_plain_tensor(tensor)
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     shape = tuple(tensor.shape)
     if block_dim is None:
         block_dim = infer_block_dim(shape)
+    else:
+        block_dim = integer(block_dim, "block_dim")
     if not 0 <= block_dim < len(shape):
         raise ValueError(f"block_dim {block_dim} out of range for shape {shape}")
     itemsize = tensor.element_size()
@@ -197,6 +208,23 @@ def describe(
         head_dim=head_dim,
         kind=kind,
     )
+
+
+def _check_plain_tensor(tensor) -> None:
+    """A strided tensor whose bytes are its values: kvcopy moves bytes, so a view that
+    holds its values lazily (``conj()``, a negative-bit view: the bytes are the
+    unconjugated, unnegated values) would be copied as values it does not have, and a
+    nested tensor has no one block axis."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise TypeError("a nested tensor has no fixed page layout: pass a strided tensor")
+    if tensor.is_conj():
+        raise TypeError("a conj() view holds other bytes than its values: pass tensor.resolve_conj()")
+    if tensor.is_neg():
+        raise TypeError("a negative-bit view holds other bytes than its values: pass tensor.resolve_neg()")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"a {tensor.layout} tensor has no page layout: pass a strided tensor")
 
 
 def chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 
 from .backends import native
 from .checks import block_ids, sequence
-from .tables import CallPlan, CopyTables
+from .tables import CallPlan, CopyTables, call_plan
 
 # Error codes of csrc/call_plan.cpp (PlanError).
 SRC_RANGE, DST_RANGE, DUPLICATE = 1, 2, 3
@@ -96,19 +96,14 @@ class CallPlanner:
                                           lens, self._src_limit, self._dst_limit, self._dst_class,
                                           self._entries_per_group)
         if n < 0:
+            if n == -2:
+                raise MemoryError("the call planner could not grow its duplicate-check array")
             raise ValueError(self._refusal(err, src, dst, lens))
-        runs = words[self._g] if isinstance(words, array.array) else int(words[self._g])
-        return CallPlan(
-            src_flat=src,
-            dst_flat=dst,
-            group_lens=lens,
-            packed=np.frombuffer(words, dtype=np.int64, count=n),
-            packed_address=_address(words),
-            num_groups=self._g,
-            total_bytes=sum(map(operator.mul, self._group_bytes, lens)),
-            prefix_words=runs + 1,
-            origin=self._origin,
-        )
+        g = self._g
+        src_bytes = src.tobytes()
+        return call_plan(words.tobytes(), n, int(words[g]), int(words[2 * g + 1]), src_bytes,
+                         src_bytes if dst is src else dst.tobytes(), tuple(lens),
+                         sum(map(operator.mul, self._group_bytes, lens)), self._origin)
 
     # ------------------------------------------------------------ checks in Python
     def _checked_ids(self, src_ids, dst_ids):
@@ -153,38 +148,32 @@ class CallPlanner:
 
 
 class _NativePass:
-    """Step 2 in C: the constant arguments converted to ctypes once per planner.
+    """Step 2 in C, with the constant arguments converted to ctypes once per planner.
 
-    The duplicate check keeps a stamp array owned by the planner (one row per class of
-    groups): block ``b`` was written in this call by class ``c`` iff ``seen[c][b]`` is
-    this call's stamp; stamps grow by one per call, so the array is never cleared."""
+    Reentrant: the call's buffers are its own, and the duplicate check's stamp array is
+    per thread in the library (``csrc/call_plan.cpp``), so calls on one planner from
+    several threads never see each other's stamps."""
 
     def __init__(self, planner: CallPlanner):
         self._fn = plan_call_function()
         g = planner._g
         self._g = g
         self._keep = (planner._src_limit, planner._dst_limit, planner._dst_class, planner._entries_per_group)
-        capacity = int(planner._dst_limit.max()) if g else 0
-        classes = int(planner._dst_class.max()) + 1 if g else 0
-        self._seen = np.zeros(classes * max(capacity, 1), dtype=np.int64)
-        self._stamp = 0
-        self._err = np.zeros(3, dtype=np.int64)
-        self._err_address = ctypes.c_void_p(self._err.ctypes.data)
-        self._static = [ctypes.c_void_p(a.ctypes.data) for a in self._keep + (self._seen,)]
+        self._static = [ctypes.c_void_p(a.ctypes.data) for a in self._keep]
         self._g_arg = ctypes.c_int64(g)
-        self._capacity_arg = ctypes.c_int64(capacity)
+        self._classes_arg = ctypes.c_int64(int(planner._dst_class.max()) + 1 if g else 0)
+        self._capacity_arg = ctypes.c_int64(int(planner._dst_limit.max()) if g else 0)
 
     def __call__(self, src, dst, lens):
+        """``(words, n, error report)``: the report is ``words[0:3]`` when n < 0."""
         g = self._g
-        n_ids = len(src)
-        words = array.array("q", bytes(8 * (2 * (g + 1) + 4 * n_ids + 1)))
-        self._stamp += 1
-        lim_s, lim_d, cls, epg, seen = self._static
+        words = array.array("q", bytes(8 * (2 * (g + 1) + 4 * len(src) + 1)))
+        lim_s, lim_d, cls, epg = self._static
         src_address = _address(src)
         dst_address = src_address if dst is src else _address(dst)
-        n = self._fn(self._g_arg, src_address, dst_address, lens.buffer_info()[0], lim_s, lim_d, cls, epg, seen,
-                     self._capacity_arg, self._stamp, words.buffer_info()[0], self._err_address)
-        return words, n, self._err
+        n = self._fn(self._g_arg, src_address, dst_address, lens.buffer_info()[0], lim_s, lim_d, cls,
+                     self._classes_arg, epg, self._capacity_arg, words.buffer_info()[0])
+        return words, n, words[:3]
 
 
 def plan_in_numpy(src: np.ndarray, dst: np.ndarray, lens, src_limit: np.ndarray, dst_limit: np.ndarray,
@@ -239,17 +228,17 @@ _function = None
 
 
 def plan_call_function():
-    """``kvcopy_plan_call_prefix`` from the host library (csrc/call_plan.cpp), typed, or
-    None where the library is not built."""
+    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), typed, or None
+    where the library is not built (or is refused: :mod:`kvcopy.backends.native`)."""
     global _function
     if _function is None:
         lib, _ = native.load("kvcopy_cpu")
-        fn = getattr(lib, "kvcopy_plan_call_prefix", None) if lib is not None else None
-        if fn is not None:
+        if lib is not None:
+            fn = lib.kvcopy_plan_call
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             fn.restype = i64
-            fn.argtypes = [i64] + [ptr] * 8 + [i64, i64, ptr, ptr]
-        _function = fn
+            fn.argtypes = [i64] + [ptr] * 6 + [i64, ptr, i64, ptr]
+            _function = fn
     return _function
 
 

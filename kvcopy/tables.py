@@ -154,48 +154,107 @@ def build_tables(
     )
 
 
-@dataclass
 class CallPlan:
-    """One call's validated ids and their packed runs.
+    """One call's checked ids and their packed runs, as its planner made them; immutable.
 
-    ``src_flat``/``dst_flat`` hold every group's ids concatenated (group ``g`` has
-    ``group_lens[g]``); ``packed`` is the kernels' call array.
+    Made only by :class:`kvcopy.planner.CallPlanner` (through ``BlockCopier.plan``,
+    ``to_host`` and ``to_device``), and run as it is: a backend hands :attr:`words` to C
+    code and kernels without looking at it again. So nothing reachable from a plan can
+    change: its attributes cannot be set or deleted, its buffers are ``bytes``, and
+    the arrays it hands out are read-only numpy views of those bytes (numpy refuses to
+    make a view of ``bytes`` writable). ``BlockCopier.run`` takes only the plans of its
+    own direction's planner (:attr:`origin`, an opaque token).
+
+    :attr:`words` is the kernels' call array: the packed call (:attr:`packed`,
+    ``[run_offsets | item_offsets | runs]``) followed by the block prefix over its runs
+    (:attr:`prefix_words` = runs + 1 words).
     """
 
-    src_flat: Sequence[int]  # int64 buffer (numpy array or array.array)
-    dst_flat: Sequence[int]
-    group_lens: Sequence[int]  # [G]
-    packed: np.ndarray  # int64 [run_offsets | item_offsets | runs]
-    packed_address: int  # address of packed[0], for C launchers
-    num_groups: int
-    total_bytes: int
-    # Words of the block prefix (runs + 1) right after ``packed`` in the same buffer:
-    # the `cuda` call array is ``packed_address``, ``len(packed) + prefix_words`` words.
-    prefix_words: int
-    # An opaque token of the planner that made the call: ``BlockCopier.run`` takes
-    # only the plans of its own direction's planner.
-    origin: object = field(default=None, repr=False, compare=False)
+    __slots__ = ("_fields",)
+
+    # _fields: (words, packed words, runs, items, src ids, dst ids, group lens,
+    #           groups, total bytes, origin)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"CallPlan is immutable: cannot set {name!r} (plan the call again)")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"CallPlan is immutable: cannot delete {name!r}")
+
+    def __copy__(self) -> "CallPlan":
+        return self
+
+    def __deepcopy__(self, memo) -> "CallPlan":
+        return self
+
+    def __repr__(self) -> str:
+        return (f"CallPlan(groups={self.num_groups}, ids={list(self.group_lens)}, runs={self.num_runs}, "
+                f"items={self.num_items}, total_bytes={self.total_bytes})")
+
+    @property
+    def words(self) -> bytes:
+        """The call array: packed call, then block prefix (int64, native byte order)."""
+        return self._fields[0]
+
+    @property
+    def packed(self) -> np.ndarray:
+        """The packed call (read-only int64 view of :attr:`words`)."""
+        return np.frombuffer(self._fields[0], dtype=np.int64, count=self._fields[1])
+
+    @property
+    def prefix_words(self) -> int:
+        return self._fields[2] + 1
+
+    @property
+    def num_words(self) -> int:
+        """Words of the call array: the packed call and its block prefix."""
+        return self._fields[1] + self._fields[2] + 1
 
     @property
     def num_runs(self) -> int:
-        return int(self.packed[self.num_groups])
+        return self._fields[2]
 
     @property
     def num_items(self) -> int:
-        return int(self.packed[2 * self.num_groups + 1])
+        return self._fields[3]
+
+    @property
+    def src_flat(self) -> np.ndarray:
+        """Every group's source ids concatenated (read-only int64)."""
+        return np.frombuffer(self._fields[4], dtype=np.int64)
+
+    @property
+    def dst_flat(self) -> np.ndarray:
+        return np.frombuffer(self._fields[5], dtype=np.int64)
+
+    @property
+    def group_lens(self) -> Tuple[int, ...]:
+        return self._fields[6]
+
+    @property
+    def num_groups(self) -> int:
+        return self._fields[7]
+
+    @property
+    def total_bytes(self) -> int:
+        return self._fields[8]
+
+    @property
+    def origin(self) -> object:
+        """The token of the planner that made this plan."""
+        return self._fields[9]
 
     @property
     def src_ids(self) -> List[np.ndarray]:
-        """Per-group source ids (numpy views)."""
+        """Per-group source ids (read-only numpy views)."""
         return self._split(self.src_flat)
 
     @property
     def dst_ids(self) -> List[np.ndarray]:
         return self._split(self.dst_flat)
 
-    def _split(self, flat) -> List[np.ndarray]:
-        arr = np.asarray(flat, dtype=np.int64)
-        return np.split(arr, np.cumsum(np.asarray(self.group_lens, dtype=np.int64))[:-1])
+    def _split(self, flat: np.ndarray) -> List[np.ndarray]:
+        return np.split(flat, np.cumsum(np.asarray(self.group_lens, dtype=np.int64))[:-1])
 
     def run_offsets(self) -> np.ndarray:
         return self.packed[: self.num_groups + 1]
@@ -205,3 +264,16 @@ class CallPlan:
 
     def runs(self) -> np.ndarray:
         return self.packed[2 * (self.num_groups + 1) :].reshape(-1, 3)
+
+
+_new_plan = object.__new__
+_set_fields = CallPlan.__dict__["_fields"].__set__
+
+
+def call_plan(words: bytes, packed_words: int, runs: int, items: int, src: bytes, dst: bytes,
+              group_lens: Tuple[int, ...], total_bytes: int, origin: object) -> CallPlan:
+    """A :class:`CallPlan` over the planner's buffers (for :mod:`kvcopy.planner` only)."""
+    plan = _new_plan(CallPlan)
+    _set_fields(plan, (words, packed_words, runs, items, src, dst, group_lens, len(group_lens), total_bytes,
+                       origin))
+    return plan

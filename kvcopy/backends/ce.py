@@ -86,7 +86,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
         used, segs = ctypes.c_int(0), ctypes.c_int64(0)
         entries, offsets, group_entries = st.pointers
         rc = call_on_device(st.device, self._lib.kvcopy_ce_copy, entries, offsets, group_entries,
-                            tables.num_groups, call.packed_address, st.src_host, st.dst_host, host_any,
+                            tables.num_groups, call.words, st.src_host, st.dst_host, host_any,
                             mode, stream, ctypes.byref(used), ctypes.byref(segs))
         st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)
         cudalib.check(rc, f"copy-engine copy of {segs.value} segments "

@@ -61,7 +61,7 @@ class CpuBackend(Backend):
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
         entries, offsets, group_entries, groups, threads = self.state(tables)
         rc = self._lib.kvcopy_cpu_copy(
-            entries, offsets, group_entries, groups, call.packed_address, call.total_bytes, threads
+            entries, offsets, group_entries, groups, call.words, call.total_bytes, threads
         )
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")

@@ -100,16 +100,16 @@ class InlineLaunch:
 
     def __call__(self, call: CallPlan) -> Optional[int]:
         """The launch's return code, or None when the call does not fit inline."""
-        address, words = call_words(call)
+        buffer, words = call_words(call)
         if words > self.inline_words:
             return None
         grid = grid_size(call.total_bytes, self.sm_count, self.max_ctas)
         if self.current_device() != self.device:
             with torch.cuda.device(self.device):
-                return self._launch(address, words, call.total_bytes, grid)
-        return self._launch(address, words, call.total_bytes, grid)
+                return self._launch(buffer, words, call.total_bytes, grid)
+        return self._launch(buffer, words, call.total_bytes, grid)
 
-    def _launch(self, address: int, words: int, total: int, grid: int) -> int:
+    def _launch(self, address: bytes, words: int, total: int, grid: int) -> int:
         return self.launch(*self.head, address, None, words, total, self.word, grid, self.stream(self.device))
 
 
@@ -237,7 +237,7 @@ class CudaBackend(GpuBackendBase, Backend):
                     raise cudalib.CudaError("kvcopy_store_words launch", rc, launcher.error_name(rc))
                 st.graph_buffers.append(dev)
             else:
-                dev = torch.from_numpy(arr).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
+                dev = torch.from_numpy(arr.copy()).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
             call_device = dev.data_ptr()
         rc = call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
                             st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),

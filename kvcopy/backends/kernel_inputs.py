@@ -54,13 +54,12 @@ def static_table(tables: CopyTables, entries: Optional[np.ndarray] = None) -> np
     return np.concatenate([e.ravel(), tables.group_offsets, tables.group_entries, prefix]).astype(np.int64)
 
 
-def call_words(call: CallPlan) -> Tuple[int, int]:
-    """(host address, words) of the call array: the planner's buffer as it is."""
-    return call.packed_address, len(call.packed) + call.prefix_words
+def call_words(call: CallPlan) -> Tuple[bytes, int]:
+    """(buffer, words) of the call array: the plan's immutable buffer as it is (ctypes
+    passes a ``bytes`` object to a ``c_void_p`` parameter as the address of its data)."""
+    return call.words, call.num_words
 
 
 def call_array(call: CallPlan) -> np.ndarray:
-    """The call array as numpy (the packed call followed by its block prefix)."""
-    buffer = call.packed.base
-    assert buffer is not None, "a CallPlan's packed array is a view of the planner's buffer"
-    return np.frombuffer(buffer, dtype=np.int64, count=len(call.packed) + call.prefix_words)
+    """The call array as numpy (read-only: the packed call followed by its block prefix)."""
+    return np.frombuffer(call.words, dtype=np.int64, count=call.num_words)
