@@ -9,7 +9,7 @@ import kvcopy
 from kvcopy.backends import get_backend
 from kvcopy.backends.kernel_inputs import call_array
 from kvcopy.planner import CallPlanner
-from kvcopy.reference import reference_copy_groups
+from kvcopy.testing.reference import reference_copy_groups
 from kvcopy.testing import POISON_BYTE, CopyCase, bytes_equal, check_copy, standard_cases
 
 CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_backends()[b] is None]

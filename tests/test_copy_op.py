@@ -4,7 +4,7 @@ import torch
 
 import kvcopy
 from kvcopy import copy_op
-from kvcopy.reference import reference_copy
+from kvcopy.testing.reference import reference_copy
 from kvcopy.testing import bytes_equal
 
 

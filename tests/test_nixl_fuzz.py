@@ -4,9 +4,10 @@ semantics, or a clear ValueError. A silently wrong case fails the test."""
 import numpy as np
 import pytest
 
-from kvcopy.nixl import fuzz, geometry, plan as plan_mod
+from kvcopy.nixl import geometry, plan as plan_mod
+from kvcopy.testing.nixl import fuzz
 from kvcopy.nixl.geometry import ChunkAxes, remote_ranks, segments
-from kvcopy.nixl.testing import one_torch_thread
+from kvcopy.testing.nixl.engines import one_torch_thread
 
 
 @pytest.fixture(autouse=True)

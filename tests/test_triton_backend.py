@@ -358,7 +358,7 @@ def test_gpu_runs_on_current_stream(monkeypatch):
     case = _pinned(CopyCase(layout="kv_first", num_groups=2, num_blocks=48, ids="runs"))
     dev, host = case.build("cuda", "device")
     expected = {k: v.clone() for k, v in dev.items()}
-    from kvcopy.reference import reference_copy_groups
+    from kvcopy.testing.reference import reference_copy_groups
 
     groups = case.layer_groups()
     dev_ids, host_ids = case.block_ids()

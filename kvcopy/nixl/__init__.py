@@ -7,8 +7,8 @@ one plan may read from several peers), reads with NIXL and completes with one ma
 copy.
 ``buffer="arena"`` stages each request in one span of a fixed-size pinned arena
 instead (:mod:`kvcopy.nixl.staging`: one descriptor per request for equal geometry).
-``replay`` is the byte oracle that applies a plan without NIXL; ``python -m
-kvcopy.nixl.fuzz`` checks plans against it on random geometries. See ``docs/nixl.md``.
+The byte oracle that applies a plan without NIXL, and the fuzzers that check plans
+against it, are test tooling (:mod:`kvcopy.testing.nixl`). See ``docs/nixl.md``.
 
 Importing this package does not import NIXL; creating a manager does (``nixl``,
 ``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
@@ -18,9 +18,8 @@ from .arena import ArenaFull
 from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
 from .manager import Completion, PullHandle, TransferManager
-from .oracle import replay
 from .plan import (
-    NO_BLOCK, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks, select_pages,
+    NO_BLOCK, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
 )
 from .regions import RegionInfo, RegionSet, build_regions
 from .staging import ArenaPlan, StagedRequest
@@ -53,6 +52,4 @@ __all__ = [
     "pair_layers",
     "rank_heads",
     "remote_ranks",
-    "replay",
-    "select_pages",
 ]

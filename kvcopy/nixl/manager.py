@@ -82,7 +82,7 @@ import torch
 
 from ..checks import block_ids as as_block_ids, seconds, sequence, shown
 from ..copier import BlockCopier
-from ..reference import as_words
+from ..layout import as_words
 from ._agent import PROGRESS_DELAY_US, Agent, NixlError, metadata_name
 from .arena import ArenaFull
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref

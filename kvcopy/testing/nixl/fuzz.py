@@ -1,6 +1,6 @@
 """A byte-oracle fuzzer for heterogeneous P/D pulls (no NIXL: CPU tensors).
 
-    python -m kvcopy.nixl.fuzz --cases 10000 --seed 0
+    python -m kvcopy.testing.nixl.fuzz --cases 10000 --seed 0
 
 Each case draws a geometry: layers (GQA or MLA, full or sliding-window attention), a
 KV cache group plan on each side, tokens per block and per page per group on each
@@ -25,7 +25,7 @@ reason; "raised although feasible" counts those the expectation could serve) or
 
 ``--arena``: the same cases in arena mode (:mod:`kvcopy.nixl.staging`): each P rank
 packs its request into its own arena with the real copier, D plans the read of P's
-spans, the byte oracle applies the READ rows (:func:`~kvcopy.nixl.oracle.replay_rows`)
+spans, the byte oracle applies the READ rows (:func:`~kvcopy.testing.nixl.oracle.replay_rows`)
 and D's real copier scatters its span into D's caches; the result must equal the
 same expectation. Cases with an odd seed whose P pages are HND (with a GQA layer) stage in head order
 (``arena_order="head"``), the others in token order; the report counts both. D plans
@@ -47,12 +47,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .geometry import rank_heads, remote_ranks
-from .handshake import EngineInfo, pair_layers
+from ...nixl.geometry import rank_heads, remote_ranks
+from ...nixl.handshake import EngineInfo, pair_layers
+from ...nixl.plan import NO_BLOCK, build_multi_pull_plan, expand_blocks
+from ...nixl.regions import build_regions
+from ...nixl.staging import ArenaStaging, granule_for, span_layout, stage_units
 from .oracle import clone_caches, first_difference, replay, replay_rows, same_bytes
-from .plan import NO_BLOCK, build_multi_pull_plan, expand_blocks
-from .regions import build_regions
-from .staging import ArenaStaging, granule_for, span_layout, stage_units
 
 DTYPES = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8,
@@ -607,14 +607,14 @@ def run(args: argparse.Namespace) -> int:
         out = run_arena_case(spec) if args.arena else run_case(spec)
         print(out.status, out.reason, out.detail)
         return 1 if out.status == "wrong" else 0
-    print(f"python -m kvcopy.nixl.fuzz --cases {args.cases} --seed {args.seed}" + (" --arena" if args.arena else ""))
+    print(f"python -m kvcopy.testing.nixl.fuzz --cases {args.cases} --seed {args.seed}" + (" --arena" if args.arena else ""))
     report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong, args.arena)
     print(report)
     return 1 if report.wrong else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcopy.nixl.fuzz", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvcopy.testing.nixl.fuzz", description=__doc__.split("\n\n")[0])
     add_args(ap)
     return run(ap.parse_args(argv))
 

@@ -1,6 +1,6 @@
 """A handshake fuzzer: bad metadata against a real ``add_peer`` (NIXL over UCX, loopback).
 
-    python -m kvcopy.nixl.handshake_fuzz --batch flips,keys --seed 0
+    python -m kvcopy.testing.nixl.handshake_fuzz --batch flips,keys --seed 0
 
 One process holds a prefill manager P (alive, its agent reachable) and a decode
 manager D. Each variant of P's genuine metadata goes to ``D.add_peer``; its outcome is
@@ -40,7 +40,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .handshake import MAGIC, HANDSHAKE_VERSION, EngineInfo, decode, frame
+from ...nixl.handshake import MAGIC, HANDSHAKE_VERSION, EngineInfo, decode, frame
 
 BATCHES = ("random", "truncations", "flips", "counts", "types", "keys")
 _FIELD_VALUES = (None, True, False, 1.5, -1, 2 ** 70, -(2 ** 70), "1", "", [], [1], {}, {"a": 1})
@@ -167,7 +167,7 @@ def variants(batch: str, genuine: bytes, agent: bytes, rng: np.random.Generator)
 
 def run_batch(batch: str, seed: int = 0) -> Dict[str, object]:
     """Run one batch against real managers in this process; the report as a dict."""
-    from .testing import build_case, fill_random, one_torch_thread
+    from .engines import build_case, fill_random, one_torch_thread
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL traffic on loopback only
     rng = np.random.default_rng(seed)
@@ -228,7 +228,7 @@ def run_batch(batch: str, seed: int = 0) -> Dict[str, object]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcopy.nixl.handshake_fuzz", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvcopy.testing.nixl.handshake_fuzz", description=__doc__.split("\n")[0])
     ap.add_argument("--batch", default="all", help=f"comma-separated batches of {list(BATCHES)}, or all")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -28,12 +28,12 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..layout import describe
-from ..reference import as_words, reference_copy
+from ...layout import as_words, describe
+from ...nixl.plan import NO_BLOCK
+from ..reference import reference_copy
 from .oracle import (  # noqa: F401  (re-exported for the tests)
     clone_caches, fill_random, first_difference, replay, same_bytes, storage_bytes, unique_storages,
 )
-from .plan import NO_BLOCK
 
 
 @contextlib.contextmanager
@@ -62,7 +62,7 @@ class ToyEngine:
         return self.tokens_per_block[g] // self.tokens_per_page
 
     def manager(self, name: str, **overrides):
-        from .manager import TransferManager
+        from ...nixl.manager import TransferManager
 
         kw = dict(self.kwargs)
         kw.update(overrides)
@@ -189,7 +189,7 @@ def from_wire(wire: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
 def serve_prefill(conn) -> None:
     """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
     ("start_spec", fuzz spec, P ranks, names): one manager per P rank of a
-    :class:`kvcopy.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
+    :class:`kvcopy.testing.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
     ("notifications", count), ("close",), ("exit",). Both starts take an optional last
     element: manager keyword arguments (``buffer="arena"``, ``arena_bytes``); then
     ("save_arena", block_ids, num_tokens, request_id) stages the request on every
@@ -209,7 +209,7 @@ def serve_prefill(conn) -> None:
                 conn.send(("ok", managers[0].metadata(), _to_wire(caches)))
             elif cmd == "start_spec":
                 from . import fuzz
-                from .manager import TransferManager
+                from ...nixl.manager import TransferManager
 
                 _, spec, ranks, names, *kw = msg
                 logical = fuzz.logical_kv(spec)
@@ -301,8 +301,8 @@ def collect_notifications(manager, count: int, timeout: float = 60.0) -> List[tu
 
 def engine_info(engine: ToyEngine, name: str, buffer: str = "host"):
     """The handshake record of an engine without creating a NIXL agent (plan tests)."""
-    from .handshake import EngineInfo
-    from .regions import build_regions
+    from ...nixl.handshake import EngineInfo
+    from ...nixl.regions import build_regions
 
     tpp = [engine.tokens_per_page] * len(engine.layer_groups)
     regions = build_regions(engine.device_caches, engine.layer_groups, tpp, buffer)
@@ -342,7 +342,7 @@ def pull_and_complete(
 
 def pull_spec(d_manager, peers: Sequence[str], spec, d_caches: Dict[str, torch.Tensor],
               p_caches: Optional[Dict[str, Dict[str, torch.Tensor]]] = None, notify: bytes = b""):
-    """One heterogeneous pull of a :class:`kvcopy.nixl.fuzz.Spec` with real NIXL: plan
+    """One heterogeneous pull of a :class:`kvcopy.testing.nixl.fuzz.Spec` with real NIXL: plan
     (several peers), pull, poll, complete on D. Returns (plan, completion, expected,
     replayed): the fuzzer's independent expectation of D's caches and, given P's
     caches by peer name, the byte oracle's replay of the plan."""

@@ -7,7 +7,7 @@ group, pointing at another layer's device tensor with a host buffer of their own
 one call's block ids per group (unique across groups: one block pool).
 
 :func:`check_copy` builds the case twice from one seed with the source random and the
-destination poisoned, runs the reference (:mod:`kvcopy.reference`) on one copy and the
+destination poisoned, runs the reference (:mod:`kvcopy.testing.reference`) on one copy and the
 backend on the other, and compares every destination tensor byte for byte, including
 the ones that must not change. Sizes are small so the Triton interpreter (~1 ms per
 program instance) can run the whole matrix.
@@ -21,8 +21,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .copier import BlockCopier
-from .reference import as_words, reference_copy_groups
+from ..copier import BlockCopier
+from ..layout import as_words
+from .reference import reference_copy_groups
 
 # name -> (logical shape builder (nb, bs, h, d) -> shape, block_dim, kv_layout)
 LAYOUTS = {
@@ -75,7 +76,7 @@ def physical_shape(layout: str, side: str, nb: int, bs: int, h: int, d: int) -> 
 def page_pairing(layout: str, bs: int, h: int, d: int, dtype: torch.dtype):
     """The :class:`~kvcopy.layout.PagePairing` of a layout's device page against its
     host page (run bytes and runs per page), from two-block tensors of each side."""
-    from .layout import describe, pair_pages
+    from ..layout import describe, pair_pages
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     sides = []
