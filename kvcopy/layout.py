@@ -166,7 +166,7 @@ def describe(
     # In-page dims; size-1 dims carry no bytes and their strides are arbitrary (a
     # permuted single-head tensor), so they are not part of the geometry.
     live = [(shape[d], strides[d]) for d in range(len(shape)) if d != block_dim and shape[d] > 1]
-    page_geometry = tuple(live)
+    page_geometry: Tuple[Tuple[int, Optional[int]], ...] = tuple(live)
     span = _dense_span(live)
     if span is not None:
         num_chunks, chunk_stride, chunk_elems = 1, 0, span
@@ -322,7 +322,7 @@ def pair_pages(src: PageLayout, dst: PageLayout) -> PagePairing:
         raise ValueError(f"pages differ: {what}; {_layout_name(src)} vs {_layout_name(dst)}")
     isz = src.itemsize
     dims = [(n, a * isz, b * isz) for (n, a), (_, b) in zip(src.page_dims, dst.page_dims)]
-    best = None
+    best: Optional[Tuple[Tuple[bool, int, int], int, list]] = None
     for key in (lambda d: (d[1], d[2]), lambda d: (d[2], d[1])):  # by src, then by dst stride
         merged = _coalesce(dims, key) if dims else []
         if merged and merged[0][1] == isz and merged[0][2] == isz:
@@ -332,6 +332,7 @@ def pair_pages(src: PageLayout, dst: PageLayout) -> PagePairing:
         score = (len(rest) > MAX_RUN_DIMS, -run, len(rest))
         if best is None or score < best[0]:
             best = (score, run, rest)
+    assert best is not None  # the loop ran twice
     _, run, rest = best
     if len(rest) > MAX_RUN_DIMS:
         raise ValueError(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -81,7 +81,8 @@ class CopyTables:
     def cta_cap(self) -> Optional[int]:
         """The kernel backends' grid cap: ``max_ctas`` given to the copier, else the
         ``KVCOPY_MAX_CTAS`` environment variable, else None (uncapped)."""
-        value, where = self.max_ctas, "max_ctas"
+        value: object = self.max_ctas
+        where = "max_ctas"
         if value is None:
             env = os.environ.get("KVCOPY_MAX_CTAS", "").strip()
             if not env:
@@ -171,9 +172,9 @@ class CallPlan:
     """
 
     __slots__ = ("_fields",)
-
-    # _fields: (words, packed words, runs, items, src ids, dst ids, group lens,
-    #           groups, total bytes, origin)
+    # (words, packed words, runs, items, src ids, dst ids, group lens, groups, total
+    # bytes, origin), set once by call_plan()
+    _fields: Tuple[Any, ...]
 
     def __setattr__(self, name, value):
         raise AttributeError(f"CallPlan is immutable: cannot set {name!r} (plan the call again)")

@@ -8,7 +8,7 @@ import pytest
 
 from kvcopy.nixl import remote_ranks
 from kvcopy.testing.nixl import fuzz
-from kvcopy.testing.nixl.engines import clone_caches, first_difference, one_torch_thread, pull_spec, same_bytes
+from kvcopy.testing.nixl.engines import first_difference, one_torch_thread, pull_spec, same_bytes
 
 _names = itertools.count()
 L = [f"model.layers.{i}.attn" for i in range(4)]

@@ -17,7 +17,6 @@ import dataclasses
 import inspect
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -207,7 +206,8 @@ def _compile(cfg: tc.LaunchConfig, capability: int):
     constexprs = cfg.constexprs()
     signature.update({name: "constexpr" for name in constexprs})
     src = ASTSource(kernel, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
 
 
 @pytest.mark.parametrize("capability", [80, 90])

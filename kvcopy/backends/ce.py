@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from . import Backend, cudalib
-from .gpu import GpuBackendBase, call_on_device, gpu_side
+from .gpu import GpuBackendBase, call_on_device, require_gpu
 from .pinning import pin_host_side
 from ..tables import CallPlan, CopyTables
 
@@ -35,6 +35,7 @@ _MODES = {"auto": 0, "batch": 1, "loop": 2}
 
 @dataclass
 class _State:
+    copy: Any  # kvcopy_ce_copy, typed (cudalib)
     device: int
     pinning: Any
     src_host: int
@@ -65,10 +66,9 @@ class CopyEngineBackend(GpuBackendBase, Backend):
         self._resolve()
         if self._lib is None:
             raise ValueError(f"backend 'ce' is not available: {self._why}")
-        device, why = gpu_side(tables)
-        if why:
-            raise ValueError(f"backend 'ce': {why}")
+        device = require_gpu(tables, "ce")
         tables.backend_state["ce"] = _State(
+            copy=self._lib.kvcopy_ce_copy,
             device=device,
             pinning=pin_host_side(tables),
             src_host=int(tables.src_device.type == "cpu"),
@@ -85,7 +85,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
         stream = torch.cuda.current_stream(st.device).cuda_stream
         used, segs = ctypes.c_int(0), ctypes.c_int64(0)
         entries, offsets, group_entries = st.pointers
-        rc = call_on_device(st.device, self._lib.kvcopy_ce_copy, entries, offsets, group_entries,
+        rc = call_on_device(st.device, st.copy, entries, offsets, group_entries,
                             tables.num_groups, call.words, st.src_host, st.dst_host, host_any,
                             mode, stream, ctypes.byref(used), ctypes.byref(segs))
         st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)

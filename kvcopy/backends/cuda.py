@@ -34,13 +34,13 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import numpy as np
 import torch
 
 from . import Backend, cudalib
-from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, gpu_side, raw_stream_getter
+from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, raw_stream_getter, require_gpu
 from .kernel_inputs import INLINE_WORDS, THREADS, call_array, call_words, grid_size, static_table
 from .pinning import pin_host_side
 from ..tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
@@ -48,6 +48,7 @@ from ..tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
 
 @dataclass
 class _State:
+    launcher: Any  # _LibLauncher or _NvrtcLauncher
     device: int
     sm_count: int
     static: torch.Tensor  # device int64 table
@@ -152,9 +153,12 @@ class _NvrtcLauncher:
         return self._impl.error_name(code)
 
 
+Launcher = Union[_LibLauncher, _NvrtcLauncher]
+
+
 class CudaBackend(GpuBackendBase, Backend):
     name = "cuda"
-    _launcher = None
+    _launcher: Optional[Launcher] = None
 
     def _find(self) -> Optional[str]:
         lib, why = cudalib.library()
@@ -181,11 +185,10 @@ class CudaBackend(GpuBackendBase, Backend):
     # ------------------------------------------------------------ tables
     def prepare(self, tables: CopyTables) -> None:
         self._resolve()
-        if self._launcher is None:
+        launcher = self._launcher
+        if launcher is None:
             raise ValueError(f"backend 'cuda' is not available: {self._why}")
-        device, why = gpu_side(tables)
-        if why:
-            raise ValueError(f"backend 'cuda': {why}")
+        device = require_gpu(tables, "cuda")
         pinning = pin_host_side(tables)
         try:
             sms, host_ptr_ok = device_info(device)
@@ -198,14 +201,14 @@ class CudaBackend(GpuBackendBase, Backend):
                 pinning.release()
             raise
         st = _State(
-            device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
+            launcher=launcher, device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
             num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
             word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.cta_cap(),
         )
-        if isinstance(self._launcher, _LibLauncher):
-            st.inline = InlineLaunch(self._launcher.copy_function, device, static.data_ptr(), st.num_entries,
+        if isinstance(launcher, _LibLauncher):
+            st.inline = InlineLaunch(launcher.copy_function, device, static.data_ptr(), st.num_entries,
                                      st.num_groups, st.num_group_entries, st.word_bytes, sms, st.max_ctas,
-                                     self._launcher.inline_words)
+                                     launcher.inline_words)
         tables.backend_state["cuda"] = st
 
     # ------------------------------------------------------------ the copy
@@ -218,27 +221,14 @@ class CudaBackend(GpuBackendBase, Backend):
             if rc is not None:
                 if rc != 0:
                     raise cudalib.CudaError(f"kvcopy_block_copy_w{st.word_bytes} launch (library)", rc,
-                                            self._launcher.error_name(rc))
+                                            st.launcher.error_name(rc))
                 st.launches += 1
                 return
         arr = call_array(call)
         stream = torch.cuda.current_stream(st.device)
         grid = grid_size(call.total_bytes, st.sm_count, st.max_ctas)
-        launcher = self._launcher
-        call_device = None
-        if len(arr) > launcher.inline_words:
-            if torch.cuda.is_current_stream_capturing():
-                # The graph must own the call array: carried by value into a device
-                # tensor by small store launches; the tensor is kept for replays.
-                dev = torch.empty(len(arr), dtype=torch.int64, device=f"cuda:{st.device}")
-                rc = call_on_device(st.device, launcher.store_words, st.device, dev.data_ptr(),
-                                    arr.ctypes.data, len(arr), stream.cuda_stream)
-                if rc != 0:
-                    raise cudalib.CudaError("kvcopy_store_words launch", rc, launcher.error_name(rc))
-                st.graph_buffers.append(dev)
-            else:
-                dev = torch.from_numpy(arr.copy()).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
-            call_device = dev.data_ptr()
+        launcher = st.launcher
+        call_device = _call_on_device(st, arr, stream) if len(arr) > launcher.inline_words else None
         rc = call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
                             st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),
                             call.total_bytes, st.word_bytes, grid, stream.cuda_stream)
@@ -247,6 +237,23 @@ class CudaBackend(GpuBackendBase, Backend):
                 f"kvcopy_block_copy_w{st.word_bytes} launch ({grid} CTAs, {launcher.kind})", rc,
                 launcher.error_name(rc))
         st.launches += 1
+
+
+def _call_on_device(st: _State, arr: np.ndarray, stream) -> int:
+    """Device address of a copy of a call array too large for the kernel parameters."""
+    if torch.cuda.is_current_stream_capturing():
+        # The graph must own the call array: carried by value into a device tensor by
+        # small store launches; the tensor is kept for replays.
+        dev = torch.empty(len(arr), dtype=torch.int64, device=f"cuda:{st.device}")
+        rc = call_on_device(st.device, st.launcher.store_words, st.device, dev.data_ptr(), arr.ctypes.data,
+                            len(arr), stream.cuda_stream)
+        if rc != 0:
+            raise cudalib.CudaError("kvcopy_store_words launch", rc, st.launcher.error_name(rc))
+        st.graph_buffers.append(dev)
+    else:
+        # A pinned block of torch's caching host allocator, not reused before the copy ran.
+        dev = torch.from_numpy(arr.copy()).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
+    return dev.data_ptr()
 
 
 def _translate_host_pointers(entries: np.ndarray, tables: CopyTables) -> None:

@@ -61,6 +61,15 @@ def gpu_side(tables: CopyTables) -> Tuple[Optional[int], Optional[str]]:
     return index, None
 
 
+def require_gpu(tables: CopyTables, backend: str) -> int:
+    """The CUDA device index of ``tables``, or ``ValueError`` saying why they are not a
+    copy ``backend`` can run."""
+    device, why = gpu_side(tables)
+    if device is None:
+        raise ValueError(f"backend {backend!r}: {why}")
+    return device
+
+
 def call_on_device(device: int, fn: Callable, *args):
     """``fn(*args)`` with ``device`` current (a guard only when it is not already)."""
     import torch

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Optional
 
 import numpy as np
@@ -107,14 +108,23 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self) -> None:
+        self._module: Optional[ModuleType] = None
+        self._why: Optional[str] = None
         try:
             import triton  # noqa: F401
 
             from ..kernels import triton_copy
         except ImportError as exc:
-            self._kernels, self._why = None, f"triton is not installed ({exc})"
+            self._why = f"triton is not installed ({exc})"
         else:
-            self._kernels, self._why = triton_copy, None
+            self._module = triton_copy
+
+    @property
+    def _kernels(self) -> ModuleType:
+        """kernels/triton_copy.py (only asked for once the backend is available)."""
+        if self._module is None:
+            raise ValueError(f"backend 'triton' is not available: {self._why}")
+        return self._module
 
     # ------------------------------------------------------------ availability
     def unavailable_reason(self) -> Optional[str]:

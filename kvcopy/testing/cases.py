@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ CROSS_LAYERS = 3
 # How a side of a layout is made from raw bytes: (physical shape (nb, bs, h, d) ->
 # shape, view of that physical tensor). A side not named is contiguous in the logical
 # shape. Each view has the logical shape of LAYOUTS.
-VIEWS = {
+VIEWS: Dict[str, Dict[str, Tuple[Callable[..., Tuple[int, ...]], Callable[[torch.Tensor], torch.Tensor]]]] = {
     "hnd_view_of_nhd": {side: (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.transpose(1, 2))
                         for side in ("device", "host")},
     "lbnhc": {"device": (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.permute(0, 2, 1, 3))},

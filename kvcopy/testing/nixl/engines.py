@@ -23,7 +23,7 @@ import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ class ToyEngine:
     layer_groups: List[List[str]]
     tokens_per_block: List[int]
     tokens_per_page: int
-    kwargs: Dict[str, object] = field(default_factory=dict)
+    kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def pages_per_block(self, g: int) -> int:
         return self.tokens_per_block[g] // self.tokens_per_page
