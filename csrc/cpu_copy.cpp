@@ -14,7 +14,8 @@
 
 namespace {
 
-// Below this many bytes a call runs on one thread (waking 2 threads: ~5-20 us).
+// Below this many bytes a call runs on one thread: waking an OpenMP team costs more
+// than copying that much.
 constexpr int64_t kParallelMinBytes = 1 << 20;
 
 void copy_item(const kvcopy::Item& it) {

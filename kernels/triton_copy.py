@@ -70,7 +70,7 @@ grid is one program per SM; ptxas gives the kernel 128 registers and no spills
 Interpreter
 -----------
 With ``TRITON_INTERPRET=1`` ``@triton.jit`` produces interpreted functions that run on
-CPU tensors (about 1 ms per program instance: keep grids small). :func:`kernels` hands
+CPU tensors, each program instance in Python (keep grids small). :func:`kernels` hands
 out the compiled or the interpreted variant on demand, whatever the environment was
 when this module was first imported, so callers and tests do not depend on import order.
 """

@@ -17,7 +17,8 @@ Refused (``ValueError``/``TypeError``, nothing written):
 
 * **Order-dependent h2d.** Layers that write the same device bytes from different host
   buffers at the same ids: vLLM's result is whichever layer its dict loop visits last
-  (seeds/1: one group's unfilled host pages overwrite another's received KV). Such
+  (in hybrid models, one group's unfilled host pages overwrite another group's received
+  KV, and a KV-sharing layer's never-filled host buffer overwrites its target's). Such
   models need per-group masks: :class:`kvcopy.vllm.KvcopyNixlConnector`, or a
   :class:`~kvcopy.copier.BlockCopier` with the groups.
 * Inputs vLLM's callers never produce (``save_kv_to_host``, ``sync_recved_kv_to_device``:

@@ -21,8 +21,8 @@ in two steps, each done in one place, and packs it in the same pass as the secon
    report on the same id).
 
 Cost: for plain lists the host path is two ``array('q')`` conversions, one C call and
-the plan object, a few microseconds for 48 layers x 6 groups whatever the layer count
-(``kvcopy-bench overhead``; figures in docs/bench.md). Numpy arrays and tensors pay for
+the plan object, whatever the number of layers (``kvcopy-bench overhead`` times it;
+the README's CPU results give the figures). Numpy arrays and tensors pay for
 :func:`~kvcopy.checks.block_ids` and a concatenation on top.
 """
 from __future__ import annotations

@@ -13,8 +13,9 @@ writes them). ``KVCOPY_CE_HOST_ANY=0`` asks for ``STREAM`` there too, for caller
 write a host buffer with a ``to_host`` and read it back with a ``to_device`` on the
 same stream without waiting in between.
 
-Copy engines are slow per descriptor (4-7 GB/s on 4 KiB pages, ~52 GB/s at 64 KiB, on
-H100): this backend is for merged runs of large pages; ``auto`` picks it only there.
+Copy engines are slow per descriptor (published H100 figures: 4-7 GB/s on 4 KiB pages,
+~52 GB/s at 64 KiB): this backend is for merged runs of large pages; ``auto`` picks
+it only there.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ one call's block ids per group (unique across groups: one block pool).
 :func:`check_copy` builds the case twice from one seed with the source random and the
 destination poisoned, runs the reference (:mod:`kvcopy.testing.reference`) on one copy and the
 backend on the other, and compares every destination tensor byte for byte, including
-the ones that must not change. Sizes are small so the Triton interpreter (~1 ms per
-program instance) can run the whole matrix.
+the ones that must not change. Sizes are small so the Triton interpreter (which runs
+each program instance in Python) can run the whole matrix.
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Toy engines and an independent expectation for NIXL transfer tests and examples.
 
-Not used by the manager. It builds small KV caches with the shapes that broke real
-deployments (seeds/1 and seeds/3), fills and clones them preserving aliasing, computes
+Not used by the manager. It builds small KV caches with the shapes that broke vLLM's
+NIXL path (hybrid models whose KV cache groups overlay one tensor, where copying every
+layer at every group's blocks overwrote received KV with unfilled host pages; and P and
+D with different tokens per block, where "the last N pages" selected the wrong ones),
+fills and clones them preserving aliasing, computes
 what D's caches must hold after a pull with a plain per-page loop written from the
 token-position rule (not from :mod:`kvcopy.nixl.plan`), and runs a prefill engine in
 a child process driven over a pipe.
@@ -9,13 +12,14 @@ a child process driven over a pipe.
 Cases (``build_case``):
 
 * ``one_group``: three NHD layers ``[pages, 16, 2, 8]`` fp16, one group.
-* ``hybrid`` (seeds/1): a full-attention group ``l0 l2 l4`` (32-token blocks) and a
+* ``hybrid`` (groups overlaid on one tensor): a full-attention group ``l0 l2 l4`` (32-token blocks) and a
   sliding-window group ``l1 l3 l5`` (16-token blocks), 16-token pages. ``l0``/``l1``
   are one tensor; ``l2``/``l3`` and ``l4``/``l5`` are KV-first ``[2, pages, 16, 2, 8]``
   bf16 views at two offsets of one uint8 pool; ``l6`` is a KV-sharing layer (the
   tensor of ``l2``, in no group) and ``l7`` a layer in no group with its own tensor.
-* ``seeds3``: two MLA layers ``[pages, 64, 32]`` bf16, 64-token pages; P uses 128-token
-  blocks (2 pages each), D 64-token blocks.
+* ``seeds3`` (pages selected by token position): two MLA layers ``[pages, 64, 32]`` bf16,
+  64-token pages; P uses 128-token blocks (2 pages each), D 64-token blocks, so a P
+  block's last page may be unused capacity that must not shift D's selection.
 """
 from __future__ import annotations
 
