@@ -215,7 +215,8 @@ setup(
     license="Apache-2.0",
     # torch 2.13.0 (the README's install) publishes wheels for CPython 3.10-3.14, none for 3.9.
     python_requires=">=3.10",
-    packages=["kvcopy", "kvcopy.backends", "kvcopy.bench", "kvcopy.kernels", "kvcopy.nixl"],
+    packages=["kvcopy", "kvcopy.backends", "kvcopy.bench", "kvcopy.kernels", "kvcopy.nixl", "kvcopy.testing",
+              "kvcopy.testing.nixl"],
     package_dir={"kvcopy.kernels": "kernels"},
     package_data={"kvcopy.kernels": ["*.cuh"]},
     ext_modules=[CMakeLibrary("kvcopy._lib.libkvcopy_cpu")],

@@ -662,9 +662,9 @@ def ladder_grid(copier, backend: str, size: int, sms: Optional[int], cap: Option
         return None
     tables = copier.tables("h2d")
     if backend == "cuda":
-        from kvcopy.backends import cudalib
+        from kvcopy.backends import kernel_inputs
 
-        return cudalib.grid_size(size, sms, cap)
+        return kernel_inputs.grid_size(size, sms, cap)
     st = tables.backend_state.get("triton")
     from kvcopy.kernels import triton_copy
 

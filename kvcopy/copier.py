@@ -3,17 +3,17 @@
 Built once (at KV cache registration) from the device caches, the host staging buffers
 and the engine's KV cache groups; everything static is validated there and turned into
 the entry tables of :mod:`kvcopy.tables`, one per direction. A call then only checks
-its ids (vectorized numpy, one pass per group), merges them into runs and hands one
-packed array to the backend: no Python loop over layers or blocks.
+its ids and merges them into runs (:mod:`kvcopy.planner`: one C pass over every
+group) and hands one packed array to the backend: no Python loop over layers or blocks.
 
-The contract (DESIGN.md section 3): for each group ``g``, each layer ``l`` in ``g`` and
+The contract: for each group ``g``, each layer ``l`` in ``g`` and
 each ``i``, block ``src_ids[g][i]`` of ``src[l]`` is written to block ``dst_ids[g][i]``
 of ``dst[l]``, and no other destination byte changes. A layer in no group (a
 KV-sharing layer) is never read or written. Layers of different groups that are views
 of one storage (hybrid models) are copied at their own group's blocks only; two names
 for the same bytes within a group are copied once. Bad input raises ``ValueError`` or
 ``TypeError`` naming the group, layer and id before any byte moves (ids are checked by
-:mod:`kvcopy.checks`). Device and host tensors that share bytes are refused at build,
+:mod:`kvcopy.planner`). Device and host tensors that share bytes are refused at build,
 and a storage replaced or freed after build is refused at the call
 (:mod:`kvcopy.storages`, per unique storage).
 """
@@ -21,45 +21,25 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe, pair_pages
-from .backends import native
-from .checks import block_ids, sequence
+from .checks import shown
+from .planner import CallPlanner
 from .storages import StorageGuard, check_disjoint
-from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
+from .tables import CallPlan, CopyTables, build_tables
 
 IdLists = Sequence[Sequence[int]]
 
 
 class _Direction:
-    """One direction's tables, backend and the per-group limits checked per call."""
+    """One direction's tables, backend and call planner."""
 
-    def __init__(self, tables: CopyTables, backend: Backend, src_side: str, dst_side: str,
-                 src_limits, dst_limits, alias_classes):
+    def __init__(self, tables: CopyTables, backend: Backend, planner: CallPlanner):
         self.tables = tables
         self.backend = backend
-        self.src_side, self.dst_side = src_side, dst_side
-        self.src_limits = src_limits  # per group: (max block count, layer that sets it)
-        self.dst_limits = dst_limits
-        self.alias_classes = alias_classes  # groups whose destinations share bytes
-        # The planner that also writes the block prefix (the `cuda` call array) when the
-        # library has it; an older library's plain planner otherwise.
-        fn, prefix = native.plan_call_function(prefix=True), True
-        if fn is None:
-            fn, prefix = native.plan_call_function(), False
-        self.planner = None
-        if fn is not None:
-            dst_class = list(range(len(alias_classes), len(alias_classes) + len(dst_limits)))
-            for c, groups in enumerate(alias_classes):
-                for g in groups:
-                    dst_class[g] = c
-            # renumber densely so the planner's stamp array has one row per class
-            dense = {c: i for i, c in enumerate(sorted(set(dst_class)))}
-            self.planner = CallPlanner(fn, tables, [l for l, _ in src_limits], [l for l, _ in dst_limits],
-                                       [dense[c] for c in dst_class], prefix=prefix)
+        self.planner = planner
 
 
 class BlockCopier:
@@ -84,6 +64,14 @@ class BlockCopier:
 
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
+
+    Threads: one copier may be called from several threads at once (``to_host``,
+    ``to_device``, ``plan``, ``run``); each call is checked and copied as if it were
+    alone. The call planner keeps no state between calls (its duplicate check uses a
+    per-thread array in the native library), a plan is immutable, and the backends'
+    per-copier state is read-only during calls. Calls from several threads on one CUDA
+    stream are ordered on it as they are enqueued. :meth:`close` must not run while
+    another thread is in a call: it releases what those calls use.
     """
 
     def __init__(
@@ -191,16 +179,18 @@ class BlockCopier:
         if reason:
             raise ValueError(f"backend {chosen.name!r} cannot copy {src_side}->{dst_side}: {reason}")
         chosen.prepare(tables)
-        return _Direction(
-            tables, chosen, src_side, dst_side,
-            _limits(self.layer_groups, src_l), _limits(self.layer_groups, dst_l), alias_classes,
-        )
+        planner = CallPlanner(tables, _limits(self.layer_groups, src_l), _limits(self.layer_groups, dst_l),
+                              alias_classes, (src_side, dst_side),
+                              [layers[0] if layers else "-" for layers in self.layer_groups], origin=object())
+        return _Direction(tables, chosen, planner)
 
     # ------------------------------------------------------------------ calls
     @property
     def backend(self) -> str:
         """Name of the backend in use (the same for both directions unless ``auto``)."""
-        return (self._d2h or self._h2d).backend.name
+        built = self._d2h or self._h2d
+        assert built is not None, "a BlockCopier has at least one direction"
+        return built.backend.name
 
     def backends(self) -> Dict[str, str]:
         return {side: d.backend.name for side, d in (("to_host", self._d2h), ("to_device", self._h2d))
@@ -216,20 +206,17 @@ class BlockCopier:
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``); :meth:`run`
-        copies it later without validating again."""
+        copies it later without validating again. The plan is immutable (nothing in it
+        can be edited between the two)."""
         host = block_ids if host_block_ids is None else host_block_ids
-        if direction not in ("d2h", "h2d"):
-            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
         d = self._built(direction)
-        call = self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
-        call.made_by = d
-        return call
+        return self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
 
     def run(self, direction: str, call: CallPlan) -> CallPlan:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
         were checked then; the storages are checked now, as for every call)."""
         d = self._built(direction)
-        if call.made_by is not d:
+        if type(call) is not CallPlan or call.origin is not d.planner.origin:
             raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
         if self._closed:
             raise ValueError("BlockCopier is closed")
@@ -239,10 +226,16 @@ class BlockCopier:
         return call
 
     def tables(self, direction: str) -> CopyTables:
+        """The static tables of ``direction`` ("d2h" or "h2d")."""
         return self._built(direction).tables
 
     def _built(self, direction: str) -> _Direction:
-        d = {"d2h": self._d2h, "h2d": self._h2d}[direction]
+        if direction == "d2h":
+            d = self._d2h
+        elif direction == "h2d":
+            d = self._h2d
+        else:
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {shown(direction)}")
         if d is None:
             raise ValueError(f"this BlockCopier was built without the {direction!r} direction")
         return d
@@ -258,48 +251,7 @@ class BlockCopier:
     def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
         if self._closed:
             raise ValueError("BlockCopier is closed")
-        n_groups = len(self.layer_groups)
-        if d.planner is not None and len(src_ids) == n_groups and len(dst_ids) == n_groups:
-            call = d.planner.plan(src_ids, dst_ids)
-            if call is not None:
-                return call
-        # The numpy path: the fallback without the native library, and the one that
-        # names what is wrong when the native pass rejects a call.
-        sequence(src_ids, f"{d.src_side} block ids (one list per KV cache group)")
-        sequence(dst_ids, f"{d.dst_side} block ids (one list per KV cache group)")
-        if len(src_ids) != n_groups or len(dst_ids) != n_groups:
-            raise ValueError(
-                f"expected one id list per KV cache group ({n_groups}), got "
-                f"{len(src_ids)} {d.src_side} and {len(dst_ids)} {d.dst_side} lists"
-            )
-        srcs, dsts = [], []
-        for g in range(n_groups):
-            s = _as_ids(src_ids[g], g, d.src_side)
-            t = _as_ids(dst_ids[g], g, d.dst_side)
-            if len(s) != len(t):
-                raise ValueError(
-                    f"group {g}: {len(s)} {d.src_side} block ids but {len(t)} {d.dst_side} block ids"
-                )
-            if len(s):
-                _check_range(s, g, d.src_side, d.src_limits[g])
-                _check_range(t, g, d.dst_side, d.dst_limits[g])
-                if len(t) > 1 and np.unique(t).size != len(t):
-                    dup = _first_duplicate(t)
-                    layer = self.layer_groups[g][0] if self.layer_groups[g] else "-"
-                    raise ValueError(
-                        f"group {g}, layer {layer!r}: {d.dst_side} block id {dup} is written twice in one call"
-                    )
-            srcs.append(s)
-            dsts.append(t)
-        for groups in d.alias_classes:
-            ids = np.concatenate([dsts[g] for g in groups])
-            if np.unique(ids).size != ids.size:
-                dup = _first_duplicate(ids)
-                owners = [g for g in groups if dup in dsts[g]]
-                raise ValueError(
-                    f"groups {owners} share {d.dst_side} storage and both write block id {dup}"
-                )
-        return pack_call(d.tables, srcs, dsts)
+        return d.planner.plan(src_ids, dst_ids)
 
     def close(self) -> None:
         """Release what the backends hold (pinned registrations). Idempotent."""
@@ -424,20 +376,3 @@ def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bo
         extent += (n - 1) * stride
     return True
 
-
-def _as_ids(ids, g: int, side: str) -> np.ndarray:
-    return block_ids(ids, f"group {g}: {side} block ids")
-
-
-def _check_range(ids: np.ndarray, g: int, side: str, limit: Tuple[int, str]) -> None:
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= limit[0]:
-        bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"group {g}, layer {limit[1]!r}: {side} block id {bad} out of range [0, {limit[0]})"
-        )
-
-
-def _first_duplicate(ids: np.ndarray) -> int:
-    s = np.sort(ids)
-    return int(s[np.flatnonzero(s[1:] == s[:-1])[0]])

@@ -14,8 +14,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def prefill():
-    """A prefill engine in a child process, driven over a pipe (kvcopy.nixl.testing)."""
-    from kvcopy.nixl.testing import PrefillProcess, one_torch_thread
+    """A prefill engine in a child process, driven over a pipe (kvcopy.testing.nixl.engines)."""
+    from kvcopy.testing.nixl.engines import PrefillProcess, one_torch_thread
 
     proc = PrefillProcess()
     with one_torch_thread():

@@ -11,7 +11,7 @@
 
 This module only dispatches: each subcommand is ``(add_args, run)`` in its own module
 (:mod:`.run` for run/sweep/list, :mod:`.nixl`, :mod:`.calibrate`,
-:mod:`kvcopy.nixl.fuzz`), imported when it is chosen. :func:`register` adds one.
+:mod:`kvcopy.testing.nixl.fuzz`), imported when it is chosen. :func:`register` adds one.
 """
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ register("nixl", "NIXL pull over UCX: PullPlan / per-page / merged descriptors v
          *_lazy(".nixl", "add_args", "run"))
 register("list", "presets and the backends this install can run", lambda p: None,
          _lazy(".run", "add_run_args", "cmd_list")[1])
-register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans (python -m kvcopy.nixl.fuzz)",
-         *_lazy("kvcopy.nixl.fuzz", "add_args", "run"))
+register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans (python -m kvcopy.testing.nixl.fuzz)",
+         *_lazy("kvcopy.testing.nixl.fuzz", "add_args", "run"))
 register("overhead", "host cost per call with the device launch replaced by a no-op (no GPU needed)",
          *_lazy(".overhead", "add_args", "run"))
 register("calibrate", "measure this GPU's backends per descriptor size; store the table auto reads",

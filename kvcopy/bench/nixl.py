@@ -229,7 +229,7 @@ def _d_ids(sc, num_blocks: int, seed: int) -> List[List[int]]:
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
-    from ..reference import as_words
+    from ..layout import as_words
 
     P = sc.build(device)
     D = sc.build(device)

@@ -370,7 +370,7 @@ class Point:
     # ------------------------------------------------------------- checking
     def expected(self, direction: str) -> List[torch.Tensor]:
         """Destination storages after the reference copy over poisoned destinations (CPU)."""
-        from ..reference import reference_copy_groups
+        from ..testing.reference import reference_copy_groups
 
         src, dst, _, dst_store = self.sides(direction)
         self.poison(direction)
