@@ -442,8 +442,8 @@ def _add_overlay(name_a, name_b, groups_a, groups_b, rows, side, classes, row_pa
         for g_b in groups_b:
             if g_a == g_b:
                 raise ValueError(
-                    f"group {g_a}: layers {name_a!r} and {name_b!r} overlap in {side} bytes with different "
-                    "page shapes; one group writes the same block ids to both"
+                    f"group {g_a}: layers {min(name_a, name_b)!r} and {max(name_a, name_b)!r} overlap in {side} "
+                    "bytes with different page shapes; one group writes the same block ids to both"
                 )
             if r_a == r_b:
                 classes.append({g_a, g_b})

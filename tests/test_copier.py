@@ -88,7 +88,7 @@ def test_backends_report_reasons():
     report = kvcopy.available_backends()
     assert set(report) == set(kvcopy.BACKENDS)
     assert report["torch"] is None
-    for name, reason in report.items():
+    for _name, reason in report.items():
         assert reason is None or isinstance(reason, str) and reason
     with pytest.raises(ValueError, match="unknown backend"):
         kvcopy.BlockCopier({}, {}, [], backend="nope")
@@ -127,7 +127,8 @@ def _snapshot(d):
 BAD_CALLS = [
     ("to_host", ([[0, 1]],), ValueError, "one id list per KV cache group"),
     ("to_host", ([[0, 1], [2]], [[0], [2]]), ValueError, "group 0: 2 device block ids but 1 host"),
-    ("to_host", ([[0, 24], [2]],), ValueError, r"group 0, layer 'model.layers.0.attn': device block id 24 out of range \[0, 24\)"),
+    ("to_host", ([[0, 24], [2]],), ValueError,
+     r"group 0, layer 'model.layers.0.attn': device block id 24 out of range \[0, 24\)"),
     ("to_host", ([[0, -1], [2]],), ValueError, "block id -1 out of range"),
     ("to_device", ([[0, 5, 5], [2]],), ValueError, "group 0, layer .*block id 5 is written twice"),
     ("to_device", ([[0, 5], [5]],), ValueError, r"groups \[0, 1\] share device storage and both write block id 5"),
@@ -189,8 +190,9 @@ def test_build_errors():
     _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", backend="cuda")
     # one allocation seen in two element orders by two layers: not one region, refused
     raw = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
-    _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)}, {"a": h.transpose(1, 2), "b": h.transpose(1, 2)},
-                  [["a", "b"]], ValueError, "overlap without being the same region|write the same")
+    _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)},
+                  {"a": h.transpose(1, 2), "b": h.transpose(1, 2)}, [["a", "b"]], ValueError,
+                  "overlap without being the same region|write the same")
 
 
 def test_int16_host_buffer_for_bf16_cache_is_accepted():
