@@ -12,19 +12,35 @@ copies of its worker change (``kv_buffer_device="cpu"`` on a GPU):
   every transfer group's ids into one list and copy every host buffer at all of them.
   With several KV cache groups (overlaid from byte 0: one device byte belongs to a
   layer of each group) or KV-sharing layers (whose host buffers NIXL never fills),
-  D's h2d lets unfilled host pages overwrite received KV (seeds/1).
+  D's h2d lets unfilled host pages overwrite received KV: vLLM's fix for this (a
+  per-group copy) regressed when its transfers moved to per-region geometry.
 * Here one :class:`~kvcopy.copier.BlockCopier` is built when the KV caches are
   registered, from vLLM's own ``device_kv_caches``, ``host_xfer_buffers`` and
   ``kv_cache_config.transfer_groups``: each transfer group copies its own layers at its
   own blocks, KV-sharing layers (no transfer group, never registered with NIXL) are
   never copied. Each request-sync is one masked call for all groups (one backend
-  launch), in kernel-page ids (``meta.local_physical_block_ids``: vLLM's
-  logical-to-kernel block split applied by vLLM's own ``_logical_to_kernel_block_ids``).
+  launch), each group's ids in its device view's unit (``local_physical_block_ids``):
+  kernel pages for attention groups, logical blocks for Mamba/GDN state groups
+  (:mod:`kvcopy.vllm_groups`).
+
+Models whose groups overlay one another with different page shapes are copied too:
+different KV heads per group (pages padded to the largest), a doubled block size that
+unifies page sizes, pages packed side by side in block-outermost rows, and attention +
+GDN hybrids (``MambaSpec`` state ``[NB, 1, 1, state bytes]`` int8 views whose stride is
+the padded page, next to attention kernel pages). The copier proves at registration
+that these views alias only within one block of the pool and checks per call that no
+block is named by two groups (:func:`kvcopy.copier._shared_rows`). vLLM's host buffer
+for a padded state layer is smaller than the NIXL region vLLM registers for it (NIXL
+refuses the descriptors); the worker allocates the buffer with the padded stride
+(:func:`kvcopy.vllm_groups.state_host_buffers`) before vLLM registers it, and says so
+in its registration line. vLLM needs ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` for Mamba NIXL
+transfers.
 
 Layout: vLLM's caches are ``[B, H, N, C]`` views of one int8 allocation (any of its
 six layouts); the host buffers are contiguous ``[B, H, N, C]`` (or, for LBNHC, an HND
-view of ``(B, N, H, C)``), one per layer name. The copier validates both once; a
-layer whose pages it cannot place raises at registration, never mid-request.
+view of ``(B, N, H, C)``; padded state: the page as block stride), one per layer name.
+The copier validates both once; a layer whose pages it cannot place raises at
+registration, never mid-request.
 
 Pageable host buffers are pinned once by the copier's GPU backends (see
 :mod:`kvcopy.backends.pinning`). vLLM's copies are synchronous (``.cpu()``, pageable
@@ -192,8 +208,9 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
             self._wait()
 
     def shutdown(self) -> None:
-        if getattr(self, "kvcopy_copier", None) is not None:
-            self.kvcopy_copier.close()
+        copier = getattr(self, "kvcopy_copier", None)
+        if copier is not None:
+            copier.close()
             self.kvcopy_copier = None
         super().shutdown()
 

@@ -57,7 +57,7 @@ from vllm.v1.core.kv_cache_planning import (  # noqa: E402
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec, KVCacheLayout, MambaSpec, MLAAttentionSpec, SlidingWindowSpec,
+    CircularBufferSpec, FullAttentionSpec, KVCacheLayout, MambaSpec, MLAAttentionSpec, SlidingWindowSpec,
 )
 from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  # noqa: E402
 
@@ -173,7 +173,11 @@ class Engine:
             self.worker = w = self.connector.connector_worker
             w.device_type, w.use_host_buffer = "cuda", True  # what a GPU worker has
             w.use_mla = case.get("mla", False)
-            self.connector.register_kv_caches(self.caches)
+            try:
+                self.connector.register_kv_caches(self.caches)
+            except BaseException:
+                self.connector.shutdown()  # the NIXL agent and vLLM's threads go with the failure
+                raise
             self.connector.set_host_xfer_buffer_ops(kv_utils.copy_kv_blocks)
         storage = next(iter(self.caches.values())).untyped_storage()
         self.raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
@@ -437,9 +441,21 @@ def test_stock_vllm_op_negative_control(vllm_env, case, monkeypatch, stock_op):
     if outcome is not None:
         assert sorted(bad) == sorted(outcome) and stray, f"{case}: vLLM 0.33 corrupts {sorted(bad)}"
     elif case in CORRUPTED_BY_STOCK:
-        assert bad or stray, f"{case}: vLLM 0.33's op was expected to corrupt D's KV (seeds/1)"
+        assert bad or stray, f"{case}: vLLM 0.33's op was expected to write unfilled host pages over D's KV"
     else:
         assert bad == [] and stray == 0
+
+
+@pytest.mark.parametrize("connector_cls", [KvcopyNixlConnector, NixlConnector], ids=["kvcopy", "stock"])
+def test_csa_linear_host_staging_is_refused_at_registration(vllm_env, connector_cls, monkeypatch):
+    """A compressed-attention ring (CircularBufferSpec) next to full attention: vLLM
+    refuses NIXL host staging for it, and so does kvcopy's connector (vLLM's check runs
+    first), before any buffer is registered."""
+    specs = {LAYER.format(i): _attention() for i in range(3)}
+    specs["model.layers.3.self_attn.compressor"] = CircularBufferSpec(block_size=16, num_kv_heads=2, head_size=16,
+                                                                      dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="NIXL host staging does not preserve CSA-linear"):
+        Engine(vllm_env, dict(block_size=16, specs=specs), connector_cls, "kv_producer", 24, monkeypatch)
 
 
 # ---------------------------------------------------- copy_blocks == copy_kv_blocks
