@@ -19,6 +19,7 @@ and a storage replaced or freed after build is refused at the call
 """
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -369,8 +370,9 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> Tuple
 
     Returns ``(alias_classes, row_pairs)``: classes of groups whose ids must be
     disjoint within a call (merged transitively, each group in at most one class, as
-    the native planner wants one class per group), and ``(g_a, r_a, g_b, r_b)`` pairs
-    whose rows (``id // r``) must be disjoint, checked by :func:`_check_shared_rows`.
+    the native planner wants one class per group), and ``(g_pages, r, g_rows)`` triples
+    (one side of a pair with different strides has ``r = 1``, its ids are rows) whose
+    rows must be disjoint, checked by :func:`_check_shared_rows`.
     Both are empty for models without overlays, so a call costs nothing more then.
     """
     key = [_region_key(tensors[n], layouts[n]) for n in entries]
@@ -447,9 +449,8 @@ def _add_overlay(name_a, name_b, groups_a, groups_b, rows, side, classes, row_pa
                 )
             if r_a == r_b:
                 classes.append({g_a, g_b})
-            else:
-                pair = (g_a, r_a, g_b, r_b) if g_a < g_b else (g_b, r_b, g_a, r_a)
-                row_pairs[pair[0], pair[2]] = pair
+            else:  # (group of kernel pages, pages per row, group of rows)
+                row_pairs[min(g_a, g_b), max(g_a, g_b)] = (g_a, r_a, g_b) if r_a > 1 else (g_b, r_b, g_a)
 
 
 def _merge_classes(classes: List[set], num_groups: int) -> List[List[int]]:
@@ -540,25 +541,28 @@ def _page_span(l: PageLayout) -> int:
 
 
 def _check_shared_rows(row_pairs, call: CallPlan, side: str) -> None:
-    """Per call, for views overlaid with different block strides: no row (``id // r``)
-    is written by both groups of a pair. A set intersection per pair over the call's
-    destination ids; nothing has been written when it raises."""
-    flat, lens = call.dst_flat, call.group_lens
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + int(n))
-    ids = lambda g: flat[starts[g]:starts[g + 1]]  # noqa: E731
-    for g_a, r_a, g_b, r_b in row_pairs:
-        rows_a = {i // r_a: i for i in ids(g_a)}
-        common = [j for j in ids(g_b) if j // r_b in rows_a]
-        if common:
-            j = int(common[0])
-            i = int(rows_a[j // r_b])
-            raise ValueError(
-                f"groups {g_a} and {g_b} overlay {side} bytes: group {g_a}'s block id {i} and group {g_b}'s "
-                f"block id {j} are the same block (ids // {r_a} and // {r_b}: {i // r_a}); block ids must be "
-                "unique across groups"
-            )
+    """Per call, for views overlaid with different block strides: no row is written by
+    both groups of a pair. One side of a pair has ``r = 1`` (its ids are rows: logical
+    blocks), the other ``r > 1`` (kernel pages, ``r`` to a row): row ``j`` is taken
+    when any of pages ``j r .. j r + r - 1`` is. One set of page ids per group and one
+    C-level ``isdisjoint`` per row id (state groups name one or two blocks per request);
+    nothing has been written when it raises."""
+    flat = call.dst_flat
+    starts = [0, *itertools.accumulate(call.group_lens)]
+    pages: Dict[int, set] = {}
+    for g_page, r, g_row in row_pairs:
+        if g_page not in pages:
+            pages[g_page] = set(flat[starts[g_page]:starts[g_page + 1]])
+        taken = pages[g_page]
+        for j in flat[starts[g_row]:starts[g_row + 1]]:
+            first = j * r
+            if not taken.isdisjoint(range(first, first + r)):
+                i = min(taken.intersection(range(first, first + r)))
+                raise ValueError(
+                    f"groups {g_page} and {g_row} overlay {side} bytes: group {g_page}'s block id {i} and group "
+                    f"{g_row}'s block id {j} are the same block (ids // {r} and // 1: {j}); block ids must be "
+                    "unique across groups"
+                )
 
 
 def _as_ids(ids, g: int, side: str) -> np.ndarray:
