@@ -90,7 +90,7 @@ def state_host_buffers(kv_cache_config, device_caches: Mapping[str, torch.Tensor
                 continue
             have, dev = host_buffers[name], device_caches[name]
             page = spec.page_size_bytes
-            if dev.dim() == 0 or have.stride(0) * have.element_size() == page:
+            if have.stride(0) * have.element_size() == page:
                 continue
             state = dev[0].numel() * dev.element_size()
             rows = torch.empty((dev.shape[0], page), dtype=torch.uint8)
