@@ -7,7 +7,9 @@ split into kernel pages next to GDN/Mamba state, which is not split). Each case 
 the views over one byte buffer, copies with every CPU backend and compares every byte
 of the destination allocation against the torch reference run on a copy, with the
 destination poisoned first; ids that name one block through two groups, and overlays
-that can collide at different ids, raise before any byte moves.
+that can collide at different ids, raise before any byte moves. The Triton kernel runs
+the overlays through its interpreter on the CPU; the ``cuda``, ``triton`` and ``ce``
+backends on a GPU (``@pytest.mark.gpu``).
 """
 import pytest
 import torch
@@ -37,6 +39,10 @@ class Overlay:
     def views(self):
         return self.on(self.raw)
 
+    def to(self, device):
+        self.raw = self.raw.to(device)
+        return self
+
 
 def _contiguous_host(dev, fill=None, seed=1):
     gen = torch.Generator().manual_seed(seed)
@@ -58,7 +64,7 @@ def _check(backend, overlay, groups, dev_ids, direction, host=None):
         overlay.raw.fill_(POISON_BYTE)
         host = host if host is not None else _contiguous_host(overlay.views())
     else:
-        overlay.raw.copy_(torch.randint(0, 256, overlay.raw.shape, dtype=torch.uint8, generator=gen))
+        overlay.raw.copy_(torch.randint(0, 256, tuple(overlay.raw.shape), dtype=torch.uint8, generator=gen))
         host = host if host is not None else _contiguous_host(overlay.views(), fill=POISON_BYTE)
     want_raw = overlay.raw.clone()
     want_dev = overlay.on(want_raw)
@@ -69,6 +75,8 @@ def _check(backend, overlay, groups, dev_ids, direction, host=None):
         reference_copy_groups(want_dev, want_host, groups, dev_ids, dev_ids)
     copier = kvcopy.BlockCopier(overlay.views(), host, groups, backend=backend)
     (copier.to_device if direction == "h2d" else copier.to_host)(dev_ids)
+    if overlay.raw.is_cuda:
+        torch.cuda.synchronize()
     copier.close()
     if direction == "h2d":
         assert torch.equal(overlay.raw, want_raw)
@@ -259,3 +267,32 @@ def test_views_side_by_side_in_one_row_need_no_disjoint_ids():
         copier = kvcopy.BlockCopier(dev, _contiguous_host(dev), groups, backend=CPU_BACKENDS[-1])
         copier.to_device([[1, 2]] * len(groups))
         copier.close()
+
+
+# ------------------------------------------------------------------- GPU backends
+_GPU_OVERLAYS = {
+    "issue_example": (_issue_example, [["full"], ["swa"]], [[1, 2, 6], [3, 0]]),
+    "padded": (_padded, [["full.0", "full.1"], ["swa.0", "swa.1"]], [[0, 3], [4, 1, 5]]),
+    "packed": (_packed, [["A", "B"], ["C", "D"]], [[0, 4], [2, 1]]),
+    "gdn_exact": (lambda: _gdn(32768), [["attn"], ["gdn"]], [[2, 3, 8, 9], [3, 0]]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("overlay", sorted(_GPU_OVERLAYS))
+@pytest.mark.parametrize("backend", ["cuda", "triton", "ce"])
+def test_overlays_on_the_gpu_backends(backend, overlay, direction):
+    build, groups, ids = _GPU_OVERLAYS[overlay]
+    _check(backend, build().to("cuda"), groups, ids, direction)
+
+
+@pytest.mark.parametrize("overlay", sorted(_GPU_OVERLAYS))
+def test_overlays_through_the_triton_interpreter(overlay, monkeypatch):
+    """The Triton kernel's addressing over overlaid views, on CPU tensors."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KVCOPY_MAX_CTAS", "3")
+    build, groups, ids = _GPU_OVERLAYS[overlay]
+    for direction in ("h2d", "d2h"):
+        _check("triton", build(), groups, ids, direction)
