@@ -202,7 +202,9 @@ class BlockCopier:
     @property
     def backend(self) -> str:
         """Name of the backend in use (the same for both directions unless ``auto``)."""
-        return (self._d2h or self._h2d).backend.name
+        built = self._d2h or self._h2d
+        assert built is not None  # __init__ builds at least one direction
+        return built.backend.name
 
     def backends(self) -> Dict[str, str]:
         return {side: d.backend.name for side, d in (("to_host", self._d2h), ("to_device", self._h2d))
