@@ -266,10 +266,12 @@ def test_cross_layer_allocation_per_layer_views(backend):
     expect = before.clone()
     expect[5, :] = 3.0
     assert bytes_equal(big, expect)
-    # a view overlapping another layer's bytes is still refused
+    # a view whose pages straddle two blocks' rows (its block i meets layer 0's block
+    # i + 1: a collision at different ids) is still refused
+    straddling = big.as_strided((15, 8, 2, 8), (L * 64, 16, 8, 1), big.storage_offset() + 2 * 64)
     with pytest.raises(ValueError, match="overlap without being the same region"):
-        kvcopy.BlockCopier({"a": big[:, 0], "b": big[:, 0:2].reshape(16, 8, 2, 8)},
-                           {"a": host["l0"], "b": torch.zeros(16, 8, 2, 8, dtype=torch.bfloat16)},
+        kvcopy.BlockCopier({"a": big[:, 0], "b": straddling},
+                           {"a": host["l0"], "b": torch.zeros(15, 8, 2, 8, dtype=torch.bfloat16)},
                            [["a"], ["b"]], backend=backend)
 
 
