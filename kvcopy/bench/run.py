@@ -203,14 +203,17 @@ def _result(args, sweep: bool, device: str, scenarios, methods, skipped, threads
     from .units import fmt_bytes
     from .timing import NOISE_SPREAD, env_info
 
-    description = scenarios[0].describe(sorted({len(s.groups()) for s in scenarios}) if not sweep else ())
-    if sweep:
+    counts = sorted({len(s.groups()) for s in scenarios})
+    if not sweep:
+        description = scenarios[0].describe(counts)
+    else:
+        first = next(s for s in scenarios if s.num_layers == max(x.num_layers for x in scenarios))
         small = min(scenarios, key=lambda s: (s.blocks_per_request, s.num_layers))
-        description += (f"; swept: chunk {fmt_bytes(min(s.chunk_bytes() for s in scenarios))} to "
-                        f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))}, groups "
-                        f"{'/'.join(str(g) for g in sorted({len(s.groups()) for s in scenarios}))}; where a call "
-                        f"would pass {fmt_bytes(args.max_call_bytes)}, fewer blocks/group (down to "
-                        f"{small.blocks_per_request}) and then fewer layers (down to {small.num_layers})")
+        description = (first.describe(counts, swept=True)
+                       + f"; swept: chunk {fmt_bytes(min(s.chunk_bytes() for s in scenarios))} to "
+                       f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))} (T tokens per block), and where "
+                       f"a call would pass {fmt_bytes(args.max_call_bytes)}, fewer blocks/group (down to "
+                       f"{small.blocks_per_request}), then fewer layers (down to {small.num_layers})")
     return {
         "tool": "kvcopy-bench",
         "command": "sweep" if sweep else "run",

@@ -152,9 +152,10 @@ class Scenario:
             out = replace(out, num_layers=max(1, int(max_call_bytes // per_layer)))
         return out
 
-    def describe(self, group_counts: Sequence[int] = ()) -> str:
-        """One line; ``group_counts`` names the group counts of a multi-point run."""
-        shape = LAYOUTS[self.layout][0]("NB", self.block_size, self.num_kv_heads, self.head_size)
+    def describe(self, group_counts: Sequence[int] = (), swept: bool = False) -> str:
+        """One line; ``group_counts`` names the group counts of a multi-point run; ``swept``
+        leaves out what a sweep varies (tokens per block, so chunk and bytes per call)."""
+        shape = LAYOUTS[self.layout][0]("NB", "T" if swept else self.block_size, self.num_kv_heads, self.head_size)
         counts = self.blocks_per_group()
         blocks = f"{counts[0]} blocks/group" if len(set(counts)) == 1 else f"blocks/group {counts}"
         groups = "/".join(map(str, group_counts)) if len(group_counts) > 1 else str(len(self.groups()))
@@ -165,8 +166,8 @@ class Scenario:
         return (
             f"{self.name}: {plural(self.num_layers, 'layer')}, {groups} "
             f"{'group' if groups == '1' else 'groups'} ({self.layer_map} map), "
-            f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}, "
-            f"chunk {fmt_bytes(self.chunk_bytes())}, {per_call}/call"
+            f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}"
+            + ("" if swept else f", chunk {fmt_bytes(self.chunk_bytes())}, {per_call}/call")
         )
 
     def to_dict(self) -> dict:

@@ -74,14 +74,14 @@ def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, war
             before: Optional[Mapping[str, Callable[[], None]]] = None) -> Dict[str, Timing]:
     """Round-robin timing of every method; see the module doc. ``settle`` untimed calls
     of a method precede each of its timed calls; ``before[name]``, when given, runs
-    untimed right before each timed call of ``name`` (e.g. to make the plan it consumes).
-    The budget counts the untimed calls too."""
+    untimed before every call of ``name`` (warm-up, settling and timed: e.g. to make the
+    plan the call consumes). The budget counts the untimed calls too."""
     on_gpu = device != "cpu"
     out = {name: Timing() for name in methods}
     spent = {name: 0.0 for name in methods}
-    for fn in methods.values():
+    for name, fn in methods.items():
         for _ in range(warmup):
-            fn()
+            _call(fn, before, name)
     if on_gpu:
         torch.cuda.synchronize()
     active = list(methods)
@@ -91,7 +91,7 @@ def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, war
             t_in = time.perf_counter()
             fn = methods[name]
             for _ in range(settle):
-                fn()
+                _call(fn, before, name)
             if before is not None and name in before:
                 before[name]()
             _timed_call(fn, on_gpu, out[name])
@@ -101,6 +101,13 @@ def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, war
         if not active:
             break
     return out
+
+
+def _call(fn: Callable[[], None], before: Optional[Mapping[str, Callable[[], None]]], name: str) -> None:
+    """An untimed call, after its ``before`` hook."""
+    if before is not None and name in before:
+        before[name]()
+    fn()
 
 
 def _timed_call(fn: Callable[[], None], on_gpu: bool, into: Timing) -> None:
