@@ -236,7 +236,7 @@ def write_outputs(result: dict, args, sweep: bool) -> None:
     if args.plot:
         from .plot import plot
 
-        print(plot(result, args.plot), file=sys.stderr)
+        print(plot(result, args.plot, flags), file=sys.stderr)
 
 
 def check_output_paths(args) -> None:

@@ -4,13 +4,13 @@ A sweep (several chunk sizes) gives one panel per (direction, group count), rows
 direction and columns by group count, GB/s against chunk size (log 2) with one line
 per method; a run gives one panel per direction, GB/s against the number of KV cache
 groups (bars when there is one group count). The memcpy floor is dashed; a point whose
-ratio is flagged as noise (:mod:`kvcopy.bench.output`) is drawn hollow. The figure's
+ratio is flagged as noise (:func:`kvcopy.bench.output.noise_flags`) is drawn hollow. The figure's
 title is the scenario and the machine, so a PNG read on its own says what it shows.
 """
 from __future__ import annotations
 
 import textwrap
-from typing import Optional
+from typing import Dict, Optional
 
 
 def matplotlib_missing() -> Optional[str]:
@@ -22,18 +22,17 @@ def matplotlib_missing() -> Optional[str]:
     return None
 
 
-def plot(result: dict, path: str) -> str:
-    """Write the figure to ``path``; returns the line to print."""
+def plot(result: dict, path: str, flags: Dict[int, str]) -> str:
+    """Write the figure to ``path``; ``flags``: :func:`kvcopy.bench.output.noise_flags`
+    of ``result``. Returns the line to print."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .output import noise_flags
     from .units import fmt_bytes
 
     rows = [r for r in result["results"] if r.get("gbps")]
-    flags = noise_flags(result)
     sweep = len({r["chunk_bytes"] for r in rows}) > 1
     dirs = list(dict.fromkeys(r["direction"] for r in rows))
     groups = sorted({r["groups"] for r in rows}) if sweep else [None]
