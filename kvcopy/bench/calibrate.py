@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..backends.calibration import DEFAULT_SIZES, PREFERENCE, device_key, pick, save, table_path
 
 
 def _time_ms(fn, iters: int, warmup: int) -> float:
@@ -32,7 +31,7 @@ def _time_ms(fn, iters: int, warmup: int) -> float:
     return times[len(times) // 2]
 
 
-def measure(device: int = 0, sizes: Iterable[int] = DEFAULT_SIZES, backends: Sequence[str] = PREFERENCE,
+def measure(device: int = 0, sizes: Optional[Iterable[int]] = None, backends: Optional[Sequence[str]] = None,
             directions: Sequence[str] = ("h2d", "d2h"), call_bytes: int = 64 << 20, iters: int = 10,
             warmup: int = 3, max_ctas: Optional[int] = None, progress=None) -> dict:
     """GB/s per (direction, descriptor size, backend) on ``device``, plus the pinned
@@ -42,6 +41,10 @@ def measure(device: int = 0, sizes: Iterable[int] = DEFAULT_SIZES, backends: Seq
     import torch
 
     from .. import BlockCopier, available_backends
+    from ..backends.calibration import DEFAULT_SIZES, PREFERENCE
+
+    sizes = DEFAULT_SIZES if sizes is None else sizes
+    backends = PREFERENCE if backends is None else backends
 
     avail = available_backends()
     names = [b for b in backends if avail.get(b) is None]
@@ -87,14 +90,17 @@ HELP = "measure this GPU's backends and store the table auto uses"
 def add_args(ap: argparse.ArgumentParser) -> None:
     """The flags of ``kvcopy-bench calibrate`` (kvcopy.bench.cli registers this module)."""
     ap.add_argument("--device", default="cuda", help="cuda or cuda:N, as kvcopy-bench run takes it (a bare N: cuda:N)")
-    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_SIZES),
-                    help="descriptor sizes in bytes, comma separated (default 2 KiB..2 MiB)")
-    ap.add_argument("--backends", type=lambda s: s.split(","), default=list(PREFERENCE),
-                    help="GPU backends to measure, comma separated")
+    # No defaults from kvcopy.backends here: importing it imports torch, and --help should not.
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="descriptor sizes in bytes, comma separated (default: 2 KiB, 4 KiB, .. 2 MiB)")
+    ap.add_argument("--backends", type=lambda s: s.split(","), default=None,
+                    help="GPU backends to measure, comma separated (default: ce,cuda,triton)")
     ap.add_argument("--call-mib", type=int, default=64, help="bytes per timed call (MiB)")
     ap.add_argument("--iters", type=int, default=10, help="timed calls per (size, direction, backend)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls before them")
-    ap.add_argument("--output", type=Path, default=None, help=f"table file (default {table_path()})")
+    ap.add_argument("--output", type=Path, default=None,
+                    help="table file (default: the one auto reads, $KVCOPY_CALIBRATION, else "
+                         "calibration.json in $XDG_CACHE_HOME/kvcopy or ~/.cache/kvcopy)")
     ap.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
 
 
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print one line per (direction, size) and auto's picks, store the table."""
     import torch
 
+    from ..backends.calibration import device_key, pick, save
     from .args import BenchError, check_device
 
     if not torch.cuda.is_available():
