@@ -1,11 +1,12 @@
 """``--plot PNG`` of ``kvcopy-bench run``/``sweep``: GB/s per method (needs matplotlib).
 
 A sweep (several chunk sizes) gives one panel per (direction, group count), rows by
-direction and columns by group count, GB/s against chunk size (log 2) with one line
-per method; a run gives one panel per direction, GB/s against the number of KV cache
-groups (bars when there is one group count). The memcpy floor is dashed; a point whose
-ratio is flagged as noise (:func:`kvcopy.bench.output.noise_flags`) is drawn hollow. The figure's
-title is the scenario and the machine, so a PNG read on its own says what it shows.
+direction and columns by group count, GB/s against chunk size with one line per method,
+both axes logarithmic (the baselines sit 5-50x below the floor); a run gives one panel
+per direction, GB/s against the number of KV cache groups (bars when there is one group
+count). The memcpy floor is dashed; a point whose ratio is flagged as noise
+(:func:`kvcopy.bench.output.noise_flags`) is drawn hollow. The figure's title is the
+scenario and the machine, so a PNG read on its own says what it shows.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def plot(result: dict, path: str, flags: Dict[int, str]) -> str:
                 _lines(ax, mine, methods, colors, flags, "chunk_bytes")
                 ticks = sorted({r["chunk_bytes"] for r in mine})
                 ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
                 ax.set_xticks(ticks, [fmt_bytes(t).replace(" ", "") for t in ticks], fontsize=8)
                 ax.set_xlabel("contiguous chunk")
                 ax.set_title(f"{d}, {g} KV cache group{'' if g == 1 else 's'}", fontsize=10)
