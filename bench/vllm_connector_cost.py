@@ -1,7 +1,7 @@
 """Host cost of one request-sync through kvcopy.vllm (48 layers x 6 groups by default).
 
-    PYTHONPATH=. VLLM_TARGET_DEVICE=cpu build/venv-vllm/bin/python bench/vllm_connector_cost.py [--layers 48] [--groups 6]
-        [--blocks 8] [--rounds 2000]
+    PYTHONPATH=. VLLM_TARGET_DEVICE=cpu build/venv-vllm/bin/python bench/vllm_connector_cost.py \
+        [--layers 48] [--groups 6] [--blocks 8] [--rounds 2000]
 
 Runs in the vLLM environment (``.ci/run``'s ``build/venv-vllm``). The caches are vLLM's
 hybrid shape: ``groups`` KV cache groups overlaid from byte 0 (layer i of every group is
