@@ -49,6 +49,10 @@ def _reason(report) -> str:
     return text.removeprefix("Skipped: ")
 
 
+def _about_vllm(reason: str) -> bool:
+    return "vllm" in reason.lower() and reason != NEEDS_CUDA
+
+
 def pytest_terminal_summary(terminalreporter):
     reasons = Counter()
     for report in terminalreporter.stats.get("skipped", []):
@@ -56,10 +60,10 @@ def pytest_terminal_summary(terminalreporter):
     if not reasons:
         return
     cuda = sum(n for r, n in reasons.items() if r == NEEDS_CUDA)
-    vllm = sum(n for r, n in reasons.items() if "vLLM" in r and r != NEEDS_CUDA)
+    vllm = sum(n for r, n in reasons.items() if _about_vllm(r))
     parts = ([f"{cuda} need a CUDA device"] if cuda else []) + (
         [f"{vllm} need vLLM 0.33 (README: 'Set up and test' runs them)"] if vllm else [])
-    other = [(r, n) for r, n in reasons.most_common() if r != NEEDS_CUDA and "vLLM" not in r]
+    other = [(r, n) for r, n in reasons.most_common() if r != NEEDS_CUDA and not _about_vllm(r)]
     parts += [f"{n} {r}" for r, n in other[:4]]
     if len(other) > 4:
         parts.append(f"{sum(n for _, n in other[4:])} for {len(other) - 4} other reasons (-rs lists them)")
