@@ -1,6 +1,6 @@
 """Host cost of one request-sync through kvcopy.vllm (48 layers x 6 groups by default).
 
-    PYTHONPATH=. VLLM_TARGET_DEVICE=cpu build/venv-vllm/bin/python bench/vllm_connector_cost.py
+    PYTHONPATH=. VLLM_TARGET_DEVICE=cpu build/venv-vllm/bin/python bench/vllm_connector_cost.py \
         [--layers 48] [--groups 6] [--blocks 8] [--rounds 2000] [--model hybrid|gdn] [--kernel-pages 4]
 
 Runs in the vLLM environment (``.ci/run``'s ``build/venv-vllm``). Pages are tiny (tens

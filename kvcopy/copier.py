@@ -60,6 +60,12 @@ class BlockCopier:
     the kernel backends (``cuda``, ``triton``) to leave SMs to the model (default:
     ``KVCOPY_MAX_CTAS``, else uncapped; see ``CopyTables.cta_cap``).
 
+    Device and host tensors of a layer have one dtype, or one of them is a raw integer
+    type (``uint8`` for fp8, ``int16`` for bf16 ...) holding the other's bits;
+    ``reinterpret_dtypes=True`` allows two different floating types of one element size
+    (their bits are copied unconverted), which is otherwise refused (``TypeError``).
+    ``layer_groups`` must name at least one layer.
+
     ``directions`` names the directions to build (``"d2h"``, ``"h2d"``; default both):
     a copier built for ``"d2h"`` only accepts device bytes shared by layers with
     different host buffers (reading shared bytes into separate buffers is well
@@ -87,6 +93,7 @@ class BlockCopier:
         kv_layout: str = "NHD",
         max_ctas: Optional[int] = None,
         directions: Sequence[str] = ("d2h", "h2d"),
+        reinterpret_dtypes: bool = False,
     ):
         if isinstance(directions, str) or not directions or any(d not in ("d2h", "h2d") for d in directions):
             raise ValueError(f"directions must be 'd2h' and/or 'h2d', got {list(directions)!r}")
@@ -95,6 +102,10 @@ class BlockCopier:
         ):
             raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
         self.layer_groups: Tuple[Tuple[str, ...], ...] = tuple(tuple(g) for g in layer_groups)
+        if not any(self.layer_groups):
+            raise ValueError(f"layer_groups {list(map(list, self.layer_groups))!r} names no layer: a BlockCopier "
+                             "copies at least one layer of one group")
+        self._reinterpret_dtypes = reinterpret_dtypes
         self.device_layouts: Dict[str, PageLayout] = {}
         self.host_layouts: Dict[str, PageLayout] = {}
         self._device_caches = dict(device_caches)
@@ -147,6 +158,13 @@ class BlockCopier:
             pair_pages(dl, hl)  # same logical page and element size; any two orders
         except ValueError as exc:
             raise ValueError(f"{where}: device and host {exc}") from None
+        if dev.dtype != host.dtype and not (self._reinterpret_dtypes or _raw_bits(dev.dtype) or _raw_bits(host.dtype)):
+            # Bytes are copied as they are: an fp16 buffer for a bf16 cache would read garbage.
+            raise TypeError(
+                f"{where}: device cache is {dev.dtype} but host buffer is {host.dtype}; the copy moves bytes, "
+                f"so the host would hold {dev.dtype} bits read as {host.dtype}. Use one dtype on both sides, view "
+                "one side as a raw integer type (e.g. .view(torch.int16)), or pass reinterpret_dtypes=True"
+            )
         self.device_layouts[name], self.host_layouts[name] = dl, hl
 
     def _direction(self, src_side: str, dst_side: str, backend: str) -> _Direction:
@@ -281,6 +299,11 @@ class BlockCopier:
 
 
 # ---------------------------------------------------------------------- helpers
+def _raw_bits(dtype: torch.dtype) -> bool:
+    """An integer type: a container of another type's bits rather than a number format."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _region_key(t: torch.Tensor, l: PageLayout) -> tuple:
     # The element order is part of the region: two views of the same bytes in different
     # orders (an LBNHC view and a contiguous view of one allocation) place a page's

@@ -100,8 +100,9 @@ def test_backends_report_reasons():
     assert report["torch"] is None
     for reason in report.values():
         assert reason is None or isinstance(reason, str) and reason
+    t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown backend"):
-        kvcopy.BlockCopier({}, {}, [], backend="nope")
+        kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, [["a"]], backend="nope")
 
 
 def test_close_is_idempotent_and_blocks_later_calls():
@@ -203,6 +204,42 @@ def test_build_errors():
     _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)},
                   {"a": h.transpose(1, 2), "b": h.transpose(1, 2)},
                   [["a", "b"]], ValueError, "overlap without being the same region|write the same")
+
+
+@pytest.mark.parametrize("groups", [[], [[]], [[], []]])
+def test_no_layer_at_all_is_refused(groups):
+    t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="names no layer"):
+        kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, groups)
+
+
+@pytest.mark.parametrize("dev_dtype,host_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+                                                  (torch.float8_e4m3fn, torch.float8_e5m2)])
+def test_a_host_buffer_of_another_float_type_is_refused(dev_dtype, host_dtype):
+    """Bytes are copied unconverted: an fp16 buffer for a bf16 cache would hold garbage
+    fp16 values, so it is refused (as vLLM's own op refuses it), naming layer and dtypes."""
+    t = torch.zeros(8, 4, 2, 8, dtype=dev_dtype)
+    h = torch.zeros(8, 4, 2, 8, dtype=host_dtype)
+    with pytest.raises(TypeError, match=rf"group 1, layer 'b': device cache is {dev_dtype} but host buffer is "
+                                        rf"{host_dtype}.*reinterpret_dtypes=True"):
+        kvcopy.BlockCopier({"a": t.clone(), "b": t}, {"a": torch.zeros_like(t), "b": h}, [["a"], ["b"]])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_raw_bytes_or_an_explicit_opt_in_copy_the_bits(backend):
+    """A uint8 host buffer for an fp8 cache holds its bits; reinterpret_dtypes=True lets
+    two float types of one size exchange bits; either way the bytes match exactly."""
+    gen = torch.Generator().manual_seed(5)
+    fp8 = torch.randint(0, 256, (8, 4, 2, 8), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    raw = torch.full((8, 4, 2, 8), POISON_BYTE, dtype=torch.uint8)
+    kvcopy.BlockCopier({"a": fp8}, {"a": raw}, [["a"]], backend=backend).to_host([[2, 6]])
+    assert torch.equal(raw[[2, 6]], fp8[[2, 6]].view(torch.uint8))
+    assert bool((raw[[0, 1, 3, 4, 5, 7]] == POISON_BYTE).all())
+    bf16 = torch.randn(8, 4, 2, 8, generator=gen).to(torch.bfloat16)
+    fp16 = torch.full((8, 4, 2, 8), POISON_BYTE, dtype=torch.uint8).repeat_interleave(2, -1).view(torch.float16)
+    kvcopy.BlockCopier({"a": bf16}, {"a": fp16}, [["a"]], backend=backend, reinterpret_dtypes=True).to_host([[3]])
+    assert torch.equal(fp16[3].view(torch.int16), bf16[3].view(torch.int16))
+    assert bool((fp16[[0, 1, 2, 4, 5, 6, 7]].view(torch.uint8) == POISON_BYTE).all())
 
 
 def test_int16_host_buffer_for_bf16_cache_is_accepted():

@@ -102,7 +102,7 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
 
 def test_importing_the_library_loads_no_test_tooling():
     """Every library module importable here, in a fresh interpreter: no module of
-    kvcopy.testing is loaded on the way (kvcopy.vllm needs vLLM: imported where it is)."""
+    kvcopy.testing is loaded on the way (the kvcopy.vllm* modules need vLLM: imported where it is)."""
     names = importable_library_modules()
     script = (
         "import importlib, sys\n"
@@ -112,7 +112,7 @@ def test_importing_the_library_loads_no_test_tooling():
         "    try:\n"
         "        importlib.import_module(n)\n"
         "    except ImportError as exc:\n"
-        "        if n != 'kvcopy.vllm':\n"
+        "        if not n.startswith('kvcopy.vllm'):\n"
         "            raise\n"
         "        skipped.append(n)\n"
         "loaded = sorted(m for m in sys.modules if m == 'kvcopy.testing' or m.startswith('kvcopy.testing.'))\n"
@@ -121,7 +121,8 @@ def test_importing_the_library_loads_no_test_tooling():
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     count, loaded = out.stdout.strip().split(" ", 1)
-    assert int(count) >= len(names) - 1 and loaded == "[]", out.stdout
+    vllm_modules = [n for n in names if n.startswith("kvcopy.vllm")]
+    assert int(count) >= len(names) - len(vllm_modules) and loaded == "[]", out.stdout
 
 
 @pytest.mark.parametrize("name", ["reference_copy", "reference_copy_groups"])

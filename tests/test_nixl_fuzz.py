@@ -4,7 +4,6 @@ semantics, or a clear ValueError. A silently wrong case fails the test."""
 import pytest
 
 from kvcopy.nixl import geometry, routes as routes_mod
-from kvcopy.nixl.geometry import ChunkAxes, remote_ranks, segments
 from kvcopy.testing.nixl import fuzz
 from kvcopy.testing.nixl.engines import one_torch_thread
 

@@ -37,7 +37,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -219,7 +219,8 @@ class Report:
 
 
 def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool = False,
-         arena: bool = False) -> Report:
+         arena: bool = False, progress: Optional[Callable[[int, Report], None]] = None) -> Report:
+    """``cases`` cases from ``seed``; ``progress(cases done, report so far)`` after each."""
     report = Report()
     start = time.perf_counter()
     before = torch.get_num_threads()
@@ -245,6 +246,8 @@ def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool =
                 report.wrong_cases.append((case_seed, f"{out.reason} {out.detail} | {spec.summary()}"))
             if verbose:
                 print(f"{case_seed}: {out.status} {out.reason} | {spec.summary()}", flush=True)
+            if progress is not None:
+                progress(i + 1, report)
             if stop_on_wrong and report.wrong:
                 break
     finally:
@@ -267,8 +270,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arena", action="store_true", help="arena mode: pack, READ rows, scatter")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the fuzzer (or one case); exit code 1 if any case is wrong."""
+def run(args: argparse.Namespace, progress: Optional[Callable[[int, Report], None]] = None) -> int:
+    """Run the fuzzer (or one case); exit code 1 if any case is wrong. ``progress``: see :func:`fuzz`."""
     if args.case is not None:
         spec = case(args.case)
         print(spec.summary())
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if out.status == "wrong" else 0
     print(f"python -m kvcopy.testing.nixl.fuzz --cases {args.cases} --seed {args.seed}"
           + (" --arena" if args.arena else ""))
-    report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong, args.arena)
+    report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong, args.arena, progress)
     print(report)
     return 1 if report.wrong else 0
 
