@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import deque
 from pathlib import Path
 
@@ -46,6 +47,22 @@ def _cmake():
         return str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
     except ImportError:
         return None
+
+
+def _describe_cmake(exe):
+    """What build-info.json records: the version, and where CMake came from. pip's isolated
+    build runs a CMake from a temporary folder deleted after the install: that path is not
+    recorded, only that it was the build requirement."""
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = out.split()[2] if out.startswith("cmake version") else "of unknown version"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        version = "of unknown version"
+    where = exe
+    temp = os.path.realpath(tempfile.gettempdir())
+    if os.path.realpath(exe).startswith(temp + os.sep) or "pip-build-env" in exe:
+        where = "the cmake build requirement in pip's temporary build environment"
+    return f"cmake {version} ({where})"
 
 
 NVCC_PLACES = "$CUDACXX, nvcc on PATH, $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc"
@@ -109,7 +126,8 @@ class CMakeBuild(build_ext):
             why = "KVCOPY_NO_NATIVE set at install"
             libs["kvcopy_cpu"]["reason"] = libs["kvcopy_cuda"]["reason"] = why
             return
-        cmake = info["cmake"] = _cmake()
+        cmake = _cmake()
+        info["cmake"] = cmake and _describe_cmake(cmake)
         if cmake is None:
             why = "CMake not found at install (pip install cmake, or your system's package)"
             libs["kvcopy_cpu"]["reason"] = libs["kvcopy_cuda"]["reason"] = why
@@ -215,7 +233,8 @@ setup(
     license="Apache-2.0",
     # torch 2.13.0 (the README's install) publishes wheels for CPython 3.10-3.14, none for 3.9.
     python_requires=">=3.10",
-    packages=["kvcopy", "kvcopy.backends", "kvcopy.bench", "kvcopy.kernels", "kvcopy.nixl"],
+    packages=["kvcopy", "kvcopy.backends", "kvcopy.bench", "kvcopy.kernels", "kvcopy.nixl", "kvcopy.testing",
+              "kvcopy.testing.nixl"],
     package_dir={"kvcopy.kernels": "kernels"},
     package_data={"kvcopy.kernels": ["*.cuh"]},
     ext_modules=[CMakeLibrary("kvcopy._lib.libkvcopy_cpu")],

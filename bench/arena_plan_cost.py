@@ -20,7 +20,7 @@ one ``save`` of the request on P. Then, interleaved per round:
 ``memcpy``      one contiguous ``copy_`` of the request's bytes (the span size) between
                 two touched CPU buffers: the scale of a request's bytes on this machine
 
-Median, 20th percentile and minimum of ``--iters`` round-robin rounds
+Minimum, median and 90th percentile of ``--iters`` round-robin rounds
 (:func:`kvcopy.bench.timing.measure`). The script checks once that
 a pull + complete of a plan leaves D's KV equal to P's at the request's blocks. Compare
 rows of one run only: on a loaded machine both move.
@@ -118,10 +118,10 @@ def main(argv=None) -> int:
         print(f"arena_plan_cost: seeds/2, {args.groups} group(s), {len(P.layer_groups[0])} layers each, "
               f"{args.order} order, span {span / 2**20:.1f} MiB, {n_desc} descriptor(s); "
               f"median of {args.iters}")
-        print(f"{'row':<16}{'median ms':>10}{'p20 ms':>9}{'min ms':>9}")
+        print(f"{'row':<16}{'min ms':>9}{'median ms':>10}{'p90 ms':>9}")
         for k, t in timings.items():
             st = t.stats()
-            print(f"{k:<16}{st['median_us'] / 1e3:>10.2f}{st['p20_us'] / 1e3:>9.2f}{st['min_us'] / 1e3:>9.2f}")
+            print(f"{k:<16}{st['min_us'] / 1e3:>9.2f}{st['median_us'] / 1e3:>10.2f}{st['p90_us'] / 1e3:>9.2f}")
         return 0
     finally:
         md.close()

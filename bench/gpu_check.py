@@ -662,9 +662,9 @@ def ladder_grid(copier, backend: str, size: int, sms: Optional[int], cap: Option
         return None
     tables = copier.tables("h2d")
     if backend == "cuda":
-        from kvcopy.backends import cudalib
+        from kvcopy.backends import kernel_inputs
 
-        return cudalib.grid_size(size, sms, cap)
+        return kernel_inputs.grid_size(size, sms, cap)
     st = tables.backend_state.get("triton")
     from kvcopy.kernels import triton_copy
 
@@ -692,7 +692,8 @@ def ladder_text(data: dict) -> str:
         rows = [r for r in data["rows"] if r["direction"] == d]
         by: Dict[str, List[str]] = {}
         for r in rows:
-            label = "uncapped" if r.get("max_ctas") is None and r["method"] in INFLIGHT_PER_CTA else str(r.get("max_ctas") or "")
+            uncapped = r.get("max_ctas") is None and r["method"] in INFLIGHT_PER_CTA
+            label = "uncapped" if uncapped else str(r.get("max_ctas") or "")
             val = f"{r['gbps']:.3g}" if r.get("gbps") else "-"
             by.setdefault(r["method"], []).append(f"{label}:{val}" if label else val)
         dv = data.get("derived", {}).get(d, {})
@@ -747,7 +748,8 @@ def sweep_text(res: dict) -> str:
             for m in methods:
                 r = by.get((c, m)) or {}
                 pct = r.get("pct_of_memcpy")
-                cells.append(("-" if pct is None else f"{pct:.0f}") + ("!" if str(r.get("verify")).startswith("FAIL") else ""))
+                bad = str(r.get("verify")).startswith("FAIL")
+                cells.append(("-" if pct is None else f"{pct:.0f}") + ("!" if bad else ""))
             lines.append(f"    {c >> 10:>5}K " + " ".join(f"{x:>6}" for x in cells))
     for note in res.get("notes", []):
         lines.append(f"  note: {note[:200]}")
@@ -841,7 +843,7 @@ def cmd_mark(step: str, rc: int) -> None:
             if part is not None and name not in data:
                 data[name] = part
     if data.get("status") in (None, "running") or (rc not in (0, 1) and data.get("status") == "ok"):
-        data["status"] = "timeout" if rc in (124, 137) else f"crashed"
+        data["status"] = "timeout" if rc in (124, 137) else "crashed"
         data["exit_code"] = rc
         data.setdefault("step", step)
         write_json(path, data)
@@ -872,11 +874,13 @@ def summary() -> int:
             bad = [c for c in cases if c.get("status") not in ("ok", "unavailable")]
             ok = [c for c in cases if c.get("status") == "ok"]
             lines.append(f"  {len(ok)} bit-exact of {len(ok) + len(bad)} run"
-                         + "".join(f"\n  {c['backend']} {c['direction']}: {str(c.get('error'))[:200]}" for c in bad[:4]))
+                         + "".join(f"\n  {c['backend']} {c['direction']}: {str(c.get('error'))[:200]}"
+                                   for c in bad[:4]))
         elif step == "tests":
             c = data.get("counts") or {}
             lines.append(f"  {c.get('passed', '?')} passed, {c.get('failures', '?')} failed, {c.get('errors', '?')} "
-                         f"errors, {c.get('skipped', '?')} skipped" + (f" ({data['reason']})" if data.get("reason") else "")
+                         f"errors, {c.get('skipped', '?')} skipped"
+                         + (f" ({data['reason']})" if data.get("reason") else "")
                          + "".join(f"\n  FAILED {f[:200]}" for f in (data.get("failed") or [])[:3]))
         elif step in STEP_TEXT and status != "running":
             try:

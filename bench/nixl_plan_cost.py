@@ -137,27 +137,11 @@ def main(argv=None) -> int:
                     return 1
 
         if args.profile:
-            for label, fn in (("plan_pull", lambda: D.plan_pull(*plan_args)), ("pull", pull)):
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(5):
-                    fn()
-                prof.disable()
-                out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-                print(f"==== cProfile: {label} x5 (tottime)\n{out.getvalue()}")
+            _profile({"plan_pull": lambda: D.plan_pull(*plan_args), "pull": pull})
 
         rows: Dict[str, Callable] = {"plan_pull": lambda: D.plan_pull(*plan_args), "raw READ": raw,
                                      "pull": pull, "pull+complete": pull_complete}
-        times: Dict[str, List[float]] = {k: [] for k in rows}
-        for fn in rows.values():  # warm-up
-            fn()
-        order = list(rows.items())
-        for i in range(args.iters):  # every other round backwards: no row always follows the same one
-            for k, fn in (order if i % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
+        times = _time_rows(rows, args.iters)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         p20 = {k: float(np.percentile(v, 20)) * 1e3 for k, v in times.items()}
         low = {k: min(v) * 1e3 for k, v in times.items()}
@@ -177,6 +161,31 @@ def main(argv=None) -> int:
     finally:
         D.close()
         P.close()
+
+
+def _profile(fns: Dict[str, Callable]) -> None:
+    for label, fn in fns.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            fn()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+        print(f"==== cProfile: {label} x5 (tottime)\n{out.getvalue()}")
+
+
+def _time_rows(rows: Dict[str, Callable], iters: int) -> Dict[str, List[float]]:
+    times: Dict[str, List[float]] = {k: [] for k in rows}
+    for fn in rows.values():  # warm-up
+        fn()
+    order = list(rows.items())
+    for i in range(iters):  # every other round backwards: no row always follows the same one
+        for k, fn in (order if i % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
 
 
 if __name__ == "__main__":

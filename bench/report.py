@@ -3,10 +3,13 @@
 
     python bench/report.py                      # markdown for the README's results section
     python bench/report.py --text FILE...       # the short plain table gpu_check.sh prints last
+    python bench/report.py --runs A.json B.json C.json   # repeated runs of one command: one table,
+                                                # each cell the median of the runs and their range
 
 Sweeps become one matrix per direction: chunk size down, memcpy GB/s and every other
 method's % of that memcpy across. Runs become one row per (groups, direction): each
-method's time as a multiple of the memcpy of the same bytes.
+method's time as a multiple of the memcpy of the same bytes; a ratio the run flagged as
+noise (its own spread or its floor's, see kvcopy.bench.output) is marked "noise".
 """
 from __future__ import annotations
 
@@ -92,7 +95,14 @@ def run_tables(res: dict, md: bool) -> List[str]:
                 cells.append("-")
                 continue
             bad = str(r.get("verify", "")).startswith("FAIL")
-            cells.append(f"{r['x_memcpy']:.2f}x" + (" FAIL" if bad else ""))
+            cell = f"{r['x_memcpy']:.2f}x"
+            if r.get("x_range"):
+                cell += f" ({r['x_range'][0]:.2f}-{r['x_range'][1]:.2f})"
+            if r.get("noisy_runs"):
+                cell += f" noise in {r['noisy_runs']}"
+            elif r.get("noise"):
+                cell += " noise"
+            cells.append(cell + (" FAIL" if bad else ""))
             if r.get("ops_per_call") is not None:  # "+1C": one native call the profiler cannot see
                 ops.append(f"{r['ops_per_call']:g}" + ("+1C" if r.get("ops_note") else ""))
         cells.append("/".join(ops) if ops else "-")
@@ -100,6 +110,38 @@ def run_tables(res: dict, md: bool) -> List[str]:
     headers = ["groups", "dir", "bytes", "memcpy GB/s"] + [f"{m} (x memcpy)" for m in methods] + [
         "ops/call (" + "/".join(methods) + ")"]
     return _table(headers, table, md) + [""]
+
+
+def combine(results: List[dict]) -> dict:
+    """Repeated runs of one command as one result: each row's x memcpy is the median over
+    the runs, ``x_range`` their min and max, ``noisy_runs`` in how many runs it was flagged."""
+    first = results[0]
+    argvs = {" ".join(r.get("argv") or []) for r in results}
+    if len(argvs) > 1 or len({r["command"] for r in results}) > 1:
+        raise SystemExit(f"--runs: the files are not runs of one command ({sorted(argvs)})")
+    rows: Dict[tuple, List[dict]] = {}
+    for res in results:
+        for r in res["results"]:
+            rows.setdefault((r["groups"], r["direction"], r["method"], r.get("chunk_bytes")), []).append(r)
+    out = []
+    for same in rows.values():
+        row = dict(same[0])
+        xs = sorted(r["x_memcpy"] for r in same if r.get("x_memcpy") is not None)
+        if xs:
+            row["x_memcpy"] = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+            row["x_range"] = (xs[0], xs[-1])
+        gbps = sorted(r["gbps"] for r in same if r.get("gbps"))
+        if gbps:
+            row["gbps"] = gbps[len(gbps) // 2]
+        noisy = sum(1 for r in same if r.get("noise"))
+        row["noisy_runs"] = f"{noisy} of {len(same)} runs" if noisy else None
+        row["verify"] = next((r["verify"] for r in same if str(r.get("verify", "")).startswith("FAIL")),
+                             same[0].get("verify"))
+        out.append(row)
+    loads = [r["env"].get("load_average") for r in results if r["env"].get("load_average") is not None]
+    env = dict(first["env"], date=f"{results[0]['env'].get('date', '?')[:10]}",
+               load_average=f"{min(loads)}-{max(loads)}" if loads else None)
+    return dict(first, env=env, results=out, runs=len(results), _path=", ".join(r["_path"] for r in results))
 
 
 def describe(res: dict) -> str:
@@ -116,7 +158,8 @@ def describe(res: dict) -> str:
         threads = f"torch on {env.get('torch_threads')} threads (the cpu backend's not recorded)"
     cpu = f", {threads}{load}" if env.get("device") == "cpu" else ""
     argv = " ".join(res.get("argv") or [])
-    return (f"{res['command']} on {where}, {env.get('date', '?')[:10]}, commit {str(env.get('commit'))[:12]}"
+    runs = f"{res['runs']} runs, " if res.get("runs") else ""
+    return (f"{res['command']} on {where}, {runs}{env.get('date', '?')[:10]}, commit {str(env.get('commit'))[:12]}"
             f" ({versions}){cpu}{partial}" + (f"; `kvcopy-bench {argv}`" if argv else ""))
 
 
@@ -130,7 +173,9 @@ def render(results: List[dict], md: bool) -> str:
         lines.append("")
         if res["command"] != "sweep":
             lines += ["x memcpy: time / memcpy time of the same bytes in the same run, lower is better "
-                      "(1.00x is the floor); ops/call from --op-counts (`-`: not counted)", ""]
+                      "(1.00x is the floor)" + ("; median of the runs (lowest-highest)" if res.get("runs") else "")
+                      + "; noise: flagged by its spread or its floor's; ops/call from --op-counts "
+                      "(`-`: not counted)", ""]
         lines += sweep_tables(res, md) if res["command"] == "sweep" else run_tables(res, md)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -139,12 +184,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*", help="result JSON files (default: bench/results/*.json)")
     p.add_argument("--text", action="store_true", help="plain text instead of markdown")
+    p.add_argument("--runs", action="store_true", help="the files are repeated runs of one command: one table")
     args = p.parse_args(argv)
     files = args.files or sorted(glob.glob(os.path.join(HERE, "results", "*.json")))
     results = load(files)
     if not results:
         print("no kvcopy-bench results found", file=sys.stderr)
         return 1
+    if args.runs:
+        results = [combine(results)]
     sys.stdout.write(render(results, md=not args.text))
     return 0
 

@@ -14,7 +14,8 @@
 
 namespace {
 
-// Below this many bytes a call runs on one thread (waking 2 threads: ~5-20 us).
+// Below this many bytes a call runs on one thread: waking an OpenMP team costs more
+// than copying that much.
 constexpr int64_t kParallelMinBytes = 1 << 20;
 
 void copy_item(const kvcopy::Item& it) {
@@ -60,7 +61,10 @@ struct RangeItemCopy {
 
 extern "C" {
 
-int kvcopy_cpu_abi_version() { return 1; }
+// Bumped whenever a C signature of this library changes (kvcopy/backends/native.py
+// refuses a library whose version is not the one the Python code was written for).
+// 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
+int kvcopy_cpu_abi_version() { return 2; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP

@@ -70,7 +70,7 @@ grid is one program per SM; ptxas gives the kernel 128 registers and no spills
 Interpreter
 -----------
 With ``TRITON_INTERPRET=1`` ``@triton.jit`` produces interpreted functions that run on
-CPU tensors (about 1 ms per program instance: keep grids small). :func:`kernels` hands
+CPU tensors, each program instance in Python (keep grids small). :func:`kernels` hands
 out the compiled or the interpreted variant on demand, whatever the environment was
 when this module was first imported, so callers and tests do not depend on import order.
 """
@@ -162,17 +162,11 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
             merged, seg_bytes, tiles, num_segs * tiles)
 
 
-@triton.jit(do_not_specialize=["num_groups"])
-def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
-                      ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
-                      ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
-                      GROUPS: tl.constexpr):
-    """One launch for a whole call; see the module docstring for the mapping."""
-    ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
-    VEC: tl.constexpr = WORD // ELEM_BYTES
-    pid = tl.program_id(0).to(tl.int64)
-    num_workers = tl.num_programs(0).to(tl.int64) * ROWS
-    n_items = tl.load(call + 2 * num_groups + 1)
+@triton.jit
+def _first_rows(entries, group_offsets, group_entries, call, num_groups, n_items, worker, num_workers,
+                ROW_BYTES: tl.constexpr, SCAN: tl.constexpr, GROUPS: tl.constexpr):
+    """The call's rows in total, and for each worker its row count, the item holding its
+    first row and that row's index within the item."""
     lane = tl.arange(0, SCAN).to(tl.int64)
 
     # Pass 1: the number of rows in the call.
@@ -184,7 +178,6 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         total += _total(rows, 0)
 
     # Each worker's contiguous share of the rows.
-    worker = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     begin = worker * total // num_workers
     count = (worker + 1) * total // num_workers - begin
 
@@ -203,7 +196,55 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         item += _total(done.to(tl.int64), 1)
         before += _total(tl.where(done, rows[None, :], 0), 1)
         carry += _total(rows, 0)
-    row = begin - before  # row within the current item
+    return total, count, item, begin - before
+
+
+@triton.jit
+def _row_addresses(src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, tiles, row,
+                   ROW_BYTES: tl.constexpr):
+    """Source and destination byte address of each worker's row ``row`` of its item,
+    and the row's offset within its segment."""
+    seg = row // tl.maximum(tiles, 1)
+    tile = row - seg * tiles
+    block = tl.where(merged, 0, seg // num_runs)
+    # Page run -> its digits over the entry's dims (count, src stride, dst stride),
+    # outermost first (< 2^31: 32-bit divisions); the outermost digit is what the
+    # inner two leave.
+    c1 = tl.maximum(tl.load(entry + 9), 1)
+    c2 = tl.maximum(tl.load(entry + 12), 1)
+    s0 = tl.load(entry + 7)
+    d0 = tl.load(entry + 8)
+    s1 = tl.load(entry + 10)
+    d1 = tl.load(entry + 11)
+    s2 = tl.load(entry + 13)
+    d2 = tl.load(entry + 14)
+    run = (seg - block * num_runs).to(tl.int32)
+    i2 = run % c2.to(tl.int32)
+    q = run // c2.to(tl.int32)
+    i1 = q % c1.to(tl.int32)
+    i0 = (q // c1.to(tl.int32)).to(tl.int64)
+    i1 = i1.to(tl.int64)
+    i2 = i2.to(tl.int64)
+    off = tile * ROW_BYTES
+    src = src_item + block * src_bstride + i0 * s0 + i1 * s1 + i2 * s2 + off
+    dst = dst_item + block * dst_bstride + i0 * d0 + i1 * d1 + i2 * d2 + off
+    return src, dst, off
+
+
+@triton.jit(do_not_specialize=["num_groups"])
+def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
+                      ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
+                      ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    """One launch for a whole call; see the module docstring for the mapping."""
+    ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
+    VEC: tl.constexpr = WORD // ELEM_BYTES
+    pid = tl.program_id(0).to(tl.int64)
+    num_workers = tl.num_programs(0).to(tl.int64) * ROWS
+    n_items = tl.load(call + 2 * num_groups + 1)
+    worker = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    total, count, item, row = _first_rows(entries, group_offsets, group_entries, call, num_groups, n_items,
+                                          worker, num_workers, ROW_BYTES, SCAN, GROUPS)
 
     (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry,
      merged, seg_bytes, tiles, rows) = _resolve(
@@ -212,30 +253,8 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
     steps = (total + num_workers - 1) // num_workers
     for step in range(0, steps):
         active = step < count
-        seg = row // tl.maximum(tiles, 1)
-        tile = row - seg * tiles
-        block = tl.where(merged, 0, seg // num_runs)
-        # Page run -> its digits over the entry's dims (count, src stride, dst stride),
-        # outermost first (< 2^31: 32-bit divisions); the outermost digit is what the
-        # inner two leave.
-        c1 = tl.maximum(tl.load(entry + 9), 1)
-        c2 = tl.maximum(tl.load(entry + 12), 1)
-        s0 = tl.load(entry + 7)
-        d0 = tl.load(entry + 8)
-        s1 = tl.load(entry + 10)
-        d1 = tl.load(entry + 11)
-        s2 = tl.load(entry + 13)
-        d2 = tl.load(entry + 14)
-        run = (seg - block * num_runs).to(tl.int32)
-        i2 = run % c2.to(tl.int32)
-        q = run // c2.to(tl.int32)
-        i1 = q % c1.to(tl.int32)
-        i0 = (q // c1.to(tl.int32)).to(tl.int64)
-        i1 = i1.to(tl.int64)
-        i2 = i2.to(tl.int64)
-        off = tile * ROW_BYTES
-        src = src_item + block * src_bstride + i0 * s0 + i1 * s1 + i2 * s2 + off
-        dst = dst_item + block * dst_bstride + i0 * d0 + i1 * d1 + i2 * d2 + off
+        src, dst, off = _row_addresses(src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged,
+                                       tiles, row, ROW_BYTES)
         n = tl.where(active, tl.minimum(seg_bytes - off, ROW_BYTES) // ELEM_BYTES, 0)
         n = tl.multiple_of(n, VEC)
         src_ptr = tl.multiple_of(src.to(tl.pointer_type(ELEM)), WORD)
@@ -345,6 +364,7 @@ def kernels(interpret: bool) -> ModuleType:
         if interpret not in _variants:
             name = f"{__name__}._{'interpreted' if interpret else 'compiled'}"
             spec = importlib.util.spec_from_file_location(name, __file__)
+            assert spec is not None and spec.loader is not None, __file__  # a .py file always has one
             mod = importlib.util.module_from_spec(spec)
             old = os.environ.get("TRITON_INTERPRET")
             os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"

@@ -7,14 +7,28 @@
     kvcopy.copy_blocks(src, dst, src_ids, dst_ids, "h2d")   # vLLM's CopyBlocksOp
 
 ``kvcopy.nixl.TransferManager`` wraps these copies in NIXL transfers between engines.
+The reference copies the tests hold every backend to are test tooling, in
+``kvcopy.testing.reference``, not part of this API.
+
+The names below are imported on first use, so ``import kvcopy`` (and ``kvcopy-bench
+--help``) does not wait for torch.
 """
-from .backends import BACKENDS, available_backends
-from .copier import BlockCopier
-from .copy_op import copy_blocks
-from .layout import PageLayout, describe
-from .reference import reference_copy, reference_copy_groups
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# exported name -> the submodule that defines it
+_EXPORTS = {
+    "BACKENDS": ".backends",
+    "available_backends": ".backends",
+    "BlockCopier": ".copier",
+    "copy_blocks": ".copy_op",
+    "PageLayout": ".layout",
+    "describe": ".layout",
+}
 
 __all__ = [
     "BACKENDS",
@@ -23,6 +37,22 @@ __all__ = [
     "available_backends",
     "copy_blocks",
     "describe",
-    "reference_copy",
-    "reference_copy_groups",
 ]
+
+if TYPE_CHECKING:
+    from .backends import BACKENDS, available_backends
+    from .copier import BlockCopier
+    from .copy_op import copy_blocks
+    from .layout import PageLayout, describe
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvcopy' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

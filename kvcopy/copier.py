@@ -3,63 +3,46 @@
 Built once (at KV cache registration) from the device caches, the host staging buffers
 and the engine's KV cache groups; everything static is validated there and turned into
 the entry tables of :mod:`kvcopy.tables`, one per direction. A call then only checks
-its ids (vectorized numpy, one pass per group), merges them into runs and hands one
-packed array to the backend: no Python loop over layers or blocks.
+its ids and merges them into runs (:mod:`kvcopy.planner`: one C pass over every
+group) and hands one packed array to the backend: no Python loop over layers or blocks.
 
-The contract (DESIGN.md section 3): for each group ``g``, each layer ``l`` in ``g`` and
+The contract: for each group ``g``, each layer ``l`` in ``g`` and
 each ``i``, block ``src_ids[g][i]`` of ``src[l]`` is written to block ``dst_ids[g][i]``
 of ``dst[l]``, and no other destination byte changes. A layer in no group (a
 KV-sharing layer) is never read or written. Layers of different groups that are views
 of one storage (hybrid models) are copied at their own group's blocks only; two names
 for the same bytes within a group are copied once. Bad input raises ``ValueError`` or
 ``TypeError`` naming the group, layer and id before any byte moves (ids are checked by
-:mod:`kvcopy.checks`). Device and host tensors that share bytes are refused at build,
+:mod:`kvcopy.planner`). Device and host tensors that share bytes are refused at build,
 and a storage replaced or freed after build is refused at the call
 (:mod:`kvcopy.storages`, per unique storage).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from .backends import Backend, choose_backend, get_backend
 from .layout import PageLayout, byte_extent, describe, pair_pages
-from .backends import native
-from .checks import block_ids, sequence
+from .checks import shown
+from .planner import CallPlanner
 from .storages import StorageGuard, check_disjoint
-from .tables import CallPlan, CallPlanner, CopyTables, build_tables, pack_call
+from .tables import CallPlan, CopyTables, build_tables
 
 IdLists = Sequence[Sequence[int]]
 
 
 class _Direction:
-    """One direction's tables, backend and the per-group limits checked per call."""
+    """One direction's tables, backend and call planner."""
 
-    def __init__(self, tables: CopyTables, backend: Backend, src_side: str, dst_side: str,
-                 src_limits, dst_limits, alias_classes):
+    def __init__(self, tables: CopyTables, backend: Backend, planner: CallPlanner, dst_side: str, row_pairs=()):
         self.tables = tables
         self.backend = backend
-        self.src_side, self.dst_side = src_side, dst_side
-        self.src_limits = src_limits  # per group: (max block count, layer that sets it)
-        self.dst_limits = dst_limits
-        self.alias_classes = alias_classes  # groups whose destinations share bytes
-        # The planner that also writes the block prefix (the `cuda` call array) when the
-        # library has it; an older library's plain planner otherwise.
-        fn, prefix = native.plan_call_function(prefix=True), True
-        if fn is None:
-            fn, prefix = native.plan_call_function(), False
-        self.planner = None
-        if fn is not None:
-            dst_class = list(range(len(alias_classes), len(alias_classes) + len(dst_limits)))
-            for c, groups in enumerate(alias_classes):
-                for g in groups:
-                    dst_class[g] = c
-            # renumber densely so the planner's stamp array has one row per class
-            dense = {c: i for i, c in enumerate(sorted(set(dst_class)))}
-            self.planner = CallPlanner(fn, tables, [l for l, _ in src_limits], [l for l, _ in dst_limits],
-                                       [dense[c] for c in dst_class], prefix=prefix)
+        self.planner = planner
+        self.dst_side = dst_side
+        self.row_pairs = tuple(row_pairs)  # overlaid groups of different block strides (_check_shared_rows)
 
 
 class BlockCopier:
@@ -77,6 +60,12 @@ class BlockCopier:
     the kernel backends (``cuda``, ``triton``) to leave SMs to the model (default:
     ``KVCOPY_MAX_CTAS``, else uncapped; see ``CopyTables.cta_cap``).
 
+    Device and host tensors of a layer have one dtype, or one of them is a raw integer
+    type (``uint8`` for fp8, ``int16`` for bf16 ...) holding the other's bits;
+    ``reinterpret_dtypes=True`` allows two different floating types of one element size
+    (their bits are copied unconverted), which is otherwise refused (``TypeError``).
+    ``layer_groups`` must name at least one layer.
+
     ``directions`` names the directions to build (``"d2h"``, ``"h2d"``; default both):
     a copier built for ``"d2h"`` only accepts device bytes shared by layers with
     different host buffers (reading shared bytes into separate buffers is well
@@ -84,6 +73,14 @@ class BlockCopier:
 
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
+
+    Threads: one copier may be called from several threads at once (``to_host``,
+    ``to_device``, ``plan``, ``run``); each call is checked and copied as if it were
+    alone. The call planner keeps no state between calls (its duplicate check uses a
+    per-thread array in the native library), a plan is immutable, and the backends'
+    per-copier state is read-only during calls. Calls from several threads on one CUDA
+    stream are ordered on it as they are enqueued. :meth:`close` must not run while
+    another thread is in a call: it releases what those calls use.
     """
 
     def __init__(
@@ -96,6 +93,7 @@ class BlockCopier:
         kv_layout: str = "NHD",
         max_ctas: Optional[int] = None,
         directions: Sequence[str] = ("d2h", "h2d"),
+        reinterpret_dtypes: bool = False,
     ):
         if isinstance(directions, str) or not directions or any(d not in ("d2h", "h2d") for d in directions):
             raise ValueError(f"directions must be 'd2h' and/or 'h2d', got {list(directions)!r}")
@@ -104,6 +102,10 @@ class BlockCopier:
         ):
             raise TypeError("layer_groups is a sequence of sequences of layer names, one per group")
         self.layer_groups: Tuple[Tuple[str, ...], ...] = tuple(tuple(g) for g in layer_groups)
+        if not any(self.layer_groups):
+            raise ValueError(f"layer_groups {list(map(list, self.layer_groups))!r} names no layer: a BlockCopier "
+                             "copies at least one layer of one group")
+        self._reinterpret_dtypes = reinterpret_dtypes
         self.device_layouts: Dict[str, PageLayout] = {}
         self.host_layouts: Dict[str, PageLayout] = {}
         self._device_caches = dict(device_caches)
@@ -156,6 +158,13 @@ class BlockCopier:
             pair_pages(dl, hl)  # same logical page and element size; any two orders
         except ValueError as exc:
             raise ValueError(f"{where}: device and host {exc}") from None
+        if dev.dtype != host.dtype and not (self._reinterpret_dtypes or _raw_bits(dev.dtype) or _raw_bits(host.dtype)):
+            # Bytes are copied as they are: an fp16 buffer for a bf16 cache would read garbage.
+            raise TypeError(
+                f"{where}: device cache is {dev.dtype} but host buffer is {host.dtype}; the copy moves bytes, "
+                f"so the host would hold {dev.dtype} bits read as {host.dtype}. Use one dtype on both sides, view "
+                "one side as a raw integer type (e.g. .view(torch.int16)), or pass reinterpret_dtypes=True"
+            )
         self.device_layouts[name], self.host_layouts[name] = dl, hl
 
     def _direction(self, src_side: str, dst_side: str, backend: str) -> _Direction:
@@ -177,7 +186,7 @@ class BlockCopier:
                 if entry_of[key] not in mine:
                     mine.append(entry_of[key])
             group_entries.append(mine)
-        alias_classes = _check_destinations(entries, group_entries, dst_t, dst_l, dst_side)
+        alias_classes, row_pairs = _check_destinations(entries, group_entries, dst_t, dst_l, dst_side)
         tables = build_tables(
             group_entries,
             [(src_t[n], src_l[n]) for n in entries],
@@ -191,16 +200,18 @@ class BlockCopier:
         if reason:
             raise ValueError(f"backend {chosen.name!r} cannot copy {src_side}->{dst_side}: {reason}")
         chosen.prepare(tables)
-        return _Direction(
-            tables, chosen, src_side, dst_side,
-            _limits(self.layer_groups, src_l), _limits(self.layer_groups, dst_l), alias_classes,
-        )
+        planner = CallPlanner(tables, _limits(self.layer_groups, src_l), _limits(self.layer_groups, dst_l),
+                              alias_classes, (src_side, dst_side),
+                              [layers[0] if layers else "-" for layers in self.layer_groups], origin=object())
+        return _Direction(tables, chosen, planner, dst_side, row_pairs)
 
     # ------------------------------------------------------------------ calls
     @property
     def backend(self) -> str:
         """Name of the backend in use (the same for both directions unless ``auto``)."""
-        return (self._d2h or self._h2d).backend.name
+        built = self._d2h or self._h2d
+        assert built is not None, "a BlockCopier has at least one direction"
+        return built.backend.name
 
     def backends(self) -> Dict[str, str]:
         return {side: d.backend.name for side, d in (("to_host", self._d2h), ("to_device", self._h2d))
@@ -216,20 +227,17 @@ class BlockCopier:
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``); :meth:`run`
-        copies it later without validating again."""
+        copies it later without validating again. The plan is immutable (nothing in it
+        can be edited between the two)."""
         host = block_ids if host_block_ids is None else host_block_ids
-        if direction not in ("d2h", "h2d"):
-            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
         d = self._built(direction)
-        call = self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
-        call.made_by = d
-        return call
+        return self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
 
     def run(self, direction: str, call: CallPlan) -> CallPlan:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
         were checked then; the storages are checked now, as for every call)."""
         d = self._built(direction)
-        if call.made_by is not d:
+        if type(call) is not CallPlan or call.origin is not d.planner.origin:
             raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
         if self._closed:
             raise ValueError("BlockCopier is closed")
@@ -239,10 +247,16 @@ class BlockCopier:
         return call
 
     def tables(self, direction: str) -> CopyTables:
+        """The static tables of ``direction`` ("d2h" or "h2d")."""
         return self._built(direction).tables
 
     def _built(self, direction: str) -> _Direction:
-        d = {"d2h": self._d2h, "h2d": self._h2d}[direction]
+        if direction == "d2h":
+            d = self._d2h
+        elif direction == "h2d":
+            d = self._h2d
+        else:
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {shown(direction)}")
         if d is None:
             raise ValueError(f"this BlockCopier was built without the {direction!r} direction")
         return d
@@ -258,48 +272,10 @@ class BlockCopier:
     def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
         if self._closed:
             raise ValueError("BlockCopier is closed")
-        n_groups = len(self.layer_groups)
-        if d.planner is not None and len(src_ids) == n_groups and len(dst_ids) == n_groups:
-            call = d.planner.plan(src_ids, dst_ids)
-            if call is not None:
-                return call
-        # The numpy path: the fallback without the native library, and the one that
-        # names what is wrong when the native pass rejects a call.
-        sequence(src_ids, f"{d.src_side} block ids (one list per KV cache group)")
-        sequence(dst_ids, f"{d.dst_side} block ids (one list per KV cache group)")
-        if len(src_ids) != n_groups or len(dst_ids) != n_groups:
-            raise ValueError(
-                f"expected one id list per KV cache group ({n_groups}), got "
-                f"{len(src_ids)} {d.src_side} and {len(dst_ids)} {d.dst_side} lists"
-            )
-        srcs, dsts = [], []
-        for g in range(n_groups):
-            s = _as_ids(src_ids[g], g, d.src_side)
-            t = _as_ids(dst_ids[g], g, d.dst_side)
-            if len(s) != len(t):
-                raise ValueError(
-                    f"group {g}: {len(s)} {d.src_side} block ids but {len(t)} {d.dst_side} block ids"
-                )
-            if len(s):
-                _check_range(s, g, d.src_side, d.src_limits[g])
-                _check_range(t, g, d.dst_side, d.dst_limits[g])
-                if len(t) > 1 and np.unique(t).size != len(t):
-                    dup = _first_duplicate(t)
-                    layer = self.layer_groups[g][0] if self.layer_groups[g] else "-"
-                    raise ValueError(
-                        f"group {g}, layer {layer!r}: {d.dst_side} block id {dup} is written twice in one call"
-                    )
-            srcs.append(s)
-            dsts.append(t)
-        for groups in d.alias_classes:
-            ids = np.concatenate([dsts[g] for g in groups])
-            if np.unique(ids).size != ids.size:
-                dup = _first_duplicate(ids)
-                owners = [g for g in groups if dup in dsts[g]]
-                raise ValueError(
-                    f"groups {owners} share {d.dst_side} storage and both write block id {dup}"
-                )
-        return pack_call(d.tables, srcs, dsts)
+        call = d.planner.plan(src_ids, dst_ids)
+        if d.row_pairs:
+            _check_shared_rows(d.row_pairs, call, d.dst_side)
+        return call
 
     def close(self) -> None:
         """Release what the backends hold (pinned registrations). Idempotent."""
@@ -323,6 +299,11 @@ class BlockCopier:
 
 
 # ---------------------------------------------------------------------- helpers
+def _raw_bits(dtype: torch.dtype) -> bool:
+    """An integer type: a container of another type's bits rather than a number format."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _region_key(t: torch.Tensor, l: PageLayout) -> tuple:
     # The element order is part of the region: two views of the same bytes in different
     # orders (an LBNHC view and a contiguous view of one allocation) place a page's
@@ -342,38 +323,81 @@ def _limits(groups, layouts) -> List[Tuple[int, str]]:
     return out
 
 
-def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[List[int]]:
-    """Destination regions either coincide exactly or never overlap; return the classes
-    of groups that write a shared region (their ids must be disjoint per call)."""
-    spans = []
-    for e, name in enumerate(entries):
-        t = tensors[name]
-        start, end = byte_extent(t)
-        spans.append((t.device, start, end, e))
-    spans.sort(key=lambda s: (str(s[0]), s[1]))
+def _check_destinations(entries, group_entries, tensors, layouts, side) -> Tuple[List[List[int]], List[tuple]]:
+    """Which groups' destination writes may meet, and how to keep them apart per call.
+
+    Every pair of destination entries whose byte extents intersect must be one of:
+
+    * **the same region** (same base, geometry and element order): groups writing it
+      must use different ids in one call; a group with two such entries would write
+      the same bytes from two sources and is refused;
+    * **interleaved** (:func:`_interleaved`): no byte in common at any ids;
+    * **overlaid on shared rows** (:func:`_shared_rows`): pages alias only within one
+      row of a common row grid, page ``i`` of a view in row ``i // r``; pages in
+      different rows never share a byte. A group overlaid with itself is refused (it
+      writes the same ids to both views); groups with the same block stride
+      (``r = 1`` on both sides) must use different ids in one call, and groups with
+      different strides (``r`` of 1 and of n: a kernel-page view over a logical-block
+      view) different rows;
+
+    anything else can collide at different ids and raises.
+
+    Returns ``(alias_classes, row_pairs)``: classes of groups whose ids must be
+    disjoint within a call (merged transitively, each group in at most one class, as
+    the native planner wants one class per group), and ``(g_pages, r, g_rows)`` triples
+    (one side of a pair with different strides has ``r = 1``, its ids are rows) whose
+    rows must be disjoint, checked by :func:`_check_shared_rows`.
+    Both are empty for models without overlays, so a call costs nothing more then.
+    """
     key = [_region_key(tensors[n], layouts[n]) for n in entries]
-    for i in range(len(spans)):
-        dev_i, s_i, e_i, a = spans[i]
-        for j in range(i + 1, len(spans)):
-            dev_j, s_j, e_j, b = spans[j]
-            if dev_j != dev_i or s_j >= e_i:
-                break
-            if key[a] != key[b] and not _interleaved(
-                    layouts[entries[a]], layouts[entries[b]], tensors[entries[a]].data_ptr(),
-                    tensors[entries[b]].data_ptr()):
-                raise ValueError(
-                    f"layers {entries[a]!r} and {entries[b]!r}: {side} tensors overlap "
-                    "without being the same region; kvcopy cannot order their writes"
-                )
-    # identical destination regions (same key) in different entries: different source
-    by_key: Dict[tuple, List[int]] = {}
-    for e in range(len(entries)):
-        by_key.setdefault(key[e], []).append(e)
     groups_of_entry: Dict[int, set] = {}
     for g, es in enumerate(group_entries):
         for e in es:
             groups_of_entry.setdefault(e, set()).add(g)
-    classes: List[set] = []
+    classes = _same_region_classes(entries, group_entries, groups_of_entry, key, side)
+    row_pairs: Dict[Tuple[int, int], tuple] = {}
+    for a, b in _overlapping_extents(entries, tensors):
+        if key[a] == key[b]:
+            continue  # the same region: classes above
+        la, lb = layouts[entries[a]], layouts[entries[b]]
+        base_a, base_b = tensors[entries[a]].data_ptr(), tensors[entries[b]].data_ptr()
+        if _interleaved(la, lb, base_a, base_b):
+            continue
+        rows = _shared_rows(la, lb, base_a, base_b)
+        if rows is None:
+            raise ValueError(
+                f"layers {entries[a]!r} and {entries[b]!r}: {side} tensors overlap without being the "
+                "same region or aliasing only at the same block; kvcopy cannot order their writes"
+            )
+        if rows != _DISJOINT:
+            _add_overlay(entries[a], entries[b], groups_of_entry.get(a, set()), groups_of_entry.get(b, set()),
+                         rows, side, classes, row_pairs)
+    return _merge_classes(classes, len(group_entries)), sorted(row_pairs.values())
+
+
+def _overlapping_extents(entries, tensors):
+    """Pairs of entries whose byte extents intersect (one sort, a sweep per device)."""
+    spans = []
+    for e, name in enumerate(entries):
+        t = tensors[name]
+        start, end = byte_extent(t)
+        spans.append((str(t.device), start, end, e))
+    spans.sort()
+    for i in range(len(spans)):
+        dev_i, _, e_i, a = spans[i]
+        for j in range(i + 1, len(spans)):
+            dev_j, s_j, _, b = spans[j]
+            if dev_j != dev_i or s_j >= e_i:
+                break
+            yield a, b
+
+
+def _same_region_classes(entries, group_entries, groups_of_entry, key, side) -> List[set]:
+    """Groups writing one identical destination region (each from its own source)."""
+    by_key: Dict[tuple, List[int]] = {}
+    for e in range(len(entries)):
+        by_key.setdefault(key[e], []).append(e)
+    classes = []
     for es in by_key.values():
         gs = set().union(*(groups_of_entry.get(e, set()) for e in es))
         for g in range(len(group_entries)):
@@ -384,11 +408,31 @@ def _check_destinations(entries, group_entries, tensors, layouts, side) -> List[
                 )
         if len(gs) > 1:
             classes.append(gs)
-    # Merge classes that share a group, transitively (union-find): each group ends up in
-    # exactly one class, which the native planner needs (one stamp row per group).
-    # Stricter than pairwise, and free in practice: vLLM's block ids are unique across
-    # groups (one pool).
-    parent = list(range(len(group_entries)))
+    return classes
+
+
+def _add_overlay(name_a, name_b, groups_a, groups_b, rows, side, classes, row_pairs) -> None:
+    """Record what a call must check for two entries overlaid on shared rows."""
+    r_a, r_b = rows
+    for g_a in groups_a:
+        for g_b in groups_b:
+            if g_a == g_b:
+                raise ValueError(
+                    f"group {g_a}: layers {min(name_a, name_b)!r} and {max(name_a, name_b)!r} overlap in {side} "
+                    "bytes with different page shapes; one group writes the same block ids to both"
+                )
+            if r_a == r_b:
+                classes.append({g_a, g_b})
+            else:  # (group of kernel pages, pages per row, group of rows)
+                row_pairs[min(g_a, g_b), max(g_a, g_b)] = (g_a, r_a, g_b) if r_a > 1 else (g_b, r_b, g_a)
+
+
+def _merge_classes(classes: List[set], num_groups: int) -> List[List[int]]:
+    """Classes that share a group merged, transitively (union-find): each group ends up
+    in at most one class, which the native planner needs (one stamp row per group).
+    Stricter than pairwise, and free in practice: vLLM's block ids are unique across
+    groups (one pool)."""
+    parent = list(range(num_groups))
 
     def root(g: int) -> int:
         while parent[g] != g:
@@ -425,19 +469,72 @@ def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bo
     return True
 
 
-def _as_ids(ids, g: int, side: str) -> np.ndarray:
-    return block_ids(ids, f"group {g}: {side} block ids")
+_DISJOINT = "disjoint"
 
 
-def _check_range(ids: np.ndarray, g: int, side: str, limit: Tuple[int, str]) -> None:
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= limit[0]:
-        bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"group {g}, layer {limit[1]!r}: {side} block id {bad} out of range [0, {limit[0]})"
-        )
+def _shared_rows(la: PageLayout, lb: PageLayout, base_a: int, base_b: int):
+    """How two overlapping views of one allocation with different page geometry alias:
+    ``(r_a, r_b)``, :data:`_DISJOINT`, or None when kvcopy cannot tell.
+
+    The rule: let ``s_a``, ``s_b`` be the block strides with one a multiple of the
+    other, ``S = max(s_a, s_b)``, ``r_v = S / s_v``, ``o = min(base_a, base_b)``, and
+    ``span_v`` the bytes from a page's first byte to its last. If each view has
+    ``(base_v - o) + span_v <= s_v``, page ``i`` of view ``v`` lies inside row
+    ``i // r_v`` of the grid ``[o + k S, o + (k+1) S)``. Proof: page ``i`` starts at
+    ``o + (base_v - o) + (i mod r_v) s_v + (i // r_v) S`` and ends by
+    ``o + (i // r_v) S + (r_v - 1) s_v + (base_v - o) + span_v <= o + (i // r_v + 1) S``.
+    Rows do not intersect, so pages of the two views can share a byte only when
+    ``i // r_a == j // r_b``: ids in different rows give disjoint writes.
+
+    vLLM 0.33's overlays meet it: groups viewed from byte 0 with pages padded to the
+    largest (same stride, ``r = 1``), unified block sizes (same page bytes, another
+    shape), packed pages side by side in a block-outermost row, and a block split into
+    kernel pages next to a group that is not split (GDN state: ``r`` of 1 against
+    ``r = block / kernel page`` for attention), where ``i // r`` is the logical block
+    and logical ids are unique across groups. When the two views' footprints within
+    a row (the hull of a row's ``r_v`` pages) do not meet, they never share a byte.
+    """
+    s_a, s_b = la.block_stride, lb.block_stride
+    if s_a <= 0 or s_b <= 0 or max(s_a, s_b) % min(s_a, s_b):
+        return None
+    row = max(s_a, s_b)
+    r_a, r_b = row // s_a, row // s_b
+    origin = min(base_a, base_b)
+    off_a, off_b = base_a - origin, base_b - origin
+    end_a, end_b = off_a + _page_span(la), off_b + _page_span(lb)
+    if end_a > s_a or end_b > s_b:
+        return None
+    if (r_a - 1) * s_a + end_a <= off_b or (r_b - 1) * s_b + end_b <= off_a:
+        return _DISJOINT
+    return r_a, r_b
 
 
-def _first_duplicate(ids: np.ndarray) -> int:
-    s = np.sort(ids)
-    return int(s[np.flatnonzero(s[1:] == s[:-1])[0]])
+def _page_span(l: PageLayout) -> int:
+    """Bytes from the first byte of a page to its last, inclusive."""
+    return (l.num_chunks - 1) * l.chunk_stride + l.chunk_bytes
+
+
+def _check_shared_rows(row_pairs, call: CallPlan, side: str) -> None:
+    """Per call, for views overlaid with different block strides: no row is written by
+    both groups of a pair. One side of a pair has ``r = 1`` (its ids are rows: logical
+    blocks), the other ``r > 1`` (kernel pages, ``r`` to a row): row ``j`` is taken
+    when any of pages ``j r .. j r + r - 1`` is. One set of page ids per group and one
+    C-level ``isdisjoint`` per row id (state groups name one or two blocks per request);
+    nothing has been written when it raises."""
+    flat = call.dst_flat
+    starts = [0, *itertools.accumulate(call.group_lens)]
+    pages: Dict[int, set] = {}
+    for g_page, r, g_row in row_pairs:
+        if g_page not in pages:
+            pages[g_page] = set(flat[starts[g_page]:starts[g_page + 1]])
+        taken = pages[g_page]
+        for j in flat[starts[g_row]:starts[g_row + 1]]:
+            first = j * r
+            if not taken.isdisjoint(range(first, first + r)):
+                i = min(taken.intersection(range(first, first + r)))
+                raise ValueError(
+                    f"groups {g_page} and {g_row} overlay {side} bytes: group {g_page}'s block id {i} and group "
+                    f"{g_row}'s block id {j} are the same block (ids // {r} and // 1: {j}); block ids must be "
+                    "unique across groups"
+                )
+

@@ -17,7 +17,8 @@ Refused (``ValueError``/``TypeError``, nothing written):
 
 * **Order-dependent h2d.** Layers that write the same device bytes from different host
   buffers at the same ids: vLLM's result is whichever layer its dict loop visits last
-  (seeds/1: one group's unfilled host pages overwrite another's received KV). Such
+  (in hybrid models, one group's unfilled host pages overwrite another group's received
+  KV, and a KV-sharing layer's never-filled host buffer overwrites its target's). Such
   models need per-group masks: :class:`kvcopy.vllm.KvcopyNixlConnector`, or a
   :class:`~kvcopy.copier.BlockCopier` with the groups.
 * Inputs vLLM's callers never produce (``save_kv_to_host``, ``sync_recved_kv_to_device``:
@@ -79,6 +80,8 @@ def copy_blocks(
         return  # vLLM's copy_kv_blocks returns here too
     if direction not in ("h2d", "d2h"):
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+    _check_caches(src_kv_caches, "src_kv_caches")
+    _check_caches(dst_kv_caches, "dst_kv_caches")
     missing = [name for name in src_kv_caches if name not in dst_kv_caches]
     if missing:
         raise ValueError(f"source layers not in the destination caches: {missing}")
@@ -103,6 +106,15 @@ def copy_blocks(
         copier.to_device([dst_block_ids], [src_block_ids])
     else:
         copier.to_host([src_block_ids], [dst_block_ids])
+
+
+def _check_caches(caches, what: str) -> None:
+    """A mapping of layer names to torch tensors (a numpy array is refused, not copied)."""
+    if not isinstance(caches, Mapping):
+        raise TypeError(f"{what} must be a mapping of layer names to tensors, got {type(caches).__name__}")
+    for name, t in caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
 
 
 def _build(device, host, direction: str, backend: str) -> BlockCopier:

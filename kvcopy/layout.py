@@ -48,7 +48,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from .checks import integer
+
 KV_LAYOUTS = ("NHD", "HND")
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor of the same element width (a view): what
+    kvcopy compares and moves, bit for bit, whatever the dtype (bf16 NaN payloads, fp8)."""
+    return t.view(_INT_OF_WIDTH[t.element_size()])
 
 
 @dataclass(frozen=True)
@@ -81,20 +91,6 @@ class PageLayout:
             and self.num_chunks == other.num_chunks
             and self.chunk_bytes == other.chunk_bytes
         )
-
-    def describe_difference(self, other: "PageLayout") -> str:
-        parts = []
-        if self.itemsize != other.itemsize:
-            parts.append(f"element size {self.itemsize} vs {other.itemsize} bytes")
-        if self.page_geometry != other.page_geometry:
-            parts.append(
-                f"page (size, stride) {list(self.page_geometry)} vs {list(other.page_geometry)}"
-            )
-        if (self.num_chunks, self.chunk_bytes) != (other.num_chunks, other.chunk_bytes):
-            parts.append(
-                f"{self.num_chunks}x{self.chunk_bytes} vs {other.num_chunks}x{other.chunk_bytes} chunk bytes"
-            )
-        return "; ".join(parts) or "none"
 
 
 def infer_block_dim(shape: Tuple[int, ...]) -> int:
@@ -153,13 +149,14 @@ def describe(
     ``kv_layout`` ("NHD" or "HND") only names the token and head axes, which shapes
     alone cannot tell apart; it never changes which bytes are copied.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    _check_plain_tensor(tensor)
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     shape = tuple(tensor.shape)
     if block_dim is None:
         block_dim = infer_block_dim(shape)
+    else:
+        block_dim = integer(block_dim, "block_dim")
     if not 0 <= block_dim < len(shape):
         raise ValueError(f"block_dim {block_dim} out of range for shape {shape}")
     itemsize = tensor.element_size()
@@ -169,7 +166,7 @@ def describe(
     # In-page dims; size-1 dims carry no bytes and their strides are arbitrary (a
     # permuted single-head tensor), so they are not part of the geometry.
     live = [(shape[d], strides[d]) for d in range(len(shape)) if d != block_dim and shape[d] > 1]
-    page_geometry = tuple(live)
+    page_geometry: Tuple[Tuple[int, Optional[int]], ...] = tuple(live)
     span = _dense_span(live)
     if span is not None:
         num_chunks, chunk_stride, chunk_elems = 1, 0, span
@@ -211,6 +208,23 @@ def describe(
         head_dim=head_dim,
         kind=kind,
     )
+
+
+def _check_plain_tensor(tensor) -> None:
+    """A strided tensor whose bytes are its values: kvcopy moves bytes, so a view that
+    holds its values lazily (``conj()``, a negative-bit view: the bytes are the
+    unconjugated, unnegated values) would be copied as values it does not have, and a
+    nested tensor has no one block axis."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise TypeError("a nested tensor has no fixed page layout: pass a strided tensor")
+    if tensor.is_conj():
+        raise TypeError("a conj() view holds other bytes than its values: pass tensor.resolve_conj()")
+    if tensor.is_neg():
+        raise TypeError("a negative-bit view holds other bytes than its values: pass tensor.resolve_neg()")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"a {tensor.layout} tensor has no page layout: pass a strided tensor")
 
 
 def chunks_disjoint(nb: int, block_stride: int, nc: int, chunk_stride: int, chunk_bytes: int) -> bool:
@@ -308,7 +322,7 @@ def pair_pages(src: PageLayout, dst: PageLayout) -> PagePairing:
         raise ValueError(f"pages differ: {what}; {_layout_name(src)} vs {_layout_name(dst)}")
     isz = src.itemsize
     dims = [(n, a * isz, b * isz) for (n, a), (_, b) in zip(src.page_dims, dst.page_dims)]
-    best = None
+    best: Optional[Tuple[Tuple[bool, int, int], int, list]] = None
     for key in (lambda d: (d[1], d[2]), lambda d: (d[2], d[1])):  # by src, then by dst stride
         merged = _coalesce(dims, key) if dims else []
         if merged and merged[0][1] == isz and merged[0][2] == isz:
@@ -318,6 +332,7 @@ def pair_pages(src: PageLayout, dst: PageLayout) -> PagePairing:
         score = (len(rest) > MAX_RUN_DIMS, -run, len(rest))
         if best is None or score < best[0]:
             best = (score, run, rest)
+    assert best is not None  # the loop ran twice
     _, run, rest = best
     if len(rest) > MAX_RUN_DIMS:
         raise ValueError(

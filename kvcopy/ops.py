@@ -38,8 +38,15 @@ def handle_of(copier) -> int:
     if h is None:
         h = next(_next)
         _handles[copier] = h
-        _by_handle[h] = weakref.ref(copier, lambda _r, h=h: _by_handle.pop(h, None))
+        _by_handle[h] = weakref.ref(copier, _forget(h))
     return h
+
+
+def _forget(handle: int):
+    """The weakref callback that drops ``handle`` once its copier is gone."""
+    def forget(_ref) -> None:
+        _by_handle.pop(handle, None)
+    return forget
 
 
 @torch.library.custom_op("kvcopy::copy_blocks_", mutates_args=("dsts",), device_types=None)

@@ -17,24 +17,19 @@ Static, built once per copier and direction (:class:`CopyTables`):
   ``group_entries[group_offsets[g]:group_offsets[g+1]]``, its layer mask. A layer in no
   group (KV-sharing) has no entry and is never touched.
 
-Per call (:func:`pack_call`), one int64 array so a GPU backend uploads it in one copy:
-``[run_offsets (G+1) | item_offsets (G+1) | runs (R x 3)]``. A run is ``(src first
-block, dst first block, count)``: consecutive ids on both sides merge into one run, so
-a run of adjacent pages moves as one large segment. Item ``i`` is one (entry, run)
-pair; ``item_offsets[g+1] - item_offsets[g] = entries(g) * runs(g)``.
-
-Building the call is vectorized numpy over the ids: no Python loop over layers or
-blocks, only over groups.
+Per call (:class:`CallPlan`, made by :class:`kvcopy.planner.CallPlanner`), one int64
+array so a GPU backend uploads it in one copy: ``[run_offsets (G+1) | item_offsets
+(G+1) | runs (R x 3)]``, followed in the same buffer by the block prefix (R+1 words:
+blocks in the runs before run ``r``) that the ``cuda`` kernel reads. A run is ``(src
+first block, dst first block, count)``: consecutive ids on both sides merge into one
+run, so a run of adjacent pages moves as one large segment. Item ``i`` is one (entry,
+run) pair; ``item_offsets[g+1] - item_offsets[g] = entries(g) * runs(g)``.
 """
 from __future__ import annotations
 
-import array
-import ctypes
-import itertools
-import operator
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -86,7 +81,8 @@ class CopyTables:
     def cta_cap(self) -> Optional[int]:
         """The kernel backends' grid cap: ``max_ctas`` given to the copier, else the
         ``KVCOPY_MAX_CTAS`` environment variable, else None (uncapped)."""
-        value, where = self.max_ctas, "max_ctas"
+        value: object = self.max_ctas
+        where = "max_ctas"
         if value is None:
             env = os.environ.get("KVCOPY_MAX_CTAS", "").strip()
             if not env:
@@ -159,49 +155,107 @@ def build_tables(
     )
 
 
-@dataclass
 class CallPlan:
-    """One call's validated ids and their packed runs.
+    """One call's checked ids and their packed runs, as its planner made them; immutable.
 
-    ``src_flat``/``dst_flat`` hold every group's ids concatenated (group ``g`` has
-    ``group_lens[g]``); ``packed`` is the kernels' call array.
+    Made only by :class:`kvcopy.planner.CallPlanner` (through ``BlockCopier.plan``,
+    ``to_host`` and ``to_device``), and run as it is: a backend hands :attr:`words` to C
+    code and kernels without looking at it again. So nothing reachable from a plan can
+    change: its attributes cannot be set or deleted, its buffers are ``bytes``, and
+    the arrays it hands out are read-only numpy views of those bytes (numpy refuses to
+    make a view of ``bytes`` writable). ``BlockCopier.run`` takes only the plans of its
+    own direction's planner (:attr:`origin`, an opaque token).
+
+    :attr:`words` is the kernels' call array: the packed call (:attr:`packed`,
+    ``[run_offsets | item_offsets | runs]``) followed by the block prefix over its runs
+    (:attr:`prefix_words` = runs + 1 words).
     """
 
-    src_flat: Sequence[int]  # int64 buffer (numpy array or array.array)
-    dst_flat: Sequence[int]
-    group_lens: Sequence[int]  # [G]
-    packed: np.ndarray  # int64 [run_offsets | item_offsets | runs]
-    packed_address: int  # address of packed[0], for C launchers
-    num_groups: int
-    total_bytes: int
-    # Words of the block prefix (runs + 1) the native planner wrote right after
-    # ``packed`` in the same buffer (the `cuda` call array is then
-    # ``packed_address``, ``len(packed) + prefix_words`` words); 0 when not written.
-    prefix_words: int = 0
-    # The copier direction that planned this call (``BlockCopier.plan``), so that
-    # ``BlockCopier.run`` takes only its own plans; None for a plan made elsewhere.
-    made_by: object = field(default=None, repr=False, compare=False)
+    __slots__ = ("_fields",)
+    # (words, packed words, runs, items, src ids, dst ids, group lens, groups, total
+    # bytes, origin), set once by call_plan()
+    _fields: Tuple[Any, ...]
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"CallPlan is immutable: cannot set {name!r} (plan the call again)")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"CallPlan is immutable: cannot delete {name!r}")
+
+    def __copy__(self) -> "CallPlan":
+        return self
+
+    def __deepcopy__(self, memo) -> "CallPlan":
+        return self
+
+    def __repr__(self) -> str:
+        return (f"CallPlan(groups={self.num_groups}, ids={list(self.group_lens)}, runs={self.num_runs}, "
+                f"items={self.num_items}, total_bytes={self.total_bytes})")
+
+    @property
+    def words(self) -> bytes:
+        """The call array: packed call, then block prefix (int64, native byte order)."""
+        return self._fields[0]
+
+    @property
+    def packed(self) -> np.ndarray:
+        """The packed call (read-only int64 view of :attr:`words`)."""
+        return np.frombuffer(self._fields[0], dtype=np.int64, count=self._fields[1])
+
+    @property
+    def prefix_words(self) -> int:
+        return self._fields[2] + 1
+
+    @property
+    def num_words(self) -> int:
+        """Words of the call array: the packed call and its block prefix."""
+        return self._fields[1] + self._fields[2] + 1
 
     @property
     def num_runs(self) -> int:
-        return int(self.packed[self.num_groups])
+        return self._fields[2]
 
     @property
     def num_items(self) -> int:
-        return int(self.packed[2 * self.num_groups + 1])
+        return self._fields[3]
+
+    @property
+    def src_flat(self) -> np.ndarray:
+        """Every group's source ids concatenated (read-only int64)."""
+        return np.frombuffer(self._fields[4], dtype=np.int64)
+
+    @property
+    def dst_flat(self) -> np.ndarray:
+        return np.frombuffer(self._fields[5], dtype=np.int64)
+
+    @property
+    def group_lens(self) -> Tuple[int, ...]:
+        return self._fields[6]
+
+    @property
+    def num_groups(self) -> int:
+        return self._fields[7]
+
+    @property
+    def total_bytes(self) -> int:
+        return self._fields[8]
+
+    @property
+    def origin(self) -> object:
+        """The token of the planner that made this plan."""
+        return self._fields[9]
 
     @property
     def src_ids(self) -> List[np.ndarray]:
-        """Per-group source ids (numpy views)."""
+        """Per-group source ids (read-only numpy views)."""
         return self._split(self.src_flat)
 
     @property
     def dst_ids(self) -> List[np.ndarray]:
         return self._split(self.dst_flat)
 
-    def _split(self, flat) -> List[np.ndarray]:
-        arr = np.asarray(flat, dtype=np.int64)
-        return np.split(arr, np.cumsum(np.asarray(self.group_lens, dtype=np.int64))[:-1])
+    def _split(self, flat: np.ndarray) -> List[np.ndarray]:
+        return np.split(flat, np.cumsum(np.asarray(self.group_lens, dtype=np.int64))[:-1])
 
     def run_offsets(self) -> np.ndarray:
         return self.packed[: self.num_groups + 1]
@@ -213,119 +267,14 @@ class CallPlan:
         return self.packed[2 * (self.num_groups + 1) :].reshape(-1, 3)
 
 
-def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """``[R, 3]`` runs (src start, dst start, count) of ids consecutive on both sides."""
-    n = len(src)
-    if n == 0:
-        return np.empty((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [n])))
-    return np.stack((src[starts], dst[starts], counts), axis=1)
+_new_plan = object.__new__
+_set_fields = CallPlan.__dict__["_fields"].__set__
 
 
-def pack_call(tables: CopyTables, src_ids: List[np.ndarray], dst_ids: List[np.ndarray]) -> CallPlan:
-    """Pack validated per-group ids into the kernels' call array (numpy; the native
-    :class:`CallPlanner` does validation and packing in one C pass)."""
-    g_count = tables.num_groups
-    runs = [merge_runs(s, d) for s, d in zip(src_ids, dst_ids)]
-    run_counts = np.array([len(r) for r in runs], dtype=np.int64)
-    entry_counts = np.diff(tables.group_offsets)
-    header = np.zeros(2 * (g_count + 1), dtype=np.int64)
-    np.cumsum(run_counts, out=header[1 : g_count + 1])
-    np.cumsum(entry_counts * run_counts, out=header[g_count + 2 :])
-    packed = np.concatenate([header] + [r.ravel() for r in runs]) if runs else header
-    lens = np.array([len(x) for x in src_ids], dtype=np.int64)
-    empty = np.empty(0, dtype=np.int64)
-    packed = np.ascontiguousarray(packed, dtype=np.int64)
-    return CallPlan(
-        src_flat=np.concatenate(src_ids) if g_count else empty,
-        dst_flat=np.concatenate(dst_ids) if g_count else empty,
-        group_lens=lens,
-        packed=packed,
-        packed_address=packed.ctypes.data,
-        num_groups=g_count,
-        total_bytes=int(np.dot(tables.group_block_bytes, lens)) if g_count else 0,
-    )
-
-
-class CallPlanner:
-    """Validates and packs a call in one native pass (``csrc/call_plan.cpp``).
-
-    ``src_limit``/``dst_limit``: per group, ids must lie in ``[0, limit)``;
-    ``dst_class``: per group, groups of one class write shared destination bytes and
-    must use disjoint ids. :meth:`plan` returns None when the ids are invalid or not
-    plain lists/arrays of integers: the caller then runs the numpy path, which raises
-    the detailed error. Not thread-safe: one planner per copier direction.
-    """
-
-    def __init__(self, fn, tables: CopyTables, src_limit, dst_limit, dst_class, prefix: bool = False):
-        self._fn = fn
-        self._prefix = bool(prefix)  # fn is kvcopy_plan_call_prefix: room for the prefix
-        self._tables = tables
-        self._g = tables.num_groups
-        self._src_limit = np.asarray(src_limit, dtype=np.int64)
-        self._dst_limit = np.asarray(dst_limit, dtype=np.int64)
-        self._dst_class = np.asarray(dst_class, dtype=np.int64)
-        self._entries_per_group = np.diff(tables.group_offsets).astype(np.int64)
-        self._capacity = int(self._dst_limit.max()) if self._g else 0
-        classes = int(self._dst_class.max()) + 1 if self._g else 0
-        self._seen = np.zeros(classes * max(self._capacity, 1), dtype=np.int64)
-        self._stamp = 0
-        self._err = np.zeros(3, dtype=np.int64)
-        self._group_bytes = tables.group_block_bytes.tolist()
-        self._err_address = ctypes.c_void_p(self._err.ctypes.data)
-        # Constant arguments converted to ctypes once (~0.1 us each per call saved).
-        self._static = [ctypes.c_void_p(a.ctypes.data) for a in (
-            self._src_limit, self._dst_limit, self._dst_class, self._entries_per_group, self._seen)]
-        self._g_arg = ctypes.c_int64(self._g)
-        self._capacity_arg = ctypes.c_int64(self._capacity)
-
-    def plan(self, src_ids, dst_ids) -> Optional[CallPlan]:
-        # Plain lists/tuples of ints only; anything else takes the numpy path. Buffers
-        # are array.array: their addresses cost a fraction of numpy's .ctypes (~2 us).
-        g = self._g
-        same = dst_ids is src_ids  # to_host(ids)/to_device(ids): one id list for both sides
-        for x in (src_ids if same else itertools.chain(src_ids, dst_ids)):
-            if type(x) not in _PLAIN or _may_hold_bools(x):  # the numpy path refuses bools
-                return None
-        lens = array.array("q", map(len, src_ids))
-        if not same and array.array("q", map(len, dst_ids)) != lens:
-            return None
-        try:
-            src = array.array("q", itertools.chain.from_iterable(src_ids))
-            dst = src if same else array.array("q", itertools.chain.from_iterable(dst_ids))
-        except (TypeError, OverflowError):
-            return None
-        n_ids = len(src)
-        packed = array.array("q", bytes(8 * (2 * (g + 1) + (4 * n_ids + 1 if self._prefix else 3 * n_ids))))
-        self._stamp += 1
-        lim_s, lim_d, cls, epg, seen = self._static
-        address = packed.buffer_info()[0]
-        src_address = src.buffer_info()[0]
-        n = self._fn(self._g_arg, src_address, src_address if same else dst.buffer_info()[0],
-                     lens.buffer_info()[0], lim_s, lim_d, cls, epg, seen, self._capacity_arg, self._stamp,
-                     address, self._err_address)
-        if n < 0:
-            return None
-        return CallPlan(
-            src_flat=src,
-            dst_flat=dst,
-            group_lens=lens,
-            packed=np.frombuffer(packed, dtype=np.int64, count=n),
-            packed_address=address,
-            num_groups=g,
-            total_bytes=sum(map(operator.mul, self._group_bytes, lens)),
-            prefix_words=packed[g] + 1 if self._prefix else 0,
-        )
-
-
-_PLAIN = (list, tuple)
-_INT_ONLY = frozenset((int,))
-
-
-def _may_hold_bools(ids) -> bool:
-    """Whether a list of ids holds a Python bool (``array('q')`` would take it as 0/1).
-    ``in`` is a C loop comparing by identity, then value (~5 ns per id); the type scan
-    (~30-60 ns per id) runs only for lists holding a 0 or 1."""
-    return (True in ids or False in ids) and not _INT_ONLY.issuperset(map(type, ids))
+def call_plan(words: bytes, packed_words: int, runs: int, items: int, src: bytes, dst: bytes,
+              group_lens: Tuple[int, ...], total_bytes: int, origin: object) -> CallPlan:
+    """A :class:`CallPlan` over the planner's buffers (for :mod:`kvcopy.planner` only)."""
+    plan = _new_plan(CallPlan)
+    _set_fields(plan, (words, packed_words, runs, items, src, dst, group_lens, len(group_lens), total_bytes,
+                       origin))
+    return plan

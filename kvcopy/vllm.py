@@ -12,19 +12,35 @@ copies of its worker change (``kv_buffer_device="cpu"`` on a GPU):
   every transfer group's ids into one list and copy every host buffer at all of them.
   With several KV cache groups (overlaid from byte 0: one device byte belongs to a
   layer of each group) or KV-sharing layers (whose host buffers NIXL never fills),
-  D's h2d lets unfilled host pages overwrite received KV (seeds/1).
+  D's h2d lets unfilled host pages overwrite received KV: vLLM's fix for this (a
+  per-group copy) regressed when its transfers moved to per-region geometry.
 * Here one :class:`~kvcopy.copier.BlockCopier` is built when the KV caches are
   registered, from vLLM's own ``device_kv_caches``, ``host_xfer_buffers`` and
   ``kv_cache_config.transfer_groups``: each transfer group copies its own layers at its
   own blocks, KV-sharing layers (no transfer group, never registered with NIXL) are
   never copied. Each request-sync is one masked call for all groups (one backend
-  launch), in kernel-page ids (``meta.local_physical_block_ids``: vLLM's
-  logical-to-kernel block split applied by vLLM's own ``_logical_to_kernel_block_ids``).
+  launch), each group's ids in its device view's unit (``local_physical_block_ids``):
+  kernel pages for attention groups, logical blocks for Mamba/GDN state groups
+  (:mod:`kvcopy.vllm_groups`).
+
+Models whose groups overlay one another with different page shapes are copied too:
+different KV heads per group (pages padded to the largest), a doubled block size that
+unifies page sizes, pages packed side by side in block-outermost rows, and attention +
+GDN hybrids (``MambaSpec`` state ``[NB, 1, 1, state bytes]`` int8 views whose stride is
+the padded page, next to attention kernel pages). The copier proves at registration
+that these views alias only within one block of the pool and checks per call that no
+block is named by two groups (:func:`kvcopy.copier._shared_rows`). vLLM's host buffer
+for a padded state layer is smaller than the NIXL region vLLM registers for it (NIXL
+refuses the descriptors); the worker allocates the buffer with the padded stride
+(:func:`kvcopy.vllm_groups.state_host_buffers`) before vLLM registers it, and says so
+in its registration line. vLLM needs ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` for Mamba NIXL
+transfers.
 
 Layout: vLLM's caches are ``[B, H, N, C]`` views of one int8 allocation (any of its
 six layouts); the host buffers are contiguous ``[B, H, N, C]`` (or, for LBNHC, an HND
-view of ``(B, N, H, C)``), one per layer name. The copier validates both once; a
-layer whose pages it cannot place raises at registration, never mid-request.
+view of ``(B, N, H, C)``; padded state: the page as block stride), one per layer name.
+The copier validates both once; a layer whose pages it cannot place raises at
+registration, never mid-request.
 
 Pageable host buffers are pinned once by the copier's GPU backends (see
 :mod:`kvcopy.backends.pinning`). vLLM's copies are synchronous (``.cpu()``, pageable
@@ -36,7 +52,7 @@ Supported: vLLM 0.33.x (``SUPPORTED_VLLM``). ``import kvcopy`` never imports vLL
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 SUPPORTED_VLLM = "0.33"
 
@@ -77,27 +93,14 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed  # noqa: E402
 
 from .copier import BlockCopier  # noqa: E402
+from .vllm_groups import (  # noqa: E402
+    kernel_block_ids, pages_per_block, state_host_buffers, transfer_layer_groups,
+)
 
 # Under vLLM's logger tree, so the registration line shows in vLLM's own log output.
 logger = init_logger("vllm.kvcopy")
 
 __all__ = ["KvcopyNixlConnector", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
-
-
-def transfer_layer_groups(kv_cache_config, host_buffers, kv_sharing_layers=()) -> List[List[str]]:
-    """Layer names per transfer group, as vLLM's NIXL worker registers them.
-
-    vLLM's worker registers (and NIXL fills) the host buffer of a layer only when the
-    layer is in a transfer group of the connector's ``kv_cache_config``; a KV-sharing
-    layer gets a host buffer (one per ``kv_caches`` entry) but no group, so it is left
-    out. ``kv_sharing_layers`` names layers to leave out even if a group lists them
-    (the model runner appends them to its own copy of the groups).
-    """
-    skip = set(kv_sharing_layers)
-    return [
-        [n for n in group.layer_names if n in host_buffers and n not in skip]
-        for group in kv_cache_config.transfer_groups
-    ]
 
 
 def _kv_sharing_layers(vllm_config) -> List[str]:
@@ -113,11 +116,23 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
     # Built by register_kv_caches when vLLM uses host buffers. Until then (or without
     # host buffers) the copy methods are vLLM's own, through its copy op.
     kvcopy_copier: Optional[BlockCopier] = None
+    # Layers whose host buffer vLLM allocated smaller than the NIXL region it registers
+    # for them (padded Mamba/GDN state pages), replaced by kvcopy: name -> page stride.
+    kvcopy_state_buffers: Dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
         if self.use_host_buffer:
             self._build_copier()
+
+    def initialize_host_xfer_buffer(self, kv_caches) -> None:
+        """vLLM's host buffers, with each padded Mamba/GDN state layer's buffer replaced
+        by one whose block stride is the page its NIXL region uses (see
+        :func:`kvcopy.vllm_groups.state_host_buffers`); vLLM registers what this leaves."""
+        super().initialize_host_xfer_buffer(kv_caches)
+        fixed = state_host_buffers(self.kv_cache_config, kv_caches, self.host_xfer_buffers)
+        self.host_xfer_buffers.update(fixed)
+        self.kvcopy_state_buffers = {n: t.stride(0) * t.element_size() for n, t in fixed.items()}
 
     def _build_copier(self) -> None:
         groups = transfer_layer_groups(
@@ -134,15 +149,25 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         if self.kvcopy_copier is not None:
             self.kvcopy_copier.close()
         self.kvcopy_copier = copier
+        self._pages_per_block = pages_per_block(self.kv_cache_config, self._physical_blocks_per_logical_kv_block)
         copied = sum(len(g) for g in groups)
         skipped = sorted(set(self.host_xfer_buffers) - {n for g in groups for n in g})
         logger.info(
             "kvcopy: host-buffer sync through backend %s (d2h %s, h2d %s): %d transfer groups, "
-            "%d layers copied%s",
+            "%d layers copied%s%s",
             copier.backend, copier.backends()["to_host"], copier.backends()["to_device"],
             len(groups), copied,
             f", {len(skipped)} KV-sharing layers never copied" if skipped else "",
+            self._state_buffers_note(),
         )
+
+    def _state_buffers_note(self) -> str:
+        if not self.kvcopy_state_buffers:
+            return ""
+        strides = sorted(set(self.kvcopy_state_buffers.values()))
+        return (f"; {len(self.kvcopy_state_buffers)} Mamba/GDN state host buffers allocated by kvcopy with "
+                f"the padded page stride {', '.join(map(str, strides))} bytes that their NIXL regions span "
+                "(vLLM's are unpadded: NIXL would refuse the regions)")
 
     def _group_ids(self, ids: Sequence[Sequence[int]]) -> Optional[Sequence[Sequence[int]]]:
         """Per-group kernel-page ids, or None when the request moves nothing (vLLM
@@ -165,9 +190,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
             return super().save_kv_to_host(metadata)
         copied = False
         for _req_id, meta in metadata.reqs_to_save.items():
-            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
-                meta.local_block_ids, self._physical_blocks_per_logical_kv_block
-            )
+            meta.local_physical_block_ids = kernel_block_ids(meta.local_block_ids, self._pages_per_block)
             ids = self._group_ids(meta.local_physical_block_ids)
             if ids is not None:
                 self.kvcopy_copier.to_host(ids)
@@ -185,8 +208,9 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
             self._wait()
 
     def shutdown(self) -> None:
-        if getattr(self, "kvcopy_copier", None) is not None:
-            self.kvcopy_copier.close()
+        copier = getattr(self, "kvcopy_copier", None)
+        if copier is not None:
+            copier.close()
             self.kvcopy_copier = None
         super().shutdown()
 

@@ -40,10 +40,11 @@ def test_run_json_fields_verify_and_ratios(tmp_path, capsys):
             assert rows[0]["method"] == "memcpy"
             ref = rows[0]["median_us"]
             for r in rows:
-                for key in ("median_us", "p20_us", "p80_us", "gbps", "pct_of_memcpy", "x_memcpy", "bytes",
-                            "ops_per_call", "verify", "iters"):
+                for key in ("min_us", "median_us", "p90_us", "spread", "gbps", "pct_of_memcpy", "x_memcpy",
+                            "bytes", "ops_per_call", "verify", "iters", "noise"):
                     assert key in r, (r["method"], key)
-                assert r["p20_us"] <= r["median_us"] <= r["p80_us"]
+                assert r["min_us"] <= r["median_us"] <= r["p90_us"]
+                assert r["spread"] == pytest.approx(r["p90_us"] / r["min_us"] - 1)
                 assert r["x_memcpy"] == pytest.approx(r["median_us"] / ref)
                 assert r["pct_of_memcpy"] == pytest.approx(100 * ref / r["median_us"])
                 assert r["bytes"] == rows[0]["bytes"]  # every row moves the same bytes
@@ -87,6 +88,7 @@ def test_presets_verify(tmp_path, preset, extra):
 
 
 def test_unavailable_backend_is_skipped_with_reason(tmp_path):
+    """Some of the methods asked for run: the others are listed with the reason, exit 0."""
     rc, res = run_json(tmp_path, "--backends", "cpu,cuda,ce", "--num-groups", "1", *SMALL)
     assert rc == 0
     import torch
@@ -101,16 +103,60 @@ def test_unknown_backend_is_an_error(capsys):
     assert "unknown method" in capsys.readouterr().err
 
 
+def test_nothing_asked_for_can_run_is_an_error(capsys, monkeypatch):
+    """--backends cuda without CUDA measured only the floor and exited 0; now it exits 2
+    before measuring, naming why each method cannot run."""
+    import kvcopy
+
+    real = kvcopy.available_backends()
+    monkeypatch.setattr(kvcopy, "available_backends",
+                        lambda: {**real, "cuda": "no CUDA device here", "ce": "no CUDA device here"})
+    assert main(["--backends", "cuda,ce", "--quiet", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "none of the methods asked for can run here" in err and "cuda: no CUDA device here" in err
+
+
 def test_sweep_csv(tmp_path):
     path = tmp_path / "sweep.csv"
     rc = main(["sweep", "--chunk-sizes", "2K,8K", "--num-groups", "2", "--num-layers", "2",
                "--blocks-per-request", "2", "--iters", "2", "--warmup", "0", "--backends", "cpu",
-               "--csv", str(path), "--quiet", "--plot", str(tmp_path / "p.png")])
+               "--csv", str(path), "--quiet"])
     assert rc == 0
     rows = list(csv.DictReader(path.open()))
     assert {int(r["chunk_bytes"]) for r in rows} == {2048, 8192}
     assert {r["method"] for r in rows} == {"memcpy", "cpu"}
     assert all(r["verify"] in ("ok", "n/a") for r in rows)
+
+
+@pytest.mark.parametrize("command", ["sweep", "run"])
+def test_plot_panels(tmp_path, command):
+    """The sweep plot has one panel per (direction, group count) with one line per method;
+    the run plot one panel per direction; the title names the scenario."""
+    pytest.importorskip("matplotlib", reason="the kvcopy[plot] extra")
+    import matplotlib.pyplot as plt
+
+    from kvcopy.bench import plot as plot_module
+
+    made = []
+    real_subplots = plt.subplots
+    plt.subplots = lambda *a, **k: made.append(real_subplots(*a, **k)) or made[-1]
+    try:
+        png = tmp_path / "p.png"
+        extra = ["--chunk-sizes", "2K,8K"] if command == "sweep" else []
+        rc = main([command, *extra, "--num-groups", "1,3", "--num-layers", "2", "--blocks-per-request", "2",
+                   "--iters", "2", "--warmup", "0", "--backends", "cpu,vllm", "--quiet", "--plot", str(png)])
+    finally:
+        plt.subplots = real_subplots
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig, axes = made[0]
+    assert axes.shape == ((2, 2) if command == "sweep" else (2, 1))
+    if command == "sweep":
+        assert [ax.get_title() for ax in axes.flat] == ["h2d, 1 KV cache group", "h2d, 3 KV cache groups",
+                                                       "d2h, 1 KV cache group", "d2h, 3 KV cache groups"]
+        labels = [line.get_label() for line in axes[0][0].get_lines() if not line.get_label().startswith("_")]
+        assert labels == ["memcpy", "cpu", "vllm"]
+    assert "seeds2: 2 layers" in fig._suptitle.get_text()
+    assert plot_module.matplotlib_missing() is None
 
 
 def test_sweep_caps_bytes_per_call(tmp_path):
@@ -161,7 +207,7 @@ def test_nixl_subcommand(tmp_path):
 
 @pytest.mark.parametrize("layout", ["kv_first", "hnd_view_of_nhd"])
 def test_verify_catches_missing_and_stray_writes(layout):
-    from kvcopy.bench.scenarios import Scenario, _raw_bytes
+    from kvcopy.bench.scenarios import Scenario
 
     sc = Scenario(num_layers=2, num_groups=2, blocks_per_request=2, block_size=2, num_kv_heads=2,
                   head_size=8, layout=layout)
@@ -174,9 +220,36 @@ def test_verify_catches_missing_and_stray_writes(layout):
 
         def stray():
             good()
-            _raw_bytes(point.dev_storages[1])[-1:].fill_(7)  # one byte outside the contract
+            point.raw["device"][1][-1:].fill_(7)  # one byte outside the contract
 
         assert "storage 1" in point.check(stray, "h2d", exp)
+    finally:
+        point.close()
+
+
+@pytest.mark.parametrize("layout", ["kv_first", "lbnhc"])
+def test_the_floor_copies_within_the_same_buffers(layout):
+    """The memcpy floor moves the call's bytes from the source slab to the destination
+    slab, the allocations every method's storages are slices of."""
+    import torch
+
+    from kvcopy.bench.scenarios import Scenario
+
+    sc = Scenario(num_layers=3, num_groups=2, blocks_per_request=2, block_size=2, num_kv_heads=2, head_size=8,
+                  layout=layout)
+    point = sc.build("cpu")
+    try:
+        for side, stores in (("device", point.dev_storages), ("host", point.host_storages)):
+            slab = point.slabs[side]
+            lo, hi = slab.data_ptr(), slab.data_ptr() + slab.numel()
+            for t in stores:
+                assert lo <= t.data_ptr() < hi, side
+        n = point.total_bytes
+        for direction, src, dst in (("h2d", "host", "device"), ("d2h", "device", "host")):
+            point.slabs[dst].fill_(0xA5)
+            point.method("memcpy", direction)()
+            assert torch.equal(point.slabs[dst][:n], point.slabs[src][:n])
+            assert bool((point.slabs[dst][n:] == 0xA5).all())  # exactly the call's bytes
     finally:
         point.close()
 
@@ -218,19 +291,150 @@ def test_progress_bar_uses_the_table_size_unit(tmp_path, capsys):
     assert "1 group, chunk 64 B, h2d" in err and "2 groups, chunk 64 B, h2d" in err, err
 
 
-def test_row_faster_than_its_floor_is_flagged():
-    from kvcopy.bench.output import below_floor, format_table
+def _result(rows, threads=1, load=0.1):
+    return {"command": "run", "description": "d", "results": rows, "skipped": {}, "notes": [],
+            "env": {"device": "cpu", "cpu_count": 2, "torch": "x", "load_average": load},
+            "threads": {"count": threads, "why": "--threads"}}
 
-    def row(method, p20, med, p80):
-        return {"method": method, "chunk_bytes": 1024, "groups": 1, "direction": "h2d", "bytes": 4096,
-                "p20_us": p20, "median_us": med, "p80_us": p80, "x_memcpy": med / 10.0, "verify": "ok"}
 
-    rows = [row("memcpy", 9.0, 10.0, 11.0), row("cpu", 5.0, 6.0, 7.0), row("torch", 8.0, 10.5, 12.0)]
-    result = {"command": "run", "env": {"device": "cpu", "cpu_count": 2, "torch": "x"}, "description": "d",
-              "results": rows, "skipped": {}, "notes": [], "threads": {"count": 1, "why": "--threads"}}
-    assert below_floor(result) == {id(rows[1])}  # torch's p80 overlaps the floor: noise, not flagged
+def _row(method, low, med, p90, groups=1, iters=20):
+    return {"method": method, "chunk_bytes": 1024, "groups": groups, "direction": "h2d", "bytes": 4096,
+            "iters": iters, "min_us": low, "median_us": med, "p90_us": p90, "spread": p90 / low - 1,
+            "x_memcpy": med / 10.0, "verify": "ok"}
+
+
+def test_noise_flags_name_the_floor_or_the_row():
+    """A row is flagged only by its own spread or its point's floor's, and says which;
+    a row below a steady floor is not flagged (it is a result, not noise)."""
+    from kvcopy.bench.output import format_table, noise_flags
+
+    steady = [_row("memcpy", 9.5, 10.0, 10.5), _row("cpu", 5.0, 6.0, 6.2), _row("torch", 8.0, 10.5, 14.0),
+              _row("vllm", 30.0, 31.0, 33.0, iters=2)]
+    noisy = [_row("memcpy", 9.0, 12.0, 25.0, groups=2), _row("cpu", 10.0, 11.0, 11.5, groups=2)]
+    result = _result(steady + noisy)
+    flags = noise_flags(result)
+    assert {r["method"]: flags.get(id(r)) for r in steady} == {"memcpy": None, "cpu": None, "torch": "row",
+                                                              "vllm": "row"}
+    assert [flags.get(id(r)) for r in noisy] == ["floor", "floor"]
     text = format_table(result, sweep=False)
-    assert "0.60!" in text and "1 row faster than the memcpy floor" in text
+    assert "noise: 3 rows flagged (floor and row)" in text
+    assert "fewer than 3 calls give no spread" in text  # vllm's 2 calls
+    assert "--threads 1" not in text  # it ran with 1 thread already
+    assert "cpu          median 0.60x  worst 0.60x  best 0.60x over 1 point (1 more flagged as noise" in text
+    assert "!" not in text
+
+
+def test_noise_advice_follows_the_thread_count_and_the_load():
+    from kvcopy.bench.output import format_table
+
+    rows = [_row("memcpy", 9.0, 12.0, 25.0), _row("cpu", 10.0, 11.0, 11.5)]
+    busy = format_table(_result(rows, threads=2, load=3.0), sweep=False)
+    assert "load average 3.0 on 2 cores" in busy and "or with --threads 1" in busy
+    quiet = format_table(_result(rows, threads=1, load=0.1), sweep=False)
+    assert "something else ran during the run" in quiet and "--threads 1" not in quiet
+    steady = format_table(_result([_row("memcpy", 9.5, 10.0, 10.5), _row("cpu", 10.0, 11.0, 11.5)]), sweep=False)
+    assert "noise:" not in steady
+
+
+def test_measure_settles_each_timed_call_and_rotates_the_rounds():
+    """Every timed call follows an untimed call of the same method (settle=1), and each
+    round starts one method further, so no method always follows the same one."""
+    from kvcopy.bench.timing import measure
+
+    calls = []
+    methods = {m: (lambda m=m: calls.append(m)) for m in ("a", "b", "c")}
+    timings = measure(methods, "cpu", iters=3, warmup=1, budget_s=60.0, settle=1)
+    assert calls[:3] == ["a", "b", "c"]  # warm-up
+    assert calls[3:] == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+    assert all(t.stats()["iters"] == 3 for t in timings.values())
+
+
+def test_presets_and_names_need_no_torch():
+    """--help lists presets, dtypes and layouts from torch-free data, the same names the
+    scenarios use, and does not import torch."""
+    from kvcopy.bench.presets import DTYPE_NAMES, LAYOUT_NAMES, PRESETS
+    from kvcopy.bench.scenarios import PRESETS as BUILT
+    from kvcopy.testing import DTYPES, LAYOUTS
+
+    assert tuple(DTYPES) == DTYPE_NAMES and tuple(LAYOUTS) == LAYOUT_NAMES
+    assert list(PRESETS) == list(BUILT) and all(BUILT[n]["scenario"].name == n for n in BUILT)
+    code = ("import sys; from kvcopy.bench.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().endswith("no torch"), proc.stdout[-500:] + proc.stderr[-2000:]
+    assert "--num-kv-heads N" in proc.stdout and "(default: both)" in proc.stdout
+
+
+def test_every_option_states_its_help_and_default():
+    from kvcopy.bench.cli import SUBCOMMANDS
+
+    for name in ("run", "sweep", "overhead", "fuzz"):
+        p = SUBCOMMANDS[name].parser()
+        for action in p._actions:
+            if not action.option_strings or action.default is None or action.default is False:
+                continue
+            if action.nargs == 0:  # a switch: on or off
+                continue
+            assert "default" in (action.help or ""), (name, action.option_strings)
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    t0 = len(capsys.readouterr().out)
+    assert main(["sweep", "--chunk-sizes", "2K", "--quiet", "--plot", str(tmp_path / "p.png"), *SMALL[:-5]]) == 2
+    out = capsys.readouterr()
+    assert "--plot needs matplotlib" in out.err and "nothing was measured" in out.err
+    assert "memcpy" not in out.out and t0 == 0
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_a_file_git_tracks_is_not_overwritten(tmp_path, capsys):
+    """The README's old command overwrote a committed result; now that needs --overwrite."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    kept = tmp_path / "committed.json"
+    kept.write_text("{}\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "committed.json"], check=True)
+    assert main(["--json", str(kept), *SMALL]) == 2
+    assert "is a file git tracks" in capsys.readouterr().err and kept.read_text() == "{}\n"
+    assert main(["--json", str(kept), "--overwrite", "--num-groups", "1", "--direction", "h2d", *SMALL]) == 0
+    assert json.loads(kept.read_text())["tool"] == "kvcopy-bench"
+
+
+def test_list_aligns_every_name(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    presets = lines[1:lines.index(next(line for line in lines if line.startswith("native")))]
+    starts = {len(line) - len(line[2:].split("  ", 1)[1].lstrip()) for line in presets}
+    assert len(presets) == 5 and len(starts) == 1, presets
+
+
+def test_sweep_caps_layers_when_one_block_is_too_big(tmp_path):
+    rc, res = run_json(tmp_path, "sweep", "--chunk-sizes", "64K", "--num-groups", "2", "--num-layers", "8",
+                       "--max-call-bytes", "600K", "--backends", "cpu", "--iters", "1", "--warmup", "0",
+                       "--quiet", "--direction", "h2d")
+    assert rc == 0
+    (row,) = [r for r in res["results"] if r["method"] == "cpu"]
+    assert row["bytes"] <= 600 << 10 and row["layers"] == 2 and row["blocks_per_group"] == [1, 1]
+    assert "fewer layers (down to 2)" in res["description"]
+
+
+def test_check_device_accepts_what_run_and_calibrate_take():
+    import torch
+
+    from kvcopy.bench.args import BenchError, check_device
+
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(BenchError, match="expected cpu, cuda or cuda:N"):
+        check_device("gpu0")
+    if not torch.cuda.is_available():
+        for dev in ("cuda", "cuda:1", "1"):
+            with pytest.raises(BenchError, match="torch sees no CUDA device"):
+                check_device(dev)
 
 
 @pytest.mark.parametrize("layout", ["lbnhc", "blnhc"])

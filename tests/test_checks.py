@@ -92,7 +92,7 @@ def test_copier_refuses_id_lists_that_are_not_lists(copier, groups):
 
 
 # ---------------------------------------------------------------- through the NIXL manager
-nixl_testing = pytest.importorskip("kvcopy.nixl.testing")
+nixl_testing = pytest.importorskip("kvcopy.testing.nixl.engines")
 
 
 @pytest.fixture

@@ -1,10 +1,15 @@
 """BlockCopier: the copy contract on every CPU-capable backend, bit-exact."""
+from operator import setitem
+
 import numpy as np
 import pytest
 import torch
 
 import kvcopy
 from kvcopy.backends import get_backend
+from kvcopy.backends.kernel_inputs import call_array
+from kvcopy.planner import CallPlanner
+from kvcopy.testing.reference import reference_copy_groups
 from kvcopy.testing import POISON_BYTE, CopyCase, bytes_equal, check_copy, standard_cases
 
 CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_backends()[b] is None]
@@ -30,9 +35,14 @@ def test_check_copy_detects_a_wrong_backend(backend, monkeypatch):
     original = type(impl).copy
 
     def off_by_one(self, tables, call):
-        call.packed[2 * (call.num_groups + 1) + 1] += 1  # first run's destination block
-        call.dst_flat[0] += 1
-        original(self, tables, call)
+        # Plans are immutable: the same call planned again with its first destination
+        # block one further (mod the blocks), by a planner over the same tables.
+        blocks = tables.dst_tensors[0].shape[tables.dst_block_dims[0]]
+        dst = [ids.tolist() for ids in call.dst_ids]
+        dst[0][0] = (dst[0][0] + 1) % blocks
+        limits = [(blocks, "-")] * call.num_groups
+        planner = CallPlanner(tables, limits, limits, [], ("src", "dst"), ["-"] * call.num_groups, origin=None)
+        original(self, tables, planner.plan([ids.tolist() for ids in call.src_ids], dst))
 
     monkeypatch.setattr(type(impl), "copy", off_by_one)
     with pytest.raises(AssertionError, match="differs from the reference"):
@@ -88,10 +98,11 @@ def test_backends_report_reasons():
     report = kvcopy.available_backends()
     assert set(report) == set(kvcopy.BACKENDS)
     assert report["torch"] is None
-    for name, reason in report.items():
+    for reason in report.values():
         assert reason is None or isinstance(reason, str) and reason
+    t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown backend"):
-        kvcopy.BlockCopier({}, {}, [], backend="nope")
+        kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, [["a"]], backend="nope")
 
 
 def test_close_is_idempotent_and_blocks_later_calls():
@@ -127,7 +138,8 @@ def _snapshot(d):
 BAD_CALLS = [
     ("to_host", ([[0, 1]],), ValueError, "one id list per KV cache group"),
     ("to_host", ([[0, 1], [2]], [[0], [2]]), ValueError, "group 0: 2 device block ids but 1 host"),
-    ("to_host", ([[0, 24], [2]],), ValueError, r"group 0, layer 'model.layers.0.attn': device block id 24 out of range \[0, 24\)"),
+    ("to_host", ([[0, 24], [2]],), ValueError,
+     r"group 0, layer 'model.layers.0.attn': device block id 24 out of range \[0, 24\)"),
     ("to_host", ([[0, -1], [2]],), ValueError, "block id -1 out of range"),
     ("to_device", ([[0, 5, 5], [2]],), ValueError, "group 0, layer .*block id 5 is written twice"),
     ("to_device", ([[0, 5], [5]],), ValueError, r"groups \[0, 1\] share device storage and both write block id 5"),
@@ -189,8 +201,45 @@ def test_build_errors():
     _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", backend="cuda")
     # one allocation seen in two element orders by two layers: not one region, refused
     raw = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
-    _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)}, {"a": h.transpose(1, 2), "b": h.transpose(1, 2)},
+    _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)},
+                  {"a": h.transpose(1, 2), "b": h.transpose(1, 2)},
                   [["a", "b"]], ValueError, "overlap without being the same region|write the same")
+
+
+@pytest.mark.parametrize("groups", [[], [[]], [[], []]])
+def test_no_layer_at_all_is_refused(groups):
+    t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="names no layer"):
+        kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, groups)
+
+
+@pytest.mark.parametrize("dev_dtype,host_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
+                                                  (torch.float8_e4m3fn, torch.float8_e5m2)])
+def test_a_host_buffer_of_another_float_type_is_refused(dev_dtype, host_dtype):
+    """Bytes are copied unconverted: an fp16 buffer for a bf16 cache would hold garbage
+    fp16 values, so it is refused (as vLLM's own op refuses it), naming layer and dtypes."""
+    t = torch.zeros(8, 4, 2, 8, dtype=dev_dtype)
+    h = torch.zeros(8, 4, 2, 8, dtype=host_dtype)
+    with pytest.raises(TypeError, match=rf"group 1, layer 'b': device cache is {dev_dtype} but host buffer is "
+                                        rf"{host_dtype}.*reinterpret_dtypes=True"):
+        kvcopy.BlockCopier({"a": t.clone(), "b": t}, {"a": torch.zeros_like(t), "b": h}, [["a"], ["b"]])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_raw_bytes_or_an_explicit_opt_in_copy_the_bits(backend):
+    """A uint8 host buffer for an fp8 cache holds its bits; reinterpret_dtypes=True lets
+    two float types of one size exchange bits; either way the bytes match exactly."""
+    gen = torch.Generator().manual_seed(5)
+    fp8 = torch.randint(0, 256, (8, 4, 2, 8), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    raw = torch.full((8, 4, 2, 8), POISON_BYTE, dtype=torch.uint8)
+    kvcopy.BlockCopier({"a": fp8}, {"a": raw}, [["a"]], backend=backend).to_host([[2, 6]])
+    assert torch.equal(raw[[2, 6]], fp8[[2, 6]].view(torch.uint8))
+    assert bool((raw[[0, 1, 3, 4, 5, 7]] == POISON_BYTE).all())
+    bf16 = torch.randn(8, 4, 2, 8, generator=gen).to(torch.bfloat16)
+    fp16 = torch.full((8, 4, 2, 8), POISON_BYTE, dtype=torch.uint8).repeat_interleave(2, -1).view(torch.float16)
+    kvcopy.BlockCopier({"a": bf16}, {"a": fp16}, [["a"]], backend=backend, reinterpret_dtypes=True).to_host([[3]])
+    assert torch.equal(fp16[3].view(torch.int16), bf16[3].view(torch.int16))
+    assert bool((fp16[[0, 1, 2, 4, 5, 6, 7]].view(torch.uint8) == POISON_BYTE).all())
 
 
 def test_int16_host_buffer_for_bf16_cache_is_accepted():
@@ -254,53 +303,13 @@ def test_cross_layer_allocation_per_layer_views(backend):
     expect = before.clone()
     expect[5, :] = 3.0
     assert bytes_equal(big, expect)
-    # a view overlapping another layer's bytes is still refused
+    # a view whose pages straddle two blocks' rows (its block i meets layer 0's block
+    # i + 1: a collision at different ids) is still refused
+    straddling = big.as_strided((15, 8, 2, 8), (L * 64, 16, 8, 1), big.storage_offset() + 2 * 64)
     with pytest.raises(ValueError, match="overlap without being the same region"):
-        kvcopy.BlockCopier({"a": big[:, 0], "b": big[:, 0:2].reshape(16, 8, 2, 8)},
-                           {"a": host["l0"], "b": torch.zeros(16, 8, 2, 8, dtype=torch.bfloat16)},
+        kvcopy.BlockCopier({"a": big[:, 0], "b": straddling},
+                           {"a": host["l0"], "b": torch.zeros(15, 8, 2, 8, dtype=torch.bfloat16)},
                            [["a"], ["b"]], backend=backend)
-
-
-# ---------------------------------------------------------------- misuse of the memory
-def _one_layer(dev, host):
-    return kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
-
-
-def test_source_and_destination_overlap_is_refused_at_build():
-    """One storage, the host view half a page past the device view (old code: accepted,
-    and the cpu backend gave wrong bytes)."""
-    pool = torch.zeros(2 * 8 * 16 * 8 + 64, dtype=torch.float16)
-    page = 16 * 8
-    dev = pool[: 8 * page].view(8, 16, 8)
-    host = pool[page // 2 : page // 2 + 8 * page].view(8, 16, 8)
-    with pytest.raises(ValueError, match="share bytes"):
-        _one_layer(dev, host)
-    with pytest.raises(ValueError, match="share bytes"):
-        _one_layer(dev, dev)
-    _one_layer(pool[: 8 * page].view(8, 16, 8), pool[8 * page : 16 * page].view(8, 16, 8)).close()  # adjacent: fine
-
-
-@pytest.mark.parametrize("how", ["set_", "resize_(0)"])
-@pytest.mark.parametrize("side", ["device", "host"])
-def test_storage_replaced_or_freed_after_build_raises_at_the_call(side, how):
-    """Old code wrote into the freed storage (SIGSEGV or silent corruption)."""
-    dev = torch.randn(8, 16, 8).to(torch.float16)
-    host = torch.zeros(8, 16, 8, dtype=torch.float16)
-    copier = _one_layer(dev, host)
-    copier.to_host([[1, 2]])
-    target = dev if side == "device" else host
-    if how == "set_":
-        target.set_(torch.zeros(8, 16, 8, dtype=torch.float16))
-    else:
-        target.untyped_storage().resize_(0)
-    other = host if side == "device" else dev
-    before = other.clone()
-    for call in (copier.to_host, copier.to_device):
-        with pytest.raises(ValueError, match="replaced or freed after the BlockCopier was built"):
-            call([[3, 4]])
-    assert torch.equal(other.view(torch.int16), before.view(torch.int16))
-    copier.plan("d2h", [[3]])  # validating ids touches no memory: still allowed
-    copier.close()
 
 
 def test_one_direction_copier_accepts_shared_device_bytes_for_d2h_only():
@@ -324,8 +333,6 @@ def test_one_direction_copier_accepts_shared_device_bytes_for_d2h_only():
 def test_a_planned_call_runs_later_bit_exact_and_only_on_its_copier(backend):
     """``plan`` checks and packs a call, ``run`` copies it as it is: the bytes equal the
     reference (host poisoned first); another copier's or direction's plan is refused."""
-    from kvcopy.reference import reference_copy_groups
-
     case = CopyCase(num_groups=3, host_ids_differ=True)
     dev, host = case.build()
     want = {n: t.clone() for n, t in host.items()}
@@ -347,3 +354,152 @@ def test_a_planned_call_runs_later_bit_exact_and_only_on_its_copier(backend):
     with pytest.raises(ValueError, match="closed"):
         copier.run("d2h", call)
     other.close()
+
+
+# ---------------------------------------------------------------- plans cannot be edited
+_PLAN_EDITS = {
+    **{f"set {name}": (lambda c, name=name: setattr(c, name, 0), AttributeError)
+       for name in ("words", "packed", "total_bytes", "num_groups", "origin", "prefix_words", "group_lens",
+                    "src_flat", "dst_flat", "_fields", "anything")},
+    "del _fields": (lambda c: delattr(c, "_fields"), AttributeError),
+    "packed item": (lambda c: setitem(c.packed, 2 * (c.num_groups + 1) + 1, 10**9), ValueError),
+    "packed writeable": (lambda c: setattr(c.packed.flags, "writeable", True), ValueError),
+    "packed setflags": (lambda c: c.packed.setflags(write=True), ValueError),
+    "run item": (lambda c: setitem(c.runs(), (0, 2), 10**6), ValueError),
+    "src ids item": (lambda c: setitem(c.src_ids[0], 0, 10**6), ValueError),
+    "dst ids item": (lambda c: setitem(c.dst_ids[0], 0, 10**6), ValueError),
+    "src flat item": (lambda c: setitem(c.src_flat, 0, -1), ValueError),
+    "words item": (lambda c: setitem(c.words, 0, 1), TypeError),
+    "words memoryview": (lambda c: setitem(memoryview(c.words), 0, 1), TypeError),
+    "call array item": (lambda c: setitem(call_array(c), -1, 10**9), ValueError),
+}
+
+
+@pytest.mark.parametrize("edit", list(_PLAN_EDITS))
+def test_a_plan_cannot_be_edited_before_it_runs(edit):
+    """plan() hands out a plan that run() executes without checking the ids again, so
+    nothing in it may change: every edit raises, and the plan still copies exactly
+    the reference's bytes (old code: the edit went through, and an edited packed array
+    reached the copy: heap corruption or SIGSEGV)."""
+    case = CopyCase(num_groups=3, host_ids_differ=True)
+    dev, host = case.build()
+    want = {n: t.clone() for n, t in host.items()}
+    ids, host_ids = case.block_ids()
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
+    call = copier.plan("d2h", ids, host_ids)
+    action, error = _PLAN_EDITS[edit]
+    with pytest.raises(error):
+        action(call)
+    copier.run("d2h", call)
+    reference_copy_groups(dev, want, case.layer_groups(), ids, host_ids)
+    assert all(bytes_equal(host[n], want[n]) for n in host)
+    copier.close()
+
+
+def test_run_takes_only_the_plans_of_its_own_planner():
+    from kvcopy.tables import CallPlan
+
+    case = CopyCase(num_groups=2)
+    dev, host = case.build()
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch")
+    call = copier.plan("d2h", [[0], [1]])
+
+    class Lookalike:
+        num_items, origin = call.num_items, call.origin
+
+    class Sub(CallPlan):
+        __slots__ = ()
+
+    sub = object.__new__(Sub)
+    for fake in (Lookalike(), sub, None, "plan"):
+        with pytest.raises(ValueError, match="planned by this BlockCopier"):
+            copier.run("d2h", fake)
+
+
+def test_one_copier_from_eight_threads_checks_every_call():
+    """8 threads share one copier, valid calls mixed with calls that repeat a
+    destination block or go out of range at their last id. Every bad call raises,
+    every valid one copies (old code: the duplicate check's stamps were shared by the
+    threads, and some calls with a duplicate destination were accepted)."""
+    import threading
+
+    blocks = 4096
+    dev = torch.randint(0, 256, (blocks, 8), dtype=torch.uint8)
+    host = torch.zeros(blocks, 8, dtype=torch.uint8)
+    copier = kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
+    rng = np.random.default_rng(0)
+    perms = [rng.permutation(blocks).tolist() for _ in range(8)]
+    wrong, errors = [], []
+
+    def work(k: int) -> None:
+        good = perms[k]
+        duplicate, out_of_range = list(good), list(good)
+        duplicate[-1] = duplicate[0]
+        out_of_range[-1] = blocks
+        try:
+            for i in range(600):
+                if i % 3 == 0:
+                    (copier.to_host if i % 30 == 0 else lambda ids: copier.plan("d2h", ids))([good])
+                    continue
+                bad = duplicate if i % 3 == 1 else out_of_range
+                try:
+                    copier.plan("d2h", [bad])
+                    wrong.append(f"thread {k}: call {i} accepted")
+                except ValueError as exc:
+                    if ("written twice" if bad is duplicate else "out of range") not in str(exc):
+                        wrong.append(f"thread {k}: {exc}")
+        except Exception as exc:  # a valid call refused
+            errors.append(f"thread {k}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not wrong, f"{len(wrong)} of {8 * 400} bad calls misjudged: {wrong[:3]}"
+    assert torch.equal(host, dev)
+    copier.close()
+
+
+def test_tables_of_an_unknown_direction_is_a_value_error():
+    case = CopyCase(num_groups=1)
+    dev, host = case.build()
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch")
+    for bad in ("x", None, 1, "H2D"):
+        with pytest.raises(ValueError, match="direction must be 'h2d' or 'd2h'"):
+            copier.tables(bad)
+        with pytest.raises(ValueError, match="direction must be 'h2d' or 'd2h'"):
+            copier.plan(bad, [[0]])
+        with pytest.raises(ValueError, match="direction must be 'h2d' or 'd2h'"):
+            copier.run(bad, None)
+
+
+@pytest.mark.parametrize("view,match", [
+    (lambda: torch.randn(8, 4, 2, dtype=torch.complex64).conj(), "conj"),
+    (lambda: torch._neg_view(torch.randn(8, 4, 2)), "negative-bit"),  # what x.conj().imag is, dense
+    (lambda: torch.randn(8, 4, 2, dtype=torch.complex64).conj().imag, "negative-bit"),
+])
+@pytest.mark.parametrize("side", ["device", "host"])
+def test_views_whose_bytes_are_not_their_values_are_refused(view, match, side):
+    """A conj() view's bytes are the unconjugated values, a negative-bit view's the
+    unnegated ones: copying them as bytes gives values that differ from the tensor's
+    (old code: copied, silently wrong)."""
+    viewed = view()
+    assert viewed.is_conj() or viewed.is_neg()
+    plain = torch.zeros(viewed.shape, dtype=viewed.dtype)
+    dev, host = (viewed, plain) if side == "device" else (plain, viewed)
+    with pytest.raises(TypeError, match=match):
+        kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="torch")
+
+
+def test_nested_tensors_are_a_type_error():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors warn that their API is a prototype
+        nested = torch.nested.nested_tensor([torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)])
+    with pytest.raises(TypeError, match="nested"):
+        kvcopy.BlockCopier({"a": nested}, {"a": torch.zeros(2, 4, 2, 8)}, [["a"]], backend="torch")
+    with pytest.raises(TypeError, match="nested"):
+        kvcopy.BlockCopier({"a": torch.zeros(2, 4, 2, 8)}, {"a": nested}, [["a"]], backend="torch")

@@ -4,7 +4,7 @@ import torch
 
 import kvcopy
 from kvcopy import copy_op
-from kvcopy.reference import reference_copy
+from kvcopy.testing.reference import reference_copy
 from kvcopy.testing import bytes_equal
 
 
@@ -126,3 +126,18 @@ def test_h2d_shared_device_bytes_from_one_host_buffer_is_well_defined():
     kvcopy.copy_blocks({"a": hbuf, "b": hbuf}, {"a": shared, "b": shared}, [3, 4], [5, 6], "h2d")
     assert bytes_equal(shared[[5, 6]], hbuf[[3, 4]])
     assert not shared[[0, 1, 2, 3, 4, 7]].view(torch.int16).any()
+
+
+def test_caches_that_are_not_tensors_are_a_type_error():
+    """numpy arrays as caches raised AttributeError ('numpy.ndarray' has no 'device')."""
+    import numpy as np
+
+    good = _caches(n_layers=1)
+    name = next(iter(good))
+    array = {name: np.zeros((16, 4, 2, 8), dtype=np.int16)}
+    for src, dst in ((array, good), (good, array)):
+        for direction in ("h2d", "d2h"):
+            with pytest.raises(TypeError, match=rf"kv_caches\[{name!r}\] is a ndarray, not a torch.Tensor"):
+                kvcopy.copy_blocks(src, dst, [1], [1], direction)
+    with pytest.raises(TypeError, match="mapping of layer names"):
+        kvcopy.copy_blocks([good[name]], good, [1], [1], "h2d")

@@ -27,6 +27,7 @@ import torch
 
 import kvcopy
 from kvcopy.testing import POISON_BYTE
+from kvcopy.testing.reference import reference_copy
 
 # v1/kv_cache_layout.py: physical order of the logical axes [L, B, H, N, C]
 ORDERS = {
@@ -150,11 +151,11 @@ def test_legacy_hnd_caches(kind, heads, dtype, direction, backend):
     bd = 1 if kind == "kv_first" else 0
     if direction == "h2d":
         for name in dev_exp:
-            kvcopy.reference_copy(host_exp[name], dev_exp[name], host_ids, dev_ids, bd)
+            reference_copy(host_exp[name], dev_exp[name], host_ids, dev_ids, bd)
         kvcopy.copy_blocks(host, dev, host_ids, dev_ids, "h2d", backend=backend)
     else:
         for name in dev_exp:
-            kvcopy.reference_copy(dev_exp[name], host_exp[name], dev_ids, host_ids, bd)
+            reference_copy(dev_exp[name], host_exp[name], dev_ids, host_ids, bd)
         kvcopy.copy_blocks(dev, host, dev_ids, host_ids, "d2h", backend=backend)
     for got, exp in zip(raws, raws_exp):
         assert torch.equal(got, exp), f"{kind} {direction}: device allocation differs"

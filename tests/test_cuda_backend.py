@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.backends import cudalib, native
+from kvcopy.backends import cudalib, kernel_inputs, native
 from kvcopy.backends.cuda import InlineLaunch
 
 pytestmark = pytest.mark.skipif(native.load("kvcopy_cpu")[0] is None, reason="CPU library not built")
@@ -43,10 +43,10 @@ def test_inline_launch_passes_the_call_array_and_grid():
         call = c.plan("h2d", ids)
         assert path(call) == 0
         got = seen[-1]
-        assert got["call"] == cudalib.call_array(call).tolist()
+        assert got["call"] == kernel_inputs.call_array(call).tolist()
         assert (got["entries"], got["groups"], got["group_entries"]) == (3, 2, 3)
         assert got["total"] == call.total_bytes and got["word"] == tables.word_bytes
-        assert got["grid"] == cudalib.grid_size(call.total_bytes, 132, 16)
+        assert got["grid"] == kernel_inputs.grid_size(call.total_bytes, 132, 16)
         assert got["call_device"] is None and not got["stream"]
 
 
@@ -72,7 +72,7 @@ def test_triton_small_call_upload_stores_the_words_per_stream():
         return 0
     fn = ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.STORE_ARGTYPES)(store)
     current = {"stream": 11}
-    up = SmallCallUpload(fn, 0, cudalib.INLINE_WORDS, lambda device: current["stream"],
+    up = SmallCallUpload(fn, 0, kernel_inputs.INLINE_WORDS, lambda device: current["stream"],
                          lambda n: torch.empty(n, dtype=torch.int64))
     c = _copier(num_blocks=400)
     call = c.plan("d2h", [[3, 4, 5], [8]])

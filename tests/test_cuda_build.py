@@ -71,12 +71,12 @@ def test_library_built_with_c_abi():
         assert hasattr(lib, sym), sym
     lib.kvcopy_cuda_params_bytes.restype = ctypes.c_int
     lib.kvcopy_cuda_inline_words.restype = ctypes.c_int
-    from kvcopy.backends import cudalib, nvrtc
+    from kvcopy.backends import kernel_inputs, nvrtc
 
     # the ctypes mirror used by the NVRTC launcher has the C++ layout
     assert lib.kvcopy_cuda_params_bytes() == ctypes.sizeof(nvrtc.KernelParams)
     assert lib.kvcopy_cuda_params_bytes() <= 4096  # kernel parameter limit of every CUDA version
-    assert lib.kvcopy_cuda_inline_words() == cudalib.INLINE_WORDS == nvrtc.NvrtcLauncher.inline_words
+    assert lib.kvcopy_cuda_inline_words() == kernel_inputs.INLINE_WORDS == nvrtc.NvrtcLauncher.inline_words
 
 
 def test_library_holds_sm80_sm90_and_ptx():
@@ -97,14 +97,3 @@ def test_library_needs_only_the_driver():
         pytest.skip("no ldd")
     out = subprocess.run([ldd, str(_library())], capture_output=True, text=True).stdout
     assert "libcudart" not in out, "cudart must be linked statically (GPU machines may have no toolkit)"
-
-
-def test_error_names_without_a_gpu():
-    from kvcopy.backends import cudalib
-
-    lib, why = cudalib.library()
-    assert lib is not None, why
-    assert cudalib.error_name(1) == "cudaErrorInvalidValue"
-    assert cudalib.error_name(100000 + 1) in ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_UNKNOWN")
-    with pytest.raises(cudalib.CudaError, match="cudaErrorInvalidValue"):
-        cudalib.check(1, "a test call")

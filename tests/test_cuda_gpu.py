@@ -1,9 +1,9 @@
-"""GPU tests of the ``cuda`` and ``ce`` backends (skipped without a CUDA device).
+"""GPU tests of the ``cuda`` backend and ``auto`` (skipped without a CUDA device).
 
 Bit-exact against the reference with the destination poisoned, over the shared cases,
 both directions; pageable host buffers (pinned in place); max_ctas; CUDA graph
 capture and replay of ``to_device`` (inline call parameters and the staged path);
-the NVRTC launcher; the copy-engine batch and loop modes; ``auto``.
+the NVRTC launcher; ``auto``. The ``ce`` backend's: tests/test_ce.py.
 """
 import numpy as np
 import pytest
@@ -20,27 +20,6 @@ CASES = standard_cases()
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_cuda_bit_exact(case, direction):
     check_copy("cuda", case, direction, device="cuda").close()
-
-
-@pytest.mark.parametrize("direction", ["h2d", "d2h"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_ce_bit_exact(case, direction):
-    check_copy("ce", case, direction, device="cuda").close()
-
-
-@pytest.mark.parametrize("mode", ["loop", "batch"])
-def test_ce_modes(mode, monkeypatch):
-    from kvcopy.backends import get_backend
-
-    ce = get_backend("ce")
-    if mode == "batch" and ce.batch_abi() == 0:
-        pytest.fail("the driver of the GPU machine (CUDA 13) must offer cuMemcpyBatchAsync")
-    monkeypatch.setenv("KVCOPY_CE_MODE", mode)
-    case = CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48)
-    for direction in ("h2d", "d2h"):
-        with torch.cuda.stream(torch.cuda.Stream()):  # a non-legacy stream: batch runs directly
-            check_copy("ce", case, direction, device="cuda").close()
-        check_copy("ce", case, direction, device="cuda").close()  # legacy stream: side stream
 
 
 @pytest.mark.parametrize("max_ctas", [1, 16])

@@ -38,14 +38,22 @@ def _python3_only_path(tmp_path: Path) -> str:
 
 
 def test_cpu_rehearsal_writes_everything_under_out(tmp_path):
-    out = tmp_path / "out"
+    """The GPU workflow's steps (bench/gpu_ci.sh: the GPU tests, then gpu_check.sh) on the
+    CPU: the tests' JUnit XML and log in $OUT, gpu_check's files in $OUT/gpu_check."""
+    top = tmp_path / "out"
+    out = top / "gpu_check"
     before = _results_listing()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "OUT", "KVCOPY_LIB_DIR", "TRITON_INTERPRET")}
-    env.update(PATH=_python3_only_path(tmp_path), KVCOPY_DEVICE="cpu", OUT=str(out), TMPDIR=str(tmp_path))
-    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=str(tmp_path))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHON", "OUT", "KVCOPY_LIB_DIR", "TRITON_INTERPRET", "KVCOPY_REQUIRE_GPU")}
+    env.update(PATH=_python3_only_path(tmp_path), KVCOPY_DEVICE="cpu", OUT=str(top), TMPDIR=str(tmp_path))
+    p = subprocess.run(["bash", str(ROOT / "bench" / "gpu_ci.sh")], env=env, capture_output=True, text=True,
+                       timeout=420, cwd=str(tmp_path))
     text = p.stdout + p.stderr
     assert p.returncode == 0, text[-4000:]
+    assert "gpu_ci: CPU rehearsal" in p.stdout
+    xml = (top / "pytest-gpu.xml").read_text()
+    assert "<testsuite" in xml and 'failures="0"' in xml and 'errors="0"' in xml
+    assert "need a CUDA device" in (top / "pytest-gpu.log").read_text()  # the GPU tests skipped, and said why
     assert f"gpu_check: python3 ({tmp_path / 'bin' / 'python3'})" in p.stdout
     names = sorted(f.name for f in out.iterdir())
     assert names == sorted([gpu_check.LOG_NAME] + list(gpu_check.FILES.values())), names
@@ -71,6 +79,21 @@ def test_cpu_rehearsal_writes_everything_under_out(tmp_path):
     tail = p.stdout[-3000:]
     assert "== gpu_check summary" in tail and "result: every step ok" in tail
     assert _results_listing() == before
+
+
+def test_the_gpu_workflow_runs_the_rehearsed_script_and_keeps_its_files():
+    """What .github/workflows/gpu.yml must do (its syntax is checked in .ci/run)."""
+    yaml = pytest.importorskip("yaml")
+    flow = yaml.safe_load((ROOT / ".github" / "workflows" / "gpu.yml").read_text())
+    (job,) = flow["jobs"].values()
+    assert "gpu" in job["runs-on"] and "self-hosted" in job["runs-on"]
+    assert job["env"]["KVCOPY_REQUIRE_GPU"] == "1"
+    runs = [s.get("run", "") for s in job["steps"]]
+    assert any("pip install torch==2.13.0 -e" in r for r in runs)
+    assert "bash bench/gpu_ci.sh" in runs
+    keep = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))
+    assert keep["if"] == "always()" and keep["with"]["path"].rstrip("/") == "gpu-ci-out"
+    assert job["env"]["OUT"].endswith("/gpu-ci-out")
 
 
 def _write(d: Path, step: str, data: dict) -> None:

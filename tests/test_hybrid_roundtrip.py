@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.reference import as_words, reference_copy
+from kvcopy.layout import as_words
+from kvcopy.testing.reference import reference_copy
 
 NUM_GROUPS, LAYERS_PER_GROUP, NB, SHAPE = 3, 2, 40, (4, 2, 16)  # (BS, H, D)
 P_IDS = [[3, 4, 5, 17], [9, 30], [11, 12, 38]]

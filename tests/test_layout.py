@@ -162,3 +162,27 @@ def test_pairs_that_cannot_be_copied_name_both_layouts():
     dst = torch.zeros(NB, 5, 4, 3, 2, dtype=torch.uint8).permute(0, 4, 3, 2, 1)
     with pytest.raises(ValueError, match=f"more than {MAX_RUN_DIMS} nested dims"):
         pair_pages(describe(src, block_dim=0), describe(dst, block_dim=0))
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, "0", [0]])
+def test_block_dim_must_be_an_int(bad):
+    """``block_dim=True`` was taken as 1 (a bool is an int to Python, not to kvcopy)."""
+    with pytest.raises(TypeError, match="block_dim must be an integer"):
+        describe(torch.zeros(NB, BS, H, D), block_dim=bad)
+    assert describe(torch.zeros(NB, BS, H, D), block_dim=0).block_dim == 0
+
+
+def test_lazy_value_views_and_nested_tensors_are_type_errors():
+    import warnings
+
+    with pytest.raises(TypeError, match="conj"):
+        describe(torch.zeros(NB, BS, H, D, dtype=torch.complex64).conj())
+    with pytest.raises(TypeError, match="negative-bit"):
+        describe(torch._neg_view(torch.zeros(NB, BS, H, D)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors warn that their API is a prototype
+        nested = torch.nested.nested_tensor([torch.zeros(BS, H, D), torch.zeros(BS, H, D)])
+    with pytest.raises(TypeError, match="nested"):
+        describe(nested)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        describe([[0]])

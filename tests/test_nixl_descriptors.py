@@ -7,12 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvcopy.nixl import fuzz
+from kvcopy.testing.nixl import fuzz
 from kvcopy.nixl.descriptors import Pieces, check_pairs, desc_rows, index_rows
 from kvcopy.nixl.handshake import pair_layers
 from kvcopy.nixl.plan import build_multi_pull_plan
 from kvcopy.nixl.regions import descriptor_table
-from kvcopy.nixl.testing import one_torch_thread
+from kvcopy.testing.nixl.engines import one_torch_thread
 
 
 def loop_indices(pairs, local_off, remote_off):

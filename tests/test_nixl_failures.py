@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kvcopy.nixl.testing import (
+from kvcopy.testing.nixl.engines import (
     allocate_blocks, build_case, clone_caches, expected_pull, fill_random, first_difference,
     ManagerPairs, one_torch_thread, PrefillProcess, same_bytes, wait,
 )

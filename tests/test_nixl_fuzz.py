@@ -3,9 +3,9 @@ tensors (no NIXL), each byte-exact against an expectation built from token and h
 semantics, or a clear ValueError. A silently wrong case fails the test."""
 import pytest
 
-from kvcopy.nixl import fuzz, geometry, routes as routes_mod
-from kvcopy.nixl.geometry import ChunkAxes, remote_ranks, segments
-from kvcopy.nixl.testing import one_torch_thread
+from kvcopy.nixl import geometry, routes as routes_mod
+from kvcopy.testing.nixl import fuzz
+from kvcopy.testing.nixl.engines import one_torch_thread
 
 
 @pytest.fixture(autouse=True)
@@ -46,27 +46,6 @@ def test_the_fuzzer_catches_a_planted_bug(monkeypatch):
                         lambda lh, ph, prefer: [(i, a, 0, k) for i, a, _, k in real(lh, ph, prefer)])
     report = fuzz.fuzz(60, seed=0)
     assert report.wrong > 0
-
-
-def test_segments_token_slices_and_head_ranges():
-    nhd = ChunkAxes(("token", "head", "o0"), (16, 4, 8), (32, 8, 1), 2)  # [16 tokens, 4 heads, 8]
-    hnd = ChunkAxes(("head", "token", "o0"), (4, 16, 8), (128, 8, 1), 2)
-    # a token slice of an NHD page is one run; of an HND page one run per head
-    assert segments(nhd, nhd, ((0, 8), (0, 4)), ((8, 8), (0, 4))) == ((0, 512, 512),)
-    assert len(segments(hnd, hnd, ((0, 8), (0, 4)), ((8, 8), (0, 4)))) == 4
-    # a head range of an HND page is one run; of an NHD page one run per token
-    two = ChunkAxes(("head", "token", "o0"), (2, 16, 8), (128, 8, 1), 2)
-    assert segments(two, hnd, ((0, 16), (0, 2)), ((0, 16), (2, 2))) == ((0, 512, 512),)
-    assert len(segments(ChunkAxes(("token", "head", "o0"), (16, 2, 8), (16, 8, 1), 2), nhd,
-                        ((0, 16), (0, 2)), ((0, 16), (2, 2)))) == 16
-
-
-@pytest.mark.parametrize("d_rank, d_tp, p_tp, heads, want", [
-    (0, 4, 2, 8, [0]), (3, 4, 2, 8, [1]), (1, 2, 4, 8, [2, 3]), (0, 1, 8, 2, [0, 4]),
-    (5, 8, 2, 4, [1]), (2, 4, 1, 4, [0]), (3, 4, 2, None, [1]),
-])
-def test_remote_ranks(d_rank, d_tp, p_tp, heads, want):
-    assert remote_ranks(d_rank, d_tp, p_tp, heads) == want
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ import torch
 
 from kvcopy.nixl import HANDSHAKE_VERSION, decode, encode, pair_layers
 from kvcopy.nixl.handshake import MAGIC, frame, header_of
-from kvcopy.nixl.handshake_fuzz import misplaced, set_field
-from kvcopy.nixl.testing import ToyEngine, build_case, engine_info
+from kvcopy.testing.nixl.handshake_fuzz import misplaced, set_field
+from kvcopy.testing.nixl.engines import ToyEngine, build_case, engine_info
 
 NP = 16
 

@@ -1,4 +1,4 @@
-"""The handshake fuzzer (kvcopy.nixl.handshake_fuzz) in CI: each group of batches in a
+"""The handshake fuzzer (kvcopy.testing.nixl.handshake_fuzz) in CI: each group of batches in a
 subprocess, so a crash (v2: SIGSEGV in UCX on a flipped bit) or a hang (v2: a negative
 tokens_per_page made plan_pull loop) fails the test instead of killing pytest."""
 import json
@@ -21,7 +21,7 @@ GROUPS = ["random,truncations", "flips,keys", "counts,types"]
 @pytest.mark.parametrize("batches", GROUPS)
 def test_bad_handshakes_are_refused_with_value_or_type_errors(batches):
     env = dict(os.environ, UCX_NET_DEVICES="lo", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "kvcopy.nixl.handshake_fuzz", "--batch", batches],
+    proc = subprocess.run([sys.executable, "-m", "kvcopy.testing.nixl.handshake_fuzz", "--batch", batches],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode in (0, 1), f"the fuzzer died (rc {proc.returncode}): {proc.stderr[-2000:]}"

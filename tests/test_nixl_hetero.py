@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from kvcopy.nixl import fuzz, remote_ranks
-from kvcopy.nixl.testing import first_difference, one_torch_thread, pull_spec, same_bytes
+from kvcopy.nixl import remote_ranks
+from kvcopy.testing.nixl import fuzz
+from kvcopy.testing.nixl.engines import first_difference, one_torch_thread, pull_spec, same_bytes
 
 _names = itertools.count()
 L = [f"model.layers.{i}.attn" for i in range(4)]

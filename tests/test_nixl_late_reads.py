@@ -22,7 +22,7 @@ import weakref
 import pytest
 
 from kvcopy.nixl import PagesHeld
-from kvcopy.nixl.testing import (
+from kvcopy.testing.nixl.engines import (
     PrefillProcess, build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire,
     one_torch_thread, same_bytes, wait,
 )

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvcopy.nixl import NO_BLOCK
-from kvcopy.reference import as_words
-from kvcopy.nixl.testing import (
+from kvcopy.layout import as_words
+from kvcopy.testing.nixl.engines import (
     allocate_blocks, clone_caches, collect_notifications, first_difference, ManagerPairs,
     one_torch_thread, pull_and_complete, same_bytes, wait,
 )
@@ -110,7 +110,7 @@ def test_many_requests_in_flight_complete_in_any_order(pd):
     for h in reversed(handles):
         assert wait(d, h) == "DONE"
         assert d.complete(h).ok
-    from kvcopy.nixl.testing import expected_pull
+    from kvcopy.testing.nixl.engines import expected_pull
 
     expected = before
     for p_ids, d_ids, n, cached in reqs:

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 
 from kvcopy.nixl import NO_BLOCK
-from kvcopy.nixl.testing import (
+from kvcopy.testing.nixl.engines import (
     build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire,
     pull_and_complete, same_bytes, wait,
 )
@@ -92,8 +92,9 @@ def test_p_tp2_to_d_tp4_different_group_plans_and_page_sizes_across_processes(pr
     """P (TP2, two managers in the child) groups layers 2+2 with 16-token pages of
     32-token blocks; D (TP4, four managers here) groups them 1+3 with 8-token pages in
     HND; D has a prefix hit. Each D rank reads its KV head from the P rank holding it."""
-    from kvcopy.nixl import TransferManager, fuzz, remote_ranks
-    from kvcopy.nixl.testing import pull_spec
+    from kvcopy.nixl import TransferManager, remote_ranks
+    from kvcopy.testing.nixl import fuzz
+    from kvcopy.testing.nixl.engines import pull_spec
 
     layers = [f"model.layers.{i}.attn" for i in range(4)]
     n = 71

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.nixl import NO_BLOCK, build_pull_plan, expand_blocks, pair_layers, select_pages
-from kvcopy.nixl.testing import ToyEngine, build_case, engine_info
+from kvcopy.nixl import NO_BLOCK, build_pull_plan, expand_blocks, pair_layers
+from kvcopy.nixl.plan import select_pages
+from kvcopy.testing.nixl.engines import ToyEngine, build_case, engine_info
 
 NP = 40
 

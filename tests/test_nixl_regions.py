@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcopy.nixl.regions import build_regions, tokens_per_group
-from kvcopy.nixl.testing import build_case, fill_random
+from kvcopy.testing.nixl.engines import build_case, fill_random
 
 NP = 12
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from kvcopy.nixl import build_multi_pull_plan, pair_layers, plan_routes
-from kvcopy.nixl.testing import build_case, engine_info
+from kvcopy.testing.nixl.engines import build_case, engine_info
 
 NP = 40
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.nixl import NO_BLOCK, TransferManager, fuzz, remote_ranks
+from kvcopy.nixl import NO_BLOCK, TransferManager, remote_ranks
+from kvcopy.testing.nixl import fuzz
 from kvcopy.nixl.arena import ArenaFull
 from kvcopy.nixl.record import StagedRequest
 from kvcopy.nixl.staging import ArenaPlan
-from kvcopy.nixl.testing import (
+from kvcopy.testing.nixl.engines import (
     ManagerPairs, allocate_blocks, build_case, clone_caches, collect_notifications,
     expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,
 )

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvcopy.nixl import decode, encode, nixl_available
-from kvcopy.nixl.handshake_fuzz import misplaced
-from kvcopy.nixl.testing import build_case, fill_random, pull_and_complete, same_bytes
+from kvcopy.testing.nixl.handshake_fuzz import misplaced
+from kvcopy.testing.nixl.engines import build_case, fill_random, pull_and_complete, same_bytes
 
 pytestmark = pytest.mark.skipif(nixl_available() is not None, reason="needs NIXL")
 
@@ -32,8 +32,8 @@ HYBRID_D = [[4, 5, 6], [0, 1, 2, 3, 14]]
 LEAK_CHILD = r'''
 import json, os, sys
 from kvcopy.nixl import decode, encode
-from kvcopy.nixl.handshake_fuzz import misplaced
-from kvcopy.nixl.testing import build_case, fill_random, one_torch_thread
+from kvcopy.testing.nixl.handshake_fuzz import misplaced
+from kvcopy.testing.nixl.engines import build_case, fill_random, one_torch_thread
 
 kind, warmup, cycles = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

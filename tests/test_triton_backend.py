@@ -17,7 +17,6 @@ import dataclasses
 import inspect
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -207,7 +206,8 @@ def _compile(cfg: tc.LaunchConfig, capability: int):
     constexprs = cfg.constexprs()
     signature.update({name: "constexpr" for name in constexprs})
     src = ASTSource(kernel, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
 
 
 @pytest.mark.parametrize("capability", [80, 90])
@@ -358,7 +358,7 @@ def test_gpu_runs_on_current_stream(monkeypatch):
     case = _pinned(CopyCase(layout="kv_first", num_groups=2, num_blocks=48, ids="runs"))
     dev, host = case.build("cuda", "device")
     expected = {k: v.clone() for k, v in dev.items()}
-    from kvcopy.reference import reference_copy_groups
+    from kvcopy.testing.reference import reference_copy_groups
 
     groups = case.layer_groups()
     dev_ids, host_ids = case.block_ids()

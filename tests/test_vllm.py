@@ -25,6 +25,7 @@ import json
 import os
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,19 +49,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
     NixlAgentMetadata, NixlConnectorMetadata,
 )
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa: E402
 from vllm.v1.core.kv_cache_planning import (  # noqa: E402
     get_kv_cache_config_from_groups, get_kv_cache_groups,
 )
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec, KVCacheLayout, MLAAttentionSpec, SlidingWindowSpec,
+    CircularBufferSpec, FullAttentionSpec, KVCacheLayout, MambaSpec, MLAAttentionSpec, SlidingWindowSpec,
 )
-from vllm.v1.worker.utils import allocate_kv_cache, select_common_block_size  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  # noqa: E402
 
 from kvcopy.vllm import KvcopyNixlConnector  # noqa: E402
 
 LAYER = "model.layers.{}.self_attn.attn"
+GDN_LAYER = "model.layers.{}.linear_attn"
 
 
 # ---------------------------------------------------------------- vLLM pieces
@@ -146,13 +150,19 @@ class Engine:
             base_worker, "get_current_attn_backends_and_specs",
             lambda cfg, kcc, backends: (list(backends), [g.kv_cache_spec for g in kcc.transfer_groups][:len(backends)]),
         )
+        if any(isinstance(spec, MambaSpec) for spec in case["specs"].values()):
+            # vLLM's NIXL worker reads Mamba conv state as (dim, state_len) only
+            monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+            get_conv_state_layout.cache_clear()
         with set_current_vllm_config(self.config):
             groups = get_kv_cache_groups(self.config, case["specs"])
             page = max(g.kv_cache_spec.page_size_bytes for g in groups)
             self.kv_cache_config = get_kv_cache_config_from_groups(
                 self.config, groups, page * len(case["specs"]) * num_blocks)
-            kernel_sizes = [select_common_block_size(g.kv_cache_spec.block_size, [backend], [g.kv_cache_spec])
-                            for g in self.kv_cache_config.kv_cache_groups]
+            # the model runner's choice per group (Mamba groups and packed rows: never split)
+            attn_groups = [[SimpleNamespace(backend=backend, kv_cache_spec=g.kv_cache_spec)]
+                           for g in self.kv_cache_config.kv_cache_groups]
+            kernel_sizes = prepare_kernel_block_sizes(self.kv_cache_config, attn_groups)
             self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
                                             KVCacheLayout[layout], kernel_sizes)
             for layer, target in case.get("kv_sharing", {}).items():  # as the model runner does
@@ -163,11 +173,17 @@ class Engine:
             self.worker = w = self.connector.connector_worker
             w.device_type, w.use_host_buffer = "cuda", True  # what a GPU worker has
             w.use_mla = case.get("mla", False)
-            self.connector.register_kv_caches(self.caches)
+            try:
+                self.connector.register_kv_caches(self.caches)
+            except BaseException:
+                self.connector.shutdown()  # the NIXL agent and vLLM's threads go with the failure
+                raise
             self.connector.set_host_xfer_buffer_ops(kv_utils.copy_kv_blocks)
         storage = next(iter(self.caches.values())).untyped_storage()
         self.raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-        self.ratio = w._physical_blocks_per_logical_kv_block
+        # kernel pages per block id, per transfer group: Mamba state ids stay logical
+        self.ratios = [1 if isinstance(g.kv_cache_spec, MambaSpec) else w._physical_blocks_per_logical_kv_block
+                       for g in self.kv_cache_config.transfer_groups]
 
     def raw_bytes(self):
         return self.raw.clone()
@@ -181,6 +197,7 @@ class Engine:
 
     def close(self):
         self.connector.shutdown()
+        get_conv_state_layout.cache_clear()  # the next test reads its own environment
 
 
 def _real_nixl_read(p: Engine, d: Engine, p_logical, d_logical):
@@ -208,8 +225,8 @@ def _real_nixl_read(p: Engine, d: Engine, p_logical, d_logical):
     raise AssertionError("D's NIXL READ did not complete within 60 s")
 
 
-def _kernel_ids(ids, ratio):
-    return [[b * ratio + j for b in g for j in range(ratio)] for g in ids]
+def _kernel_ids(ids, ratios):
+    return [[b * r + j for b in g for j in range(r)] for g, r in zip(ids, ratios)]
 
 
 def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False):
@@ -222,9 +239,11 @@ def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False)
         p.raw.copy_(torch.randint(0, 256, p.raw.shape, dtype=torch.uint8, generator=gen))
         d.raw.fill_(0x5A)
         for t in d.worker.host_xfer_buffers.values():  # pages NIXL never fills: poison
-            t.view(torch.uint8).fill_(0xA5) if t.is_contiguous() else t.permute(0, 2, 1, 3).view(torch.uint8).fill_(0xA5)
+            torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).fill_(0xA5)
         n_groups = len(p.kv_cache_config.transfer_groups)
-        p_logical = [[1 + 3 * g, 2 + 3 * g, 3 + 3 * g][: 3 - (g % 2)] for g in range(n_groups)]
+        # a request's blocks per group: 3 or 2 attention blocks, one Mamba state block
+        p_logical = [[1 + 3 * g, 2 + 3 * g, 3 + 3 * g][: 1 if _is_state_group(p, g) else 3 - (g % 2)]
+                     for g in range(n_groups)]
         d_logical = [[nb - 1 - 3 * g - i for i in range(len(p_logical[g]))] for g in range(n_groups)]
 
         calls = []
@@ -242,11 +261,11 @@ def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False)
             p.connector.bind_connector_metadata(save)
             p.connector.wait_for_save()  # -> save_kv_to_host
         p_kernel = save.reqs_to_save["req"].local_physical_block_ids
-        assert p_kernel == _kernel_ids(p_logical, p.ratio)
+        assert p_kernel == _kernel_ids(p_logical, p.ratios)
         before = d.raw_bytes()
         meta = _real_nixl_read(p, d, p_logical, d_logical)  # ... -> sync_recved_kv_to_device
         d_kernel = meta.local_physical_block_ids
-        assert d_kernel == _kernel_ids(d_logical, d.ratio)
+        assert d_kernel == _kernel_ids(d_logical, d.ratios)
 
         # Expected D: P's pages at each group's blocks for each layer of the group.
         expected = before.clone()
@@ -267,6 +286,10 @@ def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False)
         d.close()
 
 
+def _is_state_group(engine, g):
+    return isinstance(engine.kv_cache_config.transfer_groups[g].kv_cache_spec, MambaSpec)
+
+
 def _specs(n, kind="full", block_size=16, sliding=None, mla=False):
     if mla:
         return {LAYER.format(i): MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576,
@@ -279,6 +302,34 @@ def _specs(n, kind="full", block_size=16, sliding=None, mla=False):
         else:
             out[LAYER.format(i)] = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16,
                                                      dtype=torch.float16)
+    return out
+
+
+def _attention(block_size=16, heads=2, head_size=16, sliding=None):
+    kw = dict(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.float16)
+    return SlidingWindowSpec(sliding_window=sliding, **kw) if sliding else FullAttentionSpec(**kw)
+
+
+def _heads_specs(n, full_heads, swa_heads, block_size=16):
+    """Sliding-window layers (even) with fewer KV heads than the full-attention ones."""
+    return {LAYER.format(i): _attention(block_size, swa_heads if i % 2 == 0 else full_heads, sliding=None if i % 2
+                                        else 4 * block_size) for i in range(n)}
+
+
+def _gdn_specs(n, block_size=16, state=(64, 3, 2, 16, 16)):
+    """Qwen3-Next style: every 4th layer full attention (2 KV heads, head size 64: 8 KiB
+    pages of 16 tokens), the others gated delta net state, int8 views of conv state
+    ``(conv_dim, conv_rows)`` fp16 (DS layout) + temporal state ``(v_heads, v_dim, k_dim)``
+    fp32 (2,432 bytes by default: vLLM pads the state page to the attention page)."""
+    conv_dim, rows, v_heads, v_dim, k_dim = state
+    out = {}
+    for i in range(n):
+        if i % 4 == 3:
+            out[LAYER.format(i)] = _attention(block_size, heads=2, head_size=64)
+        else:
+            out[GDN_LAYER.format(i)] = MambaSpec(
+                block_size=block_size, shapes=((conv_dim, rows), (v_heads, v_dim, k_dim)),
+                dtypes=(torch.float16, torch.float32), mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
     return out
 
 
@@ -296,9 +347,46 @@ CASES = {
     # enable_permute_local_kv contiguous [B, H, N, C] (a converting copy)
     "hybrid_lbnhc": dict(block_size=16, specs=_specs(4, sliding=32), layout="LBNHC"),
     "hybrid_lbnhc_permute": dict(block_size=16, specs=_specs(4, sliding=32), layout="LBNHC", permute=True),
+    # KV cache groups with different page shapes, overlaid from byte 0: 4 and 3 KV heads
+    # (the smaller page padded to the larger), 4 and 2 heads (vLLM doubles the
+    # sliding-window block size to unify the page size), and 4 and 2 heads packed side
+    # by side in block-outermost rows (BLHNC)
+    "heads_padded": dict(block_size=16, specs=_heads_specs(4, 4, 3)),
+    "heads_unified_block_size": dict(block_size=16, specs=_heads_specs(4, 4, 2)),
+    "heads_packed_blhnc": dict(block_size=16, specs=_heads_specs(4, 4, 2), layout="BLHNC"),
+    # attention + GDN: 2,432-byte state padded to the 8 KiB attention page; state bytes
+    # equal to the page; 32-token blocks on 16-token kernel pages (attention ids are
+    # kernel pages, state ids logical blocks); and a KV-sharing attention layer
+    "gdn_padded": dict(block_size=16, specs=_gdn_specs(8)),
+    "gdn_exact": dict(block_size=16, specs=_gdn_specs(8, state=(128, 3, 2, 16, 58))),
+    "gdn_kernel_split_32_to_16": dict(block_size=32, specs=_gdn_specs(8, block_size=32), backend=Kernel16Backend),
+    "gdn_exact_kernel_split_32_to_16": dict(block_size=32, specs=_gdn_specs(8, 32, state=(128, 3, 2, 16, 122)),
+                                            backend=Kernel16Backend),
+    "gdn_kv_sharing": dict(block_size=16, specs=_gdn_specs(8), kv_sharing={LAYER.format(8): LAYER.format(7)}),
+    "gdn_packed_blhnc": dict(block_size=16, specs=_gdn_specs(8), layout="BLHNC"),
 }
 CORRUPTED_BY_STOCK = {"hybrid_kv_sharing", "kv_sharing_one_group", "kernel_split_32_to_16",
                       "hybrid_lbnhc", "hybrid_lbnhc_permute"}
+PADDED_STATE = {"gdn_padded", "gdn_kv_sharing", "gdn_kernel_split_32_to_16"}
+_SWA_LAYERS = [LAYER.format(i) for i in (0, 2)]
+_GDN_LAYERS = [GDN_LAYER.format(i) for i in (0, 1, 2, 4, 5, 6)]
+# What vLLM 0.33's own host path does with the overlay models: the layers whose KV on D
+# differs from P's at their group's blocks (the full-attention group's unfilled host
+# pages written over the other group's received blocks), or the error it raises
+STOCK_OVERLAY_OUTCOME = {
+    "heads_padded": _SWA_LAYERS,
+    "heads_unified_block_size": _SWA_LAYERS,
+    "heads_packed_blhnc": _SWA_LAYERS,
+    "gdn_exact": _GDN_LAYERS,  # GDN state overwritten by attention host pages
+    "gdn_packed_blhnc": _GDN_LAYERS,
+    # registration: the state host buffers are unpadded, the NIXL regions padded
+    "gdn_padded": ("nixlNotFoundError", "NIXL_ERR_NOT_FOUND", "register_kv_caches"),
+    "gdn_kv_sharing": ("nixlNotFoundError", "NIXL_ERR_NOT_FOUND", "register_kv_caches"),
+    "gdn_kernel_split_32_to_16": ("nixlNotFoundError", "NIXL_ERR_NOT_FOUND", "register_kv_caches"),
+    # D's sync indexes the state tensor (24 blocks) with attention kernel-page ids
+    "gdn_exact_kernel_split_32_to_16": ("IndexError", "out of bounds for dimension 0 with size 24",
+                                        "sync_recved_kv_to_device"),
+}
 
 
 @pytest.fixture
@@ -334,23 +422,46 @@ def test_kvcopy_connector_moves_every_group_exactly(vllm_env, case, monkeypatch)
     n_layers = len(CASES[case]["specs"])
     assert len(lines) == 2 and all(f"{n_groups} transfer groups, {n_layers} layers copied" in m for m in lines)
     assert all(("KV-sharing" in m) == bool(CASES[case].get("kv_sharing")) for m in lines)
+    # where vLLM's state host buffers do not fit its NIXL regions, the line says kvcopy replaced them
+    padded = sum(isinstance(s, MambaSpec) for s in CASES[case]["specs"].values()) if case in PADDED_STATE else 0
+    assert all((f"; {padded} Mamba/GDN state host buffers allocated by kvcopy" in m) == bool(padded) for m in lines)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stock_vllm_op_negative_control(vllm_env, case, monkeypatch, stock_op):
+    outcome = STOCK_OVERLAY_OUTCOME.get(case)
+    if isinstance(outcome, tuple):
+        error, match, where = outcome
+        with pytest.raises(Exception, match=match) as info:
+            _transfer(vllm_env, CASES[case], NixlConnector, monkeypatch)
+        assert info.typename == error
+        assert any(entry.name == where for entry in info.traceback), f"{case}: raised outside {where}"
+        return
     bad, stray, _, n_groups = _transfer(vllm_env, CASES[case], NixlConnector, monkeypatch)
-    if case in CORRUPTED_BY_STOCK:
-        assert bad or stray, f"{case}: vLLM 0.33's op was expected to corrupt D's KV (seeds/1)"
+    if outcome is not None:
+        assert sorted(bad) == sorted(outcome) and stray, f"{case}: vLLM 0.33 corrupts {sorted(bad)}"
+    elif case in CORRUPTED_BY_STOCK:
+        assert bad or stray, f"{case}: vLLM 0.33's op was expected to write unfilled host pages over D's KV"
     else:
         assert bad == [] and stray == 0
+
+
+@pytest.mark.parametrize("connector_cls", [KvcopyNixlConnector, NixlConnector], ids=["kvcopy", "stock"])
+def test_csa_linear_host_staging_is_refused_at_registration(vllm_env, connector_cls, monkeypatch):
+    """A compressed-attention ring (CircularBufferSpec) next to full attention: vLLM
+    refuses NIXL host staging for it, and so does kvcopy's connector (vLLM's check runs
+    first), before any buffer is registered."""
+    specs = {LAYER.format(i): _attention() for i in range(3)}
+    specs["model.layers.3.self_attn.compressor"] = CircularBufferSpec(block_size=16, num_kv_heads=2, head_size=16,
+                                                                      dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="NIXL host staging does not preserve CSA-linear"):
+        Engine(vllm_env, dict(block_size=16, specs=specs), connector_cls, "kv_producer", 24, monkeypatch)
 
 
 # ---------------------------------------------------- copy_blocks == copy_kv_blocks
 def _vllm_caches(model_config, specs, layout, num_blocks=12, kv_sharing=None, permute=False, mla=False):
     """vLLM's device caches (allocate_kv_cache) and host buffers (the worker's own
     initialize_host_xfer_buffer, called with the attributes it reads)."""
-    from types import SimpleNamespace
-
     cfg = _vllm_config(model_config, next(iter(specs.values())).block_size, "NixlConnector", "kv_both",
                        layout=layout.name)
     cfg.cache_config.num_gpu_blocks_override = num_blocks

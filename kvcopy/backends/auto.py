@@ -80,6 +80,8 @@ class AutoGpuBackend(Backend):
     def choose(self, call: CallPlan) -> str:
         from .calibration import pick
 
+        if self._shape is None:
+            raise RuntimeError("AutoGpuBackend.choose before prepare")
         size = mean_descriptor_bytes(self._shape, call)
         return pick(self.direction, size, list(self.candidates), self.table) or next(iter(self.candidates))
 

@@ -28,7 +28,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 DEFAULT_CE_MIN_BYTES = 64 * 1024
 TIE = 0.03
@@ -99,7 +99,7 @@ def pick(direction: str, desc_bytes: float, usable: Sequence[str], table: Option
 
 def save(key: str, measured: dict, path: Optional[Path] = None) -> Path:
     path = path or table_path()
-    data = {"format": FORMAT, "devices": {}}
+    data: Dict[str, Any] = {"format": FORMAT, "devices": {}}
     try:
         old = json.loads(path.read_text())
         if old.get("format") == FORMAT:

@@ -13,8 +13,9 @@ writes them). ``KVCOPY_CE_HOST_ANY=0`` asks for ``STREAM`` there too, for caller
 write a host buffer with a ``to_host`` and read it back with a ``to_device`` on the
 same stream without waiting in between.
 
-Copy engines are slow per descriptor (4-7 GB/s on 4 KiB pages, ~52 GB/s at 64 KiB, on
-H100): this backend is for merged runs of large pages; ``auto`` picks it only there.
+Copy engines are slow per descriptor (published H100 figures: 4-7 GB/s on 4 KiB pages,
+~52 GB/s at 64 KiB): this backend is for merged runs of large pages; ``auto`` picks
+it only there.
 """
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ from typing import Any, Optional
 
 import torch
 
-from . import cudalib
+from . import Backend, cudalib
+from .gpu import GpuBackendBase, call_on_device, require_gpu
+from .pinning import pin_host_side
 from ..tables import CallPlan, CopyTables
-from . import Backend
 
 _MODES = {"auto": 0, "batch": 1, "loop": 2}
 
 
 @dataclass
 class _State:
+    copy: Any  # kvcopy_ce_copy, typed (cudalib)
     device: int
     pinning: Any
     src_host: int
@@ -47,7 +50,7 @@ def _ptr(a) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
+class CopyEngineBackend(GpuBackendBase, Backend):
     name = "ce"
     _lib = None
 
@@ -64,12 +67,11 @@ class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
         self._resolve()
         if self._lib is None:
             raise ValueError(f"backend 'ce' is not available: {self._why}")
-        device, why = cudalib.gpu_side(tables)
-        if why:
-            raise ValueError(f"backend 'ce': {why}")
+        device = require_gpu(tables, "ce")
         tables.backend_state["ce"] = _State(
+            copy=self._lib.kvcopy_ce_copy,
             device=device,
-            pinning=cudalib.pin_host_side(tables),
+            pinning=pin_host_side(tables),
             src_host=int(tables.src_device.type == "cpu"),
             dst_host=int(tables.dst_device.type == "cpu"),
             pointers=(_ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries)),
@@ -84,9 +86,9 @@ class CopyEngineBackend(cudalib.GpuBackendBase, Backend):
         stream = torch.cuda.current_stream(st.device).cuda_stream
         used, segs = ctypes.c_int(0), ctypes.c_int64(0)
         entries, offsets, group_entries = st.pointers
-        rc = cudalib.call_on_device(st.device, self._lib.kvcopy_ce_copy, entries, offsets, group_entries,
-                                    tables.num_groups, _ptr(call.packed), st.src_host, st.dst_host, host_any,
-                                    mode, stream, ctypes.byref(used), ctypes.byref(segs))
+        rc = call_on_device(st.device, st.copy, entries, offsets, group_entries,
+                            tables.num_groups, call.words, st.src_host, st.dst_host, host_any,
+                            mode, stream, ctypes.byref(used), ctypes.byref(segs))
         st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)
         cudalib.check(rc, f"copy-engine copy of {segs.value} segments "
                           f"({'cuMemcpyBatchAsync' if mode != 2 else 'cudaMemcpyAsync loop'})")

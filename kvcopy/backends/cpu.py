@@ -13,11 +13,8 @@ import ctypes
 import os
 from typing import Optional
 
-from . import native
+from . import Backend, native
 from ..tables import CallPlan, CopyTables
-from . import Backend
-
-_p64 = ctypes.POINTER(ctypes.c_int64)
 
 
 def _ptr(a) -> ctypes.c_void_p:
@@ -55,16 +52,16 @@ class CpuBackend(Backend):
         return None
 
     def prepare(self, tables: CopyTables) -> None:
+        if self._lib is None:
+            raise ValueError(f"backend 'cpu' is not available: {self._why}")
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
-            _ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries),
-            tables.num_groups, _threads(),
+            self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
+            _ptr(tables.group_entries), tables.num_groups, _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        entries, offsets, group_entries, groups, threads = self.state(tables)
-        rc = self._lib.kvcopy_cpu_copy(
-            entries, offsets, group_entries, groups, call.packed_address, call.total_bytes, threads
-        )
+        copy, entries, offsets, group_entries, groups, threads = self.state(tables)
+        rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")

@@ -5,8 +5,9 @@
 pointers directly (``cudaHostGetDevicePointer``), and uploads the static table
 (entries | group offsets | group entries | entry byte prefix) to the device.
 
-``copy`` builds the per-call array (the packed runs + a block prefix: one numpy
-cumsum) and launches ``kvcopy_block_copy_w{16,8,4,2,1}`` on the current stream:
+``copy`` launches ``kvcopy_block_copy_w{16,8,4,2,1}`` on the current stream with the
+call array the planner wrote (the packed runs and their block prefix,
+:mod:`kvcopy.backends.kernel_inputs`):
 
 * calls up to 480 int64 words (about 115 runs) travel **inside the kernel
   parameters**: no upload, no allocation, one launch and nothing else on the stream;
@@ -33,18 +34,21 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import numpy as np
 import torch
 
-from . import cudalib
+from . import Backend, cudalib
+from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, raw_stream_getter, require_gpu
+from .kernel_inputs import INLINE_WORDS, THREADS, call_array, call_words, grid_size, static_table
+from .pinning import pin_host_side
 from ..tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
-from . import Backend
 
 
 @dataclass
 class _State:
+    launcher: Any  # _LibLauncher or _NvrtcLauncher
     device: int
     sm_count: int
     static: torch.Tensor  # device int64 table
@@ -85,28 +89,28 @@ class InlineLaunch:
         self.word = ctypes.c_int(word_bytes)
         self.head = (ctypes.c_void_p(static_ptr), ctypes.c_int64(num_entries), ctypes.c_int64(num_groups),
                      ctypes.c_int64(num_group_entries))
-        self.stream = stream or cudalib.raw_stream_getter()
-        self.current_device = current_device or cudalib.current_device_getter()
+        self.stream = stream or raw_stream_getter()
+        self.current_device = current_device or current_device_getter()
 
     @classmethod
     def stubbed(cls, tables: CopyTables, noop, sm_count: int = 132, max_ctas: Optional[int] = None):
         """This path over ``tables`` (CPU tables do), launching ``noop``: no device, no stream."""
         return cls(noop, 0, 0, tables.num_entries, tables.num_groups, len(tables.group_entries),
-                   tables.word_bytes, sm_count, max_ctas, cudalib.INLINE_WORDS,
+                   tables.word_bytes, sm_count, max_ctas, INLINE_WORDS,
                    stream=lambda device: 0, current_device=lambda: 0)
 
     def __call__(self, call: CallPlan) -> Optional[int]:
         """The launch's return code, or None when the call does not fit inline."""
-        address, words, owner = cudalib.call_words(call)
+        buffer, words = call_words(call)
         if words > self.inline_words:
             return None
-        grid = cudalib.grid_size(call.total_bytes, self.sm_count, self.max_ctas)
+        grid = grid_size(call.total_bytes, self.sm_count, self.max_ctas)
         if self.current_device() != self.device:
             with torch.cuda.device(self.device):
-                return self._launch(address, words, call.total_bytes, grid)
-        return self._launch(address, words, call.total_bytes, grid)
+                return self._launch(buffer, words, call.total_bytes, grid)
+        return self._launch(buffer, words, call.total_bytes, grid)
 
-    def _launch(self, address: int, words: int, total: int, grid: int) -> int:
+    def _launch(self, address: bytes, words: int, total: int, grid: int) -> int:
         return self.launch(*self.head, address, None, words, total, self.word, grid, self.stream(self.device))
 
 
@@ -135,7 +139,7 @@ class _NvrtcLauncher:
 
         self._impl = NvrtcLauncher()
         self.inline_words = self._impl.inline_words
-        self.threads = cudalib.THREADS
+        self.threads = THREADS
         self.kind = "nvrtc"
 
     def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
@@ -149,9 +153,12 @@ class _NvrtcLauncher:
         return self._impl.error_name(code)
 
 
-class CudaBackend(cudalib.GpuBackendBase, Backend):
+Launcher = Union[_LibLauncher, _NvrtcLauncher]
+
+
+class CudaBackend(GpuBackendBase, Backend):
     name = "cuda"
-    _launcher = None
+    _launcher: Optional[Launcher] = None
 
     def _find(self) -> Optional[str]:
         lib, why = cudalib.library()
@@ -178,31 +185,30 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
     # ------------------------------------------------------------ tables
     def prepare(self, tables: CopyTables) -> None:
         self._resolve()
-        if self._launcher is None:
+        launcher = self._launcher
+        if launcher is None:
             raise ValueError(f"backend 'cuda' is not available: {self._why}")
-        device, why = cudalib.gpu_side(tables)
-        if why:
-            raise ValueError(f"backend 'cuda': {why}")
-        pinning = cudalib.pin_host_side(tables)
+        device = require_gpu(tables, "cuda")
+        pinning = pin_host_side(tables)
         try:
-            sms, host_ptr_ok = cudalib.device_info(device)
+            sms, host_ptr_ok = device_info(device)
             entries = tables.entries.copy()
             if not host_ptr_ok:
                 _translate_host_pointers(entries, tables)
-            static = torch.from_numpy(cudalib.static_table(tables, entries)).to(f"cuda:{device}")
+            static = torch.from_numpy(static_table(tables, entries)).to(f"cuda:{device}")
         except BaseException:
             if pinning is not None:
                 pinning.release()
             raise
         st = _State(
-            device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
+            launcher=launcher, device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
             num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
             word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.cta_cap(),
         )
-        if isinstance(self._launcher, _LibLauncher):
-            st.inline = InlineLaunch(self._launcher.copy_function, device, static.data_ptr(), st.num_entries,
+        if isinstance(launcher, _LibLauncher):
+            st.inline = InlineLaunch(launcher.copy_function, device, static.data_ptr(), st.num_entries,
                                      st.num_groups, st.num_group_entries, st.word_bytes, sms, st.max_ctas,
-                                     self._launcher.inline_words)
+                                     launcher.inline_words)
         tables.backend_state["cuda"] = st
 
     # ------------------------------------------------------------ the copy
@@ -215,35 +221,39 @@ class CudaBackend(cudalib.GpuBackendBase, Backend):
             if rc is not None:
                 if rc != 0:
                     raise cudalib.CudaError(f"kvcopy_block_copy_w{st.word_bytes} launch (library)", rc,
-                                            self._launcher.error_name(rc))
+                                            st.launcher.error_name(rc))
                 st.launches += 1
                 return
-        arr = cudalib.call_array(call)
+        arr = call_array(call)
         stream = torch.cuda.current_stream(st.device)
-        grid = cudalib.grid_size(call.total_bytes, st.sm_count, st.max_ctas)
-        launcher = self._launcher
-        call_device = None
-        if len(arr) > launcher.inline_words:
-            if torch.cuda.is_current_stream_capturing():
-                # The graph must own the call array: carried by value into a device
-                # tensor by small store launches; the tensor is kept for replays.
-                dev = torch.empty(len(arr), dtype=torch.int64, device=f"cuda:{st.device}")
-                rc = cudalib.call_on_device(st.device, launcher.store_words, st.device, dev.data_ptr(),
-                                            arr.ctypes.data, len(arr), stream.cuda_stream)
-                if rc != 0:
-                    raise cudalib.CudaError("kvcopy_store_words launch", rc, launcher.error_name(rc))
-                st.graph_buffers.append(dev)
-            else:
-                dev = torch.from_numpy(arr).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
-            call_device = dev.data_ptr()
-        rc = cudalib.call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
-                                    st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),
-                                    call.total_bytes, st.word_bytes, grid, stream.cuda_stream)
+        grid = grid_size(call.total_bytes, st.sm_count, st.max_ctas)
+        launcher = st.launcher
+        call_device = _call_on_device(st, arr, stream) if len(arr) > launcher.inline_words else None
+        rc = call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
+                            st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),
+                            call.total_bytes, st.word_bytes, grid, stream.cuda_stream)
         if rc != 0:
             raise cudalib.CudaError(
                 f"kvcopy_block_copy_w{st.word_bytes} launch ({grid} CTAs, {launcher.kind})", rc,
                 launcher.error_name(rc))
         st.launches += 1
+
+
+def _call_on_device(st: _State, arr: np.ndarray, stream) -> int:
+    """Device address of a copy of a call array too large for the kernel parameters."""
+    if torch.cuda.is_current_stream_capturing():
+        # The graph must own the call array: carried by value into a device tensor by
+        # small store launches; the tensor is kept for replays.
+        dev = torch.empty(len(arr), dtype=torch.int64, device=f"cuda:{st.device}")
+        rc = call_on_device(st.device, st.launcher.store_words, st.device, dev.data_ptr(), arr.ctypes.data,
+                            len(arr), stream.cuda_stream)
+        if rc != 0:
+            raise cudalib.CudaError("kvcopy_store_words launch", rc, st.launcher.error_name(rc))
+        st.graph_buffers.append(dev)
+    else:
+        # A pinned block of torch's caching host allocator, not reused before the copy ran.
+        dev = torch.from_numpy(arr.copy()).pin_memory().to(f"cuda:{st.device}", non_blocking=True)
+    return dev.data_ptr()
 
 
 def _translate_host_pointers(entries: np.ndarray, tables: CopyTables) -> None:

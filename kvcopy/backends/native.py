@@ -5,7 +5,11 @@ it built and why not (``build-info.json``, read by :func:`build_info`); a source
 checkout can build them in place with ``python setup.py build_ext --inplace`` or
 ``pip install -e .``. ``KVCOPY_LIB_DIR`` points elsewhere (a build tree). A library
 that is missing is a reason a backend is unavailable, never an import error; the
-reason says whether the install skipped it (and why) or it went missing since.
+reason says whether the install skipped it (and why) or it went missing since. So is
+a library built from other sources than this Python code: each exports
+``<stem>_abi_version()``, bumped whenever one of its C signatures changes, and a
+library whose version is not :data:`ABI_VERSIONS`' is refused (calling it with the
+new signatures would pass the wrong arguments).
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ from typing import Dict, List, Optional, Tuple
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 BUILD_INFO = LIB_DIR / "build-info.json"
+
+# The ABI version (``<stem>_abi_version()``) this Python code calls each library with.
+ABI_VERSIONS = {"kvcopy_cpu": 2, "kvcopy_cuda": 1}
 
 _loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
 
@@ -41,10 +48,26 @@ def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
             _loaded[stem] = (None, missing_reason(stem, tried))
         else:
             try:
-                _loaded[stem] = (ctypes.CDLL(str(found)), None)
+                _loaded[stem] = _checked(ctypes.CDLL(str(found)), stem, found)
             except OSError as exc:
                 _loaded[stem] = (None, f"cannot load {found}: {exc}")
     return _loaded[stem]
+
+
+def _checked(lib: ctypes.CDLL, stem: str, path: Path) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """``(lib, None)`` when its ABI version is the one expected, else ``(None, why)``."""
+    want = ABI_VERSIONS.get(stem)
+    if want is None:
+        return lib, None
+    fn = getattr(lib, f"{stem}_abi_version", None)
+    if fn is None:
+        return None, f"{path} has no {stem}_abi_version: built from older sources; rebuild with `pip install -e .`"
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    got = int(fn())
+    if got != want:
+        return None, (f"{path} has ABI version {got}, this kvcopy needs {want}: built from other sources; "
+                      "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`)")
+    return lib, None
 
 
 def build_info() -> Optional[dict]:
@@ -77,17 +100,3 @@ def missing_reason(stem: str, tried: List[Path]) -> str:
     return (f"{build_note(stem)}; looked in {', '.join(str(p.parent) for p in tried)}; build it with "
             "`pip install -v -e .` (CMake and a C++ compiler; nvcc for the CUDA library)")
 
-
-def plan_call_function(prefix: bool = False):
-    """``kvcopy_plan_call`` from the host library (csrc/call_plan.cpp), or None.
-
-    ``prefix=True``: ``kvcopy_plan_call_prefix``, which also writes the CUDA kernel's
-    block prefix after the runs; None from a library built before it existed."""
-    lib, _ = load("kvcopy_cpu")
-    name = "kvcopy_plan_call_prefix" if prefix else "kvcopy_plan_call"
-    fn = getattr(lib, name, None) if lib is not None else None
-    if fn is not None and fn.argtypes is None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.restype = i64
-        fn.argtypes = [i64] + [ptr] * 8 + [i64, i64, ptr, ptr]
-    return fn

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -82,7 +82,8 @@ class Registry:
     left alone. The CUDA calls come in as functions so the logic runs on any machine.
     """
 
-    def __init__(self, register, unregister, is_pinned):
+    def __init__(self, register: Callable[[int, int], int], unregister: Callable[[int], None],
+                 is_pinned: Callable[[int], bool]):
         self._register = register  # (addr, nbytes) -> CUDA error code
         self._unregister = unregister  # addr -> None
         self._is_pinned = is_pinned  # addr -> bool
@@ -131,7 +132,8 @@ class Registry:
         covering it, or None for a gap to register)."""
         with self._lock:
             mine = sorted((s, e) for s, (e, _) in self._spans.items() if s < b and e > a)
-            out, pos = [], a
+            out: List[Tuple[int, int, Optional[int]]] = []
+            pos = a
             for s, e in mine:
                 if s > pos:
                     out.append((pos, s, None))
@@ -232,6 +234,13 @@ def pin_host_tensors(tensors: Iterable[torch.Tensor], registry: Optional[Registr
     if held:
         _log_pinned(pinning)
     return pinning
+
+
+def pin_host_side(tables) -> Optional[HostPinning]:
+    """Page-lock the pageable host tensors of a copier direction's tables (both sides'
+    CPU tensors); None when there is nothing on the host."""
+    hosts = [t for t in list(tables.src_tensors) + list(tables.dst_tensors) if t.device.type == "cpu"]
+    return pin_host_tensors(hosts) if hosts else None
 
 
 def _log_pinned(p: HostPinning) -> None:

@@ -11,9 +11,10 @@ when ``libkvcopy_cuda`` is there: ``kvcopy_cuda_store_words`` carries the words 
 kernel parameters into a device buffer kept per stream (:class:`SmallCallUpload`): no
 pinned staging block, no ``cudaMemcpyAsync``, one ctypes call on the host. The
 buffer is reused by the next call on the same stream only, which runs after this
-call's kernel by stream order. Larger calls (or no library): a pinned staging tensor
-of PyTorch's caching host allocator (which keeps the block from being reused until
-the copy has run) and one host-to-device copy.
+call's kernel by stream order (calls from several threads take a lock from the store
+to the launch, so their stores and launches alternate on the stream). Larger calls
+(or no library): a pinned staging tensor of PyTorch's caching host allocator (which
+keeps the block from being reused until the copy has run) and one host-to-device copy.
 
 Grid: at most ``max_ctas`` programs (``BlockCopier(..., max_ctas=N)``, which lands in
 ``tables.max_ctas``; else the ``KVCOPY_MAX_CTAS`` environment
@@ -27,7 +28,9 @@ that is how it is tested without a GPU. The default grid cap is then 4 programs
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Optional
 
 import numpy as np
@@ -68,17 +71,20 @@ class SmallCallUpload:
         self._store, self._device, self.max_words = store, device_index, max_words
         self._stream, self._allocate = stream, allocate
         self._buffers: dict = {}
+        # Held from a call's store to its launch: two threads enqueueing on one stream
+        # would otherwise store twice into the one buffer before either kernel runs.
+        self.lock = threading.Lock()
 
     def __call__(self, call: CallPlan):
         """The device buffer now holding ``call.packed`` (or None: too large)."""
-        words = len(call.packed)
+        words = call.num_words - call.prefix_words
         if words > self.max_words:
             return None
         stream = self._stream(self._device)
         buf = self._buffers.get(stream)
         if buf is None:
             buf = self._buffers[stream] = self._allocate(self.max_words)
-        rc = self._store(buf.data_ptr(), call.packed_address, words, stream)
+        rc = self._store(buf.data_ptr(), call.words, words, stream)
         if rc != 0:
             from .cudalib import CudaError, error_name
 
@@ -88,11 +94,13 @@ class SmallCallUpload:
 
 def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
     from . import cudalib
+    from .gpu import raw_stream_getter
+    from .kernel_inputs import INLINE_WORDS
 
     lib, _ = cudalib.library()
     if lib is None:
         return None
-    return SmallCallUpload(lib.kvcopy_cuda_store_words, device.index, cudalib.INLINE_WORDS, cudalib.raw_stream_getter(),
+    return SmallCallUpload(lib.kvcopy_cuda_store_words, device.index, INLINE_WORDS, raw_stream_getter(),
                            lambda n: torch.empty(n, dtype=torch.int64, device=device))
 
 
@@ -100,14 +108,23 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self) -> None:
+        self._module: Optional[ModuleType] = None
+        self._why: Optional[str] = None
         try:
             import triton  # noqa: F401
 
             from ..kernels import triton_copy
         except ImportError as exc:
-            self._kernels, self._why = None, f"triton is not installed ({exc})"
+            self._why = f"triton is not installed ({exc})"
         else:
-            self._kernels, self._why = triton_copy, None
+            self._module = triton_copy
+
+    @property
+    def _kernels(self) -> ModuleType:
+        """kernels/triton_copy.py (only asked for once the backend is available)."""
+        if self._module is None:
+            raise ValueError(f"backend 'triton' is not available: {self._why}")
+        return self._module
 
     # ------------------------------------------------------------ availability
     def unavailable_reason(self) -> Optional[str]:
@@ -158,10 +175,9 @@ class TritonBackend(Backend):
         max_ctas = tables.cta_cap() or default_ctas
         pinning = None
         if device.type == "cuda":
-            from .pinning import pin_host_tensors
+            from .pinning import pin_host_side
 
-            host = [t for t in list(tables.src_tensors) + list(tables.dst_tensors) if t.device.type == "cpu"]
-            pinning = pin_host_tensors(host)
+            pinning = pin_host_side(tables)
 
         def upload(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64).reshape(-1)).to(device)
@@ -187,7 +203,7 @@ class TritonBackend(Backend):
         grid = self._kernels.grid_size(call.total_bytes, st.cfg, st.max_ctas)
         if st.device.type != "cuda":
             self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
-                                 torch.from_numpy(call.packed), call.num_groups, st.cfg)
+                                 torch.from_numpy(call.packed.copy()), call.num_groups, st.cfg)
             return
         # One small H2D copy of the call, then the launch, both on the current stream.
         # pin_memory() draws from the caching host allocator, which records the copy's
@@ -205,8 +221,13 @@ class TritonBackend(Backend):
             # per-stream buffer would replay over later calls' words. The `cuda`
             # backend stages the call array on the device for graphs.
             raise RuntimeError("the triton backend cannot be captured in a CUDA graph; use backend='cuda'")
-        call_dev = st.small_upload(call) if st.small_upload is not None else None
-        if call_dev is None:
-            call_dev = torch.from_numpy(call.packed).pin_memory().to(st.device, non_blocking=True)
+        if st.small_upload is not None:
+            with st.small_upload.lock:
+                call_dev = st.small_upload(call)
+                if call_dev is not None:
+                    self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
+                                         call_dev, call.num_groups, st.cfg)
+                    return
+        call_dev = torch.from_numpy(call.packed.copy()).pin_memory().to(st.device, non_blocking=True)
         self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                              call_dev, call.num_groups, st.cfg)

@@ -4,14 +4,15 @@
     kvcopy-bench --preset hybrid7 --op-counts
     kvcopy-bench sweep --max-ctas 16 --json out.json --plot out.png
     kvcopy-bench nixl                     # NIXL pull vs one bulk READ (two agents, UCX)
-    kvcopy-bench fuzz --cases 10000       # byte-oracle fuzzer of heterogeneous P/D plans
+    kvcopy-bench fuzz --cases 10000       # byte-oracle fuzzer of P/D plans, progress on stderr
     kvcopy-bench calibrate                # auto's per-device table (GPU)
     kvcopy-bench overhead                 # host cost per call, launch stubbed (no GPU needed)
     kvcopy-bench list                     # presets and which backends run here
 
 This module only dispatches: each subcommand is ``(add_args, run)`` in its own module
-(:mod:`.run` for run/sweep/list, :mod:`.nixl`, :mod:`.calibrate`,
-:mod:`kvcopy.nixl.fuzz`), imported when it is chosen. :func:`register` adds one.
+(:mod:`.run` for run/sweep/list, :mod:`.nixl`, :mod:`.calibrate`, :mod:`.overhead`,
+:mod:`.fuzzing` around :mod:`kvcopy.testing.nixl.fuzz`), imported when it is chosen.
+:func:`register` adds one.
 """
 from __future__ import annotations
 
@@ -33,7 +34,22 @@ class Subcommand:
         p = argparse.ArgumentParser(prog=prog, description=self.help, epilog=_epilog(),
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         self.add_args(p)
+        _show_defaults(p)
         return p
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """Append ``(default: X)`` to each option's help that does not state its default,
+    whichever module declared the option."""
+    for action in p._actions:
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS \
+                or action.nargs == 0:
+            continue
+        if action.help is argparse.SUPPRESS or "default" in (action.help or ""):
+            continue
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        action.help = ((action.help or "").replace("%", "%%") + f" (default: {shown})").strip()
 
 
 SUBCOMMANDS: Dict[str, Subcommand] = {}
@@ -78,14 +94,14 @@ def _lazy(module: str, add_args: str, run: str):
 
 
 register("run", "measure one scenario (default command)", *_lazy(".run", "add_run_args", "cmd_run"))
-register("sweep", "chunk sizes x directions x backends (GB/s against chunk size)",
+register("sweep", "chunk sizes x group counts x directions x methods (GB/s against chunk size)",
          *_lazy(".run", "add_sweep_args", "cmd_sweep"))
 register("nixl", "NIXL pull over UCX: PullPlan / per-page / merged descriptors vs one bulk READ",
          *_lazy(".nixl", "add_args", "run"))
 register("list", "presets and the backends this install can run", lambda p: None,
          _lazy(".run", "add_run_args", "cmd_list")[1])
-register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans (python -m kvcopy.nixl.fuzz)",
-         *_lazy("kvcopy.nixl.fuzz", "add_args", "run"))
+register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans, progress on stderr",
+         *_lazy(".fuzzing", "add_args", "run"))
 register("overhead", "host cost per call with the device launch replaced by a no-op (no GPU needed)",
          *_lazy(".overhead", "add_args", "run"))
 register("calibrate", "measure this GPU's backends per descriptor size; store the table auto reads",

@@ -41,7 +41,7 @@ merging.
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class RawPair:
         self.src = make_agent(nixl, SIDE_P + "-raw", [backend], progress_delay_us)
         self.dst = make_agent(nixl, SIDE_D + "-raw", [backend], progress_delay_us)
         self.plan = plan
-        self._regs: List[Tuple[object, object]] = []
+        self._regs: List[Tuple[Any, Any]] = []
         self._bufs: List[torch.Tensor] = []
         self.base_src = self._alloc(self.src, {p.remote.index: p.remote for p in plan.pairs})
         self.base_dst = self._alloc(self.dst, {p.local.index: p.local for p in plan.pairs})
@@ -229,7 +229,7 @@ def _d_ids(sc, num_blocks: int, seed: int) -> List[List[int]]:
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
-    from ..reference import as_words
+    from ..layout import as_words
 
     P = sc.build(device)
     D = sc.build(device)
@@ -270,9 +270,10 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         def pull_only():
             pull()  # read into D's host buffers; this row does not copy them to the KV
 
-        arena_methods, arena_descs, arena_facts = {}, {}, {}
+        arena_methods, arena_descs, arena_facts, before = {}, {}, {}, {}
         if args.arena:
-            mpa, mda, arena_methods, arena_descs, arena_facts = _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw)
+            mpa, mda, arena_methods, arena_descs, arena_facts, before = _arena_rows(sc, args, P, D, d_ids, counts,
+                                                                                    tokens, kw)
         methods = {
             "bulk READ": raw.read(*raw.bulk_descriptors()),
             "bulk READ+copy": raw.read_then_copy(device),
@@ -284,9 +285,9 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             "save": lambda: mp.save(P.ids),
             **arena_methods,
         }
-        descs = {"bulk READ": 1, "bulk READ+copy": 1, "per-page": len(per_page[0]), "per-page+nixl-merge": len(per_page[0]),
-                 "merged runs": len(merged[0]), "pull": len(per_page[0]), "pull+complete": len(per_page[0]),
-                 "save": None, **arena_descs}
+        descs = {"bulk READ": 1, "bulk READ+copy": 1, "per-page": len(per_page[0]),
+                 "per-page+nixl-merge": len(per_page[0]), "merged runs": len(merged[0]), "pull": len(per_page[0]),
+                 "pull+complete": len(per_page[0]), "save": None, **arena_descs}
         verify = None
         if args.verify:
             pull_complete()
@@ -295,17 +296,8 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             verify = _check(P, D, d_ids, sc.block_dim(), as_words)
         # On CUDA every row is timed to the end of the work it enqueued (complete's h2d
         # scatter, the floor's copy), not to the return of the call.
-        timings = measure(methods, device, args.iters, args.warmup, budget_s=args.budget)
-        ref = timings["bulk READ"].stats().get("median_us")
-        rows = []
-        for name in methods:
-            st = timings[name].stats()
-            row = {"scenario": sc.name, "groups": len(sc.groups()), "method": name, "bytes": bulk_n,
-                   "descriptors": descs[name], **st}
-            if st.get("median_us"):
-                row["gbps"] = bulk_n / (st["median_us"] * 1e-6) / 1e9
-                row["x_bulk"] = st["median_us"] / ref if ref else None
-            rows.append(row)
+        timings = measure(methods, device, args.iters, args.warmup, budget_s=args.budget, before=before)
+        rows = _rows(sc, timings, descs, bulk_n)
         facts = {"plan_bytes": bulk_n, "progress_delay_us": delay, "region_pairs": len(plan.pairs),
                  "descriptors_per_page": len(per_page[0]), "descriptors_merged": len(merged[0]),
                  "verify": verify or ("skipped" if not args.verify else "ok"),
@@ -317,7 +309,9 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             facts["arena_verify"] = _check(P, D, d_ids, sc.block_dim(), as_words)
         return rows, facts
     finally:
-        for x in (raw, md, mp, mda, mpa):
+        # P before D (as kvcopy.testing.nixl.engines.ManagerPairs closes them): a D closed first can
+        # leave P's background UCX connect-back refused and printed after the run.
+        for x in (raw, mp, md, mpa, mda):
             if x is not None:
                 try:
                     x.close()
@@ -327,15 +321,34 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         D.close()
 
 
+def _rows(sc, timings, descs, bulk_n: int) -> List[dict]:
+    """One result row per method: its statistics, GB/s and x the bulk READ of the run."""
+    ref = timings["bulk READ"].stats().get("median_us")
+    rows = []
+    for name, timing in timings.items():
+        st = timing.stats()
+        row = {"scenario": sc.name, "groups": len(sc.groups()), "method": name, "bytes": bulk_n,
+               "descriptors": descs[name], **st}
+        if st.get("median_us"):
+            row["gbps"] = bulk_n / (st["median_us"] * 1e-6) / 1e9
+            row["x_bulk"] = st["median_us"] / ref if ref else None
+        rows.append(row)
+    return rows
+
+
 def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
-    """Arena managers and their timed rows: (P, D, methods, descriptors, facts)."""
+    """Arena managers and their timed rows: (P, D, methods, descriptors, facts, before).
+
+    D's plans are made untimed right before each call of a pull row (``before``, which
+    :func:`kvcopy.bench.timing.measure` runs), and each call frees its span, so D's arena
+    holds a few spans whatever ``--iters`` is (it held one per call, 2.4 GB at 30 calls
+    of 36 MiB)."""
     from ..nixl import TransferManager
     from ..nixl.arena import Arena
 
-    rounds = args.iters + args.warmup
+    probe_bytes = 1 << 26 if sc.call_bytes() < (1 << 24) else 4 * sc.call_bytes() + (1 << 24)
     probe = TransferManager(SIDE_P + "-probe", P.dev, P.layer_groups, sc.block_size, sc.block_size,
-                            buffer="arena", arena_order=args.arena_order, arena_bytes=1 << 26 if sc.call_bytes() < (1 << 24) else
-                            4 * sc.call_bytes() + (1 << 24), **kw)
+                            buffer="arena", arena_order=args.arena_order, arena_bytes=probe_bytes, **kw)
     try:
         span = probe.save(_padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
         granule = probe.arena.arena.granule
@@ -354,11 +367,16 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
                           buffer="arena", arena_bytes=4 * span + 4 * granule, arena_ttl_s=3600.0,
                           arena_order=args.arena_order, **kw)
     mda = TransferManager(SIDE_D + "-arena", D.dev, D.layer_groups, sc.block_size, sc.block_size,
-                          buffer="arena", arena_bytes=(2 * rounds + 4) * span + 4 * granule, **kw)
+                          buffer="arena", arena_bytes=4 * span + 4 * granule, **kw)
     peer = mda.add_peer(mpa.metadata())
     record = mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id="bench", readers=1 << 62)
     d_padded = _padded(d_ids, counts)
-    pools = {k: [mda.plan_pull(peer, record, tokens, d_padded) for _ in range(rounds)] for k in ("pull", "pc")}
+    pending = {}  # row -> the plan its next call pulls
+
+    def make_plan(row: str) -> None:
+        if row not in pending:
+            pending[row] = mda.plan_pull(peer, record, tokens, d_padded)
+
     saves = iter(range(1 << 62))
 
     def arena_save():
@@ -367,7 +385,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
         mpa.arena.release(rid)
 
     def arena_pull(complete: bool):
-        plan = pools["pc" if complete else "pull"].pop()
+        plan = pending.pop("arena pull+complete" if complete else "arena pull")
         h = mda.pull(plan)
         while mda.poll(h) == "PROC":
             pass
@@ -380,14 +398,16 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
         else:
             mda.discard(plan)
 
-    n_desc = pools["pull"][0].num_descriptors
+    make_plan("arena pull")
+    n_desc = pending["arena pull"].num_descriptors
     methods = {"arena save": arena_save, "arena pull": lambda: arena_pull(False),
                "arena pull+complete": lambda: arena_pull(True)}
     descs = {"arena save": None, "arena pull": n_desc, "arena pull+complete": n_desc}
     facts = {"arena_span_bytes": span, "arena_granule": granule, "arena_requests_in_1GiB": fit,
              "arena_order": args.arena_order,
              "arena_descriptors_per_request": n_desc}
-    return mpa, mda, methods, descs, facts
+    before = {row: (lambda row=row: make_plan(row)) for row in ("arena pull", "arena pull+complete")}
+    return mpa, mda, methods, descs, facts, before
 
 
 def _check(P, D, d_ids, block_dim: int, as_words) -> Optional[str]:
@@ -444,8 +464,8 @@ def format_nixl(out: dict) -> str:
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]
-    hdr = f"{'groups':>6}  {'method':<20} {'bytes':>9} {'descs':>6} {'median us':>10} {'p20 us':>9} " \
-          f"{'p80 us':>9} {'GB/s':>7} {'x bulk':>7}"
+    hdr = f"{'groups':>6}  {'method':<20} {'bytes':>9} {'descs':>6} {'min us':>9} {'median us':>10} " \
+          f"{'p90 us':>9} {'GB/s':>7} {'x bulk':>7}"
     lines.append(hdr)
     prev = None
     for r in out["results"]:
@@ -454,7 +474,7 @@ def format_nixl(out: dict) -> str:
         prev = r["groups"]
         d = "-" if r["descriptors"] is None else str(r["descriptors"])
         lines.append(f"{r['groups']:>6}  {r['method']:<20} {fmt_bytes(r['bytes']):>9} {d:>6} "
-                     f"{r.get('median_us', 0):>10.1f} {r.get('p20_us', 0):>9.1f} {r.get('p80_us', 0):>9.1f} "
+                     f"{r.get('min_us', 0):>9.1f} {r.get('median_us', 0):>10.1f} {r.get('p90_us', 0):>9.1f} "
                      f"{r.get('gbps', 0):>7.2f} {r.get('x_bulk') or 0:>7.2f}")
     lines.append("x bulk = time / one bulk READ of the same bytes, same run: lower is better (1.00x is the floor)")
     for f in out["plans"]:

@@ -1,5 +1,13 @@
-"""What ``kvcopy-bench run``/``sweep`` print and write: the table, the summary, JSON,
-CSV, the plot, and the progress bar on stderr.
+"""What ``kvcopy-bench run``/``sweep`` print and write: the table, the noise flags, the
+summary, JSON, CSV, the plot, and the progress bar on stderr.
+
+Noise flags. Each row's spread is ``p90 / min - 1`` over its timed calls. A ratio to
+memcpy is the ratio of two medians, so it is only as steady as the wider of the two
+spreads: a row is flagged ``floor`` when its point's memcpy row is noisy, ``row`` when
+it is itself (:func:`kvcopy.bench.timing.noisy`), and the note under the table says
+what ran beside it and what to do. Nothing else flags a row: a row below the floor
+with tight spreads is a result (the floor is torch's ``copy_``, with its own per-call
+cost), not a measurement error.
 """
 from __future__ import annotations
 
@@ -7,36 +15,100 @@ import csv
 import io
 import json
 import os
+import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
-from .scenarios import fmt_bytes, plural
+from .units import fmt_bytes, plural
 
 
 class Progress:
-    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
+    """A one-line progress bar on stderr. When stderr is not a terminal, one line per
+    step, or per ``every`` seconds when steps are many (a fuzzer's cases)."""
 
-    def __init__(self, total: int, quiet: bool):
+    def __init__(self, total: int, quiet: bool, every_s: float = 0.0):
         self.total, self.done, self.quiet = total, 0, quiet or total <= 0
         self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
+        self.t0 = self.shown = time.perf_counter()
+        self.every_s = every_s
 
-    def step(self, label: str) -> None:
+    def step(self, label: str = "", n: int = 1) -> None:
         if self.quiet:
             return
-        self.done += 1
+        self.done += n
+        now = time.perf_counter()
+        last = self.done >= self.total
+        if not last and now - self.shown < (self.every_s if not self.tty else min(self.every_s, 0.2)):
+            return
+        self.shown = now
         width = 24
-        fill = int(width * self.done / self.total)
+        fill = int(width * min(self.done, self.total) / self.total)
+        spent = now - self.t0
+        eta = f" ~{spent * (self.total - self.done) / self.done:.0f}s left" if self.done and not last else ""
         line = (f"[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
-                f"{time.perf_counter() - self.t0:5.1f}s {label}")
+                f"{spent:5.1f}s{eta} {label}").rstrip()
         if self.tty:
-            sys.stderr.write("\r" + line[:120].ljust(120) + ("\n" if self.done == self.total else ""))
+            sys.stderr.write("\r" + line[:120].ljust(120) + ("\n" if last else ""))
         else:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
 
+# ---------------------------------------------------------------------- noise
+def _point(r: dict) -> Tuple:
+    return (r["chunk_bytes"], r["groups"], r["direction"])
+
+
+def noise_flags(result: dict) -> Dict[int, str]:
+    """``id(row)`` -> ``"floor"``, ``"row"`` or ``"floor, row"`` for the rows whose ratio
+    to memcpy is noise (see the module doc); the memcpy rows themselves as ``"floor"``."""
+    from .timing import NOISE_SPREAD, noisy
+
+    limit = result.get("noise_limit", NOISE_SPREAD)
+    floors = {_point(r): noisy(r, limit) for r in result["results"] if r["method"] == "memcpy"}
+    out: Dict[int, str] = {}
+    for r in result["results"]:
+        if not r.get("iters"):
+            continue
+        if r["method"] == "memcpy":
+            why = ["floor"] if floors[_point(r)] else []
+        else:
+            why = (["floor"] if floors.get(_point(r)) else []) + (["row"] if noisy(r, limit) else [])
+        if why:
+            out[id(r)] = ", ".join(why)
+    return out
+
+
+def noise_note(result: dict, flags: Dict[int, str]) -> str:
+    """What the flags mean, what shared the machine, and what to do about it."""
+    from .timing import NOISE_SPREAD
+
+    rows = [r for r in result["results"] if id(r) in flags and r["method"] != "memcpy"]
+    if not rows:
+        return ""
+    env = result["env"]
+    limit = result.get("noise_limit", NOISE_SPREAD)
+    load, cores = env.get("load_average"), env.get("cpu_count") or 1
+    if load is not None and load >= max(1.0, cores / 2):
+        cause = f"other work shared the machine (load average {load:.1f} on {plural(cores, 'core')} at the start)"
+    else:
+        cause = "something else ran during the run" + (f" (load average {load:.1f} at the start)"
+                                                         if load is not None else "")
+    todo = ["rerun on an idle machine"]
+    threads = (result.get("threads") or {}).get("count", 1)
+    if env.get("device") == "cpu" and threads > 1:
+        todo.append(f"or with --threads 1 (with {threads} threads a call waits for its slowest thread, "
+                    "and one descheduled thread stretches it)")
+    if any(r.get("iters", 0) < 3 for r in result["results"] if id(r) in flags):
+        todo.append("give slow rows more time (--budget S, --time-limit 0): fewer than 3 calls give no spread")
+    which = sorted({f for r in rows for f in flags[id(r)].split(", ")})
+    return (f"noise: {plural(len(rows), 'row')} flagged ({' and '.join(which)}): the spread (p90 / min - 1) of "
+            f"the point's memcpy floor ('floor') or of the row itself ('row') is over {limit:.0%}, so its "
+            f"x memcpy is not a result; {cause}. To do: {'; '.join(todo)}.\n")
+
+
+# ---------------------------------------------------------------------- the table
 def format_table(result: dict, sweep: bool) -> str:
     env = result["env"]
     out = io.StringIO()
@@ -47,34 +119,34 @@ def format_table(result: dict, sweep: bool) -> str:
     if th and env["device"] == "cpu":
         out.write(f"threads: {plural(th['count'], 'thread')} for every row, memcpy included "
                   f"(torch.set_num_threads, KVCOPY_CPU_THREADS for cpu): {th['why']}\n")
-        load = env.get("load_average")
-        if load is not None and load >= max(1, env["cpu_count"] / 2) and "busy" not in th["why"]:
-            out.write(f"load: average {load:.1f} on {plural(env['cpu_count'], 'core')} at the start: other "
-                      "work shares these cores, so ratios from this run will not reproduce closely\n")
-    headers = (["chunk"] if sweep else []) + ["groups", "dir", "method", "bytes", "median us", "p20 us",
-                                             "p80 us", "GB/s", "% memcpy", "x memcpy", "ops/call", "verify"]
+    flags = noise_flags(result)
+    headers = (["chunk"] if sweep else []) + ["groups", "dir", "method", "bytes", "calls", "min us", "median us",
+                                             "p90 us", "spread", "GB/s", "% memcpy", "x memcpy", "ops/call",
+                                             "verify", "noise"]
     table = []
-    below = below_floor(result)
     for r in result["results"]:
         ops = r.get("ops_per_call")
         ops_s = "-" if ops is None else f"{ops:g}" + ("+1C" if r.get("ops_note") else "")
+        spread = r.get("spread")
         cells = ([fmt_bytes(r["chunk_bytes"])] if sweep else []) + [
-            str(r["groups"]), r["direction"], r["method"], fmt_bytes(r["bytes"]),
-            _f(r.get("median_us"), 1), _f(r.get("p20_us"), 1), _f(r.get("p80_us"), 1), _f(r.get("gbps"), 2),
-            _f(r.get("pct_of_memcpy"), 1), _f(r.get("x_memcpy"), 2) + ("!" if id(r) in below else ""), ops_s,
-            r["verify"] if len(r["verify"]) < 40 else r["verify"][:37] + "...",
+            str(r["groups"]), r["direction"], r["method"], fmt_bytes(r["bytes"]), str(r.get("iters", 0)),
+            _f(r.get("min_us"), 1), _f(r.get("median_us"), 1), _f(r.get("p90_us"), 1),
+            "-" if spread is None else f"{100 * spread:.0f}%", _f(r.get("gbps"), 2),
+            _f(r.get("pct_of_memcpy"), 1), _f(r.get("x_memcpy"), 2), ops_s,
+            r["verify"] if len(r["verify"]) < 40 else r["verify"][:37] + "...", flags.get(id(r), ""),
         ]
         table.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in table)) if table else len(h) for i, h in enumerate(headers)]
-    left = {"dir", "method", "verify"}
+    left = {"dir", "method", "verify", "noise"}
 
     def line(cells):
-        return "  ".join(c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers))
+        text = "  ".join(c.ljust(w) if h in left else c.rjust(w) for c, w, h in zip(cells, widths, headers))
+        return text.rstrip()
 
     out.write(line(headers) + "\n")
     prev = None
     for r, cells in zip(result["results"], table):
-        key = (r["chunk_bytes"], r["groups"], r["direction"])
+        key = _point(r)
         if prev is not None and key != prev:
             out.write("\n" if not sweep or key[0] != prev[0] else "")
         prev = key
@@ -84,19 +156,16 @@ def format_table(result: dict, sweep: bool) -> str:
     for note in result["notes"]:
         out.write(f"note: {note}\n")
     out.write(legend(result))
-    if below:
-        out.write(f"! {plural(len(below), 'row')} faster than the memcpy floor (p80 below memcpy's p20): "
-                  "a measurement problem (load, threads, caches), not a result; rerun on a quiet "
-                  "machine with --threads 1\n")
-    out.write(summary(result))
+    out.write(noise_note(result, flags))
+    out.write(summary(result, flags))
     return out.getvalue()
 
 
 def legend(result: dict) -> str:
     """What the columns mean and which way is better."""
-    lines = ["columns: time per call (median, p20, p80); x memcpy = time / memcpy time of the same "
-             "bytes in the same run, lower is better (1.00x is the floor); % memcpy = its inverse, "
-             "higher is better"]
+    lines = ["columns: calls timed; time per call (min, median, p90) and spread = p90 / min - 1; "
+             "x memcpy = median time / the memcpy's median time, same bytes, same buffers, same run, "
+             "lower is better (1.00x is the floor); % memcpy = its inverse, higher is better"]
     counted = any(r.get("ops_per_call") is not None for r in result["results"])
     if not counted:
         lines.append("ops/call: '-' = not counted (pass --op-counts: torch.profiler, slower)")
@@ -108,34 +177,31 @@ def legend(result: dict) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def below_floor(result: dict) -> set:
-    """ids of rows clearly faster than their point's memcpy (p80 < memcpy p20): no copy
-    of the same bytes beats a contiguous memcpy, so such a row is a measurement bug."""
-    floors = {}
-    for r in result["results"]:
-        if r["method"] == "memcpy" and r.get("p20_us"):
-            floors[(r["chunk_bytes"], r["groups"], r["direction"])] = r["p20_us"]
-    out = set()
-    for r in result["results"]:
-        floor = floors.get((r["chunk_bytes"], r["groups"], r["direction"]))
-        if r["method"] != "memcpy" and floor and r.get("p80_us") and r["p80_us"] < floor:
-            out.add(id(r))
-    return out
-
-
-def summary(result: dict) -> str:
-    """One line per method: its worst and median ratio to memcpy over all points."""
+def summary(result: dict, flags: Optional[Dict[int, str]] = None) -> str:
+    """One line per method: its median, worst and best ratio to memcpy over the points
+    whose ratio is not flagged as noise."""
+    flags = noise_flags(result) if flags is None else flags
     by_method: Dict[str, List[float]] = {}
+    left_out: Dict[str, int] = {}
     for r in result["results"]:
-        if r["method"] != "memcpy" and r.get("x_memcpy"):
+        if r["method"] == "memcpy" or not r.get("x_memcpy"):
+            continue
+        if id(r) in flags:
+            left_out[r["method"]] = left_out.get(r["method"], 0) + 1
+            by_method.setdefault(r["method"], [])
+        else:
             by_method.setdefault(r["method"], []).append(r["x_memcpy"])
     if not by_method:
         return ""
     lines = ["summary (x memcpy: time / memcpy time of the same bytes, same run; lower is better):"]
     for m, xs in by_method.items():
         xs.sort()
-        lines.append(f"  {m:<12} median {xs[len(xs) // 2]:.2f}x  worst {xs[-1]:.2f}x  best {xs[0]:.2f}x "
-                     f"over {plural(len(xs), 'point')}")
+        noise = f" ({left_out[m]} more flagged as noise, left out)" if left_out.get(m) else ""
+        if xs:
+            lines.append(f"  {m:<12} median {xs[len(xs) // 2]:.2f}x  worst {xs[-1]:.2f}x  best {xs[0]:.2f}x "
+                         f"over {plural(len(xs), 'point')}{noise}")
+        else:
+            lines.append(f"  {m:<12} every point flagged as noise ({left_out[m]})")
     failed = [r for r in result["results"] if r["verify"].startswith("FAIL")]
     lines.append(f"verify: {plural(len(failed), 'failure')}" if failed else "verify: every checked method bit-exact")
     return "\n".join(lines) + "\n"
@@ -145,12 +211,16 @@ def _f(v, digits: int) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+# ---------------------------------------------------------------------- files
 CSV_FIELDS = ["scenario", "groups", "layers", "chunk_bytes", "block_size", "direction", "method", "kind",
-              "max_ctas", "bytes", "iters", "median_us", "p20_us", "p80_us", "min_us", "host_us", "gbps",
-              "pct_of_memcpy", "x_memcpy", "ops_per_call", "verify"]
+              "max_ctas", "bytes", "iters", "min_us", "median_us", "p90_us", "spread", "host_us", "gbps",
+              "pct_of_memcpy", "x_memcpy", "ops_per_call", "verify", "noise"]
 
 
 def write_outputs(result: dict, args, sweep: bool) -> None:
+    flags = noise_flags(result)
+    for r in result["results"]:
+        r["noise"] = flags.get(id(r))
     table = format_table(result, sweep)
     to_stdout = [p for p in (args.json, args.csv) if p == "-"]
     print(table, end="", file=sys.stderr if to_stdout else sys.stdout)
@@ -164,8 +234,44 @@ def write_outputs(result: dict, args, sweep: bool) -> None:
         w.writerows(result["results"])
         write_file(args.csv, buf.getvalue())
     if args.plot:
-        msg = plot(result, args.plot)
-        print(msg, file=sys.stderr)
+        from .plot import plot
+
+        print(plot(result, args.plot, flags), file=sys.stderr)
+
+
+def check_output_paths(args) -> None:
+    """Before measuring: every output can be written, and none overwrites a file git
+    tracks (a committed result) unless ``--overwrite`` says so; ``--plot`` has matplotlib."""
+    from .args import BenchError
+
+    if getattr(args, "plot", None):
+        from .plot import matplotlib_missing
+
+        why = matplotlib_missing()
+        if why:
+            raise BenchError(f"--plot needs matplotlib ({why}): pip install matplotlib, or the "
+                             "kvcopy[plot] extra; nothing was measured")
+    for flag in ("json", "csv", "plot"):
+        path = getattr(args, flag, None)
+        if not path or path == "-":
+            continue
+        if os.path.isdir(path):
+            raise BenchError(f"--{flag} {path} is a folder; name a file")
+        if not getattr(args, "overwrite", False) and _tracked_by_git(path):
+            raise BenchError(f"--{flag} {path} is a file git tracks (a committed result): write to another "
+                             "path (bench/out/ is ignored by git), or pass --overwrite to replace it")
+
+
+def _tracked_by_git(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        proc = subprocess.run(["git", "-C", folder, "ls-files", "--error-unmatch", os.path.abspath(path)],
+                              capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
 
 
 def write_file(path: str, text: str) -> None:
@@ -177,37 +283,3 @@ def write_file(path: str, text: str) -> None:
         os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
-
-
-def plot(result: dict, path: str) -> str:
-    """GB/s against chunk size (or group count) per method, one panel per direction."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written"
-    rows = result["results"]
-    xkey = "chunk_bytes" if len({r["chunk_bytes"] for r in rows}) > 1 else "groups"
-    dirs = sorted({r["direction"] for r in rows})
-    fig, axes = plt.subplots(1, len(dirs), figsize=(6 * len(dirs), 4.2), squeeze=False)
-    for ax, d in zip(axes[0], dirs):
-        for m in dict.fromkeys(r["method"] for r in rows):
-            pts = sorted((r[xkey], r["gbps"]) for r in rows if r["direction"] == d and r["method"] == m
-                         and r.get("gbps"))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m,
-                        linestyle="--" if m == "memcpy" else "-")
-        if xkey == "chunk_bytes":
-            ticks = sorted({r["chunk_bytes"] for r in rows})
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ticks, [fmt_bytes(t).replace(" ", "") for t in ticks], fontsize=8)
-        ax.set_xlabel("chunk bytes" if xkey == "chunk_bytes" else "KV cache groups")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"{d}  ({result['env'].get('gpu') or 'CPU'})")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return f"--plot: wrote {path}"

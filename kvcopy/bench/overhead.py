@@ -5,16 +5,12 @@ the real ones) and each GPU backend's per-call host path runs over its tables wi
 the device launch **replaced by a no-op**:
 
 ``plan``
-    ``BlockCopier.plan``: validation and packing in the native planner (and, with a
-    current library, the block prefix the ``cuda`` call array needs).
+    ``BlockCopier.plan``: validation and packing in the native planner, the block
+    prefix the ``cuda`` call array needs included.
 ``cuda stubbed``
     plan + ``kvcopy.backends.cuda.InlineLaunch``: the grid rule, the current device
     and stream getters (stubbed: no device), one ctypes call with
     ``kvcopy_cuda_copy``'s argument types into a C function that does nothing.
-``cuda stubbed-legacy``
-    the same with the planner that writes no prefix and the numpy call array built on
-    the host per call (what the path did before; libraries older than
-    ``kvcopy_plan_call_prefix`` still take it).
 ``triton stubbed``
     plan + ``kvcopy.backends.triton_backend.SmallCallUpload`` (the call array's upload
     through ``kvcopy_cuda_store_words``, a no-op here) + the grid rule; Triton's own
@@ -80,12 +76,10 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
 
     from ..backends import cudalib
     from ..backends.cuda import InlineLaunch
-    from ..backends import native
-    from ..tables import CallPlanner
+    from ..backends.kernel_inputs import INLINE_WORDS
 
     ids = copier._bench_ids
     tables = copier.tables("h2d")
-    d = copier._h2d
     modes: Dict[str, Callable[[], None]] = {"plan": lambda: copier.plan("h2d", ids)}
     if "cuda" in backends:
         path = InlineLaunch.stubbed(tables, noop_launch())
@@ -94,15 +88,6 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
             if path(copier.plan("h2d", ids)) != 0:
                 raise RuntimeError("the call does not fit the kernel parameters")
         modes["cuda stubbed"] = cuda
-        legacy_fn = native.plan_call_function()
-        if d.planner is not None and legacy_fn is not None:
-            legacy = CallPlanner(legacy_fn, tables, d.planner._src_limit, d.planner._dst_limit,
-                                 d.planner._dst_class, prefix=False)
-
-            def cuda_legacy():
-                call = legacy.plan(ids, ids)
-                path(call)
-            modes["cuda stubbed-legacy"] = cuda_legacy
     if "triton" in backends:
         try:
             from ..kernels import triton_copy
@@ -112,7 +97,7 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
         from ..backends.triton_backend import SmallCallUpload
 
         cfg = triton_copy.launch_config(tables.word_bytes, 2048)  # the grid rule's cost, any shape
-        upload = SmallCallUpload(noop_launch(cudalib.STORE_ARGTYPES), 0, cudalib.INLINE_WORDS,
+        upload = SmallCallUpload(noop_launch(cudalib.STORE_ARGTYPES), 0, INLINE_WORDS,
                                  lambda device: 0, lambda n: torch.empty(n, dtype=torch.int64))
 
         def triton():

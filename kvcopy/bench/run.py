@@ -1,11 +1,14 @@
 """``kvcopy-bench run`` (the default) and ``sweep``: every method against a contiguous
 memcpy of the same bytes, measured in the same run; and ``list``.
 
-Every table starts with a contiguous memcpy of the same bytes (pinned host memory on
-a GPU, plain memory on the CPU), measured in the same run, round-robin with the other
-rows; each row then gives median and p20/p80 time per request-sync, GB/s, % of that
-memcpy, device ops per call (``--op-counts``) and a bit-exact check against the torch
-reference with the destination poisoned first (on by default; ``--no-verify``).
+Every table starts with a contiguous memcpy of the same bytes, copied within the same
+buffers as every other row (the point's device and host slabs: pinned host memory on a
+GPU, plain memory on the CPU), measured in the same run, round by round with the other
+rows, each timed call after an untimed one of the same method (:mod:`.timing`); each
+row then gives min, median and p90 time per request-sync and the spread, GB/s, % of
+that memcpy, device ops per call (``--op-counts``), a bit-exact check against the torch
+reference with the destination poisoned first (on by default; ``--no-verify``), and a
+noise flag when its spread or the floor's says the ratio is noise (:mod:`.output`).
 """
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .args import BenchError, add_scenario_args, busy, device as _device, scenarios as _scenarios
-from .output import Progress, write_file, write_outputs
+from .output import Progress, check_output_paths, write_file, write_outputs
 
 
 def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
@@ -40,47 +43,38 @@ def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
     from .. import available_backends
 
     avail = available_backends()
-    skipped = {}
-    out = []
+    skipped: Dict[str, str] = {}
+    out: List[str] = []
     for b in wanted:
-        if b in KVCOPY_BACKENDS and b != "auto" and avail.get(b):
-            skipped[b] = avail[b]
+        why = avail.get(b) if b in KVCOPY_BACKENDS and b != "auto" else None
+        if why:
+            skipped[b] = why
         elif b not in out:
             out.append(b)
+    if not out:
+        raise BenchError("none of the methods asked for can run here: "
+                         + "; ".join(f"{b}: {why}" for b, why in skipped.items()))
     return ["memcpy"] + out, skipped
 
 
 def measure_point(point, direction: str, methods: List[str], args, device: str,
                   skipped: Dict[str, str], budget: Optional[float] = None) -> List[dict]:
     """All rows of one (scenario, direction): memcpy first, then each method."""
-    from .timing import measure, op_counts
+    from .timing import measure
 
-    sc = point.scenario
     fns: Dict[str, Callable[[], None]] = {}
-    meta: Dict[str, dict] = {}
+    meta: Dict[str, str] = {}  # row key -> method
+    caps: Dict[str, Optional[int]] = {}
     for m in methods:
-        caps = args.max_ctas if (device != "cpu" and m in ("cuda", "triton", "auto")) else [0]
-        for cap in caps:
+        for cap in (args.max_ctas if (device != "cpu" and m in ("cuda", "triton", "auto")) else [0]):
             key = m if not cap else f"{m}@{cap}"
             try:
                 fns[key] = point.method(m, direction, cap or None)
             except (ValueError, TypeError, RuntimeError, ImportError) as exc:
                 skipped.setdefault(m, f"{type(exc).__name__}: {exc}")
                 continue
-            meta[key] = {"method": m, "max_ctas": cap or None}
-    verify: Dict[str, str] = {}
-    if verify_point(args, sc):
-        expected = point.expected(direction)
-        for key, fn in fns.items():
-            if key == "memcpy":
-                verify[key] = "n/a"
-                continue
-            try:
-                err = point.check(fn, direction, expected)
-            except Exception as exc:  # a backend that fails at run time: report, do not time it
-                err = f"raised {type(exc).__name__}: {exc}"
-            verify[key] = "ok" if err is None else f"FAIL: {err}"
-        del expected
+            meta[key], caps[key] = m, cap or None
+    verify = _verify(point, direction, fns, args)
     raised = [k for k, v in verify.items() if v.startswith("FAIL: raised")]
     for key in raised:  # not timed; still a row, so the failure shows and sets the exit code
         fns.pop(key)
@@ -88,42 +82,68 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     base = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
     budget = base if budget is None else budget
     floor = 5 if budget >= base else 3  # fewer calls when --time-limit bites
-    timings = measure(fns, device, iters, args.warmup, budget_s=budget, min_iters=min(floor, iters))
-    rows = []
+    # settle=1: each timed call follows an untimed one of the same method on the same
+    # buffers, so the floor is as warm as the rows compared with it (timing module doc).
+    timings = measure(fns, device, iters, args.warmup, budget_s=budget, min_iters=min(floor, iters), settle=1)
     ref = timings["memcpy"].stats().get("median_us")
+    rows = []
     for key, fn in fns.items():
         st = timings[key].stats()
-        row = {
-            "scenario": sc.name, "groups": len(sc.groups()), "layers": sc.num_layers,
-            "chunk_bytes": sc.chunk_bytes(), "block_size": sc.block_size,
-            "blocks_per_group": sc.blocks_per_group(), "direction": direction,
-            "method": key, "kind": _kind(meta[key]["method"]), "max_ctas": meta[key]["max_ctas"],
-            "bytes": point.total_bytes, **st,
-        }
+        row = {**_row_head(point, direction, key, meta[key], caps[key]), **st}
         med = st.get("median_us")
         if med:
             row["gbps"] = point.total_bytes / (med * 1e-6) / 1e9
             row["pct_of_memcpy"] = 100.0 * ref / med if ref else None
             row["x_memcpy"] = med / ref if ref else None
-        row["verify"] = verify.get(key, "skipped" if not verify_point(args, sc) else "n/a")
+        row["verify"] = verify.get(key, "skipped" if not verify_point(args, point.scenario) else "n/a")
         if args.op_counts:
-            try:
-                counts = op_counts(fn, device)
-            except Exception as exc:  # the profiler is best effort
-                counts = {"error": f"{type(exc).__name__}: {exc}"}
-            row["device_us"] = counts.pop("device_us", None)
-            row["ops"] = counts
-            row["ops_per_call"] = counts.get("total")
-            if device == "cpu" and meta[key]["method"] in ("cpu", "auto"):
-                row["ops_note"] = "one native C call per copy, not seen by the profiler"
+            row.update(_op_counts(fn, device, meta[key]))
         rows.append(row)
     for key in raised:
-        rows.append({"scenario": sc.name, "groups": len(sc.groups()), "layers": sc.num_layers,
-                     "chunk_bytes": sc.chunk_bytes(), "block_size": sc.block_size,
-                     "blocks_per_group": sc.blocks_per_group(), "direction": direction, "method": key,
-                     "kind": _kind(meta[key]["method"]), "max_ctas": meta[key]["max_ctas"],
-                     "bytes": point.total_bytes, "iters": 0, "verify": verify[key]})
+        rows.append({**_row_head(point, direction, key, meta[key], caps[key]), "iters": 0, "verify": verify[key]})
     return rows
+
+
+def _row_head(point, direction: str, key: str, method: str, cap: Optional[int]) -> dict:
+    """The fields that say what a row measured."""
+    sc = point.scenario
+    return {"scenario": sc.name, "groups": len(sc.groups()), "layers": sc.num_layers,
+            "chunk_bytes": sc.chunk_bytes(), "block_size": sc.block_size,
+            "blocks_per_group": sc.blocks_per_group(), "direction": direction, "method": key,
+            "kind": _kind(method), "max_ctas": cap, "bytes": point.total_bytes}
+
+
+def _verify(point, direction: str, fns: Dict[str, Callable[[], None]], args) -> Dict[str, str]:
+    """Row key -> "ok", "n/a" (the floor) or "FAIL: ...", when this point is checked."""
+    verify: Dict[str, str] = {}
+    if not verify_point(args, point.scenario):
+        return verify
+    expected = point.expected(direction)
+    for key, fn in fns.items():
+        if key == "memcpy":
+            verify[key] = "n/a"
+            continue
+        try:
+            err = point.check(fn, direction, expected)
+        except Exception as exc:  # a backend that fails at run time: report, do not time it
+            err = f"raised {type(exc).__name__}: {exc}"
+        verify[key] = "ok" if err is None else f"FAIL: {err}"
+    return verify
+
+
+def _op_counts(fn: Callable[[], None], device: str, method: str) -> dict:
+    from .timing import op_counts
+
+    counts: Dict[str, Any]
+    try:
+        counts = dict(op_counts(fn, device))
+    except Exception as exc:  # the profiler is best effort
+        counts = {"error": f"{type(exc).__name__}: {exc}"}
+    out: Dict[str, Any] = {"device_us": counts.pop("device_us", None), "ops": counts,
+                           "ops_per_call": counts.get("total")}
+    if device == "cpu" and method in ("cpu", "auto"):
+        out["ops_note"] = "one native C call per copy, not seen by the profiler"
+    return out
 
 
 def verify_point(args, scenario) -> bool:
@@ -133,7 +153,7 @@ def verify_point(args, scenario) -> bool:
     limit = getattr(args, "verify_max_chunk", None)
     if limit in (None, ""):
         return True
-    from .scenarios import parse_size
+    from .units import parse_size
 
     return scenario.chunk_bytes() <= parse_size(str(limit))
 
@@ -147,67 +167,105 @@ def _kind(method: str) -> str:
 def run_bench(args, sweep: bool) -> dict:
     import torch
 
-    from .scenarios import copier_accepts, fmt_bytes, parse_size, plural
-    from .timing import env_info
+    from .scenarios import copier_accepts
+    from .units import parse_size
 
     device = _device(args)
-    notes = []
     threads, threads_why = _threads(args, device)
     # Every method and the memcpy floor on the same threads: torch's intra-op pool (the
     # floor, the baselines, the torch backend) and the cpu backend's OpenMP team, which
     # reads KVCOPY_CPU_THREADS when a copier is prepared.
     torch.set_num_threads(threads)
     os.environ["KVCOPY_CPU_THREADS"] = str(threads)
-    if sweep and args.max_call_bytes is None:
-        args.max_call_bytes = (256 << 20) if device != "cpu" else (32 << 20)
-    elif sweep:
-        args.max_call_bytes = parse_size(str(args.max_call_bytes))
+    if sweep:
+        args.max_call_bytes = parse_size(str(args.max_call_bytes or DEFAULT_MAX_CALL[device != "cpu"]))
     scenarios = _scenarios(args, sweep)
     methods, skipped = _methods(args, device)
-    directions = ["h2d", "d2h"] if args.direction == "both" else [args.direction]
+    result = _result(args, sweep, device, scenarios, methods, skipped, threads, threads_why)
     if device != "cpu" and any(args.max_ctas) and not copier_accepts("max_ctas"):
-        notes.append("BlockCopier takes no max_ctas in this install: rows marked @N ran uncapped")
+        result["notes"].append("BlockCopier takes no max_ctas in this install: rows marked @N ran uncapped")
     if os.environ.get("TRITON_INTERPRET") and "triton" in methods:
-        notes.append("triton runs in the interpreter (TRITON_INTERPRET=1): ~1 ms per program instance")
-    rows: List[dict] = []
-    result = {
+        result["notes"].append("triton runs in the interpreter (TRITON_INTERPRET=1): ~1 ms per program instance")
+    _measure_all(args, result, scenarios, methods, device)
+    return result
+
+
+# Bytes a sweep's call moves at most (fewer blocks, then fewer layers, where it would
+# move more): [CPU, GPU]. 8 MiB is a millisecond of memcpy on a CPU.
+DEFAULT_MAX_CALL = ("8M", "256M")
+# The whole run's aim in seconds when --time-limit is not given, by command: [CPU, GPU]
+# (0: none). The default sweep has 6 times the default run's points.
+DEFAULT_AIM_S = {"run": (30.0, 0.0), "sweep": (90.0, 0.0)}
+
+
+def _result(args, sweep: bool, device: str, scenarios, methods, skipped, threads: int, threads_why: str) -> dict:
+    """The result's header: what was run, where, and how (rows are added as measured)."""
+    from .units import fmt_bytes
+    from .timing import NOISE_SPREAD, env_info
+
+    counts = sorted({len(s.groups()) for s in scenarios})
+    if not sweep:
+        description = scenarios[0].describe(counts)
+    else:
+        first = next(s for s in scenarios if s.num_layers == max(x.num_layers for x in scenarios))
+        small = min(scenarios, key=lambda s: (s.blocks_per_request, s.num_layers))
+        description = (first.describe(counts, swept=True)
+                       + f"; swept: chunk {fmt_bytes(min(s.chunk_bytes() for s in scenarios))} to "
+                       f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))} (T tokens per block), and where "
+                       f"a call would pass {fmt_bytes(args.max_call_bytes)}, fewer blocks/group (down to "
+                       f"{small.blocks_per_request}), then fewer layers (down to {small.num_layers})")
+    return {
         "tool": "kvcopy-bench",
         "command": "sweep" if sweep else "run",
         "argv": getattr(args, "argv", None),
         "env": env_info(device),
         "scenario": scenarios[0].to_dict() if len(scenarios) == 1 else [s.to_dict() for s in scenarios],
-        "description": scenarios[0].describe(
-            sorted({len(s.groups()) for s in scenarios}) if not sweep else ()) + (
-            f"; swept: chunk {fmt_bytes(min(s.chunk_bytes() for s in scenarios))} to "
-            f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))}, blocks/group down to "
-            f"{min(s.blocks_per_request for s in scenarios)} where a call would pass "
-            f"{fmt_bytes(args.max_call_bytes)}" if sweep else ""),
+        "description": description,
         "methods": methods,
         "threads": {"count": threads, "why": threads_why},
+        "noise_limit": NOISE_SPREAD,
         "skipped": skipped,
-        "notes": notes,
-        "results": rows,
+        "notes": [],
+        "results": [],
     }
-    progress = Progress(len(scenarios) * len(directions), args.quiet or len(scenarios) * len(directions) < 2)
+
+
+def _measure_all(args, result: dict, scenarios, methods: List[str], device: str) -> None:
+    """Every (scenario, direction) point into ``result["results"]``.
+
+    The time aim (``--time-limit``, else the device's default) shrinks the per-method
+    budget for the points left. Every point is measured (3 calls per method at least)
+    unless ``--time-limit`` was given: then no point is started once it has passed, and
+    the points not reached are named in a note.
+    """
+    import torch
+
+    from .units import fmt_bytes, plural
+
+    directions = ["h2d", "d2h"] if args.direction == "both" else [args.direction]
+    total = len(scenarios) * len(directions)
+    progress = Progress(total, args.quiet or total < 2)
     base_budget = args.budget if args.budget is not None else (3.0 if device != "cpu" else 0.75)
-    limit = args.time_limit if args.time_limit is not None else (30.0 if device == "cpu" else 0.0)
-    t_start, steps_left = time.perf_counter(), len(scenarios) * len(directions)
+    hard = args.time_limit is not None
+    aim = args.time_limit if hard else DEFAULT_AIM_S[result["command"]][device != "cpu"]
+    t_start, steps_left = time.perf_counter(), total
     for n_done, sc in enumerate(scenarios):
-        if limit > 0 and n_done and time.perf_counter() - t_start > limit:
-            # --time-limit bounds building and verifying too: points not reached are named.
-            left = [f"{fmt_bytes(s.chunk_bytes())} x {len(s.groups())} groups" for s in scenarios[n_done:]]
-            notes.append(f"time limit {limit:g} s reached: {len(left)} point(s) not measured ({', '.join(left)})")
+        if hard and aim > 0 and n_done and time.perf_counter() - t_start > aim:
+            left = [f"{fmt_bytes(s.chunk_bytes())} x {plural(len(s.groups()), 'group')}" for s in scenarios[n_done:]]
+            result["notes"].append(f"--time-limit {aim:g} s reached: {plural(len(left), 'point')} not measured "
+                                   f"({', '.join(left)})")
             result["truncated"] = len(left)
             break
         point = sc.build(device, pinned=args.host_memory == "pinned")
         try:
             for direction in directions:
                 budget = base_budget
-                if limit > 0:  # share what is left of the limit among the points left
-                    left = max(0.0, limit - (time.perf_counter() - t_start))
-                    budget = min(base_budget, left / steps_left / max(1, len(methods)))
+                if aim > 0:  # share what is left of the aim among the points left
+                    left_s = max(0.0, aim - (time.perf_counter() - t_start))
+                    budget = min(base_budget, left_s / steps_left / max(1, len(methods)))
                 steps_left -= 1
-                rows += measure_point(point, direction, methods, args, device, skipped, budget)
+                result["results"] += measure_point(point, direction, methods, args, device, result["skipped"],
+                                                   budget)
                 progress.step(f"{plural(len(sc.groups()), 'group')}, chunk {fmt_bytes(sc.chunk_bytes())}, "
                               f"{direction}")
                 if args.json and args.json != "-" and steps_left:
@@ -218,7 +276,11 @@ def run_bench(args, sweep: bool) -> dict:
             del point
             if device != "cpu":
                 torch.cuda.empty_cache()
-    return result
+    spent = time.perf_counter() - t_start
+    result["seconds"] = round(spent, 1)
+    if aim > 0 and spent > 1.2 * aim and not result.get("truncated"):
+        result["notes"].append(f"took {spent:.0f} s against an aim of {aim:g} s: fewer calls per row "
+                               "(each method still had 3 at least)")
 
 
 def _threads(args, device: str) -> Tuple[int, str]:
@@ -236,6 +298,7 @@ def _threads(args, device: str) -> Tuple[int, str]:
 def cmd_run(args, sweep: bool = False) -> int:
     import torch
 
+    check_output_paths(args)  # before measuring: a missing matplotlib or a committed file
     # --threads changes process-wide settings: put them back for in-process callers.
     saved = torch.get_num_threads(), os.environ.get("KVCOPY_CPU_THREADS")
     try:
@@ -247,6 +310,9 @@ def cmd_run(args, sweep: bool = False) -> int:
         else:
             os.environ["KVCOPY_CPU_THREADS"] = saved[1]
     write_outputs(result, args, sweep=sweep)
+    if not any(r["method"] != "memcpy" for r in result["results"]):
+        print("kvcopy-bench: error: none of the methods asked for ran (see 'skipped' above)", file=sys.stderr)
+        return 2
     return 1 if any(r["verify"].startswith("FAIL") for r in result["results"]) else 0
 
 
@@ -258,17 +324,20 @@ def cmd_list(args) -> int:
     from .. import available_backends
     from .scenarios import PRESETS
 
+    width = max(len(n) for n in PRESETS)
     print("presets:")
     for name, p in PRESETS.items():
-        print(f"  {name:<8} {p['help']}")
+        print(f"  {name:<{width}}  {p['help']}")
     from ..backends.native import BUILD_INFO, build_info, build_note
 
     print(f"native libraries (install record: {BUILD_INFO if build_info() else 'none'}):")
     for stem in ("kvcopy_cpu", "kvcopy_cuda"):
         print(f"  {build_note(stem)}")
     print("backends:")
-    for name, why in available_backends().items():
-        print(f"  {name:<8} {'available' if why is None else 'unavailable: ' + why}")
+    report = available_backends()
+    width = max(len(n) for n in report)
+    for name, why in report.items():
+        print(f"  {name:<{width}}  {'available' if why is None else 'unavailable: ' + why}")
     print("baselines: vllm (per group, per layer), coalesced (seeds/2: one op per layer)")
     return 0
 

@@ -31,14 +31,15 @@ move the same bytes, so their times compare directly.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..testing import DTYPES, LAYOUTS, POISON_BYTE, page_pairing, physical_shape, shaped
+from .presets import PRESETS as PRESET_DATA
+from .units import fmt_bytes, parse_size, plural  # noqa: F401  (re-exported)
 
 BASELINES = ("vllm", "coalesced")
 KVCOPY_BACKENDS = ("torch", "cpu", "triton", "cuda", "ce", "auto")
@@ -139,16 +140,22 @@ class Scenario:
         return replace(self, block_size=chunk // per_token)
 
     def capped(self, max_call_bytes: int) -> "Scenario":
-        """Fewer blocks per group (at least one) so a call moves at most ``max_call_bytes``."""
+        """Fewer blocks per group (at least one), then for the ``all`` map fewer layers (at
+        least one), so a call moves at most ``max_call_bytes`` where it can."""
         if self.call_bytes() <= max_call_bytes:
             return self
         per_block = self.call_bytes() / max(1, self.blocks_per_request)
         n = max(1, int(max_call_bytes // per_block))
-        return replace(self, blocks_per_request=n, window_blocks=min(self.window_blocks, n))
+        out = replace(self, blocks_per_request=n, window_blocks=min(self.window_blocks, n))
+        if out.call_bytes() > max_call_bytes and self.layer_map == "all":
+            per_layer = out.call_bytes() / self.num_layers
+            out = replace(out, num_layers=max(1, int(max_call_bytes // per_layer)))
+        return out
 
-    def describe(self, group_counts: Sequence[int] = ()) -> str:
-        """One line; ``group_counts`` names the group counts of a multi-point run."""
-        shape = LAYOUTS[self.layout][0]("NB", self.block_size, self.num_kv_heads, self.head_size)
+    def describe(self, group_counts: Sequence[int] = (), swept: bool = False) -> str:
+        """One line; ``group_counts`` names the group counts of a multi-point run; ``swept``
+        leaves out what a sweep varies (tokens per block, so chunk and bytes per call)."""
+        shape = LAYOUTS[self.layout][0]("NB", "T" if swept else self.block_size, self.num_kv_heads, self.head_size)
         counts = self.blocks_per_group()
         blocks = f"{counts[0]} blocks/group" if len(set(counts)) == 1 else f"blocks/group {counts}"
         groups = "/".join(map(str, group_counts)) if len(group_counts) > 1 else str(len(self.groups()))
@@ -159,8 +166,8 @@ class Scenario:
         return (
             f"{self.name}: {plural(self.num_layers, 'layer')}, {groups} "
             f"{'group' if groups == '1' else 'groups'} ({self.layer_map} map), "
-            f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}, "
-            f"chunk {fmt_bytes(self.chunk_bytes())}, {per_call}/call"
+            f"{self.layout} [{', '.join(map(str, shape))}] {self.dtype}, {blocks}, ids {self.ids}"
+            + ("" if swept else f", chunk {fmt_bytes(self.chunk_bytes())}, {per_call}/call")
         )
 
     def to_dict(self) -> dict:
@@ -189,55 +196,45 @@ class Scenario:
         return num_blocks, out
 
     def build(self, device: str = "cpu", pinned: bool = True) -> "Point":
+        """Allocate the caches: each side's storages are consecutive page-aligned slices of
+        one allocation (a slab), so the memcpy floor copies within the same memory."""
         num_blocks, ids = self.block_ids()
         dims = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         dtype = DTYPES[self.dtype]
-        dev_bytes = int(np.prod(physical_shape(self.layout, "device", *dims))) * self.itemsize()
-        host_bytes = int(np.prod(physical_shape(self.layout, "host", *dims))) * self.itemsize()
+        n = self.num_storages()
+        pin = pinned and device != "cpu"
         # Random bytes, made where they are fastest to make (the GPU when there is one).
         gen = torch.Generator(device=device).manual_seed(self.seed)
-        pin = pinned and device != "cpu"
-        dev_store, host_store = [], []
-        for _ in range(self.num_storages()):
-            raw = torch.randint(0, 256, (dev_bytes,), dtype=torch.uint8, generator=gen, device=device)
-            dev_store.append(shaped(raw, self.layout, "device", dtype, *dims))
-            host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pin)
-            host.copy_(torch.randint(0, 256, (host_bytes,), dtype=torch.uint8, generator=gen, device=device))
-            host_store.append(shaped(host, self.layout, "host", dtype, *dims))
+        raws: Dict[str, List[torch.Tensor]] = {}
+        slabs: Dict[str, torch.Tensor] = {}
+        stores: Dict[str, List[torch.Tensor]] = {}
+        for side in ("device", "host"):
+            nbytes = int(np.prod(physical_shape(self.layout, side, *dims))) * self.itemsize()
+            stride = -(-nbytes // _PAGE) * _PAGE
+            if side == "device":
+                slab = torch.empty(n * stride, dtype=torch.uint8, device=device)
+            else:
+                slab = torch.empty(n * stride, dtype=torch.uint8, pin_memory=pin)
+            raws[side] = [slab[i * stride : i * stride + nbytes] for i in range(n)]
+            for raw in raws[side]:  # one storage at a time: no slab-sized temporary
+                raw.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device))
+            slabs[side] = slab
+            stores[side] = [shaped(raw, self.layout, side, dtype, *dims) for raw in raws[side]]
         names = self.layer_names()
         storage = self.storage_of()
-        dev = {n: dev_store[storage[n]] for g in names for n in g}
-        host = {n: host_store[storage[n]] for g in names for n in g}
-        return Point(self, device, pin, dev, host, dev_store, host_store, names, ids)
+        dev = {nm: stores["device"][storage[nm]] for g in names for nm in g}
+        host = {nm: stores["host"][storage[nm]] for g in names for nm in g}
+        return Point(self, device, pin, dev, host, stores["device"], stores["host"], names, ids,
+                     slabs=slabs, raw=raws)
+
+
+_PAGE = 4096  # storages start on their own page, as separate allocations would
 
 
 # ------------------------------------------------------------------ presets
 PRESETS: Dict[str, dict] = {
-    # seeds/2's benchmark: 16 layers, 6 blocks per request, groups 1/2/3/6.
-    "seeds2": dict(scenario=Scenario(), num_groups=[1, 2, 3, 6],
-                   help="seeds/2: 16 layers, groups 1/2/3/6, 6 blocks/group, 16-token blocks, "
-                        "8 KV heads x 128, bf16 (every group's ids on every layer)"),
-    # A dense Llama-3-8B-like model, one group, a 512-token prompt.
-    "dense": dict(scenario=Scenario(name="dense", num_layers=32, blocks_per_request=32), num_groups=[1],
-                  help="dense: 32 layers, 1 group, 8 KV heads x 128, 32 blocks (512 tokens)"),
-    # Gemma-3-1B-like hybrid: 26 layers, every 6th full attention, 7 groups of <= 4
-    # layers sharing 4 storages, 1 KV head x 256, a 2K prompt, 512-token window.
-    "hybrid7": dict(scenario=Scenario(name="hybrid7", num_layers=26, layer_map="hybrid", sliding_per_full=5,
-                                      blocks_per_request=128, window_blocks=32, num_kv_heads=1,
-                                      head_size=256), num_groups=[7],
-                    help="hybrid7: Gemma-3-like, 26 layers (4 full + 22 sliding) in 7 groups on "
-                         "4 shared storages, 1 KV head x 256, 2K-token prompt (128 blocks), "
-                         "512-token window (32 blocks)"),
-    # DeepSeek-V2-Lite-like MLA: 27 layers, one latent vector (512 + 64) per token.
-    "mla": dict(scenario=Scenario(name="mla", num_layers=27, blocks_per_request=8, block_size=64,
-                                  num_kv_heads=1, head_size=576, layout="mla"), num_groups=[1],
-                help="mla: DeepSeek-V2-Lite-like, 27 layers, latent 576 bf16, 64-token blocks, 8 blocks"),
-    # A layout-converting copy (issue 10): vLLM's LBNHC cache ([B, H, N, C] view of
-    # [B, N, H, C]) against a contiguous [B, H, N, C] host buffer (enable_permute_local_kv):
-    # 512-byte runs (C = 2 x 128 bf16), 8 x 16 runs per page.
-    "convert512": dict(scenario=Scenario(name="convert512", layout="lbnhc"), num_groups=[1],
-                       help="convert512: layout-converting copy, LBNHC cache vs contiguous [B,H,N,C] host, "
-                            "16 layers, 6 blocks, 16 tokens x 8 heads x 2x128 bf16: 512-byte runs"),
+    name: dict(scenario=Scenario(name=name, **p["fields"]), num_groups=p["num_groups"], help=p["help"])
+    for name, p in PRESET_DATA.items()
 }
 
 
@@ -255,8 +252,9 @@ class Point:
     host_storages: List[torch.Tensor]
     layer_groups: List[List[str]]
     ids: List[List[int]]  # per group; the host mirrors device numbering
-    copiers: Dict[str, object] = field(default_factory=dict)
-    _flat: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    slabs: Dict[str, torch.Tensor] = field(default_factory=dict)  # "device"/"host": one allocation each
+    raw: Dict[str, List[torch.Tensor]] = field(default_factory=dict)  # per side: each storage's bytes
+    copiers: Dict[str, Any] = field(default_factory=dict)  # BlockCopier by backend and cap
 
     @property
     def total_bytes(self) -> int:
@@ -269,6 +267,11 @@ class Point:
         if direction == "h2d":
             return self.host, self.dev, self.host_storages, self.dev_storages
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+
+    def _ends(self, direction: str) -> Tuple[str, str]:
+        """(source side, destination side) of ``direction``."""
+        self.sides(direction)  # checks the name
+        return ("device", "host") if direction == "d2h" else ("host", "device")
 
     def synchronize(self) -> None:
         if self.device != "cpu":
@@ -286,15 +289,19 @@ class Point:
         return self._kvcopy(name, direction, max_ctas)
 
     def _memcpy(self, direction: str) -> Callable[[], None]:
+        """One contiguous copy of the call's bytes from the start of the source slab to
+        the start of the destination slab: the memory every other method copies within."""
         n = self.total_bytes
-        if direction not in self._flat:
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=self.device != "cpu")
-            host.fill_(1)
-            dev = torch.ones(n, dtype=torch.uint8, device=self.device)
-            self._flat[direction] = (dev, host) if direction == "d2h" else (host, dev)
-        src, dst = self._flat[direction]
+        src_side, dst_side = self._ends(direction)
+        src, dst = self.slabs[src_side][:n], self.slabs[dst_side][:n]
+        if src.numel() < n or dst.numel() < n:  # every storage holds twice a call's blocks
+            raise ValueError(f"slabs of {src.numel()}/{dst.numel()} bytes hold no {n}-byte copy")
         non_blocking = self.device != "cpu"
-        return lambda: dst.copy_(src, non_blocking=non_blocking)
+
+        def run() -> None:
+            dst.copy_(src, non_blocking=non_blocking)
+
+        return run
 
     def _index(self, ids: torch.Tensor):
         return (slice(None),) * self.scenario.block_dim() + (ids,)
@@ -355,8 +362,8 @@ class Point:
 
         key = f"{backend}@{max_ctas}"
         if key not in self.copiers:
-            kwargs = dict(backend=backend, block_dim=self.scenario.block_dim(),
-                          kv_layout=self.scenario.kv_layout())
+            kwargs: Dict[str, Any] = dict(backend=backend, block_dim=self.scenario.block_dim(),
+                                          kv_layout=self.scenario.kv_layout())
             if max_ctas and copier_accepts("max_ctas"):
                 kwargs["max_ctas"] = max_ctas
             self.copiers[key] = BlockCopier(self.dev, self.host, self.layer_groups, **kwargs)
@@ -370,27 +377,27 @@ class Point:
     # ------------------------------------------------------------- checking
     def expected(self, direction: str) -> List[torch.Tensor]:
         """Destination storages after the reference copy over poisoned destinations (CPU)."""
-        from ..reference import reference_copy_groups
+        from ..testing.reference import reference_copy_groups
 
-        src, dst, _, dst_store = self.sides(direction)
+        src, dst, _, _ = self.sides(direction)
         self.poison(direction)
         bd = {n: self.scenario.block_dim() for g in self.layer_groups for n in g}
         reference_copy_groups(src, dst, self.layer_groups, self.ids, self.ids, bd)
         self.synchronize()
-        return [_raw_bytes(t).cpu().clone() for t in dst_store]
+        return [t.cpu().clone() for t in self.raw[self._ends(direction)[1]]]
 
     def poison(self, direction: str) -> None:
-        for t in self.sides(direction)[3]:
-            _raw_bytes(t).fill_(POISON_BYTE)
+        for t in self.raw[self._ends(direction)[1]]:
+            t.fill_(POISON_BYTE)
 
     def check(self, fn: Callable[[], None], direction: str, expected: Sequence[torch.Tensor]) -> Optional[str]:
         """None when ``fn`` reproduces ``expected`` bit for bit, else what differs."""
         self.poison(direction)
         fn()
         self.synchronize()
-        # Every byte of each allocation (a cross-layer view's neighbours included).
-        for i, (got, exp) in enumerate(zip(self.sides(direction)[3], expected)):
-            a, b = _raw_bytes(got).cpu(), exp
+        # Every byte of each storage (a cross-layer view's neighbours included).
+        for i, (got, exp) in enumerate(zip(self.raw[self._ends(direction)[1]], expected)):
+            a, b = got.cpu(), exp
             if not torch.equal(a, b):
                 bad = int((a != b).sum())
                 return f"storage {i}: {bad} of {a.numel()} elements differ from the reference"
@@ -400,15 +407,6 @@ class Point:
         for c in self.copiers.values():
             c.close()
         self.copiers.clear()
-        self._flat.clear()
-
-
-def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """All bytes of the allocation behind ``t`` (whatever view of it ``t`` is), as uint8."""
-    base = t
-    while base._base is not None:
-        base = base._base
-    return base.view(-1).view(torch.uint8)
 
 
 _ACCEPTS: Dict[str, bool] = {}
@@ -425,27 +423,3 @@ def copier_accepts(param: str) -> bool:
         _ACCEPTS[param] = param in sig.parameters or any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
     return _ACCEPTS[param]
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} GiB"
-
-
-def plural(n: int, noun: str) -> str:
-    """``1 group``, ``2 groups``."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def parse_size(text: str) -> int:
-    """``"2K"``, ``"64KiB"``, ``"2M"``, ``"4096"`` -> bytes."""
-    t = text.strip().upper().replace("IB", "").replace("B", "")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMG" else t
-    value = float(num) * mult
-    if value <= 0 or value != math.floor(value):
-        raise ValueError(f"bad size {text!r}")
-    return int(value)

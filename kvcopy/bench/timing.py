@@ -3,9 +3,21 @@
 Timing: on a GPU each call is bracketed by CUDA events on the current stream and the
 host waits for the end event (a request-sync, as seeds/2 measured it); the host time
 of the call alone (Python + launches, before the wait) is recorded beside it. On the
-CPU each call is timed with ``time.perf_counter``. Methods are measured round-robin,
-one call of each per round, so every ratio comes from the same minutes of the same
-run; a method that exceeds its time budget leaves the rotation after ``min_iters``.
+CPU each call is timed with ``time.perf_counter``.
+
+Methods are measured round by round, one timed call of each per round, the round
+starting one method further each time, so every ratio comes from the same seconds of
+the same run and no method always follows the same neighbour. With ``settle=1`` each
+timed call follows an untimed call of the same method: whatever ran before it (the
+comparison rows fill the caches with their own temporaries), a row is timed with its
+own bytes as warm as every other row's. Without that, a contiguous memcpy of 6 MiB
+measured 1.8-2.3x slower after the vLLM-style rows than beside the ``cpu`` row alone,
+while ``cpu``, timed right after ``torch`` had touched the very same blocks, did not
+move. A method that exceeds its time budget leaves the rotation after ``min_iters``.
+
+Statistics per method: min, median and p90 of the timed calls, and the spread
+``p90 / min - 1``: how far a slow call strays from the best one. A ratio of medians is
+only as good as the wider spread of its two rows (:func:`noisy`).
 
 Op counts come from ``torch.profiler``: on a GPU, device activities (kernels, memcpys,
 memsets) per call, the numbers seeds/2 quoted; on the CPU, the outermost data-moving
@@ -22,10 +34,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
+
+# A row whose p90 is more than this fraction above its min is too noisy for its ratio
+# to be read as a result (on an idle machine every row of the default run stays under it).
+NOISE_SPREAD = 0.25
 
 
 @dataclass
@@ -34,52 +50,84 @@ class Timing:
     host_s: List[float] = field(default_factory=list)  # per call, host side only (GPU)
 
     def stats(self) -> dict:
+        """``iters``, and with at least one call ``min_us``, ``median_us``, ``p90_us``,
+        ``spread`` (p90 / min - 1); ``host_us`` on a GPU."""
         t = np.asarray(self.times_s) * 1e6
-        out = {"iters": int(t.size)}
+        out: Dict[str, float] = {"iters": int(t.size)}
         if t.size:
-            out.update(median_us=float(np.median(t)), p20_us=float(np.percentile(t, 20)),
-                       p80_us=float(np.percentile(t, 80)), min_us=float(t.min()))
+            low = float(t.min())
+            p90 = float(np.percentile(t, 90))
+            out.update(min_us=low, median_us=float(np.median(t)), p90_us=p90,
+                       spread=p90 / low - 1.0 if low > 0 else 0.0)
         if self.host_s:
             out["host_us"] = float(np.median(np.asarray(self.host_s) * 1e6))
         return out
 
 
+def noisy(stats: Mapping[str, float], limit: float = NOISE_SPREAD) -> bool:
+    """Whether a row's own spread says its median is noise (too few calls count too)."""
+    return stats.get("iters", 0) < 3 or stats.get("spread", 0.0) > limit
+
+
 def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, warmup: int,
-            budget_s: float = 10.0, min_iters: int = 5) -> Dict[str, Timing]:
-    """Round-robin timing of every method; see the module doc."""
+            budget_s: float = 10.0, min_iters: int = 5, settle: int = 0,
+            before: Optional[Mapping[str, Callable[[], None]]] = None) -> Dict[str, Timing]:
+    """Round-robin timing of every method; see the module doc. ``settle`` untimed calls
+    of a method precede each of its timed calls; ``before[name]``, when given, runs
+    untimed before every call of ``name`` (warm-up, settling and timed: e.g. to make the
+    plan the call consumes). The budget counts the untimed calls too."""
     on_gpu = device != "cpu"
     out = {name: Timing() for name in methods}
     spent = {name: 0.0 for name in methods}
     for name, fn in methods.items():
         for _ in range(warmup):
-            fn()
+            _call(fn, before, name)
     if on_gpu:
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     active = list(methods)
     for i in range(iters):
-        for name in list(active):
+        k = i % len(active)
+        for name in active[k:] + active[:k]:
+            t_in = time.perf_counter()
             fn = methods[name]
-            if on_gpu:
-                start.record()
-                t0 = time.perf_counter()
-                fn()
-                t1 = time.perf_counter()
-                end.record()
-                end.synchronize()
-                dt = start.elapsed_time(end) / 1e3
-                out[name].host_s.append(t1 - t0)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-            out[name].times_s.append(dt)
-            spent[name] += dt
+            for _ in range(settle):
+                _call(fn, before, name)
+            if before is not None and name in before:
+                before[name]()
+            _timed_call(fn, on_gpu, out[name])
+            spent[name] += time.perf_counter() - t_in
             if spent[name] > budget_s and i + 1 >= min_iters:
                 active.remove(name)
         if not active:
             break
     return out
+
+
+def _call(fn: Callable[[], None], before: Optional[Mapping[str, Callable[[], None]]], name: str) -> None:
+    """An untimed call, after its ``before`` hook."""
+    if before is not None and name in before:
+        before[name]()
+    fn()
+
+
+def _timed_call(fn: Callable[[], None], on_gpu: bool, into: Timing) -> None:
+    """One call of ``fn`` timed (GPU: events, from an idle stream to the end of its work)."""
+    if on_gpu:
+        torch.cuda.synchronize()  # the untimed calls' work ends before the timed one starts
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        dt = start.elapsed_time(end) / 1e3
+        into.host_s.append(t1 - t0)
+    else:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+    into.times_s.append(dt)
 
 
 # Outermost torch operators that move block bytes (CPU op counts).

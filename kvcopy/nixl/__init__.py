@@ -8,8 +8,8 @@ copy.
 ``buffer="arena"`` stages each request in one span of a fixed-size pinned arena
 instead (:mod:`kvcopy.nixl.staging`: one descriptor per request for equal geometry).
 What differs between the buffer modes is :mod:`kvcopy.nixl.buffer_mode`.
-``replay`` is the byte oracle that applies a plan without NIXL; ``python -m
-kvcopy.nixl.fuzz`` checks plans against it on random geometries. See ``docs/nixl.md``.
+The byte oracle that applies a plan without NIXL, and the fuzzers that check plans
+against it, are test tooling (:mod:`kvcopy.testing.nixl`). See ``docs/nixl.md``.
 
 Importing this package does not import NIXL; creating a manager does (``nixl``,
 ``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
@@ -20,10 +20,8 @@ from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
 from .manager import TransferManager
 from .options import ManagerOptions
-from .oracle import replay
 from .plan import (
     NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
-    select_pages,
 )
 from .pull import Completion, PagesHeld, PullHandle
 from .record import StagedRequest
@@ -64,6 +62,4 @@ __all__ = [
     "plan_routes",
     "rank_heads",
     "remote_ranks",
-    "replay",
-    "select_pages",
 ]

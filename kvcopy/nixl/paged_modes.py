@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..copier import BlockCopier
-from ..reference import as_words
+from ..layout import as_words
 from .buffer_mode import BufferMode, Peer, Read
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref
 from .handshake import EngineInfo

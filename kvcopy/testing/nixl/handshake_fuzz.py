@@ -1,6 +1,6 @@
 """A handshake fuzzer: bad metadata against a real ``add_peer`` (NIXL over UCX, loopback).
 
-    python -m kvcopy.nixl.handshake_fuzz --batch flips,keys --seed 0
+    python -m kvcopy.testing.nixl.handshake_fuzz --batch flips,keys --seed 0
 
 One process holds a prefill manager P (alive, its agent reachable) and a decode
 manager D. Each variant of P's genuine metadata goes to ``D.add_peer``; its outcome is
@@ -40,10 +40,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .handshake import MAGIC, HANDSHAKE_VERSION, EngineInfo, decode, frame
+from ...nixl.handshake import MAGIC, HANDSHAKE_VERSION, EngineInfo, decode, frame
 
 BATCHES = ("random", "truncations", "flips", "counts", "types", "keys")
-_FIELD_VALUES = (None, True, False, 1.5, -1, 2 ** 70, -(2 ** 70), "1", "", [], [1], {}, {"a": 1})
+_FIELD_VALUES: Tuple[object, ...] = (None, True, False, 1.5, -1, 2 ** 70, -(2 ** 70), "1", "", [], [1], {}, {"a": 1})
 KEY = b"kvcopy-fuzz-key-0123456789abcdef"
 # Variants that are valid metadata, meaning what the genuine one means: accepted.
 EQUIVALENT = {
@@ -89,85 +89,115 @@ def _many_regions(header: dict, agent: bytes, count: int) -> bytes:
     return frame((text[:-2] + "," + extra + "]}").encode(), agent)
 
 
-def variants(batch: str, genuine: bytes, agent: bytes, rng: np.random.Generator) -> Iterator[Tuple[str, bytes]]:
-    """(label, payload) of one batch, built from P's genuine payload."""
+Variants = Iterator[Tuple[str, bytes]]
+
+
+def _random(genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
     n = len(genuine)
-    if batch == "random":
-        for i in range(600):
-            size = int(rng.integers(0, 2 * n))
-            junk = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-            yield f"random{i}", junk if i % 2 else MAGIC + struct.pack("<I", HANDSHAKE_VERSION) + junk
-    elif batch == "truncations":
-        for cut in range(n):
-            yield f"prefix{cut}", genuine[:cut]
-        for cut in range(0, n, 3):
-            yield f"prefix{cut}+1", genuine[:cut] + bytes([int(rng.integers(0, 256))])
-    elif batch == "flips":
-        for at in range(n):
-            bit = 1 << int(rng.integers(0, 8))
-            yield f"flip{at}", genuine[:at] + bytes([genuine[at] ^ bit]) + genuine[at + 1:]
-    elif batch == "counts":
-        head = MAGIC + struct.pack("<I", HANDSHAKE_VERSION)
-        rest = genuine[len(head) + 4 + 16:]
-        for length, alen in ((2 ** 64 - 1, 0), (2 ** 63, 10), (0, 2 ** 64 - 1), (2 ** 40, 2 ** 40), (1, 2 ** 30)):
-            yield f"lengths{length},{alen}", head + struct.pack("<IQQ", 0, length, alen) + rest
-        header = _header(genuine)
-        for pages in (10 ** 7, 3 * 10 ** 7, 10 ** 8, 2 ** 31 - 1, 2 ** 31, 2 ** 63):
-            yield f"num_pages={pages}", _edited(header, agent, set_field(("regions", 0, "num_pages"), pages))
-        for count in (1000, 8192, 100000):
-            yield f"regions={count}", _many_regions(header, agent, count)
-        for members in (10 ** 4, 10 ** 5):
-            yield f"members={members}", _edited(header, agent, set_field(
-                ("regions", 0, "members"), [[f"m{i}", 0] for i in range(members)]))
-        for groups in (65, 10 ** 4):
-            def wide(h, groups=groups):
-                h["tokens_per_block"] = [16] * groups
-                h["tokens_per_page"] = [16] * groups
-            yield f"groups={groups}", _edited(header, agent, wide)
-        for field in ("tokens_per_page", "chunk_bytes", "page_stride", "chunk_stride", "num_chunks", "address",
-                      "total_kv_heads", "head_size"):
-            for value in (2 ** 62, 2 ** 64, 10 ** 30):
-                yield f"{field}={value}", _edited(header, agent, set_field(("regions", 0, field), value))
-        for value in (2 ** 31, 10 ** 6):
-            yield f"tp_size={value}", _edited(header, agent, set_field(("tp_size",), value))
-            yield f"tokens_per_block={value}", _edited(header, agent, set_field(("tokens_per_block",), [value]))
-        yield "deep-json", frame(b"[" * 200000 + b"]" * 200000, agent)
-        yield "huge-int-json", frame(b'{"tp_size": ' + b"9" * 100000 + b"}", agent)
-    elif batch == "types":
-        header = _header(genuine)
-        for field in list(header):
-            for v in _FIELD_VALUES:
-                yield f"{field}={v!r}", _edited(header, agent, set_field((field,), v))
-        for field in list(header["regions"][0]):
-            for v in _FIELD_VALUES:
-                yield f"regions[0].{field}={v!r}", _edited(header, agent, set_field(("regions", 0, field), v))
+    for i in range(600):
+        size = int(rng.integers(0, 2 * n))
+        junk = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        yield f"random{i}", junk if i % 2 else MAGIC + struct.pack("<I", HANDSHAKE_VERSION) + junk
+
+
+def _truncations(genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
+    n = len(genuine)
+    for cut in range(n):
+        yield f"prefix{cut}", genuine[:cut]
+    for cut in range(0, n, 3):
+        yield f"prefix{cut}+1", genuine[:cut] + bytes([int(rng.integers(0, 256))])
+
+
+def _flips(genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
+    for at in range(len(genuine)):
+        bit = 1 << int(rng.integers(0, 8))
+        yield f"flip{at}", genuine[:at] + bytes([genuine[at] ^ bit]) + genuine[at + 1:]
+
+
+def _counts(genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
+    """Every declared size and count out of bounds: the frame's lengths, then the header's."""
+    head = MAGIC + struct.pack("<I", HANDSHAKE_VERSION)
+    rest = genuine[len(head) + 4 + 16:]
+    for length, alen in ((2 ** 64 - 1, 0), (2 ** 63, 10), (0, 2 ** 64 - 1), (2 ** 40, 2 ** 40), (1, 2 ** 30)):
+        yield f"lengths{length},{alen}", head + struct.pack("<IQQ", 0, length, alen) + rest
+    header = _header(genuine)
+    for pages in (10 ** 7, 3 * 10 ** 7, 10 ** 8, 2 ** 31 - 1, 2 ** 31, 2 ** 63):
+        yield f"num_pages={pages}", _edited(header, agent, set_field(("regions", 0, "num_pages"), pages))
+    for count in (1000, 8192, 100000):
+        yield f"regions={count}", _many_regions(header, agent, count)
+    for members in (10 ** 4, 10 ** 5):
+        yield f"members={members}", _edited(header, agent, set_field(
+            ("regions", 0, "members"), [[f"m{i}", 0] for i in range(members)]))
+    for groups in (65, 10 ** 4):
+        def wide(h, groups=groups):
+            h["tokens_per_block"] = [16] * groups
+            h["tokens_per_page"] = [16] * groups
+        yield f"groups={groups}", _edited(header, agent, wide)
+    yield from _huge_fields(header, agent)
+    yield "deep-json", frame(b"[" * 200000 + b"]" * 200000, agent)
+    yield "huge-int-json", frame(b'{"tp_size": ' + b"9" * 100000 + b"}", agent)
+
+
+def _huge_fields(header: dict, agent: bytes) -> Variants:
+    for field in ("tokens_per_page", "chunk_bytes", "page_stride", "chunk_stride", "num_chunks", "address",
+                  "total_kv_heads", "head_size"):
+        for value in (2 ** 62, 2 ** 64, 10 ** 30):
+            yield f"{field}={value}", _edited(header, agent, set_field(("regions", 0, field), value))
+    for value in (2 ** 31, 10 ** 6):
+        yield f"tp_size={value}", _edited(header, agent, set_field(("tp_size",), value))
+        yield f"tokens_per_block={value}", _edited(header, agent, set_field(("tokens_per_block",), [value]))
+
+
+def _types(genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
+    """Every header field, and every field of a region, set to a value of each JSON type."""
+    header = _header(genuine)
+    for field in list(header):
         for v in _FIELD_VALUES:
-            yield f"regions[0].members[0]={v!r}", _edited(header, agent, set_field(("regions", 0, "members", 0), v))
-            yield f"regions[0].page_shape[0]={v!r}", _edited(
-                header, agent, set_field(("regions", 0, "page_shape", 0), v))
-            yield f"header={v!r}", frame(json.dumps(v).encode(), agent)
-    elif batch == "keys":
-        body = genuine[len(MAGIC) + 24: len(genuine) - 32]
-        header_bytes = body[: len(body) - len(agent)]
-        signed = frame(header_bytes, agent, KEY)
-        yield "keyed-genuine", signed  # accepted (the keyed D's one genuine variant)
-        yield "unkeyed", genuine
-        yield "wrong-key", frame(header_bytes, agent, b"x" * 32)
-        yield "hmac-dropped", signed[:-32]
-        yield "flag-cleared", signed[:len(MAGIC) + 4] + struct.pack("<I", 0) + signed[len(MAGIC) + 8:]
-        for at in range(len(MAGIC) + 24, len(signed) - 64, 11):
-            t = bytearray(signed[:-64])
-            t[at] ^= 1
-            yield f"forged{at}", bytes(t) + hashlib.sha256(bytes(t)).digest() + signed[-32:]
-        for at in range(len(signed) - 32, len(signed)):
-            yield f"hmac-flip{at}", signed[:at] + bytes([signed[at] ^ 4]) + signed[at + 1:]
-    else:
+            yield f"{field}={v!r}", _edited(header, agent, set_field((field,), v))
+    for field in list(header["regions"][0]):
+        for v in _FIELD_VALUES:
+            yield f"regions[0].{field}={v!r}", _edited(header, agent, set_field(("regions", 0, field), v))
+    for v in _FIELD_VALUES:
+        yield f"regions[0].members[0]={v!r}", _edited(header, agent, set_field(("regions", 0, "members", 0), v))
+        yield f"regions[0].page_shape[0]={v!r}", _edited(
+            header, agent, set_field(("regions", 0, "page_shape", 0), v))
+        yield f"header={v!r}", frame(json.dumps(v).encode(), agent)
+
+
+def _keys(genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
+    """The keyed handshake: the genuine keyed payload, then every way to forge one."""
+    body = genuine[len(MAGIC) + 24: len(genuine) - 32]
+    header_bytes = body[: len(body) - len(agent)]
+    signed = frame(header_bytes, agent, KEY)
+    yield "keyed-genuine", signed  # accepted (the keyed D's one genuine variant)
+    yield "unkeyed", genuine
+    yield "wrong-key", frame(header_bytes, agent, b"x" * 32)
+    yield "hmac-dropped", signed[:-32]
+    yield "flag-cleared", signed[:len(MAGIC) + 4] + struct.pack("<I", 0) + signed[len(MAGIC) + 8:]
+    for at in range(len(MAGIC) + 24, len(signed) - 64, 11):
+        t = bytearray(signed[:-64])
+        t[at] ^= 1
+        yield f"forged{at}", bytes(t) + hashlib.sha256(bytes(t)).digest() + signed[-32:]
+    for at in range(len(signed) - 32, len(signed)):
+        yield f"hmac-flip{at}", signed[:at] + bytes([signed[at] ^ 4]) + signed[at + 1:]
+
+
+_BATCH_VARIANTS: Dict[str, Callable[[bytes, bytes, np.random.Generator], Variants]] = {
+    "random": _random, "truncations": _truncations, "flips": _flips, "counts": _counts, "types": _types,
+    "keys": _keys,
+}
+
+
+def variants(batch: str, genuine: bytes, agent: bytes, rng: np.random.Generator) -> Variants:
+    """(label, payload) of one batch, built from P's genuine payload."""
+    if batch not in _BATCH_VARIANTS:
         raise ValueError(f"unknown batch {batch!r}; one of {BATCHES}")
+    return _BATCH_VARIANTS[batch](genuine, agent, rng)
 
 
 def run_batch(batch: str, seed: int = 0) -> Dict[str, object]:
     """Run one batch against real managers in this process; the report as a dict."""
-    from .testing import build_case, fill_random, one_torch_thread
+    from .engines import build_case, fill_random, one_torch_thread
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL traffic on loopback only
     rng = np.random.default_rng(seed)
@@ -228,7 +258,8 @@ def run_batch(batch: str, seed: int = 0) -> Dict[str, object]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcopy.nixl.handshake_fuzz", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvcopy.testing.nixl.handshake_fuzz",
+                                 description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--batch", default="all", help=f"comma-separated batches of {list(BATCHES)}, or all")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

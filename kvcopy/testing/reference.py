@@ -14,12 +14,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_words(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as an integer tensor of the same element width (a view)."""
-    return t.view(_INT_OF_WIDTH[t.element_size()])
+from ..layout import as_words
 
 
 def reference_copy(

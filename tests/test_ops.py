@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from kvcopy import BlockCopier, ops
+from kvcopy import ops
 from kvcopy.backends import native
 from kvcopy.testing import CopyCase, prepare_check
 

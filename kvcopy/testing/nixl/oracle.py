@@ -32,10 +32,9 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from ..layout import describe
-from ..reference import as_words
-from .plan import PullPlan
-from .regions import RegionRef
+from ...layout import as_words, describe
+from ...nixl.plan import PullPlan
+from ...nixl.regions import RegionRef
 
 
 def _bytes_of(t: torch.Tensor, name: str):

@@ -7,22 +7,23 @@ group, pointing at another layer's device tensor with a host buffer of their own
 one call's block ids per group (unique across groups: one block pool).
 
 :func:`check_copy` builds the case twice from one seed with the source random and the
-destination poisoned, runs the reference (:mod:`kvcopy.reference`) on one copy and the
+destination poisoned, runs the reference (:mod:`kvcopy.testing.reference`) on one copy and the
 backend on the other, and compares every destination tensor byte for byte, including
-the ones that must not change. Sizes are small so the Triton interpreter (~1 ms per
-program instance) can run the whole matrix.
+the ones that must not change. Sizes are small so the Triton interpreter (which runs
+each program instance in Python) can run the whole matrix.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .copier import BlockCopier
-from .reference import as_words, reference_copy_groups
+from ..copier import BlockCopier
+from ..layout import as_words
+from .reference import reference_copy_groups
 
 # name -> (logical shape builder (nb, bs, h, d) -> shape, block_dim, kv_layout)
 LAYOUTS = {
@@ -50,7 +51,7 @@ CROSS_LAYERS = 3
 # How a side of a layout is made from raw bytes: (physical shape (nb, bs, h, d) ->
 # shape, view of that physical tensor). A side not named is contiguous in the logical
 # shape. Each view has the logical shape of LAYOUTS.
-VIEWS = {
+VIEWS: Dict[str, Dict[str, Tuple[Callable[..., Tuple[int, ...]], Callable[[torch.Tensor], torch.Tensor]]]] = {
     "hnd_view_of_nhd": {side: (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.transpose(1, 2))
                         for side in ("device", "host")},
     "lbnhc": {"device": (lambda nb, bs, h, d: (nb, bs, h, 2 * d), lambda t: t.permute(0, 2, 1, 3))},
@@ -75,7 +76,7 @@ def physical_shape(layout: str, side: str, nb: int, bs: int, h: int, d: int) -> 
 def page_pairing(layout: str, bs: int, h: int, d: int, dtype: torch.dtype):
     """The :class:`~kvcopy.layout.PagePairing` of a layout's device page against its
     host page (run bytes and runs per page), from two-block tensors of each side."""
-    from .layout import describe, pair_pages
+    from ..layout import describe, pair_pages
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     sides = []

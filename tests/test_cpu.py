@@ -1,18 +1,21 @@
-"""The GPU kernel's addressing, run on the CPU: every shared case, bit-exact.
+"""kvcopy.backends.cpu and its library (csrc/cpu_copy.cpp): the item body on the host.
 
-``kvcopy_cpu_copy_ranges`` (csrc/cpu_copy.cpp) cuts a call into N equal word ranges
-and walks each with the byte cursor of ``kernels/block_copy.cuh`` exactly as one warp
-of the fused CUDA kernel walks its range, over the same static table and per-call
-array the CUDA backend builds (:mod:`kvcopy.backends.cudalib`). Range counts from 1 to more
-ranges than words put range boundaries inside pages, chunks and merged runs.
+The backend: ``KVCOPY_CPU_THREADS``, CPU tensors only, and the OpenMP path of a call
+above 1 MiB bit-exact (the shared case matrix runs every backend in test_copier.py).
+
+The GPU kernel's addressing, run on the CPU: ``kvcopy_cpu_copy_ranges`` cuts a call into
+N equal word ranges and walks each with the byte cursor of ``kernels/block_copy.cuh``
+exactly as one warp of the fused CUDA kernel walks its range, over the same static
+table and per-call array the CUDA backend builds (:mod:`kvcopy.backends.kernel_inputs`).
+Range counts from 1 to more ranges than words put range boundaries inside pages,
+chunks and merged runs; every shared case, bit-exact.
 """
 import ctypes
 
-import numpy as np
 import pytest
 
 from kvcopy import backends
-from kvcopy.backends import cudalib, native
+from kvcopy.backends import kernel_inputs, native
 from kvcopy.backends import Backend
 from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, check_copy, standard_cases
@@ -34,13 +37,13 @@ class RangesBackend(Backend):
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
 
     def copy(self, tables, call):
-        static = cudalib.static_table(tables)
+        static = kernel_inputs.static_table(tables)
         e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
         base = static.ctypes.data
         offsets = base + 8 * ENTRY_FIELDS * e
         group_entries = offsets + 8 * (g + 1)
         prefix = group_entries + 8 * ge
-        arr = cudalib.call_array(call)
+        arr = kernel_inputs.call_array(call)
         word = self.word_bytes or tables.word_bytes
         rc = lib.kvcopy_cpu_copy_ranges(base, offsets, group_entries, prefix, g, arr.ctypes.data,
                                         call.total_bytes, self.num_ranges, word)
@@ -72,25 +75,6 @@ def test_cursor_narrow_words(word, ranges_backend):
     check_copy(name, case, "d2h").close()
 
 
-def test_call_array_block_prefix():
-    from types import SimpleNamespace
-
-    # 2 groups, runs (5,5,3) | (9,1,1), (2,7,4): the block prefix is 0, 3, 4, 8
-    packed = np.array([0, 1, 3, 0, 2, 6, 5, 5, 3, 9, 1, 1, 2, 7, 4], dtype=np.int64)
-    call = SimpleNamespace(packed=packed, num_groups=2, total_bytes=0)
-    arr = cudalib.call_array(call)
-    assert arr[: len(packed)].tolist() == packed.tolist()
-    assert arr[len(packed):].tolist() == [0, 3, 4, 8]
-
-
-def test_grid_size_rule():
-    assert cudalib.grid_size(1, 132, None) == 1
-    assert cudalib.grid_size(1 << 30, 132, None) == 132 * cudalib.CTAS_PER_SM
-    assert cudalib.grid_size(1 << 30, 132, 16) == 16
-    per_cta = cudalib.THREADS // 32 * cudalib.MIN_BYTES_PER_WARP
-    assert cudalib.grid_size(3 * per_cta, 132, None) == 3
-
-
 @pytest.mark.parametrize("num_ranges", [1, 7, 300])
 @pytest.mark.parametrize("case", [
     CopyCase(layout="bhlnc", num_heads=3, head_size=256, block_size=4, ids="runs"),  # 4 KiB runs: whole segments
@@ -103,3 +87,42 @@ def test_cursor_converting_runs_long_and_short(case, num_ranges, ranges_backend)
     name = ranges_backend(num_ranges)
     for direction in ("d2h", "h2d"):
         check_copy(name, case, direction).close()
+
+
+# ---------------------------------------------------------------- the backend itself
+def test_thread_count_comes_from_the_environment(monkeypatch):
+    from kvcopy.backends import cpu
+
+    for text, want in (("", 0), ("3", 3), (" 2 ", 2), ("-1", 0)):
+        monkeypatch.setenv("KVCOPY_CPU_THREADS", text)
+        assert cpu._threads() == want
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", "two")
+    with pytest.raises(ValueError, match="KVCOPY_CPU_THREADS must be an integer"):
+        cpu._threads()
+
+
+def test_tensors_off_the_host_are_refused():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcopy.backends.cpu import CpuBackend
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    backend = CpuBackend()
+    assert backend.unsupported_reason(SimpleNamespace(src_device=cpu, dst_device=cpu)) is None
+    for src, dst in ((meta, cpu), (cpu, torch.device("cuda", 0))):
+        assert "needs CPU tensors on both sides" in backend.unsupported_reason(
+            SimpleNamespace(src_device=src, dst_device=dst))
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_call_above_a_mebibyte_on_openmp_threads_is_bit_exact(threads, monkeypatch):
+    """Calls of 1 MiB and more spread their items over OpenMP threads."""
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
+    case = CopyCase(layout="kv_first", num_groups=3, ids="scattered", num_blocks=64, head_size=256, block_size=16,
+                    num_heads=4)
+    copier = check_copy("cpu", case, "d2h")
+    assert copier.to_host(case.block_ids()[0], case.block_ids()[1]).total_bytes >= 1 << 20
+    copier.close()
+    check_copy("cpu", case, "h2d").close()

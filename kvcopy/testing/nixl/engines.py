@@ -1,7 +1,10 @@
 """Toy engines and an independent expectation for NIXL transfer tests and examples.
 
-Not used by the manager. It builds small KV caches with the shapes that broke real
-deployments (seeds/1 and seeds/3), fills and clones them preserving aliasing, computes
+Not used by the manager. It builds small KV caches with the shapes that broke vLLM's
+NIXL path (hybrid models whose KV cache groups overlay one tensor, where copying every
+layer at every group's blocks overwrote received KV with unfilled host pages; and P and
+D with different tokens per block, where "the last N pages" selected the wrong ones),
+fills and clones them preserving aliasing, computes
 what D's caches must hold after a pull with a plain per-page loop written from the
 token-position rule (not from :mod:`kvcopy.nixl.plan`), and runs a prefill engine in
 a child process driven over a pipe.
@@ -9,13 +12,14 @@ a child process driven over a pipe.
 Cases (``build_case``):
 
 * ``one_group``: three NHD layers ``[pages, 16, 2, 8]`` fp16, one group.
-* ``hybrid`` (seeds/1): a full-attention group ``l0 l2 l4`` (32-token blocks) and a
+* ``hybrid`` (groups overlaid on one tensor): a full-attention group ``l0 l2 l4`` (32-token blocks) and a
   sliding-window group ``l1 l3 l5`` (16-token blocks), 16-token pages. ``l0``/``l1``
   are one tensor; ``l2``/``l3`` and ``l4``/``l5`` are KV-first ``[2, pages, 16, 2, 8]``
   bf16 views at two offsets of one uint8 pool; ``l6`` is a KV-sharing layer (the
   tensor of ``l2``, in no group) and ``l7`` a layer in no group with its own tensor.
-* ``seeds3``: two MLA layers ``[pages, 64, 32]`` bf16, 64-token pages; P uses 128-token
-  blocks (2 pages each), D 64-token blocks.
+* ``seeds3`` (pages selected by token position): two MLA layers ``[pages, 64, 32]`` bf16,
+  64-token pages; P uses 128-token blocks (2 pages each), D 64-token blocks, so a P
+  block's last page may be unused capacity that must not shift D's selection.
 """
 from __future__ import annotations
 
@@ -23,17 +27,17 @@ import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..layout import describe
-from ..reference import as_words, reference_copy
+from ...layout import as_words, describe
+from ...nixl.plan import NO_BLOCK
+from ..reference import reference_copy
 from .oracle import (  # noqa: F401  (re-exported for the tests)
     clone_caches, fill_random, first_difference, replay, same_bytes, storage_bytes, unique_storages,
 )
-from .plan import NO_BLOCK
 
 
 @contextlib.contextmanager
@@ -56,13 +60,13 @@ class ToyEngine:
     layer_groups: List[List[str]]
     tokens_per_block: List[int]
     tokens_per_page: int
-    kwargs: Dict[str, object] = field(default_factory=dict)
+    kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def pages_per_block(self, g: int) -> int:
         return self.tokens_per_block[g] // self.tokens_per_page
 
     def manager(self, name: str, **overrides):
-        from .manager import TransferManager
+        from ...nixl.manager import TransferManager
 
         kw = dict(self.kwargs)
         kw.update(overrides)
@@ -119,7 +123,11 @@ class ManagerPairs:
         return p, d, d.add_peer(p.metadata()), pe, de
 
     def close(self) -> None:
-        for m in reversed(self.made):
+        # Each P before its D. D's add_peer connects to P, and UCX's TCP transport then has
+        # P connect back to D's listener in the background; a D closed first can leave that
+        # connect refused and retried after the test, its "UCX ERROR ... Connection
+        # refused" lines landing between pytest's dots.
+        for m in self.made:
             m.close()
         self.made = []
 
@@ -189,7 +197,7 @@ def from_wire(wire: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
 def serve_prefill(conn) -> None:
     """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
     ("start_spec", fuzz spec, P ranks, names): one manager per P rank of a
-    :class:`kvcopy.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
+    :class:`kvcopy.testing.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
     ("notifications", count), ("close",), ("exit",). Both starts take an optional last
     element: manager keyword arguments (``buffer="arena"``, ``arena_bytes``); then
     ("save_arena", block_ids, num_tokens, request_id) stages the request on every
@@ -209,7 +217,7 @@ def serve_prefill(conn) -> None:
                 conn.send(("ok", managers[0].metadata(), _to_wire(caches)))
             elif cmd == "start_spec":
                 from . import fuzz
-                from .manager import TransferManager
+                from ...nixl.manager import TransferManager
 
                 _, spec, ranks, names, *kw = msg
                 logical = fuzz.logical_kv(spec)
@@ -301,8 +309,8 @@ def collect_notifications(manager, count: int, timeout: float = 60.0) -> List[tu
 
 def engine_info(engine: ToyEngine, name: str, buffer: str = "host"):
     """The handshake record of an engine without creating a NIXL agent (plan tests)."""
-    from .handshake import EngineInfo
-    from .regions import build_regions
+    from ...nixl.handshake import EngineInfo
+    from ...nixl.regions import build_regions
 
     tpp = [engine.tokens_per_page] * len(engine.layer_groups)
     regions = build_regions(engine.device_caches, engine.layer_groups, tpp, buffer)
@@ -342,7 +350,7 @@ def pull_and_complete(
 
 def pull_spec(d_manager, peers: Sequence[str], spec, d_caches: Dict[str, torch.Tensor],
               p_caches: Optional[Dict[str, Dict[str, torch.Tensor]]] = None, notify: bytes = b""):
-    """One heterogeneous pull of a :class:`kvcopy.nixl.fuzz.Spec` with real NIXL: plan
+    """One heterogeneous pull of a :class:`kvcopy.testing.nixl.fuzz.Spec` with real NIXL: plan
     (several peers), pull, poll, complete on D. Returns (plan, completion, expected,
     replayed): the fuzzer's independent expectation of D's caches and, given P's
     caches by peer name, the byte oracle's replay of the plan."""
