@@ -118,11 +118,11 @@ _KEPT_ALIVE: List[object] = []
 
 @dataclass(frozen=True)
 class _Remote:
-    """A peer added with ``add_peer``: what the modes see, and NIXL's prepared descriptor
-    list of its regions (None: an arena peer, read at its staged spans only)."""
+    """A peer added with ``add_peer``, as the modes see it. (Its NIXL descriptor list is
+    in the manager's ``_dlists``: plans and handles keep peer records, and nothing they
+    keep may keep the NIXL agent alive past ``close``.)"""
 
     peer: Peer
-    dlist: object
 
 
 class TransferManager:
@@ -159,6 +159,7 @@ class TransferManager:
         self._registrations: List[object] = []
         self._kept: Dict[str, List[bytes]] = {}  # notifications save() read for the caller
         self._peers: Dict[str, _Remote] = {}
+        self._dlists: Dict[str, object] = {}  # peer -> NIXL's prepared list of its regions (not arena peers)
         self._peer_keys = itertools.count()  # Peer.key: never reused, so caches never serve a re-added peer
         self._in_flight: Dict[int, PullRecord] = {}
         self._late = LateReads(mode)  # READs given up on, not yet ended (module docstring)
@@ -237,7 +238,9 @@ class TransferManager:
             self._agent.release_remote(name)
             raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
         peer = Peer(next(self._peer_keys), remote, tuple(layer_pairs), tuple(offsets.tolist()))
-        self._peers[name] = _Remote(peer, dlist)
+        self._peers[name] = _Remote(peer)
+        if dlist is not None:
+            self._dlists[name] = dlist
         return name
 
     def peers(self) -> List[str]:
@@ -253,8 +256,9 @@ class TransferManager:
         for rec in [r for r in self._in_flight.values() if name in r.peers]:
             self._fail(rec, f"peer {name!r} was removed")
         remote = self._peers.pop(name)
-        if remote.dlist is not None:
-            Agent.release_dlist(remote.dlist)
+        dlist = self._dlists.pop(name, None)
+        if dlist is not None:
+            Agent.release_dlist(dlist)
         self._agent.release_remote(name)  # parked, not unloaded: see kvcopy.nixl._agent
         self._mode.forget(remote.peer)
 
@@ -390,7 +394,7 @@ class TransferManager:
             remote = self._peers[name]
             # No NIXL notification on the READ: D sends its own (module docstring).
             if read.prepared:
-                xfer, state, reason = self._agent.post_read(self._local_dlist, read.local, remote.dlist,
+                xfer, state, reason = self._agent.post_read(self._local_dlist, read.local, self._dlists[name],
                                                             read.remote, b"")
             else:
                 xfer, state, reason = self._agent.post_read_descs(
