@@ -192,10 +192,10 @@ def test_edited_or_foreign_plans_and_handles_are_refused_before_anything_moves(p
             call(h)
     assert wait(d, h) == "DONE"
     # the manager completes its own record of the pull, whatever the handle shows
-    shown = h._record
-    object.__setattr__(h, "_record", None)
+    shown = h._view
+    object.__setattr__(h, "_view", None)
     assert d.complete(h).ok
-    object.__setattr__(h, "_record", shown)
+    object.__setattr__(h, "_view", shown)
     assert not same_bytes(before, de.device_caches)
     assert d2.stats()["in_flight"] == 0 and same_bytes(clone_caches(de2.device_caches), de2.device_caches)
 

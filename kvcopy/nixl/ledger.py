@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from .buffer_mode import Work
 from .plan import Plan
-from .pull import PROC, PullHandle
+from .pull import PROC, PullHandle, PullView
 
 PLANNED, PULLED, COMPLETED, DISCARDED = "planned", "pulled", "completed", "discarded"
 _NEXT = {PLANNED: (PULLED, DISCARDED), PULLED: (COMPLETED,)}
@@ -82,31 +82,57 @@ class Issued:
 class PullRecord:
     """One pull (see the module docstring); ``xfers`` holds the NIXL handles of READs
     that have not ended, ``done`` the peers whose READ ended DONE, ``notified`` the
-    peers sent the pull's notification (each at most once)."""
+    peers sent the pull's notification (each at most once). ``state``, ``error`` and
+    ``completed`` are written through to the caller's :class:`PullView`."""
 
-    __slots__ = ("id", "issued", "plan", "notify", "timeout_s", "deadline", "state", "error", "completed",
-                 "xfers", "done", "notified", "posted", "handle")
+    __slots__ = ("id", "issued", "notify", "deadline", "timeout_s", "_state", "_error", "_completed", "xfers",
+                 "done", "notified", "posted", "handle", "view")
 
     def __init__(self, id_: int, issued: Issued, plan: Plan, notify: bytes, timeout_s: Optional[float],
                  deadline: Optional[float]):
         self.id = id_
         self.issued = issued
-        self.plan = plan  # the caller's plan object: shown by the handle, never read by the manager
         self.notify = notify
         self.timeout_s = timeout_s
         self.deadline = deadline
-        self.state = PROC
-        self.error: Optional[str] = None
-        self.completed = False
+        self._state = PROC
+        self._error: Optional[str] = None
+        self._completed = False
         self.xfers: Dict[str, object] = {}
         self.done: Set[str] = set()
         self.notified: Set[str] = set()
         self.posted = False  # a READ was handed to NIXL (it may write the plan's local pages)
         self.handle: Optional[weakref.ref] = None
+        # the caller's plan object is shown by the handle, never read by the manager
+        self.view = PullView(id_, plan, notify, timeout_s, deadline, issued.names)
 
     @property
     def peers(self) -> Tuple[str, ...]:
         return self.issued.names
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self._state = self.view.state = value
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
+
+    @error.setter
+    def error(self, value: Optional[str]) -> None:
+        self._error = self.view.error = value
+
+    @property
+    def completed(self) -> bool:
+        return self._completed
+
+    @completed.setter
+    def completed(self, value: bool) -> None:
+        self._completed = self.view.completed = value
 
 
 class Ledger:
@@ -147,7 +173,7 @@ class Ledger:
 
     # ------------------------------------------------------------ pulls
     def add_pull(self, record: PullRecord) -> PullHandle:
-        handle = PullHandle(record)
+        handle = PullHandle(record.view)
         key, pulls, dead = id(handle), self._pulls, self._dead_pulls
 
         def forget(ref, key=key, pulls=pulls, dead=dead):

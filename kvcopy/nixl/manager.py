@@ -453,12 +453,12 @@ class TransferManager:
             self._check_open()
         return self._complete(rec)
 
-    def _complete(self, rec: PullRecord) -> Completion:
+    def _complete(self, rec: PullRecord, write: bool = True) -> Completion:
         rec.completed = True
         issued, mode = rec.issued, self._mode
         issued.advance(COMPLETED)
         try:
-            if rec.state == DONE:
+            if rec.state == DONE and write:
                 mode.complete(issued.work)
         finally:
             if not issued.landing:
@@ -537,13 +537,13 @@ class TransferManager:
         self._late.reap(self._agent.state, self._release_xfer)
 
     def _drop_pull(self, rec: PullRecord) -> None:
-        """The caller dropped a handle it had not completed: complete it (as a failure
-        if still in flight), so what its plan holds is freed."""
+        """The caller dropped a handle it had not completed: finish it without writing
+        the KV (failing it first if in flight), so what its plan holds is freed."""
         if rec.completed:
             return
         if rec.state == PROC:
             self._fail(rec, "the pull's handle was dropped before it completed")
-        self._complete(rec)
+        self._complete(rec, write=False)
 
     def _release_xfer(self, xfer) -> None:
         if Agent.release(xfer) is not None:

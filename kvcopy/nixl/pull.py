@@ -2,11 +2,12 @@
 (:class:`Completion`), and the refusal of a pull into memory a READ may still write
 (:class:`PagesHeld`).
 
-A :class:`PullHandle` is a view: everything the manager decides by (the pull's state,
-its NIXL handles, its plan's pages and span) lives in the manager's own record of the
-pull (:mod:`kvcopy.nixl.ledger`), found by the handle's identity. Setting an attribute
-of a handle, even with ``object.__setattr__``, changes what the caller sees, never what
-the manager reads or writes. ``state`` goes ``PROC`` -> ``DONE`` or ``ERR`` once.
+A :class:`PullHandle` shows a :class:`PullView` the manager writes and never reads:
+everything the manager decides by (the pull's state, its NIXL handles, its plan's pages
+and span) lives in its own record of the pull (:mod:`kvcopy.nixl.ledger`), found by the
+handle's identity. Setting an attribute of a handle or of its view, even with
+``object.__setattr__``, changes what the caller sees, never what the manager reads or
+writes. ``state`` goes ``PROC`` -> ``DONE`` or ``ERR`` once.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
 
 if TYPE_CHECKING:
-    from .ledger import PullRecord
     from .plan import Plan
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
@@ -63,56 +63,71 @@ class PagesHeld(RuntimeError):
         self.pulls = pulls
 
 
+@dataclass
+class PullView:
+    """What a handle shows: written by the manager, never read back by it."""
+
+    id: int
+    plan: "Plan"
+    notify: bytes
+    timeout_s: Optional[float]
+    deadline: Optional[float]
+    peers: Tuple[str, ...]
+    state: str = PROC
+    error: Optional[str] = None
+    completed: bool = False
+
+
 class PullHandle:
     """One pull in flight or finished, as its caller sees it: ``state`` (PROC, DONE or
     ERR), ``error`` (why it failed), its ``plan``, ``notify`` and deadline. Read-only
-    views of the manager's record of the pull (see the module docstring)."""
+    views of what the manager wrote (see the module docstring)."""
 
-    __slots__ = ("_record", "__weakref__")
+    __slots__ = ("_view", "__weakref__")
 
-    def __init__(self, record: "PullRecord"):
-        self._record = record
+    def __init__(self, view: PullView):
+        self._view = view
 
     @property
     def id(self) -> int:
-        return self._record.id
+        return self._view.id
 
     @property
     def state(self) -> str:
-        return self._record.state
+        return self._view.state
 
     @property
     def error(self) -> Optional[str]:
-        return self._record.error
+        return self._view.error
 
     @property
     def completed(self) -> bool:
-        return self._record.completed
+        return self._view.completed
 
     @property
     def plan(self) -> "Plan":
-        return self._record.plan
+        return self._view.plan
 
     @property
     def notify(self) -> bytes:
-        return self._record.notify
+        return self._view.notify
 
     @property
     def timeout_s(self) -> Optional[float]:
-        return self._record.timeout_s
+        return self._view.timeout_s
 
     @property
     def deadline(self) -> Optional[float]:
         """``time.monotonic()`` past which the pull fails at the next poll; None: none."""
-        return self._record.deadline
+        return self._view.deadline
 
     @property
     def peers(self) -> Tuple[str, ...]:
-        return self._record.peers
+        return self._view.peers
 
     @property
     def peer(self) -> str:
-        return self._record.peers[0]
+        return self._view.peers[0]
 
     def __repr__(self) -> str:
         tail = f", error={self.error!r}" if self.error else ""
