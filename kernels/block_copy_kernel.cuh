@@ -45,7 +45,7 @@ namespace kvcopy {
 // The kernel's single parameter. Layout mirrored by ctypes in kvcopy/nvrtc.py.
 struct KernelParams {
   const int64_t*
-      tables;  // entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
+      tables;  // entries[E*20] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
   const int64_t* call;  // packed call | block_prefix[R+1]; nullptr: use inline_call
   int64_t num_entries;
   int64_t num_groups;

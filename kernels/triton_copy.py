@@ -5,9 +5,10 @@ and segment arithmetic, one ``tl.load``/``tl.store`` pair per tile of integer wo
 
 Data layout (built by :mod:`kvcopy.tables`, uploaded once per copier direction)
 -----------------------------------------------------------------------------
-``entries``        int64 ``[E, 16]``: src base, dst base, src/dst block stride, run
+``entries``        int64 ``[E, 20]``: src base, dst base, src/dst block stride, run
                    bytes, runs per page, three page-run dims (count, src stride, dst
-                   stride), outermost first (bytes; see ``kvcopy.tables``). Base addresses
+                   stride), outermost first, then (columns 16-18) the dims' key strides
+                   for checksums (bytes; see ``kvcopy.tables``). Base addresses
                    are raw ``data_ptr()`` values: device memory, or pinned host memory
                    read and written by the SMs over unified addressing. The kernel
                    casts them with ``.to(tl.pointer_type(...))``.
@@ -94,6 +95,7 @@ MIN_ROW_BYTES = 64
 SCAN = 256
 GROUPS = 8  # group starts resolved with one vector load; more groups take a loop
 NUM_WARPS = 8
+ENTRY_FIELDS = tl.constexpr(20)  # int64 columns of an entry row (kvcopy.tables.ENTRY_FIELDS)
 
 
 # Only builtins and this module's own jit functions are used in kernel code: the
@@ -138,7 +140,7 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
     local = j - tl.load(item_offsets + g, mask=valid, other=0)
     slot = tl.load(group_offsets + g, mask=valid, other=0) + local // runs_in_group
-    entry = entries + 16 * tl.load(group_entries + slot, mask=valid, other=0)
+    entry = entries + ENTRY_FIELDS * tl.load(group_entries + slot, mask=valid, other=0)
     run = call + 2 * (num_groups + 1) + 3 * (first_run + local % runs_in_group)
     src_block = tl.load(run, mask=valid, other=0)
     dst_block = tl.load(run + 1, mask=valid, other=0)

@@ -171,6 +171,7 @@ class BlockCopier:
             [(src_t[n], src_l[n]) for n in entries],
             [(dst_t[n], dst_l[n]) for n in entries],
             entries,
+            staging="dst" if dst_side == "host" else "src",
         )
         tables.max_ctas = self._max_ctas
         tables.cta_cap()  # a bad max_ctas / KVCOPY_MAX_CTAS fails here, not mid-call
