@@ -70,6 +70,7 @@ class CopyTables:
     word_bytes: int  # widest word (<= 16) every address, stride and size is aligned to
     group_block_bytes: np.ndarray  # int64 [G]: bytes one block id moves in group g
     max_ctas: Optional[int] = None  # grid cap of the kernel backends (BlockCopier(max_ctas=))
+    staging: str = "dst"  # the side whose pages key the checksums (the host buffers)
     backend_state: dict = field(default_factory=dict)  # what backends cache per table
 
     @property
@@ -162,6 +163,7 @@ def build_tables(
         dst_device=dst_dev,
         word_bytes=word,
         group_block_bytes=group_bytes,
+        staging=staging,
     )
 
 

@@ -6,12 +6,18 @@ static tables' addresses and the packed call array; the library walks every item
 GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads; it is read
 when a copier direction is prepared (not once per process), so a benchmark that sets
 it before building its copiers runs them on that many threads.
+
+With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums``, whose
+loop hashes each word between its load and its store (AVX-512 where the CPU has it;
+``KVCOPY_CPU_SIMD=0``, read at prepare, keeps to the scalar loop).
 """
 from __future__ import annotations
 
 import ctypes
 import os
 from typing import Optional
+
+import torch
 
 from . import Backend, native
 from ..tables import CallPlan, CopyTables
@@ -30,18 +36,28 @@ def _threads() -> int:
         raise ValueError(f"KVCOPY_CPU_THREADS must be an integer, got {text!r}") from None
 
 
+def _simd() -> int:
+    """``KVCOPY_CPU_SIMD`` (default 1: the CPU's vector loop; 0: scalar)."""
+    return 0 if os.environ.get("KVCOPY_CPU_SIMD", "1").strip() in ("0", "off", "no") else 1
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self) -> None:
         lib, self._why = native.load("kvcopy_cpu")
         self._lib = lib
+        self._sums = None
         if lib is not None:
             lib.kvcopy_cpu_copy.restype = ctypes.c_int
             lib.kvcopy_cpu_copy.argtypes = [
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ]
+            self._sums = getattr(lib, "kvcopy_cpu_copy_sums", None)
+            if self._sums is not None:
+                self._sums.restype = ctypes.c_int
+                self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -55,13 +71,25 @@ class CpuBackend(Backend):
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             _ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries),
-            tables.num_groups, _threads(),
+            tables.num_groups, _threads(), _simd(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        entries, offsets, group_entries, groups, threads = self.state(tables)
+        entries, offsets, group_entries, groups, threads, _ = self.state(tables)
         rc = self._lib.kvcopy_cpu_copy(
             entries, offsets, group_entries, groups, call.words, call.total_bytes, threads
         )
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
+
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        if self._lib is not None and self._sums is None:
+            return "libkvcopy_cpu.so predates checksums (rebuild it: python setup.py build_ext --inplace)"
+        return self.unavailable_reason() or self.unsupported_reason(tables)
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+        entries, offsets, group_entries, groups, threads, simd = self.state(tables)
+        rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
+                        out.data_ptr(), out.numel(), simd)
+        if rc != 0:
+            raise RuntimeError(f"kvcopy_cpu_copy_sums failed with code {rc}")

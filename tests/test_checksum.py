@@ -1,0 +1,219 @@
+"""Page checksums computed by the copies (kvcopy.checksum): every backend's sums equal
+the numpy oracle's bit for bit over the shared case matrix, the copies stay bit-exact,
+and the faults the sums exist for change exactly the faulty page's sum.
+
+Backends here: ``cpu`` (its AVX-512 loop and its scalar loop), ``torch``, the CUDA
+kernel's work split and keying run on the host (``kvcopy_cpu_copy_ranges_sums``, as
+``tests/test_cuda_cursor.py`` does for the copy) and the Triton kernel in Triton's
+interpreter. The oracle reads the staging pages' bytes from their storage and knows
+nothing of the kernels' tables beyond which layers a group copies.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+import kvcopy
+from kvcopy import backends
+from kvcopy.backends import Backend, kernel_inputs, native
+from kvcopy.checksum import (check_output, fold, mix64, page_sums, reference_checksums, seal, staging_pages,
+                             word_keys)
+from kvcopy.layout import describe, pair_pages
+from kvcopy.tables import ENTRY_FIELDS
+from kvcopy.testing import CopyCase, prepare_check, standard_cases
+
+lib, why = native.load("kvcopy_cpu")
+CASES = standard_cases()
+QUICK = standard_cases(quick=True)
+DIRECTIONS = ("d2h", "h2d")
+POISON_SUM = 0x5A5A5A5A5A5A5A5A
+
+
+# ------------------------------------------------------------------ helpers
+def oracle(check, case: CopyCase, direction: str) -> np.ndarray:
+    """The oracle's sums for a prepared check: from the expected host pages (the
+    reference copy's result for d2h, the untouched source for h2d)."""
+    tables = check.copier.tables(direction)
+    entries = [[tables.entry_names[e] for e in tables.group_entry_ids(g)] for g in range(tables.num_groups)]
+    dev, host = check.expected
+    bd, kv = case.block_dim(), case.kv_layout()
+    runs = {}
+    for names in entries:
+        for n in names:
+            d, h = describe(dev[n], bd, kv), describe(host[n], bd, kv)
+            runs[n] = (pair_pages(d, h) if direction == "d2h" else pair_pages(h, d)).run_bytes
+    return reference_checksums(host, entries, check.host_ids, runs, {n: bd for n in runs}, kv)
+
+
+def copy_with_sums(check, direction: str) -> np.ndarray:
+    n = sum(len(ids) for ids in check.dev_ids)
+    out = torch.full((n,), POISON_SUM, dtype=torch.int64)
+    if direction == "d2h":
+        check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)
+    else:
+        check.copier.to_device(check.dev_ids, check.host_ids, checksums=out)
+    return out.numpy().view(np.uint64).copy()
+
+
+def check_sums(backend: str, case: CopyCase, direction: str, **kw) -> np.ndarray:
+    """Copy ``case`` with checksums: bytes as the reference's, sums as the oracle's."""
+    check = prepare_check(backend, case, direction, **kw)
+    got = copy_with_sums(check, direction)
+    check.assert_matches()
+    want = oracle(check, case, direction)
+    bad = np.flatnonzero(got != want)
+    assert not len(bad), f"{check.label}: {len(bad)} of {len(want)} sums differ from the oracle, first {bad[:4]}"
+    check.copier.close()
+    return got
+
+
+class RangesSumsBackend(Backend):
+    """The CUDA checksum kernel's work split (equal word ranges, block ranges, run
+    pieces or word-by-word gathers, the narrow words' owner rule), on the host."""
+
+    name = "cpu-ranges-sums"
+
+    def __init__(self, num_ranges: int, word_bytes=None):
+        self.num_ranges, self.word_bytes = num_ranges, word_bytes
+        fn = lib.kvcopy_cpu_copy_ranges_sums
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+            ctypes.c_void_p, ctypes.c_int64]
+        self._fn = fn
+
+    def checksum_reason(self, tables):
+        return None
+
+    def copy(self, tables, call):
+        raise AssertionError("this test backend only runs checksummed copies")
+
+    def copy_with_checksums(self, tables, call, out):
+        static = kernel_inputs.static_table(tables)
+        e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
+        base = static.ctypes.data
+        offsets = base + 8 * ENTRY_FIELDS * e
+        prefix = offsets + 8 * (g + 1) + 8 * ge
+        arr = kernel_inputs.call_array(call)
+        rc = self._fn(base, offsets, offsets + 8 * (g + 1), prefix, g, arr.ctypes.data, call.total_bytes,
+                      self.num_ranges, self.word_bytes or tables.word_bytes, out.data_ptr(), out.numel())
+        assert rc == 0
+
+
+@pytest.fixture
+def ranges_backend(monkeypatch):
+    def make(n, word=None):
+        monkeypatch.setitem(backends._REGISTRY, RangesSumsBackend.name, "x:y")
+        monkeypatch.setitem(backends._instances, RangesSumsBackend.name, RangesSumsBackend(n, word))
+        return RangesSumsBackend.name
+    return make
+
+
+needs_lib = pytest.mark.skipif(lib is None, reason=f"CPU library not built: {why}")
+
+
+# ------------------------------------------------------------------ the definition
+def test_mix64_is_murmur3_finalizer_and_keys_wrap():
+    # fmix64 of 1, computed by hand from the finalizer's steps (Python ints, mod 2^64)
+    m = (1 << 64) - 1
+    x = 1
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & m
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & m
+    x ^= x >> 33
+    assert int(mix64(np.array([1], np.uint64))[0]) == x
+    assert int(word_keys(np.array([7]), 3)[0]) == (8 * 0x9E3779B97F4A7C15 + 3 * 0xC2B2AE3D27D4EB4F) & m
+
+
+def test_page_sums_zero_pad_the_last_word_of_each_run():
+    rng = np.random.default_rng(0)
+    page = rng.integers(0, 256, (1, 2 * 13), dtype=np.uint8)
+    # two runs of 13 bytes: words at run offsets 0 and 8, the second 5 bytes + 3 zero bytes
+    want = 0
+    for r in range(2):
+        run = page[0, 13 * r: 13 * (r + 1)]
+        for j in (0, 8):
+            chunk = np.zeros(8, np.uint8)
+            chunk[: len(run[j:j + 8])] = run[j:j + 8]
+            word = chunk.view("<u8").astype(np.uint64)
+            want += int(mix64(word ^ word_keys(np.array([13 * r + j]), 2))[0])
+    assert int(page_sums(page, 13, 2)[0]) == want % (1 << 64)
+    with pytest.raises(ValueError, match="whole number"):
+        page_sums(page, 5, 0)
+
+
+# ------------------------------------------------------------------ every backend = the oracle
+CPU_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_backends()[b] is None]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_sums_match_oracle(backend, case, direction):
+    check_sums(backend, case, direction)
+
+
+@needs_lib
+@pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
+def test_cpu_scalar_loop_matches_oracle(case, monkeypatch):
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", "0")
+    for direction in DIRECTIONS:
+        check_sums("cpu", case, direction)
+
+
+@needs_lib
+def test_cpu_threads_add_shared_slots(monkeypatch):
+    """Above 1 MiB the items of one call run on OpenMP threads, several layers of a
+    group adding into one block's slot at once."""
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", "2")
+    case = CopyCase(num_groups=2, layers_per_group=4, num_blocks=64, ids="all", block_size=16, num_heads=8,
+                    head_size=128)
+    for direction in DIRECTIONS:
+        check_sums("cpu", case, direction)
+
+
+@needs_lib
+@pytest.mark.parametrize("num_ranges", [1, 3, 64, 5000])
+@pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
+def test_cuda_kernel_split_matches_oracle(case, num_ranges, ranges_backend):
+    name = ranges_backend(num_ranges)
+    for direction in DIRECTIONS:
+        check_sums(name, case, direction)
+
+
+@needs_lib
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", [
+    CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48),
+    CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),  # 21-byte pages
+    CopyCase(layout="lbnhc", dtype="uint8", num_heads=5, head_size=7, ids="scattered"),  # 14-byte runs
+], ids=lambda c: c.id + f"-b{c.block_size}")
+def test_cuda_kernel_narrow_words(word, case, ranges_backend):
+    """Words narrower than 8 bytes: each 8-byte hash word is added by the range that
+    holds its first byte, reading the rest from the source; range cuts fall inside
+    hash words. (A word wider than the tables' alignment is skipped: it would not be
+    the kernel's.)"""
+    for direction in DIRECTIONS:
+        check = prepare_check("cpu", case, direction)
+        if check.copier.tables(direction).word_bytes % word:
+            pytest.skip(f"tables aligned to {check.copier.tables(direction).word_bytes} bytes")
+        check.copier.close()
+        for n in (1, 7, 300):
+            check_sums(ranges_backend(n, word), case, direction)
+
+
+@needs_lib
+@pytest.mark.parametrize("num_ranges", [1, 7, 300])
+@pytest.mark.parametrize("case", [
+    CopyCase(layout="bhlnc", num_heads=3, head_size=256, block_size=4, ids="runs"),  # 4 KiB runs: run pieces
+    CopyCase(layout="lbnhc", num_heads=8, head_size=128, block_size=4, ids="scattered"),  # 512 B runs: gathers
+    CopyCase(layout="flashinfer_hnd", num_heads=3, head_size=8, ids="runs", dtype="fp8"),  # 8 B runs, 3 dims
+    CopyCase(layout="kv_first", num_heads=8, head_size=128, block_size=16, ids="runs", num_blocks=16),  # merged
+], ids=lambda c: c.id + f"-h{c.num_heads}-d{c.head_size}")
+def test_cuda_kernel_long_and_short_runs(case, num_ranges, ranges_backend):
+    name = ranges_backend(num_ranges)
+    for direction in DIRECTIONS:
+        check_sums(name, case, direction)
