@@ -286,7 +286,7 @@ extern "C" {
 // Bumped whenever a C signature of this library changes (kvcopy/backends/native.py
 // refuses a library whose version is not the one the Python code was written for).
 // 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
-int kvcopy_cpu_abi_version() { return 2; }
+int kvcopy_cpu_abi_version() { return 3; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP

@@ -41,7 +41,7 @@ constexpr int kDriverErrorBase = 100000;
 
 extern "C" {
 
-int kvcopy_cuda_abi_version() { return 1; }
+int kvcopy_cuda_abi_version() { return 2; }
 int kvcopy_cuda_threads() { return KVCOPY_THREADS; }
 int kvcopy_cuda_inline_words() { return KVCOPY_INLINE_WORDS; }
 int kvcopy_cuda_params_bytes() { return (int)sizeof(kvcopy::KernelParams); }

@@ -146,7 +146,7 @@ def staging_pages(tensor: torch.Tensor, layout: PageLayout, ids: Sequence[int]) 
     view = raw.as_strided((layout.num_blocks, layout.num_chunks, layout.chunk_bytes),
                           (layout.block_stride, max(layout.chunk_stride, 1), 1),
                           tensor.storage_offset() * tensor.element_size())
-    idx = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    idx = torch.from_numpy(np.array(ids, dtype=np.int64))  # a copy: plans hand out read-only ids
     return view.index_select(0, idx).reshape(len(idx), -1).numpy()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -47,17 +47,16 @@ class CpuBackend(Backend):
     def __init__(self) -> None:
         lib, self._why = native.load("kvcopy_cpu")
         self._lib = lib
-        self._sums = None
+        self._sums: Any = None
         if lib is not None:
             lib.kvcopy_cpu_copy.restype = ctypes.c_int
             lib.kvcopy_cpu_copy.argtypes = [
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ]
-            self._sums = getattr(lib, "kvcopy_cpu_copy_sums", None)
-            if self._sums is not None:
-                self._sums.restype = ctypes.c_int
-                self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            self._sums = lib.kvcopy_cpu_copy_sums
+            self._sums.restype = ctypes.c_int
+            self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -83,8 +82,6 @@ class CpuBackend(Backend):
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
 
     def checksum_reason(self, tables: CopyTables) -> Optional[str]:
-        if self._lib is not None and self._sums is None:
-            return "libkvcopy_cpu.so predates checksums (rebuild it: python setup.py build_ext --inplace)"
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
