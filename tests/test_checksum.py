@@ -217,3 +217,91 @@ def test_cuda_kernel_long_and_short_runs(case, num_ranges, ranges_backend):
     name = ranges_backend(num_ranges)
     for direction in DIRECTIONS:
         check_sums(name, case, direction)
+
+
+# ------------------------------------------------------------------ Triton (interpreter)
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KVCOPY_MAX_CTAS", "3")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
+def test_triton_matches_oracle(interpret, case):
+    for direction in DIRECTIONS:
+        check_sums("triton", case, direction)
+
+
+TRITON_GRID_CASES = [
+    CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48),  # merged runs of K/V halves
+    CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),  # 21-byte pages
+    CopyCase(layout="nhd", dtype="fp16", head_size=3, ids="all", num_groups=1),  # 2-byte words, merged
+    CopyCase(layout="mla", head_size=41, num_heads=1, dtype="fp8", ids="runs"),  # 164-byte pages, 4-byte words
+    CopyCase(layout="lbnhc", dtype="uint8", num_heads=5, head_size=7, ids="scattered"),  # 14-byte runs
+    CopyCase(layout="flashinfer_hnd", num_heads=2, head_size=64, ids="runs"),  # 128-byte runs, 3 dims
+]
+
+
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("case", TRITON_GRID_CASES, ids=[c.id + f"-b{c.block_size}" for c in TRITON_GRID_CASES])
+def test_triton_rows_cross_pages(interpret, monkeypatch, case, programs):
+    """Rows of 16-64 bytes cut runs, and rows of merged segments cross page boundaries
+    (their other page's terms are added one by one); workers of several programs add
+    into the same page's slot."""
+    from kvcopy.kernels import triton_copy as tc
+
+    monkeypatch.setattr(tc, "grid_size", lambda total, cfg, cap: programs)
+    monkeypatch.setattr(tc, "MAX_ROW_BYTES", 16 if case.dtype == "uint8" else 64)
+    monkeypatch.setattr(tc, "MIN_ROW_BYTES", 16)
+    for direction in DIRECTIONS:
+        check_sums("triton", case, direction)
+
+
+def _compile_sums(cfg, capability: int):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcopy.kernels import triton_copy as tc
+
+    kernel = tc.kernels(interpret=False).fused_copy_sums_kernel
+    signature = {"entries": "*i64", "group_offsets": "*i64", "group_entries": "*i64", "call": "*i64",
+                 "num_groups": "i32", "sums": "*i64"}
+    constexprs = cfg.constexprs()
+    signature.update({name: "constexpr" for name in constexprs})
+    src = ASTSource(kernel, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("word,chunk", [(16, 2048), (8, 4096), (4, 164), (1, 57)], ids=["w16", "w8", "w4", "w1"])
+def test_triton_sums_kernel_compiles_offline(capability, word, chunk):
+    """The checksum kernel through Triton's compiler to PTX and cubin (no GPU): 8-byte
+    words and wider move as 64-bit vectors, and the slots get 64-bit atomic adds."""
+    import re
+
+    from kvcopy.kernels import triton_copy as tc
+
+    cfg = tc.launch_config(word, chunk, checksums=True)
+    compiled = _compile_sums(cfg, capability)
+    ptx = compiled.asm["ptx"]
+    assert f".target sm_{capability}" in ptx and ".entry fused_copy_sums_kernel" in ptx
+    assert len(compiled.asm["cubin"]) > 0
+    assert re.search(r"(atom|red)\.global[\w.]*\.add\.u64", ptx), "no 64-bit atomic add"
+    loads = set(re.findall(r"ld\.global[^\s]*", ptx))
+    if word == 16:
+        assert any(x.endswith(".v2.b64") for x in loads), sorted(loads)
+
+
+def test_triton_sums_kernel_uses_only_own_helpers():
+    import inspect
+
+    from kvcopy.kernels import triton_copy as tc
+
+    src = inspect.getsource(tc)
+    body = src[src.index("def _mix64"):src.index("class LaunchConfig")]
+    for name in ("tl.sum", "tl.cumsum", "tl.zeros_like", "tl.zeros(", "tl.max(", "tl.min(", "tl.cdiv"):
+        assert name not in body, name
