@@ -84,7 +84,7 @@ itself (the GPU backends zero it first on the copy's stream): no host synchroniz
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ def page_sums(pages: np.ndarray, run_bytes: int, ordinal: int) -> np.ndarray:
         return terms.reshape(n, -1).sum(axis=1, dtype=_U64)
 
 
-def staging_pages(tensor: torch.Tensor, layout: PageLayout, ids: Sequence[int]) -> np.ndarray:
+def staging_pages(tensor: torch.Tensor, layout: PageLayout, ids: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     """Blocks ``ids`` of a CPU ``tensor`` as uint8 ``[n, page bytes]`` in staging order
     (its chunks one after the other), read from the tensor's storage directly."""
     if tensor.device.type != "cpu":

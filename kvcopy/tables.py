@@ -8,11 +8,12 @@ Static, built once per copier and direction (:class:`CopyTables`):
   dst base address, src block stride, dst block stride, run bytes, runs per page, then
   three nested run dims ``(count, src stride, dst stride)``, outermost first, one
   zero, then the three dims' **key strides** and two zeros. A page is ``runs per
-  page`` runs of ``run bytes``, run ``r`` at the offsets its digits over the dims give (:class:`kvcopy.layout.PagePairing`, computed here once
-  per entry from both sides' layouts): one run per page when both sides order a dense
-  page alike, two for KV-first, ``C``-element runs for a head-major page against a
-  token-major one. Addresses are ``data_ptr()`` values: host pointers of pinned memory
-  are valid on the device under unified addressing. The key strides place run ``r``
+  page`` runs of ``run bytes``, run ``r`` at the offsets its digits over the dims
+  give (:class:`kvcopy.layout.PagePairing`, computed here once per entry from both
+  sides' layouts): one run per page when both sides order a dense page alike, two for
+  KV-first, ``C``-element runs for a head-major page against a token-major one.
+  Addresses are ``data_ptr()`` values: host pointers of pinned memory are valid on the
+  device under unified addressing. The key strides place run ``r``
   in the *staging* side's page (the host buffer: ``staging="dst"`` for ``d2h``,
   ``"src"`` for ``h2d``) counted densely, chunk ``c`` of a chunked page at ``c x
   chunk bytes`` whatever its chunk stride: the position :mod:`kvcopy.checksum` keys

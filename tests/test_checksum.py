@@ -47,20 +47,20 @@ def oracle(check, case: CopyCase, direction: str) -> np.ndarray:
     return reference_checksums(host, entries, check.host_ids, runs, {n: bd for n in runs}, kv)
 
 
-def copy_with_sums(check, direction: str) -> np.ndarray:
+def copy_with_sums(check, direction: str, device="cpu") -> np.ndarray:
     n = sum(len(ids) for ids in check.dev_ids)
-    out = torch.full((n,), POISON_SUM, dtype=torch.int64)
+    out = torch.full((n,), POISON_SUM, dtype=torch.int64, device=device)
     if direction == "d2h":
         check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)
     else:
         check.copier.to_device(check.dev_ids, check.host_ids, checksums=out)
-    return out.numpy().view(np.uint64).copy()
+    return out.cpu().numpy().view(np.uint64).copy()
 
 
-def check_sums(backend: str, case: CopyCase, direction: str, **kw) -> np.ndarray:
+def check_sums(backend: str, case: CopyCase, direction: str, device="cpu", **kw) -> np.ndarray:
     """Copy ``case`` with checksums: bytes as the reference's, sums as the oracle's."""
-    check = prepare_check(backend, case, direction, **kw)
-    got = copy_with_sums(check, direction)
+    check = prepare_check(backend, case, direction, device, **kw)
+    got = copy_with_sums(check, direction, device)
     check.assert_matches()
     want = oracle(check, case, direction)
     bad = np.flatnonzero(got != want)
@@ -582,3 +582,75 @@ def test_planned_calls_get_sums_that_overwrite_the_output():
     c.to_host([[], [3]], checksums=one)
     assert one[0] == out[2]
     c.to_host([[], []], checksums=torch.zeros(0, dtype=torch.int64))
+
+
+# ------------------------------------------------------------------ the CUDA kernel, compiled
+def test_cuda_sums_kernels_compile_without_spills(tmp_path):
+    """nvcc builds the checksum kernels for sm_80 and sm_90 within the 128 registers of
+    a 512-thread CTA, with no spills (the copy kernels' budget: a spill would put
+    local-memory traffic on the copy's path)."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    from kvcopy.backends import nvrtc
+    from kvcopy.kernels import include_dir
+
+    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.isfile(nvcc):
+        pytest.skip("no nvcc")
+    src = tmp_path / "k.cu"
+    src.write_text(nvrtc.SOURCE)
+    for arch in ("sm_80", "sm_90"):
+        run = subprocess.run([nvcc, "-cubin", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v", "-I", str(include_dir()),
+                              str(src), "-o", str(tmp_path / "k.cubin")], check=True, capture_output=True, text=True)
+        report = dict(re.findall(r"Compiling entry function '(\w+)'.*?\n.*?\n(.*?)\n", run.stderr))
+        for name in nvrtc.SUM_ENTRY_POINTS.values():
+            assert name in report, (arch, name, run.stderr[-2000:])
+            assert "0 bytes spill stores, 0 bytes spill loads" in report[name], (arch, name, report[name])
+
+
+# ------------------------------------------------------------------ GPU
+GPU_CASES = [CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48),
+             CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),
+             CopyCase(layout="lbnhc", num_heads=8, head_size=128, block_size=4, ids="scattered"),
+             CopyCase(layout="bhlnc", num_heads=3, head_size=256, block_size=4, ids="runs"),
+             CopyCase(aliasing=True, kv_sharing=2, num_groups=2, layout="kv_first"),
+             CopyCase(head_size=3, dtype="fp16", layout="kv_first")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id + f"-b{c.block_size}" for c in GPU_CASES])
+def test_gpu_sums_match_oracle(backend, case):
+    for direction in DIRECTIONS:
+        check_sums(backend, case, direction, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_large_call_and_grid(monkeypatch):
+    """A call array too large for the kernel parameters, many warps adding to the same
+    pages (2 MiB merged runs), and a capped grid."""
+    case = CopyCase(layout="kv_first", num_groups=2, layers_per_group=4, num_blocks=512, ids="all",
+                    block_size=16, num_heads=8, head_size=128)
+    for cap in (None, 4):
+        for direction in DIRECTIONS:
+            check_sums("cuda", case, direction, device="cuda", max_ctas=cap)
+
+
+@pytest.mark.gpu
+def test_gpu_sums_in_a_cuda_graph():
+    case = CopyCase(layout="kv_first", num_groups=2, ids="scattered")
+    check = prepare_check("cuda", case, "d2h", "cuda")
+    n = sum(len(ids) for ids in check.dev_ids)
+    out = torch.full((n,), POISON_SUM, dtype=torch.int64, device="cuda")
+    check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)  # warm up (pinning, compile)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)
+    out.fill_(POISON_SUM)
+    graph.replay()
+    torch.cuda.synchronize()
+    check.assert_matches()
+    assert np.array_equal(out.cpu().numpy().view(np.uint64), oracle(check, case, "d2h"))

@@ -81,6 +81,7 @@ class AutoGpuBackend(Backend):
     def choose(self, call: CallPlan) -> str:
         from .calibration import pick
 
+        assert self._shape is not None, "prepared by copy()"
         size = mean_descriptor_bytes(self._shape, call)
         return pick(self.direction, size, list(self.candidates), self.table) or next(iter(self.candidates))
 

@@ -51,7 +51,7 @@ def _ptr(a) -> ctypes.c_void_p:
 
 class CopyEngineBackend(GpuBackendBase, Backend):
     name = "ce"
-    _lib = None
+    _lib: Any = None
 
     def _find(self) -> Optional[str]:
         self._lib, why = cudalib.library()
@@ -67,7 +67,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
         if self._lib is None:
             raise ValueError(f"backend 'ce' is not available: {self._why}")
         device, why = gpu_side(tables)
-        if why:
+        if why or device is None:
             raise ValueError(f"backend 'ce': {why}")
         tables.backend_state["ce"] = _State(
             device=device,

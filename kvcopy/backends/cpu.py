@@ -46,7 +46,7 @@ class CpuBackend(Backend):
 
     def __init__(self) -> None:
         lib, self._why = native.load("kvcopy_cpu")
-        self._lib = lib
+        self._lib: Any = lib
         self._sums: Any = None
         if lib is not None:
             lib.kvcopy_cpu_copy.restype = ctypes.c_int

@@ -110,6 +110,8 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self) -> None:
+        self._kernels: Any
+        self._why: Optional[str]
         try:
             import triton  # noqa: F401
 
