@@ -24,15 +24,20 @@ def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
     from .scenarios import BASELINES, KVCOPY_BACKENDS
 
     gpu = device != "cpu"
+    base = _base_method
     if args.backends in ("default", ""):
         wanted = list(BASELINES) + (["torch", "cuda", "triton", "ce", "auto"] if gpu else ["torch", "cpu"])
     elif args.backends == "all":
         wanted = list(BASELINES) + list(KVCOPY_BACKENDS)
     else:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip() and b.strip() != "memcpy"]
-    unknown = [b for b in wanted if b not in BASELINES + KVCOPY_BACKENDS]
+    if getattr(args, "checksum", False):  # a checksummed row beside each kvcopy row
+        wanted += [f"{b}{SUMS}" for b in wanted if b in KVCOPY_BACKENDS and b != "ce"]
+    known = BASELINES + KVCOPY_BACKENDS
+    unknown = [b for b in wanted if base(b) not in (KVCOPY_BACKENDS if b.endswith(SUMS) else known)]
     if unknown:
-        raise BenchError(f"unknown method(s) {unknown}; known: memcpy, {', '.join(BASELINES + KVCOPY_BACKENDS)}")
+        raise BenchError(f"unknown method(s) {unknown}; known: memcpy, {', '.join(BASELINES + KVCOPY_BACKENDS)} "
+                         f"(a kvcopy backend with {SUMS!r}: the copy with checksums)")
     if "triton" in wanted and not gpu and not os.environ.get("TRITON_INTERPRET"):
         # The interpreter runs Triton on CPU tensors; it must be set before triton loads.
         if "triton" not in sys.modules:
@@ -43,8 +48,8 @@ def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
     skipped = {}
     out = []
     for b in wanted:
-        if b in KVCOPY_BACKENDS and b != "auto" and avail.get(b):
-            skipped[b] = avail[b]
+        if base(b) in KVCOPY_BACKENDS and base(b) != "auto" and avail.get(base(b)):
+            skipped[b] = avail[base(b)]
         elif b not in out:
             out.append(b)
     return ["memcpy"] + out, skipped
@@ -59,7 +64,7 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     fns: Dict[str, Callable[[], None]] = {}
     meta: Dict[str, dict] = {}
     for m in methods:
-        caps = args.max_ctas if (device != "cpu" and m in ("cuda", "triton", "auto")) else [0]
+        caps = args.max_ctas if (device != "cpu" and _base_method(m) in ("cuda", "triton", "auto")) else [0]
         for cap in caps:
             key = m if not cap else f"{m}@{cap}"
             try:
@@ -136,6 +141,13 @@ def verify_point(args, scenario) -> bool:
     from .scenarios import parse_size
 
     return scenario.chunk_bytes() <= parse_size(str(limit))
+
+
+SUMS = "+sum"  # method suffix: the same copier's copy with checksums (kvcopy.checksum)
+
+
+def _base_method(method: str) -> str:
+    return method[: -len(SUMS)] if method.endswith(SUMS) else method
 
 
 def _kind(method: str) -> str:
