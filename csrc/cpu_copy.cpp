@@ -116,11 +116,24 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512i mix64x8(__m512i x) {
 }
 
 // 128 bytes per step, two accumulators; the rest (< 128 bytes) in scalar code.
+// kStream: non-temporal stores (the destination 64-byte aligned by a scalar head, when
+// it is 8-byte aligned: hash words stay whole), which write lines without reading them
+// first, as memcpy's string moves do; used for calls too large for the caches.
+template <bool kStream>
 __attribute__((target("avx512f,avx512dq"))) uint64_t copy_run_avx512(const unsigned char* s,
                                                                      unsigned char* d, int64_t n,
                                                                      uint64_t key) {
   int64_t i = 0;
-  if (n >= 128) {
+  uint64_t head = 0;
+  const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
+  if (stream) {
+    i = (int64_t)((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63);
+    if (i > n) i = n & ~(int64_t)7;
+    head = copy_run_scalar(s, d, i, key);
+    key += (uint64_t)(i / 8) * kWordStep;
+  }
+  if (n - i >= 128) {
+    const int64_t start = i;
     const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     __m512i k0 =
         _mm512_add_epi64(_mm512_set1_epi64((long long)key),
@@ -131,31 +144,39 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t copy_run_avx512(const unsig
     for (; i + 128 <= n; i += 128) {
       const __m512i w0 = _mm512_loadu_si512(s + i);
       const __m512i w1 = _mm512_loadu_si512(s + i + 64);
-      _mm512_storeu_si512(d + i, w0);
-      _mm512_storeu_si512(d + i + 64, w1);
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), w0);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i + 64), w1);
+      } else {
+        _mm512_storeu_si512(d + i, w0);
+        _mm512_storeu_si512(d + i + 64, w1);
+      }
       a0 = _mm512_add_epi64(a0, mix64x8(_mm512_xor_si512(w0, k0)));
       a1 = _mm512_add_epi64(a1, mix64x8(_mm512_xor_si512(w1, k1)));
       k0 = _mm512_add_epi64(k0, step);
       k1 = _mm512_add_epi64(k1, step);
     }
-    key += (uint64_t)(i / 8) * kWordStep;
-    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1)) +
-           copy_run_scalar(s + i, d + i, n - i, key);
+    if (stream) _mm_sfence();  // the streamed lines ordered before anything that follows
+    key += (uint64_t)((i - start) / 8) * kWordStep;
+    head += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
   }
-  return copy_run_scalar(s, d, n, key);
+  return head + copy_run_scalar(s + i, d + i, n - i, key);
 }
 #endif
 
-RunCopy best_run_copy() {
+// The vector loop where the CPU has AVX-512 F + DQ (streaming or not), else scalar.
+RunCopy best_run_copy(bool stream) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))
-    return copy_run_avx512;
+    return stream ? copy_run_avx512<true> : copy_run_avx512<false>;
 #endif
+  (void)stream;
   return copy_run_scalar;
 }
 
-const RunCopy kBestRunCopy = best_run_copy();
+const RunCopy kBestRunCopy = best_run_copy(false);
+const RunCopy kBestRunStream = best_run_copy(true);
 
 void add_sum(uint64_t* sums, int64_t slot, uint64_t v) {
   __atomic_fetch_add(sums + slot, v, __ATOMIC_RELAXED);
@@ -342,15 +363,17 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 
 // kvcopy_cpu_copy with checksums: sums[num_sums] (one per block of the call, in call
 // order; zeroed here first) receive each page's checksum (kernels/page_checksum.cuh).
-// simd = 0 keeps to the scalar loop (the tests compare both).
+// simd = 0 keeps to the scalar loop (the tests compare both); calls of at least
+// stream_min_bytes (> 0) store with non-temporal stores.
 int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
                          int64_t total_bytes, int num_threads, uint64_t* sums, int64_t num_sums,
-                         int simd) {
+                         int simd, int64_t stream_min_bytes) {
   memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
-  const RunCopy copy_run = simd ? kBestRunCopy : copy_run_scalar;
+  const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
+  const RunCopy copy_run = !simd ? copy_run_scalar : stream ? kBestRunStream : kBestRunCopy;
 #ifdef _OPENMP
   if (total_bytes >= kParallelMinBytes && items > 1) {
     const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();

@@ -155,10 +155,20 @@ def test_sums_match_oracle(backend, case, direction):
     check_sums(backend, case, direction)
 
 
+# Pages of 1.5-8 KiB: the vector loop's 128-byte steps, its streaming head and tail.
+BIG_CASES = [CopyCase(layout="kv_first", block_size=16, num_heads=4, head_size=64, ids="runs", num_blocks=32),
+             CopyCase(layout="nhd", dtype="fp8", block_size=16, num_heads=3, head_size=40, ids="scattered"),
+             CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd")]
+
+
 @needs_lib
-@pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
-def test_cpu_scalar_loop_matches_oracle(case, monkeypatch):
-    monkeypatch.setenv("KVCOPY_CPU_SIMD", "0")
+@pytest.mark.parametrize("env", [("KVCOPY_CPU_SIMD", "1"), ("KVCOPY_CPU_SIMD", "0"), ("KVCOPY_CPU_STREAM_BYTES", "1")],
+                         ids=["vector", "scalar", "streaming-stores"])
+@pytest.mark.parametrize("case", QUICK + BIG_CASES, ids=[c.id for c in QUICK + BIG_CASES])
+def test_cpu_loops_match_oracle(case, env, monkeypatch):
+    """The cpu backend's other loops: scalar code, and the vector loop with
+    non-temporal stores (64-byte aligned by a scalar head) that large calls use."""
+    monkeypatch.setenv(*env)
     for direction in DIRECTIONS:
         check_sums("cpu", case, direction)
 
