@@ -107,6 +107,11 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
 }
 
 #if defined(__x86_64__)
+// Source lines are prefetched this far ahead of the loads: the hash's multiplies keep
+// fewer loads in flight than memcpy's string moves, and calls beyond the caches paid
+// for it (~10% of a 36 MiB call on one core without; within noise with).
+constexpr int64_t kPrefetchBytes = 512;
+
 __attribute__((target("avx512f,avx512dq"))) inline __m512i mix64x8(__m512i x) {
   x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
   x = _mm512_mullo_epi64(x, _mm512_set1_epi64((long long)kvcopy::kMix1));
@@ -142,6 +147,8 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t copy_run_avx512(const unsig
     const __m512i step = _mm512_set1_epi64((long long)(16 * kWordStep));
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     for (; i + 128 <= n; i += 128) {
+      _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes + 64), _MM_HINT_T0);
       const __m512i w0 = _mm512_loadu_si512(s + i);
       const __m512i w1 = _mm512_loadu_si512(s + i + 64);
       if (stream) {
