@@ -84,11 +84,11 @@ class CpuBackend(Backend):
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             _ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries),
-            tables.num_groups, _threads(), _simd(), _stream_min_bytes(),
+            tables.num_groups, _simd(), _stream_min_bytes(), _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        entries, offsets, group_entries, groups, threads, _, _ = self.state(tables)
+        entries, offsets, group_entries, groups, _, _, threads = self.state(tables)
         rc = self._lib.kvcopy_cpu_copy(
             entries, offsets, group_entries, groups, call.words, call.total_bytes, threads
         )
@@ -99,7 +99,7 @@ class CpuBackend(Backend):
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
-        entries, offsets, group_entries, groups, threads, simd, stream = self.state(tables)
+        entries, offsets, group_entries, groups, simd, stream, threads = self.state(tables)
         rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
                         out.data_ptr(), out.numel(), simd, stream)
         if rc != 0:
