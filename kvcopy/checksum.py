@@ -6,8 +6,9 @@ layers), computed by the copy from the words it moves: no second pass over the b
 The ``cpu`` backend hashes in the loop that copies (``csrc/cpu_copy.cpp``), the
 ``cuda`` kernel in registers on the way from load to store with one atomic add per
 warp and page (``kernels/block_copy_kernel.cuh``), the ``triton`` kernel per row of
-its tile (``kernels/triton_copy.py``); ``torch`` computes it here (:func:`page_sums`),
-which is also the oracle the tests hold every backend to, bit for bit. ``ce`` cannot
+its tile (``kernels/triton_copy.py``); ``torch`` computes it here after its copy
+(:func:`table_checksums`: a second pass, and a host wait on a GPU copy), which is also
+the oracle the tests hold every backend to, bit for bit. ``ce`` cannot
 (copy engines never bring the bytes into an SM): a ``ce`` copier asked for checksums
 raises, and ``auto`` hands such a call to its SM kernel.
 
@@ -43,10 +44,13 @@ sum differently. Against alternatives: CRC32C (the CPU's instruction) is fast on
 core but has no warp-parallel form that combines out of order without per-segment
 shift tables, and 32 bits give ~2^-32 misses; Adler-32 (SGLang's P/D check) is weak on
 short changes and position-blind across pages; BLAKE3/xxh3 are order-dependent
-streams, so each would need a second, ordered pass. The cost: two 64-bit multiplies
-per 8 bytes, hidden under the loads on GPUs (PCIe reads are bound by bytes in flight)
-and on AVX-512 CPUs (``vpmullq``, 8 words per instruction); without AVX-512 the
-``cpu`` backend's scalar loop hashes at about memory speed of one core.
+streams, so each would need a second, ordered pass. Words of 8 bytes, not 16: every
+aligned KV page divides into them, and a one-to-one 64-bit mixer makes any change
+inside a word visible, where a 16-byte word would need a 128-bit mix or a lossy fold.
+The cost: two 64-bit multiplies per 8 bytes, meant to hide under the loads on GPUs
+(PCIe reads are bound by bytes in flight) and on AVX-512 CPUs (``vpmullq``, 8 words
+per instruction); without AVX-512 (older x86, Arm) the ``cpu`` backend's scalar loop
+does them a word at a time and costs more than the copy alone.
 
 What it catches (comparing the sums of two copies of the same pages: P's pack and
 D's scatter)
@@ -80,7 +84,8 @@ Output: ``out`` is a caller-owned int64 tensor of ``sum(len(ids[g]))`` elements 
 copy's device (the GPU for a GPU copier, else the CPU), group after group in call
 order, each value the sum's 64 bits (read with ``.view(torch.uint64)`` or
 ``numpy ... .view(np.uint64)``). The copy overwrites it, stream-ordered like the copy
-itself (the GPU backends zero it first on the copy's stream): no host synchronization.
+itself (the GPU kernels zero it first on the copy's stream): no host synchronization
+but the ``torch`` backend's.
 """
 from __future__ import annotations
 
