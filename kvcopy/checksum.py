@@ -207,8 +207,7 @@ def check_output(out, num_blocks: int, device: torch.device) -> None:
     if out.dim() != 1 or out.numel() != num_blocks or not out.is_contiguous():
         raise ValueError(f"checksums must be a contiguous 1-D tensor of {num_blocks} elements (one per "
                          f"block of the call), got shape {tuple(out.shape)}")
-    want = device if device.type == "cpu" else torch.device("cuda", device.index or 0)
-    got = out.device if out.device.type == "cpu" else torch.device("cuda", out.device.index or 0)
+    want, got = _indexed(device), _indexed(out.device)
     if got != want:
         raise ValueError(f"checksums must be on the copy's device {want}, got {out.device}")
 
@@ -220,6 +219,13 @@ def check_request(backend, tables: CopyTables, call: CallPlan, out) -> None:
     if why:
         raise ValueError(f"checksums requested but {why}")
     check_output(out, len(call.src_flat), copy_device(tables.src_device, tables.dst_device))
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` without an index is the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def copy_device(src: torch.device, dst: torch.device) -> torch.device:
