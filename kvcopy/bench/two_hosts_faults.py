@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .two_hosts import TwoHosts, wait_for
+from .two_hosts import Host, TwoHosts, wait_for
 
 SMALL_SOCKET_BUFFERS = {"UCX_TCP_SNDBUF": "64k", "UCX_TCP_RCVBUF": "64k"}
 MODES = ("host", "arena")
@@ -98,6 +98,10 @@ class Cycle:
 class Rig:
     """P and D processes over a :class:`TwoHosts` link, one manager pair per mode."""
 
+    net: TwoHosts
+    p: Host  # P's process (replaced when P is restarted)
+    d: Host  # D's process
+
     def __init__(self, net: TwoHosts, layers: int = 4, groups: int = 2, num_blocks: int = 256, heads: int = 4,
                  head_dim: int = 64, blocks: int = 32, modes=MODES, arena_ttl_s: float = 30.0):
         self.net = net
@@ -112,7 +116,6 @@ class Rig:
         self.p_meta: Dict[str, bytes] = {}
         self._next_slot = 1  # slot 0 holds P's blocks on P; D's slots rotate from 1
         self._serial = 0
-        self.p = self.d = None
 
     # ------------------------------------------------------------ set-up
     def _kwargs(self, mode: str) -> dict:
@@ -139,7 +142,7 @@ class Rig:
     def restart_p(self) -> None:
         """A new P process (same names, same KV bytes, new NIXL metadata); D forgets the
         old one and takes the new handshake, as after a restart."""
-        if self.p is not None and self.p.alive():
+        if self.p.alive():
             self.p.kill()
         for mode in self.modes:
             self.d.call("remove_peer", f"D-{mode}", self.peers.pop(mode))

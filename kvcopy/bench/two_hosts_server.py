@@ -36,10 +36,13 @@ from __future__ import annotations
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ..nixl import TransferManager
 
 _POLL_S = 0.001  # how often pulls in flight are polled while no command arrives
 
@@ -52,7 +55,7 @@ class Server:
         self.caches: Dict[str, torch.Tensor] = {}
         self.layer_groups: list = []
         self.block_size = 0
-        self.managers: Dict[str, object] = {}
+        self.managers: Dict[str, "TransferManager"] = {}
         self.watched: Dict[object, dict] = {}
         self.ended: Dict[object, dict] = {}
         self.scratch: Dict[str, object] = {}  # what call()ed functions keep between calls
