@@ -20,7 +20,7 @@ import pytest
 
 from kvcopy.bench import two_hosts
 from kvcopy.bench.two_hosts import TwoHosts, parse_rate, sweep_stale, unavailable
-from kvcopy.bench.two_hosts_faults import FAULTS, SMALL_SOCKET_BUFFERS, Rig
+from kvcopy.bench.two_hosts_faults import FAULTS, SMALL_SOCKET_BUFFERS, Rig, late_read_into_reused_blocks
 
 RATE = "8mbit"  # a 1 MiB request takes ~1 s: faults land mid-flight, deadlines stay short
 DEADLINE_S = 2.5
@@ -182,3 +182,57 @@ def test_a_hundred_fault_cycles_leak_no_descriptor_thread_or_memory():
         stats = rig.d.call("stats", "D-arena")
         assert stats["quarantined_spans"] == 0 and stats["spans"] == 0, stats
 
+
+
+# ---------------------------------------------------------------- findings (reproducers)
+@needs_namespaces
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 21 item 1: a READ D released at its deadline still lands "
+                   "later, into blocks or a span D has given to another request (over TCP as on loopback)")
+@pytest.mark.parametrize("mode", ["host", "arena"])
+def test_a_released_read_never_lands_in_another_requests_bytes(mode):
+    with TwoHosts(rate=RATE, env=SMALL_SOCKET_BUFFERS) as net:
+        out = late_read_into_reused_blocks(net, mode)
+    if not ("deadline" in str(out["a"]["error"]) and out["c"]["state"] == "DONE" and out["c_ok"]):
+        pytest.fail(f"the set-up did not happen as planned: {out}")  # not the finding's failure
+    assert all(out["c_exact"].values()), out  # fails: P1's request-A bytes in C's blocks
+
+
+def _connection_failed_by_link_down(net):
+    """A host-mode rig whose pull in flight lost P's link until UCX declared the
+    connection failed (``UCX_TCP_USER_TIMEOUT`` bounds that); the link is back up."""
+    rig = Rig(net, num_blocks=64, modes=("host",)).start()
+    start = net.sent_bytes("p")
+    key, _ = rig.post("host", rig.next_d_ids(), None)
+    two_hosts.wait_for(lambda: net.sent_bytes("p") - start >= rig.request_bytes // 5, 60, "pull under way")
+    net.link_down("p")
+    try:
+        rec = rig.d.call("wait", [key], 120)[key]
+    finally:
+        net.link_up("p")
+    if rec["state"] != "ERR" or "NIXL_ERR_REMOTE_DISCONNECT" not in rec["error"]:
+        pytest.fail(f"UCX did not declare the connection failed: {rec}")  # not the finding's failure
+    return rig
+
+
+_FAILED_CONNECTION_ENV = {**SMALL_SOCKET_BUFFERS, "UCX_TCP_USER_TIMEOUT": "5s"}
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_after_ucx_declared_the_connection_failed_unloading_the_parked_agent_recovers():
+    with TwoHosts(rate=RATE, env=_FAILED_CONNECTION_ENV) as net:
+        rig = _connection_failed_by_link_down(net)
+        rig.rehandshake("host", unload=True)
+        assert rig.pull("host", rig.next_d_ids())["ok"]
+
+
+@pytest.mark.slow
+@needs_namespaces
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finding: remove_peer parks P's NIXL agent with its failed UCX "
+                   "connection, and add_peer of the same handshake takes it up again (kvcopy/nixl/_agent.py)")
+def test_after_ucx_declared_the_connection_failed_a_new_handshake_recovers():
+    with TwoHosts(rate=RATE, env=_FAILED_CONNECTION_ENV) as net:
+        rig = _connection_failed_by_link_down(net)
+        rig.rehandshake("host", unload=False)
+        rec = rig.pull("host", rig.next_d_ids())
+        assert rec["ok"], rec  # fails: "posting the transfer: NIXL_ERR_REMOTE_DISCONNECT"

@@ -70,6 +70,14 @@ class NetError(RuntimeError):
     """An ``ip``/``tc`` command failed; the message has the command and its stderr."""
 
 
+class ChildError(RuntimeError):
+    """A command failed in a child process; ``kind`` is the exception's type name there."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
     if check and out.returncode != 0:
@@ -194,7 +202,7 @@ class Host:
             raise TimeoutError(f"{self.side} process did not answer {msg[0]!r} within {timeout} s")
         status, value = self.conn.recv()
         if status != "ok":
-            raise RuntimeError(f"{self.side} process, {msg[0]!r}: {value}")
+            raise ChildError(f"{self.side} process, {msg[0]!r}: {value}", value.split(":", 1)[0])
         return value
 
     def alive(self) -> bool:

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .two_hosts import Host, TwoHosts, wait_for
+from .two_hosts import ChildError, Host, TwoHosts, wait_for
 
 SMALL_SOCKET_BUFFERS = {"UCX_TCP_SNDBUF": "64k", "UCX_TCP_RCVBUF": "64k"}
 MODES = ("host", "arena")
@@ -191,20 +191,6 @@ class Rig:
             out[name].reshape(num_blocks, -1)[d_ids[g]] = p_kv[name].reshape(num_blocks, -1)[self.p_ids[g]]
         return out
 
-    def quiet(self, still_s: float = 0.3, guard_s: float = 60.0) -> None:
-        """Wait until neither veth has sent a byte for ``still_s`` (a released READ has
-        landed or been dropped); ``guard_s`` is a hang guard."""
-        last = (self.net.sent_bytes("p"), self.net.sent_bytes("d"))
-        since = time.monotonic()
-        end = since + guard_s
-        while time.monotonic() - since < still_s:
-            if time.monotonic() > end:
-                raise TimeoutError(f"the link kept moving bytes for {guard_s} s")
-            time.sleep(0.05)
-            now = (self.net.sent_bytes("p"), self.net.sent_bytes("d"))
-            if now != last:
-                last, since = now, time.monotonic()
-
     # ------------------------------------------------------------ one fault
     def fault_cycle(self, fault: str, mode: str, timeout_s: Optional[float], guard_s: float = 120.0) -> Cycle:
         """Apply ``fault`` to a pull in flight and collect what it left (module docstring)."""
@@ -225,7 +211,7 @@ class Rig:
             stats = self.d.call("stats", f"D-{mode}")
         finally:
             f.undo(self)  # a killed P is restarted (D takes its new handshake)
-        self.quiet()
+        quiet(self.net)
         # A failed pull leaves D's KV as it was; a pull that rode the fault out is exact.
         want = self.expected(before, self.p.call("caches"), d_ids) if record["ok"] else before
         later = self.d.call("caches")
@@ -249,6 +235,21 @@ class Rig:
             time.sleep(0.05)
 
 
+def quiet(net: TwoHosts, still_s: float = 0.3, guard_s: float = 60.0) -> None:
+    """Wait until neither veth has sent a byte for ``still_s`` (a released READ has
+    landed or been dropped); ``guard_s`` is a hang guard."""
+    last = (net.sent_bytes("p"), net.sent_bytes("d"))
+    since = time.monotonic()
+    end = since + guard_s
+    while time.monotonic() - since < still_s:
+        if time.monotonic() > end:
+            raise TimeoutError(f"the link kept moving bytes for {guard_s} s")
+        time.sleep(0.05)
+        now = (net.sent_bytes("p"), net.sent_bytes("d"))
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def _same(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -262,7 +263,9 @@ def notice_times(net: TwoHosts, faults, modes, timeout_s: Optional[float], guard
         for mode in modes:
             try:
                 c = rig.fault_cycle(fault, mode, timeout_s, guard_s=guard_s)
-            except TimeoutError:
+            except ChildError as exc:
+                if exc.kind != "TimeoutError":
+                    raise
                 rows.append({"fault": fault, "mode": mode, "deadline_s": timeout_s, "state": "PROC",
                              "notice_s": None, "error": f"still in flight {guard_s:g} s after the fault"})
                 rig = _fresh_rig(net, rig, modes)
@@ -284,3 +287,58 @@ def _fresh_rig(net: TwoHosts, rig: Rig, modes) -> Rig:
     for h in (rig.p, rig.d):
         h.stop()
     return Rig(net, modes=modes).start()
+
+
+def late_read_into_reused_blocks(net: TwoHosts, mode: str, deadline_s: float = 1.0) -> dict:
+    """A READ released at its deadline lands later, into the D blocks (host mode: their
+    host pages) or the D span (arena mode: the quarantine is over) of another request.
+
+    P1 and P2 are two P processes with different KV bytes. D pulls request A from P1,
+    and P1 is frozen mid-READ: A fails at its deadline (D released the READ). D's
+    arena TTL passes; D pulls request C from P2 into A's blocks (host mode) or into
+    A's span (arena mode: the first-fit allocator hands out A's freed span), C's READ
+    ends DONE, and before D completes C (a decode engine completes at its next step)
+    P1 runs again: A's released READ lands. Returns C's completion and, per layer,
+    whether D's KV at C's blocks holds P2's bytes (``c_exact``) and how many of its
+    blocks hold P1's request-A bytes (``a_blocks``)."""
+    layers, groups, num_blocks = 4, 2, 64
+    engine = (layers, groups, num_blocks, BLOCK, 4, 64)
+    kw = {} if mode == "host" else {"buffer": "arena", "arena_bytes": 8 << 20, "arena_ttl_s": deadline_s}
+    ids = [list(range(16)) for _ in range(groups)]
+    d_ids = [list(range(16, 32)) for _ in range(groups)]
+    p1, p2, d = net.spawn("p"), net.spawn("p"), net.spawn("d")
+    for host, seed in ((p1, 1), (p2, 3), (d, 2)):
+        host.call("engine", *engine, seed)
+    handshakes = [p1.call("manager", "P1", kw), p2.call("manager", "P2", kw)]
+    d.call("manager", "D", kw)
+    peers = [d.call("add_peer", "D", h) for h in handshakes]
+    remote = []
+    for host, name, rid in ((p1, "P1", "A"), (p2, "P2", "C")):
+        if mode == "arena":
+            remote.append(host.call("stage", name, ids, 16 * BLOCK, rid, 1))
+        else:
+            host.call("save", name, ids)
+            remote.append(ids)
+    start = net.sent_bytes("p")
+    d.call("post", "A", "D", peers[0], remote[0], 16 * BLOCK, d_ids, b"A", deadline_s)
+    wait_for(lambda: net.sent_bytes("p") - start >= 100_000, 60, "request A under way")
+    p1.freeze()
+    a = d.call("wait", ["A"])["A"]
+    time.sleep(deadline_s * 1.2)  # arena mode: A's span leaves quarantine at the next plan
+    d.call("post", "C", "D", peers[1], remote[1], 16 * BLOCK, d_ids, b"C", 60.0, True)
+    c = d.call("wait", ["C"])["C"]
+    p1.thaw()
+    request_bytes = layers * 16 * BLOCK * 4 * 64 * 2
+    # every byte of A (released or not) and of C crosses P's veth before it goes quiet
+    wait_for(lambda: net.sent_bytes("p") - start >= 2 * request_bytes, 60, "A's released READ sent")
+    quiet(net)
+    done = d.call("complete", "C")
+    p1_kv, p2_kv, d_kv = p1.call("caches"), p2.call("caches"), d.call("caches")
+    out = {"a": a, "c": c, "c_ok": done["ok"], "c_exact": {}, "a_blocks": {}}
+    for i in range(layers):
+        name = f"layer.{i}"
+        got = d_kv[name].reshape(num_blocks, -1)[d_ids[i % groups]]
+        out["c_exact"][name] = bool(np.array_equal(got, p2_kv[name].reshape(num_blocks, -1)[ids[i % groups]]))
+        out["a_blocks"][name] = int((got == p1_kv[name].reshape(num_blocks, -1)[ids[i % groups]]).all(axis=1).sum())
+    return out
+

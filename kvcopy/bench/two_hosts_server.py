@@ -15,15 +15,16 @@ Each message is a tuple ``(command, *arguments)``; each reply ``("ok", value)`` 
 ``save(m, block_ids)`` (host mode), ``stage(m, block_ids, num_tokens, request_id,
 readers)`` -> the arena record's bytes
     P's side of a request.
-``post(key, m, peer, remote, num_tokens, local_ids, notify, timeout_s)`` -> the time posted
+``post(key, m, peer, remote, num_tokens, local_ids, notify, timeout_s, hold=False)`` -> the time posted
     D's ``plan_pull`` (``remote``: P's block ids, or P's record bytes in arena mode,
     decoded and checked by ``StagedRequest.from_bytes``) and ``pull``. The pull is then
     polled between commands, every millisecond, and completed as soon as it ends, as
-    a decode engine would.
+    a decode engine would (``hold``: not completed until ``complete(key)``).
 ``wait(keys, guard_s)`` -> ``{key: record}``
     polls until those pulls ended; a record has ``state``, ``error``, ``t_post``,
     ``t_end`` (``time.monotonic()``, one clock for every process of the machine),
-    ``ok``, ``failed_block_ids``, ``written_pages``, ``written_in``.
+    ``ok``, ``failed_block_ids``, ``written_pages``, ``written_in`` (a held pull: the
+    first four and ``held``; ``complete(key)`` then returns the whole record).
 ``caches()`` -> ``{layer: uint8 array}``: the KV's bytes.
 ``call(function, *args)`` -> ``function(server, *args)`` (a module-level function the
 parent names; the benchmark's per-side set-up and timing).
@@ -86,16 +87,22 @@ class Server:
 
     def _poll_watched(self) -> None:
         for key, rec in list(self.watched.items()):
-            m, h = rec.pop("_m"), rec.pop("_h")
-            state = m.poll(h)
+            state = rec["_m"].poll(rec["_h"])
             if state == "PROC":
-                rec["_m"], rec["_h"] = m, h
                 continue
-            rec["t_end"] = time.monotonic()
-            done = m.complete(h)
-            rec.update(state=state, error=h.error, ok=done.ok, failed_block_ids=done.failed_block_ids,
-                       written_pages=done.written_pages, written_in=done.written_in)
+            rec.update(t_end=time.monotonic(), state=state, error=rec["_h"].error)
             self.ended[key] = self.watched.pop(key)
+            if not rec["_hold"]:
+                self._complete(rec)
+
+    @staticmethod
+    def _complete(rec: dict) -> dict:
+        m, h = rec.pop("_m"), rec.pop("_h")
+        rec.pop("_hold")
+        done = m.complete(h)
+        rec.update(ok=done.ok, failed_block_ids=done.failed_block_ids, written_pages=done.written_pages,
+                   written_in=done.written_in)
+        return rec
 
     # ------------------------------------------------------------ the KV
     def cmd_engine(self, layers: int, groups: int, num_blocks: int, block_size: int, heads: int,
@@ -153,7 +160,7 @@ class Server:
         return rec.to_bytes()
 
     def cmd_post(self, key, m: str, peer: str, remote, num_tokens: int, local_ids, notify: bytes = b"",
-                 timeout_s=None) -> float:
+                 timeout_s=None, hold: bool = False) -> float:
         from ..nixl import StagedRequest
 
         if key in self.watched or key in self.ended:
@@ -164,7 +171,7 @@ class Server:
         plan = mgr.plan_pull(peer, remote, num_tokens, local_ids)
         t_post = time.monotonic()
         h = mgr.pull(plan, notify=notify, timeout_s=timeout_s)
-        self.watched[key] = {"_m": mgr, "_h": h, "t_post": t_post, "state": "PROC"}
+        self.watched[key] = {"_m": mgr, "_h": h, "_hold": hold, "t_post": t_post, "state": "PROC"}
         self._poll_watched()
         return t_post
 
@@ -176,7 +183,22 @@ class Server:
                                    f"after {guard_s} s")
             self._poll_watched()
             time.sleep(_POLL_S)
-        return {k: self.ended.pop(k) for k in keys}
+        out = {}
+        for k in keys:
+            rec = self.ended[k]
+            if "_h" in rec:  # held: stays for complete(key)
+                out[k] = {f: v for f, v in rec.items() if not f.startswith("_")} | {"held": True}
+            else:
+                out[k] = self.ended.pop(k)
+        return out
+
+    def cmd_complete(self, key) -> dict:
+        """Complete a pull posted with ``hold=True`` that has ended (a decode engine that
+        completes at its next step, not at once)."""
+        rec = self.ended.get(key)
+        if rec is None or "_h" not in rec:
+            raise ValueError(f"pull {key!r} has not ended, or was not held")
+        return self._complete(self.ended.pop(key))
 
     def cmd_call(self, function, *args):
         return function(self, *args)
