@@ -186,8 +186,9 @@ def test_a_hundred_fault_cycles_leak_no_descriptor_thread_or_memory():
 
 # ---------------------------------------------------------------- findings (reproducers)
 @needs_namespaces
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 21 item 1: a READ D released at its deadline still lands "
-                   "later, into blocks or a span D has given to another request (over TCP as on loopback)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 21 item 1: a READ D released at its deadline still lands later, into blocks "
+                          "or a span D has given to another request (over TCP as on loopback)")
 @pytest.mark.parametrize("mode", ["host", "arena"])
 def test_a_released_read_never_lands_in_another_requests_bytes(mode):
     with TwoHosts(rate=RATE, env=SMALL_SOCKET_BUFFERS) as net:
@@ -228,8 +229,9 @@ def test_after_ucx_declared_the_connection_failed_unloading_the_parked_agent_rec
 
 @pytest.mark.slow
 @needs_namespaces
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="finding: remove_peer parks P's NIXL agent with its failed UCX "
-                   "connection, and add_peer of the same handshake takes it up again (kvcopy/nixl/_agent.py)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="finding: remove_peer parks P's NIXL agent with its failed UCX connection, and "
+                          "add_peer of the same handshake takes it up again (kvcopy/nixl/_agent.py)")
 def test_after_ucx_declared_the_connection_failed_a_new_handshake_recovers():
     with TwoHosts(rate=RATE, env=_FAILED_CONNECTION_ENV) as net:
         rig = _connection_failed_by_link_down(net)
