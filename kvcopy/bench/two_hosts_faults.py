@@ -18,6 +18,8 @@ rate cap keeps it there); D polls until the pull ends and completes it at once; 
 the fault is undone, the link is left to go quiet (a released READ may still land),
 and D's KV, D's and P's counters and the next request (posted after the link returned,
 byte-exact) are collected. The caller asserts; :func:`notice_times` measures.
+:func:`late_read_into_reused_blocks` sets up issue 21's late READ over the link: a READ
+released at its deadline that lands in blocks or a span another request holds.
 
 Socket buffers: :data:`SMALL_SOCKET_BUFFERS` keeps UCX's TCP socket buffers at 64 KiB,
 so what the kernels hold in flight (socket buffers and tbf's queue) stays well under a
@@ -261,18 +263,18 @@ def notice_times(net: TwoHosts, faults, modes, timeout_s: Optional[float], guard
     rows = []
     for fault in faults:
         for mode in modes:
+            row = {"fault": fault, "what": FAULTS[fault].what, "mode": mode, "deadline_s": timeout_s}
             try:
                 c = rig.fault_cycle(fault, mode, timeout_s, guard_s=guard_s)
             except ChildError as exc:
                 if exc.kind != "TimeoutError":
                     raise
-                rows.append({"fault": fault, "mode": mode, "deadline_s": timeout_s, "state": "PROC",
-                             "notice_s": None, "error": f"still in flight {guard_s:g} s after the fault"})
+                rows.append({**row, "state": "PROC", "notice_s": None,
+                             "error": f"still in flight {guard_s:g} s after the fault"})
                 rig = _fresh_rig(net, rig, modes)
                 continue
-            rows.append({"fault": fault, "mode": mode, "deadline_s": timeout_s, "state": c.record["state"],
-                         "notice_s": c.notice_s, "error": c.record["error"], "next_ok": c.next_record["ok"],
-                         "kv_right": c.kv_right and c.kv_right_later})
+            rows.append({**row, "state": c.record["state"], "notice_s": c.notice_s, "error": c.record["error"],
+                         "next_ok": c.next_record["ok"], "kv_right": c.kv_right and c.kv_right_later})
     return rows
 
 
