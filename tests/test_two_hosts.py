@@ -174,9 +174,9 @@ def test_a_hundred_fault_cycles_leak_no_descriptor_thread_or_memory():
             if i in (15, 99):
                 samples.append(rig.d.proc_stats())
         first, last = samples
-        assert last["fds"] <= first["fds"], samples
-        assert last["threads"] <= first["threads"], samples
-        assert last["rss"] - first["rss"] < 32 << 20, samples
+        assert last["fds"] == first["fds"] and last["threads"] == first["threads"], samples
+        # measured: +114 KB over cycles 10-100 (UCX keeps what a released READ held)
+        assert last["rss"] - first["rss"] < 4 << 20, samples
         time.sleep(2.0)  # every quarantine over: the next plan frees them
         rig.pull("arena", rig.next_d_ids())
         stats = rig.d.call("stats", "D-arena")
