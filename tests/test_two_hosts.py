@@ -10,8 +10,9 @@ next request after the link returned is byte-exact. How long D takes to notice i
 measured by ``python -m kvcopy nixl --two-hosts --faults``, not asserted here.
 
 Needs root, ``ip`` and ``tc`` (skips with the reason otherwise). The default set takes
-about a minute and a half; ``-m slow`` adds the 100-cycle leak run and UCX's own
-failure detection (tens of seconds per case).
+about two minutes on a busy 2-core machine, the two reproducers of findings (strict
+xfail) included; ``-m slow`` adds the 100-cycle leak run (about 6 minutes) and UCX's
+own failure detection (tens of seconds per case).
 """
 import subprocess
 import time
@@ -59,6 +60,18 @@ def test_bad_rates_sides_and_mtus_are_refused():
             TwoHosts(mtu=mtu)
     with pytest.raises(ValueError, match="side"):
         TwoHosts().spawn("x")
+
+
+def test_unavailable_says_why(monkeypatch):
+    monkeypatch.setattr(two_hosts, "_probe", None)  # probed again; restored afterwards
+    monkeypatch.setattr(two_hosts.os, "geteuid", lambda: 1000)
+    assert "needs root" in unavailable()
+    monkeypatch.setattr(two_hosts, "_probe", None)
+    monkeypatch.setattr(two_hosts.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(two_hosts.shutil, "which", lambda name: None)
+    assert unavailable() == "ip and tc not found (iproute2)"
+    with pytest.raises(two_hosts.NetError, match="not found"):
+        TwoHosts().start()
 
 
 @needs_namespaces
