@@ -185,6 +185,9 @@ class Host:
         try:
             # ip netns exec execs the command: the pid is the Python child's
             self.process = subprocess.Popen(cmd, pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         self.conn = Connection(parent.detach())
