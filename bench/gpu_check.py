@@ -26,9 +26,10 @@ Steps, most informative first (each a fresh process, so a hang costs one step):
 ``sweep``    ``kvcopy-bench sweep`` at 2 KiB, 8 KiB, 32 KiB, 128 KiB, 512 KiB, 2 MiB
              chunks, both directions, verified up to 32 KiB.
 ``scenario`` the per-call host path stubbed and real (``kvcopy-bench overhead``), host
-             overhead per call at 48 layers x 6 groups (real launches), then seeds/2 (1
-             and 6 groups) with launch counts and the profiler's device time beside
-             the wall time.
+             overhead per call at 48 layers x 6 groups (real launches), the kernels with
+             and without checksums side by side (seeds/2, 6 groups: goal >= 95% of the
+             kernel without), then seeds/2 (1 and 6 groups) with launch counts and the
+             profiler's device time beside the wall time.
 
 Files: ``GPU_CHECK_OUT`` (the shell sets it: ``$OUT`` on the device runner, else a
 temporary folder) holds ``gpu_check.log`` (everything, as it happens) and one JSON per
@@ -99,6 +100,8 @@ SIZES = {
         overhead=["--backends", "cuda,triton,ce,auto", "--iters", "100", "--budget", "0.3"],
         host_path=["--backends", "cuda,triton", "--calls", "2000"],
         convert512=["--backends", "cuda,triton,ce,auto", "--iters", "50", "--budget", "0.3"],
+        checksum=["--num-groups", "6", "--backends", "cuda,triton", "--checksum", "--iters", "50",
+                  "--budget", "0.3"],
     ),
     "cpu": dict(
         smoke=dict(num_layers=2, num_groups=2, blocks_per_request=2, block_size=16),
@@ -113,6 +116,8 @@ SIZES = {
         overhead=["--backends", "cpu", "--iters", "20", "--budget", "0.1", "--threads", "1"],
         host_path=["--backends", "cuda,triton", "--calls", "200"],
         convert512=["--num-layers", "2", "--backends", "cpu", "--iters", "3", "--budget", "0.05", "--threads", "1"],
+        checksum=["--num-layers", "4", "--num-groups", "2", "--backends", "cpu", "--checksum", "--iters", "3",
+                  "--budget", "0.05", "--threads", "1"],
     ),
 }
 
@@ -767,6 +772,7 @@ def step_scenario(s: Step) -> str:
          + (["--real"] if on_gpu() else [])),
         ("overhead", ["run", "--device", dev, "--num-layers", "48", "--num-groups", "6", "--blocks-per-request", "1",
                       "--block-size", "1"] + sz["overhead"]),
+        ("checksum", ["run", "--device", dev] + sz["checksum"]),
         ("seeds2", ["run", "--device", dev, "--op-counts"] + sz["seeds2"]),
     ]
     from kvcopy.bench.scenarios import PRESETS
@@ -782,7 +788,8 @@ def step_scenario(s: Step) -> str:
             continue
         if argv[0] == "run":
             # seeds/2's profiler passes are not under --time-limit: leave them a third
-            share = {"seeds2": 0.5 if parts[-1][0] != "seeds2" else 0.6, "convert512": 0.6}.get(name, 0.5)
+            share = {"seeds2": 0.5 if parts[-1][0] != "seeds2" else 0.6, "convert512": 0.6,
+                     "checksum": 0.25}.get(name, 0.5)
             argv = argv + ["--time-limit", f"{max(2.0, left * share):.0f}"]
         try:
             rc = bench(argv + ["--json", str(path), "--quiet"] if argv[0] == "run" else argv + ["--json", str(path)])
@@ -800,7 +807,21 @@ def step_scenario(s: Step) -> str:
     return status
 
 
-SCENARIO_PARTS = ("host_path", "overhead", "seeds2", "convert512")
+SCENARIO_PARTS = ("host_path", "overhead", "checksum", "seeds2", "convert512")
+
+
+def checksum_lines(res: dict) -> List[str]:
+    """Each kernel with checksums against itself without (same run): the goal is >= 95%."""
+    rows = {(r["direction"], r["method"]): r for r in (res or {}).get("results", [])}
+    lines = []
+    for (direction, method), r in rows.items():
+        plain = rows.get((direction, method[: -len("+sum")])) if method.endswith("+sum") else None
+        if plain and r.get("median_us") and plain.get("median_us"):
+            pct = 100.0 * plain["median_us"] / r["median_us"]
+            lines.append(f"  checksum {direction} {method}: {r.get('gbps', 0):.1f} GB/s, {pct:.0f}% of "
+                         f"{plain['method']} ({plain.get('gbps', 0):.1f} GB/s; goal >= 95%)"
+                         + ("" if r.get("verify") in ("ok", "n/a", None) else f"  {r['verify'][:60]}"))
+    return lines
 
 
 def scenario_text(data: dict) -> str:
@@ -817,6 +838,7 @@ def scenario_text(data: dict) -> str:
                      + (f"  device {dev_us / 1e3:.2f} ms" if dev_us else "")
                      + (f"  host {r['host_us']:.0f} us" if r.get("host_us") else "")
                      + ("" if r.get("verify") in ("ok", "n/a", None) else f"  {r['verify'][:60]}"))
+    lines += checksum_lines(data.get("checksum") or {})
     over = data.get("overhead") or {}
     per = [f"{r['method']} {r['direction']} {r['host_us']:.1f}" for r in over.get("results", [])
            if r.get("host_us") is not None and r["method"] != "memcpy"]
@@ -904,7 +926,8 @@ def gpu_tag(facts: Optional[dict]) -> str:
 
 
 def save(src: Path, results: Path) -> List[Path]:
-    """Step files of one run -> ``results/<gpu>-<date>-{sweep,seeds2,overhead,ladder,host-path}.json``."""
+    """Step files of one run -> ``results/<gpu>-<date>-{sweep,seeds2,overhead,convert512,checksum,ladder,
+    host-path}.json``."""
     facts = read_json(src / FILES["facts"])
     tag = gpu_tag(facts)
     results.mkdir(parents=True, exist_ok=True)
@@ -912,7 +935,8 @@ def save(src: Path, results: Path) -> List[Path]:
     sweep = read_json(src / FILES["sweep"])
     scen = read_json(src / FILES["scenario"]) or {}
     items = [("sweep", sweep), ("seeds2", scen.get("seeds2")), ("overhead", scen.get("overhead")),
-             ("convert512", scen.get("convert512")), ("ladder", read_json(src / FILES["ladder"])),
+             ("convert512", scen.get("convert512")), ("checksum", scen.get("checksum")),
+             ("ladder", read_json(src / FILES["ladder"])),
              ("host-path", scen.get("host_path"))]
     for name, data in items:
         if not data or data.get("error"):

@@ -3,13 +3,27 @@
 // One C call per copy: items are spread over OpenMP threads (dynamic schedule, items
 // differ in size), each item's segments copied with memcpy. Small calls stay on the
 // calling thread: waking a team costs more than copying a few pages.
+//
+// With checksums (kvcopy_cpu_copy_sums, kernels/page_checksum.cuh), each run is copied
+// by a loop that hashes the words it holds in registers on their way to the
+// destination: 64 bytes per step with AVX-512 (F + DQ, for the 64-bit multiply), else
+// 16 bytes per step in scalar code. Each page's sum is added to its slot once per
+// (item, block) with a relaxed atomic add (threads share slots: the layers of a group).
 #include <stdint.h>
 #include <string.h>
 
 #include "block_copy.cuh"
+#include "page_checksum.cuh"
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvcopy's checksums read words little-endian, as the GPU does"
 #endif
 
 namespace {
@@ -57,6 +71,243 @@ struct RangeItemCopy {
   }
 };
 
+// ---------------------------------------------------------------- checksummed runs
+// Copy one whole run of n bytes (or its end from a multiple of 8) and return the sum of
+// its words' terms, word j keyed with key + j * 8 * kPositionMul (page_checksum.cuh);
+// a last partial word is zero-padded.
+using RunCopy = uint64_t (*)(const unsigned char*, unsigned char*, int64_t, uint64_t);
+constexpr uint64_t kWordStep = 8 * kvcopy::kPositionMul;
+
+uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key) {
+  uint64_t a0 = 0, a1 = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // two independent chains: the multiplies overlap
+    uint64_t w0, w1;
+    memcpy(&w0, s + i, 8);
+    memcpy(&w1, s + i + 8, 8);
+    memcpy(d + i, &w0, 8);
+    memcpy(d + i + 8, &w1, 8);
+    a0 += kvcopy::mix64(w0 ^ key);
+    a1 += kvcopy::mix64(w1 ^ (key + kWordStep));
+    key += 2 * kWordStep;
+  }
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    memcpy(&w, s + i, 8);
+    memcpy(d + i, &w, 8);
+    a0 += kvcopy::mix64(w ^ key);
+    key += kWordStep;
+  }
+  if (i < n) {
+    uint64_t w = 0;
+    memcpy(&w, s + i, static_cast<size_t>(n - i));
+    memcpy(d + i, s + i, static_cast<size_t>(n - i));
+    a0 += kvcopy::mix64(w ^ key);
+  }
+  return a0 + a1;
+}
+
+#if defined(__x86_64__)
+// Source lines are prefetched this far ahead of the loads: the hash's multiplies keep
+// fewer loads in flight than memcpy's string moves, and calls beyond the caches paid
+// for it (~10% of a 36 MiB call on one core without; within noise with).
+constexpr int64_t kPrefetchBytes = 512;
+
+__attribute__((target("avx512f,avx512dq"))) inline __m512i mix64x8(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64((long long)kvcopy::kMix1));
+  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
+  x = _mm512_mullo_epi64(x, _mm512_set1_epi64((long long)kvcopy::kMix2));
+  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
+}
+
+// 128 bytes per step, two accumulators; the rest (< 128 bytes) in scalar code.
+// kStream: non-temporal stores (the destination 64-byte aligned by a scalar head, when
+// it is 8-byte aligned: hash words stay whole), which write lines without reading them
+// first, as memcpy's string moves do; used for calls too large for the caches.
+template <bool kStream>
+__attribute__((target("avx512f,avx512dq"))) uint64_t copy_run_avx512(const unsigned char* s,
+                                                                     unsigned char* d, int64_t n,
+                                                                     uint64_t key) {
+  int64_t i = 0;
+  uint64_t head = 0;
+  const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
+  if (stream) {
+    i = (int64_t)((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63);
+    if (i > n) i = n & ~(int64_t)7;
+    head = copy_run_scalar(s, d, i, key);
+    key += (uint64_t)(i / 8) * kWordStep;
+  }
+  if (n - i >= 128) {
+    const int64_t start = i;
+    const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i k0 =
+        _mm512_add_epi64(_mm512_set1_epi64((long long)key),
+                         _mm512_mullo_epi64(lane, _mm512_set1_epi64((long long)kWordStep)));
+    __m512i k1 = _mm512_add_epi64(k0, _mm512_set1_epi64((long long)(8 * kWordStep)));
+    const __m512i step = _mm512_set1_epi64((long long)(16 * kWordStep));
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    for (; i + 128 <= n; i += 128) {
+      _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes + 64), _MM_HINT_T0);
+      const __m512i w0 = _mm512_loadu_si512(s + i);
+      const __m512i w1 = _mm512_loadu_si512(s + i + 64);
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), w0);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i + 64), w1);
+      } else {
+        _mm512_storeu_si512(d + i, w0);
+        _mm512_storeu_si512(d + i + 64, w1);
+      }
+      a0 = _mm512_add_epi64(a0, mix64x8(_mm512_xor_si512(w0, k0)));
+      a1 = _mm512_add_epi64(a1, mix64x8(_mm512_xor_si512(w1, k1)));
+      k0 = _mm512_add_epi64(k0, step);
+      k1 = _mm512_add_epi64(k1, step);
+    }
+    if (stream) _mm_sfence();  // the streamed lines ordered before anything that follows
+    key += (uint64_t)((i - start) / 8) * kWordStep;
+    head += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
+  }
+  return head + copy_run_scalar(s + i, d + i, n - i, key);
+}
+#endif
+
+// The vector loop where the CPU has AVX-512 F + DQ (streaming or not), else scalar.
+RunCopy best_run_copy(bool stream) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))
+    return stream ? copy_run_avx512<true> : copy_run_avx512<false>;
+#endif
+  (void)stream;
+  return copy_run_scalar;
+}
+
+const RunCopy kBestRunCopy = best_run_copy(false);
+const RunCopy kBestRunStream = best_run_copy(true);
+
+void add_sum(uint64_t* sums, int64_t slot, uint64_t v) {
+  __atomic_fetch_add(sums + slot, v, __ATOMIC_RELAXED);
+}
+
+// Every run of every block of the item, each block's sum added to its slot.
+void copy_item_sums(const kvcopy::Item& it, RunCopy copy_run, uint64_t* sums) {
+  const int64_t runs = it.entry[kvcopy::kRunsPerPage];
+  const int64_t rb = it.run_bytes();
+  const uint64_t base = kvcopy::key_base(it.ordinal);
+  if (it.merged) {  // segment k: run k of every block, blocks rb apart
+    for (int64_t k = 0; k < runs; ++k) {
+      int64_t src, dst;
+      it.segment(k, &src, &dst);
+      const uint64_t key =
+          base + kvcopy::kPositionMul * (uint64_t)kvcopy::page_run_position(it.entry, k);
+      for (int64_t b = 0; b < it.num_blocks; ++b) {
+        add_sum(sums, it.out_index + b,
+                copy_run(reinterpret_cast<const unsigned char*>(src + b * rb),
+                         reinterpret_cast<unsigned char*>(dst + b * rb), rb, key));
+      }
+    }
+    return;
+  }
+  for (int64_t b = 0; b < it.num_blocks; ++b) {
+    uint64_t acc = 0;
+    for (int64_t r = 0; r < runs; ++r) {
+      int64_t src, dst;
+      it.segment(b * runs + r, &src, &dst);
+      const uint64_t key =
+          base + kvcopy::kPositionMul * (uint64_t)kvcopy::page_run_position(it.entry, r);
+      acc += copy_run(reinterpret_cast<const unsigned char*>(src),
+                      reinterpret_cast<unsigned char*>(dst), rb, key);
+    }
+    add_sum(sums, it.out_index + b, acc);
+  }
+}
+
+// The checksum terms of the word of `word_bytes` at `src`, at offset q of a run of rb
+// bytes at staging position pos_run: its 8-byte words when it has whole ones; a
+// narrower word adds the zero-padded 8-byte word that starts at it, if one does (the
+// owner rule of the GPU kernel, which reads the word's other bytes from the source).
+uint64_t word_terms(int64_t src, int64_t q, int64_t rb, int64_t word_bytes, uint64_t base,
+                    int64_t pos_run) {
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+  uint64_t acc = 0;
+  if (word_bytes >= kvcopy::kHashWordBytes) {
+    for (int64_t j = 0; j < word_bytes; j += 8) {
+      uint64_t w;
+      memcpy(&w, s + j, 8);
+      acc += kvcopy::word_term(w, base, pos_run + q + j);
+    }
+    return acc;
+  }
+  if (q % kvcopy::kHashWordBytes) return 0;
+  uint64_t w = 0;
+  memcpy(&w, s, static_cast<size_t>(kvcopy::hash_word_bytes(q, rb)));
+  return kvcopy::word_term(w, base, pos_run + q);
+}
+
+// RangeItemCopy with checksums: the item range cut into block ranges (one slot each),
+// then, as the GPU kernel's checksum variant does, runs of at least the gather
+// threshold piece by piece and shorter ones word by word through byte_place.
+struct RangeItemCopySums {
+  int64_t word_bytes;
+  uint64_t* sums;
+
+  void operator()(const kvcopy::Item& it, int64_t lo, int64_t hi) const {
+    const uint64_t base = kvcopy::key_base(it.ordinal);
+    const int64_t rb = it.run_bytes();
+    const int64_t wb = word_bytes;
+    auto block_range = [&](int64_t blo, int64_t bhi, int64_t block) {
+      uint64_t acc = 0;
+      if (rb >= kvcopy::gather_below_bytes(wb)) {
+        auto piece = [&](int64_t src, int64_t dst, int64_t n, int64_t q, int64_t run) {
+          memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                 static_cast<size_t>(n));
+          const int64_t pos = kvcopy::page_run_position(it.entry, run);
+          for (int64_t o = 0; o < n; o += wb) acc += word_terms(src + o, q + o, rb, wb, base, pos);
+        };
+        kvcopy::for_each_run_piece(it, blo, bhi, piece);
+      } else {
+        for (int64_t p = blo; p < bhi; p += wb) {
+          int64_t src, dst, q, run;
+          kvcopy::byte_place(it, p, &src, &dst, &q, &run);
+          memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                 static_cast<size_t>(wb));
+          acc += word_terms(src, q, rb, wb, base, kvcopy::page_run_position(it.entry, run));
+        }
+      }
+      add_sum(sums, it.out_index + block, acc);
+    };
+    kvcopy::for_each_block_range(it, lo, hi, block_range);
+  }
+};
+
+kvcopy::CursorTables cursor_tables(const int64_t* entries, const int64_t* group_offsets,
+                                   const int64_t* group_entries, const int64_t* entry_bytes_prefix,
+                                   int64_t num_groups, const int64_t* call_ext) {
+  kvcopy::CursorTables t;
+  t.entries = entries;
+  t.group_offsets = group_offsets;
+  t.group_entries = group_entries;
+  t.entry_bytes_prefix = entry_bytes_prefix;
+  t.call = kvcopy::CallView::from_packed(call_ext, num_groups);
+  t.block_prefix = t.call.block_prefix;
+  return t;
+}
+
+// The GPU kernel's split: `num_ranges` equal ranges of `word_bytes` words.
+template <class Fn>
+void walk_ranges(const kvcopy::CursorTables& t, int64_t total_bytes, int64_t num_ranges,
+                 int64_t word_bytes, Fn& fn) {
+  const int64_t words = total_bytes / word_bytes;
+  for (int64_t w = 0; w < num_ranges; ++w) {
+    const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w /
+                                    (unsigned long long)num_ranges);
+    const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) /
+                                  (unsigned long long)num_ranges);
+    kvcopy::for_each_item_range(t, begin * word_bytes, end * word_bytes, fn);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -64,7 +315,7 @@ extern "C" {
 // Bumped whenever a C signature of this library changes (kvcopy/backends/native.py
 // refuses a library whose version is not the one the Python code was written for).
 // 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
-int kvcopy_cpu_abi_version() { return 2; }
+int kvcopy_cpu_abi_version() { return 3; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP
@@ -111,22 +362,63 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
                            int64_t num_groups, const int64_t* call_ext, int64_t total_bytes,
                            int64_t num_ranges, int64_t word_bytes) {
   if (num_ranges < 1 || word_bytes < 1 || total_bytes % word_bytes) return 1;
-  kvcopy::CursorTables t;
-  t.entries = entries;
-  t.group_offsets = group_offsets;
-  t.group_entries = group_entries;
-  t.entry_bytes_prefix = entry_bytes_prefix;
-  t.call = kvcopy::CallView::from_packed(call_ext, num_groups);
-  t.block_prefix = t.call.runs + 3 * t.call.run_offsets[num_groups];
-  const int64_t words = total_bytes / word_bytes;
+  const kvcopy::CursorTables t = cursor_tables(entries, group_offsets, group_entries,
+                                               entry_bytes_prefix, num_groups, call_ext);
   RangeItemCopy fn{word_bytes};
-  for (int64_t w = 0; w < num_ranges; ++w) {
-    const int64_t begin = (int64_t)((unsigned long long)words * (unsigned long long)w /
-                                    (unsigned long long)num_ranges);
-    const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) /
-                                  (unsigned long long)num_ranges);
-    kvcopy::for_each_item_range(t, begin * word_bytes, end * word_bytes, fn);
+  walk_ranges(t, total_bytes, num_ranges, word_bytes, fn);
+  return 0;
+}
+
+// kvcopy_cpu_copy with checksums: sums[num_sums] (one per block of the call, in call
+// order; zeroed here first) receive each page's checksum (kernels/page_checksum.cuh).
+// simd = 0 keeps to the scalar loop (the tests compare both); calls of at least
+// stream_min_bytes (> 0) store with non-temporal stores.
+int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
+                         const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
+                         int64_t total_bytes, int num_threads, uint64_t* sums, int64_t num_sums,
+                         int simd, int64_t stream_min_bytes) {
+  memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
+  const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
+  const int64_t items = call.num_items();
+  const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
+  const RunCopy copy_run = !simd ? copy_run_scalar : stream ? kBestRunStream : kBestRunCopy;
+#ifdef _OPENMP
+  if (total_bytes >= kParallelMinBytes && items > 1) {
+    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < items; ++i) {
+      copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy_run,
+                     sums);
+    }
+    return 0;
   }
+#else
+  (void)total_bytes;
+  (void)num_threads;
+#endif
+  for (int64_t i = 0; i < items; ++i) {
+    copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy_run,
+                   sums);
+  }
+  return 0;
+}
+
+// Whether kvcopy_cpu_copy_sums has its AVX-512 loop on this CPU (1) or scalar code (0).
+int kvcopy_cpu_sums_simd() { return kBestRunCopy != copy_run_scalar; }
+
+// kvcopy_cpu_copy_ranges with checksums: the GPU checksum kernel's work split and
+// keying, run on the host, sums as in kvcopy_cpu_copy_sums.
+int kvcopy_cpu_copy_ranges_sums(const int64_t* entries, const int64_t* group_offsets,
+                                const int64_t* group_entries, const int64_t* entry_bytes_prefix,
+                                int64_t num_groups, const int64_t* call_ext, int64_t total_bytes,
+                                int64_t num_ranges, int64_t word_bytes, uint64_t* sums,
+                                int64_t num_sums) {
+  if (num_ranges < 1 || word_bytes < 1 || total_bytes % word_bytes) return 1;
+  memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
+  const kvcopy::CursorTables t = cursor_tables(entries, group_offsets, group_entries,
+                                               entry_bytes_prefix, num_groups, call_ext);
+  RangeItemCopySums fn{word_bytes, sums};
+  walk_ranges(t, total_bytes, num_ranges, word_bytes, fn);
   return 0;
 }
 

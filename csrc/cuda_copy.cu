@@ -33,6 +33,44 @@ KernelFn kernel_for(int word_bytes) {
   }
 }
 
+KernelFn sums_kernel_for(int word_bytes) {
+  switch (word_bytes) {
+    case 16:
+      return kvcopy_block_copy_sums_w16;
+    case 8:
+      return kvcopy_block_copy_sums_w8;
+    case 4:
+      return kvcopy_block_copy_sums_w4;
+    case 2:
+      return kvcopy_block_copy_sums_w2;
+    case 1:
+      return kvcopy_block_copy_sums_w1;
+    default:
+      return nullptr;
+  }
+}
+
+// The kernel parameters of one launch (see kvcopy_cuda_copy), or an error code.
+int fill_params(kvcopy::KernelParams* p, const int64_t* tables, int64_t num_entries,
+                int64_t num_groups, int64_t num_group_entries, const int64_t* call_host,
+                const int64_t* call_device, int64_t call_words, int64_t total_bytes) {
+  p->tables = tables;
+  p->num_entries = num_entries;
+  p->num_groups = num_groups;
+  p->num_group_entries = num_group_entries;
+  p->total_bytes = total_bytes;
+  p->sums = nullptr;
+  if (call_host != nullptr && call_words <= KVCOPY_INLINE_WORDS) {
+    p->call = nullptr;
+    memcpy(p->inline_call, call_host, sizeof(int64_t) * (size_t)call_words);
+  } else if (call_device != nullptr) {
+    p->call = call_device;
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
 // Codes above this are driver-API CUresult values (from the copy-engine path),
 // offset so the two enumerations never collide.
 constexpr int kDriverErrorBase = 100000;
@@ -41,7 +79,7 @@ constexpr int kDriverErrorBase = 100000;
 
 extern "C" {
 
-int kvcopy_cuda_abi_version() { return 1; }
+int kvcopy_cuda_abi_version() { return 2; }
 int kvcopy_cuda_threads() { return KVCOPY_THREADS; }
 int kvcopy_cuda_inline_words() { return KVCOPY_INLINE_WORDS; }
 int kvcopy_cuda_params_bytes() { return (int)sizeof(kvcopy::KernelParams); }
@@ -89,19 +127,36 @@ int kvcopy_cuda_copy(const int64_t* tables, int64_t num_entries, int64_t num_gro
   KernelFn fn = kernel_for(word_bytes);
   if (fn == nullptr || grid < 1 || total_bytes % word_bytes != 0) return cudaErrorInvalidValue;
   kvcopy::KernelParams p;
-  p.tables = tables;
-  p.num_entries = num_entries;
-  p.num_groups = num_groups;
-  p.num_group_entries = num_group_entries;
-  p.total_bytes = total_bytes;
-  if (call_host != nullptr && call_words <= KVCOPY_INLINE_WORDS) {
-    p.call = nullptr;
-    memcpy(p.inline_call, call_host, sizeof(int64_t) * (size_t)call_words);
-  } else if (call_device != nullptr) {
-    p.call = call_device;
-  } else {
-    return cudaErrorInvalidValue;
+  const int err = fill_params(&p, tables, num_entries, num_groups, num_group_entries, call_host,
+                              call_device, call_words, total_bytes);
+  if (err != cudaSuccess) return err;
+  void* args[] = {&p};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)grid),
+                          dim3(KVCOPY_THREADS), args, 0, static_cast<cudaStream_t>(stream));
+}
+
+// kvcopy_cuda_copy with checksums (kernels/page_checksum.cuh): `sums` (device, one
+// uint64 per block of the call, num_sums of them) is zeroed on `stream`, then the
+// checksum kernel copies and adds each page's sum into it. The call array must hold
+// the block prefix after the packed call (it always does: the planner writes both).
+int kvcopy_cuda_copy_sums(const int64_t* tables, int64_t num_entries, int64_t num_groups,
+                          int64_t num_group_entries, const int64_t* call_host,
+                          const int64_t* call_device, int64_t call_words, int64_t total_bytes,
+                          int word_bytes, int grid, void* stream, int64_t* sums, int64_t num_sums) {
+  if (num_sums < 0 || (num_sums > 0 && sums == nullptr)) return cudaErrorInvalidValue;
+  if (num_sums > 0) {
+    const cudaError_t err = cudaMemsetAsync(sums, 0, sizeof(int64_t) * (size_t)num_sums,
+                                            static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) return err;
   }
+  if (total_bytes <= 0) return cudaSuccess;
+  KernelFn fn = sums_kernel_for(word_bytes);
+  if (fn == nullptr || grid < 1 || total_bytes % word_bytes != 0) return cudaErrorInvalidValue;
+  kvcopy::KernelParams p;
+  const int err = fill_params(&p, tables, num_entries, num_groups, num_group_entries, call_host,
+                              call_device, call_words, total_bytes);
+  if (err != cudaSuccess) return err;
+  p.sums = reinterpret_cast<unsigned long long*>(sums);
   void* args[] = {&p};
   return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)grid),
                           dim3(KVCOPY_THREADS), args, 0, static_cast<cudaStream_t>(stream));

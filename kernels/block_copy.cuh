@@ -7,11 +7,12 @@
 //
 // Data model (built in kvcopy/tables.py, documented there in full):
 //
-//   entries[E][16]  int64, static per copier and direction. One row per copied layer
+//   entries[E][20]  int64, static per copier and direction. One row per copied layer
 //                   (deduplicated by storage), bytes throughout: src base address, dst
 //                   base address, src/dst block stride, run bytes, runs per page, then
 //                   three nested run dims (count, src stride, dst stride), outermost
-//                   first, and one zero. A page is `runs per page` runs of `run bytes`,
+//                   first, one zero, the dims' key strides (page_checksum.cuh) and two
+//                   zeros. A page is `runs per page` runs of `run bytes`,
 //                   contiguous on both sides; run r = (i0 * c1 + i1) * c2 + i2 starts
 //                   i0*s0 + i1*s1 + i2*s2 bytes into its page on each side with that
 //                   side's strides. Identical orders: one run per dense page (2 for
@@ -25,6 +26,9 @@
 //       item_offsets[G+1]  items of group g are [item_offsets[g], item_offsets[g+1]),
 //                          item_offsets[g+1]-item_offsets[g] = entries(g) * runs(g)
 //       runs[R][3]         (src first block, dst first block, number of blocks)
+//       block_prefix[R+1]  blocks in the runs before run r, right after the runs (the
+//                          planner writes it in the same buffer): block b of run r is
+//                          block_prefix[r] + b of the call, its checksum slot
 //
 // An item is one (entry, run) pair: entry-major within a group, so consecutive items
 // walk the runs of one layer (a "run" of the call is a run of block ids; a run of a
@@ -61,8 +65,9 @@ enum EntryField : int {
   kDstBlockStride = 3,
   kRunBytes = 4,
   kRunsPerPage = 5,
-  kRunDims = 6,  // 3 x (count, src stride, dst stride), outermost first
-  kEntryFields = 16,
+  kRunDims = 6,      // 3 x (count, src stride, dst stride), outermost first
+  kKeyStrides = 16,  // 3 x the dims' strides in the staging page counted densely
+  kEntryFields = 20,
 };
 
 // Byte offsets of page run r (0 <= r < runs per page, < 2^31) into its page on both
@@ -91,11 +96,29 @@ KVCOPY_HD void page_run_offsets(const int64_t* entry, int64_t r, int64_t* src, i
   *dst = (int64_t)i0 * d[2] + (int64_t)i1 * d[5] + (int64_t)i2 * d[8];
 }
 
+// Byte position of page run r in the staging page read chunk after chunk (the
+// position the checksum keys the run's words with): the digits of page_run_offsets
+// times the key strides.
+KVCOPY_HD int64_t page_run_position(const int64_t* entry, int64_t r) {
+  const int64_t* d = entry + kRunDims;
+  const int64_t* k = entry + kKeyStrides;
+  if (r == 0) return 0;
+  if (d[6] == entry[kRunsPerPage]) return r * k[2];
+  uint32_t q = (uint32_t)r;
+  const uint32_t c2 = (uint32_t)d[6], c1 = (uint32_t)d[3];
+  const uint32_t i2 = q % c2;
+  q /= c2;
+  const uint32_t i1 = q % c1;
+  const uint32_t i0 = q / c1;
+  return (int64_t)i0 * k[0] + (int64_t)i1 * k[1] + (int64_t)i2 * k[2];
+}
+
 // The per-call array, split into its three parts.
 struct CallView {
   const int64_t* run_offsets;   // [G+1]
   const int64_t* item_offsets;  // [G+1]
   const int64_t* runs;          // [R][3]
+  const int64_t* block_prefix;  // [R+1], after the runs
   int64_t num_groups;
 
   KVCOPY_HD static CallView from_packed(const int64_t* packed, int64_t num_groups) {
@@ -103,6 +126,7 @@ struct CallView {
     v.run_offsets = packed;
     v.item_offsets = packed + (num_groups + 1);
     v.runs = packed + 2 * (num_groups + 1);
+    v.block_prefix = v.runs + 3 * packed[num_groups];
     v.num_groups = num_groups;
     return v;
   }
@@ -116,6 +140,10 @@ struct Item {
   int64_t dst_block;
   int64_t num_blocks;
   bool merged;  // block run adjacent on both sides: one segment per page run
+  // Checksums only (page_checksum.cuh): the entry's position in its group, and the
+  // call's index of the run's first block (its output slot).
+  int64_t ordinal;
+  int64_t out_index;
 
   KVCOPY_HD int64_t run_bytes() const { return entry[kRunBytes]; }
   KVCOPY_HD int64_t num_segments() const {
@@ -157,6 +185,8 @@ KVCOPY_HD Item make_item(const int64_t* entries, int64_t entry_index, const int6
   const int64_t rb = it.entry[kRunBytes];
   it.merged =
       it.num_blocks == 1 || (it.entry[kSrcBlockStride] == rb && it.entry[kDstBlockStride] == rb);
+  it.ordinal = 0;
+  it.out_index = 0;
   return it;
 }
 
@@ -169,8 +199,12 @@ KVCOPY_HD Item locate_item(int64_t i, const CallView& call, const int64_t* entri
   const int64_t local = i - call.item_offsets[g];
   const int64_t first_run = call.run_offsets[g];
   const int64_t runs_in_group = call.run_offsets[g + 1] - first_run;
-  const int64_t entry_index = group_entries[group_offsets[g] + local / runs_in_group];
-  return make_item(entries, entry_index, call.runs + 3 * (first_run + local % runs_in_group));
+  const int64_t ordinal = local / runs_in_group;
+  const int64_t run = first_run + local % runs_in_group;
+  Item it = make_item(entries, group_entries[group_offsets[g] + ordinal], call.runs + 3 * run);
+  it.ordinal = ordinal;
+  it.out_index = call.block_prefix[run];
+  return it;
 }
 
 // ---------------------------------------------------------------------------------
@@ -214,6 +248,8 @@ KVCOPY_HD int64_t group_bytes(const CursorTables& t, int64_t g) {
 
 KVCOPY_HD void cursor_load_item(const CursorTables& t, Cursor* c) {
   c->item = make_item(t.entries, t.group_entries[c->slot], t.call.runs + 3 * c->run);
+  c->item.ordinal = c->slot - t.group_offsets[c->group];
+  c->item.out_index = t.block_prefix[c->run];
 }
 
 // Place the cursor at byte `pos` (0 <= pos < total bytes of the call).

@@ -27,9 +27,23 @@
 // Per-call data (the packed runs + block prefix) comes either inline in the kernel
 // parameters (small calls: no upload at all, and a CUDA graph captures it by value)
 // or through a device pointer. Offsets are 64-bit throughout.
+//
+// Checksums (kvcopy_block_copy_sums_w*, page_checksum.cuh): the same split and loads;
+// a warp's range is further cut into block ranges (one page, one output slot each).
+// Each lane adds the hash terms of the words it copies to a register as they go from
+// load to store; when the warp moves to another page (and at the end of its range) the
+// lanes' parts are summed with shuffles and lane 0 adds the total to the page's slot
+// with one 64-bit atomic. Runs of 2 KiB and up move as run pieces, shorter ones word
+// by word within their page. Words of 8 and 16 bytes are one or two hash words in
+// registers; narrower words (1-4 byte aligned tables) add the zero-padded 8-byte hash
+// word that starts at them, if one does, reading its other bytes from the source (a
+// warp range may end inside a hash word: the word belongs to the range holding its
+// first byte). Two 64-bit multiplies per 8 bytes: far below what an SM issues while
+// it waits for PCIe, so the copy keeps its bandwidth.
 #pragma once
 
 #include "block_copy.cuh"
+#include "page_checksum.cuh"
 
 #ifndef KVCOPY_THREADS
 #define KVCOPY_THREADS 512
@@ -45,12 +59,13 @@ namespace kvcopy {
 // The kernel's single parameter. Layout mirrored by ctypes in kvcopy/nvrtc.py.
 struct KernelParams {
   const int64_t*
-      tables;  // entries[E*8] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
+      tables;  // entries[E*20] | group_offsets[G+1] | group_entries[GE] | entry_bytes_prefix[GE+1]
   const int64_t* call;  // packed call | block_prefix[R+1]; nullptr: use inline_call
   int64_t num_entries;
   int64_t num_groups;
   int64_t num_group_entries;
-  int64_t total_bytes;  // bytes the call moves (a multiple of the word size)
+  int64_t total_bytes;       // bytes the call moves (a multiple of the word size)
+  unsigned long long* sums;  // checksum kernels: one zeroed slot per block of the call
   int64_t inline_call[KVCOPY_INLINE_WORDS];
 };
 
@@ -120,8 +135,7 @@ struct WarpItemCopy {
   }
 };
 
-template <typename W>
-__device__ __forceinline__ void block_copy_body(const KernelParams& p) {
+__device__ __forceinline__ CursorTables kernel_tables(const KernelParams& p) {
   const int64_t* call = p.call != nullptr ? p.call : p.inline_call;
   CursorTables t;
   t.entries = p.tables;
@@ -129,20 +143,162 @@ __device__ __forceinline__ void block_copy_body(const KernelParams& p) {
   t.group_entries = t.group_offsets + (p.num_groups + 1);
   t.entry_bytes_prefix = t.group_entries + p.num_group_entries;
   t.call = CallView::from_packed(call, p.num_groups);
-  const int64_t num_runs = t.call.run_offsets[p.num_groups];
-  t.block_prefix = t.call.runs + 3 * num_runs;
+  t.block_prefix = t.call.block_prefix;
+  return t;
+}
 
+// This warp's contiguous byte range of the call, in words of W; the grid is sized by
+// the host (at most max_ctas).
+template <typename W>
+__device__ __forceinline__ void warp_range(const KernelParams& p, int64_t* begin, int64_t* end) {
   const int64_t words = p.total_bytes / (int64_t)sizeof(W);
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-  const int64_t lane = threadIdx.x & 31;
-  WarpItemCopy<W> fn{(int)lane};
-  // One contiguous range per warp; the grid is sized by the host (at most max_ctas).
   const int64_t w = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-  const int64_t begin =
-      (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)warps);
-  const int64_t end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) /
-                                (unsigned long long)warps);
-  for_each_item_range(t, begin * (int64_t)sizeof(W), end * (int64_t)sizeof(W), fn);
+  *begin =
+      (int64_t)((unsigned long long)words * (unsigned long long)w / (unsigned long long)warps) *
+      (int64_t)sizeof(W);
+  *end = (int64_t)((unsigned long long)words * (unsigned long long)(w + 1) /
+                   (unsigned long long)warps) *
+         (int64_t)sizeof(W);
+}
+
+template <typename W>
+__device__ __forceinline__ void block_copy_body(const KernelParams& p) {
+  const CursorTables t = kernel_tables(p);
+  WarpItemCopy<W> fn{(int)(threadIdx.x & 31)};
+  int64_t begin, end;
+  warp_range<W>(p, &begin, &end);
+  for_each_item_range(t, begin, end, fn);
+}
+
+// ---------------------------------------------------------------------- checksums
+// The hash terms of one word of W bytes (page_checksum.cuh): `key` is the key of its
+// first byte; `src` (its source address) and q (its offset in a run of rb bytes) only
+// matter to words narrower than 8 bytes.
+template <typename W>
+__device__ __forceinline__ uint64_t word_terms(const W& v, int64_t src, int64_t q, int64_t rb,
+                                               uint64_t key) {
+  if constexpr (sizeof(W) == 16) {
+    return mix64(((uint64_t)v.x | ((uint64_t)v.y << 32)) ^ key) +
+           mix64(((uint64_t)v.z | ((uint64_t)v.w << 32)) ^ (key + 8 * kPositionMul));
+  } else if constexpr (sizeof(W) == 8) {
+    return mix64(((uint64_t)v.x | ((uint64_t)v.y << 32)) ^ key);
+  } else {
+    if (q & (kHashWordBytes - 1)) return 0;
+    const int64_t n = hash_word_bytes(q, rb);
+    uint64_t word = (uint64_t)v;
+    for (int64_t b = (int64_t)sizeof(W); b < n; b += (int64_t)sizeof(W)) {
+      word |= (uint64_t)(*reinterpret_cast<const W*>(src + b)) << (8 * b);
+    }
+    return mix64(word ^ key);
+  }
+}
+
+template <typename W>
+struct WarpItemCopySums {
+  static constexpr int64_t kW = (int64_t)sizeof(W);
+  int lane;
+  unsigned long long* sums;
+  int64_t slot;  // the page `acc` belongs to (warp-uniform; -1: none yet)
+  uint64_t acc;  // this lane's part of that page's sum
+
+  // The warp's sum of acc to its slot: called by the whole warp.
+  __device__ __forceinline__ void flush() {
+    uint64_t total = acc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (lane == 0 && slot >= 0) atomicAdd(sums + slot, (unsigned long long)total);
+    acc = 0;
+  }
+
+  // Bytes [src, src + bytes) of one run, the first at offset q0 of the run, keyed from
+  // key0: WarpCopy's loop, each word hashed after its store is issued.
+  __device__ __forceinline__ void piece(int64_t src_addr, int64_t dst_addr, int64_t bytes,
+                                        int64_t q0, int64_t rb, uint64_t key0) {
+    const W* __restrict__ src = reinterpret_cast<const W*>(src_addr);
+    W* __restrict__ dst = reinterpret_cast<W*>(dst_addr);
+    const int64_t n = bytes / kW;
+    // Narrow words also keep the addresses of their hash words' other bytes: fewer in
+    // flight keeps them in registers (odd layouts only).
+    constexpr int U = kW >= kHashWordBytes ? WarpCopy<W>::kLoadsInFlight : 4;
+    // One loop with per-load guards (no separate tail): ptxas keeps every variant
+    // within 128 registers this way.
+    for (int64_t i = lane; i < n; i += U * 32) {
+      W v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + u * 32 < n) v[u] = __ldcs(src + i + u * 32);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i + u * 32 < n) {
+          const int64_t at = (i + u * 32) * kW;
+          __stcs(dst + i + u * 32, v[u]);
+          acc +=
+              word_terms<W>(v[u], src_addr + at, q0 + at, rb, key0 + kPositionMul * (uint64_t)at);
+        }
+      }
+    }
+  }
+
+  // Item-local bytes [lo, hi) of one page, word by word (short runs), each word's
+  // addresses, run offset and key from the item body.
+  __device__ __forceinline__ void gather(const Item& it, int64_t lo, int64_t hi, uint64_t base) {
+    constexpr int U = WarpCopy<W>::kLoadsInFlight < 4 ? WarpCopy<W>::kLoadsInFlight : 4;
+    const int64_t rb = it.run_bytes();
+    const int64_t n = (hi - lo) / kW;
+    for (int64_t i = lane; i < n; i += U * 32) {
+      W v[U];
+      int64_t src[U], dst[U], q[U];
+      uint64_t key[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i + u * 32 < n) {
+          int64_t run;
+          byte_place(it, lo + (i + u * 32) * kW, &src[u], &dst[u], &q[u], &run);
+          v[u] = __ldcs(reinterpret_cast<const W*>(src[u]));
+          key[u] = base + kPositionMul * (uint64_t)(page_run_position(it.entry, run) + q[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i + u * 32 < n) {
+          __stcs(reinterpret_cast<W*>(dst[u]), v[u]);
+          acc += word_terms<W>(v[u], src[u], q[u], rb, key[u]);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void operator()(const Item& it, int64_t lo, int64_t hi) {
+    const uint64_t base = key_base(it.ordinal);
+    const int64_t rb = it.run_bytes();
+    auto page = [&](int64_t blo, int64_t bhi, int64_t block) {
+      if (it.out_index + block != slot) {
+        flush();
+        slot = it.out_index + block;
+      }
+      if (rb >= gather_below_bytes(kW)) {
+        auto run_piece = [&](int64_t s, int64_t d, int64_t bytes, int64_t q, int64_t run) {
+          piece(s, d, bytes, q, rb,
+                base + kPositionMul * (uint64_t)(page_run_position(it.entry, run) + q));
+        };
+        for_each_run_piece(it, blo, bhi, run_piece);
+      } else {
+        gather(it, blo, bhi, base);
+      }
+    };
+    for_each_block_range(it, lo, hi, page);
+  }
+};
+
+template <typename W>
+__device__ __forceinline__ void block_copy_sums_body(const KernelParams& p) {
+  const CursorTables t = kernel_tables(p);
+  WarpItemCopySums<W> fn{(int)(threadIdx.x & 31), p.sums, -1, 0};
+  int64_t begin, end;
+  warp_range<W>(p, &begin, &end);
+  for_each_item_range(t, begin, end, fn);
+  fn.flush();
 }
 
 // Parameters of the staging kernel: up to KVCOPY_INLINE_WORDS words carried by value
@@ -163,6 +319,12 @@ struct StoreParams {
     kvcopy::block_copy_body<WORD>(p);                          \
   }
 
+#define KVCOPY_DEFINE_SUMS_KERNEL(NAME, WORD)                  \
+  extern "C" __global__ void __launch_bounds__(KVCOPY_THREADS) \
+      NAME(const __grid_constant__ kvcopy::KernelParams p) {   \
+    kvcopy::block_copy_sums_body<WORD>(p);                     \
+  }
+
 #define KVCOPY_DEFINE_KERNELS                                                                    \
   extern "C" __global__ void kvcopy_store_words(const __grid_constant__ kvcopy::StoreParams p) { \
     for (int64_t i = threadIdx.x; i < p.count; i += blockDim.x) p.dst[i] = p.words[i];           \
@@ -171,4 +333,9 @@ struct StoreParams {
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w8, uint2)                                              \
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w4, unsigned int)                                       \
   KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w2, unsigned short)                                     \
-  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w1, unsigned char)
+  KVCOPY_DEFINE_KERNEL(kvcopy_block_copy_w1, unsigned char)                                      \
+  KVCOPY_DEFINE_SUMS_KERNEL(kvcopy_block_copy_sums_w16, uint4)                                   \
+  KVCOPY_DEFINE_SUMS_KERNEL(kvcopy_block_copy_sums_w8, uint2)                                    \
+  KVCOPY_DEFINE_SUMS_KERNEL(kvcopy_block_copy_sums_w4, unsigned int)                             \
+  KVCOPY_DEFINE_SUMS_KERNEL(kvcopy_block_copy_sums_w2, unsigned short)                           \
+  KVCOPY_DEFINE_SUMS_KERNEL(kvcopy_block_copy_sums_w1, unsigned char)

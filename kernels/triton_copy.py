@@ -5,9 +5,10 @@ and segment arithmetic, one ``tl.load``/``tl.store`` pair per tile of integer wo
 
 Data layout (built by :mod:`kvcopy.tables`, uploaded once per copier direction)
 -----------------------------------------------------------------------------
-``entries``        int64 ``[E, 16]``: src base, dst base, src/dst block stride, run
+``entries``        int64 ``[E, 20]``: src base, dst base, src/dst block stride, run
                    bytes, runs per page, three page-run dims (count, src stride, dst
-                   stride), outermost first (bytes; see ``kvcopy.tables``). Base addresses
+                   stride), outermost first, then (columns 16-18) the dims' key strides
+                   for checksums (bytes; see ``kvcopy.tables``). Base addresses
                    are raw ``data_ptr()`` values: device memory, or pinned host memory
                    read and written by the SMs over unified addressing. The kernel
                    casts them with ``.to(tl.pointer_type(...))``.
@@ -94,6 +95,7 @@ MIN_ROW_BYTES = 64
 SCAN = 256
 GROUPS = 8  # group starts resolved with one vector load; more groups take a loop
 NUM_WARPS = 8
+ENTRY_FIELDS = tl.constexpr(20)  # int64 columns of an entry row (kvcopy.tables.ENTRY_FIELDS)
 
 
 # Only builtins and this module's own jit functions are used in kernel code: the
@@ -138,7 +140,7 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
     local = j - tl.load(item_offsets + g, mask=valid, other=0)
     slot = tl.load(group_offsets + g, mask=valid, other=0) + local // runs_in_group
-    entry = entries + 16 * tl.load(group_entries + slot, mask=valid, other=0)
+    entry = entries + ENTRY_FIELDS * tl.load(group_entries + slot, mask=valid, other=0)
     run = call + 2 * (num_groups + 1) + 3 * (first_run + local % runs_in_group)
     src_block = tl.load(run, mask=valid, other=0)
     dst_block = tl.load(run + 1, mask=valid, other=0)
@@ -274,6 +276,179 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
         tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
 
 
+# ---------------------------------------------------------------------- checksums
+# The fused copy that also sums each page's checksum (kvcopy.checksum, the same function
+# as kernels/page_checksum.cuh). Same work split as fused_copy_kernel; per row, each
+# element's hash term is computed from the words just loaded, the terms of the row's
+# page are summed into its worker's accumulator, and a worker adds its accumulator to
+# the page's slot with one atomic when it moves to another page (rows of merged
+# segments that cross a page boundary add their other page's terms one by one).
+@triton.jit
+def _mix64(x):
+    x = x ^ (x >> 33)
+    x = x * 0xFF51AFD7ED558CCD
+    x = x ^ (x >> 33)
+    x = x * 0xC4CEB9FE1A85EC53
+    return x ^ (x >> 33)
+
+
+@triton.jit
+def _unsigned(x, ELEM_BYTES: tl.constexpr):
+    """Integer elements zero-extended to uint64."""
+    if ELEM_BYTES == 1:
+        return x.to(tl.uint8, bitcast=True).to(tl.uint64)
+    elif ELEM_BYTES == 2:
+        return x.to(tl.uint16, bitcast=True).to(tl.uint64)
+    elif ELEM_BYTES == 4:
+        return x.to(tl.uint32, bitcast=True).to(tl.uint64)
+    else:
+        return x.to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def _item_keys(j, valid, call, num_groups, GROUPS: tl.constexpr):
+    """Items ``j``: (the key base of their entry's position in its group, the call
+    index of their run's first block: their first output slot)."""
+    j = tl.where(valid, j, 0)
+    item_offsets = call + num_groups + 1
+    k = 1 + tl.arange(0, GROUPS)
+    starts = tl.load(item_offsets + k, mask=k < num_groups, other=0x7FFFFFFFFFFFFFFF)
+    g = _total((j[:, None] >= starts[None, :]).to(tl.int64), 1)
+    for k2 in range(GROUPS + 1, num_groups):
+        g += (j >= tl.load(item_offsets + k2)).to(tl.int64)
+    first_run = tl.load(call + g, mask=valid, other=0)
+    runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
+    local = j - tl.load(item_offsets + g, mask=valid, other=0)
+    ordinal = (local // runs_in_group).to(tl.uint64)
+    block_prefix = call + 2 * (num_groups + 1) + 3 * tl.load(call + num_groups)
+    out_index = tl.load(block_prefix + first_run + local % runs_in_group, mask=valid, other=0)
+    return ordinal * 0xC2B2AE3D27D4EB4F + 0x9E3779B97F4A7C15, out_index
+
+
+@triton.jit
+def _terms(words, src_ptr, cols, mask, q, run_bytes, pos, base, ELEM_BYTES: tl.constexpr):
+    """Hash terms of a tile's elements (0 where none starts): 8-byte elements are hash
+    words; narrower ones add the zero-padded 8-byte word that starts at them, if one
+    does, its other bytes read from the source."""
+    if ELEM_BYTES == 8:
+        owner = mask
+        value = _unsigned(words, ELEM_BYTES)
+    else:
+        owner = mask & (q % 8 == 0)
+        value = _unsigned(words, ELEM_BYTES)
+        for b in tl.static_range(1, 8 // ELEM_BYTES):
+            more = tl.load(src_ptr[:, None] + cols[None, :] + b,
+                           mask=owner & (q + b * ELEM_BYTES < run_bytes[:, None]), other=0)
+            value = value | (_unsigned(more, ELEM_BYTES) << (8 * ELEM_BYTES * b))
+    key = base[:, None] + (pos[:, None] + q).to(tl.uint64) * 0x9E3779B97F4A7C15
+    return tl.where(owner, _mix64(value ^ key), 0)
+
+
+@triton.jit
+def _worker_start(pid, n_items, entries, group_offsets, group_entries, call, num_groups,
+                  ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr, GROUPS: tl.constexpr):
+    """fused_copy_kernel's two scans: (rows in the call, each worker's first item, its
+    row there, its row count)."""
+    num_workers = tl.num_programs(0).to(tl.int64) * ROWS
+    lane = tl.arange(0, SCAN).to(tl.int64)
+    total = n_items * 0
+    for start in range(0, n_items, SCAN):
+        j = start + lane
+        total += _total(_resolve(j, j < n_items, entries, group_offsets, group_entries, call, num_groups,
+                                 ROW_BYTES, GROUPS)[9], 0)
+    worker = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    begin = worker * total // num_workers
+    count = (worker + 1) * total // num_workers - begin
+    item = worker * 0
+    before = worker * 0
+    carry = n_items * 0
+    for start in range(0, n_items, SCAN):
+        j = start + lane
+        valid = j < n_items
+        rows = _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)[9]
+        ends = tl.associative_scan(rows, 0, _ADD) + carry
+        done = (ends[None, :] <= begin[:, None]) & valid[None, :]
+        item += _total(done.to(tl.int64), 1)
+        before += _total(tl.where(done, rows[None, :], 0), 1)
+        carry += _total(rows, 0)
+    return total, item, begin - before, count
+
+
+@triton.jit(do_not_specialize=["num_groups"])
+def fused_copy_sums_kernel(entries, group_offsets, group_entries, call, num_groups, sums,
+                           ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
+                           ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
+                           GROUPS: tl.constexpr):
+    """fused_copy_kernel, and each page's checksum added into ``sums`` (zeroed first)."""
+    ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
+    VEC: tl.constexpr = WORD // ELEM_BYTES
+    pid = tl.program_id(0).to(tl.int64)
+    n_items = tl.load(call + 2 * num_groups + 1)
+    total, item, row, count = _worker_start(pid, n_items, entries, group_offsets, group_entries, call,
+                                            num_groups, ROW_BYTES, ROWS, SCAN, GROUPS)
+    valid = item < n_items
+    (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, seg_bytes, tiles,
+     rows) = _resolve(item, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
+    base, out_index = _item_keys(item, valid, call, num_groups, GROUPS)
+    cols = tl.arange(0, ROW_ELEMS)
+    acc = (row * 0).to(tl.uint64)
+    cur = row * 0 - 1  # the slot acc belongs to; -1: none yet
+    steps = (total + tl.num_programs(0).to(tl.int64) * ROWS - 1) // (tl.num_programs(0).to(tl.int64) * ROWS)
+    for step in range(0, steps):
+        active = step < count
+        seg = row // tl.maximum(tiles, 1)
+        block = tl.where(merged, 0, seg // num_runs)
+        c1 = tl.maximum(tl.load(entry + 9), 1)
+        c2 = tl.maximum(tl.load(entry + 12), 1)
+        run = (seg - block * num_runs).to(tl.int32)
+        i2 = (run % c2.to(tl.int32)).to(tl.int64)
+        i1 = (run // c2.to(tl.int32) % c1.to(tl.int32)).to(tl.int64)
+        i0 = (run // c2.to(tl.int32) // c1.to(tl.int32)).to(tl.int64)
+        off = (row - seg * tiles) * ROW_BYTES
+        src = (src_item + block * src_bstride + i0 * tl.load(entry + 7) + i1 * tl.load(entry + 10)
+               + i2 * tl.load(entry + 13) + off)
+        dst = (dst_item + block * dst_bstride + i0 * tl.load(entry + 8) + i1 * tl.load(entry + 11)
+               + i2 * tl.load(entry + 14) + off)
+        pos = i0 * tl.load(entry + 16) + i1 * tl.load(entry + 17) + i2 * tl.load(entry + 18)
+        n = tl.multiple_of(tl.where(active, tl.minimum(seg_bytes - off, ROW_BYTES) // ELEM_BYTES, 0), VEC)
+        src_ptr = tl.multiple_of(src.to(tl.pointer_type(ELEM)), WORD)
+        dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(ELEM)), WORD)
+        mask = cols[None, :] < n[:, None]
+        words = tl.load(src_ptr[:, None] + cols[None, :], mask=mask, eviction_policy="evict_first")
+        # Each element's offset in its run and its page's slot: a row of a merged segment
+        # starts in page `page0` of the run's blocks and may run into the next ones.
+        run_bytes = tl.load(entry + 4)
+        page0 = tl.where(merged, off // run_bytes, 0)
+        q = (off - page0 * run_bytes)[:, None] + cols[None, :] * ELEM_BYTES
+        page = q * 0
+        if _total((merged & active).to(tl.int32), 0) > 0:
+            page = tl.where(merged[:, None], q // run_bytes[:, None], 0)
+            q = q - page * run_bytes[:, None]
+        terms = _terms(words, src_ptr, cols, mask, q, run_bytes, pos, base, ELEM_BYTES)
+        first = out_index + block + page0
+        slot = first[:, None] + page
+        same = page == 0
+        tl.atomic_add(sums + slot, terms.to(tl.int64, bitcast=True), mask=mask & ~same & (terms != 0),
+                      sem="relaxed")
+        row_sum = _total(tl.where(same, terms, 0), 1)
+        change = active & (first != cur)
+        tl.atomic_add(sums + cur, acc.to(tl.int64, bitcast=True), mask=change & (cur >= 0), sem="relaxed")
+        acc = tl.where(change, row_sum, tl.where(active, acc + row_sum, acc))
+        cur = tl.where(change, first, cur)
+        row += active.to(tl.int64)
+        wrap = active & (row >= rows)
+        if _total(wrap.to(tl.int32), 0) > 0:
+            item += wrap.to(tl.int64)
+            row = tl.where(wrap, 0, row)
+            valid = item < n_items
+            (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, seg_bytes, tiles,
+             rows) = _resolve(item, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES,
+                              GROUPS)
+            base, out_index = _item_keys(item, valid, call, num_groups, GROUPS)
+        tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
+    tl.atomic_add(sums + cur, acc.to(tl.int64, bitcast=True), mask=cur >= 0, sem="relaxed")
+
+
 # ---------------------------------------------------------------------- host side
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -301,12 +476,16 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def launch_config(word_bytes: int, min_chunk_bytes: int) -> LaunchConfig:
+def launch_config(word_bytes: int, min_chunk_bytes: int, checksums: bool = False) -> LaunchConfig:
     """Rows about one chunk long, at most 2 KiB: from 2 KiB chunks up every table gets
     the same kernel (16 rows of 2 KiB, a 32 KiB tile), so a sweep over page sizes
     compiles one variant per word size, and a large chunk is cut into 2 KiB rows
-    spread over all workers. Smaller chunks get shorter rows (fewer masked lanes)."""
-    if word_bytes >= 4:
+    spread over all workers. Smaller chunks get shorter rows (fewer masked lanes).
+    ``checksums``: the checksum kernel's shape, whose elements are the 8-byte hash words
+    themselves when every address and size is a multiple of 8."""
+    if checksums and word_bytes >= 8:
+        elem, elem_bytes = tl.int64, 8
+    elif word_bytes >= 4:
         elem, elem_bytes = tl.int32, 4
     elif word_bytes == 2:
         elem, elem_bytes = tl.int16, 2
@@ -337,6 +516,15 @@ def launch(mod: ModuleType, grid: int, entries, group_offsets, group_entries, ca
     """The one kernel launch of a call (``mod`` from :func:`kernels`)."""
     mod.fused_copy_kernel[(grid,)](
         entries, group_offsets, group_entries, call, num_groups,
+        num_warps=cfg.num_warps, **COMPILE_OPTIONS, **cfg.constexprs())
+
+
+def launch_sums(mod: ModuleType, grid: int, entries, group_offsets, group_entries, call,
+                num_groups: int, sums, cfg: LaunchConfig) -> None:
+    """The one launch of a checksummed call: ``call`` is the call array with its block
+    prefix, ``sums`` the zeroed int64 output (one per block of the call)."""
+    mod.fused_copy_sums_kernel[(grid,)](
+        entries, group_offsets, group_entries, call, num_groups, sums,
         num_warps=cfg.num_warps, **COMPILE_OPTIONS, **cfg.constexprs())
 
 

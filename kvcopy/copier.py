@@ -25,6 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .backends import Backend, choose_backend, get_backend
+from .checksum import check_request as check_checksum_request
 from .layout import PageLayout, byte_extent, describe, pair_pages
 from .checks import shown
 from .planner import CallPlanner
@@ -192,6 +193,7 @@ class BlockCopier:
             [(src_t[n], src_l[n]) for n in entries],
             [(dst_t[n], dst_l[n]) for n in entries],
             entries,
+            staging="dst" if dst_side == "host" else "src",
         )
         tables.max_ctas = self._max_ctas
         tables.cta_cap()  # a bad max_ctas / KVCOPY_MAX_CTAS fails here, not mid-call
@@ -217,13 +219,20 @@ class BlockCopier:
         return {side: d.backend.name for side, d in (("to_host", self._d2h), ("to_device", self._h2d))
                 if d is not None}
 
-    def to_host(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
-        """Device -> host: block ``block_ids[g][i]`` to host block ``host_block_ids[g][i]``."""
-        return self._run("d2h", block_ids, block_ids if host_block_ids is None else host_block_ids)
+    def to_host(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None,
+                checksums: Optional[torch.Tensor] = None) -> CallPlan:
+        """Device -> host: block ``block_ids[g][i]`` to host block ``host_block_ids[g][i]``.
 
-    def to_device(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
-        """Host -> device: host block ``host_block_ids[g][i]`` to block ``block_ids[g][i]``."""
-        return self._run("h2d", block_ids if host_block_ids is None else host_block_ids, block_ids)
+        ``checksums``: an int64 tensor of one element per block of the call (group after
+        group) on the copy's device, overwritten with each page's checksum as the copy
+        computes it (:mod:`kvcopy.checksum`); the ``ce`` backend raises instead."""
+        return self._run("d2h", block_ids, block_ids if host_block_ids is None else host_block_ids, checksums)
+
+    def to_device(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None,
+                  checksums: Optional[torch.Tensor] = None) -> CallPlan:
+        """Host -> device: host block ``host_block_ids[g][i]`` to block ``block_ids[g][i]``
+        (``checksums`` as for :meth:`to_host`)."""
+        return self._run("h2d", block_ids if host_block_ids is None else host_block_ids, block_ids, checksums)
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``); :meth:`run`
@@ -233,17 +242,16 @@ class BlockCopier:
         d = self._built(direction)
         return self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
 
-    def run(self, direction: str, call: CallPlan) -> CallPlan:
+    def run(self, direction: str, call: CallPlan, checksums: Optional[torch.Tensor] = None) -> CallPlan:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
-        were checked then; the storages are checked now, as for every call)."""
+        were checked then; the storages are checked now, as for every call);
+        ``checksums`` as for :meth:`to_host`."""
         d = self._built(direction)
         if type(call) is not CallPlan or call.origin is not d.planner.origin:
             raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
         if self._closed:
             raise ValueError("BlockCopier is closed")
-        if call.num_items:
-            self._storages.check()
-            d.backend.copy(d.tables, call)
+        self._copy(d, call, checksums)
         return call
 
     def tables(self, direction: str) -> CopyTables:
@@ -261,13 +269,24 @@ class BlockCopier:
             raise ValueError(f"this BlockCopier was built without the {direction!r} direction")
         return d
 
-    def _run(self, direction: str, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+    def _run(self, direction: str, src_ids: IdLists, dst_ids: IdLists,
+             checksums: Optional[torch.Tensor] = None) -> CallPlan:
         d = self._built(direction)
         call = self._validate(d, src_ids, dst_ids)
-        if call.num_items:
+        self._copy(d, call, checksums)
+        return call
+
+    def _copy(self, d: _Direction, call: CallPlan, checksums: Optional[torch.Tensor]) -> None:
+        if checksums is not None:
+            check_checksum_request(d.backend, d.tables, call, checksums)
+            if not call.num_items:
+                checksums.zero_()  # blocks of groups without layers: nothing to add
+                return
+            self._storages.check()
+            d.backend.copy_with_checksums(d.tables, call, checksums)
+        elif call.num_items:
             self._storages.check()
             d.backend.copy(d.tables, call)
-        return call
 
     def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
         if self._closed:

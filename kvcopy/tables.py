@@ -2,17 +2,22 @@
 
 Static, built once per copier and direction (:class:`CopyTables`):
 
-* ``entries``: int64 ``[E, 16]``, one row per copied layer, deduplicated by storage
+* ``entries``: int64 ``[E, 20]``, one row per copied layer, deduplicated by storage
   within a group (two names for the same bytes are copied once). Columns, in the order
   of ``kernels/block_copy.cuh``'s ``EntryField`` (bytes throughout): src base address,
   dst base address, src block stride, dst block stride, run bytes, runs per page, then
-  three nested run dims ``(count, src stride, dst stride)``, outermost first, and one
-  zero. A page is ``runs per page`` runs of ``run bytes``, run ``r`` at the offsets its
-  digits over the dims give (:class:`kvcopy.layout.PagePairing`, computed here once
-  per entry from both sides' layouts): one run per page when both sides order a dense
-  page alike, two for KV-first, ``C``-element runs for a head-major page against a
-  token-major one. Addresses are ``data_ptr()`` values: host pointers of pinned memory
-  are valid on the device under unified addressing.
+  three nested run dims ``(count, src stride, dst stride)``, outermost first, one
+  zero, then the three dims' **key strides** and two zeros. A page is ``runs per
+  page`` runs of ``run bytes``, run ``r`` at the offsets its digits over the dims
+  give (:class:`kvcopy.layout.PagePairing`, computed here once per entry from both
+  sides' layouts): one run per page when both sides order a dense page alike, two for
+  KV-first, ``C``-element runs for a head-major page against a token-major one.
+  Addresses are ``data_ptr()`` values: host pointers of pinned memory are valid on the
+  device under unified addressing. The key strides place run ``r``
+  in the *staging* side's page (the host buffer: ``staging="dst"`` for ``d2h``,
+  ``"src"`` for ``h2d``) counted densely, chunk ``c`` of a chunked page at ``c x
+  chunk bytes`` whatever its chunk stride: the position :mod:`kvcopy.checksum` keys
+  each word with, so both copies of a transfer (P's ``d2h``, D's ``h2d``) agree.
 * ``group_offsets`` int64 ``[G+1]`` and ``group_entries``: group ``g`` copies entries
   ``group_entries[group_offsets[g]:group_offsets[g+1]]``, its layer mask. A layer in no
   group (KV-sharing) has no entry and is never touched.
@@ -34,9 +39,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .layout import MAX_RUN_DIMS, PageLayout, alignment, pair_pages
+from .layout import MAX_RUN_DIMS, PageLayout, PagePairing, alignment, pair_pages
 
-ENTRY_FIELDS = 16
+ENTRY_FIELDS = 20
 (
     SRC_BASE,
     DST_BASE,
@@ -46,13 +51,14 @@ ENTRY_FIELDS = 16
     RUNS_PER_PAGE,
 ) = range(6)
 RUN_DIMS = 6  # first of MAX_RUN_DIMS x (count, src stride, dst stride) columns
+KEY_STRIDES = 16  # MAX_RUN_DIMS columns: each dim's stride in the staging page counted densely
 
 
 @dataclass
 class CopyTables:
     """Static description of one direction of a copier."""
 
-    entries: np.ndarray  # int64 [E, 16]
+    entries: np.ndarray  # int64 [E, 20]
     group_offsets: np.ndarray  # int64 [G+1]
     group_entries: np.ndarray  # int64 [sum]
     src_tensors: List[torch.Tensor]  # per entry (kept alive: the table holds raw addresses)
@@ -65,6 +71,7 @@ class CopyTables:
     word_bytes: int  # widest word (<= 16) every address, stride and size is aligned to
     group_block_bytes: np.ndarray  # int64 [G]: bytes one block id moves in group g
     max_ctas: Optional[int] = None  # grid cap of the kernel backends (BlockCopier(max_ctas=))
+    staging: str = "dst"  # the side whose pages key the checksums (the host buffers)
     backend_state: dict = field(default_factory=dict)  # what backends cache per table
 
     @property
@@ -113,8 +120,12 @@ def build_tables(
     src: Sequence[Tuple[torch.Tensor, PageLayout]],
     dst: Sequence[Tuple[torch.Tensor, PageLayout]],
     names: Sequence[str],
+    staging: str = "dst",
 ) -> CopyTables:
-    """Tables for entries ``src[i] -> dst[i]``; group g copies ``group_entry_lists[g]``."""
+    """Tables for entries ``src[i] -> dst[i]``; group g copies ``group_entry_lists[g]``.
+    ``staging`` ("src" or "dst") names the side whose page order keys the checksums."""
+    if staging not in ("src", "dst"):
+        raise ValueError(f"staging must be 'src' or 'dst', got {staging!r}")
     rows = []
     for (st, sl), (dt, dl), name in zip(src, dst, names):
         try:
@@ -125,6 +136,8 @@ def build_tables(
                pair.run_bytes, pair.runs_per_page]
         for dim in pair.dims:
             row.extend(dim)
+        row.append(0)
+        row.extend(key_strides(pair, sl if staging == "src" else dl, staging))
         rows.append(row + [0] * (ENTRY_FIELDS - len(row)))
     entries = np.array(rows, dtype=np.int64).reshape(-1, ENTRY_FIELDS)
     offsets = np.zeros(len(group_entry_lists) + 1, dtype=np.int64)
@@ -152,7 +165,22 @@ def build_tables(
         dst_device=dst_dev,
         word_bytes=word,
         group_block_bytes=group_bytes,
+        staging=staging,
     )
+
+
+def key_strides(pair: PagePairing, staging_layout: PageLayout, staging: str) -> List[int]:
+    """Per run dim (outermost first): its stride on the staging side with the page's
+    chunks counted densely (chunk stride -> chunk bytes). A run's digits times these
+    give its byte position in the staging page read chunk after chunk: runs are
+    contiguous there and tile it, so run ``r`` in that order starts at ``r x run bytes``."""
+    side = 2 if staging == "dst" else 1
+    cs, cb = staging_layout.chunk_stride, staging_layout.chunk_bytes
+    out = []
+    for dim in pair.dims:
+        stride = dim[side]
+        out.append((stride // cs) * cb + stride % cs if staging_layout.num_chunks > 1 and cs > 0 else stride)
+    return out
 
 
 class CallPlan:

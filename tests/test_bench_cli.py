@@ -446,3 +446,14 @@ def test_converting_preset_verifies_every_method(tmp_path, layout):
     rows = [r for r in res["results"] if r["method"] != "memcpy"]
     assert rows and all(r["verify"] == "ok" for r in rows), [(r["method"], r["verify"]) for r in rows]
     assert {int(r["chunk_bytes"]) for r in res["results"]} == {2 * 8 * 2}  # C = 2 x 8 bf16 per run
+
+
+def test_checksum_rows_beside_their_backends(tmp_path):
+    """--checksum adds a '<backend>+sum' row (the same copier with checksums on),
+    verified like the others; ce+sum is never added (ce computes no checksums)."""
+    rc, res = run_json(tmp_path, "--num-groups", "2", "--backends", "cpu,torch", "--checksum", *SMALL)
+    assert rc == 0
+    methods = {r["method"] for r in res["results"]}
+    assert {"cpu", "cpu+sum", "torch", "torch+sum"} <= methods
+    assert all(r["verify"] in ("ok", "n/a") for r in res["results"])
+    assert main(["--backends", "vllm+sum", "--quiet"]) == 2

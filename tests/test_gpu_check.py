@@ -73,6 +73,8 @@ def test_cpu_rehearsal_writes_everything_under_out(tmp_path):
     assert verified == {2 << 10, 8 << 10, 32 << 10}  # verify at the small points only
     scen = json.loads((out / gpu_check.FILES["scenario"]).read_text())
     assert any(r.get("mode") == "stubbed" for r in scen["host_path"]["rows"])
+    assert {"cpu", "cpu+sum"} <= {r["method"] for r in scen["checksum"]["results"]}  # the checksum's cost
+    assert "checksum d2h cpu+sum" in gpu_check.scenario_text(scen)
     log = (out / gpu_check.LOG_NAME).read_text()
     assert "kvcopy-bench sweep" in log and "pytest" in log
     # The summary is the end of the output (what a device run's 12,000-character tail returns).

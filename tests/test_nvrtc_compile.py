@@ -14,7 +14,8 @@ import pytest
 from kvcopy.backends import nvrtc
 from kvcopy.kernels import include_dir
 
-ENTRY_NAMES = sorted(list(nvrtc.ENTRY_POINTS.values()) + ["kvcopy_store_words"])
+ENTRY_NAMES = sorted(list(nvrtc.ENTRY_POINTS.values()) + list(nvrtc.SUM_ENTRY_POINTS.values())
+                     + ["kvcopy_store_words"])
 
 
 def _entries(ptx: str):

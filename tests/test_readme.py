@@ -21,6 +21,7 @@ def test_api_example_runs_and_copies_each_group_at_its_blocks():
         assert torch.equal(host[name][:, 9].view(torch.int16), dev[name][:, 9].view(torch.int16))
         assert not host[name][:, [3, 4, 5]].view(torch.int16).any()
     assert not host["model.layers.4.attn"].view(torch.int16).any()  # KV-sharing: untouched
+    assert torch.equal(ns["packed"], ns["scattered"]) and ns["packed"].unique().numel() == 4  # one sum per page
 
 
 def test_nixl_example_runs():

@@ -73,6 +73,17 @@ class Backend:
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
         raise NotImplementedError
 
+    # Checksums (kvcopy.checksum): the backends that compute them while copying
+    # override both methods.
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        """Why this backend cannot compute checksums while copying these tables, or None."""
+        return f"backend {self.name!r} does not compute checksums"
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+        """``copy``, and the call's page checksums into ``out`` (int64, one per block of
+        the call, on the copy's device; checked by the caller), stream-ordered."""
+        raise NotImplementedError(self.checksum_reason(tables))
+
 
 # name -> "module:Class", imported lazily.
 _REGISTRY = {

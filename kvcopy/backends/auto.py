@@ -6,6 +6,7 @@ are pinned once, the later pinnings find them pinned). Each call computes its me
 descriptor size (total bytes / segments: two numpy reductions over the packed call)
 and hands the call to the backend :func:`kvcopy.backends.calibration.pick` names for it, from
 this device's calibration table or the built-in default. ``last_choice`` says which.
+A call with checksums goes to ``cuda`` (else ``triton``) whatever its size.
 """
 from __future__ import annotations
 
@@ -91,3 +92,22 @@ class AutoGpuBackend(Backend):
         name = self.choose(call)
         self.last_choice = name
         self.candidates[name].copy(tables, call)
+
+    # Checksummed calls go to an SM kernel whatever the descriptor size: the copy
+    # engines never read the bytes into an SM.
+    def _summing(self, tables: CopyTables) -> Optional[str]:
+        return next((n for n in ("cuda", "triton") if n in self.candidates
+                     and self.candidates[n].checksum_reason(tables) is None), None)
+
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        if self._summing(tables) is None:
+            return f"none of auto's backends ({', '.join(self.candidates)}) computes checksums"
+        return None
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out) -> None:
+        if self._shape is None:
+            self.prepare(tables)
+        name = self._summing(tables)
+        assert name is not None, "checked by checksum_reason before the call"
+        self.last_choice = name
+        self.candidates[name].copy_with_checksums(tables, call, out)

@@ -16,6 +16,7 @@ same stream without waiting in between.
 Copy engines are slow per descriptor (published H100 figures: 4-7 GB/s on 4 KiB pages,
 ~52 GB/s at 64 KiB): this backend is for merged runs of large pages; ``auto`` picks
 it only there.
+It computes no checksums (:mod:`kvcopy.checksum`): asked for them, it raises.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _ptr(a) -> ctypes.c_void_p:
 
 class CopyEngineBackend(GpuBackendBase, Backend):
     name = "ce"
-    _lib = None
+    _lib: Any = None
 
     def _find(self) -> Optional[str]:
         self._lib, why = cudalib.library()
@@ -76,6 +77,11 @@ class CopyEngineBackend(GpuBackendBase, Backend):
             dst_host=int(tables.dst_device.type == "cpu"),
             pointers=(_ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries)),
         )
+
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        return ("backend 'ce' moves the bytes with the copy engines, which never bring them into "
+                "an SM, so it cannot compute checksums; build the copier with backend 'cuda', "
+                "'triton' or 'auto' (auto hands checksummed calls to its SM kernel)")
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
         st: _State = self.state(tables)

@@ -6,12 +6,21 @@ static tables' addresses and the packed call array; the library walks every item
 GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads; it is read
 when a copier direction is prepared (not once per process), so a benchmark that sets
 it before building its copiers runs them on that many threads.
+
+With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums``, whose
+loop hashes each word between its load and its store (AVX-512 where the CPU has it;
+``KVCOPY_CPU_SIMD=0``, read at prepare, keeps to the scalar loop). Calls of at least
+``KVCOPY_CPU_STREAM_BYTES`` (8 MiB) write with non-temporal stores: a store loop that
+first reads every destination line costs a third more memory traffic than memcpy,
+whose string moves skip that read.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from . import Backend, native
 from ..tables import CallPlan, CopyTables
@@ -30,18 +39,38 @@ def _threads() -> int:
         raise ValueError(f"KVCOPY_CPU_THREADS must be an integer, got {text!r}") from None
 
 
+def _simd() -> int:
+    """``KVCOPY_CPU_SIMD`` (default 1: the CPU's vector loop; 0: scalar)."""
+    return 0 if os.environ.get("KVCOPY_CPU_SIMD", "1").strip() in ("0", "off", "no") else 1
+
+
+def _stream_min_bytes() -> int:
+    """``KVCOPY_CPU_STREAM_BYTES``: checksummed calls of at least this many bytes store
+    with non-temporal stores (default 8 MiB, beyond the L2 of a core; 0: never)."""
+    text = os.environ.get("KVCOPY_CPU_STREAM_BYTES", "").strip()
+    try:
+        return max(0, int(text)) if text else 8 << 20
+    except ValueError:
+        raise ValueError(f"KVCOPY_CPU_STREAM_BYTES must be an integer, got {text!r}") from None
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self) -> None:
         lib, self._why = native.load("kvcopy_cpu")
-        self._lib = lib
+        self._lib: Any = lib
+        self._sums: Any = None
         if lib is not None:
             lib.kvcopy_cpu_copy.restype = ctypes.c_int
             lib.kvcopy_cpu_copy.argtypes = [
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
             ]
+            self._sums = lib.kvcopy_cpu_copy_sums
+            self._sums.restype = ctypes.c_int
+            self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                                  ctypes.c_int64]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -57,11 +86,21 @@ class CpuBackend(Backend):
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
-            _ptr(tables.group_entries), tables.num_groups, _threads(),
+            _ptr(tables.group_entries), tables.num_groups, _simd(), _stream_min_bytes(), _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        copy, entries, offsets, group_entries, groups, threads = self.state(tables)
+        copy, entries, offsets, group_entries, groups, _, _, threads = self.state(tables)
         rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
+
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        return self.unavailable_reason() or self.unsupported_reason(tables)
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+        _, entries, offsets, group_entries, groups, simd, stream, threads = self.state(tables)
+        rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
+                        out.data_ptr(), out.numel(), simd, stream)
+        if rc != 0:
+            raise RuntimeError(f"kvcopy_cpu_copy_sums failed with code {rc}")

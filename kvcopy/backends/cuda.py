@@ -28,6 +28,11 @@ The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library 
 absent and cupy is installed, from NVRTC (:mod:`kvcopy.backends.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
 forces NVRTC. The CTA cap comes from ``tables.cta_cap()`` (``BlockCopier(max_ctas=)``) or
 ``KVCOPY_MAX_CTAS``.
+
+Checksums (:mod:`kvcopy.checksum`): ``kvcopy_block_copy_sums_w*``, the same kernel with
+each lane hashing the words it moves and one atomic per warp and page; the launcher
+zeroes the output on the stream first. Such calls take the general path (call array
+inline when small, else staged), not the inline fast path.
 """
 from __future__ import annotations
 
@@ -126,6 +131,11 @@ class _LibLauncher:
         return self._lib.kvcopy_cuda_copy(tables, e, g, ge, call_host, call_device, call_words, total,
                                           word, grid, stream)
 
+    def launch_sums(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream,
+                    sums, num_sums):
+        return self._lib.kvcopy_cuda_copy_sums(tables, e, g, ge, call_host, call_device, call_words, total,
+                                               word, grid, stream, sums, num_sums)
+
     def store_words(self, device, dst, src, count, stream):
         return self._lib.kvcopy_cuda_store_words(dst, src, count, stream)
 
@@ -145,6 +155,11 @@ class _NvrtcLauncher:
     def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
         return self._impl.launch(device, tables, e, g, ge, call_host, call_device, call_words, total, word,
                                  grid, stream or 0, self.threads)
+
+    def launch_sums(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream,
+                    sums, num_sums):
+        return self._impl.launch(device, tables, e, g, ge, call_host, call_device, call_words, total, word,
+                                 grid, stream or 0, self.threads, sums=sums, num_sums=num_sums)
 
     def store_words(self, device, dst, src, count, stream):
         return self._impl.store_words(device, dst, src, count, stream or 0)
@@ -224,17 +239,35 @@ class CudaBackend(GpuBackendBase, Backend):
                                             st.launcher.error_name(rc))
                 st.launches += 1
                 return
+        self._launch(st, call, None)
+
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        return self.unavailable_reason() or self.unsupported_reason(tables)
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+        """The checksum kernel (``kvcopy_block_copy_sums_w*``): ``out`` zeroed on the
+        stream by the launcher, then one launch, the call array as for :meth:`copy`."""
+        self._launch(self.state(tables), call, out)
+
+    def _launch(self, st: _State, call: CallPlan, sums: Optional[torch.Tensor]) -> None:
+        """The launch of :meth:`copy` (or, with ``sums``, of the checksum kernel) when
+        the call does not go through the inline path: the call array inline in the
+        parameters when it fits, else staged on the device."""
         arr = call_array(call)
         stream = torch.cuda.current_stream(st.device)
         grid = grid_size(call.total_bytes, st.sm_count, st.max_ctas)
         launcher = st.launcher
         call_device = _call_on_device(st, arr, stream) if len(arr) > launcher.inline_words else None
-        rc = call_on_device(st.device, launcher.launch, st.device, st.static.data_ptr(), st.num_entries,
-                            st.num_groups, st.num_group_entries, arr.ctypes.data, call_device, len(arr),
-                            call.total_bytes, st.word_bytes, grid, stream.cuda_stream)
+        args = (st.device, st.static.data_ptr(), st.num_entries, st.num_groups, st.num_group_entries,
+                arr.ctypes.data, call_device, len(arr), call.total_bytes, st.word_bytes, grid, stream.cuda_stream)
+        if sums is None:
+            rc = call_on_device(st.device, launcher.launch, *args)
+        else:
+            rc = call_on_device(st.device, launcher.launch_sums, *args, sums.data_ptr(), sums.numel())
         if rc != 0:
+            kind = "sums_" if sums is not None else ""
             raise cudalib.CudaError(
-                f"kvcopy_block_copy_w{st.word_bytes} launch ({grid} CTAs, {launcher.kind})", rc,
+                f"kvcopy_block_copy_{kind}w{st.word_bytes} launch ({grid} CTAs, {launcher.kind})", rc,
                 launcher.error_name(rc))
         st.launches += 1
 

@@ -51,6 +51,8 @@ def library() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
 # kvcopy_cuda_copy(static, entries, groups, group_entries, call_host, call_device,
 # call_words, total_bytes, word_bytes, grid, stream)
 COPY_ARGTYPES = [_vp, _i64, _i64, _i64, _vp, _vp, _i64, _i64, _int, _int, _vp]
+# kvcopy_cuda_copy_sums(the same, then sums, num_sums)
+COPY_SUMS_ARGTYPES = COPY_ARGTYPES + [_vp, _i64]
 # kvcopy_cuda_store_words(dst, src, count, stream)
 STORE_ARGTYPES = [_vp, _vp, _i64, _vp]
 
@@ -68,6 +70,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvcopy_cuda_device_info": (_int, [_int, ctypes.POINTER(_int), ctypes.POINTER(_int)]),
         "kvcopy_cuda_host_device_pointer": (_int, [_vp, ctypes.POINTER(_vp)]),
         "kvcopy_cuda_copy": (_int, COPY_ARGTYPES),
+        "kvcopy_cuda_copy_sums": (_int, COPY_SUMS_ARGTYPES),
         "kvcopy_cuda_stream_capturing": (_int, [_vp, ctypes.POINTER(_int)]),
         "kvcopy_cuda_store_words": (_int, STORE_ARGTYPES),
         "kvcopy_ce_batch_abi": (_int, []),

@@ -24,8 +24,9 @@ from typing import Dict, Optional, Tuple
 
 from ..kernels import include_dir
 
-HEADERS = ("block_copy.cuh", "block_copy_kernel.cuh")
+HEADERS = ("block_copy.cuh", "page_checksum.cuh", "block_copy_kernel.cuh")
 ENTRY_POINTS = {w: f"kvcopy_block_copy_w{w}" for w in (16, 8, 4, 2, 1)}
+SUM_ENTRY_POINTS = {w: f"kvcopy_block_copy_sums_w{w}" for w in (16, 8, 4, 2, 1)}  # checksums
 SOURCE = '#include "block_copy_kernel.cuh"\nKVCOPY_DEFINE_KERNELS\n'
 OPTIONS = ("-std=c++17",)
 
@@ -106,6 +107,7 @@ class KernelParams(ctypes.Structure):
         ("num_groups", ctypes.c_int64),
         ("num_group_entries", ctypes.c_int64),
         ("total_bytes", ctypes.c_int64),
+        ("sums", ctypes.c_void_p),
         ("inline_call", ctypes.c_int64 * 480),
     ]
 
@@ -132,6 +134,7 @@ class NvrtcLauncher:
         self._cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
             ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         self._cuda.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self._cuda.cuMemsetD8Async.argtypes = [ctypes.c_void_p, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
         self._functions: Dict[int, Dict[int, ctypes.c_void_p]] = {}
         self._lock = threading.Lock()
 
@@ -156,7 +159,9 @@ class NvrtcLauncher:
                     if rc:
                         raise RuntimeError(f"cuModuleLoadData failed: {self.error_name(rc)} ({rc})")
                     fns = {}
-                    for w, name in list(ENTRY_POINTS.items()) + [(0, "kvcopy_store_words")]:
+                    named = (list(ENTRY_POINTS.items()) + [(-w, n) for w, n in SUM_ENTRY_POINTS.items()]
+                             + [(0, "kvcopy_store_words")])
+                    for w, name in named:
                         fn = ctypes.c_void_p()
                         rc = self._cuda.cuModuleGetFunction(ctypes.byref(fn), module, name.encode())
                         if rc:
@@ -167,9 +172,19 @@ class NvrtcLauncher:
 
     def launch(self, device: int, tables: int, num_entries: int, num_groups: int, num_group_entries: int,
                call_host: Optional[int], call_device: Optional[int], call_words: int, total_bytes: int,
-               word_bytes: int, grid: int, stream: int, threads: int) -> int:
+               word_bytes: int, grid: int, stream: int, threads: int, sums: Optional[int] = None,
+               num_sums: int = 0) -> int:
+        """``sums``: the device address of ``num_sums`` checksum slots, zeroed here on the
+        stream: the checksum kernel runs."""
         fns = self._load(device)
+        if sums is not None and num_sums > 0:
+            rc = self._cuda.cuMemsetD8Async(ctypes.c_void_p(sums), 0, 8 * num_sums, ctypes.c_void_p(stream))
+            if rc:
+                return rc
+        if sums is not None and total_bytes <= 0:
+            return 0
         p = KernelParams()
+        p.sums = sums
         p.tables = tables
         p.num_entries, p.num_groups, p.num_group_entries = num_entries, num_groups, num_group_entries
         p.total_bytes = total_bytes
@@ -181,7 +196,8 @@ class NvrtcLauncher:
         else:
             return _CUDA_ERROR_INVALID_VALUE
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(p), ctypes.c_void_p))
-        return self._cuda.cuLaunchKernel(fns[word_bytes], grid, 1, 1, threads, 1, 1, 0, stream, args, None)
+        fn = fns[-word_bytes] if sums is not None else fns[word_bytes]
+        return self._cuda.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream, args, None)
 
     def store_words(self, device: int, dst: int, src: int, count: int, stream: int) -> int:
         """As kvcopy_cuda_store_words: words carried into device memory by value."""

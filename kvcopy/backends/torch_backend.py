@@ -6,12 +6,15 @@ backend runs. Tensors are reinterpreted as integers of their element width first
 (:func:`kvcopy.layout.as_words`), so the copy is bit-exact for every dtype and never
 does float arithmetic; each side is indexed along its own block axis, so a page's
 element ``[i, j, ...]`` lands at ``[i, j, ...]`` whatever either side's strides are.
+Checksums are the oracle's (:func:`kvcopy.checksum.table_checksums`, numpy over the
+host pages after the copy): a second pass, and a host wait for a GPU copy.
 """
 from __future__ import annotations
 
 import torch
 
 from . import Backend
+from ..checksum import table_checksums
 from ..layout import as_words
 from ..tables import CallPlan, CopyTables
 
@@ -28,6 +31,13 @@ class TorchBackend(Backend):
             for e in tables.group_entry_ids(g):
                 _copy_pages(tables.src_tensors[e], tables.dst_tensors[e], src_index, dst_index,
                             tables.src_block_dims[e], tables.dst_block_dims[e])
+
+    def checksum_reason(self, tables: CopyTables) -> None:
+        return None
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+        self.copy(tables, call)  # a copy to the host waits for the device (pages.to(host) is blocking)
+        out.copy_(torch.from_numpy(table_checksums(tables, call).view("int64")))
 
 
 def _copy_pages(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor,

@@ -38,6 +38,7 @@ import torch
 
 from ..tables import RUN_BYTES, CallPlan, CopyTables
 from . import Backend
+from .kernel_inputs import call_array
 
 STATE_KEY = "triton"
 INTERPRETER_MAX_CTAS = 4
@@ -59,6 +60,7 @@ class _State:
     max_ctas: int
     pinning: Any  # kvcopy.backends.pinning.HostPinning or None
     small_upload: Optional["SmallCallUpload"] = None  # GPU, with libkvcopy_cuda
+    cfg_sums: Any = None  # triton_copy.LaunchConfig of the checksum kernel
 
 
 class SmallCallUpload:
@@ -75,9 +77,10 @@ class SmallCallUpload:
         # would otherwise store twice into the one buffer before either kernel runs.
         self.lock = threading.Lock()
 
-    def __call__(self, call: CallPlan):
-        """The device buffer now holding ``call.packed`` (or None: too large)."""
-        words = call.num_words - call.prefix_words
+    def __call__(self, call: CallPlan, with_prefix: bool = False):
+        """The device buffer now holding ``call.packed`` (and its block prefix after it
+        when ``with_prefix``), or None: too large."""
+        words = call.num_words if with_prefix else call.num_words - call.prefix_words
         if words > self.max_words:
             return None
         stream = self._stream(self._device)
@@ -190,6 +193,7 @@ class TritonBackend(Backend):
             group_offsets=upload(tables.group_offsets),
             group_entries=upload(tables.group_entries) if len(tables.group_entries) else upload(np.zeros(1)),
             cfg=tc.launch_config(tables.word_bytes, min_chunk),
+            cfg_sums=tc.launch_config(tables.word_bytes, min_chunk, checksums=True),
             max_ctas=max_ctas,
             pinning=pinning,
             small_upload=_small_upload(device) if device.type == "cuda" else None,
@@ -231,3 +235,33 @@ class TritonBackend(Backend):
         call_dev = torch.from_numpy(call.packed.copy()).pin_memory().to(st.device, non_blocking=True)
         self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                              call_dev, call.num_groups, st.cfg)
+
+    # ------------------------------------------------------------ checksums
+    def checksum_reason(self, tables: CopyTables) -> Optional[str]:
+        return self.unavailable_reason() or self.unsupported_reason(tables)
+
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+        """The checksum kernel (``fused_copy_sums_kernel``): the call array goes up with
+        its block prefix (the pages' output slots); ``out`` is zeroed on the stream first."""
+        st = self.state(tables)
+        out.zero_()
+        if call.num_items == 0:
+            return
+        grid = self._kernels.grid_size(call.total_bytes, st.cfg_sums, st.max_ctas)
+        if st.device.type != "cuda":
+            self._kernels.launch_sums(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
+                                      torch.from_numpy(call_array(call).copy()), call.num_groups, out, st.cfg_sums)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the triton backend cannot be captured in a CUDA graph; use backend='cuda'")
+        with torch.cuda.device(st.device):
+            if st.small_upload is not None:
+                with st.small_upload.lock:
+                    call_dev = st.small_upload(call, with_prefix=True)
+                    if call_dev is not None:
+                        self._kernels.launch_sums(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
+                                                  call_dev, call.num_groups, out, st.cfg_sums)
+                        return
+            call_dev = torch.from_numpy(call_array(call).copy()).pin_memory().to(st.device, non_blocking=True)
+            self._kernels.launch_sums(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
+                                      call_dev, call.num_groups, out, st.cfg_sums)

@@ -51,6 +51,9 @@ def add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                    help="comma list of methods: memcpy is always first; baselines vllm, coalesced; "
                         "kvcopy backends torch, cpu, triton, cuda, ce, auto; 'default' (CPU: vllm, "
                         "coalesced, torch, cpu; GPU: all but cpu) or 'all'. Exit 2 when none of them can run")
+    m.add_argument("--checksum", action="store_true",
+                   help="also time each kvcopy backend (but ce) with checksums on, as a row '<backend>+sum' "
+                        "(any backend can be named so in --backends too)")
     m.add_argument("--iters", type=int, metavar="N", help="timed calls per method (default: 200 GPU, 20 CPU)")
     m.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="untimed calls of each method before the rounds (each timed call also follows an "

@@ -46,6 +46,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .nixl_request import check_kv as _check, d_block_ids as _d_ids, padded as _padded  # noqa: F401 (bench/)
+
 SIDE_P, SIDE_D = "kvcopy-bench-P", "kvcopy-bench-D"
 
 
@@ -68,6 +70,9 @@ def add_args(p) -> None:
                    help="P's staging order for the arena rows (head: HND layouts only)")
     m.add_argument("--no-arena", dest="arena", action="store_false", default=True,
                    help="skip the arena rows")
+    from .two_hosts_bench import add_args as add_two_hosts_args
+
+    add_two_hosts_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write results as JSON ('-': stdout, table to stderr)")
     o.add_argument("--quiet", action="store_true")
@@ -205,27 +210,6 @@ def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndar
 
 
 # ---------------------------------------------------------------------- the pull
-def _padded(ids: List[List[int]], counts: List[int]) -> List[List[int]]:
-    """Block lists anchored at token 0: a shorter (sliding-window) list is the suffix."""
-    from ..nixl import NO_BLOCK
-
-    n = max(counts)
-    return [[NO_BLOCK] * (n - len(g)) + list(g) for g in ids]
-
-
-def _d_ids(sc, num_blocks: int, seed: int) -> List[List[int]]:
-    counts = sc.blocks_per_group()
-    if sc.ids == "contiguous":
-        starts = np.cumsum([0] + counts[:-1]).tolist()
-        return [list(range(num_blocks - s - n, num_blocks - s)) for s, n in zip(starts, counts)]
-    perm = np.random.default_rng(seed + 17).permutation(num_blocks).tolist()
-    out, k = [], 0
-    for n in counts:
-        out.append(perm[k:k + n])
-        k += n
-    return out
-
-
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
@@ -410,19 +394,6 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
     return mpa, mda, methods, descs, facts, before
 
 
-def _check(P, D, d_ids, block_dim: int, as_words) -> Optional[str]:
-    """None when D's KV holds P's bytes at every group's blocks, else what differs."""
-    for g, names in enumerate(P.layer_groups):
-        src = torch.tensor(P.ids[g], dtype=torch.int64)
-        dst = torch.tensor(d_ids[g], dtype=torch.int64)
-        for name in names:
-            a = as_words(P.dev[name]).cpu().index_select(block_dim, src)
-            b = as_words(D.dev[name]).cpu().index_select(block_dim, dst)
-            if not torch.equal(a, b):
-                return f"FAIL: group {g} layer {name!r}: D's blocks differ from P's"
-    return "ok"
-
-
 def run(args) -> int:
     import json
 
@@ -432,6 +403,12 @@ def run(args) -> int:
     from .scenarios import plural
     from ..nixl import nixl_available
 
+    if args.two_hosts or args.faults:  # P and D over a real link: kvcopy.bench.two_hosts_bench
+        from .two_hosts_bench import run as run_two_hosts
+
+        if not args.two_hosts:
+            raise BenchError("--faults is a --two-hosts measurement: pass both")
+        return run_two_hosts(args)
     why = nixl_available()
     if why:
         print(f"kvcopy-bench nixl: NIXL is not installed here ({why})", file=sys.stderr)

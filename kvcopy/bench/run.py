@@ -27,15 +27,20 @@ def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
     from .scenarios import BASELINES, KVCOPY_BACKENDS
 
     gpu = device != "cpu"
+    base = _base_method
     if args.backends in ("default", ""):
         wanted = list(BASELINES) + (["torch", "cuda", "triton", "ce", "auto"] if gpu else ["torch", "cpu"])
     elif args.backends == "all":
         wanted = list(BASELINES) + list(KVCOPY_BACKENDS)
     else:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip() and b.strip() != "memcpy"]
-    unknown = [b for b in wanted if b not in BASELINES + KVCOPY_BACKENDS]
+    if getattr(args, "checksum", False):  # a checksummed row beside each kvcopy row
+        wanted += [f"{b}{SUMS}" for b in wanted if b in KVCOPY_BACKENDS and b != "ce"]
+    known = BASELINES + KVCOPY_BACKENDS
+    unknown = [b for b in wanted if base(b) not in (KVCOPY_BACKENDS if b.endswith(SUMS) else known)]
     if unknown:
-        raise BenchError(f"unknown method(s) {unknown}; known: memcpy, {', '.join(BASELINES + KVCOPY_BACKENDS)}")
+        raise BenchError(f"unknown method(s) {unknown}; known: memcpy, {', '.join(BASELINES + KVCOPY_BACKENDS)} "
+                         f"(a kvcopy backend with {SUMS!r}: the copy with checksums)")
     if "triton" in wanted and not gpu and not os.environ.get("TRITON_INTERPRET"):
         # The interpreter runs Triton on CPU tensors; it must be set before triton loads.
         if "triton" not in sys.modules:
@@ -46,7 +51,7 @@ def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
     skipped: Dict[str, str] = {}
     out: List[str] = []
     for b in wanted:
-        why = avail.get(b) if b in KVCOPY_BACKENDS and b != "auto" else None
+        why = avail.get(base(b)) if base(b) in KVCOPY_BACKENDS and base(b) != "auto" else None
         if why:
             skipped[b] = why
         elif b not in out:
@@ -66,7 +71,7 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     meta: Dict[str, str] = {}  # row key -> method
     caps: Dict[str, Optional[int]] = {}
     for m in methods:
-        for cap in (args.max_ctas if (device != "cpu" and m in ("cuda", "triton", "auto")) else [0]):
+        for cap in (args.max_ctas if (device != "cpu" and _base_method(m) in ("cuda", "triton", "auto")) else [0]):
             key = m if not cap else f"{m}@{cap}"
             try:
                 fns[key] = point.method(m, direction, cap or None)
@@ -156,6 +161,13 @@ def verify_point(args, scenario) -> bool:
     from .units import parse_size
 
     return scenario.chunk_bytes() <= parse_size(str(limit))
+
+
+SUMS = "+sum"  # method suffix: the same copier's copy with checksums (kvcopy.checksum)
+
+
+def _base_method(method: str) -> str:
+    return method[: -len(SUMS)] if method.endswith(SUMS) else method
 
 
 def _kind(method: str) -> str:

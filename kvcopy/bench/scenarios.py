@@ -19,6 +19,9 @@ as a :class:`Point`, and :meth:`Point.methods` returns the callables measured on
 ``<backend>``
     ``kvcopy.BlockCopier`` with that backend (``torch``, ``cpu``, ``triton``, ``cuda``,
     ``ce``, ``auto``).
+``<backend>+sum``
+    the same copier's copy with checksums (:mod:`kvcopy.checksum`) into an int64
+    tensor on the copy's device: the checksum's cost is this row against the one above.
 
 Layer maps. ``all`` is the seeds/2 benchmark's model: ``copy_blocks`` applies each
 group's ids to every layer, so every group holds every layer; here group ``g``'s layer
@@ -370,8 +373,14 @@ class Point:
         return self.copiers[key]
 
     def _kvcopy(self, backend: str, direction: str, max_ctas: Optional[int]) -> Callable[[], None]:
-        copier = self.copier(backend, max_ctas)
+        sums = backend.endswith("+sum")
+        copier = self.copier(backend[: -len("+sum")] if sums else backend, max_ctas)
         ids = self.ids
+        if sums:
+            out = torch.empty(sum(map(len, ids)), dtype=torch.int64, device=self.device)
+            if direction == "d2h":
+                return lambda: copier.to_host(ids, checksums=out)
+            return lambda: copier.to_device(ids, checksums=out)
         return (lambda: copier.to_host(ids)) if direction == "d2h" else (lambda: copier.to_device(ids))
 
     # ------------------------------------------------------------- checking

@@ -1,0 +1,261 @@
+"""Page checksums computed by the copies themselves: the definition, and its numpy oracle.
+
+``BlockCopier.to_host(ids, checksums=out)`` (and ``to_device``, ``run``) fills ``out``
+with one 64-bit sum per block of the call (per ``(group, i)``, summed over the group's
+layers), computed by the copy from the words it moves: no second pass over the bytes.
+The ``cpu`` backend hashes in the loop that copies (``csrc/cpu_copy.cpp``), the
+``cuda`` kernel in registers on the way from load to store with one atomic add per
+warp and page (``kernels/block_copy_kernel.cuh``), the ``triton`` kernel per row of
+its tile (``kernels/triton_copy.py``); ``torch`` computes it here after its copy
+(:func:`table_checksums`: a second pass, and a host wait on a GPU copy), which is also
+the oracle the tests hold every backend to, bit for bit. ``ce`` cannot
+(copy engines never bring the bytes into an SM): a ``ce`` copier asked for checksums
+raises, and ``auto`` hands such a call to its SM kernel.
+
+Definition (``kernels/page_checksum.cuh`` is the same in C++)
+---------------------------------------------------------------
+For block ``i`` of group ``g``::
+
+    sum[g, i] = SUM over k, r, j of  mix64(word(k, r, j) XOR key(pos, k))   (mod 2^64)
+    key(pos, k) = (pos + 1) * 0x9E3779B97F4A7C15 + k * 0xC2B2AE3D27D4EB4F
+    mix64 = MurmurHash3's 64-bit finalizer (xorshift 33, multiply, xorshift 33,
+            multiply, xorshift 33): one-to-one on 64-bit values
+
+* ``k``: the layer's position in the group (the copier's deduplicated entry list);
+* ``r``: a run of the page: the bytes contiguous on both sides of the copy
+  (:class:`~kvcopy.layout.PagePairing`; the whole page, a K or V half, or ``C``
+  elements of a layout-converting copy);
+* ``j``: the run's 8-byte words counted from its first byte, read little-endian; when
+  the run is not a multiple of 8 bytes its last word is zero-padded (odd head sizes,
+  1- and 2-byte aligned pages: the pad is part of the definition, so every backend
+  adds the same term);
+* ``pos``: the word's byte position in the **staging** page (the host buffer: the
+  destination of ``to_host``, the source of ``to_device``) read chunk after chunk,
+  i.e. chunk ``c`` of a KV-first page counts from ``c * chunk bytes`` whatever the
+  buffer's block count. Runs are contiguous in that order and tile it, so run ``r``
+  starts at ``r * run bytes`` there.
+
+Why this function. A sum is independent of the order of its terms, so every backend's
+work split (items on CPU threads, equal word ranges per GPU warp, Triton rows,
+segments merged across adjacent pages) adds the same value, partial sums combine with
+atomics, and a page's sum does not depend on which call, run or neighbours it was
+copied with. The position and layer in the key make the same bytes at another place
+sum differently. Against alternatives: CRC32C (the CPU's instruction) is fast on one
+core but has no warp-parallel form that combines out of order without per-segment
+shift tables, and 32 bits give ~2^-32 misses; Adler-32 (SGLang's P/D check) is weak on
+short changes and position-blind across pages; BLAKE3/xxh3 are order-dependent
+streams, so each would need a second, ordered pass. Words of 8 bytes, not 16: every
+aligned KV page divides into them, and a one-to-one 64-bit mixer makes any change
+inside a word visible, where a 16-byte word would need a 128-bit mix or a lossy fold.
+The cost: two 64-bit multiplies per 8 bytes, meant to hide under the loads on GPUs
+(PCIe reads are bound by bytes in flight) and on AVX-512 CPUs (``vpmullq``, 8 words
+per instruction); without AVX-512 (older x86, Arm) the ``cpu`` backend's scalar loop
+does them a word at a time and costs more than the copy alone.
+
+What it catches (comparing the sums of two copies of the same pages: P's pack and
+D's scatter)
+* any change confined to one 8-byte word of a page (every single-bit flip, any byte
+  burst inside one word): always, because ``mix64`` is one-to-one;
+* a torn page (part old bytes), a page swapped with another page of the request, a
+  page from another request or an earlier use of the slot, words or layers swapped
+  inside a page, a READ truncated or shifted by any number of bytes: unless the
+  bytes happen to be equal, with probability about ``1 - 2^-64`` (the terms of
+  distinct (word, key) pairs behave as independent random 64-bit values; a swap of
+  words ``a`` at ``p`` and ``b`` at ``q`` is missed exactly when
+  ``a XOR b == key(p) XOR key(q)``);
+* two pages swapped between positions, or a whole stale request, once the per-page
+  sums are compared position by position, or bound to the request and the position
+  with :func:`seal` before they are folded into one value (:func:`fold`): a plain
+  sum of page sums would not see two pages trade places.
+
+What it does not do
+* it is not a MAC: the function and keys are public, so anyone who can write the
+  bytes can write matching sums. Authenticity is the handshake's HMAC; this catches
+  accidents (DMA, RDMA completion ordering, stale buffers, kernel bugs);
+* it says nothing about bytes the copy does not move (a destination page written
+  later by someone else), nor about pages both sides read wrong the same way;
+* two copies agree only when they see the same staging pages cut into the same
+  8-byte words: the same staging page geometry, and runs that are multiples of
+  8 bytes on both sides (always true for 8-byte aligned KV pages) or the same run
+  length. A layout-converting copy with odd run sizes (e.g. 14-byte runs) zero-pads
+  each run, which a whole-page copy of the same bytes does not.
+
+Output: ``out`` is a caller-owned int64 tensor of ``sum(len(ids[g]))`` elements on the
+copy's device (the GPU for a GPU copier, else the CPU), group after group in call
+order, each value the sum's 64 bits (read with ``.view(torch.uint64)`` or
+``numpy ... .view(np.uint64)``). The copy overwrites it, stream-ordered like the copy
+itself (the GPU kernels zero it first on the copy's stream): no host synchronization
+but the ``torch`` backend's.
+"""
+from __future__ import annotations
+
+from typing import List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .layout import PageLayout, describe
+from .tables import RUN_BYTES, CallPlan, CopyTables
+
+POSITION_MUL = 0x9E3779B97F4A7C15
+ORDINAL_MUL = 0xC2B2AE3D27D4EB4F
+MIX1 = 0xFF51AFD7ED558CCD
+MIX2 = 0xC4CEB9FE1A85EC53
+WORD_BYTES = 8
+_U64 = np.uint64
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's finalizer on uint64 values (wrapping arithmetic)."""
+    x = np.asarray(x, dtype=_U64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> _U64(33))
+        x = x * _U64(MIX1)
+        x = x ^ (x >> _U64(33))
+        x = x * _U64(MIX2)
+        return x ^ (x >> _U64(33))
+
+
+def word_keys(positions: np.ndarray, ordinal: int) -> np.ndarray:
+    """``key(pos, k)`` for an array of staging positions."""
+    pos = np.asarray(positions, dtype=_U64)
+    with np.errstate(over="ignore"):
+        return (pos + _U64(1)) * _U64(POSITION_MUL) + _U64((ordinal * ORDINAL_MUL) % (1 << 64))
+
+
+def page_sums(pages: np.ndarray, run_bytes: int, ordinal: int) -> np.ndarray:
+    """The checksums of ``pages`` (uint8 ``[n, page bytes]``, each in staging order)
+    of the layer at position ``ordinal`` of its group, whose copy moves runs of
+    ``run_bytes``: uint64 ``[n]``."""
+    pages = np.ascontiguousarray(pages, dtype=np.uint8)
+    n, page_bytes = pages.shape
+    if run_bytes <= 0 or page_bytes % run_bytes:
+        raise ValueError(f"a page of {page_bytes} bytes is not a whole number of {run_bytes}-byte runs")
+    runs = page_bytes // run_bytes
+    per_run = -(-run_bytes // WORD_BYTES)
+    padded = np.zeros((n, runs, per_run * WORD_BYTES), dtype=np.uint8)
+    padded[:, :, :run_bytes] = pages.reshape(n, runs, run_bytes)
+    words = padded.view("<u8").astype(_U64)
+    pos = np.arange(runs, dtype=np.int64)[:, None] * run_bytes + WORD_BYTES * np.arange(per_run)[None, :]
+    terms = mix64(words ^ word_keys(pos, ordinal)[None])
+    with np.errstate(over="ignore"):
+        return terms.reshape(n, -1).sum(axis=1, dtype=_U64)
+
+
+def staging_pages(tensor: torch.Tensor, layout: PageLayout, ids: Union[Sequence[int], np.ndarray]) -> np.ndarray:
+    """Blocks ``ids`` of a CPU ``tensor`` as uint8 ``[n, page bytes]`` in staging order
+    (its chunks one after the other), read from the tensor's storage directly."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"staging pages are host memory; got a tensor on {tensor.device}")
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    view = raw.as_strided((layout.num_blocks, layout.num_chunks, layout.chunk_bytes),
+                          (layout.block_stride, max(layout.chunk_stride, 1), 1),
+                          tensor.storage_offset() * tensor.element_size())
+    idx = torch.from_numpy(np.array(ids, dtype=np.int64))  # a copy: plans hand out read-only ids
+    return view.index_select(0, idx).reshape(len(idx), -1).numpy()
+
+
+def reference_checksums(staging: Mapping[str, torch.Tensor], entries_per_group: Sequence[Sequence[str]],
+                        ids_per_group: Sequence[Sequence[int]], run_bytes: Mapping[str, int],
+                        block_dims: Optional[Mapping[str, int]] = None, kv_layout: str = "NHD") -> np.ndarray:
+    """The oracle: the checksums of one call, uint64 ``[sum(len(ids))]``, from the
+    staging tensors' bytes (after a ``to_host``, before or after a ``to_device``).
+
+    ``entries_per_group``: per group, its layers in the order the copier copies them
+    (``tables.entry_names`` of ``group_entry_ids``: two names for the same bytes count
+    once); ``ids_per_group``: the staging side's block ids; ``run_bytes``: per layer,
+    the run length of its copy (``pair_pages(...).run_bytes``)."""
+    out: List[np.ndarray] = []
+    for names, ids in zip(entries_per_group, ids_per_group):
+        total = np.zeros(len(ids), dtype=_U64)
+        if len(ids):
+            for k, name in enumerate(names):
+                t = staging[name]
+                layout = describe(t, (block_dims or {}).get(name), kv_layout)
+                with np.errstate(over="ignore"):
+                    total += page_sums(staging_pages(t, layout, ids), int(run_bytes[name]), k)
+        out.append(total)
+    return np.concatenate(out) if out else np.zeros(0, dtype=_U64)
+
+
+def table_checksums(tables: CopyTables, call: CallPlan) -> np.ndarray:
+    """The oracle over a copier direction's own tables and a planned call (the
+    ``torch`` backend's checksums): uint64 ``[blocks of the call]``."""
+    tensors = tables.dst_tensors if tables.staging == "dst" else tables.src_tensors
+    block_dims = tables.dst_block_dims if tables.staging == "dst" else tables.src_block_dims
+    ids = call.dst_ids if tables.staging == "dst" else call.src_ids
+    out: List[np.ndarray] = []
+    for g in range(tables.num_groups):
+        total = np.zeros(len(ids[g]), dtype=_U64)
+        if len(ids[g]):
+            for k, e in enumerate(tables.group_entry_ids(g).tolist()):
+                pages = staging_pages(tensors[e], describe(tensors[e], block_dims[e]), ids[g])
+                with np.errstate(over="ignore"):
+                    total += page_sums(pages, int(tables.entries[e, RUN_BYTES]), k)
+        out.append(total)
+    return np.concatenate(out) if out else np.zeros(0, dtype=_U64)
+
+
+# ---------------------------------------------------------------- the output tensor
+def check_output(out, num_blocks: int, device: torch.device) -> None:
+    """``TypeError``/``ValueError`` unless ``out`` can receive a call's checksums:
+    an int64 tensor of ``num_blocks`` contiguous elements on ``device``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"checksums must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != torch.int64:
+        raise TypeError(f"checksums must be an int64 tensor (the sums' bits), got {out.dtype}")
+    if out.dim() != 1 or out.numel() != num_blocks or not out.is_contiguous():
+        raise ValueError(f"checksums must be a contiguous 1-D tensor of {num_blocks} elements (one per "
+                         f"block of the call), got shape {tuple(out.shape)}")
+    want, got = _indexed(device), _indexed(out.device)
+    if got != want:
+        raise ValueError(f"checksums must be on the copy's device {want}, got {out.device}")
+
+
+def check_request(backend, tables: CopyTables, call: CallPlan, out) -> None:
+    """Before a checksummed copy moves a byte: ``backend`` can compute the sums for
+    ``tables`` (else ``ValueError`` saying why) and ``out`` fits ``call``."""
+    why = backend.checksum_reason(tables)
+    if why:
+        raise ValueError(f"checksums requested but {why}")
+    check_output(out, len(call.src_flat), copy_device(tables.src_device, tables.dst_device))
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` without an index is the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def copy_device(src: torch.device, dst: torch.device) -> torch.device:
+    """Where a copy's checksums go: its GPU if it has one, else the CPU."""
+    return src if src.type == "cuda" else dst if dst.type == "cuda" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------- host side
+def as_unsigned(sums) -> np.ndarray:
+    """Checksums (an int64 tensor or array) as uint64 numpy (synchronizes a GPU tensor)."""
+    if isinstance(sums, torch.Tensor):
+        sums = sums.detach().cpu().numpy()
+    return np.asarray(sums).view(_U64) if np.asarray(sums).dtype == np.int64 else np.asarray(sums, dtype=_U64)
+
+
+def seal(sums, seed: int, positions: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Page sums bound to a request and to each page's logical position:
+    ``mix64(sum XOR mix64(seed + position * POSITION_MUL))``, uint64. ``seed`` is any
+    64-bit value naming the request (e.g. from its id and the transfer's nonce);
+    ``positions`` default to ``0..n-1``. Sealed values can be folded (:func:`fold`)
+    into one value per request that still changes when two pages trade places or a
+    page of another request is served."""
+    s = as_unsigned(sums)
+    pos = np.arange(len(s), dtype=_U64) if positions is None else np.asarray(positions, dtype=np.int64).astype(_U64)
+    with np.errstate(over="ignore"):
+        bound = mix64(_U64(seed % (1 << 64)) + pos * _U64(POSITION_MUL))
+    return mix64(s ^ bound)
+
+
+def fold(sealed) -> int:
+    """One 64-bit value for many sealed sums (their sum mod 2^64)."""
+    with np.errstate(over="ignore"):
+        return int(np.asarray(sealed, dtype=_U64).sum(dtype=_U64))

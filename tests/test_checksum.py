@@ -1,0 +1,388 @@
+"""Page checksums computed by the copies (kvcopy.checksum): every backend's sums equal
+the numpy oracle's bit for bit over the shared case matrix, and the copies stay
+bit-exact (what the sums catch: tests/test_checksum_faults.py).
+
+Backends here: ``cpu`` (its AVX-512 loop and its scalar loop), ``torch``, the CUDA
+kernel's work split and keying run on the host (``kvcopy_cpu_copy_ranges_sums``, as
+``tests/test_cuda_cursor.py`` does for the copy) and the Triton kernel in Triton's
+interpreter. The oracle reads the staging pages' bytes from their storage and knows
+nothing of the kernels' tables beyond which layers a group copies.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+import kvcopy
+from kvcopy import backends
+from kvcopy.backends import Backend, kernel_inputs, native
+from kvcopy.checksum import (mix64, page_sums, reference_checksums, word_keys)
+from kvcopy.layout import describe, pair_pages
+from kvcopy.tables import ENTRY_FIELDS
+from kvcopy.testing import CopyCase, prepare_check, standard_cases
+
+lib, why = native.load("kvcopy_cpu")
+CASES = standard_cases()
+QUICK = standard_cases(quick=True)
+DIRECTIONS = ("d2h", "h2d")
+POISON_SUM = 0x5A5A5A5A5A5A5A5A
+
+
+# ------------------------------------------------------------------ helpers
+def oracle(check, case: CopyCase, direction: str) -> np.ndarray:
+    """The oracle's sums for a prepared check: from the expected host pages (the
+    reference copy's result for d2h, the untouched source for h2d)."""
+    tables = check.copier.tables(direction)
+    entries = [[tables.entry_names[e] for e in tables.group_entry_ids(g)] for g in range(tables.num_groups)]
+    dev, host = check.expected
+    bd, kv = case.block_dim(), case.kv_layout()
+    runs = {}
+    for names in entries:
+        for n in names:
+            d, h = describe(dev[n], bd, kv), describe(host[n], bd, kv)
+            runs[n] = (pair_pages(d, h) if direction == "d2h" else pair_pages(h, d)).run_bytes
+    return reference_checksums(host, entries, check.host_ids, runs, {n: bd for n in runs}, kv)
+
+
+def copy_with_sums(check, direction: str, device="cpu") -> np.ndarray:
+    n = sum(len(ids) for ids in check.dev_ids)
+    out = torch.full((n,), POISON_SUM, dtype=torch.int64, device=device)
+    if direction == "d2h":
+        check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)
+    else:
+        check.copier.to_device(check.dev_ids, check.host_ids, checksums=out)
+    return out.cpu().numpy().view(np.uint64).copy()
+
+
+def check_sums(backend: str, case: CopyCase, direction: str, device="cpu", **kw) -> np.ndarray:
+    """Copy ``case`` with checksums: bytes as the reference's, sums as the oracle's."""
+    check = prepare_check(backend, case, direction, device, **kw)
+    got = copy_with_sums(check, direction, device)
+    check.assert_matches()
+    want = oracle(check, case, direction)
+    bad = np.flatnonzero(got != want)
+    assert not len(bad), f"{check.label}: {len(bad)} of {len(want)} sums differ from the oracle, first {bad[:4]}"
+    check.copier.close()
+    return got
+
+
+class RangesSumsBackend(Backend):
+    """The CUDA checksum kernel's work split (equal word ranges, block ranges, run
+    pieces or word-by-word gathers, the narrow words' owner rule), on the host."""
+
+    name = "cpu-ranges-sums"
+
+    def __init__(self, num_ranges: int, word_bytes=None):
+        self.num_ranges, self.word_bytes = num_ranges, word_bytes
+        fn = lib.kvcopy_cpu_copy_ranges_sums
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+            ctypes.c_void_p, ctypes.c_int64]
+        self._fn = fn
+
+    def checksum_reason(self, tables):
+        return None
+
+    def copy(self, tables, call):
+        raise AssertionError("this test backend only runs checksummed copies")
+
+    def copy_with_checksums(self, tables, call, out):
+        static = kernel_inputs.static_table(tables)
+        e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
+        base = static.ctypes.data
+        offsets = base + 8 * ENTRY_FIELDS * e
+        prefix = offsets + 8 * (g + 1) + 8 * ge
+        arr = kernel_inputs.call_array(call)
+        rc = self._fn(base, offsets, offsets + 8 * (g + 1), prefix, g, arr.ctypes.data, call.total_bytes,
+                      self.num_ranges, self.word_bytes or tables.word_bytes, out.data_ptr(), out.numel())
+        assert rc == 0
+
+
+@pytest.fixture
+def ranges_backend(monkeypatch):
+    def make(n, word=None):
+        monkeypatch.setitem(backends._REGISTRY, RangesSumsBackend.name, "x:y")
+        monkeypatch.setitem(backends._instances, RangesSumsBackend.name, RangesSumsBackend(n, word))
+        return RangesSumsBackend.name
+    return make
+
+
+needs_lib = pytest.mark.skipif(lib is None, reason=f"CPU library not built: {why}")
+
+
+# ------------------------------------------------------------------ the definition
+def test_mix64_is_murmur3_finalizer_and_keys_wrap():
+    # fmix64 of 1, computed by hand from the finalizer's steps (Python ints, mod 2^64)
+    m = (1 << 64) - 1
+    x = 1
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & m
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & m
+    x ^= x >> 33
+    assert int(mix64(np.array([1], np.uint64))[0]) == x
+    assert int(word_keys(np.array([7]), 3)[0]) == (8 * 0x9E3779B97F4A7C15 + 3 * 0xC2B2AE3D27D4EB4F) & m
+
+
+def test_page_sums_zero_pad_the_last_word_of_each_run():
+    rng = np.random.default_rng(0)
+    page = rng.integers(0, 256, (1, 2 * 13), dtype=np.uint8)
+    # two runs of 13 bytes: words at run offsets 0 and 8, the second 5 bytes + 3 zero bytes
+    want = 0
+    for r in range(2):
+        run = page[0, 13 * r: 13 * (r + 1)]
+        for j in (0, 8):
+            chunk = np.zeros(8, np.uint8)
+            chunk[: len(run[j:j + 8])] = run[j:j + 8]
+            word = chunk.view("<u8").astype(np.uint64)
+            want += int(mix64(word ^ word_keys(np.array([13 * r + j]), 2))[0])
+    assert int(page_sums(page, 13, 2)[0]) == want % (1 << 64)
+    with pytest.raises(ValueError, match="whole number"):
+        page_sums(page, 5, 0)
+
+
+# ------------------------------------------------------------------ every backend = the oracle
+CPU_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_backends()[b] is None]
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_sums_match_oracle(backend, case, direction):
+    check_sums(backend, case, direction)
+
+
+# Pages of 1.5-8 KiB: the vector loop's 128-byte steps, its streaming head and tail.
+BIG_CASES = [CopyCase(layout="kv_first", block_size=16, num_heads=4, head_size=64, ids="runs", num_blocks=32),
+             CopyCase(layout="nhd", dtype="fp8", block_size=16, num_heads=3, head_size=40, ids="scattered"),
+             CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd")]
+
+
+@needs_lib
+@pytest.mark.parametrize("env", [("KVCOPY_CPU_SIMD", "1"), ("KVCOPY_CPU_SIMD", "0"), ("KVCOPY_CPU_STREAM_BYTES", "1")],
+                         ids=["vector", "scalar", "streaming-stores"])
+@pytest.mark.parametrize("case", QUICK + BIG_CASES, ids=[c.id for c in QUICK + BIG_CASES])
+def test_cpu_loops_match_oracle(case, env, monkeypatch):
+    """The cpu backend's other loops: scalar code, and the vector loop with
+    non-temporal stores (64-byte aligned by a scalar head) that large calls use."""
+    monkeypatch.setenv(*env)
+    for direction in DIRECTIONS:
+        check_sums("cpu", case, direction)
+
+
+@needs_lib
+def test_cpu_threads_add_shared_slots(monkeypatch):
+    """Above 1 MiB the items of one call run on OpenMP threads, several layers of a
+    group adding into one block's slot at once."""
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", "2")
+    case = CopyCase(num_groups=2, layers_per_group=4, num_blocks=64, ids="all", block_size=16, num_heads=8,
+                    head_size=128)
+    for direction in DIRECTIONS:
+        check_sums("cpu", case, direction)
+
+
+@needs_lib
+@pytest.mark.parametrize("num_ranges", [1, 3, 64, 5000])
+@pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
+def test_cuda_kernel_split_matches_oracle(case, num_ranges, ranges_backend):
+    name = ranges_backend(num_ranges)
+    for direction in DIRECTIONS:
+        check_sums(name, case, direction)
+
+
+# (case, a word width the kernel could use on it: at most the tables' alignment)
+KV_FIRST = CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48)  # 16-byte aligned
+PAGES_21 = CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs")  # 1-byte
+RUNS_14 = CopyCase(layout="lbnhc", dtype="uint8", num_heads=5, head_size=7, ids="scattered")  # 2-byte aligned
+NARROW = [(KV_FIRST, w) for w in (1, 2, 4, 8)] + [(PAGES_21, 1), (RUNS_14, 1), (RUNS_14, 2)]
+
+
+@needs_lib
+@pytest.mark.parametrize("case,word", NARROW, ids=[f"{c.id}-b{c.block_size}-w{w}" for c, w in NARROW])
+def test_cuda_kernel_narrow_words(word, case, ranges_backend):
+    """Words narrower than 8 bytes: each 8-byte hash word is added by the range that
+    holds its first byte, reading the rest from the source; range cuts fall inside
+    hash words."""
+    for direction in DIRECTIONS:
+        check = prepare_check("cpu", case, direction)
+        assert check.copier.tables(direction).word_bytes % word == 0  # a width the kernel could run
+        check.copier.close()
+        for n in (1, 7, 300):
+            check_sums(ranges_backend(n, word), case, direction)
+
+
+@needs_lib
+@pytest.mark.parametrize("num_ranges", [1, 7, 300])
+@pytest.mark.parametrize("case", [
+    CopyCase(layout="bhlnc", num_heads=3, head_size=256, block_size=4, ids="runs"),  # 4 KiB runs: run pieces
+    CopyCase(layout="lbnhc", num_heads=8, head_size=128, block_size=4, ids="scattered"),  # 512 B runs: gathers
+    CopyCase(layout="flashinfer_hnd", num_heads=3, head_size=8, ids="runs", dtype="fp8"),  # 8 B runs, 3 dims
+    CopyCase(layout="kv_first", num_heads=8, head_size=128, block_size=16, ids="runs", num_blocks=16),  # merged
+], ids=lambda c: c.id + f"-h{c.num_heads}-d{c.head_size}")
+def test_cuda_kernel_long_and_short_runs(case, num_ranges, ranges_backend):
+    name = ranges_backend(num_ranges)
+    for direction in DIRECTIONS:
+        check_sums(name, case, direction)
+
+
+# ------------------------------------------------------------------ Triton (interpreter)
+@pytest.fixture
+def interpret(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KVCOPY_MAX_CTAS", "3")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("case", QUICK, ids=[c.id for c in QUICK])
+def test_triton_matches_oracle(interpret, case):
+    for direction in DIRECTIONS:
+        check_sums("triton", case, direction)
+
+
+TRITON_GRID_CASES = [
+    CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48),  # merged runs of K/V halves
+    CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),  # 21-byte pages
+    CopyCase(layout="nhd", dtype="fp16", head_size=3, ids="all", num_groups=1),  # 2-byte words, merged
+    CopyCase(layout="mla", head_size=41, num_heads=1, dtype="fp8", ids="runs"),  # 164-byte pages, 4-byte words
+    CopyCase(layout="lbnhc", dtype="uint8", num_heads=5, head_size=7, ids="scattered"),  # 14-byte runs
+    CopyCase(layout="flashinfer_hnd", num_heads=2, head_size=64, ids="runs"),  # 128-byte runs, 3 dims
+]
+
+
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("case", TRITON_GRID_CASES, ids=[c.id + f"-b{c.block_size}" for c in TRITON_GRID_CASES])
+def test_triton_rows_cross_pages(interpret, monkeypatch, case, programs):
+    """Rows of 16-64 bytes cut runs, and rows of merged segments cross page boundaries
+    (their other page's terms are added one by one); workers of several programs add
+    into the same page's slot."""
+    from kvcopy.kernels import triton_copy as tc
+
+    monkeypatch.setattr(tc, "grid_size", lambda total, cfg, cap: programs)
+    monkeypatch.setattr(tc, "MAX_ROW_BYTES", 16 if case.dtype == "uint8" else 64)
+    monkeypatch.setattr(tc, "MIN_ROW_BYTES", 16)
+    for direction in DIRECTIONS:
+        check_sums("triton", case, direction)
+
+
+def _compile_sums(cfg, capability: int):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcopy.kernels import triton_copy as tc
+
+    kernel = tc.kernels(interpret=False).fused_copy_sums_kernel
+    signature = {"entries": "*i64", "group_offsets": "*i64", "group_entries": "*i64", "call": "*i64",
+                 "num_groups": "i32", "sums": "*i64"}
+    constexprs = cfg.constexprs()
+    signature.update({name: "constexpr" for name in constexprs})
+    src = ASTSource(kernel, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": cfg.num_warps, **tc.COMPILE_OPTIONS})
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("word,chunk", [(16, 2048), (8, 4096), (4, 164), (1, 57)], ids=["w16", "w8", "w4", "w1"])
+def test_triton_sums_kernel_compiles_offline(capability, word, chunk):
+    """The checksum kernel through Triton's compiler to PTX and cubin (no GPU): 8-byte
+    words and wider move as 64-bit vectors, and the slots get 64-bit atomic adds."""
+    import re
+
+    from kvcopy.kernels import triton_copy as tc
+
+    cfg = tc.launch_config(word, chunk, checksums=True)
+    compiled = _compile_sums(cfg, capability)
+    ptx = compiled.asm["ptx"]
+    assert f".target sm_{capability}" in ptx and ".entry fused_copy_sums_kernel" in ptx
+    assert len(compiled.asm["cubin"]) > 0
+    assert re.search(r"(atom|red)\.global[\w.]*\.add\.u64", ptx), "no 64-bit atomic add"
+    loads = set(re.findall(r"ld\.global[^\s]*", ptx))
+    if word == 16:
+        assert any(x.endswith(".v2.b64") for x in loads), sorted(loads)
+
+
+def test_triton_sums_kernel_uses_only_own_helpers():
+    import inspect
+
+    from kvcopy.kernels import triton_copy as tc
+
+    src = inspect.getsource(tc)
+    body = src[src.index("def _mix64"):src.index("class LaunchConfig")]
+    for name in ("tl.sum", "tl.cumsum", "tl.zeros_like", "tl.zeros(", "tl.max(", "tl.min(", "tl.cdiv"):
+        assert name not in body, name
+
+
+# ------------------------------------------------------------------ the CUDA kernel, compiled
+def test_cuda_sums_kernels_compile_without_spills(tmp_path):
+    """nvcc builds the checksum kernels for sm_80 and sm_90 within the 128 registers of
+    a 512-thread CTA, with no spills (the copy kernels' budget: a spill would put
+    local-memory traffic on the copy's path)."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    from kvcopy.backends import nvrtc
+    from kvcopy.kernels import include_dir
+
+    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.isfile(nvcc):
+        pytest.skip("no nvcc")
+    src = tmp_path / "k.cu"
+    src.write_text(nvrtc.SOURCE)
+    for arch in ("sm_80", "sm_90"):
+        run = subprocess.run([nvcc, "-cubin", "-std=c++17", f"-arch={arch}", "-Xptxas", "-v", "-I", str(include_dir()),
+                              str(src), "-o", str(tmp_path / "k.cubin")], check=True, capture_output=True, text=True)
+        report = dict(re.findall(r"Compiling entry function '(\w+)'.*?\n.*?\n(.*?)\n", run.stderr))
+        for name in nvrtc.SUM_ENTRY_POINTS.values():
+            assert name in report, (arch, name, run.stderr[-2000:])
+            assert "0 bytes spill stores, 0 bytes spill loads" in report[name], (arch, name, report[name])
+
+
+# ------------------------------------------------------------------ GPU
+GPU_CASES = [CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48),
+             CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),
+             CopyCase(layout="lbnhc", num_heads=8, head_size=128, block_size=4, ids="scattered"),
+             CopyCase(layout="bhlnc", num_heads=3, head_size=256, block_size=4, ids="runs"),
+             CopyCase(aliasing=True, kv_sharing=2, num_groups=2, layout="kv_first"),
+             CopyCase(head_size=3, dtype="fp16", layout="kv_first")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id + f"-b{c.block_size}" for c in GPU_CASES])
+def test_gpu_sums_match_oracle(backend, case):
+    for direction in DIRECTIONS:
+        check_sums(backend, case, direction, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_large_call_and_grid(monkeypatch):
+    """A call array too large for the kernel parameters, many warps adding to the same
+    pages (2 MiB merged runs), and a capped grid."""
+    case = CopyCase(layout="kv_first", num_groups=2, layers_per_group=4, num_blocks=512, ids="all",
+                    block_size=16, num_heads=8, head_size=128)
+    for cap in (None, 4):
+        for direction in DIRECTIONS:
+            check_sums("cuda", case, direction, device="cuda", max_ctas=cap)
+
+
+@pytest.mark.gpu
+def test_gpu_sums_in_a_cuda_graph():
+    case = CopyCase(layout="kv_first", num_groups=2, ids="scattered")
+    check = prepare_check("cuda", case, "d2h", "cuda")
+    n = sum(len(ids) for ids in check.dev_ids)
+    out = torch.full((n,), POISON_SUM, dtype=torch.int64, device="cuda")
+    check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)  # warm up (pinning, compile)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        check.copier.to_host(check.dev_ids, check.host_ids, checksums=out)
+    out.fill_(POISON_SUM)
+    graph.replay()
+    torch.cuda.synchronize()
+    check.assert_matches()
+    assert np.array_equal(out.cpu().numpy().view(np.uint64), oracle(check, case, "d2h"))
