@@ -15,6 +15,7 @@ import torch
 
 from kvcopy.nixl import NO_BLOCK, TransferManager, remote_ranks
 from kvcopy.testing.nixl import fuzz
+from kvcopy.testing.nixl.misuse import reader_gives_up_case
 from kvcopy.nixl.arena import ArenaFull
 from kvcopy.nixl.record import StagedRequest
 from kvcopy.nixl.staging import ArenaPlan
@@ -176,41 +177,14 @@ def test_readers_are_distinct_d_agents(pd):
 
 
 @pytest.mark.parametrize("how", ["abort", "close"])
-def test_a_reader_that_gives_up_notifies_once(pd, how):
+def test_a_reader_that_gives_up_notifies_once(how):
     """Reader 1 of 2 gives up after its READ landed, before polling it (abort, or close
     of D): P hears from it once (NIXL's notification of the READ used to come too, and
     P freed the span after one reader); reader 2 then gets the request's own bytes
-    although P staged another request since."""
-    p, d, peer, pe, de = pd("one_group")
-    de2 = build_case("one_group", NP)
-    fill_random(de2.device_caches, 34)
-    d2 = de2.manager(f"{d.name}-second", buffer="arena", arena_bytes=KB)
-    try:
-        peer2 = d2.add_peer(p.metadata())
-        record = p.save([[1, 2, 3]], num_tokens=40, request_id="A", readers=2)
-        plan2 = d2.plan_pull(peer2, record, 40, [[10, 11, 12]])
-        h = d.pull(d.plan_pull(peer, record, 40, [[20, 21, 22]]), notify=b"A")
-        time.sleep(0.2)  # the READ lands; D does not poll it
-        if how == "abort":
-            d.abort(h)  # a READ DONE when posted is not aborted: one notification all the same
-            assert d.complete(h).ok == (h.state == "DONE")
-        else:
-            d.close()
-        got = collect_notifications(p, 2, 1.0)  # waits the whole second for a second one
-        assert got == [(d.name, b"A")], got
-        assert p.arena.staged == ["A"]
-        other = p.save([[4, 5, 6]], num_tokens=40, request_id="C")
-        assert other.offset != record.offset  # A's span is still P's
-        before = clone_caches(de2.device_caches)
-        h2 = d2.pull(plan2, notify=b"A")
-        assert wait(d2, h2) == "DONE"
-        assert d2.complete(h2).ok
-        want = expected_pull(before, de2, [[10, 11, 12]], pe.device_caches, pe, [[1, 2, 3]], 40)
-        assert same_bytes(de2.device_caches, want), first_difference(de2.device_caches, want)
-        assert collect_notifications(p, 1, 10) == [(d2.name, b"A")]
-        assert p.arena.staged == ["C"]
-    finally:
-        d2.close()
+    although P staged another request since (kvcopy.testing.nixl.misuse)."""
+    with one_torch_thread():
+        out = reader_gives_up_case(how)
+    assert out.wrong_bytes == 0 and not out.problems, out
 
 
 def test_failed_pull_writes_nothing_and_frees_d_span(pd):
@@ -243,8 +217,8 @@ def test_abort_mid_flight_holds_d_span_until_the_read_ended(pd):
     assert same_bytes(de.device_caches, before)
     st = d.stats()
     assert st["live_transfer_handles"] == 0 and st["in_flight"] == 0
-    assert st["held_spans"] == st["abandoned_reads"] == int(done.read_pending)
-    if done.read_pending:  # still D's: the next plan gets another span
+    assert st["held_spans"] == st["abandoned_reads"] <= int(done.read_pending)  # it may have ended since
+    if st["held_spans"]:  # still D's: the next plan gets another span
         assert st["bytes_in_use"] == plan.span.nbytes
         again = d.plan_pull(peer, record, 40, [[10, 11, 12]])
         assert again.span.offset != plan.span.offset

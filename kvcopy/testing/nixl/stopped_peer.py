@@ -19,13 +19,13 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator
 
 from .engines import (
     PrefillProcess, build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire, same_bytes,
     wait,
 )
+from .misuse import Outcome
 
 TCP_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 NP = 48
@@ -49,20 +49,6 @@ def tcp_loopback() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@dataclass
-class Outcome:
-    """What one case saw: ``problems`` (each a broken promise), ``wrong_bytes`` (of
-    them, completions that said ``ok=True`` with bytes other than the request's)."""
-
-    problems: List[str] = field(default_factory=list)
-    wrong_bytes: int = 0
-
-    def expect(self, condition: bool, what: str) -> bool:
-        if not condition:
-            self.problems.append(what)
-        return condition
 
 
 def _thread_state(pid: int, tid: str) -> str:
