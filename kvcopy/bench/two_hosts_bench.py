@@ -136,7 +136,7 @@ def d_measure(server, sc, raw_info: dict, iters: int, warmup: int, budget: float
         raise RuntimeError("host-mode complete failed")
     verify = {"host": check_kv(P, D, s["d_ids"], sc.block_dim(), as_words)}
     _poison(D, s["d_ids"], sc.block_dim(), as_words)
-    pending = []  # the plan the next host pull pulls, made untimed before it
+    pending: list = []  # the plan the next host pull pulls, made untimed before it
 
     def host_pull():
         _pull(host, pending.pop())  # the handle dropped here is finished without writing the KV

@@ -19,21 +19,78 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable, Iterator, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ...nixl.record import RECORD, canonical
 
-Edit = Tuple[str, Callable[[object, object], object]]
+Edit = Tuple[str, Callable[[Any, Any], None]]
 
 
 def _set(obj, name: str, value) -> None:
     object.__setattr__(obj, name, value)
 
 
+def _field_from(name: str, a, b) -> None:
+    _set(a, name, getattr(b, name))
+
+
+def _field_none(name: str, a, b) -> None:
+    _set(a, name, None)
+
+
+def _pair_field_from(name: str, a, b) -> None:
+    _set(a.pairs[0], name, getattr(b.pairs[0], name))
+
+
+def _ref_field_zero(name: str, a, b) -> None:
+    _set(a.pairs[0].local, name, 0)
+
+
 def _arrays(plan) -> list:
     return [x for rows in plan.reads.values() for x in rows] + list(plan.zero_runs)
+
+
+def _rows_from(a, b) -> None:
+    a.reads[a.peers[0]] = b.reads[b.peers[0]]
+
+
+def _span_offset_from(a, b) -> None:
+    _set(a.span, "offset", b.span.offset)
+
+
+def _span_empty(a, b) -> None:
+    _set(a.span, "nbytes", 0)
+
+
+def _arrays_writable(a, b) -> None:
+    for x in _arrays(a):
+        x.setflags(write=True)
+
+
+def _bases_writable(a, b) -> None:
+    for x in _arrays(a):
+        x.base.setflags(write=True)
+
+
+def _arrays_zeroed(a, b) -> None:
+    for x in _arrays(a):
+        x[...] = 0
+
+
+def _arrays_reshaped(a, b) -> None:
+    for x in _arrays(a):
+        x.shape = (x.size,)
+
+
+def _pairs_reversed(a, b) -> None:
+    _set(a, "pairs", tuple(reversed(b.pairs)))
+
+
+def _pages_of_copy(a, b) -> None:
+    _set(a, "read_pages", dataclasses.replace(b).read_pages)
 
 
 def plan_edits(buffer: str) -> List[Edit]:
@@ -44,28 +101,21 @@ def plan_edits(buffer: str) -> List[Edit]:
     plan_type = ArenaPlan if buffer == "arena" else PullPlan
     out: List[Edit] = []
     for f in dataclasses.fields(plan_type):
-        out.append((f"{f.name} <- B's", lambda a, b, n=f.name: _set(a, n, getattr(b, n))))
-        out.append((f"{f.name} <- None", lambda a, b, n=f.name: _set(a, n, None)))
+        out.append((f"{f.name} <- B's", partial(_field_from, f.name)))
+        out.append((f"{f.name} <- None", partial(_field_none, f.name)))
     if buffer == "arena":
-        out += [
-            ("reads[peer] <- B's rows", lambda a, b: a.reads.__setitem__(a.peers[0], b.reads[b.peers[0]])),
-            ("span.offset <- B's", lambda a, b: _set(a.span, "offset", b.span.offset)),
-            ("span.nbytes <- 0", lambda a, b: _set(a.span, "nbytes", 0)),
-            ("row arrays made writable", lambda a, b: [x.setflags(write=True) for x in _arrays(a)]),
-            ("row arrays' bases made writable", lambda a, b: [x.base.setflags(write=True) for x in _arrays(a)]),
-            ("row arrays written in place", lambda a, b: [x.__setitem__(..., 0) for x in _arrays(a)]),
-            ("row arrays reshaped", lambda a, b: [setattr(x, "shape", (x.size,)) for x in _arrays(a)]),
-            ("row arrays' bytes rebuilt as B's", lambda a, b: _set(a, "reads", b.reads)),
-        ]
+        out += [("reads[peer] <- B's rows", _rows_from), ("span.offset <- B's", _span_offset_from),
+                ("span.nbytes <- 0", _span_empty), ("row arrays made writable", _arrays_writable),
+                ("row arrays' bases made writable", _bases_writable), ("row arrays written in place", _arrays_zeroed),
+                ("row arrays reshaped", _arrays_reshaped),
+                ("row arrays' bytes rebuilt as B's", partial(_field_from, "reads"))]
     else:
-        for f in dataclasses.fields(RegionPair):
-            out.append((f"pairs[0].{f.name} <- B's",
-                        lambda a, b, n=f.name: _set(a.pairs[0], n, getattr(b.pairs[0], n))))
-        for name in ("index", "num_pages", "page_stride", "chunk_bytes"):
-            out.append((f"pairs[0].local.{name} <- 0", lambda a, b, n=name: _set(a.pairs[0].local, n, 0)))
-        out.append(("pairs <- B's, reversed", lambda a, b: _set(a, "pairs", tuple(reversed(b.pairs)))))
-    out.append(("a copy with B's pages (dataclasses.replace)",
-                lambda a, b: _set(a, "read_pages", dataclasses.replace(b).read_pages)))
+        out += [(f"pairs[0].{f.name} <- B's", partial(_pair_field_from, f.name))
+                for f in dataclasses.fields(RegionPair)]
+        out += [(f"pairs[0].local.{name} <- 0", partial(_ref_field_zero, name))
+                for name in ("index", "num_pages", "page_stride", "chunk_bytes")]
+        out.append(("pairs <- B's, reversed", _pairs_reversed))
+    out.append(("a copy with B's pages (dataclasses.replace)", _pages_of_copy))
     return out
 
 
