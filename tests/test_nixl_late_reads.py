@@ -53,6 +53,22 @@ def test_a_pull_into_pages_a_late_read_may_write_is_refused_until_it_ended(rig, 
     check(paged_case(rig(buffer)))
 
 
+def test_a_save_into_mirror_pages_a_late_read_may_write_is_refused(rig):
+    """A host-mode rank that is also a P: its save writes the mirror pages its own READ
+    given up on may still write: refused while it may, nothing copied."""
+    from kvcopy.nixl import PagesHeld
+
+    r = rig("host")
+    r.fail_a(Outcome())
+    mirror = {n: t.clone() for n, t in r.d.regions.host_views.items()}
+    with pytest.raises(PagesHeld, match="save would write"):
+        r.d.save([[12, 40]])
+    assert all(bool((mirror[n] == t).all()) for n, t in r.d.regions.host_views.items())
+    r.d.save([[40, 41]])  # other pages: saved
+    r.wait_ended()
+    r.d.save([[12, 40]])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rep", range(20))
 @pytest.mark.parametrize("buffer", ["arena", "host", "device"])

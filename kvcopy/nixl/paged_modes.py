@@ -172,19 +172,19 @@ class PagedMode(BufferMode):
 
     def check_writable(self, work) -> None:
         """Refuse a pull that reads or zeroes into bytes a held READ may still write."""
-        if not self._held:
-            return
-        starts, ends = self._writes(work)
+        if self._held:
+            self._refuse_held(*self._writes(work), "this pull would read or zero into")
+
+    def _refuse_held(self, starts: np.ndarray, ends: np.ndarray, what: str) -> None:
         hits = [(w, pid) for w, pid, hs, he in self._held.values() if overlaps(starts, ends, hs, he)]
         if not hits:
             return
         held = tuple(tuple(sorted({p for w, _ in hits for p in w.read_pages[g]})) for g in range(len(self._groups)))
         pulls = tuple(sorted(pid for _, pid in hits))
         raise PagesHeld(
-            f"this pull would read or zero into local pages that the READ(s) of pull(s) {list(pulls)}, given up "
-            f"on before they ended, may still write (held pages per group: {[list(p[:16]) for p in held]}); "
-            "they are free again when NIXL reports those READs ended: retry later, or plan into other blocks",
-            held, pulls)
+            f"{what} local pages that the READ(s) of pull(s) {list(pulls)}, given up on before they ended, may "
+            f"still write (held pages per group: {[list(p[:16]) for p in held]}); they are free again when NIXL "
+            "reports those READs ended: retry later, or use other blocks", held, pulls)
 
     def _table(self) -> np.ndarray:
         if self._descriptors is None:
@@ -212,13 +212,22 @@ class PagedMode(BufferMode):
             parts_s.append(s)
             parts_e.append(s + n)
         if self.zeroes_registered_pages:
-            for region in self.region_infos:
-                for g in {g for _, g in region.members}:
-                    if work.zero_pages[g]:
-                        s, n = zero_runs(work.zero_pages[g], region.page_stride, region.address, region.num_chunks,
-                                         region.chunk_stride, ((0, region.chunk_bytes),))
-                        parts_s.append(s)
-                        parts_e.append(s + n)
+            s, e = self._page_ranges(work.zero_pages)
+            parts_s.append(s)
+            parts_e.append(e)
+        return np.concatenate(parts_s), np.concatenate(parts_e)
+
+    def _page_ranges(self, pages: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+        """(starts, ends): the whole pages ``pages`` (per group) in every registered
+        region of their group."""
+        parts_s, parts_e = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        for region in self.region_infos:
+            for g in {g for _, g in region.members}:
+                if len(pages[g]):
+                    s, n = zero_runs(pages[g], region.page_stride, region.address, region.num_chunks,
+                                     region.chunk_stride, ((0, region.chunk_bytes),))
+                    parts_s.append(s)
+                    parts_e.append(s + n)
         return np.concatenate(parts_s), np.concatenate(parts_e)
 
     def free(self, work) -> None:
@@ -271,6 +280,8 @@ class MirrorMode(PagedMode):
         return cls(regions, device_caches, layer_groups, opts)
 
     def _save(self, pages: List[Any]) -> None:
+        if self._held:  # the mirror pages this rank's own READs given up on may still write
+            self._refuse_held(*self._page_ranges(pages), "save would write")
         self._copier.to_host(pages)
 
     def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens):
