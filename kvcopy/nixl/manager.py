@@ -12,22 +12,14 @@
     m.notifications()                     # P: {D's name: [notify, ...]}: D is done reading
     m.close()
 
-Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``,
-each group's layers at that group's pages) -> P's host buffers -> NIXL READ posted by D
--> D's host buffers -> ``complete`` (``BlockCopier.to_device``) -> D's KV. In
-``"device"`` mode NIXL reads P's KV tensors into D's KV tensors directly; ``save``
-only orders the caller's writes and ``complete`` only zeroes.
-
-In ``"arena"`` mode (:mod:`kvcopy.nixl.staging`) one fixed-size pinned arena is
-registered instead of a mirror: ``save`` packs the request into one span and returns a
-``StagedRequest`` for D, ``plan_pull`` takes it (in place of P's block ids) and
-allocates D's span, ``complete`` scatters and zeroes in one masked call and frees D's
-span; P's span is freed by D's notification (``notifications``) or a TTL.
-
-What differs between the modes is a :class:`~kvcopy.nixl.buffer_mode.BufferMode`
-(:mod:`kvcopy.nixl.paged_modes` for host and device, :mod:`kvcopy.nixl.staging` for the
-arena); this class keeps the handshake, the peers, NIXL (registration, READs, handles),
-deadlines, notifications and the plans it handed out.
+Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``)
+-> P's host buffers -> NIXL READ posted by D -> D's host buffers -> ``complete``
+(``BlockCopier.to_device``) -> D's KV. ``"device"`` mode reads P's KV into D's KV;
+``"arena"`` mode (:mod:`kvcopy.nixl.staging`) packs a request into one span of a pinned
+arena and returns a ``StagedRequest`` for D's ``plan_pull``. What differs between the
+modes is a :class:`~kvcopy.nixl.buffer_mode.BufferMode`; this class keeps the
+handshake, the peers, NIXL (registration, READs, handles), deadlines, notifications and
+its records of the plans and pulls it handed out (:mod:`kvcopy.nixl.ledger`).
 
 Block ids are logical, one list per KV cache group; logical block ``b`` of a group is
 kernel pages ``b*r ... b*r + r - 1`` with ``r = tokens_per_block // tokens_per_page``.
@@ -59,29 +51,18 @@ pull fails (then to every peer not told yet). READs are posted without a NIXL
 notification, because NIXL sends one from D whenever its status check sees the READ
 complete, also inside the release of a handle given up on, which made two.
 
-Late READs (docs/nixl.md, "Late READs"): releasing a NIXL handle in flight is not a
-cancel (with UCX an RMA read keeps going and lands when the peer answers), so a pull
-given up on (deadline, ``abort``, ``remove_peer``, a sibling READ's error, ``close``)
-fails for the caller at once while its READ handles are *kept*, unreleased, and polled
-by ``poll``, ``plan_pull``, ``pull``, ``stats`` and ``close`` (no thread). What such a
-READ may write stays held until NIXL reports it ended (DONE or ERR): D's span in arena
-mode (never handed out again before), the READ's bytes in host and device mode (a pull
-into them raises :class:`~kvcopy.nixl.pull.PagesHeld`). ``close`` releases every handle
-and destroys the NIXL agent (its UCX worker) before the memory can be freed; where it
-cannot show the agent gone and a READ may still land, the memory is kept alive.
+Deadlines (``pull(..., timeout_s=)`` or ``pull_timeout_s``): a pull in flight past its
+deadline fails at the next ``poll`` (no timer thread: ``poll`` checks the clock).
 
-Deadlines: ``pull(..., timeout_s=)`` or the manager's ``pull_timeout_s`` default. A
-pull still in flight past its deadline fails at the next ``poll`` (no timer thread:
-``poll`` checks the clock).
+Late READs (:mod:`kvcopy.nixl.late_reads`): releasing a NIXL handle in flight is not a
+cancel, so a pull given up on (deadline, ``abort``, ``remove_peer``, a sibling READ's
+error, ``close``) fails for the caller at once while its READ handles are kept and
+polled (by ``poll``, ``plan_pull``, ``pull``, ``stats``, ``close``), and what they may
+write stays held until NIXL reports them ended. ``close`` destroys the NIXL agent (its
+UCX worker) before the memory can be freed, or keeps the memory alive.
 
-Heterogeneous peers (different group plans, page sizes, TP sizes; see
-:mod:`kvcopy.nixl.plan`): a plan may read from several peers, one NIXL READ each; the
-handle is DONE when all are, and fails as a whole if one fails. Pairs that move whole
-chunks use the descriptor lists prepared at registration and ``add_peer``; pairs with
-byte segments use descriptors built from the plan per pull. Both are checked and built
-by :mod:`kvcopy.nixl.descriptors` in a fixed number of numpy calls. Rows of
-read pages past the prompt are zeroed by ``complete`` in the buffers NIXL wrote, before
-the h2d copy.
+Heterogeneous peers (see :mod:`kvcopy.nixl.plan`): a plan may read from several peers,
+one NIXL READ each; the handle is DONE when all are, and fails as a whole if one fails.
 
 Not thread-safe: one thread drives a manager.
 """
