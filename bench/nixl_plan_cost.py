@@ -36,6 +36,7 @@ import pstats
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -117,9 +118,6 @@ def main(argv=None) -> int:
             agent.release_xfer_handle(h)
             assert state == "DONE", state
 
-        def new_plan():  # one pull per plan: each timed pull gets its own, made untimed
-            return D.plan_pull(*plan_args)
-
         def pull(plan):
             h = D.pull(plan)
             while D.poll(h) == "PROC":
@@ -140,10 +138,11 @@ def main(argv=None) -> int:
                     return 1
 
         if args.profile:
-            _profile({"plan_pull": lambda: D.plan_pull(*plan_args), "pull": lambda: pull(new_plan())})
+            _profile({"plan_pull": lambda: D.plan_pull(*plan_args), "pull": lambda: pull(D.plan_pull(*plan_args))})
 
+        new_plan = partial(D.plan_pull, *plan_args)  # one pull per plan: each timed pull gets its own
         rows: Dict[str, Tuple[Optional[Callable], Callable]] = {
-            "plan_pull": (None, lambda _: D.plan_pull(*plan_args)), "raw READ": (None, lambda _: raw()),
+            "plan_pull": (None, lambda _: new_plan()), "raw READ": (None, lambda _: raw()),
             "pull": (new_plan, pull), "pull+complete": (new_plan, pull_complete)}
         times = _time_rows(rows, args.iters)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}

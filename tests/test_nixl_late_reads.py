@@ -14,13 +14,16 @@ READ lands then). Meanwhile D serves request B from a healthy P2 (in this proces
 D's KV is compared whole, bit for bit, against the expectation (its other bytes
 unchanged). The rig and the cases: :mod:`kvcopy.testing.nixl.stopped_peer`. ``-m slow``
 repeats each case 20 times. ``close`` with a READ held destroys the NIXL agent before
-the memory could be freed.
+the memory could be freed. In one process (UCX's default transports): an aborted READ
+holds D's span until it ended, and a reader that gives up notifies P once.
 """
+import time
 import weakref
 
 import pytest
 
-from kvcopy.testing.nixl.engines import one_torch_thread
+from kvcopy.testing.nixl.engines import ManagerPairs, clone_caches, collect_notifications, one_torch_thread, same_bytes
+from kvcopy.testing.nixl.misuse import reader_gives_up_case
 from kvcopy.testing.nixl.stopped_peer import N, Outcome, StoppedPeer, arena_case, paged_case, tcp_loopback
 
 
@@ -75,6 +78,52 @@ def test_a_save_into_mirror_pages_a_late_read_may_write_is_refused(rig):
 def test_late_read_cases_repeated(rig, buffer, rep):
     r = rig(buffer)
     check(arena_case(r) if buffer == "arena" else paged_case(r))
+
+
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_a_reader_that_gives_up_notifies_once(how):
+    """Reader 1 of 2 gives up after its READ landed, before polling it (abort, or close
+    of D): P hears from it once (NIXL's notification of the READ used to come too, and
+    P freed the span after one reader); reader 2 then gets the request's own bytes
+    although P staged another request since (kvcopy.testing.nixl.misuse)."""
+    with one_torch_thread():
+        out = reader_gives_up_case(how)
+    assert out.wrong_bytes == 0 and not out.problems, out
+
+
+def test_abort_mid_flight_holds_d_span_until_the_read_ended():
+    """An aborted READ may still land (its peer is alive): the pull fails at once, D's
+    span stays D's until NIXL reports the READ ended, then it is free; the KV is
+    untouched. (A READ that cannot end while held: tests/test_nixl_failures.py.)"""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        _abort_mid_flight(*pairs.make("one_group", 48, buffer="arena", arena_bytes=1 << 20))
+
+
+def _abort_mid_flight(p, d, peer, pe, de):
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="ab")
+    before = clone_caches(de.device_caches)
+    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+    h = d.pull(plan, notify=b"ab")
+    d.abort(h)
+    assert h.state == "ERR" and h.error == "aborted"
+    done = d.complete(h)
+    assert not done.ok and done.failed_block_ids == ((10, 11, 12),) and done.written_in is None
+    assert same_bytes(de.device_caches, before)
+    st = d.stats()
+    assert st["live_transfer_handles"] == 0 and st["in_flight"] == 0
+    assert st["held_spans"] == st["abandoned_reads"] <= int(done.read_pending)  # it may have ended since
+    if st["held_spans"]:  # still D's: the next plan gets another span
+        assert st["bytes_in_use"] == plan.span.nbytes
+        again = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+        assert again.span.offset != plan.span.offset
+        d.discard(again)
+    end = time.monotonic() + 30
+    while d.stats()["abandoned_reads"] and time.monotonic() < end:  # the READ ends: P is alive
+        time.sleep(0.01)
+    st = d.stats()
+    assert st["abandoned_reads"] == st["held_spans"] == st["bytes_in_use"] == st["spans"] == 0, st
+    assert same_bytes(de.device_caches, before)
+    assert collect_notifications(p, 1, 10) == [(d.name, b"ab")]
 
 
 @pytest.mark.parametrize("buffer", ["arena", "host"])

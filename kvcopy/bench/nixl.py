@@ -213,15 +213,13 @@ def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndar
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
+    from ..nixl._agent import PROGRESS_DELAY_US
     from ..layout import as_words
 
-    P = sc.build(device)
-    D = sc.build(device)
+    P, D = sc.build(device), sc.build(device)
     counts = sc.blocks_per_group()
     num_blocks, _ = sc.block_ids()
     d_ids = _d_ids(sc, num_blocks, sc.seed)
-    from ..nixl._agent import PROGRESS_DELAY_US
-
     delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
               backends=(args.nixl_backend,), progress_delay_us=delay)
@@ -238,11 +236,9 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
 
         plan = page_plan()  # the raw rows' descriptors; each pull gets a plan of its own (one pull per plan)
         raw = RawPair(plan, args.nixl_backend, delay)
-        per_page = raw.descriptors(merge=False)
-        merged = raw.descriptors(merge=True)
+        per_page, merged = raw.descriptors(merge=False), raw.descriptors(merge=True)
         bulk_n = int(plan.num_bytes)
         pulls = _HostPulls(md, page_plan)
-        pull_complete, pull_only = pulls.pull_complete, pulls.pull_only
 
         arena_methods, arena_descs, arena_facts, before = {}, {}, {}, {}
         if args.arena:
@@ -254,8 +250,8 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             "per-page": raw.read(*per_page, skip_merge=True),
             "per-page+nixl-merge": raw.read(*per_page),
             "merged runs": raw.read(*merged),
-            "pull": pull_only,
-            "pull+complete": pull_complete,
+            "pull": pulls.pull_only,
+            "pull+complete": pulls.pull_complete,
             "save": lambda: mp.save(P.ids),
             **arena_methods,
         }
@@ -264,7 +260,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
                  "pull+complete": len(per_page[0]), "save": None, **arena_descs}
         verify = None
         if args.verify:
-            pull_complete()
+            pulls.pull_complete()
             if device != "cpu":
                 torch.cuda.synchronize()
             verify = _check(P, D, d_ids, sc.block_dim(), as_words)
