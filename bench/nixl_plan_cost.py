@@ -36,7 +36,8 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from functools import partial
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         plan_args = (peer, p_ids, tokens, d_ids)
         plan = D.plan_pull(*plan_args)
         agent = D._agent._agent
-        ldl, rdl = D._local_dlist, D._peers[peer].dlist
+        ldl, rdl = D._local_dlist, D._dlists[peer]
         li, ri = raw_indices(D, peer, plan)
 
         def raw():
@@ -117,19 +118,19 @@ def main(argv=None) -> int:
             agent.release_xfer_handle(h)
             assert state == "DONE", state
 
-        def pull():
+        def pull(plan):
             h = D.pull(plan)
             while D.poll(h) == "PROC":
                 pass
             assert h.state == "DONE", h.error
             return h
 
-        def pull_complete():
-            c = D.complete(pull())
+        def pull_complete(plan):
+            c = D.complete(pull(plan))
             assert c.ok, c.error
 
         # correctness, once: D's KV equals P's at the request's pages
-        pull_complete()
+        pull_complete(plan)
         for g, names in enumerate(groups):
             for n in names:
                 if not torch.equal(d_kv[n][d_ids[g]].view(torch.int16), p_kv[n][p_ids[g]].view(torch.int16)):
@@ -137,10 +138,12 @@ def main(argv=None) -> int:
                     return 1
 
         if args.profile:
-            _profile({"plan_pull": lambda: D.plan_pull(*plan_args), "pull": pull})
+            _profile({"plan_pull": lambda: D.plan_pull(*plan_args), "pull": lambda: pull(D.plan_pull(*plan_args))})
 
-        rows: Dict[str, Callable] = {"plan_pull": lambda: D.plan_pull(*plan_args), "raw READ": raw,
-                                     "pull": pull, "pull+complete": pull_complete}
+        new_plan = partial(D.plan_pull, *plan_args)  # one pull per plan: each timed pull gets its own
+        rows: Dict[str, Tuple[Optional[Callable], Callable]] = {
+            "plan_pull": (None, lambda _: new_plan()), "raw READ": (None, lambda _: raw()),
+            "pull": (new_plan, pull), "pull+complete": (new_plan, pull_complete)}
         times = _time_rows(rows, args.iters)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         p20 = {k: float(np.percentile(v, 20)) * 1e3 for k, v in times.items()}
@@ -175,15 +178,17 @@ def _profile(fns: Dict[str, Callable]) -> None:
         print(f"==== cProfile: {label} x5 (tottime)\n{out.getvalue()}")
 
 
-def _time_rows(rows: Dict[str, Callable], iters: int) -> Dict[str, List[float]]:
+def _time_rows(rows: Dict[str, Tuple[Optional[Callable], Callable]], iters: int) -> Dict[str, List[float]]:
+    """Per row (setup, fn): ``fn(setup())`` with only ``fn`` timed (setup None: ``fn(None)``)."""
     times: Dict[str, List[float]] = {k: [] for k in rows}
-    for fn in rows.values():  # warm-up
-        fn()
+    for setup, fn in rows.values():  # warm-up
+        fn(setup() if setup else None)
     order = list(rows.items())
     for i in range(iters):  # every other round backwards: no row always follows the same one
-        for k, fn in (order if i % 2 == 0 else order[::-1]):
+        for k, (setup, fn) in (order if i % 2 == 0 else order[::-1]):
+            arg = setup() if setup else None
             t0 = time.perf_counter()
-            fn()
+            fn(arg)
             times[k].append(time.perf_counter() - t0)
     return times
 

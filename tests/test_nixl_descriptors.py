@@ -106,14 +106,14 @@ def test_pieces_are_shared_between_layers_and_checked_by_value_too():
     pieces = check_pairs(pairs, d_info, peers[name], name)
     assert len(pieces.local) <= len(pairs)
     # a pair with equal but not identical refs and page tuples is accepted and gives the same rows
-    copy = [replace(p, local=replace(p.local), local_pages=tuple(list(p.local_pages))) for p in pairs]
+    copy = [replace(p, local=p.local._replace(), local_pages=tuple(list(p.local_pages))) for p in pairs]
     a = desc_rows(pairs, pieces, d_info, peers[name])
     b = desc_rows(copy, check_pairs(copy, d_info, peers[name], name), d_info, peers[name])
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     bad = replace(pairs[0], local_pages=(pairs[0].local.num_pages,) + pairs[0].local_pages[1:])
     with pytest.raises(ValueError, match="out of range"):
         check_pairs([bad], d_info, peers[name], name)
-    bad = replace(pairs[0], local=replace(pairs[0].local, num_pages=pairs[0].local.num_pages + 1))
+    bad = replace(pairs[0], local=pairs[0].local._replace(num_pages=pairs[0].local.num_pages + 1))
     with pytest.raises(ValueError, match="is not this manager's region"):
         check_pairs([bad], d_info, peers[name], name)
 

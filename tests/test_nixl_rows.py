@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kvcopy.nixl.rows import byte_index, check_inside, merge_rows, zero_runs
+from kvcopy.nixl.rows import byte_index, check_inside, merge_rows, merged, overlaps, zero_runs
 
 
 def test_merge_rows_merges_what_continues_on_both_sides():
@@ -35,3 +35,35 @@ def test_zero_runs_and_their_byte_index_match_a_loop():
     assert sorted(byte_index(starts, lens).tolist()) == sorted(want) and len(want) == 2 * 2 * 2 * 3
     empty = zero_runs([], 1, 0, 1, 0, ((0, 4),))
     assert byte_index(*empty).size == 0
+
+
+def test_merged_ranges_are_sorted_disjoint_and_cover_the_same_bytes():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        starts = rng.integers(0, 200, size=int(rng.integers(0, 12)))
+        ends = starts + rng.integers(0, 20, size=len(starts))
+        s, e = merged(starts, ends)
+        assert np.all(s[1:] > e[:-1]) and np.all(e >= s)
+        want = np.zeros(260, bool)
+        for a, b in zip(starts, ends):
+            want[a:b] = True
+        got = np.zeros(260, bool)
+        for a, b in zip(s, e):
+            got[a:b] = True
+        assert np.array_equal(got, want)
+
+
+def test_overlaps_is_a_byte_for_byte_intersection_test():
+    rng = np.random.default_rng(4)
+    for _ in range(500):
+        hs, he = merged(*(lambda s: (s, s + rng.integers(1, 16, size=len(s))))(rng.integers(0, 100, size=5)))
+        starts = rng.integers(0, 120, size=int(rng.integers(0, 6)))
+        ends = starts + rng.integers(0, 10, size=len(starts))
+        held = np.zeros(140, bool)
+        for a, b in zip(hs, he):
+            held[a:b] = True
+        want = any(held[a:b].any() for a, b in zip(starts, ends))
+        assert overlaps(starts, ends, hs, he) == want
+    assert not overlaps(np.array([5]), np.array([5]), np.array([0]), np.array([10]))  # an empty range
+    assert not overlaps(np.array([10]), np.array([20]), np.array([0]), np.array([10]))  # adjacent
+    assert overlaps(np.array([9]), np.array([20]), np.array([0]), np.array([10]))

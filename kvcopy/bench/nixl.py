@@ -213,15 +213,13 @@ def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndar
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
+    from ..nixl._agent import PROGRESS_DELAY_US
     from ..layout import as_words
 
-    P = sc.build(device)
-    D = sc.build(device)
+    P, D = sc.build(device), sc.build(device)
     counts = sc.blocks_per_group()
     num_blocks, _ = sc.block_ids()
     d_ids = _d_ids(sc, num_blocks, sc.seed)
-    from ..nixl._agent import PROGRESS_DELAY_US
-
     delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
               backends=(args.nixl_backend,), progress_delay_us=delay)
@@ -232,27 +230,15 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         peer = md.add_peer(mp.metadata())
         mp.save(P.ids)
         tokens = max(counts) * sc.block_size
-        plan = _page_plan(md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts)))
+
+        def page_plan():
+            return _page_plan(md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts)))
+
+        plan = page_plan()  # the raw rows' descriptors; each pull gets a plan of its own (one pull per plan)
         raw = RawPair(plan, args.nixl_backend, delay)
-        per_page = raw.descriptors(merge=False)
-        merged = raw.descriptors(merge=True)
+        per_page, merged = raw.descriptors(merge=False), raw.descriptors(merge=True)
         bulk_n = int(plan.num_bytes)
-
-        def pull():
-            h = md.pull(plan)
-            while md.poll(h) == "PROC":
-                pass
-            if h.state != "DONE":
-                raise RuntimeError(f"pull failed: {h.error}")
-            return h
-
-        def pull_complete():
-            c = md.complete(pull())
-            if not c.ok:
-                raise RuntimeError(f"complete failed: {c.error}")
-
-        def pull_only():
-            pull()  # read into D's host buffers; this row does not copy them to the KV
+        pulls = _HostPulls(md, page_plan)
 
         arena_methods, arena_descs, arena_facts, before = {}, {}, {}, {}
         if args.arena:
@@ -264,8 +250,8 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             "per-page": raw.read(*per_page, skip_merge=True),
             "per-page+nixl-merge": raw.read(*per_page),
             "merged runs": raw.read(*merged),
-            "pull": pull_only,
-            "pull+complete": pull_complete,
+            "pull": pulls.pull_only,
+            "pull+complete": pulls.pull_complete,
             "save": lambda: mp.save(P.ids),
             **arena_methods,
         }
@@ -274,12 +260,13 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
                  "pull+complete": len(per_page[0]), "save": None, **arena_descs}
         verify = None
         if args.verify:
-            pull_complete()
+            pulls.pull_complete()
             if device != "cpu":
                 torch.cuda.synchronize()
             verify = _check(P, D, d_ids, sc.block_dim(), as_words)
         # On CUDA every row is timed to the end of the work it enqueued (complete's h2d
         # scatter, the floor's copy), not to the return of the call.
+        before.update(pulls.before())
         timings = measure(methods, device, args.iters, args.warmup, budget_s=args.budget, before=before)
         rows = _rows(sc, timings, descs, bulk_n)
         facts = {"plan_bytes": bulk_n, "progress_delay_us": delay, "region_pairs": len(plan.pairs),
@@ -379,8 +366,8 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
             c = mda.complete(h)
             if not c.ok:
                 raise RuntimeError(f"arena complete failed: {c.error}")
-        else:
-            mda.discard(plan)
+        # pull only: the handle dropped here is finished without writing the KV, and its
+        # span freed, at the manager's next call (the next untimed plan_pull)
 
     make_plan("arena pull")
     n_desc = pending["arena pull"].num_descriptors
@@ -465,6 +452,40 @@ def format_nixl(out: dict) -> str:
                          f"{f['arena_requests_in_1GiB']} requests fit one 1 GiB arena; "
                          f"arena verify {f.get('arena_verify', 'skipped')}")
     return "\n".join(lines) + "\n"
+
+
+class _HostPulls:
+    """The host-mode pull rows: one pull per plan, each made untimed before its call."""
+
+    def __init__(self, manager, make_plan):
+        self.manager, self.make_plan = manager, make_plan
+        self.pending: dict = {}  # row -> the plan its next call pulls
+
+    def before(self) -> dict:
+        return {row: (lambda row=row: self._plan_for(row)) for row in ("pull", "pull+complete")}
+
+    def _plan_for(self, row: str) -> None:
+        if row not in self.pending:
+            self.pending[row] = self.make_plan()
+
+    def _pull(self, row: str):
+        self._plan_for(row)
+        h = self.manager.pull(self.pending.pop(row))
+        while self.manager.poll(h) == "PROC":
+            pass
+        if h.state != "DONE":
+            raise RuntimeError(f"pull failed: {h.error}")
+        return h
+
+    def pull_complete(self) -> None:
+        c = self.manager.complete(self._pull("pull+complete"))
+        if not c.ok:
+            raise RuntimeError(f"complete failed: {c.error}")
+
+    def pull_only(self) -> None:
+        # read into D's host buffers; this row does not copy them to the KV (the handle
+        # dropped here is finished without writing it, at the manager's next call)
+        self._pull("pull")
 
 
 def _page_plan(plan):

@@ -15,11 +15,12 @@ P's (poisoned), so an unwritten or stray byte shows.
 A cycle (:meth:`Rig.fault_cycle`): D posts the pull with a deadline; once P's veth has
 sent a fifth of the request's bytes the fault is applied (the pull is in flight: the
 rate cap keeps it there); D polls until the pull ends and completes it at once; then
-the fault is undone, the link is left to go quiet (a released READ may still land),
-and D's KV, D's and P's counters and the next request (posted after the link returned,
-byte-exact) are collected. The caller asserts; :func:`notice_times` measures.
+the fault is undone, the link is left to go quiet (a READ given up on may still land),
+and D's KV, D's and P's counters, the next request (posted after the link returned,
+byte-exact) and D's counters once every READ given up on ended are collected. The
+caller asserts; :func:`notice_times` measures.
 :func:`late_read_into_reused_blocks` sets up issue 21's late READ over the link: a READ
-released at its deadline that lands in blocks or a span another request holds.
+given up on at its deadline that lands later, while another request wants its blocks.
 
 Socket buffers: :data:`SMALL_SOCKET_BUFFERS` keeps UCX's TCP socket buffers at 64 KiB,
 so what the kernels hold in flight (socket buffers and tbf's queue) stays well under a
@@ -90,6 +91,7 @@ class Cycle:
     next_record: dict  # the request posted after the fault was undone
     next_exact: bool  # D's KV after it: P's bytes at its blocks, every other byte as before
     p_stats: dict = field(default_factory=dict)
+    d_settled: dict = field(default_factory=dict)  # D's counters once every READ given up on ended
 
     @property
     def notice_s(self) -> float:
@@ -224,7 +226,16 @@ class Rig:
         next_exact = _same(self.expected(want, self.p.call("caches"), next_ids), self.d.call("caches"))
         return Cycle(fault, mode, record, t_fault, record["t_end"] >= t_apply, d_ids, _same(want, kv_at_end),
                      _same(want, later), stats, stats_before, nxt, next_exact,
-                     self._p_settled(mode) if mode == "arena" else {})
+                     self._p_settled(mode) if mode == "arena" else {}, self._d_settled(mode))
+
+    def _d_settled(self, mode: str, guard_s: float = 60.0) -> dict:
+        """D's counters once NIXL reported every READ given up on ended (hang guard)."""
+        end = time.monotonic() + guard_s
+        while True:
+            stats = self.d.call("stats", f"D-{mode}")
+            if stats["abandoned_reads"] == 0 or time.monotonic() > end:
+                return stats
+            time.sleep(0.05)
 
     def _p_settled(self, mode: str, guard_s: float = 30.0) -> dict:
         """P's arena counters once D's notifications freed what they free (hang guard)."""
@@ -292,17 +303,19 @@ def _fresh_rig(net: TwoHosts, rig: Rig, modes) -> Rig:
 
 
 def late_read_into_reused_blocks(net: TwoHosts, mode: str, deadline_s: float = 1.0) -> dict:
-    """A READ released at its deadline lands later, into the D blocks (host mode: their
-    host pages) or the D span (arena mode: the quarantine is over) of another request.
+    """A READ given up on at its deadline lands later: it must not land in blocks (host
+    mode: their host pages) or a span (arena mode) another request holds.
 
     P1 and P2 are two P processes with different KV bytes. D pulls request A from P1,
-    and P1 is frozen mid-READ: A fails at its deadline (D released the READ). D's
-    arena TTL passes; D pulls request C from P2 into A's blocks (host mode) or into
-    A's span (arena mode: the first-fit allocator hands out A's freed span), C's READ
-    ends DONE, and before D completes C (a decode engine completes at its next step)
-    P1 runs again: A's released READ lands. Returns C's completion and, per layer,
-    whether D's KV at C's blocks holds P2's bytes (``c_exact``) and how many of its
-    blocks hold P1's request-A bytes (``a_blocks``)."""
+    and P1 is frozen mid-READ: A fails at its deadline (D keeps the READ's handle). Past
+    what P's TTL is, D pulls request C from P2 into A's blocks: host mode refuses it
+    while A's READ may land (``PagesHeld``, the kind of error in ``c_refused``) and C is
+    pulled again once it ended; arena mode gives C a span other than A's, still held.
+    C's READ ends DONE, and before D completes C (a decode engine completes at its next
+    step) P1 runs again: A's READ lands. Returns C's completion and, per layer, whether
+    D's KV at C's blocks holds P2's bytes (``c_exact``) and how many of its blocks hold
+    P1's request-A bytes (``a_blocks``), and D's counters while A's READ was held and
+    after it ended (``held``, ``ended``)."""
     layers, groups, num_blocks = 4, 2, 64
     engine = (layers, groups, num_blocks, BLOCK, 4, 64)
     kw = {} if mode == "host" else {"buffer": "arena", "arena_bytes": 8 << 20, "arena_ttl_s": deadline_s}
@@ -326,21 +339,31 @@ def late_read_into_reused_blocks(net: TwoHosts, mode: str, deadline_s: float = 1
     wait_for(lambda: net.sent_bytes("p") - start >= 100_000, 60, "request A under way")
     p1.freeze()
     a = d.call("wait", ["A"])["A"]
-    time.sleep(deadline_s * 1.2)  # arena mode: A's span leaves quarantine at the next plan
-    d.call("post", "C", "D", peers[1], remote[1], 16 * BLOCK, d_ids, b"C", 60.0, True)
-    c = d.call("wait", ["C"])["C"]
+    time.sleep(deadline_s * 1.2)  # past P's TTL (what D's quarantine timer was)
+    held = d.call("stats", "D")
+    refused, key = None, "C"
+    try:
+        d.call("post", key, "D", peers[1], remote[1], 16 * BLOCK, d_ids, b"C", 60.0, True)
+    except ChildError as exc:
+        refused, key = exc.kind, "C-again"
+    if refused is None:
+        c = d.call("wait", [key])[key]
     p1.thaw()
     request_bytes = layers * 16 * BLOCK * 4 * 64 * 2
-    # every byte of A (released or not) and of C crosses P's veth before it goes quiet
-    wait_for(lambda: net.sent_bytes("p") - start >= 2 * request_bytes, 60, "A's released READ sent")
+    # every byte of A (given up on or not) crosses P's veth before it goes quiet
+    wait_for(lambda: net.sent_bytes("p") - start >= request_bytes, 60, "A's READ sent")
     quiet(net)
-    done = d.call("complete", "C")
+    if refused is not None:  # A's READ ended: its pages are free again
+        d.call("post", key, "D", peers[1], remote[1], 16 * BLOCK, d_ids, b"C", 60.0, True)
+        c = d.call("wait", [key])[key]
+    done = d.call("complete", key)
+    ended = d.call("stats", "D")
     p1_kv, p2_kv, d_kv = p1.call("caches"), p2.call("caches"), d.call("caches")
-    out = {"a": a, "c": c, "c_ok": done["ok"], "c_exact": {}, "a_blocks": {}}
+    out = {"a": a, "c": c, "c_ok": done["ok"], "c_refused": refused, "held": held, "ended": ended,
+           "c_exact": {}, "a_blocks": {}}
     for i in range(layers):
         name = f"layer.{i}"
         got = d_kv[name].reshape(num_blocks, -1)[d_ids[i % groups]]
         out["c_exact"][name] = bool(np.array_equal(got, p2_kv[name].reshape(num_blocks, -1)[ids[i % groups]]))
         out["a_blocks"][name] = int((got == p1_kv[name].reshape(num_blocks, -1)[ids[i % groups]]).all(axis=1).sum())
     return out
-

@@ -18,11 +18,12 @@ from ._agent import NixlError, load_nixl, nixl_available
 from .arena import ArenaFull
 from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
-from .manager import Completion, PullHandle, TransferManager
+from .manager import TransferManager
 from .options import ManagerOptions
 from .plan import (
     NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
 )
+from .pull import Completion, PagesHeld, PullHandle
 from .record import StagedRequest
 from .regions import RegionInfo, RegionSet, build_regions
 from .routes import Routes, plan_routes
@@ -38,6 +39,7 @@ __all__ = [
     "ManagerOptions",
     "NO_BLOCK",
     "NixlError",
+    "PagesHeld",
     "Plan",
     "PullHandle",
     "PullPlan",

@@ -49,6 +49,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from types import ModuleType
 from typing import Dict, List, Optional, Tuple
@@ -325,7 +326,10 @@ class Agent:
 
     @staticmethod
     def release(handle) -> Optional[str]:
-        """Release a transfer handle (NIXL cancels it if active); None or why it failed."""
+        """Release a transfer handle; None or why it failed. NIXL asks UCX to cancel a
+        handle still in flight, which does not stop an RMA read: it may still land
+        (docs/nixl.md, "Late READs"); kvcopy releases only handles whose READ ended,
+        or at close, just before the agent goes."""
         try:
             handle.release()
         except Exception as exc:
@@ -343,5 +347,22 @@ class Agent:
             return _status(exc)
         return None
 
-    def close(self) -> None:
-        self._agent = None
+    def close(self) -> "weakref.ref":
+        """Drop this wrapper's NIXL agent; returns a weak reference to its binding object
+        (dead once the C++ agent, with its UCX worker, is destroyed: every transfer
+        handle and descriptor list of it must be gone too, as they hold it)."""
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return weakref.ref(_Gone())
+        binding = getattr(agent, "agent", None)
+        try:
+            ref = weakref.ref(binding if binding is not None else agent)
+        except TypeError:  # not weak-referenceable: it cannot be shown gone
+            keep = agent
+            return lambda: keep  # type: ignore[return-value]
+        del agent, binding
+        return ref
+
+
+class _Gone:
+    """A weak-referenceable object nothing keeps (a closed wrapper's agent)."""

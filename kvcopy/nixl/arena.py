@@ -18,15 +18,16 @@ order).
 
 Back-pressure: a span that does not fit raises :class:`ArenaFull`; nothing is evicted.
 (``TransferManager.save(..., space_timeout_s=)`` retries until D's notifications or
-the TTL free enough space, then raises.)
+the TTL free enough space, then raises.) On D a span is freed only once no READ may
+still write it (:mod:`kvcopy.nixl.staging`), so spans held by READs given up on count
+as used here.
 Metrics (:meth:`Arena.stats`): bytes in use, high-water mark, failed allocations, live
 spans.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 
 class ArenaFull(RuntimeError):
@@ -36,9 +37,9 @@ class ArenaFull(RuntimeError):
     ever_fits: bool = True
 
 
-@dataclass(frozen=True)
-class Span:
-    """``[offset, offset + nbytes)`` of the arena, owned by one request."""
+class Span(NamedTuple):
+    """``[offset, offset + nbytes)`` of the arena, owned by one request (a tuple: no
+    attribute of a span handed out can be changed)."""
 
     offset: int
     nbytes: int

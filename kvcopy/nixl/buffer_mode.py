@@ -14,14 +14,23 @@ D: ``reads``           rows of the prepared lists,  the same                    
                        or explicit rows
 D: ``complete`` (ok)   zero rows, zero pages,       zero rows and pages in the  zero rows in D's span, scatter
                        masked h2d                   KV                          (and zero) into the KV
-D: ``free``            nothing                      nothing                     free D's span, or quarantine it
-                                                                                where a READ may still land
+D: ``free``            nothing                      nothing                     free D's span
+D: ``hold``            the READ's rows: no later    the same                    D's span stays held
+                       pull reads or zeroes there
 a failed pull wrote    the request's mirror pages   its KV pages                nothing outside D's own span
 =====================  ===========================  ==========================  ==================================
 
 A mode is made by ``build`` from the manager's caches, groups and options, never sees
 NIXL, and gets the manager's one :class:`~kvcopy.nixl.handshake.EngineInfo` (``info``)
-and its peers (:class:`Peer`) with each call. What it caches per peer is keyed by
+and its peers (:class:`Peer`) with each call.
+
+``plan`` returns two things: the plan the caller gets (a description) and the mode's
+*work* (:class:`Work`): everything ``reads``, ``complete``, ``hold`` and ``free`` use,
+made from the mode's own state and never handed out, so nothing the caller does to a
+plan object reaches memory. The manager keeps the work (:mod:`kvcopy.nixl.ledger`) and
+calls ``free`` once, when the plan is completed or discarded and no READ of it may
+still land; between ``hold`` and ``unhold`` a READ given up on may still write what the
+work's READ rows name. What it caches per peer is keyed by
 ``Peer.key``, an int the manager gives each ``add_peer`` and never reuses; ``forget``
 drops it when the peer is removed.
 """
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
@@ -52,6 +61,13 @@ class Peer:
     @property
     def name(self) -> str:
         return self.info.name
+
+
+class Work(Protocol):
+    """What every mode's work says (each mode adds what its steps need)."""
+
+    read_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages the READs fill
+    local_block_ids: Tuple[Tuple[int, ...], ...]  # per local group: the blocks the pull writes
 
 
 class Read(NamedTuple):
@@ -111,31 +127,42 @@ class BufferMode(ABC):
 
     # ---------------------------------------------------------------- D side
     @abstractmethod
-    def reclaim(self, handles_released: bool) -> None:
-        """Free what no READ can touch any more before a new plan (``handles_released``:
-        every NIXL handle the manager gave up on is released)."""
-
-    @abstractmethod
     def plan(self, info: EngineInfo, peers: Sequence[Peer], remote, num_tokens, local_block_ids,
-             num_cached_tokens) -> Plan:
-        """D's ``plan_pull`` (``remote``: P's block ids, or its StagedRequest records)."""
+             num_cached_tokens) -> Tuple[Plan, "Work"]:
+        """D's ``plan_pull`` (``remote``: P's block ids, or its StagedRequest records):
+        the plan for the caller and the mode's work (see the module docstring)."""
 
     @abstractmethod
-    def reads(self, info: EngineInfo, plan: Plan, peers: Mapping[str, Peer]) -> List[Read]:
-        """The READs of ``plan``, one per peer, every row checked against both sides."""
+    def reads(self, work: "Work") -> Sequence[Read]:
+        """The READs of a plan, one per peer, made and checked when it was planned."""
 
     @abstractmethod
-    def complete(self, plan: Plan) -> None:
-        """After every READ of ``plan`` is DONE: write the request into the KV."""
+    def check_writable(self, work: "Work") -> None:
+        """Raise :class:`~kvcopy.nixl.pull.PagesHeld` where the pull of ``work`` would
+        read or zero into memory a held READ (:meth:`hold`) may still write."""
 
     @abstractmethod
-    def free(self, plan: Plan, failed: bool, abandoned: bool, handles_released: bool) -> None:
-        """After ``complete`` (or a failed pull): free what ``plan`` holds. ``abandoned``:
-        a READ of it was released before it ended and may still land."""
+    def complete(self, work: "Work") -> None:
+        """After every READ of the plan is DONE: write the request into the KV."""
 
-    def discard(self, plan: Plan) -> None:
-        """Free what a plan that will not be pulled holds."""
-        raise ValueError("discard takes an arena-mode plan")
+    @abstractmethod
+    def hold(self, work: "Work", pull_id: int) -> None:
+        """A READ of ``work`` (pull ``pull_id``) was given up on before it ended: it may
+        still write the work's READ rows until :meth:`unhold`."""
+
+    @abstractmethod
+    def unhold(self, work: "Work") -> None:
+        """NIXL reported every READ of ``work`` given up on ended."""
+
+    @abstractmethod
+    def free(self, work: "Work") -> None:
+        """The plan is completed or discarded and no READ of it may land: free what the
+        work holds (arena mode: D's span)."""
+
+    def memory(self) -> List[object]:
+        """The objects keeping this mode's registered memory alive (kept past ``close``
+        where a READ may still land and NIXL's agent could not be shown destroyed)."""
+        return []
 
     @abstractmethod
     def forget(self, peer: Peer) -> None:

@@ -12,22 +12,14 @@
     m.notifications()                     # P: {D's name: [notify, ...]}: D is done reading
     m.close()
 
-Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``,
-each group's layers at that group's pages) -> P's host buffers -> NIXL READ posted by D
--> D's host buffers -> ``complete`` (``BlockCopier.to_device``) -> D's KV. In
-``"device"`` mode NIXL reads P's KV tensors into D's KV tensors directly; ``save``
-only orders the caller's writes and ``complete`` only zeroes.
-
-In ``"arena"`` mode (:mod:`kvcopy.nixl.staging`) one fixed-size pinned arena is
-registered instead of a mirror: ``save`` packs the request into one span and returns a
-``StagedRequest`` for D, ``plan_pull`` takes it (in place of P's block ids) and
-allocates D's span, ``complete`` scatters and zeroes in one masked call and frees D's
-span; P's span is freed by D's notification (``notifications``) or a TTL.
-
-What differs between the modes is a :class:`~kvcopy.nixl.buffer_mode.BufferMode`
-(:mod:`kvcopy.nixl.paged_modes` for host and device, :mod:`kvcopy.nixl.staging` for the
-arena); this class keeps the handshake, the peers, NIXL (registration, READs, handles),
-deadlines, notifications and the plans it handed out.
+Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``)
+-> P's host buffers -> NIXL READ posted by D -> D's host buffers -> ``complete``
+(``BlockCopier.to_device``) -> D's KV. ``"device"`` mode reads P's KV into D's KV;
+``"arena"`` mode (:mod:`kvcopy.nixl.staging`) packs a request into one span of a pinned
+arena and returns a ``StagedRequest`` for D's ``plan_pull``. What differs between the
+modes is a :class:`~kvcopy.nixl.buffer_mode.BufferMode`; this class keeps the
+handshake, the peers, NIXL (registration, READs, handles), deadlines, notifications and
+its records of the plans and pulls it handed out (:mod:`kvcopy.nixl.ledger`).
 
 Block ids are logical, one list per KV cache group; logical block ``b`` of a group is
 kernel pages ``b*r ... b*r + r - 1`` with ``r = tokens_per_block // tokens_per_page``.
@@ -46,39 +38,40 @@ Synchronization (the only host waits, all documented here):
   the blocks are usable by work enqueued after it on that stream. It never waits.
 * ``pull`` and ``poll`` never touch CUDA.
 
-Failures (ERR, a peer that vanished, descriptors NIXL rejects) are values, not
-exceptions: ``poll`` returns ``"ERR"`` and releases the NIXL handle, ``complete``
-returns a :class:`Completion` with ``ok=False`` and the request's local block ids, and
-writes nothing itself (NIXL may have: host mode, the request's host pages only;
-device mode, its destination pages only; :class:`Completion` says which). The peer is then sent the request's ``notify``
-message (best effort) so it can free its blocks. Input errors (bad ids, a plan that
-does not fit this manager or peer, page ids outside their region) raise
-``ValueError``/``TypeError`` before anything moves. Descriptors NIXL rejects when the
-transfer is made (for example a peer whose NIXL metadata was invalidated or
-re-registered since ``add_peer``: the prepared descriptors are stale) fail the request.
+Failures (ERR, a peer that vanished, descriptors NIXL rejects, a deadline) are values,
+not exceptions: ``poll`` returns ``"ERR"``, ``complete`` returns a :class:`Completion`
+with ``ok=False`` and the request's local block ids and writes nothing itself (NIXL may
+have: :class:`Completion` says where). Input errors (bad ids, a plan that does not fit
+this manager or peer, a plan used out of turn) raise ``ValueError``/``TypeError``
+before anything moves.
 
-Deadlines: ``pull(..., timeout_s=)`` or the manager's ``pull_timeout_s`` default. A
-pull still in flight past its deadline fails at the next ``poll`` (no timer thread:
-``poll`` checks the clock), its transfer is released like any failed pull's. See
-:class:`Completion` for what a failed pull may leave (its own local pages, in the
-memory NIXL writes: host buffers or device caches).
+Notifications: D, not NIXL, tells each peer of a pull that it is done with the
+request, exactly once, whatever happens: when that peer's READ is DONE, or when the
+pull fails (then to every peer not told yet). READs are posted without a NIXL
+notification, because NIXL sends one from D whenever its status check sees the READ
+complete, also inside the release of a handle given up on, which made two.
 
-Heterogeneous peers (different group plans, page sizes, TP sizes; see
-:mod:`kvcopy.nixl.plan`): a plan may read from several peers, one NIXL READ each; the
-handle is DONE when all are, and fails as a whole if one fails. Pairs that move whole
-chunks use the descriptor lists prepared at registration and ``add_peer``; pairs with
-byte segments use descriptors built from the plan per pull. Both are checked and built
-by :mod:`kvcopy.nixl.descriptors` in a fixed number of numpy calls. Rows of
-read pages past the prompt are zeroed by ``complete`` in the buffers NIXL wrote, before
-the h2d copy.
+Deadlines (``pull(..., timeout_s=)`` or ``pull_timeout_s``): a pull in flight past its
+deadline fails at the next ``poll`` (no timer thread: ``poll`` checks the clock).
+
+Late READs (:mod:`kvcopy.nixl.late_reads`): releasing a NIXL handle in flight is not a
+cancel, so a pull given up on (deadline, ``abort``, ``remove_peer``, a sibling READ's
+error, ``close``) fails for the caller at once while its READ handles are kept and
+polled (by ``poll``, ``plan_pull``, ``pull``, ``stats``, ``close``), and what they may
+write stays held until NIXL reports them ended. ``close`` destroys the NIXL agent (its
+UCX worker) before the memory can be freed, or keeps the memory alive.
+
+Heterogeneous peers (see :mod:`kvcopy.nixl.plan`): a plan may read from several peers,
+one NIXL READ each; the handle is DONE when all are, and fails as a whole if one fails.
 
 Not thread-safe: one thread drives a manager.
 """
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
@@ -89,6 +82,8 @@ from ._agent import Agent, NixlError, metadata_name
 from .arena import ArenaFull
 from .buffer_mode import BufferMode, Peer, Read
 from .handshake import EngineInfo, check_peer_limits, decode, encode, layer_limit, pair_layers
+from .late_reads import LateReads
+from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
 from .paged_modes import DeviceMode, MirrorMode
 from .plan import Plan
@@ -97,24 +92,18 @@ from .regions import MAX_NAME, RegionSet, descriptor_table, tokens_per_group
 from .staging import ArenaStaging
 
 MODES: Dict[str, Type[BufferMode]] = {"host": MirrorMode, "device": DeviceMode, "arena": ArenaStaging}
+# Registered memory of closed managers whose READs may still have landed after close()
+# (the NIXL agent could not be shown destroyed): kept for the life of the process.
+_KEPT_ALIVE: List[object] = []
 
 
 @dataclass(frozen=True)
 class _Remote:
-    """A peer added with ``add_peer``: what the modes see, and NIXL's prepared descriptor
-    list of its regions (None: an arena peer, read at its staged spans only)."""
+    """A peer added with ``add_peer``, as the modes see it. (Its NIXL descriptor list is
+    in the manager's ``_dlists``: plans and handles keep peer records, and nothing they
+    keep may keep the NIXL agent alive past ``close``.)"""
 
     peer: Peer
-    dlist: object
-
-
-@dataclass(frozen=True)
-class _Issued:
-    """A plan this manager's ``plan_pull`` returned (held weakly), and the peer records it
-    was made for: a plan is accepted only while it is this object and its peers are these."""
-
-    ref: weakref.ref
-    peers: Tuple[Tuple[str, _Remote], ...]
 
 
 class TransferManager:
@@ -151,15 +140,15 @@ class TransferManager:
         self._registrations: List[object] = []
         self._kept: Dict[str, List[bytes]] = {}  # notifications save() read for the caller
         self._peers: Dict[str, _Remote] = {}
+        self._dlists: Dict[str, object] = {}  # peer -> NIXL's prepared list of its regions (not arena peers)
         self._peer_keys = itertools.count()  # Peer.key: never reused, so caches never serve a re-added peer
-        self._in_flight: Dict[int, PullHandle] = {}
-        self._unreleased: List[object] = []  # NIXL handles whose release failed; retried
+        self._in_flight: Dict[int, PullRecord] = {}
+        self._late = LateReads(mode)  # READs given up on, not yet ended (module docstring)
+        self._unreleased: List[object] = []  # NIXL handles of ended READs whose release failed; retried
         self._ids = itertools.count()
-        # Plans and handles are bound to the manager (and peers) that made them: a plan
-        # edited by the caller, made by another manager or for a peer since removed or
-        # re-added is refused before anything moves (see _bound_plan).
-        self._token = object()
-        self._plans: Dict[int, _Issued] = {}
+        # Plans and handles are found by identity in the ledger; nothing the caller does
+        # to them reaches memory (kvcopy.nixl.ledger).
+        self._ledger = Ledger()
         self._local_dlist = None
         self._register(mode)
         self._info = EngineInfo(
@@ -230,22 +219,27 @@ class TransferManager:
             self._agent.release_remote(name)
             raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
         peer = Peer(next(self._peer_keys), remote, tuple(layer_pairs), tuple(offsets.tolist()))
-        self._peers[name] = _Remote(peer, dlist)
+        self._peers[name] = _Remote(peer)
+        if dlist is not None:
+            self._dlists[name] = dlist
         return name
 
     def peers(self) -> List[str]:
         return list(self._peers)
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer: its pulls in flight fail (``ERR``), its descriptors are released,
-        and what the buffer mode cached for it is dropped."""
-        remote = self._peers.pop(name, None)
-        if remote is None:
+        """Forget a peer: its pulls in flight fail (``ERR``; their READs are given up on,
+        see the module docstring), its descriptors are released, and what the buffer mode
+        cached for it is dropped."""
+        if name not in self._peers:
             raise ValueError(f"unknown peer {name!r}")
-        for h in [h for h in self._in_flight.values() if name in h.peers]:
-            self._fail(h, f"peer {name!r} was removed")
-        if remote.dlist is not None:
-            Agent.release_dlist(remote.dlist)
+        self._reap()  # plans the caller dropped go now, with the peer records they hold
+        for rec in [r for r in self._in_flight.values() if name in r.peers]:
+            self._fail(rec, f"peer {name!r} was removed")
+        remote = self._peers.pop(name)
+        dlist = self._dlists.pop(name, None)
+        if dlist is not None:
+            Agent.release_dlist(dlist)
         self._agent.release_remote(name)  # parked, not unloaded: see kvcopy.nixl._agent
         self._mode.forget(remote.peer)
 
@@ -261,11 +255,12 @@ class TransferManager:
         Arena mode: stages the blocks covering ``num_tokens`` in a span of the arena for
         ``request_id`` and returns the :class:`~kvcopy.nixl.record.StagedRequest` to
         hand to D (``(record, event)`` with ``wait=False`` on CUDA). The span is freed
-        when ``readers`` notifications ``request_id`` arrived (:meth:`notifications`),
-        or after ``arena_ttl_s``. Raises :class:`~kvcopy.nixl.ArenaFull` when no span fits,
-        at once, or with ``space_timeout_s`` after waiting that long for D's notifications
-        (or TTLs) to free enough space (this call then blocks the host: it is opt-in).
-        Nothing is copied before the span is held.
+        when ``readers`` distinct D agents sent a notification ``request_id``
+        (:meth:`notifications`), or after ``arena_ttl_s``. Raises
+        :class:`~kvcopy.nixl.ArenaFull` when no span fits, at once, or with
+        ``space_timeout_s`` after waiting that long for D's notifications (or TTLs) to
+        free enough space (this call then blocks the host: it is opt-in). Nothing is
+        copied before the span is held.
         """
         self._check_open()
         wait_s = seconds(space_timeout_s, "space_timeout_s")
@@ -275,7 +270,7 @@ class TransferManager:
             final = looked and (deadline is None or time.monotonic() >= deadline)
             try:
                 record = self._mode.stage(self._info, block_ids, num_tokens, request_id, readers,
-                                             wait_s is not None, final)
+                                          wait_s is not None, final)
                 break
             except ArenaFull as exc:
                 if final or not exc.ever_fits:
@@ -317,161 +312,161 @@ class TransferManager:
         this rank reads KV heads from (see :func:`kvcopy.nixl.remote_ranks`).
         ``remote_block_ids`` is one list per remote group, shared by those ranks, or a
         mapping peer name -> such lists; in arena mode, the peers' StagedRequest records
-        (or their wire bytes). One plan, one ``pull``, one ``complete``.
+        (or their wire bytes). One plan, one ``pull``, one ``complete`` (or one
+        ``discard``): see :mod:`kvcopy.nixl.ledger` for a plan's life.
         """
         self._check_open()
         names = [peer] if isinstance(peer, str) else list(peer)
         for name in names:
-            if name not in self._peers:
+            if not isinstance(name, str) or name not in self._peers:
                 raise ValueError(f"unknown peer {name!r}; add_peer its metadata first")
-        self._retry_releases()
-        self._mode.reclaim(handles_released=not self._unreleased)
-        plan = self._mode.plan(self._info, [self._peers[n].peer for n in names], remote_block_ids,
-                                  remote_num_tokens, local_block_ids, num_cached_tokens)
-        self._bind(plan, names)
+        self._reap()  # spans whose READs ended are free again
+        plan, work = self._mode.plan(self._info, [self._peers[n].peer for n in names], remote_block_ids,
+                                     remote_num_tokens, local_block_ids, num_cached_tokens)
+        self._ledger.bind(plan, tuple((n, self._peers[n]) for n in names), work)
         return plan
 
-    def _bind(self, plan: Plan, names: Sequence[str]) -> None:
-        """Remember ``plan`` (by identity, weakly) and the peer records it was made for."""
-        key, plans = id(plan), self._plans
-
-        def forget(ref, key=key, plans=plans):  # no reference to self: no cycle
-            entry = plans.get(key)
-            if entry is not None and entry.ref is ref:
-                del plans[key]
-
-        plans[key] = _Issued(weakref.ref(plan, forget), tuple((n, self._peers[n]) for n in names))
-
-    def _bound_plan(self, plan, check_peers: bool = True) -> None:
-        """Refuse a plan this manager's ``plan_pull`` did not return, or (``check_peers``)
-        one whose peers were removed or re-added since: plans are plain frozen data a
-        caller can rebuild with other pages (``dataclasses.replace``), and nothing past
-        this check re-derives them from the handshakes."""
-        entry = self._plans.get(id(plan)) if isinstance(plan, Plan) else None
-        if entry is None or entry.ref() is not plan:
-            raise ValueError(
-                f"{type(plan).__name__} is not a plan made by TransferManager {self.name!r}'s plan_pull "
-                "(plans are bound to the manager that made them; an edited or copied plan is refused)")
+    def _issued(self, plan, check_peers: bool = True) -> Issued:
+        """The ledger's record of ``plan``: refuse a plan this manager's ``plan_pull``
+        did not return, or (``check_peers``) one whose peers were removed or re-added
+        since (nothing past this re-derives a plan from the handshakes)."""
+        issued = self._ledger.issued(plan, self.name)
         if check_peers:
-            for name, remote in entry.peers:
+            for name, remote in issued.peers:
                 if self._peers.get(name) is not remote:
                     raise ValueError(f"the plan was made for peer {name!r}, which was removed or re-added "
                                      "since: plan_pull again")
-
-    def _own(self, h) -> None:
-        if not isinstance(h, PullHandle) or h._owner is not self._token:
-            raise ValueError(f"{h!r} is not a pull of TransferManager {self.name!r}")
+        return issued
 
     def pull(self, plan: Plan, notify: bytes = b"", timeout_s: Optional[float] = None) -> PullHandle:
-        """Post the NIXL READ of ``plan``; ``notify`` is sent to the peer when it is done.
+        """Post the NIXL READ(s) of ``plan``; ``notify`` is sent to each peer once, when
+        its READ is done or the pull failed (module docstring, "Notifications").
 
         ``timeout_s`` (default: the manager's ``pull_timeout_s``; None: no deadline):
         a pull still in flight that long after this call fails at the next ``poll``
-        (``ERR``, "deadline"): its transfer is released (NIXL cancels it) and it
-        completes like any failed pull."""
+        (``ERR``, "deadline") and completes like any failed pull; its READs are given up
+        on, not released (module docstring, "Late READs"). Raises
+        :class:`~kvcopy.nixl.pull.PagesHeld` where the pull would read or zero into pages
+        a READ given up on may still write (host and device mode), before posting."""
         self._check_open()
         if not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
         timeout_s = self.pull_timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
-        self._bound_plan(plan)
-        for name in plan.all_peers:
-            if name not in self._peers:
-                raise ValueError(f"plan is for unknown peer {name!r}")
-        # Everything is checked and built before the first READ is posted.
-        reads = self._mode.reads(self._info, plan, {n: self._peers[n].peer for n in plan.all_peers})
-        h = PullHandle(next(self._ids), plan, bytes(notify), timeout_s, self._token)
-        self._post(h, reads)
-        return h
+        issued = self._issued(plan)
+        issued.check(PULLED)
+        self._reap()
+        self._mode.check_writable(issued.work)
+        # Everything is checked and built (when planned) before the first READ is posted.
+        reads = self._mode.reads(issued.work)
+        issued.advance(PULLED)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        rec = PullRecord(next(self._ids), issued, plan, bytes(notify), timeout_s, deadline)
+        handle = self._ledger.add_pull(rec)
+        self._post(rec, reads)
+        return handle
 
-    def _post(self, h: PullHandle, reads: Sequence[Read]) -> None:
-        self._in_flight[h.id] = h
+    def _post(self, rec: PullRecord, reads: Sequence[Read]) -> None:
+        self._in_flight[rec.id] = rec
         for read in reads:
             name = read.peer
             if not len(read.local):
-                h._done.add(name)
-                if h.notify:
-                    self._agent.send_notification(name, h.notify)
+                self._ended(rec, name, DONE)
                 continue
             remote = self._peers[name]
+            # No NIXL notification on the READ: D sends its own (module docstring).
             if read.prepared:
-                xfer, state, reason = self._agent.post_read(
-                    self._local_dlist, read.local, remote.dlist, read.remote, h.notify)
+                xfer, state, reason = self._agent.post_read(self._local_dlist, read.local, self._dlists[name],
+                                                            read.remote, b"")
             else:
                 xfer, state, reason = self._agent.post_read_descs(
-                    read.local, self._info.mem_type, name, read.remote, remote.peer.info.mem_type, h.notify)
+                    read.local, self._info.mem_type, name, read.remote, remote.peer.info.mem_type, b"")
             if xfer is not None:
-                h._xfers[name] = xfer
-                h._posted = True
+                rec.xfers[name] = xfer
+                rec.posted = True
             if state == ERR:
-                self._fail(h, reason, ended=name)
+                self._fail(rec, reason, ended=name)
                 return
             if state == DONE:
-                h._done.add(name)
-        if len(h._done) == len(h.peers):
-            self._finish(h)
+                self._ended(rec, name, DONE)
+        if len(rec.done) == len(rec.peers):
+            self._finish(rec)
 
     def poll(self, h: PullHandle) -> str:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished transfer's NIXL handle is released."""
-        self._own(h)
-        if h.state != PROC:
-            return h.state
-        if self._closed:
-            return ERR
-        self._retry_releases()
-        for name, xfer in list(h._xfers.items()):
-            if name in h._done:
-                continue
+        rec = self._ledger.pull(h, self.name)
+        self._reap()
+        if rec.state != PROC:
+            return rec.state
+        for name, xfer in list(rec.xfers.items()):
             state, reason = self._agent.state(xfer)
             if state == ERR:
-                self._fail(h, reason if len(h.peers) == 1 else f"peer {name!r}: {reason}", ended=name)
-                return h.state
+                self._fail(rec, reason if len(rec.peers) == 1 else f"peer {name!r}: {reason}", ended=name)
+                return rec.state
             if state == DONE:
-                h._done.add(name)
-        if len(h._done) == len(h.peers):
-            self._finish(h)
-        elif h.deadline is not None and time.monotonic() >= h.deadline:
-            late = [n for n in h.peers if n not in h._done]
-            self._fail(h, f"deadline: not done {h.timeout_s:g} s after pull (waiting on {late})")
-        return h.state
+                self._ended(rec, name, DONE)
+        if len(rec.done) == len(rec.peers):
+            self._finish(rec)
+        elif rec.deadline is not None and time.monotonic() >= rec.deadline:
+            late = [n for n in rec.peers if n not in rec.done]
+            self._fail(rec, f"deadline: not done {rec.timeout_s:g} s after pull (waiting on {late})")
+        return rec.state
 
     def abort(self, h: PullHandle) -> None:
-        """Give up a pull in flight: NIXL cancels it, the request fails (``ERR``)."""
-        self._own(h)
-        if h.state == PROC:
-            self._fail(h, "aborted")
+        """Give up a pull in flight: it fails (``ERR``) at once; its READs are given up on
+        (module docstring, "Late READs")."""
+        rec = self._ledger.pull(h, self.name)
+        if rec.state == PROC:
+            self._fail(rec, "aborted")
 
     def complete(self, h: PullHandle) -> Completion:
         """D: after ``DONE``, write the request into the device caches (zero the plan's
         unread pages, copy the read pages: one masked copy); after ``ERR``, write nothing
-        and report the request's local block ids as failed. Either way, free what the
-        plan holds (arena mode: D's span). Raises while the pull is in flight."""
-        self._own(h)
-        if h.completed:
+        and report the request's local block ids as failed. Either way the plan is
+        completed and what it holds is freed (arena mode: D's span), at once or when
+        NIXL reports its READs given up on ended. Raises while the pull is in flight."""
+        rec = self._ledger.pull(h, self.name)
+        if rec.completed:
             raise ValueError(f"{h!r} was already completed")
         state = self.poll(h)
         if state == PROC:
             raise ValueError(f"{h!r} is still in flight; poll until DONE or ERR")
         if state == DONE:
             self._check_open()
-            self._bound_plan(h.plan, check_peers=False)  # before the first write
-        h.completed = True
-        mode, plan = self._mode, h.plan
+        return self._complete(rec)
+
+    def _complete(self, rec: PullRecord, write: bool = True) -> Completion:
+        rec.completed = True
+        issued, mode = rec.issued, self._mode
+        issued.advance(COMPLETED)
         try:
-            if state == DONE:
-                mode.complete(plan)
+            if rec.state == DONE and write:
+                mode.complete(issued.work)
         finally:
-            self._retry_releases()
-            mode.free(plan, failed=state == ERR, abandoned=h._abandoned, handles_released=not self._unreleased)
-        if state == DONE:
+            if not issued.landing:
+                mode.free(issued.work)
+        work = issued.work
+        if rec.state == DONE:
             return Completion(True, tuple(() for _ in self.layer_groups), None)
-        if not h._posted or mode.written_in is None:
-            return Completion(False, plan.local_block_ids, h.error)
-        return Completion(False, plan.local_block_ids, h.error, plan.read_pages, mode.written_in)
+        pending = issued.landing > 0
+        if not rec.posted or mode.written_in is None:
+            return Completion(False, work.local_block_ids, rec.error, read_pending=pending)
+        return Completion(False, work.local_block_ids, rec.error, work.read_pages, mode.written_in, pending)
 
     def discard(self, plan: Plan) -> None:
-        """Free what a plan that will not be pulled holds (arena mode: D's span)."""
-        self._bound_plan(plan, check_peers=False)  # only this manager's plans free its spans
-        self._mode.discard(plan)
+        """Give up a plan that was not pulled: free what it holds (arena mode: D's span).
+        A plan pulled, completed or discarded already is refused (``ValueError``)."""
+        issued = self._issued(plan, check_peers=False)  # only this manager's plans free its spans
+        self._discard(issued)
+
+    def _discard(self, issued: Issued) -> None:
+        issued.advance(DISCARDED)
+        self._mode.free(issued.work)
+
+    def held_blocks(self) -> Tuple[Tuple[int, ...], ...]:
+        """Per local group, the local blocks of pulls whose READs were given up on and
+        have not ended (see :class:`Completion`, ``read_pending``)."""
+        self._reap()
+        return self._late.blocks(len(self.layer_groups))
 
     @property
     def arena(self) -> Optional[ArenaStaging]:
@@ -479,39 +474,72 @@ class TransferManager:
         return self._mode if isinstance(self._mode, ArenaStaging) else None
 
     # ------------------------------------------------------------ bookkeeping
-    def _finish(self, h: PullHandle) -> None:
-        h.state = DONE
-        self._release(h)
+    def _notify(self, rec: PullRecord, name: str) -> None:
+        """Tell peer ``name`` the pull is done with its request: once, if it has a
+        notify message and the peer is still added."""
+        if rec.notify and name not in rec.notified and name in self._peers:
+            rec.notified.add(name)
+            self._agent.send_notification(name, rec.notify)
 
-    def _fail(self, h: PullHandle, reason: Optional[str], ended: Optional[str] = None) -> None:
-        """Fail a pull; ``ended``: the peer whose READ NIXL ended in ERR (the others still
-        in flight are released unfinished: abandoned)."""
-        h.state = ERR
-        h.error = reason or "transfer failed"
-        h._abandoned = any(name != ended and name not in h._done for name in h._xfers)
-        self._release(h)
-        if h.notify:  # let P's ranks whose READ did not finish free their blocks; best effort
-            for name in h.peers:
-                if name in self._peers and name not in h._done:
-                    self._agent.send_notification(name, h.notify)
+    def _ended(self, rec: PullRecord, name: str, state: str) -> None:
+        """Peer ``name``'s READ of ``rec`` ended (NIXL said so): release its handle."""
+        xfer = rec.xfers.pop(name, None)
+        if xfer is not None:
+            self._release_xfer(xfer)
+        if state == DONE:
+            rec.done.add(name)
+            self._notify(rec, name)
 
-    def _release(self, h: PullHandle) -> None:
-        self._in_flight.pop(h.id, None)
-        xfers, h._xfers = list(h._xfers.values()), {}
-        for xfer in xfers:
-            if Agent.release(xfer) is not None:
-                self._unreleased.append(xfer)
+    def _finish(self, rec: PullRecord) -> None:
+        rec.state = DONE
+        self._in_flight.pop(rec.id, None)
 
-    def _retry_releases(self) -> None:
+    def _fail(self, rec: PullRecord, reason: Optional[str], ended: Optional[str] = None) -> None:
+        """Fail a pull; ``ended``: the peer whose READ NIXL ended in ERR. READs still in
+        flight are given up on: their handles are kept (:meth:`_reap`), and what they may
+        write is held."""
+        rec.state = ERR
+        rec.error = reason or "transfer failed"
+        self._in_flight.pop(rec.id, None)
+        if ended is not None:
+            self._ended(rec, ended, ERR)
+        for name, xfer in rec.xfers.items():
+            self._late.abandon(rec.issued, name, xfer, rec.id)
+        rec.xfers = {}
+        for name in rec.peers:  # P frees what the request holds on its side
+            self._notify(rec, name)
+
+    def _reap(self) -> None:
+        """Act on plans and handles the caller dropped; release the handles of READs
+        given up on that NIXL now reports ended, and free what they held."""
+        self._ledger.dropped(self._discard, self._drop_pull)
         if self._unreleased:
             self._unreleased = [x for x in self._unreleased if Agent.release(x) is not None]
+        self._late.reap(self._agent.state, self._release_xfer)
+
+    def _drop_pull(self, rec: PullRecord) -> None:
+        """The caller dropped a handle it had not completed: finish it without writing
+        the KV (failing it first if in flight), so what its plan holds is freed."""
+        if rec.completed:
+            return
+        if rec.state == PROC:
+            self._fail(rec, "the pull's handle was dropped before it completed")
+        self._complete(rec, write=False)
+
+    def _release_xfer(self, xfer) -> None:
+        if Agent.release(xfer) is not None:
+            self._unreleased.append(xfer)
 
     def stats(self) -> Dict[str, int]:
-        """Counts for leak checks: pulls in flight, NIXL transfer handles not yet released,
-        peers, and the buffer mode's own (arena mode: spans and bytes)."""
-        self._retry_releases()
-        live = sum(len(h._xfers) for h in self._in_flight.values()) + len(self._unreleased)
-        out = {"in_flight": len(self._in_flight), "live_transfer_handles": live, "peers": len(self._peers)}
+        """Counts for leak checks: pulls in flight, NIXL transfer handles not yet released
+        (of pulls in flight, and of ended READs whose release failed), READs given up on
+        that NIXL has not reported ended, peers, and the buffer mode's own (arena mode:
+        spans, bytes and spans held by READs given up on; host/device: READs held)."""
+        if not self._closed:
+            self._reap()
+        live = sum(len(r.xfers) for r in self._in_flight.values()) + len(self._unreleased)
+        out = {"in_flight": len(self._in_flight), "live_transfer_handles": live,
+               "abandoned_reads": len(self._late), "peers": len(self._peers)}
         out.update(self._mode.stats())
         return out
 
@@ -520,19 +548,29 @@ class TransferManager:
             raise ValueError(f"TransferManager {self.name!r} is closed")
 
     def close(self) -> None:
-        """Fail pulls in flight, release every NIXL handle, deregister, drop the agent."""
+        """Fail pulls in flight, release every NIXL handle, deregister, destroy the agent
+        (module docstring, "Late READs": memory a READ may still write outlives it)."""
         if self._closed:
             return
-        for h in list(self._in_flight.values()):
-            self._fail(h, "manager closed")
+        for rec in list(self._in_flight.values()):
+            self._fail(rec, "manager closed")
+        self._reap()
         for name in list(self._peers):
             self.remove_peer(name)
-        self._retry_releases()
+        pending = self._late.drop(Agent.release)  # a release is no cancel: they may land until the agent is gone
+        self._unreleased = [x for x in self._unreleased if Agent.release(x) is not None]
         self._closed = True
-        self._release_agent()
+        destroyed = self._release_agent()
+        if pending and not destroyed:
+            _KEPT_ALIVE.extend(self._mode.memory())
+            logging.getLogger("kvcopy.nixl").warning(
+                "TransferManager %r closed with READs that may still land and a NIXL agent still referenced: "
+                "its registered memory is kept alive for the life of the process", self.name)
         self._mode.close()
 
-    def _release_agent(self) -> None:
+    def _release_agent(self) -> bool:
+        """Release the local descriptors and registrations and drop the NIXL agent;
+        whether the agent (its UCX worker: nothing it posted can land after) is gone."""
         if self._local_dlist is not None:
             Agent.release_dlist(self._local_dlist)
             self._local_dlist = None
@@ -542,7 +580,10 @@ class TransferManager:
             except Exception:
                 pass
         self._registrations = []
-        self._agent.close()
+        gone = self._agent.close()
+        if gone() is not None:
+            gc.collect()  # a cycle may still hold it
+        return gone() is None and not self._unreleased
 
     def __enter__(self):
         return self

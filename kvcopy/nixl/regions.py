@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -219,11 +219,12 @@ def _axis(value, where: str) -> Tuple[str, int, int]:
                                                                                     f"{where} stride")
 
 
-@dataclass(frozen=True)
-class RegionRef:
-    """The addressing of one region, as a plan needs it (offsets relative to page 0)."""
+class RegionRef(NamedTuple):
+    """The addressing of one region, as a plan needs it (offsets relative to page 0).
+    A tuple: plans share these with the engine record they were made from, so nothing
+    reachable from a plan handed out can change them."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, which nothing here calls
     num_pages: int
     num_chunks: int
     chunk_bytes: int

@@ -5,7 +5,9 @@ A *row* is one NIXL descriptor, ``(address, bytes, device id)`` as uint64 (a row
 is one local and one remote row of the same size); a *run* is ``(start, bytes)`` inside
 one buffer. Arena mode merges a request's READ rows by address (:func:`merge_rows`),
 so a request whose bytes line up on both sides is one descriptor; every mode zeroes the
-rows of read pages past the prompt (:func:`zero_runs`) in the buffer NIXL wrote.
+rows of read pages past the prompt (:func:`zero_runs`) in the buffer NIXL wrote. Byte
+ranges as ``(starts, ends)`` are merged (:func:`merged`) and compared (:func:`overlaps`)
+to keep later pulls out of what a READ given up on may still write.
 """
 from __future__ import annotations
 
@@ -69,3 +71,27 @@ def byte_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     if not len(starts):
         return np.empty(0, np.int64)
     return np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(int(lens.sum()))
+
+
+def merged(starts: np.ndarray, ends: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``[starts[i], ends[i])`` as sorted, disjoint, non-adjacent ranges."""
+    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    if len(starts) <= 1:
+        return starts.copy(), ends.copy()
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    new = np.concatenate([[True], s[1:] > e[:-1]])
+    first = np.flatnonzero(new)
+    last = np.concatenate([first[1:], [len(s)]]) - 1
+    return s[first], e[last]
+
+
+def overlaps(starts: np.ndarray, ends: np.ndarray, held_starts: np.ndarray, held_ends: np.ndarray) -> bool:
+    """Whether any range ``[starts[i], ends[i])`` shares a byte with the ranges held
+    (sorted and disjoint, as :func:`merged` makes them); empty ranges share none."""
+    if not len(starts) or not len(held_starts):
+        return False
+    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    i = np.searchsorted(held_ends, starts, side="right")  # the first held range ending past each start
+    inside = (i < len(held_starts)) & (ends > starts)
+    return bool(np.any(held_starts[i[inside]] < ends[inside]))

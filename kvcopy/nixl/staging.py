@@ -9,18 +9,22 @@ P (:meth:`ArenaStaging.stage`): the span's size follows from the token count and
 handshake alone, so it is allocated (or :class:`ArenaFull` raised, at once for a
 request larger than the arena) before anything proportional to the request is built;
 then one d2h call per copier packs the pages holding the prompt's tokens. The span is
-freed when ``readers`` notifications naming the request arrived
+freed when ``readers`` distinct D agents sent a notification naming the request
 (:meth:`on_notifications`), after ``ttl_s`` (:meth:`expire`), or by :meth:`release`.
+The TTL is P's only bound on a D that never reports (it died, or lost the record): P
+cannot see a one-sided READ of its memory, so it cannot tell an idle reader from a
+gone one (docs/nixl.md, "Late READs", says what this asks of D's deadlines).
 
 D (:meth:`ArenaStaging.plan`): each peer's record is checked against its handshake
 (engine, mode, tokens, block positions, the span inside the peer's arena and large
 enough), D's span is allocated, and the plan's READ rows (D's span <- P's spans), the
 rows to zero in D's span and the scatter calls (span -> D's KV pages, the zero granule
--> D's pages past the prompt) are built and checked. :meth:`reads` hands the rows to the
-manager once per plan; :meth:`complete` zeroes and scatters; :meth:`free` frees D's
-span, or quarantines it for ``ttl_s`` where a READ released unfinished may still land,
-or defers it while a NIXL handle on it is unreleased: no span a READ may still touch is
-handed out again.
+-> D's pages past the prompt) are built and checked, into an :class:`ArenaWork` the
+manager keeps, and an :class:`ArenaPlan` describing them for the caller. :meth:`complete`
+zeroes and scatters; :meth:`free` frees D's span. The manager calls ``free`` once the
+plan is completed or discarded and no READ of it may still land (a READ given up on
+holds its span until NIXL reports it ended: :meth:`hold`), so no span a READ may still
+write is handed out again.
 
 The plan over the virtual engines (the planner's view of the two spans) depends on the
 request's *shape* only: the staging order, the page counts per group on each side and
@@ -33,11 +37,10 @@ id lists (figures: ``docs/nixl.md``, "Host cost per request").
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -68,27 +71,43 @@ PLANS_PER_SHAPE = 16  # virtual plans kept per shape (prefix hits and holes make
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ArenaPlan(Plan):
     """D's plan for one request in arena mode: read P's spans into D's span, then scatter.
-    ``read_pages``, ``zero_pages`` and ``local_block_ids`` are D's real pages and blocks;
-    the arrays are read-only. Plans are compared by identity (each holds its own span)."""
+    ``read_pages``, ``zero_pages`` and ``local_block_ids`` are D's real pages and blocks.
+    A description for the caller: the manager pulls and completes from its own
+    :class:`ArenaWork`, so nothing done to this object (its arrays are read-only views
+    of ``bytes`` and its own copies) reaches memory. Plans are compared by identity."""
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    virtual: PullPlan  # over the virtual engines (page ids = page positions)
     span: Span  # D's span
-    reads: Mapping[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows), read-only
-    scatter: Tuple[CallPlan, ...]  # per copier: its planned h2d (span -> KV, zero granule -> zeroed pages)
+    reads: Mapping[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows), read-only copies
     zero_runs: Tuple[np.ndarray, np.ndarray]  # (arena offsets, bytes) zeroed in D's span before the scatter
     order: str  # the staging order of both spans (the records')
-    ticket: int  # this plan in its staging's ledger of live spans
+    read_bytes: int  # bytes the READs move
 
     @property
     def num_bytes(self) -> int:
-        return self.virtual.num_bytes
+        return self.read_bytes
 
     @property
     def num_descriptors(self) -> int:
         return sum(len(rows) for rows, _ in self.reads.values())
+
+
+class ArenaWork(NamedTuple):
+    """What the pull and completion of one arena plan do, kept by the manager and never
+    handed out: D's span, the READs (rows between the two spans, checked), the zero runs
+    and the scatter calls (immutable call plans), the staging order, and D's pages."""
+
+    offset: int  # D's span
+    nbytes: int
+    reads: Tuple[Read, ...]
+    zero_starts: np.ndarray
+    zero_lens: np.ndarray
+    scatter: Tuple[CallPlan, ...]
+    order: str
+    read_pages: Tuple[Tuple[int, ...], ...]
+    local_block_ids: Tuple[Tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,17 @@ class _VirtualPlan:
     plan: PullPlan
     reads: Dict[str, Tuple[np.ndarray, np.ndarray]]  # peer -> (local rows, remote rows), span-relative
     zero_runs: Tuple[np.ndarray, np.ndarray]  # (offsets in D's span, bytes)
+
+
+@dataclass
+class _Staged:
+    """P: one staged request: its span, when its time to live ends, how many distinct
+    readers must report, and those that did."""
+
+    span: Span
+    deadline: float
+    readers: int
+    done: Set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -172,11 +202,8 @@ class ArenaStaging(BufferMode):
         self._backend = backend
         self._by_order: Dict[str, SpanCopiers] = {}
         self.span_copiers(self.order)
-        self._staged: Dict[bytes, List] = {}  # P: request id -> [span, deadline, readers left]
-        self._live: Dict[int, List] = {}  # D: plan ticket -> [span, pulled]
-        self._tickets = itertools.count()
-        self._deferred: List[Span] = []  # D: spans whose READ handle release failed
-        self._quarantine: List[Tuple[float, Span]] = []  # D: (free after, span) of READs given up on
+        self._staged: Dict[bytes, _Staged] = {}  # P: request id -> its span and readers
+        self._held: Dict[int, int] = {}  # D: works with a READ given up on that may still land -> span bytes
         self.shapes = KeyedCache(SHAPE_CACHE_SIZE)  # D: the virtual engines per request shape
         self.pairings = KeyedCache(SHAPE_CACHE_SIZE)  # D: layer pairs per (peer, order), whatever the shape
 
@@ -247,27 +274,29 @@ class ArenaStaging(BufferMode):
         except Exception:
             self.arena.free(span)
             raise
-        self._staged[rid] = [span, time.monotonic() + self.ttl_s, readers]
+        self._staged[rid] = _Staged(span, time.monotonic() + self.ttl_s, readers)
         return StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
                              self.order)
 
     def on_notifications(self, new: Mapping[str, List[bytes]]) -> None:
-        """P: each notification naming a staged request is one reader done with it; then
-        the spans past their time to live go too."""
-        for msgs in new.values():
+        """P: a notification naming a staged request says its sender (a D agent, by
+        the name NIXL delivers it under) is done with it; the span is freed once
+        ``readers`` distinct agents said so (a second message from one agent counts
+        once), then the spans past their time to live go too."""
+        for sender, msgs in new.items():
             for m in msgs:
                 entry = self._staged.get(bytes(m))
                 if entry is None:
                     continue
-                entry[2] -= 1
-                if entry[2] <= 0:
+                entry.done.add(sender)
+                if len(entry.done) >= entry.readers:
                     self._drop(bytes(m))
         self.expire()
 
     def expire(self, now: Optional[float] = None) -> int:
         """Free P's spans past their time to live; returns how many."""
         now = time.monotonic() if now is None else now
-        old = [rid for rid, (_, deadline, _) in self._staged.items() if deadline <= now]
+        old = [rid for rid, entry in self._staged.items() if entry.deadline <= now]
         for rid in old:
             self._drop(rid)
         return len(old)
@@ -280,14 +309,14 @@ class ArenaStaging(BufferMode):
         self._drop(rid)
 
     def _drop(self, rid: bytes) -> None:
-        self.arena.free(self._staged.pop(rid)[0])
+        self.arena.free(self._staged.pop(rid).span)
 
     @property
     def staged(self) -> List[str]:
         return [r.decode("latin-1") for r in self._staged]
 
     # ------------------------------------------------------------ D side
-    def plan(self, info, peers, records, num_tokens, local_block_ids, num_cached_tokens=0) -> ArenaPlan:
+    def plan(self, info, peers, records, num_tokens, local_block_ids, num_cached_tokens=0):
         self._check_engine(info)
         req = self._request(info, peers, records, num_tokens, local_block_ids, num_cached_tokens)
         keys = req.peer_keys
@@ -299,17 +328,12 @@ class ArenaStaging(BufferMode):
                 raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
                                  f"{need} bytes inside the peer's {p.info.arena[1]}-byte arena")
             remote_spans[p.name] = (p.info.arena[0] + rec.offset, rec.nbytes)
-        # Quarantined spans past their time only: the spans of unreleased READ handles
-        # are the manager's call (it knows whether the release went through).
-        self.reclaim(handles_released=False)
         span = self.arena.allocate(shape.nbytes)
         try:
-            plan = self._arena_plan(req, shape, span, remote_spans)
+            return self._arena_plan(req, shape, span, remote_spans)
         except Exception:
             self.arena.free(span)
             raise
-        self._live[plan.ticket] = [span, False]
-        return plan
 
     def _request(self, info, peers: Sequence[Peer], records, num_tokens, local_block_ids, cached) -> _Request:
         """Check one request's arguments and its peers' records (see :meth:`_check_record`)."""
@@ -400,10 +424,10 @@ class ArenaStaging(BufferMode):
         shape.plans[key] = virt
         return virt
 
-    def _arena_plan(self, req: _Request, shape: _Shape, span: Span, remote_spans) -> ArenaPlan:
+    def _arena_plan(self, req: _Request, shape: _Shape, span: Span, remote_spans) -> Tuple[ArenaPlan, ArenaWork]:
         virt = self._virtual_plan(shape, req)
         d_at = self.base + span.offset  # the virtual engines' address 0, on each side
-        reads = {}
+        reads, shown = [], {}
         for name, (lrel, rrel) in virt.reads.items():
             lrows, rrows = lrel.copy(), rrel.copy()
             lrows[:, 0] += np.uint64(d_at)
@@ -412,7 +436,8 @@ class ArenaStaging(BufferMode):
             check_inside(lrows, d_at, span.nbytes, "D's span")
             start, nbytes = remote_spans[name]
             check_inside(rrows, start, nbytes, f"{name!r}'s staged span")
-            reads[name] = (_frozen(lrows), _frozen(rrows))
+            reads.append(Read(name, False, _read_only(lrows), _read_only(rrows)))
+            shown[name] = (frozen_copy(lrows), frozen_copy(rrows))
         read_real, zero_real, blocks = _real_pages(req, virt.plan)
         cps = self.span_copiers(req.order)
         ids = cps.ids(span.offset, shape.segs, req.counts, read_real,
@@ -421,69 +446,50 @@ class ArenaStaging(BufferMode):
         # Planned (checked and packed) now: complete() must not fail after the read, and
         # it runs these calls as they are.
         scatter = tuple(cps.plan("h2d", ids))
-        return ArenaPlan(peers=virt.plan.peers, remote_num_tokens=req.num_tokens, num_cached_tokens=req.cached,
-                         read_pages=tuple(tuple(x.tolist()) for x in read_real), zero_pages=tuple(zero_real),
-                         local_block_ids=blocks, virtual=virt.plan, span=span, reads=MappingProxyType(reads),
-                         scatter=scatter, zero_runs=(_frozen(virt.zero_runs[0] + span.offset),
-                                                     _frozen(virt.zero_runs[1])),
-                         order=req.order, ticket=next(self._tickets))
+        zero_starts, zero_lens = virt.zero_runs[0] + span.offset, virt.zero_runs[1].copy()
+        read_pages = tuple(tuple(x.tolist()) for x in read_real)
+        work = ArenaWork(span.offset, span.nbytes, tuple(reads), _read_only(zero_starts), _read_only(zero_lens),
+                         scatter, req.order, read_pages, blocks)
+        plan = ArenaPlan(peers=virt.plan.peers, remote_num_tokens=req.num_tokens, num_cached_tokens=req.cached,
+                         read_pages=read_pages, zero_pages=tuple(zero_real), local_block_ids=blocks,
+                         span=Span(span.offset, span.nbytes), reads=MappingProxyType(shown),
+                         zero_runs=(frozen_copy(zero_starts), frozen_copy(zero_lens)), order=req.order,
+                         read_bytes=virt.plan.num_bytes)
+        return plan, work
 
-    def reads(self, info, plan, peers) -> List[Read]:
-        entry = self._live.get(plan.ticket) if isinstance(plan, ArenaPlan) else None
-        if entry is None or entry[1] or entry[0] != plan.span or not self.arena.owns(plan.span):
-            raise ValueError("not a live arena plan of this manager (already pulled, completed or discarded?)")
-        entry[1] = True  # one pull per arena plan
-        return [Read(name, False, local, remote) for name, (local, remote) in plan.reads.items()]
+    def reads(self, work) -> List[Read]:
+        return list(work.reads)
 
-    def complete(self, plan) -> None:
+    def complete(self, work) -> None:
         """D: zero the rows past the prompt in D's span, then one masked h2d per copier
         (read pages from the span, pages past the prompt from the zero granule)."""
-        starts, lens = plan.zero_runs
-        if len(starts):
-            self.buffer.index_fill_(0, torch.as_tensor(byte_index(starts, lens)), 0)
-        self.span_copiers(plan.order).run("h2d", plan.scatter)
+        if len(work.zero_starts):
+            self.buffer.index_fill_(0, torch.as_tensor(byte_index(work.zero_starts, work.zero_lens)), 0)
+        self.span_copiers(work.order).run("h2d", work.scatter)
 
-    def free(self, plan, failed: bool = False, abandoned: bool = False, handles_released: bool = True) -> None:
-        """D: free the plan's span. A READ given up on (``abandoned``) may still land: its
-        span is quarantined for ``ttl_s``; a span whose READ handle is not released yet
-        (not ``handles_released``) waits for the release (:meth:`reclaim`)."""
-        entry = self._live.pop(plan.ticket, None)
-        if entry is None:
-            return
-        if failed and abandoned:
-            self._quarantine.append((time.monotonic() + self.ttl_s, entry[0]))
-        elif handles_released:
-            self.arena.free(entry[0])
-        else:
-            self._deferred.append(entry[0])
+    def check_writable(self, work) -> None:
+        """Nothing to check: a plan's span is its own until no READ may write it."""
 
-    def discard(self, plan) -> None:
-        if not isinstance(plan, ArenaPlan):
-            raise ValueError("discard takes an arena-mode plan")
-        self.free(plan)
+    def hold(self, work, pull_id: int) -> None:
+        """D's span stays owned (the manager frees it only once the READ ended); counted."""
+        self._held[id(work)] = work.nbytes
 
-    def reclaim(self, handles_released: bool = True, now: Optional[float] = None) -> None:
-        """D: free the spans whose READ handles are released now (``handles_released``),
-        and the quarantined spans past their time."""
-        if handles_released and self._deferred:
-            for s in self._deferred:
-                self.arena.free(s)
-            self._deferred = []
-        if self._quarantine:
-            now = time.monotonic() if now is None else now
-            keep = []
-            for deadline, s in self._quarantine:
-                if deadline <= now:
-                    self.arena.free(s)
-                else:
-                    keep.append((deadline, s))
-            self._quarantine = keep
+    def unhold(self, work) -> None:
+        self._held.pop(id(work), None)
+
+    def free(self, work) -> None:
+        """D: free the plan's span (the plan is finished and no READ of it may land)."""
+        self.arena.free(Span(work.offset, work.nbytes))
 
     def stats(self) -> Dict[str, int]:
         out = self.arena.stats()
         out["staged_requests"] = len(self._staged)
-        out["quarantined_spans"] = len(self._quarantine)
+        out["held_spans"] = len(self._held)
+        out["held_bytes"] = sum(self._held.values())
         return out
+
+    def memory(self) -> List[object]:
+        return [self.buffer]
 
     def forget(self, peer: Peer) -> None:
         """D: drop what is cached for a removed peer."""
@@ -545,9 +551,16 @@ def _real_pages(req: _Request, plan: PullPlan):
     return read_real, zero_real, tuple(blocks)
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """``a``, read-only: arrays the staging keeps for itself and never hands out."""
     a.setflags(write=False)
     return a
+
+
+def frozen_copy(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` no one can write: a read-only view of ``bytes`` (numpy refuses to
+    make it writable, and ``bytes`` cannot change), for arrays handed to the caller."""
+    return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
 
 
 def request_key(request_id) -> bytes:

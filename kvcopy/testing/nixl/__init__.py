@@ -9,4 +9,8 @@
   (``python -m kvcopy.testing.nixl.fuzz``, also ``kvcopy-bench fuzz``).
 * :mod:`.handshake_fuzz`: mutated handshake bytes, each refused with a
   ``ValueError`` (``python -m kvcopy.testing.nixl.handshake_fuzz``).
+* :mod:`.stopped_peer`: a prefill engine stopped mid-READ over TCP, and the late-READ
+  cases run on it.
+* :mod:`.hostile`: hostile inputs to a manager: every edit of a plan handed out,
+  mutations of a staged-request record.
 """

@@ -161,10 +161,10 @@ def run_arena_case(spec: Spec) -> Outcome:
             records[info.name] = p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
             peers.append(Peer(len(peers), info, (), ()))
             buffers[info.name] = p_st.buffer
-        first = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        _, first = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
         # the same request again, while the first holds its span: from the caches, at another span
-        plan = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
-        d_st.discard(first)
+        _, work = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        d_st.free(first)
     except ValueError as exc:
         for st in made:
             st.close()
@@ -173,13 +173,13 @@ def run_arena_case(spec: Spec) -> Outcome:
         if want is None:
             return Outcome("wrong", f"planned although no exact pull exists ({why})")
         try:
-            replay_rows({r.peer: (r.local, r.remote) for r in d_st.reads(d_info, plan, {})}, d_st.buffer, buffers)
+            replay_rows({r.peer: (r.local, r.remote) for r in d_st.reads(work)}, d_st.buffer, buffers)
         except ValueError as exc:
             return Outcome("wrong", f"replay_rows raised: {exc}")
-        d_st.complete(plan)  # the real copier writes d_caches (its device views)
+        d_st.complete(work)  # the real copier writes d_caches (its device views)
         if not same_bytes(d_caches, want):
             return Outcome("wrong", "bytes differ", detail=first_difference(d_caches, want) or "")
-        d_st.discard(plan)
+        d_st.free(work)
         if d_st.arena.bytes_in_use or d_st.stats()["spans"]:
             return Outcome("wrong", "D's span not freed")
         return Outcome("exact")
