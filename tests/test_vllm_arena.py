@@ -21,8 +21,10 @@ Run in the vLLM environment (``.ci/run``); skipped where vLLM 0.33 is not instal
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import signal
 import socket
 import time
 from types import SimpleNamespace
@@ -76,7 +78,7 @@ class ArenaEngine:
     """One engine built by vLLM's own code, with the arena connector on both sides."""
 
     def __init__(self, model_config, case, role, setenv, num_blocks=48, arena_bytes=1 << 22, engine_id=None,
-                 **kvcopy):
+                 policy="recompute", **kvcopy):
         self.block_size = case["block_size"]
         layout = case.get("layout", "LBHNC")
         self.config = cfg = _vllm_config(model_config, self.block_size, "KvcopyArenaConnector", role, layout)
@@ -84,7 +86,7 @@ class ArenaEngine:
         opts.update(kvcopy)
         cfg.kv_transfer_config = KVTransferConfig(
             kv_connector="KvcopyArenaConnector", kv_connector_module_path="kvcopy.vllm", kv_role=role,
-            kv_connector_extra_config={"kvcopy": opts}, engine_id=engine_id)
+            kv_connector_extra_config={"kvcopy": opts}, engine_id=engine_id, kv_load_failure_policy=policy)
         cfg.cache_config.num_gpu_blocks_override = cfg.cache_config.num_gpu_blocks = num_blocks
         backend = case.get("backend", FlashAttentionBackend)
         if any(isinstance(s, MambaSpec) for s in case["specs"].values()):
@@ -209,7 +211,8 @@ def decode(d, p_engines, rids, tokens, params, limit_s=60.0):
         assert time.monotonic() < deadline, f"D's loads did not end: {sorted(set(rids) - ended)}"
         out = d.step()
         for rid in out.finished_recving or ():
-            d.tables[rid] = d.sched.kv_cache_manager.get_block_ids(rid)
+            if rid in d.sched.requests:  # (vLLM's "fail" policy ends a failed load's request at once)
+                d.tables[rid] = d.sched.kv_cache_manager.get_block_ids(rid)
             ended.add(rid)
         failed |= set(out.failed_recving or ())
         for e in p_engines:
@@ -281,6 +284,11 @@ def _fill(p, d, seed):
 
 @pytest.fixture
 def engines(vllm_env, monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    def no_mirror(*a, **k):
+        raise AssertionError("vLLM's host mirror was allocated")
+    monkeypatch.setattr(base_worker.NixlBaseConnectorWorker, "initialize_host_xfer_buffer", no_mirror)
     made = []
 
     def make(case, role, **kw):
@@ -330,6 +338,9 @@ def test_several_requests_in_one_step_one_descriptor_each(engines, monkeypatch):
     case = CASES["one_group"]
     p, d = engines(case, "kv_producer"), engines(case, "kv_consumer")
     plans = _spy_pulls(d, monkeypatch)
+    for e in (p, d):  # no host mirror: the arena is the only memory NIXL registers
+        ((_, nbytes, _, mem),) = e.manager.arena.registrations()
+        assert mem == "DRAM" and nbytes == e.manager.stats()["arena_bytes"] + e.manager.arena.arena.granule
     _fill(p, d, 1)
     tokens = _prompts(3, [40, 17, 64])
     rids = ["a", "b", "c"]
@@ -394,3 +405,210 @@ def test_kernel_page_split_on_p_only(engines):
     d = engines(dict(block_size=16, specs=_specs(4, block_size=16)), "kv_consumer")
     _fill(p, d, 6)
     _transfer(p, d, [45], seed=6)
+
+
+# ------------------------------------------------------------------ back-pressure
+# one_group: 4 layers, 2 KiB pages (2 heads x 16 tokens x 32 fp16 values); a 64-token
+# prompt is a 32 KiB span. 40 KiB of arena (4 KiB granules, the first kept zero) holds one.
+ONE_SPAN = 40 << 10
+
+
+def test_p_arena_too_small_for_two_requests_the_second_waits_then_completes(engines):
+    case = CASES["one_group"]
+    p = engines(case, "kv_producer", arena_bytes=ONE_SPAN)
+    d = engines(case, "kv_consumer")
+    _fill(p, d, 7)
+    tokens = _prompts(2, [64, 64], seed=7)
+    params = prefill(p, ["x", "y"], tokens)  # both prefills end in one step
+    st = p.manager.stats()
+    assert st["staged_requests"] == 1 and st["failed_allocations"] >= 1  # the second is held back, not dropped
+    assert {"x", "y"} <= set(p.sched.requests)  # and its KV blocks with it, until it is staged
+    before = d.raw_bytes()
+    assert decode(d, [p], ["x", "y"], tokens, params) == set()
+    assert_same(d, expected_d(p, d, [("x", "x", 64), ("y", "y", 64)], before))
+    assert p.manager.stats()["high_water"] <= ONE_SPAN
+
+
+def test_d_arena_too_small_for_two_requests_the_second_waits_then_completes(engines):
+    case = CASES["one_group"]
+    p = engines(case, "kv_producer")
+    d = engines(case, "kv_consumer", arena_bytes=ONE_SPAN)
+    _fill(p, d, 8)
+    tokens = _prompts(2, [64, 64], seed=8)
+    params = prefill(p, ["x", "y"], tokens)
+    before = d.raw_bytes()
+    assert decode(d, [p], ["x", "y"], tokens, params) == set()
+    assert_same(d, expected_d(p, d, [("x", "x", 64), ("y", "y", 64)], before))
+    assert d.manager.stats()["failed_allocations"] >= 1 and d.manager.stats()["bytes_in_use"] == 0
+
+
+# ------------------------------------------------------------------ failures
+def _failed_load(d, rid, tokens, params, p_engines=(), **kw):
+    """D loads one request that must fail: vLLM's scheduler gets it in failed_recving (and
+    its blocks as load errors for one-group models), D's bytes do not change, and the
+    next step schedules the whole prompt for recompute."""
+    before = d.raw_bytes()
+    errors = set()
+    real_step = d.step
+
+    def step():
+        out = real_step()
+        errors.update(out.invalid_block_ids)
+        return out
+    d.step = step
+    try:
+        assert decode(d, list(p_engines), [rid], [tokens], [params], **kw) == {rid}
+    finally:
+        d.step = real_step
+    assert_same(d, before)
+    if len(d.kcc.kv_cache_groups) == 1:
+        assert errors and errors == {b for g in d.tables[rid] for b in g if b}
+    else:
+        assert not errors  # vLLM takes block ids only from one-group models
+    d.step()
+    assert d.sched.requests[rid].num_computed_tokens == len(tokens)  # recomputed here, whole
+    return errors
+
+
+def test_p_cannot_stage_a_request_larger_than_its_arena_and_d_recomputes_it(engines):
+    case = CASES["one_group"]
+    p = engines(case, "kv_producer", arena_bytes=ONE_SPAN)
+    d = engines(case, "kv_consumer")
+    _fill(p, d, 9)
+    tokens = _prompts(1, [200], seed=9)[0]
+    (params,) = prefill(p, ["big"], [tokens])
+    _failed_load(d, "big", tokens, params, [p])
+    run([p], lambda: "big" not in p.sched.requests)  # P's blocks freed too
+    assert p.manager.stats()["staged_requests"] == 0
+
+
+@pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing"])
+def test_p_unreachable_fails_the_load_at_its_deadline(engines, name):
+    case = CASES[name]
+    p = engines(case, "kv_producer")
+    d = engines(case, "kv_consumer", fetch_timeout_s=1.0)
+    _fill(p, d, 10)
+    tokens = _prompts(1, [40], seed=10)[0]
+    (params,) = prefill(p, ["lost"], [tokens])
+    _failed_load(d, "lost", tokens, dict(params, remote_port=_free_port()))  # nothing listens there
+
+
+def test_with_vllms_fail_policy_a_failed_load_ends_the_request_with_an_error(engines):
+    """vLLM's default kv_load_failure_policy ("fail"): the same report ends the request."""
+    case = CASES["one_group"]
+    p = engines(case, "kv_producer")
+    d = engines(case, "kv_consumer", fetch_timeout_s=1.0, policy="fail")
+    _fill(p, d, 12)
+    tokens = _prompts(1, [40], seed=12)[0]
+    (params,) = prefill(p, ["lost"], [tokens])
+    before = d.raw_bytes()
+    assert decode(d, [], ["lost"], [tokens], [dict(params, remote_port=_free_port())]) == {"lost"}
+    assert "lost" not in d.sched.requests and d.params["lost"] is None  # finished (with an error)
+    assert_same(d, before)
+
+
+@pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing"])
+def test_a_completion_not_ok_of_any_cause_reaches_the_load_error_path(engines, monkeypatch, name):
+    """kvcopy may report a pull as failed at ``complete`` (a checksum mismatch, for one):
+    whatever the cause, D reports the request as a failed load and vLLM recomputes it."""
+    case = CASES[name]
+    p, d = engines(case, "kv_producer"), engines(case, "kv_consumer")
+    _fill(p, d, 11)
+    tokens = _prompts(1, [40], seed=11)[0]
+    (params,) = prefill(p, ["bad"], [tokens])
+    real = d.manager.complete
+
+    def complete(h):
+        done = real(h)  # the real one, so every span and handle is released as usual
+        d.raw.copy_(before)  # a pull found bad writes nothing (kvcopy's contract); undo this one's
+        return dataclasses.replace(done, ok=False, error="checksum mismatch (injected)")
+    before = d.raw_bytes()
+    monkeypatch.setattr(d.manager, "complete", complete)
+    _failed_load(d, "bad", tokens, params, [p])
+
+
+# ------------------------------------------------------------------ P in another process
+def _prefill_child(conn, model_dir, root, case_name, engine_id, seed):
+    """A spawned P engine (its own vLLM state: gloo, world size 1), driven over a pipe."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+    with set_current_vllm_config(VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{root}/dist-child")
+        initialize_model_parallel(1, 1)
+    p = ArenaEngine(model_config, CASES[case_name], "kv_producer", os.environ.__setitem__, engine_id=engine_id)
+    p.raw.copy_(torch.randint(0, 256, p.raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    conn.send("ready")
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "stop":
+            break
+        conn.send(prefill(p, *args))
+    p.close()
+
+
+@pytest.fixture
+def prefill_process(vllm_env, tmp_path):
+    import multiprocessing as mp
+
+    procs = []
+
+    def start(case_name, engine_id, seed):
+        parent, child = mp.get_context("spawn").Pipe()
+        proc = mp.get_context("spawn").Process(
+            target=_prefill_child, args=(child, vllm_env.model, str(tmp_path), case_name, engine_id, seed),
+            daemon=True)
+        proc.start()
+        procs.append(proc)
+        assert parent.poll(300) and parent.recv() == "ready", "the P process did not start"
+        return proc, parent
+    yield start
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(30)
+
+
+def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, prefill_process, monkeypatch):
+    """D loads one request from P2 (another process) and two from P1. P2 is stopped just
+    before D posts its READ and killed right after: that request ends as a load error
+    (its blocks reported, nothing written), D's other requests complete exactly."""
+    case = CASES["one_group"]
+    p2, pipe = prefill_process("one_group", "P2", 13)
+    p1 = engines(case, "kv_producer", engine_id="P1")
+    d = engines(case, "kv_consumer", engine_id="D", pull_timeout_s=3.0)
+    _fill(p1, d, 14)
+    (t_x,), (t_y, t_z) = _prompts(1, [48], seed=15), _prompts(2, [40, 56], seed=16)
+    pipe.send(("prefill", (["x"], [t_x])))
+    assert pipe.poll(120), "P2 did not prefill"
+    (x_params,) = pipe.recv()
+    y_params, z_params = prefill(p1, ["y", "z"], [t_y, t_z])
+    real = d.manager.pull
+    killed = []
+
+    def pull(plan, *a, **kw):
+        if any(name.startswith("kvcopy-arena-P2-") for name in plan.all_peers):
+            os.kill(p2.pid, signal.SIGSTOP)  # P2 cannot serve the READ ...
+            h = real(plan, *a, **kw)
+            os.kill(p2.pid, signal.SIGKILL)  # ... and dies with it in flight
+            killed.append(h)
+            return h
+        return real(plan, *a, **kw)
+    monkeypatch.setattr(d.manager, "pull", pull)
+    before = d.raw_bytes()
+    errors = set()
+    real_step = d.step
+
+    def step():
+        out = real_step()
+        errors.update(out.invalid_block_ids)
+        return out
+    monkeypatch.setattr(d, "step", step)
+    failed = decode(d, [p1], ["x", "y", "z"], [t_x, t_y, t_z], [x_params, y_params, z_params])
+    assert killed and failed == {"x"}
+    assert errors == {b for g in d.tables["x"] for b in g if b}
+    assert_same(d, expected_d(p1, d, [("y", "y", 40), ("z", "z", 56)], before))
+    st = d.manager.stats()
+    assert st["in_flight"] == 0 and st["live_transfer_handles"] == 0
