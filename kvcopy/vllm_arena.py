@@ -166,7 +166,8 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
     def _recv_meta(self, params, n: int, blocks) -> ArenaRecv:
         """D's blocks as token-anchored lists (prefix-cache hits and null blocks as holes),
         or, with ``blocks`` None, a request D needs nothing of."""
-        pos, cached = None, ()
+        pos: Optional[Tuple[Tuple[int, ...], ...]] = None
+        cached: Tuple[int, ...] = ()
         if blocks is not None:
             per = [blocks.blocks[k] for k in self.tokens.kv_group]
             skip = [[b.block_hash is not None and not b.is_null for b in g] for g in per]

@@ -134,7 +134,7 @@ def serve(encoded_data: Mapping, ready_event: threading.Event, stop_event: threa
           store: RecordStore) -> None:
     """P's listener thread (vLLM's ``_nixl_handshake_listener`` with records added)."""
     path = make_zmq_path("tcp", host, port)
-    ctx = zmq.Context()  # type: ignore[attr-defined]
+    ctx = zmq.Context()
     try:
         sock = make_zmq_socket(ctx=ctx, path=path, socket_type=zmq.ROUTER, bind=True)
         sock.setsockopt(zmq.RCVTIMEO, 1000)

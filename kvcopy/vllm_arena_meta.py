@@ -133,13 +133,12 @@ class KvcopyArenaWorkerMeta(KVConnectorWorkerMetadata):
         if not isinstance(other, KvcopyArenaWorkerMeta):
             raise TypeError(f"cannot aggregate {type(other).__name__} into KvcopyArenaWorkerMeta")
         out = KvcopyArenaWorkerMeta()
-        for mine, theirs, merged in ((self.staged, other.staged, out.staged),
-                                     (self.failed, other.failed, out.failed)):
-            for src in (mine, theirs):
-                for rid, by_rank in src.items():
-                    merged.setdefault(rid, {}).update(by_rank)
-        for src in (self.released, other.released):
-            for rid, ranks in src.items():
+        for part in (self, other):
+            for rid, records in part.staged.items():
+                out.staged.setdefault(rid, {}).update(records)
+            for rid, reasons in part.failed.items():
+                out.failed.setdefault(rid, {}).update(reasons)
+            for rid, ranks in part.released.items():
                 out.released.setdefault(rid, set()).update(ranks)
         return out
 

@@ -46,6 +46,8 @@ from vllm.logger import init_logger
 
 from .nixl import ArenaFull, NO_BLOCK, remote_ranks
 from .nixl.manager import TransferManager
+from .nixl.plan import Plan
+from .nixl.pull import PullHandle
 from .vllm_arena_channel import fetch_metadata, fetch_records
 from .vllm_arena_meta import ArenaOptions, ArenaRecv, agent_name, notify_bytes
 from .vllm_groups import GroupTokens
@@ -73,8 +75,8 @@ class _Job:
     deadline: float  # fetch + D's arena space
     future: Optional[Future] = None
     fetched: Optional[_Fetched] = None
-    plan: object = None
-    handle: object = None
+    plan: Optional[Plan] = None
+    handle: Optional[PullHandle] = None
     blocks: Tuple[int, ...] = field(default=())  # D's blocks, for load errors
 
 
@@ -97,7 +99,7 @@ class ArenaPuller:
         self._metadata: Dict[Tuple[str, int], bytes] = {}  # (engine, P rank) -> handshake bytes, shared
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._zmq = zmq.Context()  # type: ignore[attr-defined]
+        self._zmq = zmq.Context()
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvcopy-arena-fetch")
 
     # ------------------------------------------------------------ start
@@ -197,7 +199,7 @@ class ArenaPuller:
                 raise ValueError(f"P's side channel answered for TP rank {rank} with peer {got!r}, expected {name!r}")
             self._added[name] = md
 
-    def _plan(self, job: _Job):
+    def _plan(self, job: _Job) -> Plan:
         r, f = job.recv, job.fetched
         assert f is not None
         peers = [agent_name(r.engine_id, rank) for rank in job.ranks]
@@ -213,6 +215,7 @@ class ArenaPuller:
         assert f is not None
         left = f.ttl_left - (now - f.asked)
         timeout = min(self.opts.pull_timeout_s, left)
+        assert job.plan is not None
         if timeout <= 0:
             self.m.discard(job.plan)
             job.plan = None

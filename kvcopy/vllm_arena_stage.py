@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from typing import Dict, Optional, Set, Tuple
 
+import torch
+
 from .nixl import ArenaFull, remote_ranks
 from .nixl.manager import TransferManager
 from .vllm_arena_meta import ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify
@@ -49,7 +51,7 @@ class ArenaStager:
         self.opts = options
         self.rank, self.tp, self.heads, self.key = tp_rank, tp_size, total_kv_heads, key
         self.pending: Dict[str, Tuple[ArenaStage, float]] = {}  # waiting for arena space, until the deadline
-        self.syncing: Dict[str, Tuple[bytes, object]] = {}  # CUDA: packed, copy not yet done
+        self.syncing: Dict[str, Tuple[bytes, Optional[torch.cuda.Event]]] = {}  # CUDA: packed, copy not yet done
         self.live: Set[str] = set()  # staged spans not freed yet
         self.done: Set[str] = set()  # staged or failed: P's blocks may go
         self.held: Set[str] = set()  # P's scheduler holds these requests' blocks for us

@@ -612,3 +612,152 @@ def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, pr
     assert_same(d, expected_d(p1, d, [("y", "y", 40), ("z", "z", 56)], before))
     st = d.manager.stats()
     assert st["in_flight"] == 0 and st["live_transfer_handles"] == 0
+
+
+def test_a_span_near_the_end_of_its_ttl_is_never_read(engines):
+    """P's span lives ``arena_ttl_s``; a READ must end before P may hand the span to
+    another request. P's side channel stops serving a record a margin before that
+    (1 s here, of a 2 s TTL), and D fails the load instead of reading."""
+    case = CASES["one_group"]
+    p = engines(case, "kv_producer", arena_ttl_s=2.0)
+    d = engines(case, "kv_consumer", fetch_timeout_s=3.0)
+    _fill(p, d, 17)
+    tokens = _prompts(1, [40], seed=17)[0]
+    (params,) = prefill(p, ["old"], [tokens])
+    time.sleep(1.2)  # the record is past its serving time, not yet past P's TTL
+    _failed_load(d, "old", tokens, params, [p])
+
+
+# ------------------------------------------------------------------ the parts, one by one
+def test_options_are_checked():
+    from kvcopy.vllm_arena_meta import ArenaOptions
+
+    def opts(**kw):
+        return ArenaOptions.from_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
+                                                         kv_connector_extra_config={"kvcopy": kw}))
+    assert opts(arena_bytes=1 << 20, pull_timeout_s=2).pull_timeout_s == 2
+    for bad, match in [({"arena_bytes": 0}, "arena_bytes"), ({"arena_bytes": True}, "arena_bytes"),
+                       ({"pull_timeout_s": float("nan")}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
+                       ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
+                       ({"key_env": ""}, "key_env")]:
+        with pytest.raises(ValueError, match=match):
+            opts(**bad)
+    with pytest.raises(ValueError, match="KVCOPY_TEST_KEY.*not set"):
+        opts(key_env="KVCOPY_TEST_KEY").key()
+
+
+def test_reader_notifications_are_parsed_strictly():
+    from kvcopy.vllm_arena_meta import notify_bytes, parse_notify
+
+    assert parse_notify(notify_bytes("req-1", 4)) == ("req-1", 4)
+    assert parse_notify(notify_bytes("a\0b", 2)) == ("a\0b", 2)  # the TP size is after the last NUL
+    for bad in [b"req-1", b"kvcopy-arena\0req", b"kvcopy-arena\0req\0x", b"kvcopy-arena\0req\x000",
+                b"kvcopy-arena\0req\x0099999", b"kvcopy-arena\0\xff\xfe\x001", b"kvcopy-arena\0\x001", "str"]:
+        assert parse_notify(bad) is None, bad
+
+
+def test_worker_reports_merge_over_tp_ranks():
+    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
+
+    a = KvcopyArenaWorkerMeta(staged={"r": {0: b"x"}}, released={"q": {0}})
+    b = KvcopyArenaWorkerMeta(staged={"r": {1: b"y"}}, failed={"s": {1: "full"}}, released={"q": {1}})
+    m = a.aggregate(b)
+    assert m.staged == {"r": {0: b"x", 1: b"y"}} and m.failed == {"s": {1: "full"}} and m.released == {"q": {0, 1}}
+    assert not KvcopyArenaWorkerMeta() and m
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,expected", [
+    (1, 1, 2, [1]), (2, 4, 8, [2, 2]), (4, 2, 8, [1, 1, 1, 1]), (2, 1, 8, [1, 1]),
+    (4, 1, None, [1, 0, 0, 0]),  # MLA: one D rank reads one P rank; the others keep their span to the TTL
+])
+def test_each_p_rank_counts_the_d_ranks_that_read_it(p_tp, d_tp, heads, expected):
+    from kvcopy.nixl import remote_ranks
+    from kvcopy.vllm_arena_stage import readers_of
+
+    assert [readers_of(r, p_tp, d_tp, heads) for r in range(p_tp)] == expected
+    assert sum(expected) == sum(len(remote_ranks(r, d_tp, p_tp, heads)) for r in range(d_tp))
+
+
+def test_record_store_answers():
+    from kvcopy.vllm_arena_channel import RecordStore
+    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
+
+    s = RecordStore(ttl_s=60, margin_s=5)
+    assert s.lookup("r", [0, 1], now=0)["state"] == "pending"  # not reported yet
+    s.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"a"}}), now=10)
+    assert s.lookup("r", [0, 1], now=11)["state"] == "pending"  # rank 1 still staging
+    s.update(KvcopyArenaWorkerMeta(staged={"r": {1: b"b"}}), now=12)
+    got = s.lookup("r", [0, 1], now=20)
+    assert got["state"] == "ready" and got["records"] == [[0, b"a"], [1, b"b"]] and got["ttl_left"] == 60 - 10 - 5
+    assert s.lookup("r", [0, 1], now=66)["state"] == "expired"  # within the margin of P's TTL
+    s.update(KvcopyArenaWorkerMeta(released={"r": {1}}), now=21)  # freed: never served again
+    assert s.lookup("r", [0, 1], now=22)["state"] == "failed" and s.lookup("r", [0], now=22)["state"] == "ready"
+    s.update(KvcopyArenaWorkerMeta(failed={"f": {0: "arena full"}}), now=22)
+    assert "arena full" in s.lookup("f", [0], now=23)["error"]
+    s.fail("g", "aborted on P")
+    assert s.lookup("g", [0])["error"] == "aborted on P"
+    s.purge(now=100)
+    assert len(s) == 1  # only "g" (reported now) is younger than the TTL
+
+
+def test_side_channel_answers_malformed_questions_without_raising():
+    import msgspec
+
+    from kvcopy.vllm_arena_channel import RECORDS_MSG, RecordStore, answer
+    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
+
+    store = RecordStore(60)
+    store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
+    enc = msgspec.msgpack.encode
+    (ok,) = answer(enc((RECORDS_MSG, "r", [0])), {}, store)
+    assert msgspec.msgpack.decode(ok)["records"] == [[0, b"rec"]]
+    for q in [b"\xc1", enc(1), enc((RECORDS_MSG, "r")), enc((RECORDS_MSG, "", [0])), enc((RECORDS_MSG, "r", [])),
+              enc((RECORDS_MSG, "r", [-1])), enc((RECORDS_MSG, "r", [True])), enc((RECORDS_MSG, "r", [1 << 20])),
+              enc((RECORDS_MSG, "x" * 2000, [0])), enc((b"other", "r", [0]))]:
+        (reply,) = answer(q, {}, store)
+        assert msgspec.msgpack.decode(reply) == {"state": "failed", "records": [], "ttl_left": 0.0,
+                                                 "error": "malformed question"}, q
+
+
+def _one_reply_server(reply_parts):
+    """A ROUTER on loopback that answers one question with ``reply_parts``."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve_once():
+        ident, empty, _ = sock.recv_multipart()
+        sock.send_multipart([ident, empty] + reply_parts)
+        sock.close(linger=1000)
+        ctx.term()
+    threading.Thread(target=serve_once, daemon=True).start()
+    return port
+
+
+@pytest.mark.parametrize("reply", [
+    [b"\xc1"], [b"a", b"b"], {"state": "done", "records": [], "ttl_left": 1.0, "error": ""},
+    {"state": "ready", "records": [], "ttl_left": 1.0, "error": ""},  # no record for rank 0
+    {"state": "ready", "records": [[1, b"r"]], "ttl_left": 1.0, "error": ""},  # a rank not asked for
+    {"state": "ready", "records": [[0, "r"]], "ttl_left": 1.0, "error": ""},
+    {"state": "ready", "records": [[0, b"r"]], "ttl_left": float("inf"), "error": ""},
+    {"state": "ready", "records": [[0, b"r"]], "ttl_left": -1.0, "error": ""},
+    {"state": "ready", "records": [[0, b"r"]], "ttl_left": 1.0},
+], ids=range(9))
+def test_d_checks_p_s_records_reply(reply):
+    import msgspec
+    import zmq
+
+    from kvcopy.vllm_arena_channel import fetch_records
+
+    parts = reply if isinstance(reply, list) else [msgspec.msgpack.encode(reply)]
+    port = _one_reply_server(parts)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match="malformed|records of ranks"):
+            fetch_records(ctx, "127.0.0.1", port, "r", [0], 5.0)
+    finally:
+        ctx.destroy(linger=0)
