@@ -53,7 +53,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout, MambaSpec, iter_layer_specs  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  # noqa: E402
 
@@ -761,3 +761,22 @@ def test_d_checks_p_s_records_reply(reply):
             fetch_records(ctx, "127.0.0.1", port, "r", [0], 5.0)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_request_d_aborts_before_loading_frees_ps_span(engines):
+    """vLLM's D scheduler hands an aborted remote-prefill request to the worker with no
+    blocks, so P can free its KV: here D pulls nothing (a plan of holes) and its READ's
+    notification frees P's span long before P's TTL."""
+    case = CASES["one_group"]
+    p, d = engines(case, "kv_producer"), engines(case, "kv_consumer")
+    _fill(p, d, 18)
+    tokens = _prompts(1, [40], seed=18)[0]
+    (params,) = prefill(p, ["gone"], [tokens])
+    run([p], lambda: "gone" not in p.sched.requests)
+    assert p.manager.stats()["staged_requests"] == 1
+    before = d.raw_bytes()
+    d.add("gone", tokens, params, max_tokens=2)
+    d.sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    run([d, p], lambda: p.manager.stats()["staged_requests"] == 0)
+    assert_same(d, before)
+    assert d.manager.stats()["bytes_in_use"] == 0 and not d.worker.arena_worker.puller.jobs
