@@ -47,6 +47,11 @@ Pageable host buffers are pinned once by the copier's GPU backends (see
 ``.to()``); so are these: after the call the stream is synchronized, because P's host
 pages are read by a remote NIXL READ as soon as the request is reported saved.
 
+The arena connector (``KvcopyArenaConnector``: vLLM's scheduler, kvcopy's own
+transport; no host mirror, one READ descriptor per request) lives in
+:mod:`kvcopy.vllm_arena` and is importable from here, so both connectors share
+``kv_connector_module_path="kvcopy.vllm"``.
+
 Supported: vLLM 0.33.x (``SUPPORTED_VLLM``). ``import kvcopy`` never imports vLLM;
 ``import kvcopy.vllm`` without vLLM 0.33 raises ``ImportError`` naming the version.
 """

@@ -170,6 +170,7 @@ def test_kernel_page_split_on_p_only(engines):
     """P's 32-token blocks split into 16-token kernel pages, D's 16-token blocks: equal pages."""
     p = engines(dict(block_size=32, specs=_specs(4, block_size=32), backend=Kernel16Backend), "kv_producer")
     d = engines(dict(block_size=16, specs=_specs(4, block_size=16)), "kv_consumer")
+    assert {t.shape[2] for t in p.caches.values()} == {16}  # [B, H, N, C]: 16-token kernel pages
     fill(p, d, 6)
     _transfer(p, d, [45], seed=6)
 
