@@ -372,3 +372,21 @@ def test_a_request_d_aborts_before_loading_frees_ps_span(engines):
     run([d, p], lambda: p.manager.stats()["staged_requests"] == 0)
     assert_same(d, before)
     assert d.manager.stats()["bytes_in_use"] == 0 and not d.worker.arena_worker.puller.jobs
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
+def test_p_and_d_of_other_tp_sizes(engines, p_tp, d_tp):
+    """Each D rank reads its KV heads from the P ranks holding them (one READ per P rank),
+    and each P rank frees its span once every D rank that reads it has said so."""
+    case = CASES["hybrid_kv_sharing"]  # 2 KV heads per layer
+    p = engines(case, "kv_producer", tp=p_tp)
+    d = engines(case, "kv_consumer", tp=d_tp)
+    fill(p, d, 19)
+    tokens = prompts(2, [40, 57], seed=19)
+    rids = ["t0", "t1"]
+    params = prefill(p, rids, tokens)
+    before = [x.raw.clone() for x in d.ranks]
+    assert decode(d, [p], rids, tokens, params) == set()
+    assert_same(d, expected_d(p, d, [(r, r, len(t)) for r, t in zip(rids, tokens)], before))
+    run([p], lambda: not any(x.worker.arena_worker.manager.stats()["staged_requests"] for x in p.ranks))
+    assert all(x.worker.arena_worker.manager.stats()["bytes_in_use"] == 0 for x in d.ranks)

@@ -24,6 +24,7 @@ runs P in a spawned process (the kill test).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -33,6 +34,7 @@ from types import SimpleNamespace
 import torch
 from test_vllm import CASES, _vllm_config
 from vllm.config import KVTransferConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.sampling_params import SamplingParams
@@ -51,6 +53,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
 
 from kvcopy.vllm import KvcopyArenaConnector
 from kvcopy.vllm_arena import KvcopyArenaScheduler
+from kvcopy.vllm_arena_meta import agent_name
 
 init_none_hash(sha256)
 
@@ -61,25 +64,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _worker_step(conn, out) -> KVConnectorOutput:
+    """One worker's part of a step (vLLM's KVConnectorModelRunnerMixin, the forward aside)."""
+    conn.bind_connector_metadata(out.kv_connector_metadata)
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    res = conn.get_transfer_results(out.finished_req_ids)
+    kv_out = KVConnectorOutput(
+        finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
+        failed_recving=res.failed_recving, invalid_block_ids=conn.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=conn.build_connector_worker_meta())
+    conn.clear_connector_metadata()
+    return kv_out
+
+
 def _state_group(kcc, g) -> bool:
     return any(isinstance(s, MambaSpec) for s in iter_layer_specs(kcc.transfer_groups[g].kv_cache_spec))
 
 
+class _Rank:
+    """One worker rank: its KV cache config, caches (one backing buffer) and connector."""
+
+    def __init__(self, cfg, case, tp_rank, tp, num_blocks):
+        specs = {n: dataclasses.replace(s, num_kv_heads=s.num_kv_heads // tp) if tp > 1 else s
+                 for n, s in case["specs"].items()}  # each rank holds its share of the KV heads
+        groups = get_kv_cache_groups(cfg, specs)
+        page = max(g.kv_cache_spec.page_size_bytes for g in groups)
+        self.kcc = get_kv_cache_config_from_groups(cfg, groups, page * len(specs) * num_blocks)
+        backend = case.get("backend", FlashAttentionBackend)
+        attn_groups = [[SimpleNamespace(backend=backend, kv_cache_spec=g.kv_cache_spec)]
+                       for g in self.kcc.kv_cache_groups]
+        kernel_sizes = prepare_kernel_block_sizes(self.kcc, attn_groups)
+        self.caches = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout[case.get("layout", "LBHNC")],
+                                        kernel_sizes)
+        for layer, target in case.get("kv_sharing", {}).items():  # as the model runner does
+            self.caches[layer] = self.caches[target]
+        affinity = os.sched_getaffinity(0)
+        self.worker = KvcopyArenaConnector(cfg, KVConnectorRole.WORKER, self.kcc)
+        os.sched_setaffinity(0, affinity)  # vLLM's CPU worker pins a core per NUMA node
+        w = self.worker.arena_worker
+        if tp > 1:  # what vLLM's parallel state would say in worker process tp_rank of tp
+            w.tp_rank, w.tp_size, w.name = tp_rank, tp, agent_name(cfg.kv_transfer_config.engine_id, tp_rank)
+        if case.get("mla"):
+            w.use_mla, w.total_kv_heads = True, None
+        storage = next(iter(self.caches.values())).untyped_storage()
+        self.raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+
+
 class ArenaEngine:
-    """One engine built by vLLM's own code, with the arena connector on both sides."""
+    """One engine built by vLLM's own code, with the arena connector on both sides:
+    vLLM's scheduler and ``tp`` worker ranks (``tp > 1``: each rank's worker told its rank,
+    as vLLM's parallel state would; their outputs merged by vLLM's ``KVOutputAggregator``)."""
 
     def __init__(self, model_config, case, role, setenv, num_blocks=48, arena_bytes=1 << 22, engine_id=None,
-                 policy="recompute", **kvcopy):
-        self.block_size = case["block_size"]
+                 policy="recompute", tp=1, **kvcopy):
         layout = case.get("layout", "LBHNC")
-        self.config = cfg = _vllm_config(model_config, self.block_size, "KvcopyArenaConnector", role, layout)
+        self.config = cfg = _vllm_config(model_config, case["block_size"], "KvcopyArenaConnector", role, layout)
         opts = {"arena_bytes": arena_bytes, "arena_ttl_s": 60, "pull_timeout_s": 20, "fetch_timeout_s": 30}
         opts.update(kvcopy)
         cfg.kv_transfer_config = KVTransferConfig(
             kv_connector="KvcopyArenaConnector", kv_connector_module_path="kvcopy.vllm", kv_role=role,
             kv_connector_extra_config={"kvcopy": opts}, engine_id=engine_id, kv_load_failure_policy=policy)
+        cfg.parallel_config.tensor_parallel_size = tp
         cfg.cache_config.num_gpu_blocks_override = cfg.cache_config.num_gpu_blocks = num_blocks
-        backend = case.get("backend", FlashAttentionBackend)
         if any(isinstance(s, MambaSpec) for s in case["specs"].values()):
             # vLLM caches Mamba prefixes only in its "align" mode; these specs keep one state block
             cfg.cache_config.enable_prefix_caching = False
@@ -87,45 +134,36 @@ class ArenaEngine:
             get_conv_state_layout.cache_clear()
         setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+        self.ranks, self.sched = [], None
         with set_current_vllm_config(cfg):
-            groups = get_kv_cache_groups(cfg, case["specs"])
-            page = max(g.kv_cache_spec.page_size_bytes for g in groups)
-            self.kcc = get_kv_cache_config_from_groups(cfg, groups, page * len(case["specs"]) * num_blocks)
-            attn_groups = [[SimpleNamespace(backend=backend, kv_cache_spec=g.kv_cache_spec)]
-                           for g in self.kcc.kv_cache_groups]
-            kernel_sizes = prepare_kernel_block_sizes(self.kcc, attn_groups)
-            sizes = [g.kv_cache_spec.block_size for g in self.kcc.kv_cache_groups]
-            self.block_size, hash_size = math.lcm(*sizes), math.gcd(*sizes)  # scheduling and hashing granules
-            self.caches = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout[layout], kernel_sizes)
-            for layer, target in case.get("kv_sharing", {}).items():  # as the model runner does
-                self.caches[layer] = self.caches[target]
-            affinity = os.sched_getaffinity(0)
-            self.worker = KvcopyArenaConnector(cfg, KVConnectorRole.WORKER, self.kcc)
-            os.sched_setaffinity(0, affinity)  # vLLM's CPU worker pins a core per NUMA node
-            if case.get("mla"):
-                self.worker.arena_worker.use_mla, self.worker.arena_worker.total_kv_heads = True, None
-            self.sched = None
             try:
-                self.worker.register_kv_caches(self.caches)
-                self.sched = Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config([self.kcc]),
+                for r in range(tp):
+                    self.ranks.append(_Rank(cfg, case, r, tp, num_blocks))
+                    self.ranks[-1].worker.register_kv_caches(self.ranks[-1].caches)
+                sizes = [g.kv_cache_spec.block_size for g in self.kcc.kv_cache_groups]
+                self.block_size, hash_size = math.lcm(*sizes), math.gcd(*sizes)  # scheduling and hashing granules
+                self.sched = Scheduler(vllm_config=cfg,
+                                       kv_cache_config=generate_scheduler_kv_cache_config([x.kcc for x in self.ranks]),
                                        structured_output_manager=StructuredOutputManager(cfg),
                                        block_size=self.block_size, hash_block_size=hash_size)
                 # what EngineCore does with its workers' handshake metadata
                 self.sched.connector.set_xfer_handshake_metadata_pp_aware(
-                    {(0, 0): self.worker.get_handshake_metadata()})
+                    {(0, r): x.worker.get_handshake_metadata() for r, x in enumerate(self.ranks)})
             except BaseException:
                 self.close()
                 raise
         assert isinstance(self.sched.connector.connector_scheduler, KvcopyArenaScheduler)
-        storage = next(iter(self.caches.values())).untyped_storage()
-        self.raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        self.aggregator = KVOutputAggregator(tp)
         self.tables = {}  # request -> vLLM's block table when its prompt was computed (P) or loaded (D)
         self.params = {}  # request -> kv_transfer_params of a finished request
         self.hasher = get_request_block_hasher(hash_size, sha256)
 
-    @property
-    def manager(self):
-        return self.worker.arena_worker.manager
+    # rank 0's, for the one-rank engines most tests use
+    kcc = property(lambda self: self.ranks[0].kcc)
+    caches = property(lambda self: self.ranks[0].caches)
+    worker = property(lambda self: self.ranks[0].worker)
+    raw = property(lambda self: self.ranks[0].raw)
+    manager = property(lambda self: self.ranks[0].worker.arena_worker.manager)
 
     def add(self, rid, tokens, params=None, max_tokens=1):
         extra = {"kv_transfer_params": dict(params)} if params is not None else None
@@ -134,18 +172,9 @@ class ArenaEngine:
 
     def step(self):
         """One engine step, the model runner played by the test (see the module docstring)."""
-        sched, conn = self.sched, self.worker
+        sched = self.sched
         with set_current_vllm_config(self.config):
             out = sched.schedule()
-            conn.bind_connector_metadata(out.kv_connector_metadata)
-            conn.start_load_kv(None)
-            conn.wait_for_save()
-            res = conn.get_transfer_results(out.finished_req_ids)
-            kv_out = KVConnectorOutput(
-                finished_sending=res.finished_sending or None, finished_recving=res.finished_recving or None,
-                failed_recving=res.failed_recving, invalid_block_ids=conn.get_block_ids_with_load_errors(),
-                kv_connector_worker_meta=conn.build_connector_worker_meta())
-            conn.clear_connector_metadata()
             ids = list(out.num_scheduled_tokens)
             sampled = []
             for rid in ids:
@@ -154,21 +183,26 @@ class ArenaEngine:
                 if done and rid not in self.tables:
                     self.tables[rid] = sched.kv_cache_manager.get_block_ids(rid)
                 sampled.append([7] if done else [])
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                    sampled_token_ids=sampled, kv_connector_output=kv_out)
+            outputs = [ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                         sampled_token_ids=sampled,
+                                         kv_connector_output=_worker_step(x.worker, out))
+                       for x in self.ranks]
+            mro = self.aggregator.aggregate(outputs) if len(self.ranks) > 1 else outputs[0]
             for outs in sched.update_from_output(out, mro).values():
                 for o in outs.outputs:
                     if o.finish_reason is not None:
                         self.params[o.request_id] = o.kv_transfer_params
-        return kv_out
+        return mro.kv_connector_output
 
     def raw_bytes(self):
-        return self.raw.clone()
+        """D's buffer (rank 0), or with several ranks one per rank."""
+        return self.raw.clone() if len(self.ranks) == 1 else [x.raw.clone() for x in self.ranks]
 
     def close(self):
         if self.sched is not None:
             self.sched.shutdown()
-        self.worker.shutdown()
+        for x in self.ranks:
+            x.worker.shutdown()
         get_conv_state_layout.cache_clear()  # the next test reads its own environment
 
 
@@ -213,31 +247,47 @@ def decode(d, p_engines, rids, tokens, params, limit_s=60.0):
 
 
 # ------------------------------------------------------------------ the expectation
-def _views(engine, storage, name):
-    t = engine.caches[name]
+def _view(caches, storage, name):
+    t = caches[name]
     return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 def expected_d(p, d, pairs, before, cached_tokens=0):
     """D's backing buffer after the loads of ``pairs`` ``[(P rid, D rid, tokens)]``, from
-    vLLM's block tables alone (see the module docstring)."""
-    exp = before.clone()
-    st = exp.untyped_storage()
-    for p_rid, d_rid, n in pairs:
-        for g, group in enumerate(d.kcc.transfer_groups):
-            pg, dg = p.kcc.transfer_group_ids[g], d.kcc.transfer_group_ids[g]
-            p_ids, d_ids = p.tables[p_rid][pg], d.tables[d_rid][dg]
-            for name in group.layer_names:
-                if name not in d.caches:
-                    continue
-                _expect_layer(p, d, name, _views(d, st, name), p_ids, d_ids, n, cached_tokens,
-                              _state_group(d.kcc, g), group.kv_cache_spec.block_size,
+    vLLM's block tables alone (see the module docstring). ``before``: D's buffer before,
+    or one per D rank (then one expectation per D rank: KV head ``h`` of D rank ``r`` is
+    global head ``r * heads + h``, held by the P rank whose heads include it)."""
+    befores = before if isinstance(before, list) else [before]
+    out = []
+    for r, (rank, prior) in enumerate(zip(d.ranks, befores)):
+        exp = prior.clone()
+        for p_rid, d_rid, n in pairs:
+            _expect_request(p, d, rank, r, exp.untyped_storage(), p.tables[p_rid], d.tables[d_rid], n, cached_tokens)
+        out.append(exp)
+    return out if isinstance(before, list) else out[0]
+
+
+def _expect_request(p, d, rank, r, storage, p_table, d_table, n, cached):
+    for g, group in enumerate(rank.kcc.transfer_groups):
+        p_ids, d_ids = p_table[p.kcc.transfer_group_ids[g]], d_table[d.kcc.transfer_group_ids[g]]
+        state = _state_group(rank.kcc, g)
+        for name in group.layer_names:
+            if name not in rank.caches:
+                continue
+            dst = _view(rank.caches, storage, name)
+            d_heads, p_heads = dst.shape[1], p.caches[name].shape[1]
+            for h in range(1 if state else d_heads):
+                head = r * d_heads + h
+                src = p.ranks[head // p_heads].caches[name]
+                if not state:
+                    dst_h, src_h = dst[:, h:h + 1], src[:, head % p_heads:head % p_heads + 1]
+                else:
+                    dst_h, src_h = dst, src
+                _expect_layer(src_h, dst_h, p_ids, d_ids, n, cached, state, group.kv_cache_spec.block_size,
                               p.kcc.transfer_groups[g].kv_cache_spec.block_size)
-    return exp
 
 
-def _expect_layer(p, d, name, dst, p_ids, d_ids, n, cached, state, d_bs, p_bs):
-    src = p.caches[name]
+def _expect_layer(src, dst, p_ids, d_ids, n, cached, state, d_bs, p_bs):
     if state:  # the running state: the last block of each table (no speculative scratch here)
         dst[d_ids[-1]] = src[p_ids[-1]]
         return
@@ -262,15 +312,19 @@ def _expect_layer(p, d, name, dst, p_ids, d_ids, n, cached, state, d_bs, p_bs):
 
 
 def assert_same(d, expected):
-    got = d.raw_bytes()
-    bad = (got != expected).nonzero()
-    assert bad.numel() == 0, f"{bad.numel()} bytes of D differ, first at {int(bad[0])}"
+    """D's buffer (or each D rank's, against a list) is byte for byte ``expected``."""
+    for rank, exp in zip(d.ranks, expected if isinstance(expected, list) else [expected]):
+        bad = (rank.raw != exp).nonzero()
+        assert bad.numel() == 0, f"{bad.numel()} bytes of D differ, first at {int(bad[0])}"
 
 
 def fill(p, d, seed):
+    """P's KV random (every rank), D's poisoned."""
     g = torch.Generator().manual_seed(seed)
-    p.raw.copy_(torch.randint(0, 256, p.raw.shape, dtype=torch.uint8, generator=g))
-    d.raw.fill_(0x5A)
+    for rank in p.ranks:
+        rank.raw.copy_(torch.randint(0, 256, rank.raw.shape, dtype=torch.uint8, generator=g))
+    for rank in d.ranks:
+        rank.raw.fill_(0x5A)
 
 
 def prompts(n, lengths, seed=0):
