@@ -136,10 +136,12 @@ def serve(encoded_data: Mapping, ready_event: threading.Event, stop_event: threa
     path = make_zmq_path("tcp", host, port)
     ctx = zmq.Context()
     try:
-        sock = make_zmq_socket(ctx=ctx, path=path, socket_type=zmq.ROUTER, bind=True)
-        sock.setsockopt(zmq.RCVTIMEO, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_QUESTION_BYTES)
-        ready_event.set()
+        try:
+            sock = make_zmq_socket(ctx=ctx, path=path, socket_type=zmq.ROUTER, bind=True)
+            sock.setsockopt(zmq.RCVTIMEO, 1000)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_QUESTION_BYTES)
+        finally:
+            ready_event.set()  # also when the bind failed: the scheduler must not wait forever (the error is raised)
         while not stop_event.is_set():
             try:
                 parts = sock.recv_multipart()

@@ -94,3 +94,33 @@ def test_d_checks_p_s_records_reply(reply):
             fetch_records(ctx, "127.0.0.1", port, "r", [0], 5.0)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_listener_that_cannot_bind_does_not_hang_the_scheduler():
+    """vLLM's scheduler waits for the listener's ready event; a port in use must end that
+    wait (the thread's error is raised there), never block the engine's start forever."""
+    import threading
+
+    import zmq
+
+    from kvcopy.vllm_arena_channel import RecordStore, serve
+
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    ready, stop, errors = threading.Event(), threading.Event(), []
+
+    def run():
+        try:
+            serve({}, ready, stop, "127.0.0.1", port, RecordStore(60))
+        except zmq.ZMQError as exc:
+            errors.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        assert ready.wait(30) and (t.join(30) or not t.is_alive())
+        assert errors and errors[0].errno == zmq.EADDRINUSE
+    finally:
+        stop.set()
+        taken.close(linger=0)
+        ctx.term()
