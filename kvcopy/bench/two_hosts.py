@@ -25,8 +25,9 @@ only the veth, the worker address a peer advertises holds the veth address and n
 else (no loopback address that would mean another namespace on the far side).
 
 Faults (:class:`TwoHosts`): ``link_down``/``link_up`` (one end set down: the other end
-loses carrier; TCP keeps its connections and retransmits), ``set_rate`` (the cap
-changed in place, e.g. collapsed to ``1mbit`` mid-transfer), ``set_mtu`` (both ends:
+loses carrier; TCP keeps its connections and retransmits; ``link_up`` returns once a new
+connection can cross), ``set_rate`` (the cap changed in place, e.g. collapsed to
+``1mbit`` mid-transfer), ``set_mtu`` (both ends:
 TCP follows the smaller MTU; one end only: frames larger than the receiver's MTU are
 dropped without an ICMP error, a black hole for full-size segments), and P's process
 frozen (``SIGSTOP``), continued, killed (``SIGKILL``) or restarted.
@@ -326,8 +327,28 @@ class TwoHosts:
         """Set one end of the link down (the other end loses carrier)."""
         _run("ip", "-n", self.ns[side], "link", "set", "dev", IFACES[side], "down")
 
-    def link_up(self, side: str = "p") -> None:
+    def link_up(self, side: str = "p", guard_s: float = 30.0) -> None:
+        """Set that end up again; return once the link carries a new connection: both
+        ends operationally up (the kernel applies a carrier change in deferred work), and
+        no ARP resolution begun while the link was down still pending. Such an entry
+        (``INCOMPLETE``: D's TCP sent while P was unreachable) used up its probes in the
+        dark and turns ``FAILED`` up to a few seconds after the link is back, failing
+        what was queued on it with ``EHOSTUNREACH``: a connection begun in that window
+        (a new handshake's) failed with ``No route to host``. A ``FAILED`` entry is
+        probed afresh by the next packet."""
         _run("ip", "-n", self.ns[side], "link", "set", "dev", IFACES[side], "up")
+        wait_for(lambda: all(self._operstate(s) == "UP" and not self._resolving(s) for s in ("p", "d")),
+                 guard_s, "both ends of the link up, no ARP resolution from while it was down", step=0.01)
+
+    def _operstate(self, side: str) -> str:
+        out = _run("ip", "-n", self.ns[side], "-o", "link", "show", "dev", IFACES[side]).stdout
+        m = re.search(r" state (\S+)", out)
+        return m.group(1) if m else ""
+
+    def _resolving(self, side: str) -> bool:
+        """Whether ``side`` has a neighbour entry still being resolved (``INCOMPLETE``)."""
+        return bool(_run("ip", "-n", self.ns[side], "neigh", "show", "dev", IFACES[side], "nud",
+                         "incomplete").stdout.strip())
 
     def set_rate(self, rate: str, side: str = "both") -> None:
         """Change the cap in place (mid-transfer: packets already queued stay queued)."""

@@ -152,15 +152,12 @@ class Rig:
             self.d.call("remove_peer", f"D-{mode}", self.peers.pop(mode))
         self._start_p()
 
-    def rehandshake(self, mode: str, unload: bool = True) -> None:
-        """D forgets P and takes its handshake again (a live P whose connection UCX
-        declared failed). ``unload``: also unload P's parked NIXL agent, without which
-        the same handshake takes up the failed connection again (docs/nixl.md, "Two
-        hosts: faults on a real link")."""
+    def rehandshake(self, mode: str) -> None:
+        """D forgets P and takes its handshake again: a live P whose connection UCX
+        declared failed, which NIXL never reconnects (docs/nixl.md, "Two hosts: faults
+        on a real link")."""
         peer = self.peers.pop(mode)
         self.d.call("remove_peer", f"D-{mode}", peer)
-        if unload:
-            self.d.call("unload_remote", f"D-{mode}", peer)
         self.peers[mode] = self.d.call("add_peer", f"D-{mode}", self.p_meta[mode])
 
     # ------------------------------------------------------------ requests
