@@ -158,11 +158,43 @@ def test_fault_mid_pull_fails_it_by_its_deadline_and_writes_nothing(rig, fault, 
     check_failed_cycle(rig, rig.fault_cycle(fault, mode, DEADLINE_S))
 
 
-@pytest.mark.parametrize("fault, mode", [("mtu_both", "host"), ("mtu_one_end", "arena")])
-def test_an_mtu_change_mid_pull_is_ridden_out(rig, fault, mode):
-    """TCP follows the smaller MTU; the pull ends DONE, byte-exact."""
-    assert FAULTS[fault].survivable
-    c = rig.fault_cycle(fault, mode, 30.0)
+@pytest.mark.parametrize("mode", ["host", "arena"])
+def test_an_mtu_drop_on_both_ends_mid_pull_is_ridden_out(rig, mode):
+    """P's own route shrinks and TCP follows the smaller MTU; the pull ends DONE, byte-exact."""
+    assert FAULTS["mtu_both"].survivable
+    c = rig.fault_cycle("mtu_both", mode, 30.0)
+    assert c.in_flight and c.record["state"] == "DONE", c.record
+    assert c.kv_right and c.kv_right_later and c.next_exact
+
+
+@pytest.fixture(scope="module")
+def segment_rig():
+    """A rig whose TCP sends every segment as its own frame (no GSO): an MTU drop on
+    D's end alone then drops every full-size segment P sends (kvcopy.bench.two_hosts)."""
+    if _why_not():
+        pytest.skip(f"two hosts: {_why_not()}")
+    with TwoHosts(rate=RATE, env=SMALL_SOCKET_BUFFERS, gso=False) as net:
+        yield Rig(net, num_blocks=128, arena_ttl_s=3600.0).start()
+
+
+@pytest.mark.parametrize("mode", ["host", "arena"])
+def test_an_mtu_drop_on_one_end_stalls_tcp_unless_it_detects_black_holes(segment_rig, mode):
+    """D's end's MTU drops to 1280 mid-pull, P's stays 1500: the veth drops P's
+    full-size frames and nothing tells P. Without TCP's black-hole detection (Linux's
+    default) P retransmits them unchanged until the MTU is back: the pull fails at its
+    deadline like any stall (D's KV untouched, the next pull exact). With it
+    (``tcp_mtu_probing=1``), TCP falls back to 1024-byte segments after a few
+    retransmission timeouts and the pull ends DONE, byte-exact. Each mode has its own
+    connection, at full-size segments until this test."""
+    rig = segment_rig
+    assert not FAULTS["mtu_one_end"].survivable
+    rig.net.set_mtu_probing(0)
+    check_failed_cycle(rig, rig.fault_cycle("mtu_one_end", mode, DEADLINE_S))
+    rig.net.set_mtu_probing(1)
+    try:
+        c = rig.fault_cycle("mtu_one_end", mode, 30.0)
+    finally:
+        rig.net.set_mtu_probing(0)
     assert c.in_flight and c.record["state"] == "DONE", c.record
     assert c.kv_right and c.kv_right_later and c.next_exact
 
