@@ -1,12 +1,13 @@
 """Host cost of D's ``plan_pull`` in arena mode, against one contiguous copy of the same bytes.
 
-    python bench/arena_plan_cost.py                  # seeds/2, 6 groups (16 layers x 6, 36 MiB)
+    python bench/arena_plan_cost.py                  # seeds2 preset, 6 groups (16 layers x 6, 36 MiB)
     python bench/arena_plan_cost.py --groups 1 --iters 100
     python bench/arena_plan_cost.py --profile        # cProfile of plan_pull + discard
 
 The scenario is built as ``kvcopy-bench nixl``'s arena rows build it
-(:mod:`kvcopy.bench.nixl`, ``_arena_rows``): the seeds/2 preset's KV caches (CPU
-tensors, bf16 KV-first, 16-token blocks, 8 KV heads x 128) for P and D, two
+(:mod:`kvcopy.bench.nixl`, ``_arena_rows``): the KV caches of the ``seeds2`` preset
+(the model of the vLLM pull request that coalesced host-buffer copies; CPU tensors,
+bf16 KV-first, 16-token blocks, 8 KV heads x 128) for P and D, two
 ``TransferManager(..., buffer="arena")`` over NIXL UCX in this process, ``add_peer``,
 one ``save`` of the request on P. Then, interleaved per round:
 
@@ -18,7 +19,7 @@ one ``save`` of the request on P. Then, interleaved per round:
                 virtual engines, pairs their layers and plans from scratch (left
                 out on a kvcopy without the cache, so the script runs on older code)
 ``memcpy``      one contiguous ``copy_`` of the request's bytes (the span size) between
-                two touched CPU buffers: the scale of a request's bytes on this machine
+                two touched CPU buffers: the scale of a request's bytes on the host that runs it
 
 Minimum, median and 90th percentile of ``--iters`` round-robin rounds
 (:func:`kvcopy.bench.timing.measure`). The script checks once that
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     from kvcopy.nixl import TransferManager
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=6, help="KV cache groups of the seeds/2 preset")
+    ap.add_argument("--groups", type=int, default=6, help="KV cache groups of the seeds2 preset")
     ap.add_argument("--order", choices=("token", "head"), default="token", help="P's arena_order")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="print cProfile of 10 plan_pull + discard")
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
         if getattr(md.arena, "shapes", None) is None:  # a kvcopy without the shape cache: nothing to clear
             del rows["plan_pull cold"]
         timings = measure(rows, "cpu", args.iters, warmup=1, budget_s=60.0)  # round-robin, one thread
-        print(f"arena_plan_cost: seeds/2, {args.groups} group(s), {len(P.layer_groups[0])} layers each, "
+        print(f"arena_plan_cost: seeds2, {args.groups} group(s), {len(P.layer_groups[0])} layers each, "
               f"{args.order} order, span {span / 2**20:.1f} MiB, {n_desc} descriptor(s); "
               f"median of {args.iters}")
         print(f"{'row':<16}{'min ms':>9}{'median ms':>10}{'p90 ms':>9}")

@@ -27,16 +27,17 @@ Steps, most informative first (each a fresh process, so a hang costs one step):
              chunks, both directions, verified up to 32 KiB.
 ``scenario`` the per-call host path stubbed and real (``kvcopy-bench overhead``), host
              overhead per call at 48 layers x 6 groups (real launches), the kernels with
-             and without checksums side by side (seeds/2, 6 groups: goal >= 95% of the
-             kernel without), then seeds/2 (1 and 6 groups) with launch counts and the
-             profiler's device time beside the wall time.
+             and without checksums side by side (the ``seeds2`` preset, 6 groups: goal
+             >= 95% of the kernel without), then ``seeds2`` (the benchmark of the vLLM
+             pull request that coalesced host-buffer copies; 1 and 6 groups) with launch
+             counts and the profiler's device time beside the wall time.
 
 Files: ``GPU_CHECK_OUT`` (the shell sets it: ``$OUT`` on the device runner, else a
 temporary folder) holds ``gpu_check.log`` (everything, as it happens) and one JSON per
 step, ``01-facts.json`` .. ``07-scenario.json``: 8 files, the most the device runner
 returns. Each step file is rewritten after every case, so a step cut short by its
 timeout still leaves what it finished (``status`` says ``timeout``). The sweep's file,
-and the seeds/2 and overhead parts of the scenario's, are ``kvcopy-bench`` results;
+and the seeds2 and overhead parts of the scenario's, are ``kvcopy-bench`` results;
 ``save`` turns them into ``bench/results/<gpu>-<date>-*.json`` for ``bench/report.py``.
 Scratch (build tree, partial sub-results, pytest's XML) goes to ``GPU_CHECK_WORK``.
 
@@ -765,8 +766,8 @@ def step_scenario(s: Step) -> str:
     sz = sizes()
     dev = device()
     status = "ok"
-    # The two short host-cost runs first: the seeds/2 run takes what is left, and a cut
-    # seeds/2 still leaves its finished points (checkpointed, merged by `mark`).
+    # The two short host-cost runs first: the seeds2 run takes what is left, and a cut
+    # seeds2 run still leaves its finished points (checkpointed, merged by `mark`).
     parts = [
         ("host_path", ["overhead", "--layers", "48", "--groups", "6"] + sz["host_path"]
          + (["--real"] if on_gpu() else [])),
@@ -787,7 +788,7 @@ def step_scenario(s: Step) -> str:
             status = "failed"
             continue
         if argv[0] == "run":
-            # seeds/2's profiler passes are not under --time-limit: leave them a third
+            # the seeds2 run's profiler passes are not under --time-limit: leave them a third
             share = {"seeds2": 0.5 if parts[-1][0] != "seeds2" else 0.6, "convert512": 0.6,
                      "checksum": 0.25}.get(name, 0.5)
             argv = argv + ["--time-limit", f"{max(2.0, left * share):.0f}"]
@@ -826,7 +827,7 @@ def checksum_lines(res: dict) -> List[str]:
 
 def scenario_text(data: dict) -> str:
     lines = []
-    rows = [("seeds/2", r) for r in (data.get("seeds2") or {}).get("results", [])]
+    rows = [("seeds2", r) for r in (data.get("seeds2") or {}).get("results", [])]
     rows += [("convert512", r) for r in (data.get("convert512") or {}).get("results", [])]
     for what, r in rows:
         if r["method"] == "memcpy":

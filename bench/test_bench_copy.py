@@ -1,11 +1,12 @@
 """pytest-benchmark over the main scenarios: every method of ``kvcopy-bench`` side by side.
 
 Each benchmark group is one (scenario, direction) and holds the contiguous memcpy of the
-same bytes, the two baselines (vLLM's per-group loop, seeds/2's coalesced variant) and
-every kvcopy backend this machine runs; ``extra_info`` carries the bytes per call so
-GB/s can be read from the JSON (``--benchmark-json``). Each method is checked bit-exact
-against the reference once before it is timed. On a GPU a call includes the wait for
-the stream (a request-sync, as seeds/2 timed it).
+same bytes, the two baselines (vLLM's per-group loop, and its coalesced variant since
+vLLM coalesced host-buffer copies across groups) and every kvcopy backend the host runs;
+``extra_info`` carries the bytes per call so GB/s can be read from the JSON
+(``--benchmark-json``). Each method is checked bit-exact against the reference once
+before it is timed. On a GPU a call includes the wait for the stream (a request-sync,
+as vLLM's coalescing pull request timed it).
 """
 import os
 

@@ -30,9 +30,10 @@ It reports, per request-sync (median and p90 over ``rounds``):
   backend's one native call included);
 * ``vllm op``: vLLM 0.33's ``copy_kv_blocks`` on the same caches with the flattened
   ids (what the stock worker calls, ``dst[idx] = src[idx]`` per layer; on the CPU), for
-  a side-by-side ratio. Its bytes are wrong for this model (seeds/1); only its time is
-  compared (with ``--model gdn`` its flattened ids index the state tensors with kernel
-  pages: vLLM 0.33 raises ``IndexError`` once they pass the state's block count).
+  a side-by-side ratio. Its bytes are wrong for this model (it overwrites received KV
+  of one group with another's unfilled host pages); only its time is compared (with
+  ``--model gdn`` its flattened ids index the state tensors with kernel pages: vLLM 0.33
+  raises ``IndexError`` once they pass the state's block count).
 """
 from __future__ import annotations
 

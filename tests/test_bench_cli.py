@@ -50,7 +50,7 @@ def test_run_json_fields_verify_and_ratios(tmp_path, capsys):
                 assert r["bytes"] == rows[0]["bytes"]  # every row moves the same bytes
                 assert r["verify"] == ("n/a" if r["method"] == "memcpy" else "ok")
             ops = {r["method"]: r["ops_per_call"] for r in rows}
-            # seeds/2's counts: a gather and a scatter per (group, layer) before, per layer after.
+            # vLLM's coalescing change: a gather and a scatter per (group, layer) before, per layer after.
             assert ops["vllm"] == 2 * 2 * groups
             assert ops["coalesced"] == 2 * 2
             assert ops["cpu"] == 0  # one native call, not a torch operator

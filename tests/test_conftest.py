@@ -1,8 +1,8 @@
 """tests/conftest.py: GPU tests skip without a device, --require-gpu / KVCOPY_REQUIRE_GPU=1
 turns each such skip into a failure, and the run ends with a line saying why tests skipped.
 
-A throwaway suite beside a copy of the conftest runs in a child pytest, on this machine
-as it is (with or without a GPU)."""
+A throwaway suite beside a copy of the conftest runs in a child pytest, on whatever
+host runs the tests (with or without a GPU)."""
 import os
 import shutil
 import subprocess

@@ -106,8 +106,9 @@ def test_direction_contradicting_devices_raises():
 
 
 def test_hybrid_caches_through_one_id_list_are_refused_not_corrupted():
-    """seeds/1: two layers on one device tensor with their own host buffers. One id list
-    for both would let one layer's unfilled host pages overwrite the other's KV."""
+    """vLLM's host-buffer sync overwrote received KV in hybrid models: two layers on one
+    device tensor with their own host buffers. One id list for both would let one
+    layer's unfilled host pages overwrite the other's KV."""
     shared = torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16)
     dev = {"full.0": shared, "swa.0": shared}
     host = {"full.0": torch.ones_like(shared), "swa.0": torch.full_like(shared, 2.0)}

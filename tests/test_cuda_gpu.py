@@ -36,7 +36,7 @@ def test_cuda_nvrtc_launcher(monkeypatch):
     from kvcopy.backends import nvrtc
 
     if nvrtc.available() is not None:
-        pytest.skip(f"no NVRTC on this machine: {nvrtc.available()}")
+        pytest.skip(f"no NVRTC here: {nvrtc.available()}")
     monkeypatch.setenv("KVCOPY_CUDA_NVRTC", "1")
     monkeypatch.setitem(backends._instances, "cuda", backends.cuda.CudaBackend())
     assert backends.get_backend("cuda").launcher_kind == "nvrtc"

@@ -19,7 +19,7 @@ def fresh_library(monkeypatch):
     monkeypatch.setattr(cudalib, "_lib_reason", None)
 
 
-@pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine: the CUDA library is not built")
+@pytest.mark.skipif(NVCC is None, reason="no nvcc here: the CUDA library is not built")
 def test_error_names_without_a_gpu():
     """The library's error table works without a device (CI builds it with nvcc)."""
     lib, why = cudalib.library()

@@ -33,7 +33,7 @@ def _python3_only_path(tmp_path: Path) -> str:
               if os.path.isdir(d)]
     path = os.pathsep.join([str(shim)] + system)
     if shutil.which("python", path=path) is not None:
-        pytest.skip("this machine has a `python` in its system folders")
+        pytest.skip("this host has a `python` in its system folders")
     return path
 
 

@@ -1,11 +1,13 @@
-"""seeds/1 end to end: a hybrid model's KV goes P device -> P host -> (transfer) ->
-D host -> D device and D holds P's bytes at every group's blocks, nothing else changed.
+"""vLLM's host-buffer sync overwrote received KV in hybrid models; here, end to end, it
+does not: a hybrid model's KV goes P device -> P host -> (transfer) -> D host -> D
+device and D holds P's bytes at every group's blocks, nothing else changed.
 
 Device KV tensors are shared by one layer of each group (as vLLM allocates hybrid
 models); host buffers are per layer (as vLLM's host-buffer path allocates them); two
 KV-sharing layers point at other layers' device tensors and have host buffers that no
-transfer ever fills. The negative control runs the seeds/2 coalesced sync (every layer
-at all groups' ids) through the same check and must fail: the check can see the bug.
+transfer ever fills. The negative control runs vLLM's coalesced sync (every layer at
+all groups' ids, as vLLM does since it coalesced host-buffer copies across groups)
+through the same check and must fail: the check can see the bug.
 """
 import pytest
 import torch
@@ -71,7 +73,7 @@ def test_d_holds_p_kv_at_every_groups_blocks(backend):
 
 
 def test_negative_control_coalesced_sync_is_caught():
-    """seeds/2's coalescing: every layer (KV-sharing ones too) at all groups' ids."""
+    """vLLM's coalesced sync: every layer (KV-sharing ones too) at all groups' ids."""
     all_ids = [i for ids in D_IDS for i in ids]
 
     def coalesced(dev, host, groups):
@@ -83,7 +85,7 @@ def test_negative_control_coalesced_sync_is_caught():
 
 
 def test_negative_control_per_group_all_layers_is_caught():
-    """seeds/1's bug before the fix: every layer at each group's blocks."""
+    """vLLM's per-group sync before it coalesced groups: every layer at each group's blocks."""
     def every_layer(dev, host, groups):
         for ids in D_IDS:
             for name in dev:

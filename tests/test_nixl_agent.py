@@ -225,3 +225,122 @@ def test_make_agent_warns_when_the_wrapper_bypasses_the_binding(monkeypatch, cap
         _agent.make_agent(mod, "a", ["UCX"], 1234)
     assert seen == [] and bind.nixlAgent is original
     assert "busy polling" in caplog.text and "progress_delay_us=1234" in caplog.text
+
+
+class _Pair:
+    """Two agents, D with P loaded and a READ of P's 4 KiB buffer prepared."""
+
+    def __init__(self, tag: str):
+        self.p, self.d = Agent(f"agent-{tag}-p"), Agent(f"agent-{tag}-d")
+        self.src = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+        self.dst = np.zeros(4096, dtype=np.uint8)
+        self.p.register([(self.src.ctypes.data, 4096, 0)], "DRAM")
+        self.d.register([(self.dst.ctypes.data, 4096, 0)], "DRAM")
+        self.peer = self.d.add_remote(self.p.metadata())
+        self.dlists = [self.d.prep_local(np.array([[self.dst.ctypes.data, 4096, 0]], np.uint64), "DRAM"),
+                       self.d.prep_remote(self.peer, np.array([[self.src.ctypes.data, 4096, 0]], np.uint64), "DRAM")]
+
+    def read(self):
+        """Post the READ and wait for it to end; (state, reason)."""
+        import time
+
+        idx = np.array([0], np.int32)
+        xfer, state, reason = self.d.post_read(self.dlists[0], idx, self.dlists[1], idx, b"")
+        end = time.monotonic() + 30
+        while state == "PROC" and time.monotonic() < end:
+            state, reason = self.d.state(xfer)
+        if xfer is not None:
+            Agent.release(xfer)
+        return state, reason
+
+    def release_dlists(self):
+        for dlist in self.dlists:
+            Agent.release_dlist(dlist)
+        self.dlists = []
+
+    def close(self):
+        self.release_dlists()
+        self.d.close()
+        self.p.close()
+
+
+def _until_disconnected(attempt, peer_gone):
+    """Repeat ``attempt`` until its reason names a failed connection: D's agent learns
+    that P closed from a message its progress thread handles some time after."""
+    import time
+
+    end = time.monotonic() + 30
+    while True:
+        reason = attempt()
+        if reason is not None and _agent.DISCONNECTED in reason:
+            return reason
+        assert time.monotonic() < end, f"NIXL never reported {peer_gone!r}'s connection failed: {reason}"
+        time.sleep(0.02)
+
+
+def test_a_peer_whose_connection_failed_is_unloaded_not_parked():
+    """A live peer released is parked; one whose READ NIXL ended with
+    NIXL_ERR_REMOTE_DISCONNECT is unloaded, so its metadata would be loaded anew."""
+    failed, live = _Pair("failed"), _Pair("live")
+    try:
+        assert failed.read() == ("DONE", None) and np.array_equal(failed.src, failed.dst)
+        assert not failed.d.connection_failed(failed.peer)
+        failed.p.close()
+        _until_disconnected(lambda: failed.read()[1], failed.peer)
+        assert failed.d.connection_failed(failed.peer)
+        failed.release_dlists()
+        failed.d.release_remote(failed.peer)
+        assert failed.peer not in failed.d.parked and not failed.d.has_remote(failed.peer)
+        assert not failed.d.connection_failed(failed.peer)
+        live.release_dlists()
+        live.d.release_remote(live.peer)  # alive: parked (unloading it would leak its sockets)
+        assert live.peer in live.d.parked and live.d.has_remote(live.peer)
+    finally:
+        failed.close()
+        live.close()
+
+
+def test_a_parked_peer_whose_connection_failed_is_loaded_anew():
+    """The failure is reported after the peer was parked (here by a notification; in the
+    manager, by a READ given up on): ``add_remote`` of the same metadata does not take
+    the parked agent up, it unloads it and loads the metadata again."""
+    pair = _Pair("parked")
+    d, peer = pair.d, pair.peer
+    try:
+        metadata = pair.p.metadata()
+        pair.release_dlists()
+        d.release_remote(peer)
+        assert peer in d.parked
+        assert d.add_remote(metadata) == peer and peer not in d.parked  # alive: taken up again
+        d.release_remote(peer)
+        pair.p.close()
+        _until_disconnected(lambda: d.send_notification(peer, b"done"), peer)
+        assert peer in d.parked and d.connection_failed(peer)
+        loads = []
+        real = d._agent.add_remote_agent
+        d._agent.add_remote_agent = lambda md: loads.append(md) or real(md)
+        try:
+            d.add_remote(metadata)
+        except NixlError:
+            pass  # P is gone: loading its metadata may fail; it was tried, not taken from the park
+        assert loads == [metadata] and not d.connection_failed(peer)
+    finally:
+        pair.close()
+
+
+def test_a_disconnect_from_an_earlier_load_is_not_charged_to_the_new_one():
+    """A READ of an unloaded load of the peer (given up on, ending later) says nothing
+    about the connection its metadata was loaded again with."""
+    pair = _Pair("loads")
+    d, peer = pair.d, pair.peer
+    try:
+        first = d._load_of[peer]
+        pair.release_dlists()
+        d.unload_remote(peer)
+        assert d.add_remote(pair.p.metadata()) == peer
+        d._charge(peer, first, f"transfer failed: {_agent.DISCONNECTED}")
+        assert not d.connection_failed(peer)
+        d._charge(peer, d._load_of[peer], f"transfer failed: {_agent.DISCONNECTED}")
+        assert d.connection_failed(peer)
+    finally:
+        pair.close()

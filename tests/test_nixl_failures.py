@@ -95,6 +95,9 @@ def test_peer_closed_before_the_pull_fails_the_request_and_writes_nothing(pd):
     assert all(len(ids) for ids in done.failed_block_ids)
     assert same_bytes(before, de.device_caches), first_difference(before, de.device_caches)
     assert_no_leak(d)
+    assert "NIXL_ERR_REMOTE_DISCONNECT" in h.error and d._agent.connection_failed(peer)
+    d.remove_peer(peer)  # a failed connection is unloaded, not parked: add_peer would connect anew
+    assert peer not in d._agent.parked and not d._agent.has_remote(peer)
 
 
 def test_peer_closed_mid_flight(pd):

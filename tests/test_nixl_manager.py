@@ -54,8 +54,9 @@ def test_one_group(pd, buffer):
 
 @pytest.mark.parametrize("buffer", ["host", "device"])
 def test_hybrid_groups_with_aliasing_and_kv_sharing(pd, buffer):
-    """seeds/1: l0/l1 share a tensor across groups, l2..l5 view one pool, l6 is l2's
-    tensor in no group, l7 is in no group: each group lands at its own pages only."""
+    """The layout in which vLLM's host-buffer sync overwrote received KV: l0/l1 share a
+    tensor across groups, l2..l5 view one pool, l6 is l2's tensor in no group, l7 is in
+    no group: each group lands at its own pages only."""
     p, d, peer, pe, de = pd("hybrid", buffer=buffer)
     rng = np.random.default_rng(0)
     p_ids = allocate_blocks(rng, pe, [3, 6], set(), NP)

@@ -1,4 +1,8 @@
-"""Pull plans by token position (seeds/3), without NIXL: engines described, not registered."""
+"""Pull plans by token position, without NIXL: engines described, not registered.
+
+vLLM's NIXL pull selected "the last N pages" of P's allocation and loaded the wrong
+prompt pages when P and D split blocks into pages differently; the ``seeds3`` engines
+are that geometry (P: 128-token blocks of two 64-token pages, D: 64-token blocks)."""
 import numpy as np
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """``kvcopy-bench`` (also ``python -m kvcopy``): the benchmark command line.
 
-    kvcopy-bench                          # seeds/2 scenario, both directions, this device
+    kvcopy-bench                          # the seeds2 preset (presets.py), both directions, default device
     kvcopy-bench --preset hybrid7 --op-counts
     kvcopy-bench sweep --max-ctas 16 --json out.json --plot out.png
     kvcopy-bench nixl                     # NIXL pull vs one bulk READ (two agents, UCX)

@@ -42,7 +42,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="cuda,triton", help="stubbed per-call paths to measure")
     p.add_argument("--calls", type=int, default=2000, help="calls per round")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--real", action="store_true", help="also real launches on this machine's GPU")
+    p.add_argument("--real", action="store_true", help="also real launches on the local GPU")
     p.add_argument("--json", metavar="PATH")
 
 

@@ -350,7 +350,7 @@ def cmd_list(args) -> int:
     width = max(len(n) for n in report)
     for name, why in report.items():
         print(f"  {name:<{width}}  {'available' if why is None else 'unavailable: ' + why}")
-    print("baselines: vllm (per group, per layer), coalesced (seeds/2: one op per layer)")
+    print("baselines: vllm (per group, per layer), coalesced (vLLM after it coalesced groups: one op per layer)")
     return 0
 
 

@@ -9,13 +9,14 @@ as a :class:`Point`, and :meth:`Point.methods` returns the callables measured on
     one contiguous copy of the same number of bytes (pinned host memory on a GPU,
     plain memory on the CPU): the floor every other row is compared with.
 ``vllm``
-    vLLM's host-buffer path as it is (seeds/2, before): per KV cache group, per layer
-    of that group, an advanced-indexing gather on the source side, a copy through
-    pageable memory to the other side, a scatter there. groups x layers copy ops,
-    one index upload per group.
+    vLLM's host-buffer path before the pull request that coalesced its copies across
+    KV cache groups: per KV cache group, per layer of that group, an advanced-indexing
+    gather on the source side, a copy through pageable memory to the other side, a
+    scatter there. groups x layers copy ops, one index upload per group.
 ``coalesced``
-    seeds/2's variant: every group's ids concatenated, one gather/copy/scatter per
-    KV storage (per layer in the seeds/2 model), one index upload per call.
+    vLLM's path after that pull request: every group's ids concatenated, one
+    gather/copy/scatter per KV storage (per layer in its benchmark's model), one index
+    upload per call.
 ``<backend>``
     ``kvcopy.BlockCopier`` with that backend (``torch``, ``cpu``, ``triton``, ``cuda``,
     ``ce``, ``auto``).
@@ -23,10 +24,11 @@ as a :class:`Point`, and :meth:`Point.methods` returns the callables measured on
     the same copier's copy with checksums (:mod:`kvcopy.checksum`) into an int64
     tensor on the copy's device: the checksum's cost is this row against the one above.
 
-Layer maps. ``all`` is the seeds/2 benchmark's model: ``copy_blocks`` applies each
-group's ids to every layer, so every group holds every layer; here group ``g``'s layer
-``l`` is a view of storage ``l`` (distinct names, shared bytes, as hybrid models alias
-device tensors). ``hybrid`` is a sliding-window hybrid (Gemma-3 style): every
+Layer maps. ``all`` is the model of that pull request's benchmark (the ``seeds2``
+preset): ``copy_blocks`` applies each group's ids to every layer, so every group holds
+every layer; here group ``g``'s layer ``l`` is a view of storage ``l`` (distinct names,
+shared bytes, as hybrid models alias device tensors). ``hybrid`` is a sliding-window
+hybrid (Gemma-3 style): every
 ``sliding_per_full + 1``-th layer is full attention and forms group 0, the sliding
 layers are cut into groups of the same size, and layer ``i`` of every group shares
 storage ``i``; sliding groups move only the window's blocks. In both maps all methods
@@ -343,7 +345,7 @@ class Point:
         every = list(range(len(groups)))
 
         def run():
-            # seeds/2: one concatenated id list, uploaded once; one op per layer.
+            # vLLM after coalescing: one concatenated id list, uploaded once; one op per layer.
             all_ids = [i for g_ids in ids for i in g_ids]
             s_all = torch.tensor(all_ids, dtype=torch.int64, device=src_dev)
             d_all = torch.tensor(all_ids, dtype=torch.int64, device=dst_dev)

@@ -1,9 +1,10 @@
 """Timing, device-op counting and environment facts for ``kvcopy-bench``.
 
 Timing: on a GPU each call is bracketed by CUDA events on the current stream and the
-host waits for the end event (a request-sync, as seeds/2 measured it); the host time
-of the call alone (Python + launches, before the wait) is recorded beside it. On the
-CPU each call is timed with ``time.perf_counter``.
+host waits for the end event (a request-sync, as vLLM's pull request that coalesced
+host-buffer copies measured it); the host time of the call alone (Python + launches,
+before the wait) is recorded beside it. On the CPU each call is timed with
+``time.perf_counter``.
 
 Methods are measured round by round, one timed call of each per round, the round
 starting one method further each time, so every ratio comes from the same seconds of
@@ -20,8 +21,8 @@ Statistics per method: min, median and p90 of the timed calls, and the spread
 only as good as the wider spread of its two rows (:func:`noisy`).
 
 Op counts come from ``torch.profiler``: on a GPU, device activities (kernels, memcpys,
-memsets) per call, the numbers seeds/2 quoted; on the CPU, the outermost data-moving
-torch operators per call (a native backend's C call is invisible there).
+memsets) per call, the counts that pull request quoted; on the CPU, the outermost
+data-moving torch operators per call (a native backend's C call is invisible there).
 """
 from __future__ import annotations
 

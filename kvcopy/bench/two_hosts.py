@@ -25,11 +25,26 @@ only the veth, the worker address a peer advertises holds the veth address and n
 else (no loopback address that would mean another namespace on the far side).
 
 Faults (:class:`TwoHosts`): ``link_down``/``link_up`` (one end set down: the other end
-loses carrier; TCP keeps its connections and retransmits), ``set_rate`` (the cap
-changed in place, e.g. collapsed to ``1mbit`` mid-transfer), ``set_mtu`` (both ends:
-TCP follows the smaller MTU; one end only: frames larger than the receiver's MTU are
-dropped without an ICMP error, a black hole for full-size segments), and P's process
-frozen (``SIGSTOP``), continued, killed (``SIGKILL``) or restarted.
+loses carrier; TCP keeps its connections and retransmits; ``link_up`` returns once a new
+connection can cross), ``set_rate`` (the cap changed in place, e.g. collapsed to
+``1mbit`` mid-transfer), ``set_mtu`` (both ends: the sender's own route shrinks and
+TCP follows the smaller MTU), and P's process frozen (``SIGSTOP``), continued, killed
+(``SIGKILL``) or restarted.
+
+One end's MTU only (``set_mtu(1280, "d")``): a veth drops a frame larger than the
+receiving end's MTU, silently (no ICMP error reaches the sender), unless the frame is a
+GSO frame (``is_skb_forwardable`` in the kernel's ``net/core/dev.c``: a GSO frame is
+forwarded whatever its length, as it could have been forwarded unsegmented). P's TCP
+sends most of a READ's bytes as GSO frames (tbf's bucket, :func:`_burst_bytes`, keeps
+them whole), but now and then a lone full-size segment (a window update from D's small
+receive buffer opens room for one, a retransmission after a timeout is one): that one
+is dropped, and so is every retransmission of it. Linux's TCP finds such a black hole
+only with ``net.ipv4.tcp_mtu_probing`` >= 1 (:meth:`TwoHosts.set_mtu_probing`, per
+namespace; the default 0 is off): after a few retransmission timeouts it falls back to
+``tcp_base_mss`` (1024-byte) segments, which fit. Without it the connection stalls
+until the MTU is back. ``TwoHosts(gso=False)`` (``gso_max_segs 1`` on both ends) makes
+every segment its own frame, so the black hole catches every full-size segment: a
+deterministic version of the stall.
 
 Clean-up: :meth:`TwoHosts.close` (also the context manager's exit and an ``atexit``
 hook) stops the children (continued first if frozen, killed if they do not exit) and
@@ -255,13 +270,17 @@ class TwoHosts:
     """Two namespaces joined by a veth pair with a rate cap, their child processes, and
     the fault controls (see the module docstring)."""
 
-    def __init__(self, rate: str = "10gbit", mtu: int = 1500, env: Optional[Dict[str, str]] = None):
+    def __init__(self, rate: str = "10gbit", mtu: int = 1500, env: Optional[Dict[str, str]] = None,
+                 gso: bool = True):
         global _serial
         self.rate = rate
         self.rate_bps = parse_rate(rate)
         if not isinstance(mtu, int) or isinstance(mtu, bool) or not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be an int in [576, 65535], got {mtu!r}")
+        if not isinstance(gso, bool):
+            raise TypeError(f"gso must be a bool, got {gso!r}")
         self.mtu = mtu
+        self.gso = gso  # False: every TCP segment its own frame (module docstring)
         self.extra_env = dict(env or {})
         _serial += 1
         base = f"{PREFIX}-{os.getpid()}-{_serial}"
@@ -287,6 +306,8 @@ class TwoHosts:
                 ns, dev = self.ns[side], IFACES[side]
                 _run("ip", "-n", ns, "addr", "add", f"{ADDRESSES[side]}/30", "dev", dev)
                 _run("ip", "-n", ns, "link", "set", "dev", dev, "mtu", str(self.mtu), "up")
+                if not self.gso:
+                    _run("ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs", "1")
                 _run("ip", "-n", ns, "link", "set", "dev", "lo", "up")
                 self._tbf(side, "add", self.rate)
         except BaseException:
@@ -326,8 +347,28 @@ class TwoHosts:
         """Set one end of the link down (the other end loses carrier)."""
         _run("ip", "-n", self.ns[side], "link", "set", "dev", IFACES[side], "down")
 
-    def link_up(self, side: str = "p") -> None:
+    def link_up(self, side: str = "p", guard_s: float = 30.0) -> None:
+        """Set that end up again; return once the link carries a new connection: both
+        ends operationally up (the kernel applies a carrier change in deferred work), and
+        no ARP resolution begun while the link was down still pending. Such an entry
+        (``INCOMPLETE``: D's TCP sent while P was unreachable) used up its probes in the
+        dark and turns ``FAILED`` up to a few seconds after the link is back, failing
+        what was queued on it with ``EHOSTUNREACH``: a connection begun in that window
+        (a new handshake's) failed with ``No route to host``. A ``FAILED`` entry is
+        probed afresh by the next packet."""
         _run("ip", "-n", self.ns[side], "link", "set", "dev", IFACES[side], "up")
+        wait_for(lambda: all(self._operstate(s) == "UP" and not self._resolving(s) for s in ("p", "d")),
+                 guard_s, "both ends of the link up, no ARP resolution from while it was down", step=0.01)
+
+    def _operstate(self, side: str) -> str:
+        out = _run("ip", "-n", self.ns[side], "-o", "link", "show", "dev", IFACES[side]).stdout
+        m = re.search(r" state (\S+)", out)
+        return m.group(1) if m else ""
+
+    def _resolving(self, side: str) -> bool:
+        """Whether ``side`` has a neighbour entry still being resolved (``INCOMPLETE``)."""
+        return bool(_run("ip", "-n", self.ns[side], "neigh", "show", "dev", IFACES[side], "nud",
+                         "incomplete").stdout.strip())
 
     def set_rate(self, rate: str, side: str = "both") -> None:
         """Change the cap in place (mid-transfer: packets already queued stay queued)."""
@@ -338,6 +379,16 @@ class TwoHosts:
     def set_mtu(self, mtu: int, side: str = "both") -> None:
         for s in self._sides(side):
             _run("ip", "-n", self.ns[s], "link", "set", "dev", IFACES[s], "mtu", str(int(mtu)))
+
+    def set_mtu_probing(self, value: int) -> None:
+        """``net.ipv4.tcp_mtu_probing`` in both namespaces (0: off, the kernel's default;
+        1: on once a black hole is suspected; 2: always). TCP reads it at each
+        retransmission timeout, so it applies to connections already open."""
+        if value not in (0, 1, 2) or isinstance(value, bool):
+            raise ValueError(f"tcp_mtu_probing must be 0, 1 or 2, got {value!r}")
+        for side in ("p", "d"):
+            _run("ip", "netns", "exec", self.ns[side], "sh", "-c",
+                 f"echo {value} > /proc/sys/net/ipv4/tcp_mtu_probing")
 
     def _sides(self, side: str) -> List[str]:
         if side == "both":

@@ -67,8 +67,9 @@ FAULTS: Dict[str, Fault] = {f.name: f for f in (
           "the rate cap collapsed to 32 kbit/s"),
     Fault("mtu_both", lambda r: r.net.set_mtu(1280), lambda r: r.net.set_mtu(r.net.mtu),
           "both ends' MTU lowered to 1280", survivable=True),
+    # survivable only where TCP detects black holes (kvcopy.bench.two_hosts, module docstring)
     Fault("mtu_one_end", lambda r: r.net.set_mtu(1280, "d"), lambda r: r.net.set_mtu(r.net.mtu, "d"),
-          "D's end's MTU lowered to 1280, P's left at 1500", survivable=True),
+          "D's end's MTU lowered to 1280, P's left at 1500"),
     Fault("p_frozen", lambda r: r.p.freeze(), lambda r: r.p.thaw(), "P's process stopped (SIGSTOP)"),
     Fault("p_killed", lambda r: r.p.kill(), lambda r: r.restart_p(), "P's process killed (SIGKILL)"),
 )}
@@ -152,15 +153,12 @@ class Rig:
             self.d.call("remove_peer", f"D-{mode}", self.peers.pop(mode))
         self._start_p()
 
-    def rehandshake(self, mode: str, unload: bool = True) -> None:
-        """D forgets P and takes its handshake again (a live P whose connection UCX
-        declared failed). ``unload``: also unload P's parked NIXL agent, without which
-        the same handshake takes up the failed connection again (docs/nixl.md, "Two
-        hosts: faults on a real link")."""
+    def rehandshake(self, mode: str) -> None:
+        """D forgets P and takes its handshake again: a live P whose connection UCX
+        declared failed, which NIXL never reconnects (docs/nixl.md, "Two hosts: faults
+        on a real link")."""
         peer = self.peers.pop(mode)
         self.d.call("remove_peer", f"D-{mode}", peer)
-        if unload:
-            self.d.call("unload_remote", f"D-{mode}", peer)
         self.peers[mode] = self.d.call("add_peer", f"D-{mode}", self.p_meta[mode])
 
     # ------------------------------------------------------------ requests

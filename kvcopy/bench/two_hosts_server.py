@@ -135,13 +135,6 @@ class Server:
     def cmd_remove_peer(self, m: str, peer: str) -> None:
         self.managers[m].remove_peer(peer)
 
-    def cmd_unload_remote(self, m: str, peer: str) -> None:
-        """Unload a removed peer's NIXL agent instead of leaving it parked: after UCX
-        declared the connection to a live peer failed, re-adding the same handshake
-        takes up the parked agent and its failed connection (see docs/nixl.md, "Two
-        hosts: faults on a real link")."""
-        self.managers[m]._agent.unload_remote(peer)
-
     def cmd_close_manager(self, m: str) -> None:
         self.managers.pop(m).close()
 

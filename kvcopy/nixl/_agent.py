@@ -27,6 +27,19 @@ in full by ``add_peer``); different metadata under its name unloads it first (a
 restarted peer). At most :data:`MAX_PARKED` are kept (the oldest is unloaded); all go
 with the agent.
 
+A peer whose connection NIXL reported failed is unloaded, not parked. NIXL's UCX plugin
+reports an endpoint UCX failed (reset, not connected, endpoint timeout: TCP's user
+timeout or keepalive gave up) as ``NIXL_ERR_REMOTE_DISCONNECT`` (:data:`DISCONNECTED`),
+from a READ's state, from posting a READ on that endpoint and from sending a
+notification on it, and never reconnects: a parked agent taken up again would fail
+every READ at once, also once the peer is reachable again. So the wrapper charges such
+a status to the peer it came from (each posted READ is a :class:`Transfer` that knows
+its peer and which load of that peer's metadata it went through; a status from an
+earlier load, now unloaded, is charged to nothing), and :meth:`Agent.release_remote`
+then unloads the agent (nothing leaks: the endpoint is already closed), so the next
+``add_remote`` of the same metadata builds a new connection. A peer that fails after it
+was parked (a READ given up on ends later) is unloaded when it is taken up again.
+
 Progress thread: NIXL's Python wrapper starts every agent's progress thread with a
 poll delay of 0, so each idle agent busy-polls one CPU. The thread already wakes on
 UCX's event fd when there is work, so :class:`Agent` gives it a delay
@@ -45,6 +58,7 @@ backend it creates. kvcopy sets that logger to ``WARNING`` when it loads NIXL, u
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
 import sys
@@ -52,7 +66,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from types import ModuleType
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -60,6 +74,7 @@ _MODULE_NAMES = ("nixl", "nixl_cu12", "nixl_cu13")
 PROGRESS_DELAY_US = 100_000  # the progress thread's poll timeout (module docstring)
 _build_lock = threading.Lock()
 MAX_PARKED = 64  # peers' agents kept loaded after their last use (see the module docstring)
+DISCONNECTED = "NIXL_ERR_REMOTE_DISCONNECT"  # NIXL's status for a connection UCX failed (module docstring)
 _module: Optional[ModuleType] = None
 _import_error: Optional[str] = None
 
@@ -171,6 +186,32 @@ def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
     return agent
 
 
+class Transfer:
+    """A posted READ: NIXL's transfer handle, the peer it reads from, and which load of
+    that peer's metadata (``Agent``'s count) its connection belongs to."""
+
+    __slots__ = ("handle", "peer", "load")
+
+    def __init__(self, handle, peer: Optional[str], load: Optional[int]):
+        self.handle, self.peer, self.load = handle, peer, load
+
+    def release(self) -> None:
+        self.handle.release()
+
+
+class RemoteList:
+    """A peer's prepared descriptor list (``prep_xfer_dlist``), with the peer and load
+    it was prepared for, so a READ posted from it is charged to that peer."""
+
+    __slots__ = ("dlist", "peer", "load")
+
+    def __init__(self, dlist, peer: str, load: Optional[int]):
+        self.dlist, self.peer, self.load = dlist, peer, load
+
+    def release(self) -> None:
+        self.dlist.release()
+
+
 class Agent:
     """One NIXL agent with the backends it was asked for."""
 
@@ -190,6 +231,9 @@ class Agent:
         self._loaded: Dict[str, bytes] = {}  # peers' agents this wrapper loaded: name -> metadata
         self._parked: "OrderedDict[str, None]" = OrderedDict()  # loaded, in use by no peer; oldest first
         self._failed: set = set()  # agent names whose metadata NIXL failed to load
+        self._loads = itertools.count()
+        self._load_of: Dict[str, int] = {}  # loaded peer -> which load its connection came from
+        self._disconnected: Set[str] = set()  # loaded peers whose connection NIXL reported failed
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise BackendUnavailable(
@@ -215,10 +259,11 @@ class Agent:
         """Load a peer's agent metadata (or take up its parked agent); returns its name."""
         wanted = metadata_name(metadata)
         if wanted is not None and wanted in self._parked:
-            if self._loaded.get(wanted) == metadata and self.has_remote(wanted):
+            if self._loaded.get(wanted) == metadata and self.has_remote(wanted) \
+                    and wanted not in self._disconnected:
                 del self._parked[wanted]
                 return wanted
-            self.unload_remote(wanted)  # a restarted peer, or unloaded behind our back
+            self.unload_remote(wanted)  # a restarted peer, a failed connection, or unloaded behind our back
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -233,13 +278,16 @@ class Agent:
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._failed.discard(name)
         self._loaded[name] = bytes(metadata)
+        self._load_of[name] = next(self._loads)
+        self._disconnected.discard(name)
         self._parked.pop(name, None)
         return name
 
     def release_remote(self, name: str) -> None:
         """The manager no longer uses this peer's agent: park it (module docstring);
-        an agent this wrapper did not load (a failed load) is unloaded."""
-        if name not in self._loaded:
+        an agent this wrapper did not load (a failed load), or whose connection NIXL
+        reported failed, is unloaded."""
+        if name not in self._loaded or name in self._disconnected:
             self.unload_remote(name)
             return
         self._parked[name] = None
@@ -251,6 +299,8 @@ class Agent:
         """Unload a peer's agent from NIXL (``remove_remote_agent``)."""
         self._parked.pop(name, None)
         self._loaded.pop(name, None)
+        self._load_of.pop(name, None)
+        self._disconnected.discard(name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception:  # already gone: nothing left to remove
@@ -259,6 +309,18 @@ class Agent:
     @property
     def parked(self) -> Tuple[str, ...]:
         return tuple(self._parked)
+
+    def connection_failed(self, name: str) -> bool:
+        """Whether NIXL reported the connection to loaded peer ``name`` failed
+        (:data:`DISCONNECTED`): releasing it unloads it (module docstring)."""
+        return name in self._disconnected
+
+    def _charge(self, peer: Optional[str], load: Optional[int], reason: Optional[str]) -> None:
+        """Note a failed connection of ``peer`` when ``reason`` says so and came through
+        the peer's current load (a READ of an unloaded load says nothing of the new one)."""
+        if reason is not None and DISCONNECTED in reason and peer is not None \
+                and peer in self._loaded and self._load_of.get(peer) == load:
+            self._disconnected.add(peer)
 
     def has_remote(self, name: str) -> bool:
         """Whether NIXL holds metadata of agent ``name`` (leak checks)."""
@@ -270,8 +332,8 @@ class Agent:
     def prep_local(self, descs: np.ndarray, mem_type: str):
         return self._prep("NIXL_INIT_AGENT", descs, mem_type)
 
-    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: str):
-        return self._prep(peer, descs, mem_type)
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: str) -> RemoteList:
+        return RemoteList(self._prep(peer, descs, mem_type), peer, self._load_of.get(peer))
 
     def _prep(self, who: str, descs: np.ndarray, mem_type: str):
         try:
@@ -292,36 +354,46 @@ class Agent:
     # ---------------------------------------------------------------- transfers
     def post_read(self, local_dlist, local_idx: np.ndarray, remote_dlist, remote_idx: np.ndarray,
                   notify: bytes):
-        """Create and post a READ; returns (handle or None, state, reason)."""
-        return self._post(lambda: self._agent.make_prepped_xfer(
-            "READ", local_dlist, local_idx, remote_dlist, remote_idx, notify))
+        """Create and post a READ from a :meth:`prep_remote` list (or a local one: a
+        loopback READ, charged to no peer); returns (:class:`Transfer` or None, state,
+        reason)."""
+        remote = remote_dlist if isinstance(remote_dlist, RemoteList) else RemoteList(remote_dlist, "", None)
+        return self._post(remote.peer or None, remote.load, lambda: self._agent.make_prepped_xfer(
+            "READ", local_dlist, local_idx, remote.dlist, remote_idx, notify))
 
     def post_read_descs(self, local_descs: np.ndarray, local_mem: str, peer: str, remote_descs: np.ndarray,
                         remote_mem: str, notify: bytes):
         """Create and post a READ from explicit (address, bytes, device) rows on both
-        sides (sub-page pieces); returns (handle or None, state, reason)."""
+        sides (sub-page pieces); returns (:class:`Transfer` or None, state, reason)."""
         def make():
             local = self._agent.get_xfer_descs(np.ascontiguousarray(local_descs, dtype=np.uint64), local_mem)
             remote = self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs, dtype=np.uint64), remote_mem)
             return self._agent.initialize_xfer("READ", local, remote, peer, notify)
-        return self._post(make)
+        return self._post(peer, self._load_of.get(peer), make)
 
-    def _post(self, make):
+    def _post(self, peer: Optional[str], load: Optional[int], make):
         try:
-            handle = make()
+            xfer = Transfer(make(), peer, load)
         except Exception as exc:
-            return None, "ERR", f"NIXL rejected the transfer: {_status(exc)}"
+            reason = f"NIXL rejected the transfer: {_status(exc)}"
+            self._charge(peer, load, reason)
+            return None, "ERR", reason
         try:
-            state = self._agent.transfer(handle)
+            state = self._agent.transfer(xfer.handle)
         except Exception as exc:
-            return handle, "ERR", f"posting the transfer: {_status(exc)}"
-        return handle, state, None if state != "ERR" else "NIXL returned ERR when posting"
+            reason = f"posting the transfer: {_status(exc)}"
+            self._charge(peer, load, reason)
+            return xfer, "ERR", reason
+        return xfer, state, None if state != "ERR" else "NIXL returned ERR when posting"
 
-    def state(self, handle) -> Tuple[str, Optional[str]]:
+    def state(self, xfer) -> Tuple[str, Optional[str]]:
+        """A posted :class:`Transfer`'s state (``DONE``, ``PROC``, ``ERR``) and why it failed."""
         try:
-            state = self._agent.check_xfer_state(handle)
+            state = self._agent.check_xfer_state(xfer.handle)
         except Exception as exc:
-            return "ERR", f"transfer failed: {_status(exc)}"
+            reason = f"transfer failed: {_status(exc)}"
+            self._charge(xfer.peer, xfer.load, reason)
+            return "ERR", reason
         return state, None if state != "ERR" else "transfer state ERR"
 
     @staticmethod
@@ -344,7 +416,9 @@ class Agent:
         try:
             self._agent.send_notif(peer, message)
         except Exception as exc:
-            return _status(exc)
+            reason = _status(exc)
+            self._charge(peer, self._load_of.get(peer), reason)
+            return reason
         return None
 
     def close(self) -> "weakref.ref":

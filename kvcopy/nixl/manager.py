@@ -228,9 +228,9 @@ class TransferManager:
         return list(self._peers)
 
     def remove_peer(self, name: str) -> None:
-        """Forget a peer: its pulls in flight fail (``ERR``; their READs are given up on,
-        see the module docstring), its descriptors are released, and what the buffer mode
-        cached for it is dropped."""
+        """Forget a peer: its pulls in flight fail (``ERR``; their READs are given up on, see the
+        module docstring), its descriptors and what the buffer mode cached for it are dropped;
+        after NIXL reported its connection failed, ``add_peer`` of its handshake connects anew."""
         if name not in self._peers:
             raise ValueError(f"unknown peer {name!r}")
         self._reap()  # plans the caller dropped go now, with the peer records they hold
@@ -240,7 +240,7 @@ class TransferManager:
         dlist = self._dlists.pop(name, None)
         if dlist is not None:
             Agent.release_dlist(dlist)
-        self._agent.release_remote(name)  # parked, not unloaded: see kvcopy.nixl._agent
+        self._agent.release_remote(name)  # parked, or unloaded if its connection failed: kvcopy.nixl._agent
         self._mode.forget(remote.peer)
 
     # ------------------------------------------------------------ P side
