@@ -46,6 +46,7 @@ from .handshake import EngineInfo, LayerPair
 from .options import ManagerOptions
 from .plan import Plan
 from .regions import RegionInfo, RegionSet
+from .sum_check import SumCheck
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Work(Protocol):
     """What every mode's work says (each mode adds what its steps need)."""
 
     read_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages the READs fill
+    zero_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages complete() zeroes
     local_block_ids: Tuple[Tuple[int, ...], ...]  # per local group: the blocks the pull writes
 
 
@@ -142,8 +144,10 @@ class BufferMode(ABC):
         read or zero into memory a held READ (:meth:`hold`) may still write."""
 
     @abstractmethod
-    def complete(self, work: "Work") -> None:
-        """After every READ of the plan is DONE: write the request into the KV."""
+    def complete(self, work: "Work") -> Tuple[Optional[SumCheck], Optional[str]]:
+        """After every READ of the plan is DONE: write the request into the KV. Returns
+        the comparison of the copy's page sums with P's (:mod:`kvcopy.nixl.sum_check`),
+        or None and why the pages are not compared."""
 
     @abstractmethod
     def hold(self, work: "Work", pull_id: int) -> None:

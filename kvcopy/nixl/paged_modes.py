@@ -43,6 +43,7 @@ from .pull import PagesHeld
 from .regions import RegionSet, build_regions
 from .routes import plan_routes
 from .rows import byte_index, merged, overlaps, zero_runs
+from .sum_check import SumCheck
 
 ROUTE_CACHE_SIZE = 256  # sets of peers whose routes are kept (one per TP-rank set a D rank reads)
 
@@ -147,9 +148,10 @@ class PagedMode(BufferMode):
     def reads(self, work) -> List[Read]:
         return list(work.reads)
 
-    def complete(self, work) -> None:
+    def complete(self, work) -> Tuple[Optional[SumCheck], Optional[str]]:
         self._zero_rows(work)
         self._zero_pages(work.zero_pages)
+        return None, f"{self.name} mode carries no page sums"
 
     def _zero_rows(self, work: PagedWork) -> None:
         """Rows of read pages past the prompt (a plan's ``zero_segments``), in the
@@ -290,9 +292,10 @@ class MirrorMode(PagedMode):
         self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(work.read_pages, work.zero_pages)])
         return plan, work
 
-    def complete(self, work) -> None:
-        super().complete(work)
+    def complete(self, work) -> Tuple[Optional[SumCheck], Optional[str]]:
+        out = super().complete(work)
         self._copier.to_device([list(p) for p in work.read_pages])
+        return out
 
     def close(self) -> None:
         super().close()
