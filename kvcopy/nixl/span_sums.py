@@ -198,6 +198,8 @@ def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
         return None, UNLIKE
     if zeroed_rows:
         return None, "rows past the prompt are zeroed in D's span"
+    if not any(len(p) for p in positions):
+        return None, "D reads no page of this request (all cached)"
     if len(sums.pages) != len(positions):
         raise ValueError(f"record of {record.engine!r}: sums for {len(sums.pages)} groups, D has {len(positions)}")
     expected = []
