@@ -47,7 +47,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..checksum import seal
+from ..checksum import MIX1, MIX2, POSITION_MUL, mix64
 from ..copier import CallPlan
 from ..tables import RUN_BYTES
 from .record import LAYOUT_HEX, PageSums, StagedRequest
@@ -56,6 +56,7 @@ from .sum_check import Readback, SumCheck, SumStats, mismatch_message
 
 SUM_LAYOUT_VERSION = "kvcopy-span-sums:v1"
 POSITION_BITS = 40  # page positions stay below 2^40 (tokens are bounded by 2^40)
+FOLDS_KEPT = 64  # index plans of fold() kept per layout (one per distinct set of page positions)
 
 
 class SumLayout:
@@ -84,29 +85,67 @@ class SumLayout:
                 "units": units, "copiers": copiers}
         text = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
         self.fingerprint = hashlib.sha256(text).hexdigest()[:LAYOUT_HEX]
+        self._folds: Dict[tuple, list] = {}  # fold()'s index plans by page positions
 
     def fold(self, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
              zero_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
         """Per group, the folded value of each page position in ``positions[g]`` (see
         the module docstring); ``arrays``: the copiers' sums (uint64), each triple's
         ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded."""
-        reads = np.array([len(p) for p in positions], np.int64)
-        zeros = np.zeros_like(reads) if zero_counts is None else np.asarray(zero_counts, np.int64)
-        acc = [np.zeros(n, np.uint64) for n in reads.tolist()]
+        zeros = tuple(int(z) for z in zero_counts) if zero_counts is not None else (0,) * len(positions)
+        pos = [np.asarray(p, np.int64) for p in positions]
+        key = (tuple(p.tobytes() for p in pos), zeros)
+        parts = self._folds.get(key)
+        if parts is None:
+            parts = self._fold_parts(pos, zeros)
+            if len(self._folds) >= FOLDS_KEPT:
+                self._folds.pop(next(iter(self._folds)))
+            self._folds[key] = parts
+        acc = [np.zeros(len(p), np.uint64) for p in pos]
         with np.errstate(over="ignore"):
-            for out, js, group, by_group in zip(arrays, self.numbers, self.groups, self.by_group):
-                per = reads[group] + zeros[group]
-                if len(out) != int(per.sum()):
-                    raise ValueError(f"sums of {len(out)} blocks for a call of {int(per.sum())}")
-                starts = np.cumsum(per) - per
-                for g, at in by_group:
-                    n = int(reads[g])
-                    if not n:
-                        continue
-                    idx = (starts[at][:, None] + np.arange(n)[None, :]).ravel()
-                    pos = ((js[at][:, None] << POSITION_BITS) + np.asarray(positions[g], np.int64)[None, :]).ravel()
-                    acc[g] += seal(out[idx], 0, pos).reshape(len(at), n).sum(axis=0, dtype=np.uint64)
+            for out, copier_parts in zip(arrays, parts):
+                size, groups = copier_parts
+                if len(out) != size:
+                    raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
+                for g, idx, bound, rows in groups:
+                    acc[g] += _mix64(out[idx] ^ bound).reshape(rows, -1).sum(axis=0, dtype=np.uint64)
         return acc
+
+    def _fold_parts(self, pos: List[np.ndarray], zeros: Tuple[int, ...]):
+        """Per copier: (blocks of its call, per group: (indices of the folded sums,
+        their seal bounds ``mix64(position * POSITION_MUL)``, triples))."""
+        reads = np.array([len(p) for p in pos], np.int64)
+        out = []
+        for js, group, by_group in zip(self.numbers, self.groups, self.by_group):
+            per = reads[group] + np.asarray(zeros, np.int64)[group]
+            starts = np.cumsum(per) - per
+            parts = []
+            for g, at in by_group:
+                n = int(reads[g])
+                if n:
+                    idx = (starts[at][:, None] + np.arange(n)[None, :]).ravel()
+                    sealed_at = ((js[at][:, None] << POSITION_BITS) + pos[g][None, :]).ravel()
+                    parts.append((g, idx, seal_bounds(sealed_at), len(at)))
+            out.append((int(per.sum()), parts))
+        return out
+
+
+def seal_bounds(positions: np.ndarray) -> np.ndarray:
+    """``mix64(position * POSITION_MUL)``: :func:`kvcopy.checksum.seal`'s bound with seed 0,
+    so ``mix64(sum ^ bound)`` is ``seal(sum, 0, position)``."""
+    with np.errstate(over="ignore"):
+        return mix64(positions.astype(np.uint64) * np.uint64(POSITION_MUL))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """:func:`kvcopy.checksum.mix64` in place on a fresh uint64 array (overflow wraps;
+    the caller holds ``np.errstate``)."""
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(MIX1)
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(MIX2)
+    x ^= x >> np.uint64(33)
+    return x
 
 
 # ---------------------------------------------------------------- P
