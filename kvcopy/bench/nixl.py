@@ -339,6 +339,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
                             buffer="arena", arena_order=args.arena_order, arena_bytes=probe_bytes, **kw)
     try:
         span = probe.save(_padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
+        assert probe.arena is not None
         granule = probe.arena.arena.granule
     finally:
         probe.close()
@@ -359,7 +360,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
     peer = mda.add_peer(mpa.metadata())
     record = mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id="bench", readers=1 << 62)
     d_padded = _padded(d_ids, counts)
-    pending = {}  # row -> the plan its next call pulls
+    pending: Dict[str, Any] = {}  # row -> the plan its next call pulls (an ArenaPlan)
 
     def make_plan(row: str) -> None:
         if row not in pending:
@@ -447,7 +448,7 @@ def format_nixl(out: dict) -> str:
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]
-    hdr = f"{'groups':>6}  {'method':<20} {'bytes':>9} {'descs':>6} {'min us':>9} {'median us':>10} " \
+    hdr = f"{'groups':>6}  {'method':<24} {'bytes':>9} {'descs':>6} {'min us':>9} {'median us':>10} " \
           f"{'p90 us':>9} {'GB/s':>7} {'x bulk':>7}"
     lines.append(hdr)
     prev = None
@@ -456,7 +457,7 @@ def format_nixl(out: dict) -> str:
             lines.append("")
         prev = r["groups"]
         d = "-" if r["descriptors"] is None else str(r["descriptors"])
-        lines.append(f"{r['groups']:>6}  {r['method']:<20} {fmt_bytes(r['bytes']):>9} {d:>6} "
+        lines.append(f"{r['groups']:>6}  {r['method']:<24} {fmt_bytes(r['bytes']):>9} {d:>6} "
                      f"{r.get('min_us', 0):>9.1f} {r.get('median_us', 0):>10.1f} {r.get('p90_us', 0):>9.1f} "
                      f"{r.get('gbps', 0):>7.2f} {r.get('x_bulk') or 0:>7.2f}")
     lines.append("x bulk = time / one bulk READ of the same bytes, same run: lower is better (1.00x is the floor)")
