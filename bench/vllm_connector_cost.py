@@ -1,7 +1,10 @@
-"""Host cost of one request-sync through kvcopy.vllm (48 layers x 6 groups by default).
+"""Host cost of one request-sync through kvcopy.vllm (48 layers x 6 groups by default),
+and (``--transport``) the arena connector against vLLM's NixlConnector with host buffers.
 
     PYTHONPATH=. VLLM_TARGET_DEVICE=cpu build/venv-vllm/bin/python bench/vllm_connector_cost.py \
         [--layers 48] [--groups 6] [--blocks 8] [--rounds 2000] [--model hybrid|gdn] [--kernel-pages 4]
+    PYTHONPATH=. VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 build/venv-vllm/bin/python bench/vllm_connector_cost.py \
+        --transport [options of bench/vllm_transport_cost.py]
 
 Runs in the vLLM environment (``.ci/run``'s ``build/venv-vllm``). Pages are tiny (tens
 of bytes), so the bytes moved are negligible and the figure is the host work.
@@ -37,6 +40,7 @@ import argparse
 import ast
 import os
 import statistics
+import sys
 import textwrap
 import time
 
@@ -124,6 +128,11 @@ def _gdn(args, page=64, state=40):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--transport" in argv:  # the arena connector against vLLM's NixlConnector: its own options
+        from vllm_transport_cost import main as transport  # beside this script
+
+        return transport([a for a in argv if a != "--transport"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--groups", type=int, default=6)

@@ -47,12 +47,17 @@ Pageable host buffers are pinned once by the copier's GPU backends (see
 ``.to()``); so are these: after the call the stream is synchronized, because P's host
 pages are read by a remote NIXL READ as soon as the request is reported saved.
 
+The arena connector (``KvcopyArenaConnector``: vLLM's scheduler, kvcopy's own
+transport; no host mirror, one READ descriptor per request) lives in
+:mod:`kvcopy.vllm_arena` and is importable from here, so both connectors share
+``kv_connector_module_path="kvcopy.vllm"``.
+
 Supported: vLLM 0.33.x (``SUPPORTED_VLLM``). ``import kvcopy`` never imports vLLM;
 ``import kvcopy.vllm`` without vLLM 0.33 raises ``ImportError`` naming the version.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 SUPPORTED_VLLM = "0.33"
 
@@ -94,19 +99,13 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed  # noqa: E402
 
 from .copier import BlockCopier  # noqa: E402
 from .vllm_groups import (  # noqa: E402
-    kernel_block_ids, pages_per_block, state_host_buffers, transfer_layer_groups,
+    kernel_block_ids, kv_sharing_layers, pages_per_block, state_host_buffers, transfer_layer_groups,
 )
 
 # Under vLLM's logger tree, so the registration line shows in vLLM's own log output.
 logger = init_logger("vllm.kvcopy")
 
 __all__ = ["KvcopyNixlConnector", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
-
-
-def _kv_sharing_layers(vllm_config) -> List[str]:
-    """Layers that read another layer's KV, from the model's attention modules."""
-    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
-    return [name for name, mod in ctx.items() if getattr(mod, "kv_sharing_target_layer_name", None)]
 
 
 class KvcopyNixlWorker(NixlPullConnectorWorker):
@@ -136,7 +135,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
 
     def _build_copier(self) -> None:
         groups = transfer_layer_groups(
-            self.kv_cache_config, self.host_xfer_buffers, _kv_sharing_layers(self.vllm_config)
+            self.kv_cache_config, self.host_xfer_buffers, kv_sharing_layers(self.vllm_config)
         )
         try:
             copier = BlockCopier(self.device_kv_caches, self.host_xfer_buffers, groups,
@@ -230,3 +229,10 @@ class KvcopyNixlConnector(NixlPullConnector):
             self.connector_worker = KvcopyNixlWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
+
+
+# The arena connector (kvcopy's own transport under vLLM's scheduler), in its own module;
+# importable from here so both connectors share one kv_connector_module_path.
+from .vllm_arena import KvcopyArenaConnector  # noqa: E402
+
+__all__ += ["KvcopyArenaConnector"]

@@ -109,3 +109,18 @@ def test_tokens_per_group_checks_division():
     with pytest.raises(ValueError, match="one value per KV cache group"):
         tokens_per_group([16], None, 2)
     assert np.array_equal(np.array(tokens_per_group(16, 16, 1)), [[16], [16]])
+
+
+def test_views_of_the_same_bytes_with_other_page_shapes_are_separate_regions():
+    """vLLM overlays its KV cache groups from byte 0: one group's layer 0 views 4 heads x 16
+    tokens per page, another's 2 heads x 32 tokens (a doubled block size that unifies page
+    sizes), or GDN state rows; same address and strides, other pages: two regions, each
+    with its own group's tokens per page."""
+    pool = torch.zeros(8 * 4 * 16 * 32, dtype=torch.float16)
+    a = pool.view(8, 4, 16, 32)  # [pages, heads, tokens, size]: 4 x 16
+    b = pool.view(8, 2, 32, 32)  # 2 x 32
+    state = pool.view(torch.int8).view(8, -1)[:, :1000]  # a state row per page, shorter than the page
+    rs = build_regions({"a": a, "b": b, "s": state}, [["a"], ["b"], ["s"]], [16, 32, 1 << 20], "device",
+                       kv_layout="HND")
+    assert sorted(r.members for r in rs.regions) == [(("a", 0),), (("b", 1),), (("s", 2),)]
+    assert {r.members[0][0]: r.tokens_per_page for r in rs.regions} == {"a": 16, "b": 32, "s": 1 << 20}

@@ -359,13 +359,15 @@ def build_regions(
     group_of = _group_of(device_caches, layer_groups)
     layouts = _layouts(device_caches, group_of, tokens_per_page, block_dim, kv_layout)
     storages, transfer_tensors, host_views, storage_of = _storages(device_caches, list(group_of), buffer)
-    # Regions: grouped layers by the exact bytes and geometry they view.
+    # Regions: grouped layers by the exact bytes and geometry they view. Two views of the
+    # same bytes with other in-page shapes (vLLM's groups overlaid from byte 0: 4 heads x
+    # 16 tokens against 2 x 32, attention pages against GDN state rows) are two regions.
     key_to_region: Dict[tuple, int] = {}
     members: List[List[Tuple[str, int]]] = []
     for name in group_of:
         t, l = transfer_tensors[name], layouts[name]
         key = (storage_of[name], t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes,
-               l.num_chunks, l.num_blocks)
+               l.num_chunks, l.num_blocks, l.kind, l.page_geometry)
         if key not in key_to_region:
             key_to_region[key] = len(members)
             members.append([])

@@ -1,0 +1,366 @@
+"""``KvcopyArenaConnector``: vLLM 0.33 P/D with kvcopy's arena as the transport.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvcopyArenaConnector",
+        "kv_connector_module_path": "kvcopy.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"kvcopy": {"arena_bytes": 4294967296}}}'
+
+vLLM's scheduler side is its own pull connector's (``NixlPullConnectorScheduler``:
+``get_num_new_matched_tokens``, the ``WAITING_FOR_REMOTE_KVS`` flow, ``request_finished``
+and its ``kv_transfer_params``, the proxy conventions, the side channel); the worker side
+is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL worker:
+
+* **P** (``wait_for_save``, :mod:`kvcopy.vllm_arena_stage`): each request whose prefill
+  ends this step is staged into P's arena with one masked copy (every group's own
+  layers at its own blocks, KV-sharing layers never); the blocks go back to vLLM's pool
+  as soon as the arena holds them. No host mirror: the arena (``arena_bytes``) is the
+  only pinned host memory, and vLLM's ``initialize_host_xfer_buffer`` never runs.
+* **D** (``start_load_kv`` / ``get_transfer_results``, :mod:`kvcopy.vllm_arena_pull`):
+  kvcopy's handshake, then ``plan_pull`` / ``pull`` / ``complete`` per request, by token
+  position (P and D may use different block and kernel-page sizes, which vLLM's own
+  host-buffer path refuses), skipping D's prefix-cache hits.
+* Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
+  models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
+  both sides. Models: what :mod:`kvcopy.vllm_groups` describes (several groups overlaid
+  from byte 0, KV-sharing layers, kernel-page splits, MLA, the six layouts, GDN state).
+
+Decisions, and why:
+
+* **A second class, not a mode of** ``KvcopyNixlConnector``. That connector *is* vLLM's
+  NIXL worker (its own NIXL agent, vLLM's registration, a host mirror of the KV) with
+  one copy replaced; this one has none of it. As a mode, one worker class would carry
+  two unrelated transports and the mirror would be half built before the mode is read.
+  vLLM picks connectors by class name, so the choice is one word of the config.
+* **P's record reaches D over P's side channel, asked for by D.** vLLM 0.33's scheduler
+  calls ``request_finished`` (whose return value becomes ``kv_transfer_params``) in its
+  per-request loop of ``update_from_output`` *before* ``update_connector_output`` hands it
+  the workers' report of the same step, so the record P's worker made in that step's
+  ``wait_for_save`` is not there yet. It can come later still: with a drafter
+  (``defer_finalize``) ``wait_for_save`` runs after the step's worker metadata was
+  taken, and a request waiting for arena space is staged steps after it finished.
+  Letting P's scheduler allocate spans instead would need it to know the span layout
+  (kvcopy's handshake geometry and pack order) and the arena to allocate at a given
+  offset. So P's workers report records (``build_connector_worker_meta``, merged over TP
+  ranks), P's scheduler keeps them (:class:`~kvcopy.vllm_arena_channel.RecordStore`),
+  and D asks for them at ``remote_host:remote_port`` (already in ``kv_transfer_params``):
+  one round trip per request on the control plane, and D also learns there when P could
+  not stage a request or how long its span lives.
+* **The handshake is kvcopy's, over vLLM's side channel.** Each worker's
+  ``get_handshake_metadata`` is vLLM's ``NixlHandshakePayload`` whose agent bytes are
+  ``TransferManager.metadata()`` (kvcopy's checked format: digest, optional shared-key
+  HMAC, bounded sizes); vLLM's scheduler publishes it and its listener (extended to
+  answer for records: :func:`~kvcopy.vllm_arena_channel.serve`) serves it. No new port,
+  and D reaches P exactly where vLLM's own connector would.
+
+What each side exchanges: :mod:`kvcopy.vllm_arena_meta`. Options
+(``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm_arena_meta.ArenaOptions`.
+Not supported: push, DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
+GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.logger import init_logger
+
+from .nixl.manager import TransferManager
+from .vllm_arena_channel import RecordStore, serve
+from .vllm_arena_meta import (
+    MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
+    compatibility_hash,
+)
+from .vllm_arena_pull import ArenaPuller
+from .vllm_arena_stage import ArenaStager
+from .vllm_groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
+
+logger = init_logger("vllm.kvcopy")
+
+__all__ = ["KvcopyArenaConnector", "KvcopyArenaScheduler", "KvcopyArenaWorker"]
+
+
+class KvcopyArenaScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull scheduler; P stages each prefill once it ends, D pulls by token position."""
+
+    def __init__(self, vllm_config, engine_id: str, kv_cache_config, options: ArenaOptions):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # The base then tracks P's requests to save (_reqs_need_save) whatever the device.
+        self.use_host_buffer = True
+        self.options = options
+        self.tokens = group_tokens(kv_cache_config)
+        self.store = RecordStore(options.arena_ttl_s)
+        self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
+        self._stage: Dict[str, ArenaStage] = {}
+        self._recv: Dict[str, ArenaRecv] = {}
+        # P: requests sent to the workers for staging, not yet reported by every rank
+        self._awaiting: Dict[str, Tuple[float, Set[int]]] = {}
+
+    def _nixl_handshake_listener(self, encoded_data, ready_event, stop_event, host, port):
+        """vLLM's listener thread, answering for records too (the base starts it)."""
+        serve(encoded_data, ready_event, stop_event, host, port, self.store)
+
+    # ------------------------------------------------------------ P
+    def _build_save_meta(self, meta, scheduler_output) -> None:
+        """Requests whose prefill ends this step, with their whole block table."""
+        for rid, n in (scheduler_output.num_scheduled_tokens or {}).items():
+            req = self._reqs_need_save.get(rid)
+            if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue
+            del self._reqs_need_save[rid]
+            if self.kv_cache_manager is None:
+                raise RuntimeError("KvcopyArenaConnector: no KV cache manager bound to the scheduler side")
+            table = self.kv_cache_config.select_transfer_block_ids(self.kv_cache_manager.get_block_ids(rid))
+            ids = positions(self.tokens, table, req.num_prompt_tokens)
+            self._stage[rid] = ArenaStage(tuple(tuple(g) for g in ids), int(req.num_prompt_tokens))
+            self._awaiting[rid] = (time.monotonic() + self.options.stage_timeout_s + self.store.margin_s, set())
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        unstaged = rid in self._reqs_need_save  # finished before its prefill ended: nothing to stage
+        delay, params = super().request_finished(request, block_ids)
+        if rid in self._reqs_not_processed:  # aborted: the workers drop it
+            self._awaiting.pop(rid, None)
+            self.store.fail(rid, "aborted on P")
+        elif unstaged and params is not None and params.get("do_remote_prefill"):
+            self._reqs_need_save.pop(rid, None)
+            self._reqs_need_send.pop(rid, None)
+            self.store.fail(rid, "finished before its prefill was staged")
+            delay = False
+        return delay, params
+
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        report = connector_output.kv_connector_worker_meta
+        if not isinstance(report, KvcopyArenaWorkerMeta):
+            return
+        self.store.update(report)
+        for rid, by_rank in list(report.staged.items()) + list(report.failed.items()):
+            entry = self._awaiting.get(rid)
+            if entry is not None:
+                entry[1].update(by_rank)
+                if len(entry[1]) >= self.transfer_tp_size:
+                    del self._awaiting[rid]
+
+    def has_pending_push_work(self) -> bool:
+        """Keep P stepping while a request waits to be staged (arena space, a copy)."""
+        now = time.monotonic()
+        for rid in [r for r, (deadline, _) in self._awaiting.items() if now > deadline]:
+            del self._awaiting[rid]
+            self.store.fail(rid, "no worker reported it staged")
+        return bool(self._awaiting)
+
+    # ------------------------------------------------------------ D
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        rid = request.request_id
+        known = rid in self._reqs_need_recv
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if known or rid not in self._reqs_need_recv:
+            return
+        n = self._get_remote_prefill_token_count(len(request.prompt_token_ids or ()))
+        self._recv[rid] = self._recv_meta(request.kv_transfer_params, n,
+                                          blocks if num_external_tokens > 0 else None)
+
+    def _recv_meta(self, params, n: int, blocks) -> ArenaRecv:
+        """D's blocks as token-anchored lists (prefix-cache hits and null blocks as holes),
+        or, with ``blocks`` None, a request D needs nothing of."""
+        pos: Optional[Tuple[Tuple[int, ...], ...]] = None
+        cached: Tuple[int, ...] = ()
+        if blocks is not None:
+            per = [blocks.blocks[k] for k in self.tokens.kv_group]
+            skip = [[b.block_hash is not None and not b.is_null for b in g] for g in per]
+            pos = tuple(tuple(g) for g in positions(self.tokens, [[b.block_id for b in g] for g in per], n, skip))
+            cached = tuple(0 if st else min(n, _leading_holes(g) * tpb)
+                           for g, st, tpb in zip(per, self.tokens.state, self.tokens.tokens_per_block))
+        try:
+            port, tp = int(params["remote_port"]), int(params.get("tp_size", 1))
+            if not (0 < port < 65536 and 0 < tp <= MAX_TP) or not isinstance(params["remote_host"], str):
+                raise ValueError("out of range")
+            return ArenaRecv(str(params["remote_engine_id"]), params["remote_host"], port,
+                             str(params["remote_request_id"]), tp, n, pos, cached, blocks is not None)
+        except (KeyError, TypeError, ValueError) as exc:
+            return ArenaRecv("", "", 0, "", 1, n, pos, cached, blocks is not None, f"bad kv_transfer_params: {exc}")
+
+    def build_connector_meta(self, scheduler_output) -> KvcopyArenaMetadata:
+        need_recv = {rid: entry[0] for rid, entry in self._reqs_need_recv.items()}
+        nixl = super().build_connector_meta(scheduler_output)  # clears _reqs_need_recv
+        recv = {}
+        for rid, req in need_recv.items():
+            r = self._recv.pop(rid, None)
+            if r is None:  # aborted before it was scheduled: P's span can go
+                params = req.kv_transfer_params or {}
+                r = self._recv_meta(params, int(params.get("remote_num_tokens") or 0), None)
+            recv[rid] = r
+        stage, self._stage = self._stage, {}
+        return KvcopyArenaMetadata(nixl, stage, recv)
+
+
+def _leading_holes(blocks) -> int:
+    """Blocks at the start of a group's table D holds already (prefix-cache hits) or never
+    will (vLLM's null block: a sliding window's start)."""
+    n = 0
+    for b in blocks:
+        if not (b.is_null or b.block_hash is not None):
+            break
+        n += 1
+    return n
+
+
+class KvcopyArenaWorker:
+    """One worker rank: its ``TransferManager`` (arena mode), P's stager, D's puller."""
+
+    def __init__(self, vllm_config, engine_id: str, kv_cache_config, options: ArenaOptions):
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+        )
+
+        self.vllm_config, self.kv_cache_config, self.options = vllm_config, kv_cache_config, options
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.use_mla = bool(vllm_config.model_config.use_mla)
+        self.total_kv_heads = None if self.use_mla else int(vllm_config.model_config.get_total_num_kv_heads())
+        self.name = agent_name(engine_id, self.tp_rank)
+        self.compat = compatibility_hash(vllm_config)
+        self.key = options.key()
+        self.manager: Optional[TransferManager] = None
+        self.stager: Optional[ArenaStager] = None
+        self.puller: Optional[ArenaPuller] = None
+
+    def register_kv_caches(self, kv_caches) -> None:
+        layout = arena_layout(self.kv_cache_config, kv_caches, kv_sharing_layers(self.vllm_config), self.use_mla)
+        o = self.options
+        replicated = self.total_kv_heads if self.total_kv_heads is not None and self.total_kv_heads < self.tp_size \
+            else None  # else each rank's heads x TP, per layer
+        self.manager = TransferManager(
+            self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
+            buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=replicated,
+            copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key, arena_bytes=o.arena_bytes,
+            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order)
+        self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
+        self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
+                                  self.compat, len(self.kv_cache_config.kv_cache_groups) == 1)
+        grouped = sum(len(g) for g in layout.groups)
+        skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
+        logger.info(
+            "kvcopy: arena connector %s: %.3f GiB arena (pinned when the KV is on a GPU; vLLM's host mirror of "
+            "these caches would be %.3f GiB), %d transfer groups, %d layers registered%s",
+            self.name, self.manager.stats()["arena_bytes"] / 2**30, host_mirror_bytes(kv_caches) / 2**30,
+            len(layout.groups), grouped, f", {skipped} KV-sharing layers never copied" if skipped else "")
+
+    def _require(self):
+        if self.manager is None or self.stager is None or self.puller is None:
+            raise RuntimeError("KvcopyArenaConnector: register_kv_caches has not run on this worker")
+        return self.stager, self.puller
+
+    def handshake_payload(self) -> NixlHandshakePayload:
+        assert self.manager is not None
+        return NixlHandshakePayload(compatibility_hash=self.compat, agent_metadata_bytes=self.manager.metadata())
+
+    def start_load(self, meta: KvcopyArenaMetadata) -> None:
+        _, puller = self._require()
+        puller.start(meta.recv)
+        puller.step()  # post READs whose records are in, before the forward
+
+    def save(self, meta: KvcopyArenaMetadata) -> None:
+        stager, _ = self._require()
+        stager.step(meta)
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        stager, puller = self._require()
+        puller.step()
+        done, failed = puller.results()
+        return KVConnectorTransferResults(finished_sending=stager.finished_sending(), finished_recving=done,
+                                          failed_recving=failed)
+
+    def load_error_block_ids(self) -> Set[int]:
+        return self.puller.take_error_blocks() if self.puller is not None else set()
+
+    def report(self) -> Optional[KvcopyArenaWorkerMeta]:
+        return self.stager.take_report() if self.stager is not None else None
+
+    def shutdown(self) -> None:
+        if self.puller is not None:
+            self.puller.close()
+        if self.manager is not None:
+            self.manager.close()
+        self.manager = self.stager = self.puller = None
+
+
+class KvcopyArenaConnector(NixlBaseConnector):
+    """vLLM's connector interface over :class:`KvcopyArenaScheduler` (scheduler process)
+    and :class:`KvcopyArenaWorker` (each worker); see the module docstring."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        options = ArenaOptions.from_config(self.kv_transfer_config)
+        self.arena_worker: Optional[KvcopyArenaWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvcopyArenaScheduler(vllm_config, self.engine_id, kv_cache_config, options)
+        elif role == KVConnectorRole.WORKER:
+            self.arena_worker = KvcopyArenaWorker(vllm_config, self.engine_id, kv_cache_config, options)
+        else:
+            raise ValueError(f"unsupported KVConnectorRole: {role}")
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return False
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if isinstance(self.connector_scheduler, KvcopyArenaScheduler):
+            self.connector_scheduler.kv_cache_manager = kv_cache_manager
+
+    # ------------------------------------------------------------ worker side
+    def _worker(self) -> KvcopyArenaWorker:
+        if self.arena_worker is None:
+            raise RuntimeError("KvcopyArenaConnector: a worker-side call on the scheduler side")
+        return self.arena_worker
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation) -> None:
+        """Not used: the arena's own copies move the bytes."""
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcopyArenaMetadata)
+        self._worker().start_load(meta)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcopyArenaMetadata)
+        self._worker().save(meta)
+
+    def get_finished(self, finished_req_ids):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids) -> KVConnectorTransferResults:
+        return self._worker().transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self._worker().load_error_block_ids()
+
+    def get_handshake_metadata(self) -> NixlHandshakePayload:
+        return self._worker().handshake_payload()
+
+    def build_connector_worker_meta(self) -> Optional[KvcopyArenaWorkerMeta]:
+        return self._worker().report()
+
+    def get_kv_connector_stats(self):
+        return None
+
+    def unregister_kv_caches(self) -> None:
+        raise NotImplementedError("KvcopyArenaConnector does not support sleep mode")
+
+    def restore_kv_caches(self) -> None:
+        raise NotImplementedError("KvcopyArenaConnector does not support sleep mode")
+
+    def shutdown(self) -> None:
+        if self.arena_worker is not None:
+            self.arena_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()

@@ -1,0 +1,183 @@
+"""What the arena connector's parts tell each other: options, per-step metadata, notifications.
+
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
+
+* :class:`ArenaOptions`: the connector's settings, from
+  ``kv_connector_extra_config["kvcopy"]`` (every key checked; unknown keys refused).
+* Scheduler -> workers, once per step (:class:`KvcopyArenaMetadata`): vLLM's own NIXL
+  metadata (which requests P's scheduler finished or dropped) plus, on P, the requests
+  whose prefill ends this step (:class:`ArenaStage`: their block table and token count)
+  and, on D, the requests to pull (:class:`ArenaRecv`: where P is, and D's blocks as
+  token-anchored lists).
+* Workers -> scheduler (:class:`KvcopyArenaWorkerMeta`, merged over TP ranks by vLLM's
+  ``aggregate``): per request and P rank, the staged record's wire bytes, or why it
+  could not be staged, and which staged spans were freed.
+* D -> P over NIXL: a reader's notification (:func:`notify_bytes`, :func:`parse_notify`)
+  names the request and D's TP size, so each P rank knows how many D ranks read it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Dict, Mapping, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from .nixl.pack_order import ORDERS
+
+# Bumped on any change of what the two sides exchange (records, notifications, replies).
+ARENA_PROTOCOL = 1
+NOTIFY_PREFIX = b"kvcopy-arena\0"
+MAX_TP = 1024
+
+
+@dataclass(frozen=True)
+class ArenaOptions:
+    """``kv_connector_extra_config["kvcopy"]``: sizes in bytes, times in seconds."""
+
+    arena_bytes: int = 1 << 30  # pinned staging memory per worker (P and D)
+    arena_ttl_s: float = 60.0  # P keeps a staged span at most this long without D's notification
+    stage_timeout_s: float = 10.0  # P: how long a request waits for arena space before it fails
+    fetch_timeout_s: float = 30.0  # D: handshake + P's record + D's arena space, from the request's start
+    pull_timeout_s: float = 30.0  # D: one READ's deadline (also bounded by what is left of P's TTL)
+    arena_order: str = "token"  # or "head" (HND pages, P/D of different TP)
+    copy_backend: str = "auto"
+    key_env: Optional[str] = None  # environment variable holding the shared HMAC key (hex)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "arena_bytes":
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"kvcopy.arena_bytes must be a positive int, got {value!r}")
+            elif f.name.endswith("_s"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value <= 0:
+                    raise ValueError(f"kvcopy.{f.name} must be a positive number of seconds, got {value!r}")
+        if self.arena_order not in ORDERS:
+            raise ValueError(f"kvcopy.arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
+        if not isinstance(self.copy_backend, str):
+            raise ValueError(f"kvcopy.copy_backend must be a backend name, got {self.copy_backend!r}")
+        if self.key_env is not None and (not isinstance(self.key_env, str) or not self.key_env):
+            raise ValueError(f"kvcopy.key_env must name an environment variable, got {self.key_env!r}")
+
+    @classmethod
+    def from_config(cls, kv_transfer_config) -> "ArenaOptions":
+        raw = kv_transfer_config.get_from_extra_config("kvcopy", None) or {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"kv_connector_extra_config['kvcopy'] must be an object, got {raw!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config['kvcopy']: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(raw))
+
+    def key(self) -> Optional[bytes]:
+        """The shared key from ``key_env`` (hex), or None."""
+        if self.key_env is None:
+            return None
+        text = os.environ.get(self.key_env)
+        if not text:
+            raise ValueError(f"kvcopy.key_env names {self.key_env!r}, which is not set")
+        try:
+            return bytes.fromhex(text.strip())
+        except ValueError:
+            raise ValueError(f"environment variable {self.key_env!r} must hold the key in hex") from None
+
+
+@dataclass(frozen=True)
+class ArenaStage:
+    """P: stage this request (its prefill ends this step)."""
+
+    block_ids: Tuple[Tuple[int, ...], ...]  # per transfer group, token-anchored (NO_BLOCK: a hole)
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ArenaRecv:
+    """D: pull this request from P (``positions`` None: D needs nothing, only tells P so)."""
+
+    engine_id: str
+    host: str
+    port: int
+    remote_request_id: str
+    remote_tp_size: int
+    num_tokens: int
+    positions: Optional[Tuple[Tuple[int, ...], ...]]  # D's blocks per transfer group, token-anchored
+    cached_tokens: Tuple[int, ...]  # per transfer group: D's prefix-cache hit (never written)
+    awaiting: bool  # the scheduler waits for this request in finished_recving
+    error: Optional[str] = None  # the request's kv_transfer_params could not be used: it fails at once
+
+
+class KvcopyArenaMetadata(KVConnectorMetadata):
+    """One step's scheduler -> worker metadata (see the module docstring)."""
+
+    def __init__(self, nixl, stage: Dict[str, ArenaStage], recv: Dict[str, ArenaRecv]):
+        self.nixl = nixl  # vLLM's NixlConnectorMetadata: reqs_to_send, reqs_not_processed
+        self.stage = stage
+        self.recv = recv
+
+
+@dataclass
+class KvcopyArenaWorkerMeta(KVConnectorWorkerMetadata):
+    """One step's worker -> scheduler report, per request and P rank."""
+
+    staged: Dict[str, Dict[int, bytes]] = field(default_factory=dict)  # record wire bytes
+    failed: Dict[str, Dict[int, str]] = field(default_factory=dict)  # why it was not staged
+    released: Dict[str, Set[int]] = field(default_factory=dict)  # spans freed (readers done, TTL, abort)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvcopyArenaWorkerMeta":
+        if not isinstance(other, KvcopyArenaWorkerMeta):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into KvcopyArenaWorkerMeta")
+        out = KvcopyArenaWorkerMeta()
+        for part in (self, other):
+            for rid, records in part.staged.items():
+                out.staged.setdefault(rid, {}).update(records)
+            for rid, reasons in part.failed.items():
+                out.failed.setdefault(rid, {}).update(reasons)
+            for rid, ranks in part.released.items():
+                out.released.setdefault(rid, set()).update(ranks)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.staged or self.failed or self.released)
+
+
+def agent_name(engine_id: str, tp_rank: int) -> str:
+    """The NIXL agent (and peer) name of one engine rank's TransferManager."""
+    return f"kvcopy-arena-{engine_id}-tp{tp_rank}"
+
+
+def compatibility_hash(vllm_config) -> str:
+    """What two engines must share to transfer at all (geometry is kvcopy's handshake's job)."""
+    from vllm import __version__
+
+    m, c = vllm_config.model_config, vllm_config.cache_config
+    factors = {"protocol": ARENA_PROTOCOL, "vllm": __version__, "model": m.model, "dtype": str(m.dtype),
+               "cache_dtype": str(c.cache_dtype)}
+    return "kvcopy-arena:" + hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+
+
+def notify_bytes(remote_request_id: str, d_tp_size: int) -> bytes:
+    """D's notification to each P rank it read (or gave up on) for a request."""
+    return NOTIFY_PREFIX + remote_request_id.encode("utf-8") + b"\0" + str(int(d_tp_size)).encode()
+
+
+def parse_notify(msg: bytes) -> Optional[Tuple[str, int]]:
+    """(request id, D's TP size) of a reader's notification, or None for anything else
+    (a notification is peer input: malformed ones are ignored, never trusted)."""
+    if not isinstance(msg, (bytes, bytearray)) or not msg.startswith(NOTIFY_PREFIX):
+        return None
+    body = bytes(msg[len(NOTIFY_PREFIX):])
+    rid, sep, tp = body.rpartition(b"\0")
+    if not sep or not rid or not tp.isdigit() or len(tp) > 4:
+        return None
+    try:
+        text = rid.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    size = int(tp)
+    return (text, size) if 1 <= size <= MAX_TP else None

@@ -1,0 +1,50 @@
+"""kvcopy.vllm_arena_meta: the arena connector's options, notifications and worker reports (vLLM env)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
+
+from vllm.config import KVTransferConfig  # noqa: E402
+
+
+def test_options_are_checked():
+    from kvcopy.vllm_arena_meta import ArenaOptions
+
+    def opts(**kw):
+        return ArenaOptions.from_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
+                                                         kv_connector_extra_config={"kvcopy": kw}))
+    assert opts(arena_bytes=1 << 20, pull_timeout_s=2).pull_timeout_s == 2
+    for bad, match in [({"arena_bytes": 0}, "arena_bytes"), ({"arena_bytes": True}, "arena_bytes"),
+                       ({"pull_timeout_s": float("nan")}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
+                       ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
+                       ({"key_env": ""}, "key_env")]:
+        with pytest.raises(ValueError, match=match):
+            opts(**bad)
+    with pytest.raises(ValueError, match="KVCOPY_TEST_KEY.*not set"):
+        opts(key_env="KVCOPY_TEST_KEY").key()
+
+
+def test_reader_notifications_are_parsed_strictly():
+    from kvcopy.vllm_arena_meta import notify_bytes, parse_notify
+
+    assert parse_notify(notify_bytes("req-1", 4)) == ("req-1", 4)
+    assert parse_notify(notify_bytes("a\0b", 2)) == ("a\0b", 2)  # the TP size is after the last NUL
+    for bad in [b"req-1", b"kvcopy-arena\0req", b"kvcopy-arena\0req\0x", b"kvcopy-arena\0req\x000",
+                b"kvcopy-arena\0req\x0099999", b"kvcopy-arena\0\xff\xfe\x001", b"kvcopy-arena\0\x001", "str"]:
+        assert parse_notify(bad) is None, bad
+
+
+def test_worker_reports_merge_over_tp_ranks():
+    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
+
+    a = KvcopyArenaWorkerMeta(staged={"r": {0: b"x"}}, released={"q": {0}})
+    b = KvcopyArenaWorkerMeta(staged={"r": {1: b"y"}}, failed={"s": {1: "full"}}, released={"q": {1}})
+    m = a.aggregate(b)
+    assert m.staged == {"r": {0: b"x", 1: b"y"}} and m.failed == {"s": {1: "full"}} and m.released == {"q": {0, 1}}
+    assert not KvcopyArenaWorkerMeta() and m
