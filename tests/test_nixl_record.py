@@ -141,8 +141,8 @@ NOT_A_RECORD = {
     "sums page spaces": lambda t: t.replace("ffffffffffffffff", "ffffffff ffffffff"[:16], 1),
     "sums page odd length": lambda t: t.replace("ffffffffffffffff", "fffffffffffffff", 1),
     "sums pages not a list": lambda t: t.replace('"pages":[', '"pages":{"0":', 1).replace('"]}', '"}}', 1),
-    "sums page a number": lambda t: re.sub(r'"pages":\["[0-9a-f]*"', '"pages":[7', t, 1),
-    "sums no groups": lambda t: re.sub(r'"pages":\[[^]]*\]', '"pages":[]', t, 1),
+    "sums page a number": lambda t: re.sub(r'"pages":\["[0-9a-f]*"', '"pages":[7', t, count=1),
+    "sums no groups": lambda t: re.sub(r'"pages":\[[^]]*\]', '"pages":[]', t, count=1),
 }
 
 
@@ -155,7 +155,7 @@ def test_json_that_is_not_a_record_is_refused_even_with_a_fresh_digest(name):
 VALID_EDITS = {  # records with another meaning that a digest cannot tell from genuine ones
     "another offset": field_value("offset", str(8192 * 38)),
     "other sums": lambda t: t.replace("ffffffffffffffff", "fffffffffffffffe", 1),
-    "no sums": lambda t: re.sub(r',"sums":\{[^}]*\}', "", t, 1),
+    "no sums": lambda t: re.sub(r',"sums":\{[^}]*\}', "", t, count=1),
     "the other order": field_value("order", json.dumps(HEAD_ORDER)),
     "another request": field_value("request_id", '"cmpl-0000-0"'),
 }

@@ -128,7 +128,7 @@ def test_a_fault_fails_exactly_its_request(pair, kind, fault, monkeypatch):
         if r == "B" and fault == "truncate":  # the READ brings 100 bytes less than it asks
             post = d._agent.post_read_descs
 
-            def truncated(local, local_mem, name, remote_rows, remote_mem, notify):
+            def truncated(local, local_mem, name, remote_rows, remote_mem, notify, post=post):
                 local, remote_rows = local.copy(), remote_rows.copy()
                 local[-1, 1] -= 100
                 remote_rows[-1, 1] -= 100
