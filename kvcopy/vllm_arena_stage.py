@@ -34,7 +34,7 @@ import torch
 
 from .nixl import ArenaFull, remote_ranks
 from .nixl.manager import TransferManager
-from .nixl.span_sums import finished
+from .nixl.sum_check import finished
 from .vllm_arena_meta import ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify
 
 

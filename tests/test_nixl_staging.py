@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcopy.nixl import NO_BLOCK, TransferManager, remote_ranks
-from kvcopy.testing.nixl import fuzz
+from kvcopy.testing.nixl import fuzz, geometries
 from kvcopy.nixl.arena import ArenaFull
 from kvcopy.nixl.record import StagedRequest
 from kvcopy.nixl.staging import ArenaPlan
@@ -642,6 +642,7 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
     monkeypatch.setattr(fuzz, "build_caches", lambda spec, which, rank, logical=None: {
         n: _blocks_first_hnd(t) for n, t in build(spec, which, rank, logical).items()})
     monkeypatch.setattr(fuzz, "arena_order", lambda spec: "head")
+    monkeypatch.setattr(geometries, "arena_order", lambda spec: "head")  # what arena_staging reads
     layers = [f"model.layers.{i}.attn" for i in range(3)]
     n = 45
     p = fuzz.side(p_tp, "bf_kv", [layers[:2], layers[2:]], [16, 16], [16, 16], n, seed=5)

@@ -42,7 +42,7 @@ from typing import ClassVar, Dict, List, Mapping, NamedTuple, Optional, Protocol
 
 import numpy as np
 
-from .handshake import EngineInfo, LayerPair
+from .handshake import EngineInfo, LayerPair, SumsRegion
 from .options import ManagerOptions
 from .plan import Plan
 from .regions import RegionInfo, RegionSet
@@ -114,6 +114,11 @@ class BufferMode(ABC):
     def arena_range(self) -> Tuple[int, int]:
         """(address, bytes) of the staging arena the handshake advertises; (0, 0): none."""
         return (0, 0)
+
+    @property
+    def sums_region(self) -> Optional[SumsRegion]:
+        """Host mode with checksums: the page-sums region the handshake advertises."""
+        return None
 
     # ---------------------------------------------------------------- P side
     @abstractmethod

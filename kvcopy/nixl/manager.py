@@ -83,16 +83,15 @@ from ..checks import name as checked_name, seconds
 from ._agent import Agent, NixlError, metadata_name
 from .arena import ArenaFull
 from .buffer_mode import BufferMode, Peer, Read
-from .handshake import EngineInfo, check_peer_limits, decode, encode, layer_limit, pair_layers
+from .handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
 from .late_reads import LateReads
 from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
 from .paged_modes import DeviceMode, MirrorMode
 from .plan import Plan
-from .span_sums import finished
-from .sum_check import NOT_WRITTEN
+from .sum_check import NOT_WRITTEN, finished
 from .pull import DONE, ERR, PROC, Completion, PullHandle
-from .regions import MAX_NAME, RegionSet, descriptor_table, tokens_per_group
+from .regions import MAX_NAME, RegionSet, tokens_per_group
 from .staging import ArenaStaging
 
 MODES: Dict[str, Type[BufferMode]] = {"host": MirrorMode, "device": DeviceMode, "arena": ArenaStaging}
@@ -158,7 +157,7 @@ class TransferManager:
             name=self.name, buffer=buffer, mem_type=mode.mem_type, tp_rank=opts.tp_rank, tp_size=opts.tp_size,
             tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
             regions=mode.region_infos, agent_metadata=self._agent.metadata(), arena=mode.arena_range,
-        )
+            sums=mode.sums_region)
         self._closed = False
 
     def _register(self, mode: BufferMode) -> None:
@@ -206,7 +205,7 @@ class TransferManager:
         if agent_name is not None and agent_name != remote.name:
             raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent metadata is "
                              f"for {agent_name!r}")
-        descs, offsets = descriptor_table(remote.regions)  # bounded by check_peer_limits
+        descs, offsets = engine_descriptors(remote)  # bounded by check_peer_limits
         try:
             name = self._agent.add_remote(remote.agent_metadata)
         except NixlError as exc:

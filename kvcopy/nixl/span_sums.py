@@ -52,7 +52,7 @@ from ..copier import CallPlan
 from ..tables import RUN_BYTES
 from .record import LAYOUT_HEX, PageSums, StagedRequest
 from .span_copiers import SpanCopiers
-from .sum_check import Readback, SumCheck, SumStats, mismatch_message
+from .sum_check import PendingResult, Readback, SumCheck, SumStats, mismatch_message
 
 SUM_LAYOUT_VERSION = "kvcopy-span-sums:v1"
 POSITION_BITS = 40  # page positions stay below 2^40 (tokens are bounded by 2^40)
@@ -160,7 +160,7 @@ def page_sums(layout: SumLayout, arrays: Sequence[np.ndarray], positions: Sequen
     return PageSums.of(layout.fingerprint, values)
 
 
-class PendingRecord:
+class PendingRecord(PendingResult):
     """P's record while its sums are on their way from the GPU (``save(wait=False)`` on
     CUDA with checksums): :meth:`ready` never waits; :meth:`result` waits for the pack
     if it has not ended, and gives the :class:`~kvcopy.nixl.record.StagedRequest`."""
@@ -189,11 +189,6 @@ class PendingRecord:
 
     def __repr__(self) -> str:
         return f"PendingRecord({self.request_id!r}, ready={self.ready()})"
-
-
-def finished(record):
-    """``record``, or the record a :class:`PendingRecord` becomes (waiting if needed)."""
-    return record.result() if isinstance(record, PendingRecord) else record
 
 
 # ---------------------------------------------------------------- D

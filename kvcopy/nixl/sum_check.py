@@ -114,11 +114,29 @@ class SumCheck:
 
 
 def mismatch_message(bad: Sequence[tuple], limit: int = 4) -> str:
-    """``bad``: (group, page position, local page) of each page whose sums differ."""
-    shown = ", ".join(f"group {g} page position {k} (local page {p})" for g, k, p in bad[:limit])
+    """``bad``: (group, page position or None, local page) of each page whose sums differ."""
+    shown = ", ".join(f"group {g} page position {k} (local page {p})" if k is not None else f"group {g} local page {p}"
+                      for g, k, p in bad[:limit])
     more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
     return (f"checksum mismatch: the bytes D received differ from those P staged in {len(bad)} page(s): "
             f"{shown}{more}")
+
+
+class PendingResult:
+    """What ``save`` hands back while its page sums are on their way from the GPU
+    (``save(wait=False)`` on CUDA with checksums): :meth:`ready` never waits;
+    :meth:`result` waits for the copy if it has not ended, and finishes the save."""
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def result(self):
+        raise NotImplementedError
+
+
+def finished(value):
+    """``value``, or what a :class:`PendingResult` gives (waiting if needed)."""
+    return value.result() if isinstance(value, PendingResult) else value
 
 
 # What a buffer mode's complete() returns when nothing was copied (a failed pull).
