@@ -214,10 +214,29 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         super().shutdown()
 
 
+def mirror_checksum(kv_transfer_config) -> bool:
+    """``kv_connector_extra_config["kvcopy"]["checksum"]`` for the mirror connector: only
+    ``false`` (the default here). Its bytes travel by vLLM's own NIXL transfers and
+    handshake, which carry no page sums, so nothing could compare them end to end;
+    ``true`` is refused (``ValueError``) rather than ignored. Page sums need kvcopy's
+    transport: the arena connector, where ``checksum`` is on by default."""
+    raw = kv_transfer_config.get_from_extra_config("kvcopy", None) or {}
+    value = raw.get("checksum", False) if isinstance(raw, dict) else False
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config['kvcopy']['checksum'] must be true or false, got {value!r}")
+    if value:
+        raise ValueError("KvcopyNixlConnector: checksum=true needs kvcopy's transport; this connector moves KV "
+                         "with vLLM's own NIXL transfers, which carry no page sums to compare. Use "
+                         "KvcopyArenaConnector (page sums on by default) or set checksum to false")
+    return value
+
+
 class KvcopyNixlConnector(NixlPullConnector):
-    """vLLM's ``NixlConnector`` (pull) with :class:`KvcopyNixlWorker` as its worker."""
+    """vLLM's ``NixlConnector`` (pull) with :class:`KvcopyNixlWorker` as its worker
+    (``checksum``: see :func:`mirror_checksum`)."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
+        mirror_checksum(vllm_config.kv_transfer_config)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(

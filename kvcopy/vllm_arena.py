@@ -237,7 +237,7 @@ class KvcopyArenaWorker:
             self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
             buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=replicated,
             copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key, arena_bytes=o.arena_bytes,
-            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order)
+            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum)
         self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
         self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
                                   self.compat, len(self.kv_cache_config.kv_cache_groups) == 1)

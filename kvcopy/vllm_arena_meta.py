@@ -46,6 +46,7 @@ class ArenaOptions:
     arena_order: str = "token"  # or "head" (HND pages, P/D of different TP)
     copy_backend: str = "auto"
     key_env: Optional[str] = None  # environment variable holding the shared HMAC key (hex)
+    checksum: bool = True  # page sums: P's pack into the record, D's scatter compared (docs/nixl.md, "Checksums")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -61,6 +62,8 @@ class ArenaOptions:
             raise ValueError(f"kvcopy.arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         if not isinstance(self.copy_backend, str):
             raise ValueError(f"kvcopy.copy_backend must be a backend name, got {self.copy_backend!r}")
+        if not isinstance(self.checksum, bool):
+            raise ValueError(f"kvcopy.checksum must be true or false, got {self.checksum!r}")
         if self.key_env is not None and (not isinstance(self.key_env, str) or not self.key_env):
             raise ValueError(f"kvcopy.key_env must name an environment variable, got {self.key_env!r}")
 

@@ -23,6 +23,9 @@ thread: the ``TransferManager`` is driven from that thread only):
 4. **complete**: ``poll`` until ``DONE``/``ERR``, then ``complete``: zero and scatter into
    D's pages in one masked copy (enqueued on the current stream, no host wait), or, for
    a failed pull, nothing written (arena mode: a failed READ only ever lands in D's span).
+   With ``checksum`` (the default) the scatter's page sums are compared with the ones P's
+   record carries; on CUDA the request is reported at the first step after they reached
+   host memory (``Completion.ready``), never by waiting, and a mismatch fails it.
 
 Every request the scheduler waits for ends in ``finished_recving``; one that did not
 complete ``ok`` (whatever the cause: a refused handshake or record, P's failure to stage,
@@ -47,7 +50,7 @@ from vllm.logger import init_logger
 from .nixl import ArenaFull, NO_BLOCK, remote_ranks
 from .nixl.manager import TransferManager
 from .nixl.plan import Plan
-from .nixl.pull import PullHandle
+from .nixl.pull import Completion, PullHandle
 from .vllm_arena_channel import fetch_metadata, fetch_records
 from .vllm_arena_meta import ArenaOptions, ArenaRecv, agent_name, notify_bytes
 from .vllm_groups import GroupTokens
@@ -77,6 +80,7 @@ class _Job:
     fetched: Optional[_Fetched] = None
     plan: Optional[Plan] = None
     handle: Optional[PullHandle] = None
+    completion: Optional[Completion] = None  # completed; on CUDA its checksum verdict may still be on the way
     blocks: Tuple[int, ...] = field(default=())  # D's blocks, for load errors
 
 
@@ -161,9 +165,13 @@ class ArenaPuller:
 
     def _advance(self, job: _Job, now: float) -> None:
         if job.handle is not None:
-            if self.m.poll(job.handle) == "PROC":
+            if job.completion is None:
+                if self.m.poll(job.handle) == "PROC":
+                    return
+                job.completion = self.m.complete(job.handle)
+            done = job.completion
+            if not done.ready:  # the scatter's page sums are still on their way from the GPU: never wait
                 return
-            done = self.m.complete(job.handle)
             if done.ok:
                 self._finish(job)
             else:

@@ -18,7 +18,8 @@ Each step (``wait_for_save``) :meth:`ArenaStager.step`:
    evicted or overwritten (the arena never hands out a live span). On CUDA the copy is
    enqueued (``save(wait=False)``) and the record is reported only once its event has
    completed, so no READ can be posted before the bytes are in the arena, and P's step
-   never waits for it.
+   never waits for it. With ``checksum`` the record carries the pack's page sums, read
+   back with the copy (:class:`~kvcopy.nixl.span_sums.PendingRecord`) and finished then.
 
 A request staged (or failed) whose blocks P's scheduler holds (``reqs_to_send``: it
 finished the request with ``delay_free_blocks``) is reported in ``finished_sending``: P's
@@ -33,6 +34,7 @@ import torch
 
 from .nixl import ArenaFull, remote_ranks
 from .nixl.manager import TransferManager
+from .nixl.sum_check import finished
 from .vllm_arena_meta import ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify
 
 
@@ -51,7 +53,8 @@ class ArenaStager:
         self.opts = options
         self.rank, self.tp, self.heads, self.key = tp_rank, tp_size, total_kv_heads, key
         self.pending: Dict[str, Tuple[ArenaStage, float]] = {}  # waiting for arena space, until the deadline
-        self.syncing: Dict[str, Tuple[bytes, Optional[torch.cuda.Event]]] = {}  # CUDA: packed, copy not yet done
+        # CUDA: packed, copy not yet done (the record a PendingRecord while its page sums are on the GPU)
+        self.syncing: Dict[str, Tuple[object, Optional[torch.cuda.Event]]] = {}
         self.live: Set[str] = set()  # staged spans not freed yet
         self.done: Set[str] = set()  # staged or failed: P's blocks may go
         self.held: Set[str] = set()  # P's scheduler holds these requests' blocks for us
@@ -84,13 +87,13 @@ class ArenaStager:
             del self.pending[rid]
             record, event = out if isinstance(out, tuple) else (out, None)
             self.live.add(rid)
-            self.syncing[rid] = (record.to_bytes(self.key), event)
+            self.syncing[rid] = (record, event)
 
     def _check_copies(self) -> None:
-        for rid, (wire, event) in list(self.syncing.items()):
-            if event is None or event.query():
+        for rid, (record, event) in list(self.syncing.items()):
+            if event is None or event.query():  # the pack and its page sums are in host memory
                 del self.syncing[rid]
-                self.report.staged.setdefault(rid, {})[self.rank] = wire
+                self.report.staged.setdefault(rid, {})[self.rank] = finished(record).to_bytes(self.key)
                 self.done.add(rid)
 
     def _read_notifications(self) -> None:

@@ -108,16 +108,22 @@ def test_many_requests_in_flight_complete_in_any_order(pd):
         plan = d.plan_pull(peer, p_ids, n, d_ids, cached)
         handles.append(d.pull(plan, notify=f"req-{i}".encode()))
     assert d.stats()["in_flight"] <= len(reqs)
+    unchecked = []
     for h in reversed(handles):
         assert wait(d, h) == "DONE"
-        assert d.complete(h).ok
+        done = d.complete(h)
+        assert done.ok and (done.checked or done.unchecked)
+        unchecked += [done.unchecked] if done.unchecked else []
     from kvcopy.testing.nixl.engines import expected_pull
 
     expected = before
     for p_ids, d_ids, n, cached in reqs:
         expected = expected_pull(expected, de, d_ids, pe.device_caches, pe, p_ids, n, cached)
     assert same_bytes(de.device_caches, expected), first_difference(de.device_caches, expected)
-    assert d.stats() == {"in_flight": 0, "live_transfer_handles": 0, "abandoned_reads": 0, "peers": 1, "held_reads": 0}
+    assert set(unchecked) <= {"D reads no page of this request (all cached)"}  # host mode: pages compared
+    assert d.stats() == {"in_flight": 0, "live_transfer_handles": 0, "abandoned_reads": 0, "peers": 1, "held_reads": 0,
+                         "checksum_checked": 12 - len(unchecked), "checksum_failed": 0,
+                         "checksum_unchecked": len(unchecked), "checksum_pending": 0}
     got = collect_notifications(p, len(reqs))
     assert sorted(got) == sorted((d.name, f"req-{i}".encode()) for i in range(len(reqs)))
 
@@ -144,6 +150,7 @@ def test_api_misuse_raises(pd):
     plan = d.plan_pull(peer, [[1]], 16, [[2]])
     with pytest.raises(TypeError, match="notify must be bytes"):
         d.pull(plan, notify="text")
+    p.save([[1]])  # (a page P never saved has no page sum: its pull would fail)
     h = d.pull(plan)
     wait(d, h)
     assert d.complete(h).ok
@@ -203,6 +210,7 @@ def test_edited_or_foreign_plans_and_handles_are_refused_before_anything_moves(p
 
 def test_a_plan_for_a_peer_removed_or_re_added_since_is_refused(pd):
     p, d, peer, pe, de = pd("one_group")
+    p.save([[1]])
     plan = d.plan_pull(peer, [[1]], 16, [[2]])
     d.remove_peer(peer)
     with pytest.raises(ValueError, match="removed or re-added"):

@@ -5,15 +5,19 @@ JSON re-framed with a fresh digest are refused where they are not a record (dupl
 keys, booleans, floats, strings for numbers, nesting, a changed encoding) and always
 where a key is used. No case raises anything but ValueError/TypeError."""
 import json
+import re
 
 import numpy as np
 import pytest
 
 from kvcopy.nixl.pack_order import HEAD_ORDER, ORDER
-from kvcopy.nixl.record import MAX_RECORD_BYTES, RECORD, StagedRequest, canonical
+from kvcopy.nixl.record import MAX_RECORD_BYTES, RECORD, PageSums, StagedRequest, canonical
 
 KEY = b"kvcopy-record-test-key-0123456789"
-GENUINE = StagedRequest("prefill-0", "cmpl-7f3a-0", 8192 * 37, 16384 * 3, 90, ((1, 1, 1, 0, 1, 1), (0, 1, 1)), ORDER)
+SUMS = PageSums.of("0123456789abcdef" * 2, [np.array([1, 2**64 - 1, 3, 0, 5, 6], np.uint64),
+                                             np.array([0, 2**63, 7], np.uint64)])
+GENUINE = StagedRequest("prefill-0", "cmpl-7f3a-0", 8192 * 37, 16384 * 3, 90, ((1, 1, 1, 0, 1, 1), (0, 1, 1)), ORDER,
+                        SUMS)
 WIRE = GENUINE.to_bytes()
 KEYED = GENUINE.to_bytes(KEY)
 
@@ -127,6 +131,18 @@ NOT_A_RECORD = {
     "unicode escape": lambda t: t.replace('"prefill-0"', '"\\u0070refill-0"', 1),
     "not utf-8": lambda t: t.replace("prefill", "pr\udcffefill", 1),
     "empty": lambda t: "",
+    "sums null": field_value("sums", "null"),
+    "sums not an object": field_value("sums", "[]"),
+    "sums field unknown": lambda t: t.replace('"pages":', '"zz":1,"pages":', 1),
+    "sums layout short": lambda t: t.replace('"layout":"0123456789abcdef', '"layout":"123456789abcdef', 1),
+    "sums layout upper": lambda t: t.replace('"layout":"0123456789abcdef', '"layout":"0123456789ABCDEF', 1),
+    "sums page upper": lambda t: t.replace("ffffffffffffffff", "FFFFFFFFFFFFFFFF", 1),
+    "sums page not hex": lambda t: t.replace("ffffffffffffffff", "fffffffffffffffg", 1),
+    "sums page spaces": lambda t: t.replace("ffffffffffffffff", "ffffffff ffffffff"[:16], 1),
+    "sums page odd length": lambda t: t.replace("ffffffffffffffff", "fffffffffffffff", 1),
+    "sums pages not a list": lambda t: t.replace('"pages":[', '"pages":{"0":', 1).replace('"]}', '"}}', 1),
+    "sums page a number": lambda t: re.sub(r'"pages":\["[0-9a-f]*"', '"pages":[7', t, count=1),
+    "sums no groups": lambda t: re.sub(r'"pages":\[[^]]*\]', '"pages":[]', t, count=1),
 }
 
 
@@ -138,6 +154,8 @@ def test_json_that_is_not_a_record_is_refused_even_with_a_fresh_digest(name):
 
 VALID_EDITS = {  # records with another meaning that a digest cannot tell from genuine ones
     "another offset": field_value("offset", str(8192 * 38)),
+    "other sums": lambda t: t.replace("ffffffffffffffff", "fffffffffffffffe", 1),
+    "no sums": lambda t: re.sub(r',"sums":\{[^}]*\}', "", t, count=1),
     "the other order": field_value("order", json.dumps(HEAD_ORDER)),
     "another request": field_value("request_id", '"cmpl-0000-0"'),
 }
@@ -177,6 +195,15 @@ def test_key_misuse_and_declared_sizes():
     for length in (0, 1, MAX_RECORD_BYTES + 1, 2**63, 2**64 - 1):  # declared before anything is read
         with pytest.raises(ValueError, match="declares|truncated"):
             StagedRequest.from_bytes(head + length.to_bytes(8, "little") + WIRE[28:])
+
+
+def test_sums_round_trip_and_are_read_as_uint64():
+    assert StagedRequest.from_bytes(WIRE).sums == SUMS
+    assert SUMS.values(0).tolist() == [1, 2**64 - 1, 3, 0, 5, 6] and SUMS.values(1).tolist() == [0, 2**63, 7]
+    bare = GENUINE.with_sums(None)
+    assert "sums" not in bare.to_dict() and StagedRequest.from_bytes(bare.to_bytes()).sums is None
+    with pytest.raises(ValueError, match="sums"):
+        StagedRequest.from_dict(dict(GENUINE.to_dict(), sums={"layout": "0" * 32, "pages": ["0" * 17]}))
 
 
 def test_from_dict_checks_every_field():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcopy.nixl import NO_BLOCK, TransferManager, remote_ranks
-from kvcopy.testing.nixl import fuzz
+from kvcopy.testing.nixl import fuzz, geometries
 from kvcopy.nixl.arena import ArenaFull
 from kvcopy.nixl.record import StagedRequest
 from kvcopy.nixl.staging import ArenaPlan
@@ -423,7 +423,7 @@ def test_head_order_shares_the_token_copiers_where_no_unit_splits():
         spec = fuzz.Spec(seed=3, dtype="float16", total_kv_heads=2, head_size=8, latent=8,
                          layers=[(n, "gqa", "full") for n in layers], num_tokens=40, num_cached=0,
                          p=side, d=side, d_rank=0, p_ranks=[0])
-        st, _ = fuzz._staging(spec, "d", 0, fuzz.build_caches(spec, "d", 0), "D")
+        st, _ = fuzz.arena_staging(spec, "d", 0, fuzz.build_caches(spec, "d", 0), "D")
         try:
             assert (st.span_copiers(HEAD_ORDER) is st.span_copiers(ORDER)) == shared
         finally:
@@ -642,6 +642,7 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
     monkeypatch.setattr(fuzz, "build_caches", lambda spec, which, rank, logical=None: {
         n: _blocks_first_hnd(t) for n, t in build(spec, which, rank, logical).items()})
     monkeypatch.setattr(fuzz, "arena_order", lambda spec: "head")
+    monkeypatch.setattr(geometries, "arena_order", lambda spec: "head")  # what arena_staging reads
     layers = [f"model.layers.{i}.attn" for i in range(3)]
     n = 45
     p = fuzz.side(p_tp, "bf_kv", [layers[:2], layers[2:]], [16, 16], [16, 16], n, seed=5)
@@ -656,11 +657,11 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
     logical = fuzz.logical_kv(spec)
     made = []
     try:
-        d_st, d_info = fuzz._staging(spec, "d", spec.d_rank, fuzz.build_caches(spec, "d", spec.d_rank), "D")
+        d_st, d_info = fuzz.arena_staging(spec, "d", spec.d_rank, fuzz.build_caches(spec, "d", spec.d_rank), "D")
         made.append(d_st)
         peers, records = [], {}
         for r in spec.p_ranks:
-            st, info = fuzz._staging(spec, "p", r, fuzz.build_caches(spec, "p", r, logical), f"P{r}")
+            st, info = fuzz.arena_staging(spec, "p", r, fuzz.build_caches(spec, "p", r, logical), f"P{r}")
             made.append(st)
             assert {(u.heads, u.outer) for u in stage_units(info.regions, HEAD_ORDER)} == {(4 // p_tp, 2)}
             records[info.name] = st.stage(info, p.block_ids, n, b"q", 1)

@@ -10,7 +10,6 @@ Run in the vLLM environment (``.ci/run``); skipped where vLLM 0.33 is not instal
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -25,6 +24,8 @@ pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the v
 from test_vllm import CASES, Kernel16Backend, _specs, vllm_env  # noqa: E402  (the model families, the fixture)
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvcopy.nixl.pull import Completion  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
     ArenaEngine, assert_same, decode, expected_d, fill, free_port, prefill, prefill_child, prompts, run,
 )
@@ -286,13 +287,55 @@ def test_a_completion_not_ok_of_any_cause_reaches_the_load_error_path(engines, m
     (params,) = prefill(p, ["bad"], [tokens])
     real = d.manager.complete
 
+    real_ok = []
+
     def complete(h):
         done = real(h)  # the real one, so every span and handle is released as usual
-        d.raw.copy_(before)  # a pull found bad writes nothing (kvcopy's contract); undo this one's
-        return dataclasses.replace(done, ok=False, error="checksum mismatch (injected)")
+        real_ok.append(done.ok)
+        d.raw.copy_(before)  # undo this one's writes: the load must fail without changing D
+        return Completion(False, h.plan.local_block_ids, "a failure kvcopy found at complete (injected)")
     before = d.raw_bytes()
     monkeypatch.setattr(d.manager, "complete", complete)
     _failed_load(d, "bad", tokens, params, [p])
+    assert real_ok == [True]  # the injected Completion, not another failure, failed the load
+
+
+@pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing"])
+def test_a_byte_changed_in_ps_span_fails_the_load_by_its_checksum(engines, name):
+    """A bit of P's staged span flipped after the pack: D's scatter sums the bytes it
+    copies, they differ from the record's, and the request takes vLLM's load-error path
+    (recomputed). D's buffer differs from a correct load in that one byte only, inside
+    the request's own pages."""
+    case = CASES[name]
+    p, d = engines(case, "kv_producer"), engines(case, "kv_consumer")
+    fill(p, d, 13)
+    tokens = prompts(1, [40], seed=13)[0]
+    (params,) = prefill(p, ["bad"], [tokens])
+    arena = p.manager.arena
+    (entry,) = arena._staged.values()  # the one staged span
+    arena.buffer[entry.span.offset + 5] ^= 0x10
+    before = d.raw_bytes()
+    errors = set()
+    real_step = d.step
+
+    def step():
+        out = real_step()
+        errors.update(out.invalid_block_ids)
+        return out
+    d.step = step
+    try:
+        assert decode(d, [p], ["bad"], [tokens], [params]) == {"bad"}
+    finally:
+        d.step = real_step
+    n_load = p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(tokens))
+    exp = expected_d(p, d, [("bad", "bad", n_load)], before)
+    assert (exp != before).any()
+    assert int((d.raw != exp).sum()) == 1  # the flipped byte, copied into the request's own page
+    stats = d.manager.stats()
+    assert (stats["checksum_failed"], stats["checksum_checked"]) == (1, 0)
+    if len(d.kcc.kv_cache_groups) == 1:
+        assert errors == {b for g in d.tables["bad"] for b in g if b}
+    d.step()  # recomputed
 
 
 # ------------------------------------------------------------------ P in another process

@@ -23,11 +23,27 @@ def test_options_are_checked():
     for bad, match in [({"arena_bytes": 0}, "arena_bytes"), ({"arena_bytes": True}, "arena_bytes"),
                        ({"pull_timeout_s": float("nan")}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
                        ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
-                       ({"key_env": ""}, "key_env")]:
+                       ({"key_env": ""}, "key_env"), ({"checksum": "yes"}, "checksum"), ({"checksum": 1}, "checksum")]:
         with pytest.raises(ValueError, match=match):
             opts(**bad)
     with pytest.raises(ValueError, match="KVCOPY_TEST_KEY.*not set"):
         opts(key_env="KVCOPY_TEST_KEY").key()
+    assert opts().checksum is True and opts(checksum=False).checksum is False
+
+
+def test_the_mirror_connector_refuses_checksum_true():
+    """The mirror connector's bytes go by vLLM's own transfers, with no sums to compare:
+    checksum=true is refused, not ignored; false (or absent) is what it does."""
+    from kvcopy.vllm import mirror_checksum
+
+    def cfg(extra):
+        return KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
+                                kv_connector_extra_config=extra)
+    assert mirror_checksum(cfg({})) is False and mirror_checksum(cfg({"kvcopy": {"checksum": False}})) is False
+    with pytest.raises(ValueError, match="KvcopyArenaConnector"):
+        mirror_checksum(cfg({"kvcopy": {"checksum": True}}))
+    with pytest.raises(ValueError, match="true or false"):
+        mirror_checksum(cfg({"kvcopy": {"checksum": "on"}}))
 
 
 def test_reader_notifications_are_parsed_strictly():

@@ -1,6 +1,7 @@
 """``kvcopy-bench fuzz``: :mod:`kvcopy.testing.nixl.fuzz` (the byte-oracle fuzzer of P/D pull
-plans) with a progress bar on stderr: cases done, exact / raised / wrong so far, and
-the time left at the current rate (a line every few seconds when stderr is a file).
+plans) with a progress bar on stderr: cases done, exact / raised / wrong so far (with
+``--inject``: faults injected, missed or wrong), and the time left at the current rate
+(a line every few seconds when stderr is a file).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def run(args: argparse.Namespace) -> int:
     bar = Progress(args.cases, quiet=args.quiet or args.case is not None or args.verbose, every_s=5.0)
 
     def progress(done: int, report) -> None:
-        bar.step(f"exact {report.exact}, raised {report.num_raised}, wrong {report.wrong}")
+        if isinstance(report, fuzz.InjectReport):
+            bar.step(f"injected {report.injected}, missed/wrong {report.failures}")
+        else:
+            bar.step(f"exact {report.exact}, raised {report.num_raised}, wrong {report.wrong}")
 
     return fuzz.run(args, progress=progress)

@@ -31,7 +31,12 @@ by token position into blocks of its own; then, round-robin with the other rows:
     into a span of its own (plans made before the timing: each timed pull uses a fresh
     one; ``pull`` frees D's span, ``pull+complete`` scatters it into D's KV first).
     Their ``descriptors`` are the READ's, per request; ``facts`` adds how many such
-    requests one 1 GiB arena holds at once.
+    requests one 1 GiB arena holds at once. These rows run with ``checksum=False``.
+``arena save+sum``, ``arena pull+sum``, ``arena pull+complete+sum``
+    the arena rows with ``checksum=True`` (a second pair of managers): P's pack sums
+    every page into the record, D's scatter sums what it copies and compares
+    (:mod:`kvcopy.nixl.span_sums`); ``facts["arena_checksums"]`` counts the pulls
+    compared (all must be ``checked``). ``--no-checksum`` skips them.
 
 The raw rows use buffers laid out as the plan's regions (same page geometry), so the
 descriptors are the plan's. After the runs, D's KV is compared with P's at every
@@ -70,6 +75,9 @@ def add_args(p) -> None:
                    help="P's staging order for the arena rows (head: HND layouts only)")
     m.add_argument("--no-arena", dest="arena", action="store_false", default=True,
                    help="skip the arena rows")
+    m.add_argument("--no-checksum", dest="checksum", action="store_false", default=True,
+                   help="skip the arena '+sum' rows (the arena rows again with page sums computed by P's pack "
+                        "and D's scatter and compared; the plain arena rows run with checksum=False)")
     from .two_hosts_bench import add_args as add_two_hosts_args
 
     add_two_hosts_args(p)
@@ -240,10 +248,14 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         bulk_n = int(plan.num_bytes)
         pulls = _HostPulls(md, page_plan)
 
-        arena_methods, arena_descs, arena_facts, before = {}, {}, {}, {}
+        arena_methods, arena_descs, arena_facts, before, summed = {}, {}, {}, {}, []
         if args.arena:
             mpa, mda, arena_methods, arena_descs, arena_facts, before = _arena_rows(sc, args, P, D, d_ids, counts,
                                                                                     tokens, kw)
+            if args.checksum:  # the same rows with page sums computed and compared
+                summed = list(_arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum=True))
+                for into, more in zip((arena_methods, arena_descs, arena_facts, before), summed[2:]):
+                    into.update(more)
         methods = {
             "bulk READ": raw.read(*raw.bulk_descriptors()),
             "bulk READ+copy": raw.read_then_copy(device),
@@ -278,11 +290,13 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             if device != "cpu":
                 torch.cuda.synchronize()
             facts["arena_verify"] = _check(P, D, d_ids, sc.block_dim(), as_words)
+        if summed:  # every +sum pull was compared, and matched
+            facts["arena_checksums"] = {k: v for k, v in summed[1].stats().items() if k.startswith("checksum_")}
         return rows, facts
     finally:
         # P before D (as kvcopy.testing.nixl.engines.ManagerPairs closes them): a D closed first can
         # leave P's background UCX connect-back refused and printed after the run.
-        for x in (raw, mp, md, mpa, mda):
+        for x in (raw, mp, md, mpa, mda, *summed[:2]):
             if x is not None:
                 try:
                     x.close()
@@ -307,8 +321,10 @@ def _rows(sc, timings, descs, bulk_n: int) -> List[dict]:
     return rows
 
 
-def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
-    """Arena managers and their timed rows: (P, D, methods, descriptors, facts, before).
+def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = False):
+    """Arena managers and their timed rows: (P, D, methods, descriptors, facts, before);
+    with ``checksum`` the managers compute and compare page sums and the rows are named
+    ``... +sum``.
 
     D's plans are made untimed right before each call of a pull row (``before``, which
     :func:`kvcopy.bench.timing.measure` runs), and each call frees its span, so D's arena
@@ -317,11 +333,13 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
     from ..nixl import TransferManager
     from ..nixl.arena import Arena
 
+    tag, kw = ("+sum", dict(kw, checksum=True)) if checksum else ("", dict(kw, checksum=False))
     probe_bytes = 1 << 26 if sc.call_bytes() < (1 << 24) else 4 * sc.call_bytes() + (1 << 24)
-    probe = TransferManager(SIDE_P + "-probe", P.dev, P.layer_groups, sc.block_size, sc.block_size,
+    probe = TransferManager(SIDE_P + "-probe" + tag, P.dev, P.layer_groups, sc.block_size, sc.block_size,
                             buffer="arena", arena_order=args.arena_order, arena_bytes=probe_bytes, **kw)
     try:
         span = probe.save(_padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
+        assert probe.arena is not None
         granule = probe.arena.arena.granule
     finally:
         probe.close()
@@ -334,15 +352,15 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
             fit += 1
     except Exception:
         pass
-    mpa = TransferManager(SIDE_P + "-arena", P.dev, P.layer_groups, sc.block_size, sc.block_size,
+    mpa = TransferManager(SIDE_P + "-arena" + tag, P.dev, P.layer_groups, sc.block_size, sc.block_size,
                           buffer="arena", arena_bytes=4 * span + 4 * granule, arena_ttl_s=3600.0,
                           arena_order=args.arena_order, **kw)
-    mda = TransferManager(SIDE_D + "-arena", D.dev, D.layer_groups, sc.block_size, sc.block_size,
+    mda = TransferManager(SIDE_D + "-arena" + tag, D.dev, D.layer_groups, sc.block_size, sc.block_size,
                           buffer="arena", arena_bytes=4 * span + 4 * granule, **kw)
     peer = mda.add_peer(mpa.metadata())
     record = mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id="bench", readers=1 << 62)
     d_padded = _padded(d_ids, counts)
-    pending = {}  # row -> the plan its next call pulls
+    pending: Dict[str, Any] = {}  # row -> the plan its next call pulls (an ArenaPlan)
 
     def make_plan(row: str) -> None:
         if row not in pending:
@@ -356,7 +374,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
         mpa.arena.release(rid)
 
     def arena_pull(complete: bool):
-        plan = pending.pop("arena pull+complete" if complete else "arena pull")
+        plan = pending.pop(("arena pull+complete" if complete else "arena pull") + tag)
         h = mda.pull(plan)
         while mda.poll(h) == "PROC":
             pass
@@ -369,15 +387,17 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw):
         # pull only: the handle dropped here is finished without writing the KV, and its
         # span freed, at the manager's next call (the next untimed plan_pull)
 
-    make_plan("arena pull")
-    n_desc = pending["arena pull"].num_descriptors
-    methods = {"arena save": arena_save, "arena pull": lambda: arena_pull(False),
-               "arena pull+complete": lambda: arena_pull(True)}
-    descs = {"arena save": None, "arena pull": n_desc, "arena pull+complete": n_desc}
+    make_plan("arena pull" + tag)
+    n_desc = pending["arena pull" + tag].num_descriptors
+    methods = {"arena save" + tag: arena_save, "arena pull" + tag: lambda: arena_pull(False),
+               "arena pull+complete" + tag: lambda: arena_pull(True)}
+    descs = {"arena save" + tag: None, "arena pull" + tag: n_desc, "arena pull+complete" + tag: n_desc}
     facts = {"arena_span_bytes": span, "arena_granule": granule, "arena_requests_in_1GiB": fit,
              "arena_order": args.arena_order,
              "arena_descriptors_per_request": n_desc}
-    before = {row: (lambda row=row: make_plan(row)) for row in ("arena pull", "arena pull+complete")}
+    if checksum:
+        facts = {"arena_record_sums_bytes": sum(len(h) // 2 for h in record.sums.pages)}
+    before = {row + tag: (lambda row=row + tag: make_plan(row)) for row in ("arena pull", "arena pull+complete")}
     return mpa, mda, methods, descs, facts, before
 
 
@@ -428,7 +448,7 @@ def format_nixl(out: dict) -> str:
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]
-    hdr = f"{'groups':>6}  {'method':<20} {'bytes':>9} {'descs':>6} {'min us':>9} {'median us':>10} " \
+    hdr = f"{'groups':>6}  {'method':<24} {'bytes':>9} {'descs':>6} {'min us':>9} {'median us':>10} " \
           f"{'p90 us':>9} {'GB/s':>7} {'x bulk':>7}"
     lines.append(hdr)
     prev = None
@@ -437,7 +457,7 @@ def format_nixl(out: dict) -> str:
             lines.append("")
         prev = r["groups"]
         d = "-" if r["descriptors"] is None else str(r["descriptors"])
-        lines.append(f"{r['groups']:>6}  {r['method']:<20} {fmt_bytes(r['bytes']):>9} {d:>6} "
+        lines.append(f"{r['groups']:>6}  {r['method']:<24} {fmt_bytes(r['bytes']):>9} {d:>6} "
                      f"{r.get('min_us', 0):>9.1f} {r.get('median_us', 0):>10.1f} {r.get('p90_us', 0):>9.1f} "
                      f"{r.get('gbps', 0):>7.2f} {r.get('x_bulk') or 0:>7.2f}")
     lines.append("x bulk = time / one bulk READ of the same bytes, same run: lower is better (1.00x is the floor)")

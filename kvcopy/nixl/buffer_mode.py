@@ -42,10 +42,11 @@ from typing import ClassVar, Dict, List, Mapping, NamedTuple, Optional, Protocol
 
 import numpy as np
 
-from .handshake import EngineInfo, LayerPair
+from .handshake import EngineInfo, LayerPair, SumsRegion
 from .options import ManagerOptions
 from .plan import Plan
 from .regions import RegionInfo, RegionSet
+from .sum_check import SumCheck
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Work(Protocol):
     """What every mode's work says (each mode adds what its steps need)."""
 
     read_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages the READs fill
+    zero_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages complete() zeroes
     local_block_ids: Tuple[Tuple[int, ...], ...]  # per local group: the blocks the pull writes
 
 
@@ -113,6 +115,11 @@ class BufferMode(ABC):
         """(address, bytes) of the staging arena the handshake advertises; (0, 0): none."""
         return (0, 0)
 
+    @property
+    def sums_region(self) -> Optional[SumsRegion]:
+        """Host mode with checksums: the page-sums region the handshake advertises."""
+        return None
+
     # ---------------------------------------------------------------- P side
     @abstractmethod
     def stage(self, info: EngineInfo, block_ids, num_tokens, request_id, readers, waits: bool,
@@ -142,8 +149,10 @@ class BufferMode(ABC):
         read or zero into memory a held READ (:meth:`hold`) may still write."""
 
     @abstractmethod
-    def complete(self, work: "Work") -> None:
-        """After every READ of the plan is DONE: write the request into the KV."""
+    def complete(self, work: "Work") -> Tuple[Optional[SumCheck], Optional[str]]:
+        """After every READ of the plan is DONE: write the request into the KV. Returns
+        the comparison of the copy's page sums with P's (:mod:`kvcopy.nixl.sum_check`),
+        or None and why the pages are not compared."""
 
     @abstractmethod
     def hold(self, work: "Work", pull_id: int) -> None:

@@ -55,15 +55,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
+
 from .framing import Framing
 from .geometry import chunk_axes
 from .regions import (
     BUFFER_MODES, MAX_GROUPS, MAX_LAYERS, MAX_NAME, MAX_TOKENS_PER_PAGE, MEM_TYPES, RegionInfo, RegionRef,
+    descriptor_table, sum_slots,
 )
 from .schema import Record, loads
 
 MAGIC = b"KVCOPY-NIXL\0"
-HANDSHAKE_VERSION = 3  # 3: lengths, SHA-256 digest, optional HMAC; 2: regions carry named in-chunk axes
+HANDSHAKE_VERSION = 4  # 4: host mode's page-sums region; 3: lengths, digest, HMAC; 2: named in-chunk axes
 
 # Documented maxima (docs/nixl.md, "Limits"): what a handshake may declare at all.
 MAX_HEADER_BYTES = 8 << 20  # JSON header: ~500 bytes per region, so ~16,000 regions
@@ -108,6 +111,20 @@ _MUST_MATCH_SLICED = (
 
 
 @dataclass(frozen=True)
+class SumsRegion:
+    """Host mode: where an engine keeps the page sums of its last save of each page
+    (:mod:`kvcopy.nixl.mirror_sums`): the registered range, 8 bytes per slot of
+    :func:`~kvcopy.nixl.regions.sum_slots`, and the fingerprint of how they are computed."""
+
+    address: int
+    nbytes: int
+    layout: str  # LAYOUT_HEX lowercase hex digits
+
+    def to_dict(self) -> dict:
+        return {"address": self.address, "bytes": self.nbytes, "layout": self.layout}
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """One engine rank's side of the handshake."""
 
@@ -121,6 +138,7 @@ class EngineInfo:
     regions: Tuple[RegionInfo, ...]
     agent_metadata: bytes
     arena: Tuple[int, int] = (0, 0)  # "arena" mode: (address, bytes) of the registered staging arena
+    sums: Optional[SumsRegion] = None  # "host" mode with checksums: the page-sums region
 
     @property
     def num_groups(self) -> int:
@@ -170,6 +188,7 @@ def header_of(info: EngineInfo) -> dict:
         "tokens_per_page": list(info.tokens_per_page),
         "regions": [r.to_dict() for r in info.regions],
         "arena": list(info.arena),
+        "sums": None if info.sums is None else info.sums.to_dict(),
     }
 
 
@@ -211,6 +230,7 @@ def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
     tpp = r.integers("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
     raw_regions = r.entries("regions", 1, max_layers)  # a region holds at least one layer
     arena = r.integers("arena", 2, 2, 0, (1 << 64) - 1)  # (address, bytes) of an arena-mode engine's arena
+    raw_sums = r.optional("sums")
     r.done()
     where = "malformed handshake header"
     if buffer in ("host", "arena") and mem_type != "DRAM":
@@ -243,15 +263,50 @@ def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
                 raise ValueError(f"{where}: group {g}: a block of {tpb[g] // tpp[g]} pages, region {i} has "
                                  f"{region.num_pages}")
         regions.append(region)
+    sums = None if raw_sums is None else _sums_region(raw_sums, buffer, regions, len(tpb))
     return EngineInfo(
         name=name, buffer=buffer, mem_type=mem_type, tp_rank=tp_rank, tp_size=tp_size,
         tokens_per_block=tuple(tpb), tokens_per_page=tuple(tpp), regions=tuple(regions),
-        agent_metadata=agent_metadata, arena=(arena[0], arena[1]),
+        agent_metadata=agent_metadata, arena=(arena[0], arena[1]), sums=sums,
     )
 
 
+def _sums_region(raw, buffer: str, regions: List[RegionInfo], num_groups: int) -> SumsRegion:
+    """A host-mode engine's page-sums region: 8 bytes per slot of its regions, inside the
+    address space, with a fingerprint of lowercase hex digits."""
+    where = "malformed handshake header, sums"
+    r = Record(raw, where)
+    address = r.integer("address", 0, (1 << 64) - 1)
+    nbytes = r.integer("bytes", 1, (1 << 63) - 1)
+    layout = r.name("layout", 32)
+    r.done()
+    if buffer != "host":
+        raise ValueError(f"{where}: a page-sums region for a {buffer!r}-mode engine (host mode only)")
+    if address + nbytes >= 1 << 64 or nbytes != 8 * int(sum_slots(regions, num_groups)[-1]):
+        raise ValueError(f"{where}: {nbytes} bytes at {address:#x}, not 8 per page slot of its regions")
+    if len(layout) != 32 or layout.strip("0123456789abcdef"):
+        raise ValueError(f"{where}: layout {layout[:40]!r} is not 32 lowercase hex digits")
+    return SumsRegion(address, nbytes, layout)
+
+
 def num_descriptors(info: EngineInfo) -> int:
-    return sum(r.num_descriptors for r in info.regions)
+    """Page descriptors (pages x chunks over the regions), and the page-sums slots."""
+    return sum(r.num_descriptors for r in info.regions) + (0 if info.sums is None else info.sums.nbytes // 8)
+
+
+def engine_descriptors(info: EngineInfo) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`~kvcopy.nixl.regions.descriptor_table` of the engine's regions, then one
+    8-byte descriptor per page-sums slot (host mode with checksums): they start at row
+    ``offsets[-1]``."""
+    descs, offsets = descriptor_table(info.regions)
+    if info.sums is None:
+        return descs, offsets
+    n = info.sums.nbytes // 8
+    rows = np.empty((n, 3), dtype=np.uint64)
+    rows[:, 0] = np.uint64(info.sums.address) + np.arange(n, dtype=np.uint64) * np.uint64(8)
+    rows[:, 1] = 8
+    rows[:, 2] = 0
+    return np.concatenate([descs, rows]), offsets
 
 
 def layer_limit(local: EngineInfo) -> int:

@@ -21,11 +21,9 @@ modes is a :class:`~kvcopy.nixl.buffer_mode.BufferMode`; this class keeps the
 handshake, the peers, NIXL (registration, READs, handles), deadlines, notifications and
 its records of the plans and pulls it handed out (:mod:`kvcopy.nixl.ledger`).
 
-Block ids are logical, one list per KV cache group; logical block ``b`` of a group is
-kernel pages ``b*r ... b*r + r - 1`` with ``r = tokens_per_block // tokens_per_page``.
-Host buffers mirror device pages one to one, so concurrent requests, whose blocks are
-disjoint, never share a host page. Ids and token counts from the caller are checked
-once, on the way in (:mod:`kvcopy.checks`, :func:`~kvcopy.nixl.plan.request_block_ids`).
+Block ids are logical, one list per KV cache group (block ``b`` is kernel pages ``b*r
+... b*r + r - 1``, ``r = tokens_per_block // tokens_per_page``), checked once, on the
+way in (:mod:`kvcopy.checks`, :func:`~kvcopy.nixl.plan.request_block_ids`).
 
 Synchronization (the only host waits, all documented here):
 
@@ -35,21 +33,21 @@ Synchronization (the only host waits, all documented here):
   host memory. ``wait=False`` returns the event instead; advertise the blocks only
   after it completed. On CPU the copy is synchronous and ``save`` returns ``None``.
 * ``complete`` enqueues the zeroing and the h2d on the current stream and returns:
-  the blocks are usable by work enqueued after it on that stream. It never waits.
+  the blocks are usable by work enqueued after it on that stream. It never waits; with
+  checksums on CUDA, reading the :class:`Completion`'s verdict before its ``ready``
+  waits for the copy (:mod:`kvcopy.nixl.sum_check`).
 * ``pull`` and ``poll`` never touch CUDA.
 
-Failures (ERR, a peer that vanished, descriptors NIXL rejects, a deadline) are values,
-not exceptions: ``poll`` returns ``"ERR"``, ``complete`` returns a :class:`Completion`
-with ``ok=False`` and the request's local block ids and writes nothing itself (NIXL may
-have: :class:`Completion` says where). Input errors (bad ids, a plan that does not fit
-this manager or peer, a plan used out of turn) raise ``ValueError``/``TypeError``
-before anything moves.
+Failures (ERR, a peer that vanished, descriptors NIXL rejects, a deadline, a checksum
+mismatch) are values: ``poll`` returns ``"ERR"``, ``complete`` a :class:`Completion`
+with ``ok=False`` and the request's local block ids, saying what may have been written.
+Input errors (bad ids, a plan that does not fit this manager or peer, a plan used out
+of turn) raise ``ValueError``/``TypeError`` before anything moves.
 
 Notifications: D, not NIXL, tells each peer of a pull that it is done with the
-request, exactly once, whatever happens: when that peer's READ is DONE, or when the
-pull fails (then to every peer not told yet). READs are posted without a NIXL
-notification, because NIXL sends one from D whenever its status check sees the READ
-complete, also inside the release of a handle given up on, which made two.
+request, exactly once: when that peer's READ is DONE, or when the pull fails (then to
+every peer not told yet). READs carry no NIXL notification: NIXL sends one whenever its
+status check sees the READ complete, also inside the release of a handle given up on.
 
 Deadlines (``pull(..., timeout_s=)`` or ``pull_timeout_s``): a pull in flight past its
 deadline fails at the next ``poll`` (no timer thread: ``poll`` checks the clock).
@@ -63,6 +61,10 @@ UCX worker) before the memory can be freed, or keeps the memory alive.
 
 Heterogeneous peers (see :mod:`kvcopy.nixl.plan`): a plan may read from several peers,
 one NIXL READ each; the handle is DONE when all are, and fails as a whole if one fails.
+
+Integrity (``checksum=True``, :mod:`kvcopy.nixl.span_sums`): arena mode's records carry
+the page sums of P's pack; D's scatter sums what it copies, and a mismatch fails the
+request (``Completion.ok`` False naming the pages); ``stats()`` counts the outcomes.
 
 Not thread-safe: one thread drives a manager.
 """
@@ -81,14 +83,15 @@ from ..checks import name as checked_name, seconds
 from ._agent import Agent, NixlError, metadata_name
 from .arena import ArenaFull
 from .buffer_mode import BufferMode, Peer, Read
-from .handshake import EngineInfo, check_peer_limits, decode, encode, layer_limit, pair_layers
+from .handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
 from .late_reads import LateReads
 from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
 from .paged_modes import DeviceMode, MirrorMode
 from .plan import Plan
+from .sum_check import NOT_WRITTEN, finished
 from .pull import DONE, ERR, PROC, Completion, PullHandle
-from .regions import MAX_NAME, RegionSet, descriptor_table, tokens_per_group
+from .regions import MAX_NAME, RegionSet, tokens_per_group
 from .staging import ArenaStaging
 
 MODES: Dict[str, Type[BufferMode]] = {"host": MirrorMode, "device": DeviceMode, "arena": ArenaStaging}
@@ -99,9 +102,8 @@ _KEPT_ALIVE: List[object] = []
 
 @dataclass(frozen=True)
 class _Remote:
-    """A peer added with ``add_peer``, as the modes see it. (Its NIXL descriptor list is
-    in the manager's ``_dlists``: plans and handles keep peer records, and nothing they
-    keep may keep the NIXL agent alive past ``close``.)"""
+    """A peer added with ``add_peer``, as the modes see it (its NIXL descriptor list is in
+    ``_dlists``: nothing plans and handles keep may keep the agent alive past ``close``)."""
 
     peer: Peer
 
@@ -155,7 +157,7 @@ class TransferManager:
             name=self.name, buffer=buffer, mem_type=mode.mem_type, tp_rank=opts.tp_rank, tp_size=opts.tp_size,
             tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
             regions=mode.region_infos, agent_metadata=self._agent.metadata(), arena=mode.arena_range,
-        )
+            sums=mode.sums_region)
         self._closed = False
 
     def _register(self, mode: BufferMode) -> None:
@@ -203,7 +205,7 @@ class TransferManager:
         if agent_name is not None and agent_name != remote.name:
             raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent metadata is "
                              f"for {agent_name!r}")
-        descs, offsets = descriptor_table(remote.regions)  # bounded by check_peer_limits
+        descs, offsets = engine_descriptors(remote)  # bounded by check_peer_limits
         try:
             name = self._agent.add_remote(remote.agent_metadata)
         except NixlError as exc:
@@ -254,7 +256,8 @@ class TransferManager:
 
         Arena mode: stages the blocks covering ``num_tokens`` in a span of the arena for
         ``request_id`` and returns the :class:`~kvcopy.nixl.record.StagedRequest` to
-        hand to D (``(record, event)`` with ``wait=False`` on CUDA). The span is freed
+        hand to D (``(record, event)`` with ``wait=False`` on CUDA, the record then a
+        :class:`~kvcopy.nixl.span_sums.PendingRecord` with checksums). The span is freed
         when ``readers`` distinct D agents sent a notification ``request_id``
         (:meth:`notifications`), or after ``arena_ttl_s``. Raises
         :class:`~kvcopy.nixl.ArenaFull` when no span fits, at once, or with
@@ -285,7 +288,7 @@ class TransferManager:
         event.record()
         if wait:
             event.synchronize()
-            return record
+            return finished(record)
         return event if record is None else (record, event)
 
     def notifications(self, keep: bool = False) -> Dict[str, List[bytes]]:
@@ -436,21 +439,18 @@ class TransferManager:
 
     def _complete(self, rec: PullRecord, write: bool = True) -> Completion:
         rec.completed = True
-        issued, mode = rec.issued, self._mode
+        issued, mode, check = rec.issued, self._mode, NOT_WRITTEN
         issued.advance(COMPLETED)
         try:
             if rec.state == DONE and write:
-                mode.complete(issued.work)
+                check = mode.complete(issued.work)
         finally:
             if not issued.landing:
                 mode.free(issued.work)
         work = issued.work
         if rec.state == DONE:
-            return Completion(True, tuple(() for _ in self.layer_groups), None)
-        pending = issued.landing > 0
-        if not rec.posted or mode.written_in is None:
-            return Completion(False, work.local_block_ids, rec.error, read_pending=pending)
-        return Completion(False, work.local_block_ids, rec.error, work.read_pages, mode.written_in, pending)
+            return Completion.of_done(len(self.layer_groups), *check, work)
+        return Completion.of_failed(work, rec.error, mode.written_in if rec.posted else None, issued.landing > 0)
 
     def discard(self, plan: Plan) -> None:
         """Give up a plan that was not pulled: free what it holds (arena mode: D's span).
@@ -534,7 +534,8 @@ class TransferManager:
         """Counts for leak checks: pulls in flight, NIXL transfer handles not yet released
         (of pulls in flight, and of ended READs whose release failed), READs given up on
         that NIXL has not reported ended, peers, and the buffer mode's own (arena mode:
-        spans, bytes and spans held by READs given up on; host/device: READs held)."""
+        spans, bytes and spans held by READs given up on, checksum outcomes; host/device:
+        READs held)."""
         if not self._closed:
             self._reap()
         live = sum(len(r.xfers) for r in self._in_flight.values()) + len(self._unreleased)

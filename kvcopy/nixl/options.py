@@ -32,6 +32,7 @@ class ManagerOptions:
     arena_ttl_s: float = 60.0  # arena mode: how long P keeps a staged span without D's notification
     arena_order: str = "token"  # arena mode: "token" or "head" (HND pages)
     progress_delay_us: int = PROGRESS_DELAY_US  # NIXL progress-thread poll timeout
+    checksum: bool = True  # page sums computed by the copies, compared on D (docs/nixl.md, "Checksums")
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalized values are set once, here
@@ -49,6 +50,8 @@ class ManagerOptions:
         if self.arena_order not in ORDERS:
             raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         put(self, "progress_delay_us", integer(self.progress_delay_us, "progress_delay_us", minimum=0))
+        if not isinstance(self.checksum, bool):
+            raise TypeError(f"checksum must be True or False, got {type(self.checksum).__name__}")
 
     @classmethod
     def make(cls, options: Optional["ManagerOptions"], overrides: Mapping[str, Any]) -> "ManagerOptions":

@@ -43,6 +43,9 @@ from .pull import PagesHeld
 from .regions import RegionSet, build_regions
 from .routes import plan_routes
 from .rows import byte_index, merged, overlaps, zero_runs
+from .handshake import SumsRegion
+from .mirror_sums import HostCheck, HostSums, PendingSums
+from .sum_check import SumCheck, SumStats
 
 ROUTE_CACHE_SIZE = 256  # sets of peers whose routes are kept (one per TP-rank set a D rank reads)
 
@@ -58,6 +61,8 @@ class PagedWork(NamedTuple):
     read_pages: Tuple[Tuple[int, ...], ...]
     zero_pages: Tuple[Tuple[int, ...], ...]
     local_block_ids: Tuple[Tuple[int, ...], ...]
+    check: Optional[HostCheck] = None  # host mode: what complete's page sums are compared with
+    unchecked: Optional[str] = "device mode carries no page sums"  # else why they are not
 
 
 class PagedMode(BufferMode):
@@ -91,11 +96,11 @@ class PagedMode(BufferMode):
         ids = request_block_ids(info, block_ids, "block_ids")
         pages: List[Any] = [expand_blocks(a[a != NO_BLOCK], b // p)  # int64 arrays: the copier takes them
                             for a, b, p in zip(ids, info.tokens_per_block, info.tokens_per_page)]
-        self._save(pages)
-        return None
+        return self._save(pages)
 
-    def _save(self, pages: List[Any]) -> None:
-        """P's pages (per group) become readable by a peer."""
+    def _save(self, pages: List[Any]) -> Optional[PendingSums]:
+        """P's pages (per group) become readable by a peer (their sums pending on CUDA)."""
+        return None
 
     def on_notifications(self, new) -> None:
         """Nothing to free: a request holds no memory of this mode (P frees its blocks)."""
@@ -147,9 +152,10 @@ class PagedMode(BufferMode):
     def reads(self, work) -> List[Read]:
         return list(work.reads)
 
-    def complete(self, work) -> None:
+    def complete(self, work) -> Tuple[Optional[SumCheck], Optional[str]]:
         self._zero_rows(work)
         self._zero_pages(work.zero_pages)
+        return None, work.unchecked
 
     def _zero_rows(self, work: PagedWork) -> None:
         """Rows of read pages past the prompt (a plan's ``zero_segments``), in the
@@ -188,7 +194,8 @@ class PagedMode(BufferMode):
 
     def _table(self) -> np.ndarray:
         if self._descriptors is None:
-            self._descriptors = self.regions.descriptors()
+            descs = self.local_descriptors()
+            self._descriptors = descs if descs is not None else self.regions.descriptors()
         return self._descriptors
 
     def _lands(self, work: PagedWork) -> Tuple[np.ndarray, np.ndarray]:
@@ -268,31 +275,73 @@ class MirrorMode(PagedMode):
     name = "host"
     written_in = "host buffers"
 
-    def __init__(self, regions: RegionSet, device_caches, layer_groups, opts: ManagerOptions):
+    def __init__(self, regions: RegionSet, device_caches, layer_groups, tokens_per_page, opts: ManagerOptions):
         super().__init__(regions, device_caches, layer_groups)
         self._copier = BlockCopier(self._caches, regions.host_views, self._groups, backend=opts.copy_backend,
                                    block_dim=opts.block_dim, kv_layout=opts.kv_layout)
+        self.sum_stats = SumStats()
+        self.sums: Optional[HostSums] = None  # the page-sums region (kvcopy.nixl.mirror_sums), checksum=True
+        if opts.checksum:
+            try:
+                device = next(iter(self._caches.values())).device
+                self.sums = HostSums(regions, self._copier, tokens_per_page, self.on_cuda, device, self.sum_stats)
+            except Exception:
+                self._copier.close()
+                raise
 
     @classmethod
     def build(cls, device_caches, layer_groups, tokens_per_page, opts: ManagerOptions) -> "MirrorMode":
         regions = build_regions(device_caches, layer_groups, tokens_per_page, "host", opts.block_dim, opts.kv_layout,
                                 opts.tp_rank, opts.tp_size, opts.total_kv_heads)
-        return cls(regions, device_caches, layer_groups, opts)
+        return cls(regions, device_caches, layer_groups, tokens_per_page, opts)
 
-    def _save(self, pages: List[Any]) -> None:
+    @property
+    def sums_region(self) -> Optional[SumsRegion]:
+        return None if self.sums is None or not self.sums.region.nbytes else self.sums.region
+
+    def registrations(self):
+        out = super().registrations()
+        region = self.sums_region
+        if region is not None:
+            out.append((region.address, region.nbytes, 0, "DRAM"))
+        return out
+
+    def local_descriptors(self) -> Optional[np.ndarray]:
+        descs = self.regions.descriptors()
+        return descs if self.sums is None or self.sums_region is None else np.concatenate([descs, self.sums.rows()])
+
+    def _save(self, pages: List[Any]) -> Optional[PendingSums]:
         if self._held:  # the mirror pages this rank's own READs given up on may still write
             self._refuse_held(*self._page_ranges(pages), "save would write")
+        if self.sums is not None:
+            return self.sums.save(self._copier, pages)
         self._copier.to_host(pages)
+        return None
 
     def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens):
         plan, work = super().plan(info, peers, remote, num_tokens, local_block_ids, num_cached_tokens)
         # complete() must not fail after the read: check its copy now
         self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(work.read_pages, work.zero_pages)])
-        return plan, work
+        if self.sums is None:
+            return plan, work._replace(unchecked="checksum off on D")
+        if len(peers) != 1 or len(work.reads) != 1:
+            return plan, work._replace(unchecked="D reads this request from several peers")
+        read, check, why = self.sums.plan(peers[0], plan, work.reads[0], bool(work.zero_rows), work.read_pages,
+                                          int(self.regions.descriptor_offsets[-1]))
+        return plan, work._replace(reads=(read,), check=check, unchecked=why)
 
-    def complete(self, work) -> None:
+    def complete(self, work) -> Tuple[Optional[SumCheck], Optional[str]]:
         super().complete(work)
-        self._copier.to_device([list(p) for p in work.read_pages])
+        if work.check is None or self.sums is None:
+            self._copier.to_device([list(p) for p in work.read_pages])
+            self.sum_stats.unchecked()
+            return None, work.unchecked
+        return self.sums.complete(self._copier, work.read_pages, work.check), None
+
+    def stats(self) -> Dict[str, int]:
+        out = super().stats()
+        out.update(self.sum_stats.as_dict())
+        return out
 
     def close(self) -> None:
         super().close()

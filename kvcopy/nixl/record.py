@@ -2,9 +2,13 @@
 
 A :class:`StagedRequest` names P's engine, the request, the span in P's arena (offset,
 bytes), the prompt's token count, per KV cache group which block positions P staged
-(1) and which are holes (0), and the pack order (:mod:`kvcopy.nixl.pack_order`). D
+(1) and which are holes (0), the pack order (:mod:`kvcopy.nixl.pack_order`) and, when P
+computed them, its page sums (:class:`PageSums`, :mod:`kvcopy.nixl.span_sums`). D
 reads P's span at that offset in that order, so every field decides which bytes land
-in D's KV: the record crosses a process boundary and is untrusted input.
+in D's KV: the record crosses a process boundary and is untrusted input. The sums are
+what D's scatter must reproduce; the record's digest (and HMAC) covers them, so a span
+that changed after P's pack, or a READ that brought other bytes, cannot also bring
+matching sums.
 
 Wire form (:meth:`StagedRequest.to_bytes`, :meth:`StagedRequest.from_bytes`), framed
 as the handshake is (:mod:`kvcopy.nixl.framing`)::
@@ -30,12 +34,18 @@ and holds the bytes the request needs (:mod:`kvcopy.nixl.staging`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
+
+import numpy as np
 
 from .framing import Framing
+from .handshake import EngineInfo
 from .pack_order import ORDER, ORDERS
+from .plan import NO_BLOCK
 from .regions import MAX_GROUPS, MAX_NAME
 from .schema import Record, check_int, check_list, loads
 
@@ -46,9 +56,55 @@ MAX_REQUEST_ID = 1024  # characters
 MAX_SPAN = (1 << 63) - 1  # offsets and sizes inside the peer's arena (checked against it on D)
 MAX_TOKENS = 1 << 40
 MAX_BLOCKS = 1 << 22  # block positions per group (checked against the tokens on D)
+SUM_HEX = 16  # hex digits of one page sum (64 bits, most significant digit first)
+LAYOUT_HEX = 32  # hex digits of a sum layout's fingerprint
+_HEX = re.compile(r"[0-9a-f]*")
 RECORD = Framing(RECORD_MAGIC, RECORD_VERSION, ((2, MAX_RECORD_BYTES),), "staged-request record",
                  "staged-request record")
 _WHERE = "malformed staged-request record"
+
+
+@dataclass(frozen=True)
+class PageSums:
+    """P's page sums of one staged request: ``layout``, the fingerprint of how they were
+    computed (:class:`~kvcopy.nixl.span_sums.SumLayout`: D compares only sums of the same
+    layout), and per KV cache group one value per page position holding prompt tokens
+    (0 for a hole), each :data:`SUM_HEX` lowercase hex digits, concatenated."""
+
+    layout: str
+    pages: Tuple[str, ...]
+
+    @classmethod
+    def of(cls, layout: str, values) -> "PageSums":
+        """From per-group uint64 arrays."""
+        return cls(layout, tuple(np.asarray(v, np.uint64).astype(">u8").tobytes().hex() for v in values))
+
+    def values(self, group: int) -> np.ndarray:
+        """Group ``group``'s sums as uint64 (a fresh array)."""
+        return np.frombuffer(bytes.fromhex(self.pages[group]), ">u8").astype(np.uint64)
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout, "pages": list(self.pages)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "PageSums":
+        r = Record(d, f"{_WHERE}, sums")
+        layout = _hex(r.name("layout", LAYOUT_HEX), r.at("layout"), LAYOUT_HEX)
+        raw = r.entries("pages", 1, MAX_GROUPS)
+        r.done()
+        return cls(layout, tuple(_hex(v, f"{_WHERE}, sums.pages[{g}]") for g, v in enumerate(raw)))
+
+
+def _hex(value: Any, where: str, length: int = 0) -> str:
+    """``value`` if it is a string of lowercase hex digits: ``length`` of them, else
+    whole sums (a multiple of :data:`SUM_HEX`, at most one per block position)."""
+    if not isinstance(value, str) or len(value) > SUM_HEX * MAX_BLOCKS:
+        raise ValueError(f"{where}: expected a string of hex digits, got {type(value).__name__}"
+                         + (f" of {len(value)} characters" if isinstance(value, str) else ""))
+    if not _HEX.fullmatch(value) or (len(value) != length if length else len(value) % SUM_HEX):
+        want = f"{length} lowercase hex digits" if length else f"lowercase hex digits, {SUM_HEX} per page"
+        raise ValueError(f"{where}: expected {want}, got {len(value)} characters")
+    return value
 
 
 @dataclass(frozen=True)
@@ -63,15 +119,22 @@ class StagedRequest:
     num_tokens: int
     blocks: Tuple[Tuple[int, ...], ...]
     order: str = ORDER
+    sums: Optional[PageSums] = None  # P's page sums; None: P computed none (checksum=False)
 
     def to_dict(self) -> dict:
-        return {"engine": self.engine, "request_id": self.request_id, "offset": self.offset,
-                "nbytes": self.nbytes, "num_tokens": self.num_tokens,
-                "blocks": [list(b) for b in self.blocks], "order": self.order}
+        out = {"engine": self.engine, "request_id": self.request_id, "offset": self.offset,
+               "nbytes": self.nbytes, "num_tokens": self.num_tokens,
+               "blocks": [list(b) for b in self.blocks], "order": self.order}
+        if self.sums is not None:  # absent, not null: a record has one encoding
+            out["sums"] = self.sums.to_dict()
+        return out
 
     def to_bytes(self, key: Optional[bytes] = None) -> bytes:
         """The wire form; with ``key`` (the managers' shared key), authenticated."""
         return RECORD.frame((canonical(self.to_dict()),), key)
+
+    def with_sums(self, sums: Optional[PageSums]) -> "StagedRequest":
+        return dataclasses.replace(self, sums=sums)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "StagedRequest":
@@ -84,13 +147,15 @@ class StagedRequest:
         num_tokens = r.integer("num_tokens", 0, MAX_TOKENS)
         raw = r.entries("blocks", 1, MAX_GROUPS)
         order = r.choice("order", ORDERS.values())
+        raw_sums = r.optional("sums")
         r.done()
         blocks = []
         for g, flags in enumerate(raw):
             at = f"{_WHERE}, blocks[{g}]"
             blocks.append(tuple(check_int(x, 0, 1, f"{at}[{i}]")
                                 for i, x in enumerate(check_list(flags, 0, MAX_BLOCKS, at))))
-        return cls(engine, request_id, offset, nbytes, num_tokens, tuple(blocks), order)
+        sums = None if raw_sums is None else PageSums.from_dict(raw_sums)
+        return cls(engine, request_id, offset, nbytes, num_tokens, tuple(blocks), order, sums)
 
     @classmethod
     def from_bytes(cls, data, key: Optional[bytes] = None) -> "StagedRequest":
@@ -107,3 +172,47 @@ class StagedRequest:
 def canonical(obj) -> bytes:
     """The one encoding of a record's JSON object."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def check_record(p: EngineInfo, rec: StagedRequest, n_tok: int) -> Tuple[Tuple[int, ...], List[np.ndarray]]:
+    """Check one peer's record against its handshake (D): (its page counts per group,
+    the span's shape; its page positions held per group, ``NO_BLOCK`` for a hole). Page
+    sums, where it carries them, must number one per page position."""
+    if rec.engine != p.name:
+        raise ValueError(f"record of engine {rec.engine!r} given for peer {p.name!r}")
+    if p.buffer != "arena" or p.arena[1] <= 0:
+        raise ValueError(f"peer {p.name!r} is in {p.buffer!r} mode, not 'arena': it stages no requests")
+    if rec.num_tokens != n_tok:
+        raise ValueError(f"record of {p.name!r} staged {rec.num_tokens} tokens, the pull is for {n_tok}")
+    if len(rec.blocks) != p.num_groups:
+        raise ValueError(f"record of {p.name!r}: {len(rec.blocks)} block lists for {p.num_groups} groups")
+    counts, vpages = [], []
+    for g, b in enumerate(rec.blocks):
+        if len(b) != -(-n_tok // p.tokens_per_block[g]):
+            raise ValueError(f"record of {p.name!r}, group {g}: {len(b)} blocks staged for {n_tok} tokens")
+        flags = np.repeat(np.asarray(b, np.int64), p.tokens_per_block[g] // p.tokens_per_page[g])
+        flags = flags[:-(-n_tok // p.tokens_per_page[g])]
+        counts.append(len(flags))
+        vpages.append(np.where(flags == 1, np.arange(len(flags)), NO_BLOCK))
+    if rec.sums is not None:
+        got = [len(h) // SUM_HEX for h in rec.sums.pages]
+        if got != counts:
+            raise ValueError(f"record of {p.name!r}: page sums per group {got[:8]} for page positions {counts[:8]}")
+    return tuple(counts), vpages
+
+
+def request_key(request_id) -> bytes:
+    """A request id as the notification bytes that name it: a non-empty str (latin-1)
+    or bytes, at most :data:`~kvcopy.nixl.record.MAX_REQUEST_ID` long."""
+    if isinstance(request_id, str):
+        try:
+            key = request_id.encode("latin-1")
+        except UnicodeEncodeError:
+            raise ValueError(f"request_id {request_id[:40]!r}: only latin-1 characters (or pass bytes)") from None
+    elif isinstance(request_id, (bytes, bytearray)):
+        key = bytes(request_id)
+    else:
+        raise TypeError(f"request_id must be a non-empty str or bytes, got {type(request_id).__name__}")
+    if not 0 < len(key) <= MAX_REQUEST_ID or b"\0" in key:
+        raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID} characters without NUL, got {request_id[:40]!r}")
+    return key

@@ -268,6 +268,21 @@ class RegionSet:
         return descriptor_table(self.regions)[0]
 
 
+def sum_slots(regions: Sequence[RegionInfo], num_groups: int) -> np.ndarray:
+    """Host mode's page-sums region: int64 ``[G + 1]`` offsets, group ``g`` owning 8-byte
+    slots ``offsets[g]:offsets[g + 1]``, one per page id every region of the group holds
+    (the fewest pages among them; none for a group without regions)."""
+    pages = [0] * num_groups
+    seen = [False] * num_groups
+    for r in regions:
+        for g in {g for _, g in r.members}:
+            pages[g] = r.num_pages if not seen[g] else min(pages[g], r.num_pages)
+            seen[g] = True
+    offsets = np.zeros(num_groups + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(pages)
+    return offsets
+
+
 def descriptor_table(regions: Sequence[RegionInfo]) -> Tuple[np.ndarray, np.ndarray]:
     """Every region's descriptors, concatenated in region order, and int64 ``[R + 1]``
     offsets: region ``r`` owns rows ``offsets[r]:offsets[r + 1]``."""

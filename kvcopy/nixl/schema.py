@@ -129,6 +129,11 @@ class Record:
         value = self._get(name, True)
         return None if value is None else check_list(value, min_len, max_len, self.at(name))
 
+    def optional(self, name: str) -> Any:
+        """A field that may be absent (None), unchecked: the caller reads it with its own
+        :class:`Record` or check."""
+        return self._get(name, True)
+
     def integers(self, name: str, min_len: int, max_len: int, lo: int, hi: int) -> List[int]:
         values = self.entries(name, min_len, max_len)
         return [check_int(v, lo, hi, f"{self.at(name)}[{i}]") for i, v in enumerate(values)]

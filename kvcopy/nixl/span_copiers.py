@@ -18,7 +18,7 @@ host block 0 in the same scatter call.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ class SpanCopiers:
         # Per copier, for ids(): (block bytes, unit, group and slab index (head * chunks +
         # chunk) per copier group, then per KV cache group the copier groups of its units).
         self.index = []
+        self.keys = list(members)  # per copier: (block bytes, element size, in-block (size, stride) pairs)
         for ck, triples in members.items():
             unit = np.array([i for i, _, _ in triples], np.int64)
             group = np.array([self.units[i].group for i, _, _ in triples], np.int64)
@@ -86,9 +87,11 @@ class SpanCopiers:
         """One planned call per copier (every call checked before any runs)."""
         return [copier.plan(direction, dev, host) for copier, (dev, host) in zip(self.copiers, ids)]
 
-    def run(self, direction: str, calls: Sequence[CallPlan]) -> None:
-        for copier, call in zip(self.copiers, calls):
-            copier.run(direction, call)
+    def run(self, direction: str, calls: Sequence[CallPlan], sums: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Run the planned calls; ``sums``: one tensor per call for its page checksums
+        (:mod:`kvcopy.nixl.span_sums`), or None."""
+        for k, (copier, call) in enumerate(zip(self.copiers, calls)):
+            copier.run(direction, call, None if sums is None else sums[k])
 
     def close(self) -> None:
         for c in self.copiers:

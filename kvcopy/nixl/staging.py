@@ -56,11 +56,13 @@ from .options import ManagerOptions
 from .pack_order import ORDER, ORDERS, chunk_extents, granule_for, head_slabs, span_layout, stage_units, \
     virtual_engine
 from .plan import NO_BLOCK, Plan, PullPlan, build_multi_pull_plan, expand_blocks, request_block_ids
-from .record import MAX_REQUEST_ID, StagedRequest
+from .record import StagedRequest, check_record, request_key
 from .regions import RegionSet, build_regions
 from .routes import Routes, plan_routes
 from .rows import BRIDGE_BYTES, byte_index, check_inside, merge_rows, zero_runs
 from .span_copiers import SpanCopiers
+from .span_sums import ArenaSums, ScatterCheck
+from .sum_check import SumCheck
 
 # Request shapes kept per D (LRU). One shape of a 6-group model (96 units, one virtual
 # plan, routes) holds about 250 KiB of host memory (docs/nixl.md): ~32 MiB for 128.
@@ -108,6 +110,9 @@ class ArenaWork(NamedTuple):
     order: str
     read_pages: Tuple[Tuple[int, ...], ...]
     local_block_ids: Tuple[Tuple[int, ...], ...]
+    zero_pages: Tuple[Tuple[int, ...], ...]
+    check: Optional[ScatterCheck]  # what the scatter's sums are compared with (P's, from the record)
+    unchecked: Optional[str]  # else why the sums are not compared
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,7 @@ class ArenaStaging(BufferMode):
     mem_type = "DRAM"
 
     def __init__(self, regions: RegionSet, device_caches: Mapping[str, torch.Tensor], nbytes: int, ttl_s: float,
-                 backend: str, pin: bool, order: str = "token", key: Optional[bytes] = None):
+                 backend: str, pin: bool, order: str = "token", key: Optional[bytes] = None, checksum: bool = False):
         if order not in ORDERS:
             raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {order!r}")
         self.regions = regions
@@ -201,6 +206,9 @@ class ArenaStaging(BufferMode):
         self._caches = device_caches
         self._backend = backend
         self._by_order: Dict[str, SpanCopiers] = {}
+        self.sums = ArenaSums(checksum, next(iter(device_caches.values())).device)  # page sums (span_sums)
+        self._scattering: Dict[int, torch.cuda.Event] = {}  # D, CUDA: span offset -> event after its scatter
+        self._freeing: Dict[int, Tuple[torch.cuda.Event, int]] = {}  # spans finished while their scatter runs
         self.span_copiers(self.order)
         self._staged: Dict[bytes, _Staged] = {}  # P: request id -> its span and readers
         self._held: Dict[int, int] = {}  # D: works with a READ given up on that may still land -> span bytes
@@ -214,7 +222,7 @@ class ArenaStaging(BufferMode):
         grouped = {n: device_caches[n] for g in layer_groups for n in g}
         on_cuda = any(t.device.type == "cuda" for t in grouped.values())
         return cls(regions, grouped, opts.arena_bytes, opts.arena_ttl_s, opts.copy_backend, on_cuda,
-                   opts.arena_order, opts.key)
+                   opts.arena_order, opts.key, opts.checksum)
 
     def registrations(self):
         return [(self.base, self.arena.nbytes, 0, "DRAM")]
@@ -267,16 +275,18 @@ class ArenaStaging(BufferMode):
                 positions.append(np.flatnonzero(p != NO_BLOCK))
                 pages.append(p)
             cps = self.span_copiers(self.order)
+            layout = self.sums.layout(cps, self.order, info.tokens_per_page, "d2h")
             # every copy is checked before the first moves, and planned once
             calls = cps.plan("d2h", cps.ids(span.offset, segs, counts, [p[k] for p, k in zip(pages, positions)],
                                             positions))
-            cps.run("d2h", calls)
+            outs = self.sums.pack(cps, calls)
         except Exception:
             self.arena.free(span)
             raise
         self._staged[rid] = _Staged(span, time.monotonic() + self.ttl_s, readers)
-        return StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
-                             self.order)
+        record = StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
+                               self.order)
+        return self.sums.record(record, layout, outs, positions, counts)
 
     def on_notifications(self, new: Mapping[str, List[bytes]]) -> None:
         """P: a notification naming a staged request says its sender (a D agent, by
@@ -328,6 +338,7 @@ class ArenaStaging(BufferMode):
                 raise ValueError(f"record of {p.name!r}: span [{rec.offset}, +{rec.nbytes}) does not hold its "
                                  f"{need} bytes inside the peer's {p.info.arena[1]}-byte arena")
             remote_spans[p.name] = (p.info.arena[0] + rec.offset, rec.nbytes)
+        self._free_scattered()
         span = self.arena.allocate(shape.nbytes)
         try:
             return self._arena_plan(req, shape, span, remote_spans)
@@ -336,7 +347,7 @@ class ArenaStaging(BufferMode):
             raise
 
     def _request(self, info, peers: Sequence[Peer], records, num_tokens, local_block_ids, cached) -> _Request:
-        """Check one request's arguments and its peers' records (see :meth:`_check_record`)."""
+        """Check one request's arguments and its peers' records (see :func:`~kvcopy.nixl.record.check_record`)."""
         names = [p.name for p in peers]
         if isinstance(records, (bytes, bytearray, memoryview)):
             records = StagedRequest.from_bytes(records, self._key)
@@ -354,7 +365,7 @@ class ArenaStaging(BufferMode):
                 rec = StagedRequest.from_bytes(rec, self._key)
             if not isinstance(rec, StagedRequest):
                 raise ValueError(f"no StagedRequest for peer {p.name!r}")
-            counts, remote_ids[p.name] = _check_record(p.info, rec, n_tok)
+            counts, remote_ids[p.name] = check_record(p.info, rec, n_tok)
             peer_counts.append(counts)
             recs.append(rec)
         orders = {rec.order for rec in recs}
@@ -448,8 +459,12 @@ class ArenaStaging(BufferMode):
         scatter = tuple(cps.plan("h2d", ids))
         zero_starts, zero_lens = virt.zero_runs[0] + span.offset, virt.zero_runs[1].copy()
         read_pages = tuple(tuple(x.tolist()) for x in read_real)
+        layout = self.sums.layout(cps, req.order, req.info.tokens_per_page, "h2d") if self.sums.on else None
+        check, unchecked = self.sums.check(layout, req.records, req.peer_counts == (req.counts,), virt.reads,
+                                           len(zero_lens), virt.plan.read_pages, [len(z) for z in zero_real],
+                                           read_pages)
         work = ArenaWork(span.offset, span.nbytes, tuple(reads), _read_only(zero_starts), _read_only(zero_lens),
-                         scatter, req.order, read_pages, blocks)
+                         scatter, req.order, read_pages, blocks, tuple(zero_real), check, unchecked)
         plan = ArenaPlan(peers=virt.plan.peers, remote_num_tokens=req.num_tokens, num_cached_tokens=req.cached,
                          read_pages=read_pages, zero_pages=tuple(zero_real), local_block_ids=blocks,
                          span=Span(span.offset, span.nbytes), reads=MappingProxyType(shown),
@@ -460,12 +475,18 @@ class ArenaStaging(BufferMode):
     def reads(self, work) -> List[Read]:
         return list(work.reads)
 
-    def complete(self, work) -> None:
+    def complete(self, work) -> Tuple[Optional[SumCheck], Optional[str]]:
         """D: zero the rows past the prompt in D's span, then one masked h2d per copier
-        (read pages from the span, pages past the prompt from the zero granule)."""
+        (read pages from the span, pages past the prompt from the zero granule), its
+        page sums compared with P's where they can be (:mod:`kvcopy.nixl.span_sums`)."""
         if len(work.zero_starts):
             self.buffer.index_fill_(0, torch.as_tensor(byte_index(work.zero_starts, work.zero_lens)), 0)
-        self.span_copiers(work.order).run("h2d", work.scatter)
+        check = self.sums.scatter(self.span_copiers(work.order), work.scatter, work.check)
+        if self.on_cuda:  # the scatter reads D's span until this event: free() waits for it
+            event = torch.cuda.Event()
+            event.record()
+            self._scattering[work.offset] = event
+        return check, work.unchecked
 
     def check_writable(self, work) -> None:
         """Nothing to check: a plan's span is its own until no READ may write it."""
@@ -478,14 +499,29 @@ class ArenaStaging(BufferMode):
         self._held.pop(id(work), None)
 
     def free(self, work) -> None:
-        """D: free the plan's span (the plan is finished and no READ of it may land)."""
+        """D: free the plan's span (the plan is finished and no READ of it may land), or,
+        on CUDA while its scatter may still read it, once that scatter ended."""
+        event = self._scattering.pop(work.offset, None)
+        if event is not None and not event.query():
+            self._freeing[work.offset] = (event, work.nbytes)
+            return
         self.arena.free(Span(work.offset, work.nbytes))
 
+    def _free_scattered(self, wait: bool = False) -> None:
+        """Free the spans whose scatter ended (``wait``: wait for them all: ``close``)."""
+        for offset, (event, nbytes) in list(self._freeing.items()):
+            if wait or event.query():
+                event.synchronize()
+                del self._freeing[offset]
+                self.arena.free(Span(offset, nbytes))
+
     def stats(self) -> Dict[str, int]:
+        self._free_scattered()
         out = self.arena.stats()
         out["staged_requests"] = len(self._staged)
         out["held_spans"] = len(self._held)
         out["held_bytes"] = sum(self._held.values())
+        out.update(self.sums.stats.as_dict())
         return out
 
     def memory(self) -> List[object]:
@@ -497,6 +533,7 @@ class ArenaStaging(BufferMode):
         self.pairings.forget(peer.key)
 
     def close(self) -> None:
+        self._free_scattered(wait=True)  # no scatter reads the arena once it is gone
         self.shapes.clear()
         self.pairings.clear()
         for cps in self._by_order.values():
@@ -506,28 +543,6 @@ class ArenaStaging(BufferMode):
 
 def _pairing(local: EngineInfo, remote: EngineInfo) -> Callable[[], Tuple[LayerPair, ...]]:
     return lambda: tuple(pair_layers(local, remote))
-
-
-def _check_record(p: EngineInfo, rec: StagedRequest, n_tok: int) -> Tuple[Tuple[int, ...], List[np.ndarray]]:
-    """Check one peer's record against its handshake: (its page counts per group, the
-    span's shape; its page positions held per group, ``NO_BLOCK`` for a hole)."""
-    if rec.engine != p.name:
-        raise ValueError(f"record of engine {rec.engine!r} given for peer {p.name!r}")
-    if p.buffer != "arena" or p.arena[1] <= 0:
-        raise ValueError(f"peer {p.name!r} is in {p.buffer!r} mode, not 'arena': it stages no requests")
-    if rec.num_tokens != n_tok:
-        raise ValueError(f"record of {p.name!r} staged {rec.num_tokens} tokens, the pull is for {n_tok}")
-    if len(rec.blocks) != p.num_groups:
-        raise ValueError(f"record of {p.name!r}: {len(rec.blocks)} block lists for {p.num_groups} groups")
-    counts, vpages = [], []
-    for g, b in enumerate(rec.blocks):
-        if len(b) != -(-n_tok // p.tokens_per_block[g]):
-            raise ValueError(f"record of {p.name!r}, group {g}: {len(b)} blocks staged for {n_tok} tokens")
-        flags = np.repeat(np.asarray(b, np.int64), p.tokens_per_block[g] // p.tokens_per_page[g])
-        flags = flags[:-(-n_tok // p.tokens_per_page[g])]
-        counts.append(len(flags))
-        vpages.append(np.where(flags == 1, np.arange(len(flags)), NO_BLOCK))
-    return tuple(counts), vpages
 
 
 def _real_pages(req: _Request, plan: PullPlan):
@@ -561,23 +576,6 @@ def frozen_copy(a: np.ndarray) -> np.ndarray:
     """A copy of ``a`` no one can write: a read-only view of ``bytes`` (numpy refuses to
     make it writable, and ``bytes`` cannot change), for arrays handed to the caller."""
     return np.frombuffer(a.tobytes(), dtype=a.dtype).reshape(a.shape)
-
-
-def request_key(request_id) -> bytes:
-    """A request id as the notification bytes that name it: a non-empty str (latin-1)
-    or bytes, at most :data:`~kvcopy.nixl.record.MAX_REQUEST_ID` long."""
-    if isinstance(request_id, str):
-        try:
-            key = request_id.encode("latin-1")
-        except UnicodeEncodeError:
-            raise ValueError(f"request_id {request_id[:40]!r}: only latin-1 characters (or pass bytes)") from None
-    elif isinstance(request_id, (bytes, bytearray)):
-        key = bytes(request_id)
-    else:
-        raise TypeError(f"request_id must be a non-empty str or bytes, got {type(request_id).__name__}")
-    if not 0 < len(key) <= MAX_REQUEST_ID or b"\0" in key:
-        raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID} characters without NUL, got {request_id[:40]!r}")
-    return key
 
 
 __all__ = ["ArenaFull", "ArenaPlan", "ArenaStaging", "request_key"]

@@ -36,23 +36,21 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ...nixl.handshake import EngineInfo, pair_layers
+from ...nixl.handshake import pair_layers
 from ...nixl.plan import build_multi_pull_plan
-from ...nixl.regions import build_regions
 from ...nixl.buffer_mode import Peer
-from ...nixl.pack_order import granule_for, span_layout, stage_units
-from ...nixl.staging import ArenaStaging
 # The geometries' names callers reach through this module (fuzz.Spec, fuzz.side, ...).
 from .geometries import (  # noqa: F401
-    DTYPES, LAYOUTS, SideSpec, Spec, allocate, build_caches, engine_info, expected, kv_slots, logical_kv,
-    manager_kwargs, page_view, random_spec, side,
+    DTYPES, LAYOUTS, SideSpec, Spec, allocate, arena_order, arena_staging, build_caches, engine_info, expected,
+    kv_slots, logical_kv, manager_kwargs, page_view, random_spec, side,
 )
+from .inject import InjectReport, homogeneous, inject, run_inject_case
 from .oracle import clone_caches, first_difference, replay, replay_rows, same_bytes
 
 
@@ -78,6 +76,7 @@ class Outcome:
     reason: str = ""
     feasible: bool = True
     detail: str = ""
+    checked: bool = False  # arena mode: D compared its scatter's page sums with P's (and they matched)
 
 
 def run_case(spec: Spec) -> Outcome:
@@ -113,30 +112,6 @@ def run_case(spec: Spec) -> Outcome:
     return Outcome("exact")
 
 
-def arena_order(spec: Spec) -> str:
-    """The staging order a case's P ranks use in arena mode (see the module docstring)."""
-    gqa = any(kind == "gqa" for _, kind, _ in spec.layers)  # MLA pages have no head axis
-    return "head" if spec.seed % 2 and spec.p.kv_layout == "HND" and gqa else "token"
-
-
-def _staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor], name: str):
-    """(arena staging, its handshake record) of one rank in arena mode, without NIXL."""
-    one = spec.side(which)
-    regions = build_regions(caches, one.groups, one.tokens_per_page, "device", None, one.kv_layout,
-                            rank, one.tp_size, spec.total_kv_heads)
-    info = EngineInfo(name=name, buffer="arena", mem_type="DRAM", tp_rank=rank, tp_size=one.tp_size,
-                      tokens_per_block=tuple(one.tokens_per_block), tokens_per_page=tuple(one.tokens_per_page),
-                      regions=tuple(regions.regions), agent_metadata=b"")
-    units = stage_units(info.regions)
-    pages = [-(-spec.num_tokens // t) for t in one.tokens_per_page]
-    # one span (two on D: see run_arena_case), the zero granule, slack
-    need = (2 if which == "d" else 1) * span_layout(units, pages)[1] + 3 * granule_for(units)
-    grouped = {n: caches[n] for g in one.groups for n in g}
-    order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
-    st = ArenaStaging(regions, grouped, need, 60.0, "auto", False, order)
-    return st, replace(info, arena=(st.base, st.arena.nbytes))
-
-
 def run_arena_case(spec: Spec) -> Outcome:
     """One case in arena mode (see the module docstring)."""
     logical = logical_kv(spec)
@@ -145,12 +120,12 @@ def run_arena_case(spec: Spec) -> Outcome:
     want, why = expected(spec, d_caches, logical)
     made = []
     try:
-        d_st, d_info = _staging(spec, "d", spec.d_rank, d_caches, "D")
+        d_st, d_info = arena_staging(spec, "d", spec.d_rank, d_caches, "D")
         made.append(d_st)
         peers: List[Peer] = []
         records, buffers = {}, {}
         for r in spec.p_ranks:
-            p_st, info = _staging(spec, "p", r, p_caches[r], f"P{r}")
+            p_st, info = arena_staging(spec, "p", r, p_caches[r], f"P{r}")
             made.append(p_st)
             try:
                 pair_layers(d_info, info)
@@ -176,13 +151,16 @@ def run_arena_case(spec: Spec) -> Outcome:
             replay_rows({r.peer: (r.local, r.remote) for r in d_st.reads(work)}, d_st.buffer, buffers)
         except ValueError as exc:
             return Outcome("wrong", f"replay_rows raised: {exc}")
-        d_st.complete(work)  # the real copier writes d_caches (its device views)
+        check, unchecked = d_st.complete(work)  # the real copier writes d_caches (its device views)
         if not same_bytes(d_caches, want):
             return Outcome("wrong", "bytes differ", detail=first_difference(d_caches, want) or "")
+        mismatch = check.result() if check is not None else None
+        if mismatch:
+            return Outcome("wrong", "false checksum failure", detail=mismatch)
         d_st.free(work)
         if d_st.arena.bytes_in_use or d_st.stats()["spans"]:
             return Outcome("wrong", "D's span not freed")
-        return Outcome("exact")
+        return Outcome("exact", checked=check is not None, reason=unchecked or "")
     finally:
         for st in made:
             st.close()
@@ -198,6 +176,8 @@ class Report:
     wrong_cases: List[Tuple[int, str]] = field(default_factory=list)
     seconds: float = 0.0
     orders: Counter = field(default_factory=Counter)  # arena mode: cases per staging order
+    checked: int = 0  # arena mode: exact cases whose page sums D compared (and found equal)
+    unchecked: Counter = field(default_factory=Counter)  # arena mode: exact cases not compared, by why
 
     @property
     def num_raised(self) -> int:
@@ -209,6 +189,10 @@ class Report:
                  f"[{self.seconds:.1f} s]"]
         if self.orders:
             lines.append("  arena staging order: " + ", ".join(f"{k} {v}" for k, v in sorted(self.orders.items())))
+            lines.append(f"  page sums: {self.checked} exact cases compared (0 false failures: a mismatch "
+                         f"counts as wrong), {sum(self.unchecked.values())} not compared")
+            for why, k in self.unchecked.most_common():
+                lines.append(f"    not compared {k:6d}  {why}")
         for r, k in self.raised.most_common():
             lines.append(f"  raised {k:6d}  {r}")
         if self.raised_feasible:
@@ -238,6 +222,10 @@ def fuzz(cases: int, seed: int = 0, verbose: bool = False, stop_on_wrong: bool =
                 report.orders[arena_order(spec)] += 1
             if out.status == "exact":
                 report.exact += 1
+                if arena and out.checked:
+                    report.checked += 1
+                elif arena:
+                    report.unchecked[out.reason] += 1
             elif out.status == "raised":
                 report.raised[out.reason] += 1
                 report.raised_feasible += out.feasible
@@ -268,10 +256,16 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--stop-on-wrong", action="store_true")
     ap.add_argument("--arena", action="store_true", help="arena mode: pack, READ rows, scatter")
+    ap.add_argument("--inject", action="store_true",
+                    help="arena mode with P's geometry on D: a clean pull, then five faults per case (bit flips in "
+                         "P's and D's spans, swapped pages, an earlier request's page, a truncated READ), each of "
+                         "which D's page sums must catch (kvcopy.testing.nixl.inject)")
 
 
 def run(args: argparse.Namespace, progress: Optional[Callable[[int, Report], None]] = None) -> int:
     """Run the fuzzer (or one case); exit code 1 if any case is wrong. ``progress``: see :func:`fuzz`."""
+    if getattr(args, "inject", False):
+        return run_inject(args, progress)
     if args.case is not None:
         spec = case(args.case)
         print(spec.summary())
@@ -283,6 +277,23 @@ def run(args: argparse.Namespace, progress: Optional[Callable[[int, Report], Non
     report = fuzz(args.cases, args.seed, args.verbose, args.stop_on_wrong, args.arena, progress)
     print(report)
     return 1 if report.wrong else 0
+
+
+def run_inject(args: argparse.Namespace, progress=None) -> int:
+    """``--inject`` (one case with ``--case SEED``); exit code 1 if a fault was missed or
+    a clean pull failed its comparison or its bytes."""
+    if args.case is not None:
+        report = InjectReport()
+        rng = np.random.default_rng(args.case)
+        spec = homogeneous(rng, args.case)
+        print(spec.summary())
+        run_inject_case(spec, rng, report)
+        report.cases = 1
+    else:
+        print(f"python -m kvcopy.testing.nixl.fuzz --inject --cases {args.cases} --seed {args.seed}")
+        report = inject(args.cases, args.seed, progress)
+    print(report)
+    return 1 if report.failures else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -21,7 +21,7 @@ KV-sharing layer) keeps its poison.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -29,8 +29,10 @@ import torch
 
 from ...nixl.geometry import rank_heads, remote_ranks
 from ...nixl.handshake import EngineInfo
+from ...nixl.pack_order import granule_for, span_layout, stage_units
 from ...nixl.plan import NO_BLOCK, expand_blocks
 from ...nixl.regions import build_regions
+from ...nixl.staging import ArenaStaging
 from .oracle import clone_caches
 
 DTYPES = {
@@ -368,3 +370,30 @@ def random_spec(rng: np.random.Generator, seed: int) -> Spec:
 
 
 # ------------------------------------------------------------------ one case
+
+
+# ------------------------------------------------------------------ arena mode
+def arena_order(spec: Spec) -> str:
+    """The staging order a case's P ranks use in arena mode (see the module docstring)."""
+    gqa = any(kind == "gqa" for _, kind, _ in spec.layers)  # MLA pages have no head axis
+    return "head" if spec.seed % 2 and spec.p.kv_layout == "HND" and gqa else "token"
+
+
+def arena_staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor], name: str, spans: int = 0):
+    """(arena staging, its handshake record) of one rank in arena mode, without NIXL,
+    page sums on; its arena holds ``spans`` spans of the request (default: one on P, two
+    on D: see :func:`kvcopy.testing.nixl.fuzz.run_arena_case`)."""
+    one = spec.side(which)
+    regions = build_regions(caches, one.groups, one.tokens_per_page, "device", None, one.kv_layout,
+                            rank, one.tp_size, spec.total_kv_heads)
+    info = EngineInfo(name=name, buffer="arena", mem_type="DRAM", tp_rank=rank, tp_size=one.tp_size,
+                      tokens_per_block=tuple(one.tokens_per_block), tokens_per_page=tuple(one.tokens_per_page),
+                      regions=tuple(regions.regions), agent_metadata=b"")
+    units = stage_units(info.regions)
+    pages = [-(-spec.num_tokens // t) for t in one.tokens_per_page]
+    # the spans, the zero granule, slack
+    need = (spans or (2 if which == "d" else 1)) * span_layout(units, pages)[1] + 3 * granule_for(units)
+    grouped = {n: caches[n] for g in one.groups for n in g}
+    order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
+    st = ArenaStaging(regions, grouped, need, 60.0, "auto", False, order, checksum=True)
+    return st, replace(info, arena=(st.base, st.arena.nbytes))

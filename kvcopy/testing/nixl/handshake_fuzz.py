@@ -48,6 +48,7 @@ KEY = b"kvcopy-fuzz-key-0123456789abcdef"
 # Variants that are valid metadata, meaning what the genuine one means: accepted.
 EQUIVALENT = {
     "regions[0].axes=None": "a region without named axes moves whole, equal pages only",
+    "sums=None": "a host-mode peer without page sums (checksum off): its pulls are unchecked",
 }
 
 

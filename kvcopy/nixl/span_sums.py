@@ -1,0 +1,312 @@
+"""Page sums of arena spans: what P's pack records and what D's scatter must reproduce.
+
+Both copies of a staged request compute page checksums while they move the bytes
+(:mod:`kvcopy.checksum`): P's pack (one d2h call per span copier) and D's scatter (one
+h2d call per span copier). A span copier's groups are (unit, chunk, head slab) triples
+(:mod:`kvcopy.nixl.span_copiers`) with one layer view each, so its sum of block
+``(triple j, i)`` covers that triple's slab of one page, keyed by the byte positions
+inside the staged block: the same bytes staged on both sides sum alike.
+
+Data layout
+-----------
+Per copier, the sums tensor is int64 ``[len(call.src_flat)]``: the copier's triples in
+its order, each with its pages in call order (P: the page positions P holds; D: the
+positions D reads, then the pages D zeroes from the zero granule, never compared).
+Folded per KV cache group ``g`` and page position ``k`` (uint64, mod 2^64)::
+
+    value[g][k] = SUM over triples j of group g of  seal(sum[j, k], position = J(j) * 2^40 + k)
+
+``J`` numbers every triple of the engine (by unit, then slab), and :func:`kvcopy.checksum.seal`
+binds a sum to it and to the page position, so layers, chunks or head slabs that trade
+places, or pages that do, change the values. One value per (group, page position): a
+record carries ``ceil(tokens / tokens per page)`` values per group (8 bytes each, as
+hex), whatever the number of layers.
+
+When D compares (:func:`scatter_check`; everything else counts the request *unchecked*)
+----------------------------------------------------------------------------------
+Only identically staged pages: the record carries P's sums and their layout
+fingerprint (:class:`SumLayout`: the order, tokens per page per group, the units, each
+copier's key (block bytes, element size, in-page geometry) and run bytes), which must
+equal D's for the record's order; one peer; P's page counts equal D's; and the READ
+moves every byte to the same offset in D's span as in P's (its rows, span-relative, are
+the same on both sides), with no row zeroed in D's span. Then D's block ``(j, k)``
+holds exactly P's block ``(j, k)`` after a correct READ, and D compares every page
+position it reads. Pages D does not read (prefix hits, holes) and pages it zeroes are
+not compared: no byte of them crossed. Different page sizes, TP slices, group plans or
+in-page layouts fail the fingerprint or the row test: such requests are unchecked.
+
+Cost: P and D each fold ``blocks`` sums on the host (two ``mix64`` per block, numpy),
+and on CUDA one device-to-host copy of the sums (:class:`~kvcopy.nixl.sum_check.Readback`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..checksum import MIX1, MIX2, POSITION_MUL, mix64
+from ..copier import CallPlan
+from ..tables import RUN_BYTES
+from .record import LAYOUT_HEX, PageSums, StagedRequest
+from .span_copiers import SpanCopiers
+from .sum_check import PendingResult, Readback, SumCheck, SumStats, mismatch_message
+
+SUM_LAYOUT_VERSION = "kvcopy-span-sums:v1"
+POSITION_BITS = 40  # page positions stay below 2^40 (tokens are bounded by 2^40)
+FOLDS_KEPT = 64  # index plans of fold() kept per layout (one per distinct set of page positions)
+
+
+class SumLayout:
+    """How one side's span copiers sum a staging order's pages: each triple's number
+    ``J``, and the fingerprint that both sides compute alike exactly when their staged
+    pages are the same bytes at the same places."""
+
+    def __init__(self, cps: SpanCopiers, tokens_per_page: Sequence[int], order: str, direction: str):
+        triples = sorted({(u, s) for _, unit, _, slab, _ in cps.index for u, s in zip(unit.tolist(), slab.tolist())})
+        number = {t: j for j, t in enumerate(triples)}
+        self.numbers: List[np.ndarray] = []  # per copier: J per copier group
+        self.groups: List[np.ndarray] = []  # per copier: KV cache group per copier group
+        self.by_group: List[list] = []  # per copier: (group, its copier groups)
+        copiers = []
+        for (_, unit, group, slab, by_group), copier, key in zip(cps.index, cps.copiers, cps.keys):
+            js = np.array([number[t] for t in zip(unit.tolist(), slab.tolist())], np.int64)
+            tables = copier.tables(direction)
+            runs = [int(tables.entries[tables.group_entry_ids(j), RUN_BYTES].max()) for j in range(len(js))]
+            self.numbers.append(js)
+            self.groups.append(group)
+            self.by_group.append(by_group)
+            copiers.append([key, js.tolist(), runs])
+        units = [[list(u.layers), u.group, u.num_chunks, u.chunk_bytes, u.heads, u.outer, u.block_bytes]
+                 for u in cps.units]
+        desc = {"version": SUM_LAYOUT_VERSION, "order": order, "tokens_per_page": [int(t) for t in tokens_per_page],
+                "units": units, "copiers": copiers}
+        text = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
+        self.fingerprint = hashlib.sha256(text).hexdigest()[:LAYOUT_HEX]
+        self._folds: Dict[tuple, list] = {}  # fold()'s index plans by page positions
+
+    def fold(self, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
+             zero_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+        """Per group, the folded value of each page position in ``positions[g]`` (see
+        the module docstring); ``arrays``: the copiers' sums (uint64), each triple's
+        ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded."""
+        zeros = tuple(int(z) for z in zero_counts) if zero_counts is not None else (0,) * len(positions)
+        pos = [np.asarray(p, np.int64) for p in positions]
+        key = (tuple(p.tobytes() for p in pos), zeros)
+        parts = self._folds.get(key)
+        if parts is None:
+            parts = self._fold_parts(pos, zeros)
+            if len(self._folds) >= FOLDS_KEPT:
+                self._folds.pop(next(iter(self._folds)))
+            self._folds[key] = parts
+        acc = [np.zeros(len(p), np.uint64) for p in pos]
+        with np.errstate(over="ignore"):
+            for out, copier_parts in zip(arrays, parts):
+                size, groups = copier_parts
+                if len(out) != size:
+                    raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
+                for g, idx, bound, rows in groups:
+                    acc[g] += _mix64(out[idx] ^ bound).reshape(rows, -1).sum(axis=0, dtype=np.uint64)
+        return acc
+
+    def _fold_parts(self, pos: List[np.ndarray], zeros: Tuple[int, ...]):
+        """Per copier: (blocks of its call, per group: (indices of the folded sums,
+        their seal bounds ``mix64(position * POSITION_MUL)``, triples))."""
+        reads = np.array([len(p) for p in pos], np.int64)
+        out = []
+        for js, group, by_group in zip(self.numbers, self.groups, self.by_group):
+            per = reads[group] + np.asarray(zeros, np.int64)[group]
+            starts = np.cumsum(per) - per
+            parts = []
+            for g, at in by_group:
+                n = int(reads[g])
+                if n:
+                    idx = (starts[at][:, None] + np.arange(n)[None, :]).ravel()
+                    sealed_at = ((js[at][:, None] << POSITION_BITS) + pos[g][None, :]).ravel()
+                    parts.append((g, idx, seal_bounds(sealed_at), len(at)))
+            out.append((int(per.sum()), parts))
+        return out
+
+
+def seal_bounds(positions: np.ndarray) -> np.ndarray:
+    """``mix64(position * POSITION_MUL)``: :func:`kvcopy.checksum.seal`'s bound with seed 0,
+    so ``mix64(sum ^ bound)`` is ``seal(sum, 0, position)``."""
+    with np.errstate(over="ignore"):
+        return mix64(positions.astype(np.uint64) * np.uint64(POSITION_MUL))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """:func:`kvcopy.checksum.mix64` in place on a fresh uint64 array (overflow wraps;
+    the caller holds ``np.errstate``)."""
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(MIX1)
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(MIX2)
+    x ^= x >> np.uint64(33)
+    return x
+
+
+# ---------------------------------------------------------------- P
+def page_sums(layout: SumLayout, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
+              counts: Sequence[int]) -> PageSums:
+    """The record's sums: per group one value per page position (0 for a hole)."""
+    values = []
+    for g, folded in enumerate(layout.fold(arrays, positions)):
+        v = np.zeros(counts[g], np.uint64)
+        v[np.asarray(positions[g], np.int64)] = folded
+        values.append(v)
+    return PageSums.of(layout.fingerprint, values)
+
+
+class PendingRecord(PendingResult):
+    """P's record while its sums are on their way from the GPU (``save(wait=False)`` on
+    CUDA with checksums): :meth:`ready` never waits; :meth:`result` waits for the pack
+    if it has not ended, and gives the :class:`~kvcopy.nixl.record.StagedRequest`."""
+
+    def __init__(self, record: StagedRequest, readback: Readback, layout: SumLayout,
+                 positions: Sequence[np.ndarray], counts: Sequence[int]):
+        self._record = record
+        self._readback = readback
+        self._layout = layout
+        self._positions = positions
+        self._counts = counts
+        self._done: Optional[StagedRequest] = None
+
+    @property
+    def request_id(self) -> str:
+        return self._record.request_id
+
+    def ready(self) -> bool:
+        return self._done is not None or self._readback.ready()
+
+    def result(self) -> StagedRequest:
+        if self._done is None:
+            sums = page_sums(self._layout, self._readback.arrays(), self._positions, self._counts)
+            self._done = self._record.with_sums(sums)
+        return self._done
+
+    def __repr__(self) -> str:
+        return f"PendingRecord({self.request_id!r}, ready={self.ready()})"
+
+
+# ---------------------------------------------------------------- D
+class ScatterCheck(NamedTuple):
+    """What D's scatter of one request is compared with, made when it is planned from
+    the record the manager parsed (arrays read-only, never handed out)."""
+
+    layout: SumLayout
+    positions: Tuple[np.ndarray, ...]  # per group: the page positions D reads
+    zero_counts: Tuple[int, ...]  # per group: the pages the scatter zeroes after them
+    expected: Tuple[np.ndarray, ...]  # per group: P's value at each of those positions
+    local_pages: Tuple[Tuple[int, ...], ...]  # per group: D's page for each (to name it)
+
+    def compare(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
+        got = self.layout.fold(arrays, self.positions, self.zero_counts)
+        bad = [(g, int(self.positions[g][i]), self.local_pages[g][i])
+               for g in range(len(got)) for i in np.flatnonzero(got[g] != self.expected[g]).tolist()]
+        return mismatch_message(bad) if bad else None
+
+
+UNLIKE = "P's staged pages are not D's (page sizes, TP slices, group plans or in-page layouts differ)"
+
+
+def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
+                  reads: Dict[str, Tuple[np.ndarray, np.ndarray]], zeroed_rows: int,
+                  positions: Sequence[Sequence[int]], zero_counts: Sequence[int],
+                  local_pages: Sequence[Sequence[int]]) -> Tuple[Optional[ScatterCheck], Optional[str]]:
+    """(the check, None), or (None, why D cannot compare) for one request (see the
+    module docstring). ``reads``: per peer, the READ rows relative to each span's start;
+    ``same_counts``: P's page counts per group equal D's. A record whose sums do not
+    have one value per page position raises ``ValueError``."""
+    sums = record.sums
+    if sums is None:
+        return None, "P sent no page sums (checksum off on P)"
+    if sums.layout != layout.fingerprint or not same_counts:
+        return None, UNLIKE
+    if len(reads) != 1:
+        return None, "D reads this request from several peers"
+    (lrel, rrel), = reads.values()
+    if lrel.shape != rrel.shape or not np.array_equal(lrel[:, :2], rrel[:, :2]):
+        return None, UNLIKE
+    if zeroed_rows:
+        return None, "rows past the prompt are zeroed in D's span"
+    if not any(len(p) for p in positions):
+        return None, "D reads no page of this request (all cached)"
+    if len(sums.pages) != len(positions):
+        raise ValueError(f"record of {record.engine!r}: sums for {len(sums.pages)} groups, D has {len(positions)}")
+    expected = []
+    for g, given in enumerate(positions):
+        values = sums.values(g)
+        pos = np.array(given, np.int64)  # a copy, read-only below
+        if len(pos) and pos.max() >= len(values):
+            raise ValueError(f"record of {record.engine!r}, group {g}: {len(values)} page sums, D reads page "
+                             f"position {int(pos.max())}")
+        e = values[pos]
+        e.setflags(write=False)
+        pos.setflags(write=False)
+        expected.append((pos, e))
+    return ScatterCheck(layout, tuple(p for p, _ in expected), tuple(int(z) for z in zero_counts),
+                        tuple(e for _, e in expected), tuple(tuple(p) for p in local_pages)), None
+
+
+# ---------------------------------------------------------------- one arena's sums
+class ArenaSums:
+    """One arena's page sums: on or off, each (order, direction)'s :class:`SumLayout`
+    (built on first use, with the copiers), and the counts of compared requests."""
+
+    def __init__(self, on: bool, device: torch.device):
+        self.on = bool(on)
+        self.device = device
+        self.stats = SumStats()
+        self._layouts: Dict[Tuple[str, str], SumLayout] = {}
+
+    def layout(self, cps: SpanCopiers, order: str, tokens_per_page: Sequence[int], direction: str) -> SumLayout:
+        key = (order, direction)
+        found = self._layouts.get(key)
+        if found is None:
+            if self.on:  # a backend that cannot sum (ce) refuses here, before any request
+                for copier in cps.copiers:
+                    empty = copier.plan(direction, [[] for _ in copier.layer_groups])
+                    copier.run(direction, empty, torch.empty(0, dtype=torch.int64, device=self.device))
+            found = self._layouts[key] = SumLayout(cps, tokens_per_page, order, direction)
+        return found
+
+    # P
+    def pack(self, cps: SpanCopiers, calls: Sequence[CallPlan]) -> Optional[List[torch.Tensor]]:
+        """Run P's pack; its sums tensors (None when off)."""
+        outs = [torch.empty(len(c.src_flat), dtype=torch.int64, device=self.device) for c in calls] \
+            if self.on else None
+        cps.run("d2h", calls, outs)
+        return outs
+
+    def record(self, record: StagedRequest, layout: SumLayout, outs: Optional[List[torch.Tensor]],
+               positions: Sequence[np.ndarray], counts: Sequence[int]):
+        """``record`` with P's sums, or a :class:`PendingRecord` while they are on a GPU."""
+        if outs is None:
+            return record
+        pending = PendingRecord(record, Readback(outs), layout, positions, counts)
+        return pending if self.device.type == "cuda" else pending.result()
+
+    # D
+    def check(self, layout: Optional[SumLayout], records: Sequence[StagedRequest], same_counts: bool,
+              reads: Dict[str, Tuple[np.ndarray, np.ndarray]], zeroed_rows: int, positions: Sequence[Sequence[int]],
+              zero_counts: Sequence[int], local_pages: Sequence[Sequence[int]]):
+        """(check, None) or (None, why not): :func:`scatter_check` when sums are on."""
+        if layout is None:
+            return None, "checksum off on D"
+        if len(records) != 1:
+            return None, "D reads this request from several peers"
+        return scatter_check(layout, records[0], same_counts, reads, zeroed_rows, positions, zero_counts, local_pages)
+
+    def scatter(self, cps: SpanCopiers, calls: Sequence[CallPlan], check: Optional[ScatterCheck],
+                ) -> Optional[SumCheck]:
+        """Run D's scatter, with sums where ``check`` compares them."""
+        if check is None:
+            cps.run("h2d", calls)
+            self.stats.unchecked()
+            return None
+        outs = [torch.empty(len(c.src_flat), dtype=torch.int64, device=self.device) for c in calls]
+        cps.run("h2d", calls, outs)
+        return SumCheck(Readback(outs), check.compare, self.stats)
