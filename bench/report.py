@@ -112,11 +112,28 @@ def run_tables(res: dict, md: bool) -> List[str]:
     return _table(headers, table, md) + [""]
 
 
+OUTPUT_FLAGS = ("--json", "--csv", "--plot")  # where a run writes, not what it measures
+
+
+def _measuring(argv: List[str]) -> List[str]:
+    """``argv`` without the output flags and their values: runs that differ only in where
+    they wrote are runs of one command."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in OUTPUT_FLAGS:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in OUTPUT_FLAGS)):
+            out.append(a)
+    return out
+
+
 def combine(results: List[dict]) -> dict:
     """Repeated runs of one command as one result: each row's x memcpy is the median over
     the runs, ``x_range`` their min and max, ``noisy_runs`` in how many runs it was flagged."""
     first = results[0]
-    argvs = {" ".join(r.get("argv") or []) for r in results}
+    argvs = {" ".join(_measuring(r.get("argv") or [])) for r in results}
     if len(argvs) > 1 or len({r["command"] for r in results}) > 1:
         raise SystemExit(f"--runs: the files are not runs of one command ({sorted(argvs)})")
     rows: Dict[tuple, List[dict]] = {}

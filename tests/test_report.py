@@ -40,7 +40,8 @@ def test_repeated_runs_give_the_median_and_the_range(tmp_path):
     runs = [_run(0.1, {"cpu": 1.10, "vllm": 5.0}), _run(0.3, {"cpu": 1.08, "vllm": 5.5}, noise=("vllm",)),
             _run(0.2, {"cpu": 1.14, "vllm": 4.9})]
     files = []
-    for i, res in enumerate(runs):
+    for i, res in enumerate(runs):  # each run wrote its own file: still runs of one command
+        res["argv"] += ["--json", f"out/run-{i}.json"] if i else [f"--json=out/run-{i}.json"]
         f = tmp_path / f"r{i}.json"
         f.write_text(json.dumps(res))
         files.append(str(f))

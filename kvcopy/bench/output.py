@@ -1,7 +1,7 @@
 """What ``kvcopy-bench run``/``sweep`` print and write: the table, the noise flags, the
 summary, JSON, CSV, the plot, and the progress bar on stderr.
 
-Noise flags. Each row's spread is ``p90 / min - 1`` over its timed calls. A ratio to
+Noise flags. Each row's spread is ``p90 / p10 - 1`` over its timed calls. A ratio to
 memcpy is the ratio of two medians, so it is only as steady as the wider of the two
 spreads: a row is flagged ``floor`` when its point's memcpy row is noisy, ``row`` when
 it is itself (:func:`kvcopy.bench.timing.noisy`), and the note under the table says
@@ -95,6 +95,10 @@ def noise_note(result: dict, flags: Dict[int, str]) -> str:
     else:
         cause = "something else ran during the run" + (f" (load average {load:.1f} at the start)"
                                                          if load is not None else "")
+        if any("floor" in flags[id(r)] for r in rows):
+            cause += (", or the point's bytes sit at the edge of what the caches hold (its calls then "
+                      "alternate between cache and memory speed, on an idle machine too: compare the "
+                      "points whose floor is steady)")
     todo = ["rerun on an idle machine"]
     threads = (result.get("threads") or {}).get("count", 1)
     if env.get("device") == "cpu" and threads > 1:
@@ -103,7 +107,7 @@ def noise_note(result: dict, flags: Dict[int, str]) -> str:
     if any(r.get("iters", 0) < 3 for r in result["results"] if id(r) in flags):
         todo.append("give slow rows more time (--budget S, --time-limit 0): fewer than 3 calls give no spread")
     which = sorted({f for r in rows for f in flags[id(r)].split(", ")})
-    return (f"noise: {plural(len(rows), 'row')} flagged ({' and '.join(which)}): the spread (p90 / min - 1) of "
+    return (f"noise: {plural(len(rows), 'row')} flagged ({' and '.join(which)}): the spread (p90 / p10 - 1) of "
             f"the point's memcpy floor ('floor') or of the row itself ('row') is over {limit:.0%}, so its "
             f"x memcpy is not a result; {cause}. To do: {'; '.join(todo)}.\n")
 
@@ -163,7 +167,7 @@ def format_table(result: dict, sweep: bool) -> str:
 
 def legend(result: dict) -> str:
     """What the columns mean and which way is better."""
-    lines = ["columns: calls timed; time per call (min, median, p90) and spread = p90 / min - 1; "
+    lines = ["columns: calls timed; time per call (min, median, p90) and spread = p90 / p10 - 1; "
              "x memcpy = median time / the memcpy's median time, same bytes, same buffers, same run, "
              "lower is better (1.00x is the floor); % memcpy = its inverse, higher is better"]
     counted = any(r.get("ops_per_call") is not None for r in result["results"])
