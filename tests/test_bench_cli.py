@@ -203,6 +203,12 @@ def test_nixl_subcommand(tmp_path):
     methods = [r["method"] for r in res["results"]]
     assert methods[0] == "bulk READ" and "pull+complete" in methods
     assert all(r["bytes"] == plan["plan_bytes"] for r in res["results"])
+    # the '+sum' rows: every compared pull matched (host mode: one more descriptor per page read)
+    assert {"save+sum", "pull+complete+sum", "arena save+sum", "arena pull+complete+sum"} <= set(methods)
+    descs = {r["method"]: r["descriptors"] for r in res["results"]}
+    assert descs["pull+complete+sum"] == descs["pull+complete"] + 2 * 3
+    for facts in (plan["host_checksums"], plan["arena_checksums"]):
+        assert facts["checksum_checked"] > 0 and facts["checksum_failed"] == facts["checksum_unchecked"] == 0
 
 
 @pytest.mark.parametrize("layout", ["kv_first", "hnd_view_of_nhd"])

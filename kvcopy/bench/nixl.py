@@ -37,6 +37,12 @@ by token position into blocks of its own; then, round-robin with the other rows:
     every page into the record, D's scatter sums what it copies and compares
     (:mod:`kvcopy.nixl.span_sums`); ``facts["arena_checksums"]`` counts the pulls
     compared (all must be ``checked``). ``--no-checksum`` skips them.
+``save+sum``, ``pull+complete+sum``
+    host mode's ``save`` and ``pull+complete`` with ``checksum=True`` (a second pair of
+    managers; the plain host rows run with ``checksum=False``): P's save writes each
+    page's sum into its page-sums region, D's READ brings the sums of the pages it reads
+    (one more descriptor per page), complete compares (:mod:`kvcopy.nixl.mirror_sums`);
+    ``facts["host_checksums"]`` counts the pulls compared.
 
 The raw rows use buffers laid out as the plan's regions (same page geometry), so the
 descriptors are the plan's. After the runs, D's KV is compared with P's at every
@@ -231,22 +237,25 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
               backends=(args.nixl_backend,), progress_delay_us=delay)
-    mp = md = raw = mpa = mda = None
+    mp = md = raw = mpa = mda = host_sums = None
     try:
-        mp = TransferManager(SIDE_P, P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw)
-        md = TransferManager(SIDE_D, D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw)
+        # host mode: the plain rows without page sums, the '+sum' rows with (a second pair)
+        mp = TransferManager(SIDE_P, P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw, checksum=False)
+        md = TransferManager(SIDE_D, D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw, checksum=False)
         peer = md.add_peer(mp.metadata())
         mp.save(P.ids)
         tokens = max(counts) * sc.block_size
 
-        def page_plan():
-            return _page_plan(md.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts)))
+        def page_plan(d=md, peer=peer):
+            return _page_plan(d.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts)))
 
         plan = page_plan()  # the raw rows' descriptors; each pull gets a plan of its own (one pull per plan)
         raw = RawPair(plan, args.nixl_backend, delay)
         per_page, merged = raw.descriptors(merge=False), raw.descriptors(merge=True)
         bulk_n = int(plan.num_bytes)
         pulls = _HostPulls(md, page_plan)
+        if args.checksum:
+            host_sums = _HostSumRows(sc, P, D, kw, page_plan, len(per_page[0]) + sum(map(len, plan.read_pages)))
 
         arena_methods, arena_descs, arena_facts, before, summed = {}, {}, {}, {}, []
         if args.arena:
@@ -265,11 +274,13 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             "pull": pulls.pull_only,
             "pull+complete": pulls.pull_complete,
             "save": lambda: mp.save(P.ids),
+            **(host_sums.methods if host_sums else {}),
             **arena_methods,
         }
         descs = {"bulk READ": 1, "bulk READ+copy": 1, "per-page": len(per_page[0]),
                  "per-page+nixl-merge": len(per_page[0]), "merged runs": len(merged[0]), "pull": len(per_page[0]),
-                 "pull+complete": len(per_page[0]), "save": None, **arena_descs}
+                 "pull+complete": len(per_page[0]), "save": None, **arena_descs,
+                 **(host_sums.descs if host_sums else {})}
         verify = None
         if args.verify:
             pulls.pull_complete()
@@ -278,7 +289,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             verify = _check(P, D, d_ids, sc.block_dim(), as_words)
         # On CUDA every row is timed to the end of the work it enqueued (complete's h2d
         # scatter, the floor's copy), not to the return of the call.
-        before.update(pulls.before())
+        before.update(pulls.before(), **(host_sums.pulls.before() if host_sums else {}))
         timings = measure(methods, device, args.iters, args.warmup, budget_s=args.budget, before=before)
         rows = _rows(sc, timings, descs, bulk_n)
         facts = {"plan_bytes": bulk_n, "progress_delay_us": delay, "region_pairs": len(plan.pairs),
@@ -292,11 +303,13 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             facts["arena_verify"] = _check(P, D, d_ids, sc.block_dim(), as_words)
         if summed:  # every +sum pull was compared, and matched
             facts["arena_checksums"] = {k: v for k, v in summed[1].stats().items() if k.startswith("checksum_")}
+        if host_sums:
+            facts["host_checksums"] = {k: v for k, v in host_sums.d.stats().items() if k.startswith("checksum_")}
         return rows, facts
     finally:
         # P before D (as kvcopy.testing.nixl.engines.ManagerPairs closes them): a D closed first can
         # leave P's background UCX connect-back refused and printed after the run.
-        for x in (raw, mp, md, mpa, mda, *summed[:2]):
+        for x in (raw, mp, md, *(host_sums.managers if host_sums else ()), mpa, mda, *summed[:2]):
             if x is not None:
                 try:
                     x.close()
@@ -474,15 +487,41 @@ def format_nixl(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _HostSumRows:
+    """Host mode's '+sum' rows: a second pair of managers with ``checksum=True``; each
+    page read brings its 8-byte sum, one more descriptor per page (``descriptors``)."""
+
+    def __init__(self, sc, P, D, kw, page_plan, descriptors: int):
+        from ..nixl import TransferManager
+
+        self.p = TransferManager(SIDE_P + "-sum", P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw)
+        try:
+            self.d = TransferManager(SIDE_D + "-sum", D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw)
+        except BaseException:
+            self.p.close()
+            raise
+        self.managers = [self.p, self.d]  # P before D, as measure_nixl closes them
+        try:
+            peer = self.d.add_peer(self.p.metadata())
+            self.p.save(P.ids)
+        except BaseException:
+            for m in self.managers:
+                m.close()
+            raise
+        self.pulls = _HostPulls(self.d, lambda: page_plan(self.d, peer), tag="+sum")
+        self.methods = {"save+sum": lambda: self.p.save(P.ids), "pull+complete+sum": self.pulls.pull_complete}
+        self.descs = {"save+sum": None, "pull+complete+sum": descriptors}
+
+
 class _HostPulls:
     """The host-mode pull rows: one pull per plan, each made untimed before its call."""
 
-    def __init__(self, manager, make_plan):
-        self.manager, self.make_plan = manager, make_plan
+    def __init__(self, manager, make_plan, tag: str = ""):
+        self.manager, self.make_plan, self.tag = manager, make_plan, tag
         self.pending: dict = {}  # row -> the plan its next call pulls
 
     def before(self) -> dict:
-        return {row: (lambda row=row: self._plan_for(row)) for row in ("pull", "pull+complete")}
+        return {row + self.tag: (lambda row=row: self._plan_for(row)) for row in ("pull", "pull+complete")}
 
     def _plan_for(self, row: str) -> None:
         if row not in self.pending:
