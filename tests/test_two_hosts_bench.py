@@ -24,12 +24,15 @@ def test_faults_need_two_hosts_and_a_bad_rate_is_refused(capsys):
 
 
 @pytest.mark.skipif(bool(_why_not()), reason=f"two hosts: {_why_not()}")
-def test_two_hosts_rows_over_the_link(tmp_path):
+def test_two_hosts_rows_over_the_link(tmp_path, capsys):
     path = tmp_path / "out.json"
     rc = main(["nixl", "--two-hosts", "--rate", "1gbit", "--num-groups", "2", "--num-layers", "2",
                "--blocks-per-request", "3", "--iters", "2", "--json", str(path)])
     assert rc == 0
+    printed = capsys.readouterr().out
     out = json.loads(path.read_text())
+    for r in out["results"]:  # the printed spread columns are the row's own p10 and p90
+        assert f"{r['p10_us'] / 1e3:>8.2f} {r['p90_us'] / 1e3:>8.2f}" in printed, printed
     assert out["facts"]["verify_by_mode"] == {"host": "ok", "arena": "ok"}
     rows = {r["method"]: r for r in out["results"]}
     assert list(rows) == ["bulk READ", "arena pull", "arena pull+complete", "host pull"]

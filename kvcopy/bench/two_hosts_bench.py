@@ -283,12 +283,12 @@ def format_two_hosts(out: dict) -> str:
     lines = [f"kvcopy-bench nixl --two-hosts  link cap {out['rate']} (veth between two network namespaces, "
              f"UCX on TCP), NIXL {out['env'].get('nixl')}, load {out['env'].get('load_average')}",
              f"scenario {out['description']}",
-             f"{'method':<20} {'bytes':>9} {'descs':>6} {'median ms':>10} {'p20 ms':>8} {'p80 ms':>8} "
+             f"{'method':<20} {'bytes':>9} {'descs':>6} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
              f"{'GB/s':>6} {'% rate':>7} {'x bulk':>7}"]
     for r in out["results"]:
         lines.append(f"{r['method']:<20} {fmt_bytes(r['bytes']):>9} {r['descriptors']:>6} "
-                     f"{r.get('median_us', 0) / 1e3:>10.2f} {r.get('p20_us', 0) / 1e3:>8.2f} "
-                     f"{r.get('p80_us', 0) / 1e3:>8.2f} {r.get('gbps', 0):>6.2f} {r.get('pct_rate', 0):>7.1f} "
+                     f"{r.get('median_us', 0) / 1e3:>10.2f} {r.get('p10_us', 0) / 1e3:>8.2f} "
+                     f"{r.get('p90_us', 0) / 1e3:>8.2f} {r.get('gbps', 0):>6.2f} {r.get('pct_rate', 0):>7.1f} "
                      f"{r.get('x_bulk') or 0:>7.2f}")
     lines.append("x bulk = time / one bulk READ of the same bytes over the same link, same run (lower is better); "
                  "% rate = throughput / the link's cap")
