@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         plan_args = (peer, p_ids, tokens, d_ids)
         plan = D.plan_pull(*plan_args)
         agent = D._agent._agent
-        ldl, rdl = D._local_dlist, D._dlists[peer]
+        ldl, rdl = D._local_dlist, D._dlists[peer].dlist  # the prepared list under kvcopy's RemoteList
         li, ri = raw_indices(D, peer, plan)
 
         def raw():

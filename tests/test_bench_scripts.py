@@ -1,0 +1,43 @@
+"""bench/nixl_plan_cost.py and bench/arena_plan_cost.py: each runs on a small case
+(real NIXL over UCX, one process) and prints every row it promises, with a time."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcopy.nixl import nixl_available
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(bool(nixl_available()), reason=f"NIXL: {nixl_available()}")
+
+
+def run_script(name: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def timed_rows(out: str, names) -> dict:
+    rows = {}
+    for name in names:
+        m = re.search(rf"^{re.escape(name)}\s+(\d+\.\d+)", out, re.M)
+        assert m is not None, (name, out)
+        rows[name] = float(m.group(1))
+    return rows
+
+
+def test_nixl_plan_cost_times_each_row_against_a_raw_read():
+    out = run_script("nixl_plan_cost.py", "--layers", "2", "--pages", "4", "--num-pages", "16", "--iters", "2")
+    rows = timed_rows(out, ["plan_pull", "raw READ", "pull", "pull+complete", "complete only"])
+    assert all(v > 0 for v in rows.values()), rows
+    assert "8 descriptors" in out  # 2 layers x 4 pages
+
+
+def test_arena_plan_cost_times_plan_pull_beside_a_memcpy():
+    out = run_script("arena_plan_cost.py", "--groups", "1", "--iters", "3")
+    rows = timed_rows(out, ["plan_pull", "plan_pull cold", "memcpy"])
+    assert all(v > 0 for v in rows.values()), rows
+    assert "1 descriptor(s)" in out
