@@ -52,7 +52,7 @@ merging.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -228,7 +228,6 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
     from ..nixl._agent import PROGRESS_DELAY_US
-    from ..layout import as_words
 
     P, D = sc.build(device), sc.build(device)
     counts = sc.blocks_per_group()
@@ -238,6 +237,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
               backends=(args.nixl_backend,), progress_delay_us=delay)
     mp = md = raw = mpa = mda = host_sums = None
+    summed: list = []  # the arena '+sum' rows' (P, D, methods, descs, facts, before)
     try:
         # host mode: the plain rows without page sums, the '+sum' rows with (a second pair)
         mp = TransferManager(SIDE_P, P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw, checksum=False)
@@ -257,36 +257,23 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         if args.checksum:
             host_sums = _HostSumRows(sc, P, D, kw, page_plan, len(per_page[0]) + sum(map(len, plan.read_pages)))
 
-        arena_methods, arena_descs, arena_facts, before, summed = {}, {}, {}, {}, []
+        arena_methods, arena_descs, arena_facts, before = {}, {}, {}, {}
         if args.arena:
             mpa, mda, arena_methods, arena_descs, arena_facts, before = _arena_rows(sc, args, P, D, d_ids, counts,
                                                                                     tokens, kw)
             if args.checksum:  # the same rows with page sums computed and compared
-                summed = list(_arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum=True))
-                for into, more in zip((arena_methods, arena_descs, arena_facts, before), summed[2:]):
-                    into.update(more)
-        methods = {
-            "bulk READ": raw.read(*raw.bulk_descriptors()),
-            "bulk READ+copy": raw.read_then_copy(device),
-            "per-page": raw.read(*per_page, skip_merge=True),
-            "per-page+nixl-merge": raw.read(*per_page),
-            "merged runs": raw.read(*merged),
-            "pull": pulls.pull_only,
-            "pull+complete": pulls.pull_complete,
-            "save": lambda: mp.save(P.ids),
-            **(host_sums.methods if host_sums else {}),
-            **arena_methods,
-        }
-        descs = {"bulk READ": 1, "bulk READ+copy": 1, "per-page": len(per_page[0]),
-                 "per-page+nixl-merge": len(per_page[0]), "merged runs": len(merged[0]), "pull": len(per_page[0]),
-                 "pull+complete": len(per_page[0]), "save": None, **arena_descs,
-                 **(host_sums.descs if host_sums else {})}
+                summed = _summed_arena_rows(sc, args, P, D, d_ids, counts, tokens, kw,
+                                            (arena_methods, arena_descs, arena_facts, before))
+        methods, descs = _raw_rows(raw, per_page, merged, device)
+        methods.update({"pull": pulls.pull_only, "pull+complete": pulls.pull_complete,
+                        "save": lambda: mp.save(P.ids), **(host_sums.methods if host_sums else {}),
+                        **arena_methods})
+        descs.update({"pull": len(per_page[0]), "pull+complete": len(per_page[0]), "save": None, **arena_descs,
+                      **(host_sums.descs if host_sums else {})})
         verify = None
         if args.verify:
             pulls.pull_complete()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            verify = _check(P, D, d_ids, sc.block_dim(), as_words)
+            verify = _verified(P, D, d_ids, sc.block_dim(), device)
         # On CUDA every row is timed to the end of the work it enqueued (complete's h2d
         # scatter, the floor's copy), not to the return of the call.
         before.update(pulls.before(), **(host_sums.pulls.before() if host_sums else {}))
@@ -298,13 +285,11 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
                  "copy_backends": _copy_backends(md),
                  **arena_facts}
         if args.arena and args.verify:  # the arena rows wrote D's KV last
-            if device != "cpu":
-                torch.cuda.synchronize()
-            facts["arena_verify"] = _check(P, D, d_ids, sc.block_dim(), as_words)
-        if summed:  # every +sum pull was compared, and matched
-            facts["arena_checksums"] = {k: v for k, v in summed[1].stats().items() if k.startswith("checksum_")}
-        if host_sums:
-            facts["host_checksums"] = {k: v for k, v in host_sums.d.stats().items() if k.startswith("checksum_")}
+            facts["arena_verify"] = _verified(P, D, d_ids, sc.block_dim(), device)
+        for key, d in (("arena_checksums", summed[1] if summed else None),
+                       ("host_checksums", host_sums.d if host_sums else None)):
+            if d is not None:  # every +sum pull was compared, and matched
+                facts[key] = {k: v for k, v in d.stats().items() if k.startswith("checksum_")}
         return rows, facts
     finally:
         # P before D (as kvcopy.testing.nixl.engines.ManagerPairs closes them): a D closed first can
@@ -317,6 +302,30 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
                     pass
         P.close()
         D.close()
+
+
+def _verified(P, D, d_ids, block_dim: int, device: str) -> Optional[str]:
+    """D's KV against P's at the request's blocks, once the work enqueued on D ended."""
+    from ..layout import as_words
+
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return _check(P, D, d_ids, block_dim, as_words)
+
+
+def _raw_rows(raw, per_page, merged, device: str) -> Tuple[Dict[str, Callable[[], None]], dict]:
+    """The raw agents' rows (no manager): the bulk READ floor, the READ then a copy, and
+    the plan's descriptors per page and merged; their descriptor counts."""
+    methods = {
+        "bulk READ": raw.read(*raw.bulk_descriptors()),
+        "bulk READ+copy": raw.read_then_copy(device),
+        "per-page": raw.read(*per_page, skip_merge=True),
+        "per-page+nixl-merge": raw.read(*per_page),
+        "merged runs": raw.read(*merged),
+    }
+    descs = {"bulk READ": 1, "bulk READ+copy": 1, "per-page": len(per_page[0]),
+             "per-page+nixl-merge": len(per_page[0]), "merged runs": len(merged[0])}
+    return methods, descs
 
 
 def _rows(sc, timings, descs, bulk_n: int) -> List[dict]:
@@ -332,6 +341,15 @@ def _rows(sc, timings, descs, bulk_n: int) -> List[dict]:
             row["x_bulk"] = st["median_us"] / ref if ref else None
         rows.append(row)
     return rows
+
+
+def _summed_arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, into) -> list:
+    """The arena rows with ``checksum=True`` managers, added to ``into`` (methods,
+    descriptors, facts, before); returns what :func:`_arena_rows` did."""
+    summed = list(_arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum=True))
+    for target, more in zip(into, summed[2:]):
+        target.update(more)
+    return summed
 
 
 def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = False):
