@@ -14,13 +14,17 @@ comparison rows fill the caches with their own temporaries), a row is timed with
 own bytes as warm as every other row's. Without that, a contiguous memcpy of 6 MiB
 measured 1.8-2.3x slower after the vLLM-style rows than beside the ``cpu`` row alone,
 while ``cpu``, timed right after ``torch`` had touched the very same blocks, did not
-move. One untimed call is not enough on the CPU: after the ``torch`` row, the floor's
-first and second 6 MiB copies took 717 and 663 us, the third and later 447-484 us
-(after the ``cpu`` row: 500, 464, 447 us), as if the last-level cache kept a line only
-once it was read again; ``cpu``, reading blocks ``torch`` had just read, was warm at
-once. So the run settles with 3 untimed calls on the CPU (1 on a GPU, where the copies
-do not go through the host's caches). A method that exceeds its time budget leaves the
-rotation after ``min_iters``.
+move. One untimed call is not enough on the CPU, and how many are depends on the size:
+after the ``torch`` row, the floor's 6 MiB copies took 717, 663, then 447-484 us (after
+the ``cpu`` row: 500, 464, 447 us); its 18 MiB copies took 3.3, 3.0, 2.6, 2.3, 1.9,
+1.7, 1.5 ms, seven calls to settle (after ``cpu``: 2.6 ms down to 1.5), and ``cpu``
+after ``torch`` the same; as if the last-level cache kept a line only once it was read
+again. With 3 the 18 MiB point alternated between 1.5-1.8 and 2.4-2.7 ms; stopping
+once a call was less than 5% faster than the one before stopped too early as often
+(spread 110%). So the CPU run settles with 6 untimed calls (18 MiB floor: spread
+18-22%, ``cpu`` 1.00x of it), a GPU run with 1 (its copies do not go through the
+host's caches). A method that exceeds its time budget
+leaves the rotation after ``min_iters``.
 
 Statistics per method: min, median and p90 of the timed calls, and the spread
 ``p90 / p10 - 1``: how wide the middle 80% of the calls are. Not ``p90 / min``: the min
