@@ -94,7 +94,7 @@ def _runnable_fraction(threads: set, seconds: float = 0.5, samples: int = 50) ->
     runnable (state ``R``). A busy-polling thread is ``R`` whether or not it holds a
     core, a sleeping one ``S``: unlike its CPU time, this does not depend on how many
     other processes compete for the cores (measured: a delay-0 agent got 0.24 CPU/s
-    on this 2-core machine beside three busy processes)."""
+    on the 2-core development machine beside three busy processes)."""
     import time
 
     hits = 0
