@@ -134,8 +134,10 @@ def combine(results: List[dict]) -> dict:
     the runs, ``x_range`` their min and max, ``noisy_runs`` in how many runs it was flagged."""
     first = results[0]
     argvs = {" ".join(_measuring(r.get("argv") or [])) for r in results}
-    if len(argvs) > 1 or len({r["command"] for r in results}) > 1:
-        raise SystemExit(f"--runs: the files are not runs of one command ({sorted(argvs)})")
+    threads = {(r.get("threads") or {}).get("count") for r in results}  # the default changed once
+    if len(argvs) > 1 or len({r["command"] for r in results}) > 1 or len(threads) > 1:
+        raise SystemExit(f"--runs: the files are not runs of one command ({sorted(argvs)}, threads "
+                         f"{sorted(threads, key=str)})")
     rows: Dict[tuple, List[dict]] = {}
     for res in results:
         for r in res["results"]:
@@ -174,7 +176,7 @@ def describe(res: dict) -> str:
     else:  # a run older than the thread rule: only torch's count was recorded
         threads = f"torch on {env.get('torch_threads')} threads (the cpu backend's not recorded)"
     cpu = f", {threads}{load}" if env.get("device") == "cpu" else ""
-    argv = " ".join(res.get("argv") or [])
+    argv = " ".join(_measuring(res.get("argv") or []))
     runs = f"{res['runs']} runs, " if res.get("runs") else ""
     return (f"{res['command']} on {where}, {runs}{env.get('date', '?')[:10]}, commit {str(env.get('commit'))[:12]}"
             f" ({versions}){cpu}{partial}" + (f"; `kvcopy-bench {argv}`" if argv else ""))

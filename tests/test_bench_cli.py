@@ -40,11 +40,11 @@ def test_run_json_fields_verify_and_ratios(tmp_path, capsys):
             assert rows[0]["method"] == "memcpy"
             ref = rows[0]["median_us"]
             for r in rows:
-                for key in ("min_us", "median_us", "p90_us", "spread", "gbps", "pct_of_memcpy", "x_memcpy",
-                            "bytes", "ops_per_call", "verify", "iters", "noise"):
+                for key in ("min_us", "p10_us", "median_us", "p90_us", "spread", "gbps", "pct_of_memcpy",
+                            "x_memcpy", "bytes", "ops_per_call", "verify", "iters", "noise"):
                     assert key in r, (r["method"], key)
-                    assert r["min_us"] <= r["p10_us"] <= r["median_us"] <= r["p90_us"]
-                    assert r["spread"] == pytest.approx(r["p90_us"] / r["p10_us"] - 1)
+                assert r["min_us"] <= r["p10_us"] <= r["median_us"] <= r["p90_us"]
+                assert r["spread"] == pytest.approx(r["p90_us"] / r["p10_us"] - 1)
                 assert r["x_memcpy"] == pytest.approx(r["median_us"] / ref)
                 assert r["pct_of_memcpy"] == pytest.approx(100 * ref / r["median_us"])
                 assert r["bytes"] == rows[0]["bytes"]  # every row moves the same bytes
@@ -196,7 +196,7 @@ def test_nixl_subcommand(tmp_path):
                        "--iters", "2", "--warmup", "0", "--quiet", "--device", "cpu")
     assert rc == 0
     (plan,) = res["plans"]
-    assert plan["verify"] == "ok"
+    assert plan["verify"] == "ok" and plan["arena_verify"] == "ok"
     # 2 groups x 2 layers x 3 blocks x 2 chunks per page; contiguous ids merge per (layer, group, chunk)
     assert plan["descriptors_per_page"] == 24
     assert plan["descriptors_merged"] == 8

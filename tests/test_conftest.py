@@ -74,7 +74,7 @@ def test_require_gpu_fails_every_gpu_skip(tmp_path):
         else:
             # each failed setup says why; the short summary may repeat it, wrapped to the
             # terminal's width, so only the per-test error sections are counted
-            sections = proc.stdout.split("ERROR at setup of ")[1:]
+            sections = [s.split("\n=")[0] for s in proc.stdout.split("ERROR at setup of ")[1:]]
             assert sorted(s.split()[0] for s in sections) == ["test_marked", "test_skips_itself"], proc.stdout
             assert all("this GPU test was skipped (needs a CUDA device)" in s for s in sections), proc.stdout
     assert run_suite(tmp_path, require="0").returncode == 0  # 0 means off

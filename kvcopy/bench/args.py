@@ -55,8 +55,8 @@ def add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "(any backend can be named so in --backends too)")
     m.add_argument("--iters", type=int, metavar="N", help="timed calls per method (default: 200 GPU, 20 CPU)")
     m.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="untimed calls of each method before the rounds (each timed call also follows an "
-                        "untimed one of the same method)")
+                   help="untimed calls of each method before the rounds (each timed call also follows "
+                        "untimed ones of the same method: 6 on the CPU, 1 on a GPU)")
     m.add_argument("--budget", type=float, metavar="S",
                    help="seconds per method per point, untimed calls included, before it leaves the rotation "
                         "(after 5 calls; default 0.75 CPU, 3 GPU): bounds slow methods (the Triton "

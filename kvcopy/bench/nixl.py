@@ -36,7 +36,8 @@ by token position into blocks of its own; then, round-robin with the other rows:
     the arena rows with ``checksum=True`` (a second pair of managers): P's pack sums
     every page into the record, D's scatter sums what it copies and compares
     (:mod:`kvcopy.nixl.span_sums`); ``facts["arena_checksums"]`` counts the pulls
-    compared (all must be ``checked``). ``--no-checksum`` skips them.
+    compared (all must be ``checked``). ``--no-checksum`` skips them and the host
+    ``+sum`` rows below.
 ``save+sum``, ``pull+complete+sum``
     host mode's ``save`` and ``pull+complete`` with ``checksum=True`` (a second pair of
     managers; the plain host rows run with ``checksum=False``): P's save writes each
@@ -82,8 +83,9 @@ def add_args(p) -> None:
     m.add_argument("--no-arena", dest="arena", action="store_false", default=True,
                    help="skip the arena rows")
     m.add_argument("--no-checksum", dest="checksum", action="store_false", default=True,
-                   help="skip the arena '+sum' rows (the arena rows again with page sums computed by P's pack "
-                        "and D's scatter and compared; the plain arena rows run with checksum=False)")
+                   help="skip the '+sum' rows (host save+sum and pull+complete+sum, arena save+sum, pull+sum "
+                        "and pull+complete+sum: the rows again with managers whose page sums are computed "
+                        "by the copies and compared; the plain rows run with checksum=False)")
     from .two_hosts_bench import add_args as add_two_hosts_args
 
     add_two_hosts_args(p)
@@ -268,8 +270,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         methods.update({"pull": pulls.pull_only, "pull+complete": pulls.pull_complete,
                         "save": lambda: mp.save(P.ids), **(host_sums.methods if host_sums else {}),
                         **arena_methods})
-        descs.update({"pull": len(per_page[0]), "pull+complete": len(per_page[0]), "save": None, **arena_descs,
-                      **(host_sums.descs if host_sums else {})})
+        descs.update({"pull": len(per_page[0]), "pull+complete": len(per_page[0]), "save": None, **arena_descs})
         verify = None
         if args.verify:
             pulls.pull_complete()
@@ -278,14 +279,15 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         # scatter, the floor's copy), not to the return of the call.
         before.update(pulls.before(), **(host_sums.pulls.before() if host_sums else {}))
         timings = measure(methods, device, args.iters, args.warmup, budget_s=args.budget, before=before)
+        descs.update(host_sums.descs() if host_sums else {})
         rows = _rows(sc, timings, descs, bulk_n)
         facts = {"plan_bytes": bulk_n, "progress_delay_us": delay, "region_pairs": len(plan.pairs),
                  "descriptors_per_page": len(per_page[0]), "descriptors_merged": len(merged[0]),
                  "verify": verify or ("skipped" if not args.verify else "ok"),
                  "copy_backends": _copy_backends(md),
                  **arena_facts}
-        if args.arena and args.verify:  # the arena rows wrote D's KV last
-            facts["arena_verify"] = _verified(P, D, d_ids, sc.block_dim(), device)
+        if args.arena and args.verify:
+            facts["arena_verify"] = _arena_verified(P, D, d_ids, sc.block_dim(), device, methods, before)
         for key, d in (("arena_checksums", summed[1] if summed else None),
                        ("host_checksums", host_sums.d if host_sums else None)):
             if d is not None:  # every +sum pull was compared, and matched
@@ -311,6 +313,15 @@ def _verified(P, D, d_ids, block_dim: int, device: str) -> Optional[str]:
     if device != "cpu":
         torch.cuda.synchronize()
     return _check(P, D, d_ids, block_dim, as_words)
+
+
+def _arena_verified(P, D, d_ids, block_dim: int, device: str, methods, before) -> Optional[str]:
+    """One more arena pull+complete into D's KV poisoned first, then D's KV against P's:
+    the arena's bytes alone (the host rows write the same blocks during the run)."""
+    D.slabs["device"].fill_(0xA5)
+    before["arena pull+complete"]()
+    methods["arena pull+complete"]()
+    return _verified(P, D, d_ids, block_dim, device)
 
 
 def _raw_rows(raw, per_page, merged, device: str) -> Tuple[Dict[str, Callable[[], None]], dict]:
@@ -528,7 +539,13 @@ class _HostSumRows:
             raise
         self.pulls = _HostPulls(self.d, lambda: page_plan(self.d, peer), tag="+sum")
         self.methods = {"save+sum": lambda: self.p.save(P.ids), "pull+complete+sum": self.pulls.pull_complete}
-        self.descs = {"save+sum": None, "pull+complete+sum": descriptors}
+        self.descriptors = descriptors
+
+    def descs(self) -> dict:
+        """After the run: the READ's descriptors when every pull was compared (each page
+        read brought its sum), unknown (``None``) when some went unchecked."""
+        checked_all = not self.d.stats().get("checksum_unchecked")
+        return {"save+sum": None, "pull+complete+sum": self.descriptors if checked_all else None}
 
 
 class _HostPulls:

@@ -167,7 +167,8 @@ def format_table(result: dict, sweep: bool) -> str:
 
 def legend(result: dict) -> str:
     """What the columns mean and which way is better."""
-    lines = ["columns: calls timed; time per call (min, median, p90) and spread = p90 / p10 - 1; "
+    lines = ["columns: calls timed; time per call (min, median, p90) and spread = p90 / p10 - 1 "
+             "(p10 in the JSON); "
              "x memcpy = median time / the memcpy's median time, same bytes, same buffers, same run, "
              "lower is better (1.00x is the floor); % memcpy = its inverse, higher is better"]
     counted = any(r.get("ops_per_call") is not None for r in result["results"])

@@ -8,8 +8,8 @@ before the wait) is recorded beside it. On the CPU each call is timed with
 
 Methods are measured round by round, one timed call of each per round, the round
 starting one method further each time, so every ratio comes from the same seconds of
-the same run and no method always follows the same neighbour. With ``settle=1`` each
-timed call follows an untimed call of the same method: whatever ran before it (the
+the same run and no method always follows the same neighbour. With ``settle=N`` each
+timed call follows N untimed calls of the same method: whatever ran before it (the
 comparison rows fill the caches with their own temporaries), a row is timed with its
 own bytes as warm as every other row's. Without that, a contiguous memcpy of 6 MiB
 measured 1.8-2.3x slower after the vLLM-style rows than beside the ``cpu`` row alone,
@@ -26,7 +26,7 @@ once a call was less than 5% faster than the one before stopped too early as oft
 host's caches). A method that exceeds its time budget
 leaves the rotation after ``min_iters``.
 
-Statistics per method: min, median and p90 of the timed calls, and the spread
+Statistics per method: min, p10, median and p90 of the timed calls, and the spread
 ``p90 / p10 - 1``: how wide the middle 80% of the calls are. Not ``p90 / min``: the min
 is the one luckiest call, lower the more calls a row gets, so a spread against it grows
 with the run's length (a 6 MiB memcpy timed alone 200 times: min 446, p10 466, p90
