@@ -52,7 +52,7 @@ def _stream_min_bytes() -> int:
     with non-temporal stores (default 24 MiB; 0: never). Streaming pays only for calls
     the last-level cache cannot hold: on the 2-core development machine (one thread,
     ``seeds2``, ``cpu+sum`` / ``cpu``) streaming 6-18 MiB calls cost 1.12-1.16x against
-    1.05-1.07x without, and saved 9-12% at 36 MiB (0.88-0.91x against 1.09-1.10x)."""
+    1.04-1.07x without, and saved 9-12% at 36 MiB (0.88-0.91x against 1.09-1.10x)."""
     text = os.environ.get("KVCOPY_CPU_STREAM_BYTES", "").strip()
     try:
         return max(0, int(text)) if text else STREAM_BYTES_DEFAULT
