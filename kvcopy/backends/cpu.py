@@ -10,7 +10,7 @@ it before building its copiers runs them on that many threads.
 With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums``, whose
 loop hashes each word between its load and its store (AVX-512 where the CPU has it;
 ``KVCOPY_CPU_SIMD=0``, read at prepare, keeps to the scalar loop). Calls of at least
-``KVCOPY_CPU_STREAM_BYTES`` (24 MiB) write with non-temporal stores: a store loop that
+``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) write with non-temporal stores: a store loop that
 first reads every destination line costs a third more memory traffic than memcpy,
 whose string moves skip that read.
 """
@@ -44,15 +44,17 @@ def _simd() -> int:
     return 0 if os.environ.get("KVCOPY_CPU_SIMD", "1").strip() in ("0", "off", "no") else 1
 
 
-STREAM_BYTES_DEFAULT = 24 << 20
+STREAM_BYTES_DEFAULT = 16 << 20
 
 
 def _stream_min_bytes() -> int:
     """``KVCOPY_CPU_STREAM_BYTES``: checksummed calls of at least this many bytes store
-    with non-temporal stores (default 24 MiB; 0: never). Streaming pays only for calls
-    the last-level cache cannot hold: on the 2-core development machine (one thread,
-    ``seeds2``, ``cpu+sum`` / ``cpu``) streaming 6-18 MiB calls cost 1.12-1.16x against
-    1.04-1.07x without, and saved 9-12% at 36 MiB (0.88-0.91x against 1.09-1.10x)."""
+    with non-temporal stores (default 16 MiB; 0: never). Streaming pays for calls the
+    last-level cache cannot hold and costs for those it can: on the 2-core development
+    machine (one thread, ``seeds2``, ``cpu+sum`` / ``cpu``) streaming 6-12 MiB calls cost
+    1.12-1.16x against 1.04-1.07x without; at 18 MiB both cost 1.06-1.14x; at 24 MiB
+    streaming cost 1.01x against 1.26-1.34x without, at 36 MiB 0.89-0.91x against
+    1.09-1.10x."""
     text = os.environ.get("KVCOPY_CPU_STREAM_BYTES", "").strip()
     try:
         return max(0, int(text)) if text else STREAM_BYTES_DEFAULT
