@@ -120,12 +120,9 @@ def _total(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
-             ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr):
-    """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
-    (src item base, dst item base, src block stride, dst block stride, runs per page,
-    the entry row (for the page-run dims), merged, segment bytes,
-    rows per segment, rows)."""
+def _locate(j, valid, call, num_groups, GROUPS: tl.constexpr):
+    """Items ``j`` (an int64 vector; lanes with ``valid`` false read item 0) as (group,
+    the group's first block run, its block runs, the item's index within the group)."""
     j = tl.where(valid, j, 0)
     item_offsets = call + num_groups + 1
     # group of item j: how many later groups start at or before it (empty groups
@@ -139,6 +136,25 @@ def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
     first_run = tl.load(call + g, mask=valid, other=0)
     runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
     local = j - tl.load(item_offsets + g, mask=valid, other=0)
+    return g, first_run, runs_in_group, local
+
+
+@triton.jit
+def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
+             ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr):
+    """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
+    (src item base, dst item base, src block stride, dst block stride, runs per page,
+    the entry row (for the page-run dims), merged, segment bytes,
+    rows per segment, rows)."""
+    g, first_run, runs_in_group, local = _locate(j, valid, call, num_groups, GROUPS)
+    return _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets, group_entries,
+                            call, num_groups, ROW_BYTES)
+
+
+@triton.jit
+def _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets, group_entries, call,
+                     num_groups, ROW_BYTES: tl.constexpr):
+    """:func:`_resolve` of items already located (:func:`_locate`)."""
     slot = tl.load(group_offsets + g, mask=valid, other=0) + local // runs_in_group
     entry = entries + ENTRY_FIELDS * tl.load(group_entries + slot, mask=valid, other=0)
     run = call + 2 * (num_groups + 1) + 3 * (first_run + local % runs_in_group)
@@ -306,19 +322,9 @@ def _unsigned(x, ELEM_BYTES: tl.constexpr):
 
 
 @triton.jit
-def _item_keys(j, valid, call, num_groups, GROUPS: tl.constexpr):
-    """Items ``j``: (the key base of their entry's position in its group, the call
-    index of their run's first block: their first output slot)."""
-    j = tl.where(valid, j, 0)
-    item_offsets = call + num_groups + 1
-    k = 1 + tl.arange(0, GROUPS)
-    starts = tl.load(item_offsets + k, mask=k < num_groups, other=0x7FFFFFFFFFFFFFFF)
-    g = _total((j[:, None] >= starts[None, :]).to(tl.int64), 1)
-    for k2 in range(GROUPS + 1, num_groups):
-        g += (j >= tl.load(item_offsets + k2)).to(tl.int64)
-    first_run = tl.load(call + g, mask=valid, other=0)
-    runs_in_group = tl.maximum(tl.load(call + g + 1, mask=valid, other=1) - first_run, 1)
-    local = j - tl.load(item_offsets + g, mask=valid, other=0)
+def _item_keys(valid, first_run, runs_in_group, local, call, num_groups):
+    """Items located by :func:`_locate`: (the key base of their entry's position in its
+    group, the call index of their run's first block: their first output slot)."""
     ordinal = (local // runs_in_group).to(tl.uint64)
     block_prefix = call + 2 * (num_groups + 1) + 3 * tl.load(call + num_groups)
     out_index = tl.load(block_prefix + first_run + local % runs_in_group, mask=valid, other=0)
@@ -387,9 +393,11 @@ def fused_copy_sums_kernel(entries, group_offsets, group_entries, call, num_grou
     total, item, row, count = _worker_start(pid, n_items, entries, group_offsets, group_entries, call,
                                             num_groups, ROW_BYTES, ROWS, SCAN, GROUPS)
     valid = item < n_items
+    g, first_run, runs_in_group, local = _locate(item, valid, call, num_groups, GROUPS)  # one search per item
     (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, seg_bytes, tiles,
-     rows) = _resolve(item, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
-    base, out_index = _item_keys(item, valid, call, num_groups, GROUPS)
+     rows) = _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets, group_entries,
+                              call, num_groups, ROW_BYTES)
+    base, out_index = _item_keys(valid, first_run, runs_in_group, local, call, num_groups)
     cols = tl.arange(0, ROW_ELEMS)
     acc = (row * 0).to(tl.uint64)
     cur = row * 0 - 1  # the slot acc belongs to; -1: none yet
@@ -441,10 +449,11 @@ def fused_copy_sums_kernel(entries, group_offsets, group_entries, call, num_grou
             item += wrap.to(tl.int64)
             row = tl.where(wrap, 0, row)
             valid = item < n_items
+            g, first_run, runs_in_group, local = _locate(item, valid, call, num_groups, GROUPS)
             (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, seg_bytes, tiles,
-             rows) = _resolve(item, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES,
-                              GROUPS)
-            base, out_index = _item_keys(item, valid, call, num_groups, GROUPS)
+             rows) = _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets,
+                                      group_entries, call, num_groups, ROW_BYTES)
+            base, out_index = _item_keys(valid, first_run, runs_in_group, local, call, num_groups)
         tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
     tl.atomic_add(sums + cur, acc.to(tl.int64, bitcast=True), mask=cur >= 0, sem="relaxed")
 
