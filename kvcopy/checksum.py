@@ -212,15 +212,6 @@ def check_output(out, num_blocks: int, device: torch.device) -> None:
         raise ValueError(f"checksums must be on the copy's device {want}, got {out.device}")
 
 
-def check_request(backend, tables: CopyTables, call: CallPlan, out) -> None:
-    """Before a checksummed copy moves a byte: ``backend`` can compute the sums for
-    ``tables`` (else ``ValueError`` saying why) and ``out`` fits ``call``."""
-    why = backend.checksum_reason(tables)
-    if why:
-        raise ValueError(f"checksums requested but {why}")
-    check_output(out, len(call.src_flat), copy_device(tables.src_device, tables.dst_device))
-
-
 def _indexed(device: torch.device) -> torch.device:
     """``cuda`` without an index is the current CUDA device."""
     if device.type == "cuda" and device.index is None:

@@ -25,7 +25,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .backends import Backend, choose_backend, get_backend
-from .checksum import check_request as check_checksum_request
+from .checksum import check_output as check_checksum_output
+from .checksum import copy_device as checksum_device
 from .layout import PageLayout, byte_extent, describe, pair_pages
 from .checks import shown
 from .planner import CallPlanner
@@ -44,6 +45,15 @@ class _Direction:
         self.planner = planner
         self.dst_side = dst_side
         self.row_pairs = tuple(row_pairs)  # overlaid groups of different block strides (_check_shared_rows)
+        self._sums_check: Optional[tuple] = None
+
+    def sums_check(self) -> tuple:
+        """(why the backend cannot sum these tables or None, the sums' device): worked
+        out on the first checksummed call, as neither changes afterwards."""
+        if self._sums_check is None:
+            self._sums_check = (self.backend.checksum_reason(self.tables),
+                                checksum_device(self.tables.src_device, self.tables.dst_device))
+        return self._sums_check
 
 
 class BlockCopier:
@@ -278,7 +288,10 @@ class BlockCopier:
 
     def _copy(self, d: _Direction, call: CallPlan, checksums: Optional[torch.Tensor]) -> None:
         if checksums is not None:
-            check_checksum_request(d.backend, d.tables, call, checksums)
+            why, device = d.sums_check()
+            if why:
+                raise ValueError(f"checksums requested but {why}")
+            check_checksum_output(checksums, len(call.src_flat), device)
             if not call.num_items:
                 checksums.zero_()  # blocks of groups without layers: nothing to add
                 return
