@@ -235,8 +235,8 @@ void add_sum(uint64_t* sums, int64_t slot, uint64_t v) {
 
 // Every block of the item, page by page, each page's sum added to its slot: one locked
 // add per page, which waits for the stores before it to drain (run by run, as merged
-// items were, a layout-converting copy's 512-byte runs cost 1.11-1.12x of the plain
-// copy; page by page 1.05-1.10x).
+// items were, a layout-converting copy's 512-byte runs cost 1.06-1.12x of the plain
+// copy on one core; page by page 1.05-1.08x, the same runs).
 void copy_item_sums(const kvcopy::Item& it, PageCopy copy_page, uint64_t* sums) {
   const uint64_t base = kvcopy::key_base(it.ordinal);
   for (int64_t b = 0; b < it.num_blocks; ++b)

@@ -174,12 +174,19 @@ def test_cpu_loops_match_oracle(case, env, monkeypatch):
 
 
 @needs_lib
-def test_cpu_threads_add_shared_slots(monkeypatch):
+@pytest.mark.parametrize("case", [
+    CopyCase(num_groups=2, layers_per_group=4, num_blocks=64, ids="all", block_size=16, num_heads=8, head_size=128),
+    # merged items of two runs per page (K and V halves), walked page by page
+    CopyCase(layout="kv_first", num_groups=1, num_blocks=16, ids="all", block_size=64, num_heads=8, head_size=128),
+], ids=["nhd", "kv_first-merged"])
+def test_cpu_threads_add_shared_slots(monkeypatch, case):
     """Above 1 MiB the items of one call run on OpenMP threads, several layers of a
     group adding into one block's slot at once."""
     monkeypatch.setenv("KVCOPY_CPU_THREADS", "2")
-    case = CopyCase(num_groups=2, layers_per_group=4, num_blocks=64, ids="all", block_size=16, num_heads=8,
-                    head_size=128)
+    check = prepare_check("cpu", case, "d2h")
+    call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
+    check.copier.close()
+    assert call.total_bytes >= 1 << 20 and call.num_items > 1  # what takes the OpenMP path
     for direction in DIRECTIONS:
         check_sums("cpu", case, direction)
 
