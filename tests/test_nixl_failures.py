@@ -17,6 +17,7 @@ from kvcopy.testing.nixl.engines import (
     allocate_blocks, build_case, clone_caches, expected_pull, fill_random, first_difference,
     ManagerPairs, one_torch_thread, PrefillProcess, same_bytes, wait,
 )
+from kvcopy.testing.nixl.stopped_peer import stop_process, tcp_loopback
 
 NP = 192
 _names = itertools.count()
@@ -247,8 +248,14 @@ def test_ten_thousand_transfers_with_failures_leak_no_handle(pd):
 @pytest.fixture
 def stopped_prefill():
     """start(**manager kwargs) -> (D, peer, D engine, P's pid) with P in a spawned child
-    that saved blocks 1-8 and was then stopped (SIGSTOP) before D's first READ, so the
-    READ waits on a peer that never answers. P is continued and stopped at teardown."""
+    that saved blocks 1-8 and was then stopped (SIGSTOP, every thread) before D's first
+    READ, so the READ waits on a peer that never answers: UCX on TCP over loopback (with
+    shared memory D could read a stopped P). P is continued and stopped at teardown."""
+    with tcp_loopback():
+        yield from _stopped_prefill()
+
+
+def _stopped_prefill():
     proc = PrefillProcess()
     made = []
 
@@ -261,7 +268,7 @@ def stopped_prefill():
         d = de.manager(f"Dstopped{n}", **kw)
         made.append(d)
         peer = d.add_peer(metadata)
-        os.kill(proc.process.pid, signal.SIGSTOP)
+        stop_process(proc.process.pid)
         d.stopped_pid = proc.process.pid
         return d, peer, de
 

@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvcopy.nixl.pull import Completion  # noqa: E402
+from kvcopy.testing.nixl.stopped_peer import stop_process  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
     ArenaEngine, assert_same, decode, expected_d, fill, free_port, prefill, prefill_child, prompts, run,
 )
@@ -360,7 +361,7 @@ def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, pr
 
     def pull(plan, *a, **kw):
         if any(name.startswith("kvcopy-arena-P2-") for name in plan.all_peers):
-            os.kill(p2.pid, signal.SIGSTOP)  # P2 cannot serve the READ ...
+            stop_process(p2.pid)  # every thread of P2 stopped: it cannot serve the READ ...
             h = real(plan, *a, **kw)
             os.kill(p2.pid, signal.SIGKILL)  # ... and dies with it in flight
             killed.append(h)

@@ -59,6 +59,18 @@ def _thread_state(pid: int, tid: str) -> str:
         return "T"
 
 
+def stop_process(pid: int, guard_s: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: delivery is
+    asynchronous, and a READ posted before the peer's UCX progress thread stopped can
+    still be answered (a test expecting the READ to hang then sees it DONE)."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + guard_s  # hang guard only
+    while not all(_thread_state(pid, t) == "T" for t in os.listdir(f"/proc/{pid}/task")):
+        if time.monotonic() > end:
+            raise TimeoutError(f"process {pid} did not stop")
+        time.sleep(0.001)
+
+
 class StoppedPeer:
     """P1 (a child), P2 and D (here), one buffer mode for all three (module docstring).
     Make it inside :func:`tcp_loopback`; ``close`` continues and stops P1."""
@@ -104,14 +116,8 @@ class StoppedPeer:
     def stop_p1(self, guard_s: float = 30.0) -> None:
         """SIGSTOP P1 and wait until every thread of it is stopped (delivery is
         asynchronous: a READ posted before that could still be answered)."""
-        pid = self.proc.process.pid
-        os.kill(pid, signal.SIGSTOP)
         self.stopped = True
-        end = time.monotonic() + guard_s  # hang guard only
-        while not all(_thread_state(pid, t) == "T" for t in os.listdir(f"/proc/{pid}/task")):
-            if time.monotonic() > end:
-                raise TimeoutError("P1 did not stop")
-            time.sleep(0.001)
+        stop_process(self.proc.process.pid, guard_s)
 
     def continue_p1(self) -> None:
         if self.stopped:
