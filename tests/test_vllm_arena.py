@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvcopy.nixl.pull import Completion  # noqa: E402
-from kvcopy.testing.nixl.stopped_peer import stop_process  # noqa: E402
+from kvcopy.testing.nixl.stopped_peer import TCP_LOOPBACK, stop_process  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
     ArenaEngine, assert_same, decode, expected_d, fill, free_port, prefill, prefill_child, prompts, run,
 )
@@ -345,7 +345,11 @@ def test_a_byte_changed_in_ps_span_fails_the_load_by_its_checksum(engines, name)
 def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, prefill_process, monkeypatch):
     """D loads one request from P2 (another process) and two from P1. P2 is stopped just
     before D posts its READ and killed right after: that request ends as a load error
-    (its blocks reported, nothing written), D's other requests complete exactly."""
+    (its blocks reported, nothing written), D's other requests complete exactly. UCX on
+    TCP over loopback: with shared memory D could read a stopped P2 once its endpoint
+    is wired up (tests/test_nixl_failures.py, stopped_prefill)."""
+    for k, v in TCP_LOOPBACK.items():
+        monkeypatch.setenv(k, v)
     case = CASES["one_group"]
     p2, pipe = prefill_process("one_group", "P2", 13)
     p1 = engines(case, "kv_producer", engine_id="P1")
