@@ -247,10 +247,11 @@ def test_ten_thousand_transfers_with_failures_leak_no_handle(pd):
 # ---------------------------------------------------------------- a stopped peer (two processes)
 @pytest.fixture
 def stopped_prefill():
-    """start(**manager kwargs) -> (D, peer, D engine, P's pid) with P in a spawned child
-    that saved blocks 1-8 and was then stopped (SIGSTOP, every thread) before D's first
-    READ, so the READ waits on a peer that never answers: UCX on TCP over loopback (with
-    shared memory D could read a stopped P). P is continued and stopped at teardown."""
+    """start(**manager kwargs) -> (D, peer, D engine), ``D.stopped_pid`` P's pid. P runs
+    in a spawned child that saved blocks 1-8 and was then stopped (SIGSTOP, every
+    thread) before D's first READ, so the READ waits on a peer that never answers: UCX
+    on TCP over loopback (with shared memory D could read a stopped P). P is continued
+    and stopped at teardown."""
     with tcp_loopback():
         yield from _stopped_prefill()
 
