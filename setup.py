@@ -217,7 +217,7 @@ def _print_summary(info, out_dir):
 # What to install beside torch and numpy (the README's "Set up" section gives sizes):
 #   cpu  every CPU test and the examples: NIXL over UCX, Triton's interpreter, pytest
 #   gpu  the GPU extras: the NVRTC fallback for the cuda backend (cupy + libnvrtc)
-_TEST = ["pytest", "pytest-benchmark"]
+_TEST = ["pytest", "pytest-benchmark", "pyyaml"]  # pyyaml: the GPU workflow test reads gpu.yml
 _NIXL = ["nixl-cu12"]
 _TRITON = ["triton"]
 _NVRTC = ["cupy-cuda12x", "nvidia-cuda-nvrtc-cu12"]
