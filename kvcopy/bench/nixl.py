@@ -523,9 +523,11 @@ class _HostSumRows:
     def __init__(self, sc, P, D, kw, page_plan, descriptors: int):
         from ..nixl import TransferManager
 
-        self.p = TransferManager(SIDE_P + "-sum", P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw)
+        self.p = TransferManager(SIDE_P + "-sum", P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw,
+                                  checksum=True)
         try:
-            self.d = TransferManager(SIDE_D + "-sum", D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw)
+            self.d = TransferManager(SIDE_D + "-sum", D.dev, D.layer_groups, sc.block_size, sc.block_size, **kw,
+                                      checksum=True)
         except BaseException:
             self.p.close()
             raise
