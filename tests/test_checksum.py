@@ -161,16 +161,37 @@ BIG_CASES = [CopyCase(layout="kv_first", block_size=16, num_heads=4, head_size=6
              CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd")]
 
 
+HAS_AVX2 = lib is not None and bool(lib.kvcopy_cpu_sums_loops() & 1)
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the CPU has no AVX2 (or the CPU library is not built)")
+LOOPS = [
+    pytest.param({"KVCOPY_CPU_SIMD": "1"}, id="vector"),
+    pytest.param({"KVCOPY_CPU_SIMD": "0"}, id="scalar"),
+    pytest.param({"KVCOPY_CPU_STREAM_BYTES": "1"}, id="streaming-stores"),
+    pytest.param({"KVCOPY_CPU_SIMD": "avx2"}, id="avx2", marks=needs_avx2),
+    pytest.param({"KVCOPY_CPU_SIMD": "avx2", "KVCOPY_CPU_STREAM_BYTES": "1"}, id="avx2-streaming", marks=needs_avx2),
+]
+
+
 @needs_lib
-@pytest.mark.parametrize("env", [("KVCOPY_CPU_SIMD", "1"), ("KVCOPY_CPU_SIMD", "0"), ("KVCOPY_CPU_STREAM_BYTES", "1")],
-                         ids=["vector", "scalar", "streaming-stores"])
+@pytest.mark.parametrize("env", LOOPS)
 @pytest.mark.parametrize("case", QUICK + BIG_CASES, ids=[c.id for c in QUICK + BIG_CASES])
 def test_cpu_loops_match_oracle(case, env, monkeypatch):
-    """The cpu backend's other loops: scalar code, and the vector loop with
-    non-temporal stores (64-byte aligned by a scalar head) that large calls use."""
-    monkeypatch.setenv(*env)
+    """The cpu backend's other loops: scalar code, the vector loops (AVX2 also where
+    the CPU would pick AVX-512) and their non-temporal stores (aligned by a scalar
+    head) that large calls use."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     for direction in DIRECTIONS:
         check_sums("cpu", case, direction)
+
+
+@needs_lib
+def test_cpu_simd_setting_is_checked(monkeypatch):
+    """A KVCOPY_CPU_SIMD the backend does not know is refused when a copier direction
+    is prepared, not taken as the default loop."""
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", "avx3")
+    with pytest.raises(ValueError, match="KVCOPY_CPU_SIMD must be"):
+        check_sums("cpu", QUICK[0], "d2h")
 
 
 @needs_lib

@@ -8,8 +8,12 @@ when a copier direction is prepared (not once per process), so a benchmark that 
 it before building its copiers runs them on that many threads.
 
 With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums``, whose
-loop hashes each word between its load and its store (AVX-512 where the CPU has it;
-``KVCOPY_CPU_SIMD=0``, read at prepare, keeps to the scalar loop). Calls of at least
+loop hashes each word between its load and its store: AVX-512 (F + DQ) where the CPU has
+it, else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
+loop, ``avx2`` the AVX2 loop). AVX2 has no 64-bit multiply: its loop builds each of the
+hash's two multiplies per word from three 32-bit ones and hashes at about 13 GB/s on
+one core of the development machine, less than a copy from the caches moves (see
+docs/backends.md, "Cost"). Calls of at least
 ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) write with non-temporal stores: a store loop that
 first reads every destination line costs a third more memory traffic than memcpy,
 whose string moves skip that read.
@@ -39,9 +43,24 @@ def _threads() -> int:
         raise ValueError(f"KVCOPY_CPU_THREADS must be an integer, got {text!r}") from None
 
 
-def _simd() -> int:
-    """``KVCOPY_CPU_SIMD`` (default 1: the CPU's vector loop; 0: scalar)."""
-    return 0 if os.environ.get("KVCOPY_CPU_SIMD", "1").strip() in ("0", "off", "no") else 1
+# kvcopy_cpu_sums_loops' bits, and the loops by name.
+_AVX2, _AVX512 = 1, 2
+
+
+def _simd(loops: int) -> int:
+    """``KVCOPY_CPU_SIMD``: unset or ``1``: the widest vector loop the CPU has (code 1);
+    ``0``: the scalar loop (0); ``avx2``: the AVX2 loop (2; the tests run it on CPUs
+    that would pick AVX-512)."""
+    text = os.environ.get("KVCOPY_CPU_SIMD", "1").strip().lower()
+    if text in ("1", "on", "yes"):
+        return 1
+    if text in ("0", "off", "no"):
+        return 0
+    if text == "avx2":
+        if not loops & _AVX2:
+            raise ValueError("KVCOPY_CPU_SIMD=avx2, but this CPU has no AVX2")
+        return 2
+    raise ValueError(f"KVCOPY_CPU_SIMD must be 1, 0 or avx2, got {text!r}")
 
 
 STREAM_BYTES_DEFAULT = 16 << 20
@@ -69,7 +88,9 @@ class CpuBackend(Backend):
         lib, self._why = native.load("kvcopy_cpu")
         self._lib: Any = lib
         self._sums: Any = None
+        self._loops = 0
         if lib is not None:
+            self._loops = int(lib.kvcopy_cpu_sums_loops())
             lib.kvcopy_cpu_copy.restype = ctypes.c_int
             lib.kvcopy_cpu_copy.argtypes = [
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -83,6 +104,11 @@ class CpuBackend(Backend):
     def unavailable_reason(self) -> Optional[str]:
         return self._why
 
+    def checksum_loop(self) -> str:
+        """The loop checksummed copies run by default here: ``avx512``, ``avx2`` or
+        ``scalar``."""
+        return "avx512" if self._loops & _AVX512 else "avx2" if self._loops & _AVX2 else "scalar"
+
     def unsupported_reason(self, tables: CopyTables) -> Optional[str]:
         if tables.src_device.type != "cpu" or tables.dst_device.type != "cpu":
             return f"needs CPU tensors on both sides, got {tables.src_device} -> {tables.dst_device}"
@@ -94,7 +120,7 @@ class CpuBackend(Backend):
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
-            _ptr(tables.group_entries), tables.num_groups, _simd(), _stream_min_bytes(), _threads(),
+            _ptr(tables.group_entries), tables.num_groups, _simd(self._loops), _stream_min_bytes(), _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
