@@ -322,8 +322,7 @@ PageCopy page_copy(int simd, bool stream) {
 #if defined(__x86_64__)
   if (simd == 1 && (kVectorLoops & 2))
     return stream ? copy_page_avx512<true> : copy_page_avx512<false>;
-  if (simd != 0 && (kVectorLoops & 1))
-    return stream ? copy_page_avx2<true> : copy_page_avx2<false>;
+  if (simd != 0 && (kVectorLoops & 1)) return stream ? copy_page_avx2<true> : copy_page_avx2<false>;
 #endif
   (void)simd;
   (void)stream;
@@ -493,8 +492,8 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 
 // kvcopy_cpu_copy with checksums: sums[num_sums] (one per block of the call, in call
 // order; zeroed here first) receive each page's checksum (kernels/page_checksum.cuh).
-// simd = 0 keeps to the scalar loop, 2 to the AVX2 loop (the tests compare them all); calls of at least
-// stream_min_bytes (> 0) store with non-temporal stores.
+// simd = 0 keeps to the scalar loop, 2 to the AVX2 loop (the tests compare them all);
+// calls of at least stream_min_bytes (> 0) store with non-temporal stores.
 int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
                          int64_t total_bytes, int num_threads, uint64_t* sums, int64_t num_sums,
