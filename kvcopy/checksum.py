@@ -49,8 +49,17 @@ aligned KV page divides into them, and a one-to-one 64-bit mixer makes any chang
 inside a word visible, where a 16-byte word would need a 128-bit mix or a lossy fold.
 The cost: two 64-bit multiplies per 8 bytes, meant to hide under the loads on GPUs
 (PCIe reads are bound by bytes in flight) and on AVX-512 CPUs (``vpmullq``, 8 words
-per instruction); without AVX-512 (older x86, Arm) the ``cpu`` backend's scalar loop
-does them a word at a time and costs more than the copy alone.
+per instruction). AVX2 has no 64-bit multiply: the ``cpu`` backend's AVX2 loop builds
+each from three 32-bit ones and hashes at about 13 GB/s on one Zen 3 core, so a copy
+the caches serve faster than that costs up to 2x with sums there (none beyond the
+caches); Arm and older x86 take the scalar loop (up to 5x). Cheaper functions were
+measured and not taken: in a hand-built AVX2 copy loop at 6 MiB, one 32 x 32-bit
+multiply per word (NH's product plus the word) copies and hashes at memcpy's speed but
+two changed words cancel with probability about 2^-33 (a flip at bit ``i`` changes a
+term by a multiple of ``2^i``); three rounds of ``x += lo32(x) * c; x ^= x >> 32``
+behave like ``mix64`` in pairwise-flip tests and cost 1.5-1.7x of memcpy, against
+2.1-2.2x for ``mix64``: not enough gain to weaken or re-derive the definition every
+backend shares.
 
 What it catches (comparing the sums of two copies of the same pages: P's pack and
 D's scatter)

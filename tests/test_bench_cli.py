@@ -463,3 +463,19 @@ def test_checksum_rows_beside_their_backends(tmp_path):
     assert {"cpu", "cpu+sum", "torch", "torch+sum"} <= methods
     assert all(r["verify"] in ("ok", "n/a") for r in res["results"])
     assert main(["--backends", "vllm+sum", "--quiet"]) == 2
+
+
+@pytest.mark.parametrize("simd,loops", [("0", {"scalar"}), ("1", {"avx512", "avx2", "scalar"})])
+def test_checksum_run_names_the_cpu_loop(tmp_path, monkeypatch, capsys, simd, loops):
+    """A run with cpu+sum rows says which of the cpu backend's loops timed them (the
+    cost differs by 2-5x between them), in the JSON and above the table."""
+    from kvcopy.backends.cpu import CpuBackend
+    if CpuBackend().unavailable_reason():
+        pytest.skip("CPU library not built")
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", simd)
+    rc, res = run_json(tmp_path, "--backends", "cpu", "--checksum", *SMALL[:-1])
+    assert rc == 0
+    assert res["cpu_checksum_loop"] in loops and res["cpu_checksum_loop"] == CpuBackend().checksum_loop()
+    assert f"cpu+sum: the {res['cpu_checksum_loop']} loop" in capsys.readouterr().out
+    rc, res = run_json(tmp_path, "--backends", "cpu", *SMALL)
+    assert rc == 0 and res["cpu_checksum_loop"] is None

@@ -105,9 +105,12 @@ class CpuBackend(Backend):
         return self._why
 
     def checksum_loop(self) -> str:
-        """The loop checksummed copies run by default here: ``avx512``, ``avx2`` or
-        ``scalar``."""
-        return "avx512" if self._loops & _AVX512 else "avx2" if self._loops & _AVX2 else "scalar"
+        """The loop checksummed copies prepared now would run (``KVCOPY_CPU_SIMD`` and
+        the CPU): ``avx512``, ``avx2`` or ``scalar``."""
+        simd = _simd(self._loops)
+        if simd == 1 and self._loops & _AVX512:
+            return "avx512"
+        return "avx2" if simd and self._loops & _AVX2 else "scalar"
 
     def unsupported_reason(self, tables: CopyTables) -> Optional[str]:
         if tables.src_device.type != "cpu" or tables.dst_device.type != "cpu":

@@ -123,6 +123,9 @@ def format_table(result: dict, sweep: bool) -> str:
     if th and env["device"] == "cpu":
         out.write(f"threads: {plural(th['count'], 'thread')} for every row, memcpy included "
                   f"(torch.set_num_threads, KVCOPY_CPU_THREADS for cpu): {th['why']}\n")
+    if result.get("cpu_checksum_loop"):
+        out.write(f"cpu+sum: the {result['cpu_checksum_loop']} loop (KVCOPY_CPU_SIMD; docs/backends.md, "
+                  "\"Checksums\")\n")
     flags = noise_flags(result)
     headers = (["chunk"] if sweep else []) + ["groups", "dir", "method", "bytes", "calls", "min us", "median us",
                                              "p90 us", "spread", "GB/s", "% memcpy", "x memcpy", "ops/call",

@@ -229,9 +229,14 @@ def _result(args, sweep: bool, device: str, scenarios, methods, skipped, threads
                        f"{fmt_bytes(max(s.chunk_bytes() for s in scenarios))} (T tokens per block), and where "
                        f"a call would pass {fmt_bytes(args.max_call_bytes)}, fewer blocks/group (down to "
                        f"{small.blocks_per_request}), then fewer layers (down to {small.num_layers})")
+    loop = None
+    if "cpu+sum" in methods:
+        from ..backends.cpu import CpuBackend
+        loop = CpuBackend().checksum_loop()
     return {
         "tool": "kvcopy-bench",
         "command": "sweep" if sweep else "run",
+        "cpu_checksum_loop": loop,
         "argv": getattr(args, "argv", None),
         "env": env_info(device),
         "scenario": scenarios[0].to_dict() if len(scenarios) == 1 else [s.to_dict() for s in scenarios],
