@@ -479,3 +479,9 @@ def test_checksum_run_names_the_cpu_loop(tmp_path, monkeypatch, capsys, simd, lo
     assert f"cpu+sum: the {res['cpu_checksum_loop']} loop" in capsys.readouterr().out
     rc, res = run_json(tmp_path, "--backends", "cpu", *SMALL)
     assert rc == 0 and res["cpu_checksum_loop"] is None
+
+
+def test_checksum_run_refuses_an_unknown_cpu_loop(monkeypatch, capsys):
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", "avx3")
+    assert main(["--backends", "cpu", "--checksum", *SMALL]) == 2
+    assert "KVCOPY_CPU_SIMD must be 1, 0 or avx2, got 'avx3'" in capsys.readouterr().err

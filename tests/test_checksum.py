@@ -2,7 +2,8 @@
 the numpy oracle's bit for bit over the shared case matrix, and the copies stay
 bit-exact (what the sums catch: tests/test_checksum_faults.py).
 
-Backends here: ``cpu`` (its AVX-512 loop and its scalar loop), ``torch``, the CUDA
+Backends here: ``cpu`` (its vector loops, AVX-512 and AVX2 where the CPU has them, and
+its scalar loop), ``torch``, the CUDA
 kernel's work split and keying run on the host (``kvcopy_cpu_copy_ranges_sums``, as
 ``tests/test_cuda_cursor.py`` does for the copy) and the Triton kernel in Triton's
 interpreter. The oracle reads the staging pages' bytes from their storage and knows
@@ -155,10 +156,16 @@ def test_sums_match_oracle(backend, case, direction):
     check_sums(backend, case, direction)
 
 
-# Pages of 1.5-8 KiB: the vector loop's 128-byte steps, its streaming head and tail.
+# Pages of 1.5-8 KiB: the vector loops' 64- and 128-byte steps; pages of odd sizes
+# (3,216 and 3,360 bytes: runs that start off a 32/64-byte line) for a streaming head
+# followed by vector steps and a scalar tail after them, which whole-line pages never
+# reach (a key not advanced past the vector steps fails only these two).
 BIG_CASES = [CopyCase(layout="kv_first", block_size=16, num_heads=4, head_size=64, ids="runs", num_blocks=32),
              CopyCase(layout="nhd", dtype="fp8", block_size=16, num_heads=3, head_size=40, ids="scattered"),
-             CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd")]
+             CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd"),
+             CopyCase(layout="nhd", dtype="uint8", block_size=16, num_heads=3, head_size=67, ids="runs", num_blocks=32),
+             CopyCase(layout="kv_first", dtype="fp16", block_size=16, num_heads=3, head_size=35, ids="scattered",
+                      num_blocks=32)]
 
 
 HAS_AVX2 = lib is not None and bool(lib.kvcopy_cpu_sums_loops() & 1)
@@ -183,6 +190,30 @@ def test_cpu_loops_match_oracle(case, env, monkeypatch):
         monkeypatch.setenv(name, value)
     for direction in DIRECTIONS:
         check_sums("cpu", case, direction)
+
+
+@needs_lib
+def test_cpu_default_loop_is_the_widest_the_cpu_has(monkeypatch):
+    """What the library reports it can run decides the default loop, as the C side
+    picks it (AVX-512, else AVX2, else scalar), and KVCOPY_CPU_SIMD overrides it."""
+    from kvcopy.backends.cpu import CpuBackend
+    loops = lib.kvcopy_cpu_sums_loops()
+    assert 0 <= loops <= 3
+    monkeypatch.delenv("KVCOPY_CPU_SIMD", raising=False)
+    assert CpuBackend().checksum_loop() == {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512"}[loops]
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", "0")
+    assert CpuBackend().checksum_loop() == "scalar"
+    if loops & 1:
+        monkeypatch.setenv("KVCOPY_CPU_SIMD", "avx2")
+        assert CpuBackend().checksum_loop() == "avx2"
+
+
+def test_cpu_avx2_setting_on_a_cpu_without_it_is_refused(monkeypatch):
+    from kvcopy.backends import cpu
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", "avx2")
+    with pytest.raises(ValueError, match="this CPU has no AVX2"):
+        cpu._simd(0)
+    assert cpu._simd(1) == 2
 
 
 @needs_lib

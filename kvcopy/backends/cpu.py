@@ -11,8 +11,8 @@ With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums`
 loop hashes each word between its load and its store: AVX-512 (F + DQ) where the CPU has
 it, else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop). AVX2 has no 64-bit multiply: its loop builds each of the
-hash's two multiplies per word from three 32-bit ones and hashes at about 13 GB/s on
-one core of the development machine, less than a copy from the caches moves (see
+hash's two multiplies per word from three 32-bit ones and copies with sums at 10-11.5
+GB/s on one core of an AMD EPYC Zen 3, less than a copy from the caches moves (see
 docs/backends.md, "Cost"). Calls of at least
 ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) write with non-temporal stores: a store loop that
 first reads every destination line costs a third more memory traffic than memcpy,
@@ -51,12 +51,12 @@ def _simd(loops: int) -> int:
     """``KVCOPY_CPU_SIMD``: unset or ``1``: the widest vector loop the CPU has (code 1);
     ``0``: the scalar loop (0); ``avx2``: the AVX2 loop (2; the tests run it on CPUs
     that would pick AVX-512)."""
-    text = os.environ.get("KVCOPY_CPU_SIMD", "1").strip().lower()
+    text = os.environ.get("KVCOPY_CPU_SIMD", "1").strip()
     if text in ("1", "on", "yes"):
         return 1
     if text in ("0", "off", "no"):
         return 0
-    if text == "avx2":
+    if text.lower() == "avx2":
         if not loops & _AVX2:
             raise ValueError("KVCOPY_CPU_SIMD=avx2, but this CPU has no AVX2")
         return 2
@@ -69,8 +69,8 @@ STREAM_BYTES_DEFAULT = 16 << 20
 def _stream_min_bytes() -> int:
     """``KVCOPY_CPU_STREAM_BYTES``: checksummed calls of at least this many bytes store
     with non-temporal stores (default 16 MiB; 0: never). Streaming pays for calls the
-    last-level cache cannot hold and costs for those it can: on the 2-core development
-    machine (one thread, ``seeds2``, ``cpu+sum`` / ``cpu``) streaming 6-12 MiB calls cost
+    last-level cache cannot hold and costs for those it can: on a 2-core AMD EPYC with
+    AVX-512 (one thread, ``seeds2``, ``cpu+sum`` / ``cpu``) streaming 6-12 MiB calls cost
     1.12-1.16x against 1.04-1.07x without; at 18 MiB both cost 1.06-1.14x; at 24 MiB
     streaming cost 1.01x against 1.26-1.34x without, at 36 MiB 0.89-0.91x against
     1.09-1.10x."""
@@ -104,9 +104,12 @@ class CpuBackend(Backend):
     def unavailable_reason(self) -> Optional[str]:
         return self._why
 
-    def checksum_loop(self) -> str:
+    def checksum_loop(self) -> Optional[str]:
         """The loop checksummed copies prepared now would run (``KVCOPY_CPU_SIMD`` and
-        the CPU): ``avx512``, ``avx2`` or ``scalar``."""
+        the CPU): ``avx512``, ``avx2`` or ``scalar``; None without the library. Raises
+        ValueError on a ``KVCOPY_CPU_SIMD`` that :meth:`prepare` would refuse."""
+        if self._lib is None:
+            return None
         simd = _simd(self._loops)
         if simd == 1 and self._loops & _AVX512:
             return "avx512"

@@ -232,7 +232,10 @@ def _result(args, sweep: bool, device: str, scenarios, methods, skipped, threads
     loop = None
     if "cpu+sum" in methods:
         from ..backends.cpu import CpuBackend
-        loop = CpuBackend().checksum_loop()
+        try:
+            loop = CpuBackend().checksum_loop()
+        except ValueError as e:  # a KVCOPY_CPU_SIMD the backend refuses
+            raise BenchError(str(e)) from None
     return {
         "tool": "kvcopy-bench",
         "command": "sweep" if sweep else "run",
