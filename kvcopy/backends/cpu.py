@@ -11,7 +11,7 @@ With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums`
 loop hashes each word between its load and its store: AVX-512 (F + DQ) where the CPU has
 it, else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop). AVX2 has no 64-bit multiply: its loop builds each of the
-hash's two multiplies per word from three 32-bit ones and copies with sums at 10-11.5
+hash's two multiplies per word from two 32-bit ones and copies with sums at 9-12.5
 GB/s on one core of an AMD EPYC Zen 3, less than a copy from the caches moves (see
 docs/backends.md, "Cost"). Calls of at least
 ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) write with non-temporal stores: a store loop that
