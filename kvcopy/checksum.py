@@ -52,14 +52,14 @@ The cost: two 64-bit multiplies per 8 bytes, meant to hide under the loads on GP
 per instruction). AVX2 has no 64-bit multiply: the ``cpu`` backend's AVX2 loop builds
 each from two 32-bit ones and copies with sums at 9-12.5 GB/s on one Zen 3 core, so a
 copy the caches serve faster costs 1.8-2.8x with sums there (nothing beyond the
-caches); Arm and older x86 take the scalar loop (4-5.6x from the caches). Cheaper
-functions were measured and not taken: in a hand-built AVX2 copy loop at 6 MiB, one
-32 x 32-bit
-multiply per word (NH's product plus the word) copies and hashes at memcpy's speed but
-two changed words cancel with probability about 2^-33 (a flip at bit ``i`` changes a
-term by a multiple of ``2^i``); three rounds of ``x += lo32(x) * c; x ^= x >> 32``
-behave like ``mix64`` in pairwise-flip tests and cost 1.5-1.7x of memcpy, against
-2.1-2.2x for ``mix64``: not enough gain to weaken or re-derive the definition every
+caches); Arm and older x86 take the scalar loop (forced on the same Zen 3: 4-5.6x from
+the caches). Cheaper functions were measured and not taken: in a hand-built AVX2 copy
+loop at 6 MiB, one 32 x 32-bit multiply per word (NH's product plus the word) copies
+and hashes at memcpy's speed but two changed words cancel with probability about
+2^-33 (a flip at bit ``i`` changes a term by a multiple of ``2^i``); three rounds of
+``x += lo32(x) * c; x ^= x >> 32`` behave like ``mix64`` in pairwise-flip tests and
+cost 1.5-1.7x of memcpy, against 2.1-2.2x for ``mix64`` (both with three ``vpmuludq``
+per 64-bit multiply): not enough gain to weaken or re-derive the definition every
 backend shares.
 
 What it catches (comparing the sums of two copies of the same pages: P's pack and
