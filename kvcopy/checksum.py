@@ -58,7 +58,7 @@ loop at 6 MiB, one 32 x 32-bit multiply per word (NH's product plus the word) co
 and hashes at memcpy's speed but two changed words cancel with probability about
 2^-33 (a flip at bit ``i`` changes a term by a multiple of ``2^i``); three rounds of
 ``x += lo32(x) * c; x ^= x >> 32`` behave like ``mix64`` in pairwise-flip tests and
-cost 1.5-1.7x of memcpy, against 2.1-2.2x for ``mix64`` (both with three ``vpmuludq``
+cost 1.5-1.7x of memcpy, against 2.1-2.2x for ``mix64`` (there with three ``vpmuludq``
 per 64-bit multiply): not enough gain to weaken or re-derive the definition every
 backend shares.
 
