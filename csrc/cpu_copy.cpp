@@ -207,7 +207,7 @@ __attribute__((target("avx512f,avx512dq"))) uint64_t copy_page_avx512(const kvco
 // The first term is one vpmuludq; the two cross terms, of which only the low 32 bits
 // count, are one vpmulld against m with its halves swapped (x_lo * m_hi in the low
 // lane, x_hi * m_lo in the high one), added in the high lane. 6 instructions where
-// AVX-512 DQ has one. On Zen 3 the hash alone (from L1) ran at 14.3-15.4 GB/s this way
+// AVX-512 DQ has one. On Zen 3 the hash alone (from L1) ran at 13.4-15.4 GB/s this way
 // against 12.8-13.5 with three vpmuludq (7 instructions), five runs each, interleaved.
 struct Mul64Constant4 {
   __m256i lo;       // m_lo in each 64-bit lane
@@ -328,13 +328,27 @@ int vector_loops() {
 
 const int kVectorLoops = vector_loops();
 
-// simd: 0 the scalar loop, 1 the widest vector loop the CPU has (else scalar), 2 the
-// AVX2 loop (the caller has checked kVectorLoops).
+enum SumsLoop : int { kScalarLoop = 0, kAvx2Loop = 1, kAvx512Loop = 2 };
+
+// The loop for simd: 0 the scalar loop, 1 the widest vector loop the CPU has (else
+// scalar), 2 the AVX2 loop (the caller has checked kVectorLoops). The one place the
+// choice is made: kvcopy_cpu_sums_loop reports it to Python.
+SumsLoop loop_for(int simd) {
+  if (simd == 1 && (kVectorLoops & 2)) return kAvx512Loop;
+  if (simd != 0 && (kVectorLoops & 1)) return kAvx2Loop;
+  return kScalarLoop;
+}
+
 PageCopy page_copy(int simd, bool stream) {
 #if defined(__x86_64__)
-  if (simd == 1 && (kVectorLoops & 2))
-    return stream ? copy_page_avx512<true> : copy_page_avx512<false>;
-  if (simd != 0 && (kVectorLoops & 1)) return stream ? copy_page_avx2<true> : copy_page_avx2<false>;
+  switch (loop_for(simd)) {
+    case kAvx512Loop:
+      return stream ? copy_page_avx512<true> : copy_page_avx512<false>;
+    case kAvx2Loop:
+      return stream ? copy_page_avx2<true> : copy_page_avx2<false>;
+    case kScalarLoop:
+      break;
+  }
 #endif
   (void)simd;
   (void)stream;
@@ -447,7 +461,8 @@ extern "C" {
 // Bumped whenever a C signature of this library changes (kvcopy/backends/native.py
 // refuses a library whose version is not the one the Python code was written for).
 // 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
-// 4: kvcopy_cpu_sums_loops replaces kvcopy_cpu_sums_simd; simd = 2 picks the AVX2 loop.
+// 4: kvcopy_cpu_sums_loops and kvcopy_cpu_sums_loop replace kvcopy_cpu_sums_simd;
+//    simd = 2 picks the AVX2 loop.
 int kvcopy_cpu_abi_version() { return 4; }
 
 int kvcopy_cpu_has_openmp() {
@@ -538,6 +553,9 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 
 // The vector loops kvcopy_cpu_copy_sums can run on this CPU: bit 0 AVX2, bit 1 AVX-512.
 int kvcopy_cpu_sums_loops() { return kVectorLoops; }
+
+// The loop kvcopy_cpu_copy_sums runs for `simd`: 0 scalar, 1 AVX2, 2 AVX-512.
+int kvcopy_cpu_sums_loop(int simd) { return loop_for(simd); }
 
 // kvcopy_cpu_copy_ranges with checksums: the GPU checksum kernel's work split and
 // keying, run on the host, sums as in kvcopy_cpu_copy_sums.

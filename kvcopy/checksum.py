@@ -50,7 +50,7 @@ inside a word visible, where a 16-byte word would need a 128-bit mix or a lossy 
 The cost: two 64-bit multiplies per 8 bytes, meant to hide under the loads on GPUs
 (PCIe reads are bound by bytes in flight) and on AVX-512 CPUs (``vpmullq``, 8 words
 per instruction). AVX2 has no 64-bit multiply: the ``cpu`` backend's AVX2 loop builds
-each from two 32-bit ones and copies with sums at 9-12.5 GB/s on one Zen 3 core, so a
+each from two 32-bit ones and copies with sums at 8.7-12.5 GB/s on one Zen 3 core, so a
 copy the caches serve faster costs 1.8-2.8x with sums there (nothing beyond the
 caches); Arm and older x86 take the scalar loop (forced on the same Zen 3: 4-5.6x from
 the caches). Cheaper functions were measured and not taken: in a hand-built AVX2 copy

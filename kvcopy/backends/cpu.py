@@ -11,7 +11,7 @@ With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums`
 loop hashes each word between its load and its store: AVX-512 (F + DQ) where the CPU has
 it, else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop). AVX2 has no 64-bit multiply: its loop builds each of the
-hash's two multiplies per word from two 32-bit ones and copies with sums at 9-12.5
+hash's two multiplies per word from two 32-bit ones and copies with sums at 8.7-12.5
 GB/s on one core of an AMD EPYC Zen 3, less than a copy from the caches moves (see
 docs/backends.md, "Cost"). Calls of at least
 ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) write with non-temporal stores: a store loop that
@@ -43,8 +43,8 @@ def _threads() -> int:
         raise ValueError(f"KVCOPY_CPU_THREADS must be an integer, got {text!r}") from None
 
 
-# kvcopy_cpu_sums_loops' bits, and the loops by name.
-_AVX2, _AVX512 = 1, 2
+# kvcopy_cpu_sums_loops' bit for the AVX2 loop.
+_AVX2 = 1
 
 
 def _simd(loops: int) -> int:
@@ -110,10 +110,7 @@ class CpuBackend(Backend):
         ValueError on a ``KVCOPY_CPU_SIMD`` that :meth:`prepare` would refuse."""
         if self._lib is None:
             return None
-        simd = _simd(self._loops)
-        if simd == 1 and self._loops & _AVX512:
-            return "avx512"
-        return "avx2" if simd and self._loops & _AVX2 else "scalar"
+        return ("scalar", "avx2", "avx512")[self._lib.kvcopy_cpu_sums_loop(_simd(self._loops))]
 
     def unsupported_reason(self, tables: CopyTables) -> Optional[str]:
         if tables.src_device.type != "cpu" or tables.dst_device.type != "cpu":
