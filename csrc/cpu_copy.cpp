@@ -6,9 +6,9 @@
 //
 // With checksums (kvcopy_cpu_copy_sums, kernels/page_checksum.cuh), each run is copied
 // by a loop that hashes the words it holds in registers on their way to the
-// destination: 128 bytes per step with AVX-512 (F + DQ, for the 64-bit multiply), else
-// 64 with AVX2 (each 64-bit multiply built from two 32-bit ones), else 16 bytes per
-// step in scalar code. Each page's sum is added to its slot once per
+// destination: 128 bytes per step with AVX-512 F, else 64 with AVX2 (one vpmuludq per
+// vector of words: product_term's 32 x 32-bit multiply), else 16 bytes per step in
+// scalar code. Each page's sum is added to its slot once per
 // (item, block) with a relaxed atomic add (threads share slots: the layers of a group).
 #include <stdint.h>
 #include <string.h>
@@ -81,9 +81,27 @@ inline void page_run(const kvcopy::Item& it, int64_t b, int64_t r, int64_t* src,
   *dst += b * (it.merged ? it.run_bytes() : it.entry[kvcopy::kDstBlockStride]);
 }
 
-// The key of the first word of run r of an item's pages.
-inline uint64_t run_key(const kvcopy::Item& it, uint64_t base, int64_t r) {
-  return base + kvcopy::kPositionMul * (uint64_t)kvcopy::page_run_position(it.entry, r);
+// The runs of block b of an item in page order: fn(src, dst, key) with the addresses of
+// run r and the key of its first word, for r = 0, 1, ... From counters over the page's
+// three run dimensions (page_run_offsets' and page_run_position's decomposition of r),
+// not per run: their divisions took ~1/4 of a converting copy's 512-byte runs.
+template <class Fn>
+inline void for_each_page_run(const kvcopy::Item& it, int64_t b, uint64_t base, Fn&& fn) {
+  const int64_t* d = it.entry + kvcopy::kRunDims;
+  const int64_t* k = it.entry + kvcopy::kKeyStrides;
+  const int64_t runs = it.entry[kvcopy::kRunsPerPage];
+  int64_t src0, dst0;
+  page_run(it, b, 0, &src0, &dst0);
+  int64_t r = 0;
+  for (int64_t i0 = 0; r < runs; ++i0) {
+    for (int64_t i1 = 0; i1 < d[3] && r < runs; ++i1) {
+      const int64_t s1 = src0 + i0 * d[1] + i1 * d[4], d1 = dst0 + i0 * d[2] + i1 * d[5];
+      const int64_t p1 = i0 * k[0] + i1 * k[1];
+      for (int64_t i2 = 0; i2 < d[6] && r < runs; ++i2, ++r)
+        fn(s1 + i2 * d[7], d1 + i2 * d[8],
+           base + kvcopy::kPositionMul * (uint64_t)(p1 + i2 * k[2]));
+    }
+  }
 }
 
 // Copy one whole run of n bytes (or its end from a multiple of 8) and return the sum of
@@ -100,22 +118,22 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
     memcpy(&w1, s + i + 8, 8);
     memcpy(d + i, &w0, 8);
     memcpy(d + i + 8, &w1, 8);
-    a0 += kvcopy::mix64(w0 ^ key);
-    a1 += kvcopy::mix64(w1 ^ (key + kWordStep));
+    a0 += kvcopy::product_term(w0 ^ key);
+    a1 += kvcopy::product_term(w1 ^ (key + kWordStep));
     key += 2 * kWordStep;
   }
   for (; i + 8 <= n; i += 8) {
     uint64_t w;
     memcpy(&w, s + i, 8);
     memcpy(d + i, &w, 8);
-    a0 += kvcopy::mix64(w ^ key);
+    a0 += kvcopy::product_term(w ^ key);
     key += kWordStep;
   }
   if (i < n) {
     uint64_t w = 0;
     memcpy(&w, s + i, static_cast<size_t>(n - i));
     memcpy(d + i, s + i, static_cast<size_t>(n - i));
-    a0 += kvcopy::mix64(w ^ key);
+    a0 += kvcopy::product_term(w ^ key);
   }
   return a0 + a1;
 }
@@ -126,12 +144,10 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
 // for it (~10% of a 36 MiB call on one core without; within noise with).
 constexpr int64_t kPrefetchBytes = 512;
 
-__attribute__((target("avx512f,avx512dq"))) inline __m512i mix64x8(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
-  x = _mm512_mullo_epi64(x, _mm512_set1_epi64((long long)kvcopy::kMix1));
-  x = _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
-  x = _mm512_mullo_epi64(x, _mm512_set1_epi64((long long)kvcopy::kMix2));
-  return _mm512_xor_si512(x, _mm512_srli_epi64(x, 33));
+// product_term (page_checksum.cuh) on 8 words: vpmuludq multiplies the low 32 bits of
+// each 64-bit lane into a 64-bit product.
+__attribute__((target("avx512f"))) inline __m512i product_terms8(__m512i x) {
+  return _mm512_add_epi64(_mm512_mul_epu32(x, _mm512_srli_epi64(x, 32)), x);
 }
 
 // The bytes of one run: 128 per step into the caller's two accumulators (reduced once
@@ -140,10 +156,10 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512i mix64x8(__m512i x) {
 // 8-byte aligned: hash words stay whole), which write lines without reading them first,
 // as memcpy's string moves do; used for calls too large for the caches.
 template <bool kStream>
-__attribute__((target("avx512f,avx512dq"))) inline uint64_t run_avx512(const unsigned char* s,
-                                                                       unsigned char* d, int64_t n,
-                                                                       uint64_t key, __m512i& a0,
-                                                                       __m512i& a1) {
+__attribute__((target("avx512f"))) inline uint64_t run_avx512(const unsigned char* s,
+                                                              unsigned char* d, int64_t n,
+                                                              uint64_t key, __m512i& acc0,
+                                                              __m512i& acc1) {
   int64_t i = 0;
   uint64_t head = 0;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
@@ -162,6 +178,10 @@ __attribute__((target("avx512f,avx512dq"))) inline uint64_t run_avx512(const uns
     __m512i k0 = _mm512_add_epi64(_mm512_set1_epi64((long long)key), lanes);
     __m512i k1 = _mm512_add_epi64(k0, _mm512_set1_epi64((long long)(8 * kWordStep)));
     const __m512i step = _mm512_set1_epi64((long long)(16 * kWordStep));
+    // The sums in registers for the loop: added through the references, each step
+    // waited on a store and a reload whenever the compiler did not inline this
+    // function (it did not for AVX2; 512-byte runs then cost 1.6-1.8x the plain copy).
+    __m512i a0 = acc0, a1 = acc1;
     for (; i + 128 <= n; i += 128) {
       _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes + 64), _MM_HINT_T0);
@@ -174,11 +194,13 @@ __attribute__((target("avx512f,avx512dq"))) inline uint64_t run_avx512(const uns
         _mm512_storeu_si512(d + i, w0);
         _mm512_storeu_si512(d + i + 64, w1);
       }
-      a0 = _mm512_add_epi64(a0, mix64x8(_mm512_xor_si512(w0, k0)));
-      a1 = _mm512_add_epi64(a1, mix64x8(_mm512_xor_si512(w1, k1)));
+      a0 = _mm512_add_epi64(a0, product_terms8(_mm512_xor_si512(w0, k0)));
+      a1 = _mm512_add_epi64(a1, product_terms8(_mm512_xor_si512(w1, k1)));
       k0 = _mm512_add_epi64(k0, step);
       k1 = _mm512_add_epi64(k1, step);
     }
+    acc0 = a0;
+    acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
   return head + copy_run_scalar(s + i, d + i, n - i, key);
@@ -186,64 +208,31 @@ __attribute__((target("avx512f,avx512dq"))) inline uint64_t run_avx512(const uns
 
 // All runs of block b of the item, one reduction.
 template <bool kStream>
-__attribute__((target("avx512f,avx512dq"))) uint64_t copy_page_avx512(const kvcopy::Item& it,
-                                                                      int64_t b, uint64_t base) {
+__attribute__((target("avx512f"))) uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b,
+                                                             uint64_t base) {
   __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
   uint64_t rest = 0;
-  for (int64_t r = 0; r < it.entry[kvcopy::kRunsPerPage]; ++r) {
-    int64_t src, dst;
-    page_run(it, b, r, &src, &dst);
+  const int64_t rb = it.run_bytes();
+  for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
     rest += run_avx512<kStream>(reinterpret_cast<const unsigned char*>(src),
-                                reinterpret_cast<unsigned char*>(dst), it.run_bytes(),
-                                run_key(it, base, r), a0, a1);
-  }
+                                reinterpret_cast<unsigned char*>(dst), rb, key, a0, a1);
+  });
   if (kStream) _mm_sfence();  // the streamed lines ordered before anything that follows
   return rest + (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
 }
 #endif
 
 #if defined(__x86_64__)
-// AVX2 has no 64-bit multiply: x * m = x_lo * m_lo + ((x_hi * m_lo + x_lo * m_hi) << 32).
-// The first term is one vpmuludq; the two cross terms, of which only the low 32 bits
-// count, are one vpmulld against m with its halves swapped (x_lo * m_hi in the low
-// lane, x_hi * m_lo in the high one), added in the high lane. 6 instructions where
-// AVX-512 DQ has one. On Zen 3 the hash alone (from L1) ran at 13.4-15.4 GB/s this way
-// against 12.8-13.5 with three vpmuludq (7 instructions), five runs each, interleaved.
-struct Mul64Constant4 {
-  __m256i lo;       // m_lo in each 64-bit lane
-  __m256i swapped;  // m_hi | m_lo << 32 in each 64-bit lane
-};
-
-__attribute__((target("avx2"))) inline Mul64Constant4 mul64_constant4(uint64_t m) {
-  return {_mm256_set1_epi64x((long long)(m & 0xffffffffu)),
-          _mm256_set1_epi64x((long long)((m >> 32) | (m << 32)))};
-}
-
-__attribute__((target("avx2"))) inline __m256i mul64x4(__m256i x, const Mul64Constant4& m) {
-  const __m256i high_lanes = _mm256_set1_epi64x((long long)0xffffffff00000000ull);
-  const __m256i cross = _mm256_mullo_epi32(x, m.swapped);
-  const __m256i high =
-      _mm256_add_epi64(_mm256_and_si256(cross, high_lanes), _mm256_slli_epi64(cross, 32));
-  return _mm256_add_epi64(_mm256_mul_epu32(x, m.lo), high);
-}
-
-struct MixConstants4 {
-  Mul64Constant4 m1, m2;
-};
-
-__attribute__((target("avx2"))) inline __m256i mix64x4(__m256i x, const MixConstants4& c) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 33));
-  x = mul64x4(x, c.m1);
-  x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 33));
-  x = mul64x4(x, c.m2);
-  return _mm256_xor_si256(x, _mm256_srli_epi64(x, 33));
+// product_term on 4 words.
+__attribute__((target("avx2"))) inline __m256i product_terms4(__m256i x) {
+  return _mm256_add_epi64(_mm256_mul_epu32(x, _mm256_srli_epi64(x, 32)), x);
 }
 
 // run_avx512 with 256-bit vectors: 64 bytes per step.
 template <bool kStream>
 __attribute__((target("avx2"))) inline uint64_t run_avx2(const unsigned char* s, unsigned char* d,
-                                                         int64_t n, uint64_t key, __m256i& a0,
-                                                         __m256i& a1) {
+                                                         int64_t n, uint64_t key, __m256i& acc0,
+                                                         __m256i& acc1) {
   int64_t i = 0;
   uint64_t head = 0;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
@@ -255,12 +244,12 @@ __attribute__((target("avx2"))) inline uint64_t run_avx2(const unsigned char* s,
   }
   if (n - i >= 64) {
     const int64_t start = i;
-    const MixConstants4 c{mul64_constant4(kvcopy::kMix1), mul64_constant4(kvcopy::kMix2)};
     const __m256i lanes = _mm256_setr_epi64x(0, (long long)kWordStep, (long long)(2 * kWordStep),
                                              (long long)(3 * kWordStep));
     __m256i k0 = _mm256_add_epi64(_mm256_set1_epi64x((long long)key), lanes);
     __m256i k1 = _mm256_add_epi64(k0, _mm256_set1_epi64x((long long)(4 * kWordStep)));
     const __m256i step = _mm256_set1_epi64x((long long)(8 * kWordStep));
+    __m256i a0 = acc0, a1 = acc1;  // in registers for the loop (see run_avx512)
     for (; i + 64 <= n; i += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
@@ -272,11 +261,13 @@ __attribute__((target("avx2"))) inline uint64_t run_avx2(const unsigned char* s,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), w0);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i + 32), w1);
       }
-      a0 = _mm256_add_epi64(a0, mix64x4(_mm256_xor_si256(w0, k0), c));
-      a1 = _mm256_add_epi64(a1, mix64x4(_mm256_xor_si256(w1, k1), c));
+      a0 = _mm256_add_epi64(a0, product_terms4(_mm256_xor_si256(w0, k0)));
+      a1 = _mm256_add_epi64(a1, product_terms4(_mm256_xor_si256(w1, k1)));
       k0 = _mm256_add_epi64(k0, step);
       k1 = _mm256_add_epi64(k1, step);
     }
+    acc0 = a0;
+    acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
   return head + copy_run_scalar(s + i, d + i, n - i, key);
@@ -287,13 +278,11 @@ __attribute__((target("avx2"))) uint64_t copy_page_avx2(const kvcopy::Item& it, 
                                                         uint64_t base) {
   __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
   uint64_t rest = 0;
-  for (int64_t r = 0; r < it.entry[kvcopy::kRunsPerPage]; ++r) {
-    int64_t src, dst;
-    page_run(it, b, r, &src, &dst);
+  const int64_t rb = it.run_bytes();
+  for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
     rest += run_avx2<kStream>(reinterpret_cast<const unsigned char*>(src),
-                              reinterpret_cast<unsigned char*>(dst), it.run_bytes(),
-                              run_key(it, base, r), a0, a1);
-  }
+                              reinterpret_cast<unsigned char*>(dst), rb, key, a0, a1);
+  });
   if (kStream) _mm_sfence();
   alignas(32) uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(a0, a1));
@@ -303,25 +292,23 @@ __attribute__((target("avx2"))) uint64_t copy_page_avx2(const kvcopy::Item& it, 
 
 uint64_t copy_page_scalar(const kvcopy::Item& it, int64_t b, uint64_t base) {
   uint64_t acc = 0;
-  for (int64_t r = 0; r < it.entry[kvcopy::kRunsPerPage]; ++r) {
-    int64_t src, dst;
-    page_run(it, b, r, &src, &dst);
+  const int64_t rb = it.run_bytes();
+  for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
     acc += copy_run_scalar(reinterpret_cast<const unsigned char*>(src),
-                           reinterpret_cast<unsigned char*>(dst), it.run_bytes(),
-                           run_key(it, base, r));
-  }
+                           reinterpret_cast<unsigned char*>(dst), rb, key);
+  });
   return acc;
 }
 
 using PageCopy = uint64_t (*)(const kvcopy::Item&, int64_t, uint64_t);
 
-// The loops this CPU can run: bit 0 the AVX2 loop, bit 1 the AVX-512 (F + DQ) loop.
+// The loops this CPU can run: bit 0 the AVX2 loop, bit 1 the AVX-512 (F) loop.
 int vector_loops() {
   int loops = 0;
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) loops |= 1;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) loops |= 2;
+  if (__builtin_cpu_supports("avx512f")) loops |= 2;
 #endif
   return loops;
 }
@@ -463,7 +450,9 @@ extern "C" {
 // 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
 // 4: kvcopy_cpu_sums_loops and kvcopy_cpu_sums_loop replace kvcopy_cpu_sums_simd;
 //    simd = 2 picks the AVX2 loop.
-int kvcopy_cpu_abi_version() { return 4; }
+// 5: the checksum's word term is product_term (was MurmurHash3's finalizer): same
+//    signatures, other sums, so a library built before it is refused, not trusted.
+int kvcopy_cpu_abi_version() { return 5; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP

@@ -79,7 +79,9 @@ constexpr int kDriverErrorBase = 100000;
 
 extern "C" {
 
-int kvcopy_cuda_abi_version() { return 2; }
+// 3: the checksum's word term is product_term (page_checksum.cuh): same signatures,
+//    other sums, so a library built before it is refused.
+int kvcopy_cuda_abi_version() { return 3; }
 int kvcopy_cuda_threads() { return KVCOPY_THREADS; }
 int kvcopy_cuda_inline_words() { return KVCOPY_INLINE_WORDS; }
 int kvcopy_cuda_params_bytes() { return (int)sizeof(kvcopy::KernelParams); }

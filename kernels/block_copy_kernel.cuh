@@ -179,10 +179,10 @@ template <typename W>
 __device__ __forceinline__ uint64_t word_terms(const W& v, int64_t src, int64_t q, int64_t rb,
                                                uint64_t key) {
   if constexpr (sizeof(W) == 16) {
-    return mix64(((uint64_t)v.x | ((uint64_t)v.y << 32)) ^ key) +
-           mix64(((uint64_t)v.z | ((uint64_t)v.w << 32)) ^ (key + 8 * kPositionMul));
+    return product_term(((uint64_t)v.x | ((uint64_t)v.y << 32)) ^ key) +
+           product_term(((uint64_t)v.z | ((uint64_t)v.w << 32)) ^ (key + 8 * kPositionMul));
   } else if constexpr (sizeof(W) == 8) {
-    return mix64(((uint64_t)v.x | ((uint64_t)v.y << 32)) ^ key);
+    return product_term(((uint64_t)v.x | ((uint64_t)v.y << 32)) ^ key);
   } else {
     if (q & (kHashWordBytes - 1)) return 0;
     const int64_t n = hash_word_bytes(q, rb);
@@ -190,7 +190,7 @@ __device__ __forceinline__ uint64_t word_terms(const W& v, int64_t src, int64_t 
     for (int64_t b = (int64_t)sizeof(W); b < n; b += (int64_t)sizeof(W)) {
       word |= (uint64_t)(*reinterpret_cast<const W*>(src + b)) << (8 * b);
     }
-    return mix64(word ^ key);
+    return product_term(word ^ key);
   }
 }
 
@@ -212,7 +212,8 @@ struct WarpItemCopySums {
   }
 
   // Bytes [src, src + bytes) of one run, the first at offset q0 of the run, keyed from
-  // key0: WarpCopy's loop, each word hashed after its store is issued.
+  // key0: WarpCopy's loop, the words hashed once all their stores are issued (hashing
+  // each word after its own store made ptxas spill 4 bytes in the 8-byte kernel).
   __device__ __forceinline__ void piece(int64_t src_addr, int64_t dst_addr, int64_t bytes,
                                         int64_t q0, int64_t rb, uint64_t key0) {
     const W* __restrict__ src = reinterpret_cast<const W*>(src_addr);
@@ -229,10 +230,12 @@ struct WarpItemCopySums {
       for (int u = 0; u < U; ++u)
         if (i + u * 32 < n) v[u] = __ldcs(src + i + u * 32);
 #pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i + u * 32 < n) __stcs(dst + i + u * 32, v[u]);
+#pragma unroll
       for (int u = 0; u < U; ++u) {
         if (i + u * 32 < n) {
           const int64_t at = (i + u * 32) * kW;
-          __stcs(dst + i + u * 32, v[u]);
           acc +=
               word_terms<W>(v[u], src_addr + at, q0 + at, rb, key0 + kPositionMul * (uint64_t)at);
         }

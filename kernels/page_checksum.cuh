@@ -7,7 +7,7 @@
 //   sum[slot] = SUM over the entries k of the group (k = the entry's position in it),
 //               the runs of the page and the 8-byte words of each run (counted from
 //               the run's first byte, the last one zero-padded) of
-//               mix64(word XOR key), key = (pos + 1) * kPositionMul + k * kOrdinalMul
+//               product_term(word XOR key), key = (pos + 1) * kPositionMul + k * kOrdinalMul
 //   (mod 2^64), pos = the word's byte position in the staging page read chunk after
 //   chunk (page_run_position + offset in the run), words little-endian.
 //
@@ -25,18 +25,14 @@ namespace kvcopy {
 
 constexpr uint64_t kPositionMul = 0x9E3779B97F4A7C15ull;  // odd: pos -> key is one-to-one
 constexpr uint64_t kOrdinalMul = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kMix1 = 0xFF51AFD7ED558CCDull;  // MurmurHash3's 64-bit finalizer
-constexpr uint64_t kMix2 = 0xC4CEB9FE1A85EC53ull;
 constexpr int64_t kHashWordBytes = 8;
 
-// One-to-one on 64-bit values: a change confined to one word always changes its term.
-KVCOPY_HD uint64_t mix64(uint64_t x) {
-  x ^= x >> 33;
-  x *= kMix1;
-  x ^= x >> 33;
-  x *= kMix2;
-  x ^= x >> 33;
-  return x;
+// The term of one keyed word x: the product of its 32-bit halves, plus x (mod 2^64). A
+// change confined to one half of x always changes it (kvcopy/checksum.py says why), so
+// every single-bit flip does; one 32 x 32 -> 64-bit multiply (a vpmuludq lane, an
+// IMAD.WIDE) where MurmurHash3's finalizer took two 64-bit ones.
+KVCOPY_HD uint64_t product_term(uint64_t x) {
+  return (uint64_t)(uint32_t)x * (uint64_t)(uint32_t)(x >> 32) + x;
 }
 
 // The key of the word at staging position `pos` is key_base(ordinal) + pos * kPositionMul.
@@ -45,7 +41,7 @@ KVCOPY_HD uint64_t key_base(int64_t ordinal) {
 }
 
 KVCOPY_HD uint64_t word_term(uint64_t word, uint64_t base, int64_t pos) {
-  return mix64(word ^ (base + kPositionMul * (uint64_t)pos));
+  return product_term(word ^ (base + kPositionMul * (uint64_t)pos));
 }
 
 // Bytes of the hash word that starts at offset q (a multiple of 8) of a run of `rb`.

@@ -300,12 +300,9 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
 # the page's slot with one atomic when it moves to another page (rows of merged
 # segments that cross a page boundary add their other page's terms one by one).
 @triton.jit
-def _mix64(x):
-    x = x ^ (x >> 33)
-    x = x * 0xFF51AFD7ED558CCD
-    x = x ^ (x >> 33)
-    x = x * 0xC4CEB9FE1A85EC53
-    return x ^ (x >> 33)
+def _product_term(x):
+    """The term of keyed uint64 words: the product of their 32-bit halves, plus them."""
+    return (x & 0xFFFFFFFF) * (x >> 32) + x
 
 
 @triton.jit
@@ -347,7 +344,7 @@ def _terms(words, src_ptr, cols, mask, q, run_bytes, pos, base, ELEM_BYTES: tl.c
                            mask=owner & (q + b * ELEM_BYTES < run_bytes[:, None]), other=0)
             value = value | (_unsigned(more, ELEM_BYTES) << (8 * ELEM_BYTES * b))
     key = base[:, None] + (pos[:, None] + q).to(tl.uint64) * 0x9E3779B97F4A7C15
-    return tl.where(owner, _mix64(value ^ key), 0)
+    return tl.where(owner, _product_term(value ^ key), 0)
 
 
 @triton.jit

@@ -16,10 +16,9 @@ Definition (``kernels/page_checksum.cuh`` is the same in C++)
 ---------------------------------------------------------------
 For block ``i`` of group ``g``::
 
-    sum[g, i] = SUM over k, r, j of  mix64(word(k, r, j) XOR key(pos, k))   (mod 2^64)
+    sum[g, i] = SUM over k, r, j of  term(word(k, r, j) XOR key(pos, k))   (mod 2^64)
     key(pos, k) = (pos + 1) * 0x9E3779B97F4A7C15 + k * 0xC2B2AE3D27D4EB4F
-    mix64 = MurmurHash3's 64-bit finalizer (xorshift 33, multiply, xorshift 33,
-            multiply, xorshift 33): one-to-one on 64-bit values
+    term(x)     = lo32(x) * hi32(x) + x     (the 64-bit product of x's two 32-bit halves)
 
 * ``k``: the layer's position in the group (the copier's deduplicated entry list);
 * ``r``: a run of the page: the bytes contiguous on both sides of the copy
@@ -40,39 +39,46 @@ work split (items on CPU threads, equal word ranges per GPU warp, Triton rows,
 segments merged across adjacent pages) adds the same value, partial sums combine with
 atomics, and a page's sum does not depend on which call, run or neighbours it was
 copied with. The position and layer in the key make the same bytes at another place
-sum differently. Against alternatives: CRC32C (the CPU's instruction) is fast on one
-core but has no warp-parallel form that combines out of order without per-segment
-shift tables, and 32 bits give ~2^-32 misses; Adler-32 (SGLang's P/D check) is weak on
-short changes and position-blind across pages; BLAKE3/xxh3 are order-dependent
-streams, so each would need a second, ordered pass. Words of 8 bytes, not 16: every
-aligned KV page divides into them, and a one-to-one 64-bit mixer makes any change
-inside a word visible, where a 16-byte word would need a 128-bit mix or a lossy fold.
-The cost: two 64-bit multiplies per 8 bytes, meant to hide under the loads on GPUs
-(PCIe reads are bound by bytes in flight) and on AVX-512 CPUs (``vpmullq``, 8 words
-per instruction). AVX2 has no 64-bit multiply: the ``cpu`` backend's AVX2 loop builds
-each from two 32-bit ones and copies with sums at 8.7-12.5 GB/s on one Zen 3 core, so a
-copy the caches serve faster costs 1.8-2.8x with sums there (nothing beyond the
-caches); Arm and older x86 take the scalar loop (forced on the same Zen 3: 4-5.6x from
-the caches). Cheaper functions were measured and not taken: in a hand-built AVX2 copy
-loop at 6 MiB, one 32 x 32-bit multiply per word (NH's product plus the word) copies
-and hashes at memcpy's speed but two changed words cancel with probability about
-2^-33 (a flip at bit ``i`` changes a term by a multiple of ``2^i``); three rounds of
-``x += lo32(x) * c; x ^= x >> 32`` behave like ``mix64`` in pairwise-flip tests and
-cost 1.5-1.7x of memcpy, against 2.1-2.2x for ``mix64`` (there with three ``vpmuludq``
-per 64-bit multiply): not enough gain to weaken or re-derive the definition every
-backend shares.
+sum differently. The term costs one 32 x 32 -> 64-bit multiply per 8 bytes: one
+``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE`` per word on
+NVIDIA GPUs, so the copy that computes it keeps the speed of the copy that does not
+(figures in docs/backends.md, "Cost"). Until 2026-12 the term was MurmurHash3's 64-bit
+finalizer (``mix64``: one-to-one, two 64-bit multiplies per word); AVX2 has no 64-bit
+multiply, and on one Zen 3 core a copy with those sums took 1.8-2.8x the plain copy of
+a call the caches serve (from 6 MiB), against 1.0-1.2x with this term. What was given up
+is below: a change to *both* halves of one word, or to two words, can cancel with
+probability about 2^-64 (random bytes) to 2^-32 (two single-bit flips), where
+``mix64`` kept the first always visible. Against other functions: CRC32C (the CPU's
+instruction) has no warp-parallel form that combines out of order without per-segment
+shift tables; Adler-32 (SGLang's P/D check) is weak on short changes and
+position-blind across pages; BLAKE3/xxh3 are order-dependent streams, so each would
+need a second, ordered pass. Words of 8 bytes: every aligned KV page divides into them.
 
 What it catches (comparing the sums of two copies of the same pages: P's pack and
 D's scatter)
-* any change confined to one 8-byte word of a page (every single-bit flip, any byte
-  burst inside one word): always, because ``mix64`` is one-to-one;
+
+* any change confined to one 32-bit half of one word of a page: every single-bit
+  flip, any burst of up to 4 bytes inside an aligned half: always. Write
+  ``x = a + 2^32 b``; changing ``a`` to ``a'`` changes the term by
+  ``(a' - a)(b + 1)``, and ``b`` to ``b'`` by ``(b' - b)(a + 2^32)``: non-zero
+  integers whose magnitude stays below ``2^64`` in the first case, and below
+  ``2^65`` but never ``2^64`` in the second (that needs ``a + 2^32`` to be a power of
+  two, so ``a = 0``, and then ``|b' - b| = 2^32``), so never ``0 mod 2^64``;
 * a torn page (part old bytes), a page swapped with another page of the request, a
   page from another request or an earlier use of the slot, words or layers swapped
   inside a page, a READ truncated or shifted by any number of bytes: unless the
-  bytes happen to be equal, with probability about ``1 - 2^-64`` (the terms of
-  distinct (word, key) pairs behave as independent random 64-bit values; a swap of
-  words ``a`` at ``p`` and ``b`` at ``q`` is missed exactly when
-  ``a XOR b == key(p) XOR key(q)``);
+  bytes happen to be equal, with probability about ``1 - 2^-64`` for changes that
+  look random to the term (the ``+ x`` makes each changed word's contribution
+  uniform in its low bits, where a product alone is biased to even values);
+* a change spread over the two halves of one word: missed only for about one changed
+  value of the word in ``2^64`` (``term`` is ``(a + 2^32)(b + 1) - 2^32``, and a
+  factorization of that product with other factors in range is rare; there are some,
+  e.g. ``a, b = 2, 2`` and ``2^31 + 3, 1`` give the same term);
+* two words changed together: their term changes cancel with probability about
+  ``2^-64`` when the changes look random, and up to about ``2^-32`` for the most
+  structured ones: one bit flipped at the same position in the same half of two words
+  cancels exactly when their other halves (after the key) are equal, and in opposite
+  directions; flips at different positions cancel less often;
 * two pages swapped between positions, or a whole stale request, once the per-page
   sums are compared position by position, or bound to the request and the position
   with :func:`seal` before they are folded into one value (:func:`fold`): a plain
@@ -116,7 +122,8 @@ _U64 = np.uint64
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
-    """MurmurHash3's finalizer on uint64 values (wrapping arithmetic)."""
+    """MurmurHash3's finalizer on uint64 values (wrapping arithmetic): one-to-one, used by
+    :func:`seal` to bind a page sum to its request and position (per page, not per word)."""
     x = np.asarray(x, dtype=_U64)
     with np.errstate(over="ignore"):
         x = x ^ (x >> _U64(33))
@@ -133,6 +140,14 @@ def word_keys(positions: np.ndarray, ordinal: int) -> np.ndarray:
         return (pos + _U64(1)) * _U64(POSITION_MUL) + _U64((ordinal * ORDINAL_MUL) % (1 << 64))
 
 
+def product_term(x: np.ndarray) -> np.ndarray:
+    """``term(x)`` on uint64 keyed words: the product of their 32-bit halves, plus them
+    (wrapping arithmetic)."""
+    x = np.asarray(x, dtype=_U64)
+    with np.errstate(over="ignore"):
+        return (x & _U64(0xFFFFFFFF)) * (x >> _U64(32)) + x
+
+
 def page_sums(pages: np.ndarray, run_bytes: int, ordinal: int) -> np.ndarray:
     """The checksums of ``pages`` (uint8 ``[n, page bytes]``, each in staging order)
     of the layer at position ``ordinal`` of its group, whose copy moves runs of
@@ -147,7 +162,7 @@ def page_sums(pages: np.ndarray, run_bytes: int, ordinal: int) -> np.ndarray:
     padded[:, :, :run_bytes] = pages.reshape(n, runs, run_bytes)
     words = padded.view("<u8").astype(_U64)
     pos = np.arange(runs, dtype=np.int64)[:, None] * run_bytes + WORD_BYTES * np.arange(per_run)[None, :]
-    terms = mix64(words ^ word_keys(pos, ordinal)[None])
+    terms = product_term(words ^ word_keys(pos, ordinal)[None])
     with np.errstate(over="ignore"):
         return terms.reshape(n, -1).sum(axis=1, dtype=_U64)
 

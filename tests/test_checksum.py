@@ -20,7 +20,7 @@ import torch
 import kvcopy
 from kvcopy import backends
 from kvcopy.backends import Backend, kernel_inputs, native
-from kvcopy.checksum import (mix64, page_sums, reference_checksums, word_keys)
+from kvcopy.checksum import (mix64, page_sums, product_term, reference_checksums, word_keys)
 from kvcopy.layout import describe, pair_pages
 from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, prepare_check, standard_cases
@@ -128,6 +128,59 @@ def test_mix64_is_murmur3_finalizer_and_keys_wrap():
     assert int(word_keys(np.array([7]), 3)[0]) == (8 * 0x9E3779B97F4A7C15 + 3 * 0xC2B2AE3D27D4EB4F) & m
 
 
+def _term(x: int) -> int:
+    """term(x) in Python integers: lo32(x) * hi32(x) + x mod 2^64."""
+    return ((x & 0xFFFFFFFF) * (x >> 32) + x) % (1 << 64)
+
+
+# words whose halves sit at the edges of the products: 0, 1, all ones, the top bit
+EDGE_HALVES = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF]
+
+
+def test_product_term_is_the_product_of_the_halves_plus_the_word():
+    rng = np.random.default_rng(5)
+    xs = np.concatenate([rng.integers(0, 1 << 63, 200, dtype=np.uint64) * np.uint64(2) + np.uint64(1),
+                         np.array([a | (b << 32) for a in EDGE_HALVES for b in EDGE_HALVES], np.uint64)])
+    got = product_term(xs)
+    assert [int(v) for v in got] == [_term(int(x)) for x in xs]
+
+
+def test_product_term_changes_under_every_single_bit_flip():
+    """Every flip of one bit of a keyed word changes its term (the docstring's
+    argument), checked over all 64 bits of edge and random words."""
+    rng = np.random.default_rng(6)
+    words = [a | (b << 32) for a in EDGE_HALVES for b in EDGE_HALVES]
+    words += [int(v) for v in rng.integers(0, 1 << 62, 300, dtype=np.uint64)]
+    xs = np.array(words, np.uint64)
+    flips = np.array([1 << i for i in range(64)], np.uint64)
+    base = product_term(xs)[:, None]
+    flipped = product_term(xs[:, None] ^ flips[None, :])
+    assert not (flipped == base).any()
+
+
+def test_product_term_changes_under_any_change_of_one_half():
+    """Any change confined to one 32-bit half: for edge words, every change of the
+    other half's value to an edge value or a random one; the two closed forms of the
+    docstring cover what this samples."""
+    rng = np.random.default_rng(7)
+    halves = np.array(EDGE_HALVES + [int(v) for v in rng.integers(0, 1 << 32, 200, dtype=np.uint64)], np.uint64)
+    for keep in halves[:12]:
+        for shift in (0, 32):  # change the low half (keep the high) or the high half
+            x = (halves << np.uint64(shift)) | (keep << np.uint64(32 - shift))
+            t = product_term(x)
+            same = t[:, None] == t[None, :]
+            np.fill_diagonal(same, False)
+            assert not same.any(), (int(keep), shift)
+
+
+def test_product_term_is_not_one_to_one_across_halves():
+    """What the docstring concedes: a change to both halves of a word can leave its
+    term unchanged (its example), so a test claiming more would be wrong."""
+    a = np.array([2 | (2 << 32), (2**31 + 3) | (1 << 32)], np.uint64)
+    t = product_term(a)
+    assert t[0] == t[1] and a[0] != a[1]
+
+
 def test_page_sums_zero_pad_the_last_word_of_each_run():
     rng = np.random.default_rng(0)
     page = rng.integers(0, 256, (1, 2 * 13), dtype=np.uint8)
@@ -139,7 +192,7 @@ def test_page_sums_zero_pad_the_last_word_of_each_run():
             chunk = np.zeros(8, np.uint8)
             chunk[: len(run[j:j + 8])] = run[j:j + 8]
             word = chunk.view("<u8").astype(np.uint64)
-            want += int(mix64(word ^ word_keys(np.array([13 * r + j]), 2))[0])
+            want += _term(int((word ^ word_keys(np.array([13 * r + j]), 2))[0]))
     assert int(page_sums(page, 13, 2)[0]) == want % (1 << 64)
     with pytest.raises(ValueError, match="whole number"):
         page_sums(page, 5, 0)
@@ -370,7 +423,7 @@ def test_triton_sums_kernel_uses_only_own_helpers():
     from kvcopy.kernels import triton_copy as tc
 
     src = inspect.getsource(tc)
-    body = src[src.index("def _mix64"):src.index("class LaunchConfig")]
+    body = src[src.index("def _product_term"):src.index("class LaunchConfig")]
     for name in ("tl.sum", "tl.cumsum", "tl.zeros_like", "tl.zeros(", "tl.max(", "tl.min(", "tl.cdiv"):
         assert name not in body, name
 

@@ -49,7 +49,7 @@ from .regions import RegionSet, sum_slots
 from .sum_check import PendingResult, Readback, SumCheck, SumStats, mismatch_message
 
 UNLIKE = "P's pages are not D's (page sizes, TP slices, group plans or in-page layouts differ)"
-HOST_SUMS_VERSION = "kvcopy-host-sums:v1"
+HOST_SUMS_VERSION = "kvcopy-host-sums:v2"  # v2: the page sums' word term is product_term
 
 
 def fingerprint(tables: CopyTables, tokens_per_page: Sequence[int]) -> str:

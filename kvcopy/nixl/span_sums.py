@@ -54,7 +54,7 @@ from .record import LAYOUT_HEX, PageSums, StagedRequest
 from .span_copiers import SpanCopiers
 from .sum_check import PendingResult, Readback, SumCheck, SumStats, mismatch_message
 
-SUM_LAYOUT_VERSION = "kvcopy-span-sums:v1"
+SUM_LAYOUT_VERSION = "kvcopy-span-sums:v2"  # v2: the page sums' word term is product_term
 POSITION_BITS = 40  # page positions stay below 2^40 (tokens are bounded by 2^40)
 FOLDS_KEPT = 64  # index plans of fold() kept per layout (one per distinct set of page positions)
 
