@@ -45,7 +45,8 @@ NVIDIA GPUs, so the copy that computes it keeps the speed of the copy that does 
 (figures in docs/backends.md, "Cost"). Until 2026-12 the term was MurmurHash3's 64-bit
 finalizer (``mix64``: one-to-one, two 64-bit multiplies per word); AVX2 has no 64-bit
 multiply, and on one Zen 3 core a copy with those sums took 1.8-2.8x the plain copy of
-a call the caches serve (from 6 MiB), against 1.0-1.2x with this term. What was given up
+a call the caches serve (6 MiB), against 0.9-1.2x with this term (same machine and
+command, ``bench/results/cpu-avx2-sums-*`` and ``cpu-avx2-product-sums-*``). What was given up
 is below: a change to *both* halves of one word, or to two words, can cancel with
 probability about 2^-64 (random bytes) to 2^-32 (two single-bit flips), where
 ``mix64`` kept the first always visible. Against other functions: CRC32C (the CPU's
