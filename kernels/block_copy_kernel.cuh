@@ -38,8 +38,9 @@
 // registers; narrower words (1-4 byte aligned tables) add the zero-padded 8-byte hash
 // word that starts at them, if one does, reading its other bytes from the source (a
 // warp range may end inside a hash word: the word belongs to the range holding its
-// first byte). Two 64-bit multiplies per 8 bytes: far below what an SM issues while
-// it waits for PCIe, so the copy keeps its bandwidth.
+// first byte). One 32 x 32 -> 64-bit multiply (IMAD.WIDE.U32) per 8 bytes: far below
+// what an SM issues while it waits for PCIe, so the copy should keep its bandwidth
+// (bench/gpu_check.sh measures it; not run on a GPU yet).
 #pragma once
 
 #include "block_copy.cuh"

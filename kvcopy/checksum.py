@@ -40,16 +40,18 @@ segments merged across adjacent pages) adds the same value, partial sums combine
 atomics, and a page's sum does not depend on which call, run or neighbours it was
 copied with. The position and layer in the key make the same bytes at another place
 sum differently. The term costs one 32 x 32 -> 64-bit multiply per 8 bytes: one
-``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE`` per word on
-NVIDIA GPUs, so the copy that computes it keeps the speed of the copy that does not
-(figures in docs/backends.md, "Cost"). Until 2026-12 the term was MurmurHash3's 64-bit
-finalizer (``mix64``: one-to-one, two 64-bit multiplies per word); AVX2 has no 64-bit
-multiply, and on one Zen 3 core a copy with those sums took 1.8-2.8x the plain copy of
-a call the caches serve (6 MiB), against 0.9-1.2x with this term (same machine and
-command, ``bench/results/cpu-avx2-sums-*`` and ``cpu-avx2-product-sums-*``). What was given up
-is below: a change to *both* halves of one word, or to two words, can cancel with
-probability about 2^-64 (random bytes) to 2^-32 (two single-bit flips), where
-``mix64`` kept the first always visible. Against other functions: CRC32C (the CPU's
+``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE.U32`` per word on
+NVIDIA GPUs: on one AVX2 core the copy with sums takes 0.7-1.2x the time of the copy
+without, by call size (docs/backends.md, "Cost"; GPUs not measured yet). Until 2026-12
+the term was MurmurHash3's 64-bit finalizer (``mix64``: one-to-one, two 64-bit
+multiplies per word); AVX2 has no 64-bit multiply, and on one Zen 3 core a copy with
+those sums took 1.8-2.8x the plain copy of a call the caches serve (6 MiB), against
+0.9-1.2x with this term (same machine and command, ``bench/results/cpu-avx2-sums-*``
+and ``cpu-avx2-product-sums-*``). What was given up is below: ``mix64`` caught every
+change within one word and missed two-word changes with probability ~2^-64; this term
+catches every change within one half of a word, and misses structured two-bit changes
+(bits 31 and 63 of one word; the same bit of two words) with probability up to ~2^-32.
+Against other functions: CRC32C (the CPU's
 instruction) has no warp-parallel form that combines out of order without per-segment
 shift tables; Adler-32 (SGLang's P/D check) is weak on short changes and
 position-blind across pages; BLAKE3/xxh3 are order-dependent streams, so each would
@@ -68,18 +70,25 @@ D's scatter)
 * a torn page (part old bytes), a page swapped with another page of the request, a
   page from another request or an earlier use of the slot, words or layers swapped
   inside a page, a READ truncated or shifted by any number of bytes: unless the
-  bytes happen to be equal, with probability about ``1 - 2^-64`` for changes that
-  look random to the term (the ``+ x`` makes each changed word's contribution
-  uniform in its low bits, where a product alone is biased to even values);
-* a change spread over the two halves of one word: missed only for about one changed
-  value of the word in ``2^64`` (``term`` is ``(a + 2^32)(b + 1) - 2^32``, and a
-  factorization of that product with other factors in range is rare; there are some,
-  e.g. ``a, b = 2, 2`` and ``2^31 + 3, 1`` give the same term);
-* two words changed together: their term changes cancel with probability about
-  ``2^-64`` when the changes look random, and up to about ``2^-32`` for the most
-  structured ones: one bit flipped at the same position in the same half of two words
-  cancels exactly when their other halves (after the key) are equal, and in opposite
-  directions; flips at different positions cancel less often;
+  bytes happen to be equal, missed with probability of the order of ``2^-64`` to
+  ``2^-61`` for changes that look random to the term. The term is not one-to-one:
+  ``(a + 2^32)(b + 1) - 2^32`` takes about 43% of the 64-bit values (exhaustive
+  counts with narrower halves, extrapolated), each word sharing its term with ~8
+  others, so a random change of one word is missed with probability ~2^-61; its low
+  32 bits, ``a(b + 1) mod 2^32``, are a product, biased toward multiples of powers of
+  two (odd 1 time in 4), which moves these figures by small factors;
+* a change spread over both halves of one word: ~2^-61 when random, but up to ~2^-32
+  for structured ones. Flipping bits 31 and 63 together is missed exactly when the
+  halves of the word with both bits clear add up to ``2^31 - 1`` (``x = 0x7FFFFFFF``
+  and ``0x80000000FFFFFFFF`` have the same term); other pairs of high bits, about
+  half as often. Other collisions exist (``a, b = 2, 2`` and ``2^31 + 3, 1``);
+* two words changed together: their term changes cancel with probability of the order
+  of ``2^-64`` when the changes look random, and up to ~2^-32 for the most structured
+  ones: one bit flipped at the same position in the same half of two words, in
+  opposite directions, cancels when their other halves (after the key) are equal;
+  at bit 31 of a half, flips in the same direction cancel when those other halves are
+  both all-ones (low half flipped) or both zero (high half flipped); flips at
+  different positions cancel less often;
 * two pages swapped between positions, or a whole stale request, once the per-page
   sums are compared position by position, or bound to the request and the position
   with :func:`seal` before they are folded into one value (:func:`fold`): a plain

@@ -181,6 +181,20 @@ def test_product_term_is_not_one_to_one_across_halves():
     assert t[0] == t[1] and a[0] != a[1]
 
 
+def test_product_term_misses_bits_31_and_63_exactly_when_the_halves_add_to_2_31_minus_1():
+    """The structured two-bit miss the docstring states: flipping bits 31 and 63 of a
+    word whose halves have both bits clear keeps its term iff the halves add up to
+    2^31 - 1 (random words meeting the condition all collide; words one off never do)."""
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, 2**31, 2000, dtype=np.uint64)
+    flip = np.uint64((1 << 31) | (1 << 63))
+    for b, same in ((np.uint64(2**31 - 1) - a, True), (np.uint64(2**31 - 1) - a ^ np.uint64(1), False)):
+        x = a | (b << np.uint64(32))
+        assert ((product_term(x) == product_term(x ^ flip)) == same).all()
+    pair = product_term(np.array([0x7FFFFFFF, 0x80000000FFFFFFFF], np.uint64))
+    assert pair[0] == pair[1]
+
+
 def test_page_sums_zero_pad_the_last_word_of_each_run():
     rng = np.random.default_rng(0)
     page = rng.integers(0, 256, (1, 2 * 13), dtype=np.uint8)

@@ -7,9 +7,10 @@ checkout can build them in place with ``python setup.py build_ext --inplace`` or
 that is missing is a reason a backend is unavailable, never an import error; the
 reason says whether the install skipped it (and why) or it went missing since. So is
 a library built from other sources than this Python code: each exports
-``<stem>_abi_version()``, bumped whenever one of its C signatures changes, and a
-library whose version is not :data:`ABI_VERSIONS`' is refused (calling it with the
-new signatures would pass the wrong arguments).
+``<stem>_abi_version()``, bumped whenever one of its C signatures changes or its results
+do (a new checksum term), and a library whose version is not :data:`ABI_VERSIONS`' is
+refused (calling it with the new signatures would pass the wrong arguments, or trust
+sums computed another way).
 """
 from __future__ import annotations
 
