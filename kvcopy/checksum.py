@@ -41,10 +41,12 @@ atomics, and a page's sum does not depend on which call, run or neighbours it wa
 copied with. The position and layer in the key make the same bytes at another place
 sum differently. The term costs one 32 x 32 -> 64-bit multiply per 8 bytes: one
 ``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE.U32`` per word on
-NVIDIA GPUs: on one AVX2 core the copy with sums takes 0.7-1.2x the time of the copy
-without, by call size (docs/backends.md, "Cost"; GPUs not measured yet). Until 2026-12
+NVIDIA GPUs: on one AVX2 core the copy with sums takes 1.0-1.2x the time of the copy
+without below 16 MiB per call, less above, where only the summing loop streams its
+stores (docs/backends.md, "Cost"; GPUs not measured yet). Until 2026-12
 the term was MurmurHash3's 64-bit finalizer (``mix64``: one-to-one, two 64-bit
-multiplies per word); AVX2 has no 64-bit multiply, and on one Zen 3 core a copy with
+multiplies per word; it still binds page sums to requests and positions, :func:`seal`,
+once per page); AVX2 has no 64-bit multiply, and on one Zen 3 core a copy with
 those sums took 1.8-2.8x the plain copy of a call the caches serve (6 MiB), against
 0.9-1.2x with this term (same machine and command, ``bench/results/cpu-avx2-sums-*``
 and ``cpu-avx2-product-sums-*``). What was given up is below: ``mix64`` caught every
@@ -72,9 +74,10 @@ D's scatter)
   inside a page, a READ truncated or shifted by any number of bytes: unless the
   bytes happen to be equal, missed with probability of the order of ``2^-64`` to
   ``2^-61`` for changes that look random to the term. The term is not one-to-one:
-  ``(a + 2^32)(b + 1) - 2^32`` takes about 43% of the 64-bit values (exhaustive
-  counts with narrower halves, extrapolated), each word sharing its term with ~8
-  others, so a random change of one word is missed with probability ~2^-61; its low
+  ``(a + 2^32)(b + 1) - 2^32`` takes fewer than half the 64-bit values (44.7% with
+  12-bit halves, exhaustive, falling with the width), each word sharing its term with
+  ~8 others (3.1 at 12 bits, +0.26 per bit), so a random change of one word is missed
+  with probability ~2^-61; its low
   32 bits, ``a(b + 1) mod 2^32``, are a product, biased toward multiples of powers of
   two (odd 1 time in 4), which moves these figures by small factors;
 * a change spread over both halves of one word: ~2^-61 when random, but up to ~2^-32
