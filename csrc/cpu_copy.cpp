@@ -19,8 +19,32 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__x86_64__)
+// The vector loops are compiled where the intrinsics are: on x86-64 natively, each
+// function for its own instruction set (KVCOPY_TARGET) and picked at run time
+// (vector_loops); with KVCOPY_SIMD_EMULATION (tests only, CMake option of that name) on
+// SIMDe's portable intrinsics with no target, so a CPU without AVX-512 runs the AVX-512
+// loop's own code: its heads, keys, lanes, steps and reduction, bit for bit against
+// the oracle (tests/test_cpu_simd_emulation.py). Never installed: the loops run there at a
+// fraction of their speed.
+#if defined(KVCOPY_SIMD_EMULATION)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define KVCOPY_X86_LOOPS 1
+#define KVCOPY_TARGET(isa)
+// The two intrinsics SIMDe 0.7.4 lacks: a streaming store is a store to the bytes
+// (the hint is not part of the result), and the reduction a sum of the lanes.
+inline void _mm512_stream_si512(__m512i* d, __m512i v) { _mm512_storeu_si512(d, v); }
+inline int64_t _mm512_reduce_add_epi64(__m512i v) {
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, v);
+  uint64_t sum = 0;
+  for (uint64_t lane : lanes) sum += lane;
+  return (int64_t)sum;
+}
+#elif defined(__x86_64__)
 #include <immintrin.h>
+#define KVCOPY_X86_LOOPS 1
+#define KVCOPY_TARGET(isa) __attribute__((target(isa)))
 #endif
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -140,7 +164,7 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
   return a0 + a1;
 }
 
-#if defined(__x86_64__)
+#if defined(KVCOPY_X86_LOOPS)
 // Source lines are prefetched this far ahead of the loads: the hash's multiplies keep
 // fewer loads in flight than memcpy's string moves, and calls beyond the caches paid
 // for it (~10% of a 36 MiB call on one core without; within noise with).
@@ -148,7 +172,7 @@ constexpr int64_t kPrefetchBytes = 512;
 
 // product_term (page_checksum.cuh) on 8 words: vpmuludq multiplies the low 32 bits of
 // each 64-bit lane into a 64-bit product.
-__attribute__((target("avx512f"))) inline __m512i product_terms8(__m512i x) {
+KVCOPY_TARGET("avx512f") inline __m512i product_terms8(__m512i x) {
   return _mm512_add_epi64(_mm512_mul_epu32(x, _mm512_srli_epi64(x, 32)), x);
 }
 
@@ -158,10 +182,9 @@ __attribute__((target("avx512f"))) inline __m512i product_terms8(__m512i x) {
 // 8-byte aligned: hash words stay whole), which write lines without reading them first,
 // as memcpy's string moves do; used for calls too large for the caches.
 template <bool kStream>
-__attribute__((target("avx512f"))) inline uint64_t run_avx512(const unsigned char* s,
-                                                              unsigned char* d, int64_t n,
-                                                              uint64_t key, __m512i& acc0,
-                                                              __m512i& acc1) {
+KVCOPY_TARGET("avx512f")
+inline uint64_t run_avx512(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key,
+                           __m512i& acc0, __m512i& acc1) {
   int64_t i = 0;
   uint64_t head = 0;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
@@ -211,8 +234,8 @@ __attribute__((target("avx512f"))) inline uint64_t run_avx512(const unsigned cha
 
 // All runs of block b of the item, one reduction.
 template <bool kStream>
-__attribute__((target("avx512f"))) uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b,
-                                                             uint64_t base) {
+KVCOPY_TARGET("avx512f")
+uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b, uint64_t base) {
   __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
   uint64_t rest = 0;
   const int64_t rb = it.run_bytes();
@@ -225,17 +248,17 @@ __attribute__((target("avx512f"))) uint64_t copy_page_avx512(const kvcopy::Item&
 }
 #endif
 
-#if defined(__x86_64__)
+#if defined(KVCOPY_X86_LOOPS)
 // product_term on 4 words.
-__attribute__((target("avx2"))) inline __m256i product_terms4(__m256i x) {
+KVCOPY_TARGET("avx2") inline __m256i product_terms4(__m256i x) {
   return _mm256_add_epi64(_mm256_mul_epu32(x, _mm256_srli_epi64(x, 32)), x);
 }
 
 // run_avx512 with 256-bit vectors: 64 bytes per step.
 template <bool kStream>
-__attribute__((target("avx2"))) inline uint64_t run_avx2(const unsigned char* s, unsigned char* d,
-                                                         int64_t n, uint64_t key, __m256i& acc0,
-                                                         __m256i& acc1) {
+KVCOPY_TARGET("avx2")
+inline uint64_t run_avx2(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key,
+                         __m256i& acc0, __m256i& acc1) {
   int64_t i = 0;
   uint64_t head = 0;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
@@ -277,8 +300,8 @@ __attribute__((target("avx2"))) inline uint64_t run_avx2(const unsigned char* s,
 }
 
 template <bool kStream>
-__attribute__((target("avx2"))) uint64_t copy_page_avx2(const kvcopy::Item& it, int64_t b,
-                                                        uint64_t base) {
+KVCOPY_TARGET("avx2")
+uint64_t copy_page_avx2(const kvcopy::Item& it, int64_t b, uint64_t base) {
   __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
   uint64_t rest = 0;
   const int64_t rb = it.run_bytes();
@@ -308,7 +331,9 @@ using PageCopy = uint64_t (*)(const kvcopy::Item&, int64_t, uint64_t);
 // The loops this CPU can run: bit 0 the AVX2 loop, bit 1 the AVX-512 (F) loop.
 int vector_loops() {
   int loops = 0;
-#if defined(__x86_64__)
+#if defined(KVCOPY_SIMD_EMULATION)
+  loops = 3;  // both, on SIMDe's portable code: any CPU runs them
+#elif defined(KVCOPY_X86_LOOPS)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) loops |= 1;
   if (__builtin_cpu_supports("avx512f")) loops |= 2;
@@ -330,7 +355,7 @@ SumsLoop loop_for(int simd) {
 }
 
 PageCopy page_copy(int simd, bool stream) {
-#if defined(__x86_64__)
+#if defined(KVCOPY_X86_LOOPS)
   switch (loop_for(simd)) {
     case kAvx512Loop:
       return stream ? copy_page_avx512<true> : copy_page_avx512<false>;
