@@ -68,6 +68,58 @@ void copy_item(const kvcopy::Item& it) {
   }
 }
 
+#if defined(KVCOPY_X86_LOOPS)
+// n bytes with non-temporal stores, for calls too large for the caches: lines are
+// written without being read first (a memcpy per run of a few KiB never reaches
+// glibc's own streaming threshold, so each of its stores first read its line). SSE2,
+// which every x86-64 CPU has: the stores, not the vector width, bound a copy to DRAM.
+// The destination is 16-byte aligned by a memcpy head; the tail is a memcpy.
+void copy_stream(const unsigned char* s, unsigned char* d, int64_t n) {
+  int64_t i = (int64_t)((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+  if (i > n) i = n;
+  memcpy(d, s, static_cast<size_t>(i));
+  for (; i + 64 <= n; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(s + i + 512), _MM_HINT_T0);
+    const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i w1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i w2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i w3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), w0);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), w1);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), w2);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), w3);
+  }
+  memcpy(d + i, s + i, static_cast<size_t>(n - i));
+}
+
+void copy_item_stream(const kvcopy::Item& it) {
+  const int64_t n = it.num_segments();
+  const int64_t bytes = it.segment_bytes();
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t src, dst;
+    it.segment(k, &src, &dst);
+    copy_stream(reinterpret_cast<const unsigned char*>(src), reinterpret_cast<unsigned char*>(dst),
+                bytes);
+  }
+  _mm_sfence();  // the streamed lines ordered before anything that follows
+}
+#define KVCOPY_STREAM_COPY 1
+#endif
+
+using ItemCopy = void (*)(const kvcopy::Item&);
+
+// The plain copy of an item: non-temporal stores for a call of at least
+// stream_min_bytes (> 0) where the CPU has them, else memcpy.
+ItemCopy item_copy(int64_t total_bytes, int64_t stream_min_bytes) {
+#if defined(KVCOPY_STREAM_COPY)
+  if (stream_min_bytes > 0 && total_bytes >= stream_min_bytes) return copy_item_stream;
+#else
+  (void)total_bytes;
+  (void)stream_min_bytes;
+#endif
+  return copy_item;
+}
+
 struct MemcpyPiece {
   void operator()(int64_t src, int64_t dst, int64_t bytes) const {
     memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
@@ -480,7 +532,8 @@ extern "C" {
 //    simd = 2 picks the AVX2 loop.
 // 5: the checksum's word term is product_term (was MurmurHash3's finalizer): same
 //    signatures, other sums, so a library built before it is refused, not trusted.
-int kvcopy_cpu_abi_version() { return 5; }
+// 6: kvcopy_cpu_copy takes stream_min_bytes (the plain copy streams large calls too).
+int kvcopy_cpu_abi_version() { return 6; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP
@@ -491,27 +544,28 @@ int kvcopy_cpu_has_openmp() {
 }
 
 // entries [E][8], group_offsets [G+1], group_entries, packed call (see block_copy.cuh).
-// total_bytes only decides whether to use threads; num_threads <= 0: OpenMP's default.
+// total_bytes decides whether to use threads and (stream_min_bytes > 0) whether to
+// store with non-temporal stores; num_threads <= 0: OpenMP's default.
 int kvcopy_cpu_copy(const int64_t* entries, const int64_t* group_offsets,
                     const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
-                    int64_t total_bytes, int num_threads) {
+                    int64_t total_bytes, int num_threads, int64_t stream_min_bytes) {
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
+  const ItemCopy copy = item_copy(total_bytes, stream_min_bytes);
 #ifdef _OPENMP
   if (total_bytes >= kParallelMinBytes && items > 1) {
     const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; ++i) {
-      copy_item(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
+      copy(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
     }
     return 0;
   }
 #else
-  (void)total_bytes;
   (void)num_threads;
 #endif
   for (int64_t i = 0; i < items; ++i) {
-    copy_item(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
+    copy(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
   }
   return 0;
 }

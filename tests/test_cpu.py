@@ -126,3 +126,43 @@ def test_a_call_above_a_mebibyte_on_openmp_threads_is_bit_exact(threads, monkeyp
     assert copier.to_host(case.block_ids()[0], case.block_ids()[1]).total_bytes >= 1 << 20
     copier.close()
     check_copy("cpu", case, "h2d").close()
+
+
+STREAM_CASES = standard_cases(quick=True) + [
+    # runs of 3,216 and 3,360 bytes: destinations off a 16-byte line, so a head, 64-byte
+    # steps and a tail; and 1-byte-aligned pages (uint8, odd heads)
+    CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd"),
+    CopyCase(layout="nhd", dtype="uint8", block_size=16, num_heads=3, head_size=67, ids="runs", num_blocks=32),
+    CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),
+]
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("case", STREAM_CASES, ids=[c.id for c in STREAM_CASES])
+def test_streaming_stores_are_bit_exact(case, threads, monkeypatch):
+    """Calls of at least KVCOPY_CPU_STREAM_BYTES store with non-temporal stores (here
+    every call): the 16-byte head, the 64-byte steps and the tail of every run, over
+    poisoned destinations."""
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "1")
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
+    for direction in ("d2h", "h2d"):
+        check_copy("cpu", case, direction).close()
+
+
+def test_the_plain_copy_streams_from_the_threshold(monkeypatch):
+    """The plain copy passes KVCOPY_CPU_STREAM_BYTES to the library, as the summing copy does."""
+    from kvcopy.backends.cpu import CpuBackend
+
+    seen = []
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "12345")
+    backend = CpuBackend()
+    real = backend._lib.kvcopy_cpu_copy
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(backend._lib, "kvcopy_cpu_copy", spy)
+    monkeypatch.setitem(backends._instances, "cpu", backend)
+    check_copy("cpu", STREAM_CASES[-1], "d2h").close()
+    assert seen and all(v == 12345 for v in seen)

@@ -94,12 +94,12 @@ class CpuBackend(Backend):
             lib.kvcopy_cpu_copy.restype = ctypes.c_int
             lib.kvcopy_cpu_copy.argtypes = [
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
             ]
             self._sums = lib.kvcopy_cpu_copy_sums
             self._sums.restype = ctypes.c_int
-            self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                                  ctypes.c_int64]
+            self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                                                       ctypes.c_int64]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -127,8 +127,8 @@ class CpuBackend(Backend):
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        copy, entries, offsets, group_entries, groups, _, _, threads = self.state(tables)
-        rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads)
+        copy, entries, offsets, group_entries, groups, _, stream, threads = self.state(tables)
+        rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads, stream)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
 
