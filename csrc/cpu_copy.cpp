@@ -57,14 +57,20 @@ namespace {
 // than copying that much.
 constexpr int64_t kParallelMinBytes = 1 << 20;
 
+void copy_memcpy(const unsigned char* s, unsigned char* d, int64_t n) {
+  memcpy(d, s, static_cast<size_t>(n));
+}
+
+// Every segment of an item with kCopy (inlined: one instantiation per copy).
+template <void (*kCopy)(const unsigned char*, unsigned char*, int64_t)>
 void copy_item(const kvcopy::Item& it) {
   const int64_t n = it.num_segments();
   const int64_t bytes = it.segment_bytes();
   for (int64_t k = 0; k < n; ++k) {
     int64_t src, dst;
     it.segment(k, &src, &dst);
-    memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-           static_cast<size_t>(bytes));
+    kCopy(reinterpret_cast<const unsigned char*>(src), reinterpret_cast<unsigned char*>(dst),
+          bytes);
   }
 }
 
@@ -93,14 +99,7 @@ void copy_stream(const unsigned char* s, unsigned char* d, int64_t n) {
 }
 
 void copy_item_stream(const kvcopy::Item& it) {
-  const int64_t n = it.num_segments();
-  const int64_t bytes = it.segment_bytes();
-  for (int64_t k = 0; k < n; ++k) {
-    int64_t src, dst;
-    it.segment(k, &src, &dst);
-    copy_stream(reinterpret_cast<const unsigned char*>(src), reinterpret_cast<unsigned char*>(dst),
-                bytes);
-  }
+  copy_item<copy_stream>(it);
   _mm_sfence();  // the streamed lines ordered before anything that follows
 }
 #define KVCOPY_STREAM_COPY 1
@@ -117,7 +116,7 @@ ItemCopy item_copy(int64_t total_bytes, int64_t stream_min_bytes) {
   (void)total_bytes;
   (void)stream_min_bytes;
 #endif
-  return copy_item;
+  return copy_item<copy_memcpy>;
 }
 
 struct MemcpyPiece {
