@@ -2,7 +2,9 @@
 
 Both sides must be CPU tensors (a CPU-only engine, or the tests). The call passes the
 static tables' addresses and the packed call array; the library walks every item
-(OpenMP threads above 1 MiB per call) and memcpy's its segments. ctypes releases the
+(OpenMP threads above 1 MiB per call) and memcpy's its segments, or, in calls of at
+least ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB), copies them with non-temporal stores (an
+SSE2 loop). ctypes releases the
 GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads; it is read
 when a copier direction is prepared (not once per process), so a benchmark that sets
 it before building its copiers runs them on that many threads.
@@ -12,11 +14,13 @@ loop hashes each word between its load and its store: AVX-512 F where the CPU ha
 else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's one
 32 x 32-bit multiply per word. On one core of an AMD EPYC Zen 3 (AVX2) the copy with
-sums takes 0.7-1.2x the time of the plain copy, depending on the call's size (see
-docs/backends.md, "Cost"). Calls of at least
-``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) write with non-temporal stores: a store loop that
-first reads every destination line costs a third more memory traffic than memcpy,
-whose string moves skip that read.
+sums takes 1.0-1.2x the time of the plain copy (medians; see docs/backends.md, "Cost").
+
+Both copies write calls of at least ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) with
+non-temporal stores. A run of a few KiB copied by memcpy never reaches glibc's own
+streaming threshold, so each store first reads its destination line: a third more
+memory traffic for a call the caches cannot hold (the plain copy took 0.62-0.73x the
+time with streaming stores at 18-64 MiB, d2h, one core, interleaved calls; not saved).
 """
 from __future__ import annotations
 
@@ -67,13 +71,16 @@ STREAM_BYTES_DEFAULT = 16 << 20
 
 
 def _stream_min_bytes() -> int:
-    """``KVCOPY_CPU_STREAM_BYTES``: checksummed calls of at least this many bytes store
-    with non-temporal stores (default 16 MiB; 0: never). Streaming pays for calls the
-    last-level cache cannot hold and costs for those it can: on a 2-core AMD EPYC with
-    AVX-512 (one thread, ``seeds2``, ``cpu+sum`` / ``cpu``) streaming 6-12 MiB calls cost
-    1.12-1.16x against 1.04-1.07x without; at 18 MiB both cost 1.06-1.14x; at 24 MiB
+    """``KVCOPY_CPU_STREAM_BYTES``: calls of at least this many bytes, plain or
+    checksummed, store with non-temporal stores (default 16 MiB; 0: never). Streaming
+    pays for calls the last-level cache cannot hold and costs for those it can. The
+    checksummed copy on a 2-core AMD EPYC with AVX-512 (one thread, ``seeds2``,
+    ``cpu+sum`` / plain ``cpu``, which did not stream then): streaming 6-12 MiB calls
+    cost 1.12-1.16x against 1.04-1.07x without; at 18 MiB both cost 1.06-1.14x; at 24 MiB
     streaming cost 1.01x against 1.26-1.34x without, at 36 MiB 0.89-0.91x against
-    1.09-1.10x."""
+    1.09-1.10x. The plain copy on an AVX2 EPYC (one thread, interleaved calls, not
+    saved): 0.62-0.73x the time of memcpy's at 18-64 MiB d2h; at 6 MiB 0.69-0.80x d2h
+    but 1.06-1.16x h2d (medians and 10th percentiles)."""
     text = os.environ.get("KVCOPY_CPU_STREAM_BYTES", "").strip()
     try:
         return max(0, int(text)) if text else STREAM_BYTES_DEFAULT
