@@ -1,8 +1,10 @@
 // Backend `cpu`: the item body of kernels/block_copy.cuh compiled for the host.
 //
 // One C call per copy: items are spread over OpenMP threads (dynamic schedule, items
-// differ in size), each item's segments copied with memcpy. Small calls stay on the
-// calling thread: waking a team costs more than copying a few pages.
+// differ in size), each item's segments copied with memcpy, or, in calls of at least
+// the caller's stream_min_bytes (KVCOPY_CPU_STREAM_BYTES), with non-temporal stores.
+// Small calls stay on the calling thread: waking a team costs more than copying a few
+// pages.
 //
 // With checksums (kvcopy_cpu_copy_sums, kernels/page_checksum.cuh), each run is copied
 // by a loop that hashes the words it holds in registers on their way to the
@@ -31,9 +33,16 @@
 #include <simde/x86/avx512.h>
 #define KVCOPY_X86_LOOPS 1
 #define KVCOPY_TARGET(isa)
-// The two intrinsics SIMDe 0.7.4 lacks: a streaming store is a store to the bytes
-// (the hint is not part of the result), and the reduction a sum of the lanes.
-inline void _mm512_stream_si512(__m512i* d, __m512i v) { _mm512_storeu_si512(d, v); }
+// What SIMDe 0.7.4 lacks (newer releases alias both as macros, hence the guards): a
+// streaming store is a store to the bytes that, as the CPU's, faults off a 64-byte
+// boundary (so a wrong aligning head fails here too), and the reduction a sum of the lanes.
+#ifndef _mm512_stream_si512
+inline void _mm512_stream_si512(__m512i* d, __m512i v) {
+  if (reinterpret_cast<uintptr_t>(d) & 63) __builtin_trap();
+  _mm512_storeu_si512(d, v);
+}
+#endif
+#ifndef _mm512_reduce_add_epi64
 inline int64_t _mm512_reduce_add_epi64(__m512i v) {
   alignas(64) uint64_t lanes[8];
   _mm512_store_si512(lanes, v);
@@ -41,6 +50,7 @@ inline int64_t _mm512_reduce_add_epi64(__m512i v) {
   for (uint64_t lane : lanes) sum += lane;
   return (int64_t)sum;
 }
+#endif
 #elif defined(__x86_64__)
 #include <immintrin.h>
 #define KVCOPY_X86_LOOPS 1
@@ -79,9 +89,10 @@ void copy_item(const kvcopy::Item& it) {
 // written without being read first (a memcpy per run of a few KiB never reaches
 // glibc's own streaming threshold, so each of its stores first read its line). SSE2,
 // which every x86-64 CPU has: the stores, not the vector width, bound a copy to DRAM.
-// The destination is 16-byte aligned by a memcpy head; the tail is a memcpy.
+// A memcpy head aligns the destination to its 64-byte line (no line is written partly
+// through the cache and partly around it); the tail is a memcpy.
 void copy_stream(const unsigned char* s, unsigned char* d, int64_t n) {
-  int64_t i = (int64_t)((16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+  int64_t i = (int64_t)((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63);
   if (i > n) i = n;
   memcpy(d, s, static_cast<size_t>(i));
   for (; i + 64 <= n; i += 64) {
@@ -619,6 +630,11 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                    sums);
   }
   return 0;
+}
+
+// Whether kvcopy_cpu_copy streams a call of total_bytes (1) or memcpy's it (0).
+int kvcopy_cpu_copy_streams(int64_t total_bytes, int64_t stream_min_bytes) {
+  return item_copy(total_bytes, stream_min_bytes) != copy_item<copy_memcpy>;
 }
 
 // The vector loops kvcopy_cpu_copy_sums can run on this CPU: bit 0 AVX2, bit 1 AVX-512.

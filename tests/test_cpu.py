@@ -11,6 +11,7 @@ Range counts from 1 to more ranges than words put range boundaries inside pages,
 chunks and merged runs; every shared case, bit-exact.
 """
 import ctypes
+import platform
 
 import pytest
 
@@ -134,6 +135,9 @@ STREAM_CASES = standard_cases(quick=True) + [
     CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd"),
     CopyCase(layout="nhd", dtype="uint8", block_size=16, num_heads=3, head_size=67, ids="runs", num_blocks=32),
     CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="runs"),
+    # 3 MiB a call: above kParallelMinBytes, so on 2 threads the items go to OpenMP
+    CopyCase(layout="kv_first", num_groups=3, ids="scattered", num_blocks=64, head_size=256, block_size=16,
+             num_heads=4),
 ]
 
 
@@ -141,8 +145,8 @@ STREAM_CASES = standard_cases(quick=True) + [
 @pytest.mark.parametrize("case", STREAM_CASES, ids=[c.id for c in STREAM_CASES])
 def test_streaming_stores_are_bit_exact(case, threads, monkeypatch):
     """Calls of at least KVCOPY_CPU_STREAM_BYTES store with non-temporal stores (here
-    every call): the 16-byte head, the 64-byte steps and the tail of every run, over
-    poisoned destinations."""
+    every call): the head that aligns the destination to 64 bytes, the 64-byte steps and
+    the tail of every run, over poisoned destinations; the last case on OpenMP threads."""
     monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "1")
     monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
     for direction in ("d2h", "h2d"):
@@ -150,8 +154,15 @@ def test_streaming_stores_are_bit_exact(case, threads, monkeypatch):
 
 
 def test_the_plain_copy_streams_from_the_threshold(monkeypatch):
-    """The plain copy passes KVCOPY_CPU_STREAM_BYTES to the library, as the summing copy does."""
+    """The plain copy passes KVCOPY_CPU_STREAM_BYTES to the library, as the summing copy
+    does, and the library streams a call from that many bytes (0: never)."""
     from kvcopy.backends.cpu import CpuBackend
+
+    streams = lib.kvcopy_cpu_copy_streams
+    streams.restype, streams.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64]
+    big = 1 << 40
+    want = [1, 0, 0, 1, 0] if platform.machine() in ("x86_64", "AMD64") else [0] * 5  # SSE2's loop
+    assert [streams(b, m) for b, m in ((big, big), (big - 1, big), (big, 0), (1, 1), (0, 1))] == want
 
     seen = []
     monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "12345")

@@ -14,7 +14,8 @@ loop hashes each word between its load and its store: AVX-512 F where the CPU ha
 else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's one
 32 x 32-bit multiply per word. On one core of an AMD EPYC Zen 3 (AVX2) the copy with
-sums takes 1.0-1.2x the time of the plain copy (medians; see docs/backends.md, "Cost").
+sums takes 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x (medians of the
+saved runs; see docs/backends.md, "Cost").
 
 Both copies write calls of at least ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) with
 non-temporal stores. A run of a few KiB copied by memcpy never reaches glibc's own
