@@ -465,6 +465,28 @@ def test_checksum_rows_beside_their_backends(tmp_path):
     assert main(["--backends", "vllm+sum", "--quiet"]) == 2
 
 
+def test_summary_gives_each_checksum_cost():
+    """The summary's 'checksum cost' line: each '+sum' row's median time over its
+    backend's at the same point, the points with a flagged row counted."""
+    from kvcopy.bench.output import noise_flags, summary
+
+    def row(method, direction, median, spread=0.1):
+        return {"method": method, "chunk_bytes": 64, "groups": 1, "direction": direction, "iters": 5,
+                "median_us": median, "spread": spread, "x_memcpy": median / 10.0}
+
+    rows = [row(m, d, med) for d in ("h2d", "d2h") for m, med in (("memcpy", 10.0), ("cpu", 12.0))]
+    rows += [row("cpu+sum", "h2d", 13.2), row("cpu+sum", "d2h", 15.0, spread=1.0)]  # d2h: flagged
+    for r in rows:
+        r["verify"] = "n/a" if r["method"] == "memcpy" else "ok"
+    result = {"results": rows}
+    text = summary(result, noise_flags(result))
+    line = next(x for x in text.splitlines() if "checksum cost" in x)
+    assert line.split() == ["cpu+sum", "checksum", "cost:", "median", "1.25x", "worst", "1.25x", "best", "1.10x",
+                            "over", "2", "points", "(its", "median", "time", "/", "cpu's,", "same", "point;", "1",
+                            "with", "a", "row", "flagged", "as", "noise)"]
+    assert "checksum cost" not in summary({"results": rows[:4]}, {})
+
+
 @pytest.mark.parametrize("simd,loops", [("0", {"scalar"}), ("1", {"avx512", "avx2", "scalar"})])
 def test_checksum_run_names_the_cpu_loop(tmp_path, monkeypatch, capsys, simd, loops):
     """A run with cpu+sum rows says which of the cpu backend's loops timed them (the

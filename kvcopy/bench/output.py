@@ -185,6 +185,22 @@ def legend(result: dict) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def checksum_costs(result: dict, flags: Dict[int, str]) -> Dict[str, Tuple[List[float], int]]:
+    """Per ``<backend>+sum`` method: its median time over its backend's at each point
+    where both ran (``--checksum``), and at how many of those either row is flagged
+    as noise."""
+    plain = {(_point(r), r["method"]): r for r in result["results"]}
+    out: Dict[str, Tuple[List[float], int]] = {}
+    for r in result["results"]:
+        base = plain.get((_point(r), r["method"][: -len("+sum")])) if r["method"].endswith("+sum") else None
+        if base is None or not r.get("median_us") or not base.get("median_us"):
+            continue
+        ratios, noisy = out.setdefault(r["method"], ([], 0))
+        ratios.append(r["median_us"] / base["median_us"])
+        out[r["method"]] = (ratios, noisy + (id(r) in flags or id(base) in flags))
+    return out
+
+
 def summary(result: dict, flags: Optional[Dict[int, str]] = None) -> str:
     """One line per method: its median, worst and best ratio to memcpy over the points
     whose ratio is not flagged as noise."""
@@ -210,6 +226,12 @@ def summary(result: dict, flags: Optional[Dict[int, str]] = None) -> str:
                          f"over {plural(len(xs), 'point')}{noise}")
         else:
             lines.append(f"  {m:<12} every point flagged as noise ({left_out[m]})")
+    for m, (ratios, noisy) in checksum_costs(result, flags).items():
+        ratios.sort()
+        flagged = f"; {noisy} with a row flagged as noise" if noisy else ""
+        lines.append(f"  {m:<12} checksum cost: median {ratios[len(ratios) // 2]:.2f}x  worst {ratios[-1]:.2f}x  "
+                     f"best {ratios[0]:.2f}x over {plural(len(ratios), 'point')} (its median time / "
+                     f"{m[: -len('+sum')]}'s, same point{flagged})")
     failed = [r for r in result["results"] if r["verify"].startswith("FAIL")]
     lines.append(f"verify: {plural(len(failed), 'failure')}" if failed else "verify: every checked method bit-exact")
     return "\n".join(lines) + "\n"
