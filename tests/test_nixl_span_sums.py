@@ -320,6 +320,47 @@ def test_fold_sees_slabs_and_pages_trade_places(pair):
     assert seal(np.array([5], np.uint64), 0, [1])[0] != seal(np.array([5], np.uint64), 0, [2])[0]
 
 
+def _fold_by_definition(layout, arrays, positions, zeros):
+    """The module docstring's value[g][k], one sum at a time: every copier's triples in
+    its order, each with its group's positions, then that group's zeroed pages."""
+    values = [[0] * len(p) for p in positions]
+    for out, js, groups in zip(arrays, layout.numbers, layout.groups):
+        o = 0
+        for j, g in zip(js.tolist(), groups.tolist()):
+            for i, k in enumerate(positions[g]):
+                sealed = seal(np.array([out[o + i]], np.uint64), 0, [(j << 40) + int(k)])[0]
+                values[g][i] = (values[g][i] + int(sealed)) % (1 << 64)
+            o += len(positions[g]) + zeros[g]
+        assert o == len(out)
+    return [np.array(v, np.uint64) for v in values]
+
+
+@pytest.mark.parametrize("positions,zeros", [
+    ([[0, 1, 2], [0, 1, 2, 3, 4, 5]], [0, 0]),
+    ([[2], [1, 4, 5]], [1, 2]),  # holes and prefix hits: positions with gaps, zeroed pages after them
+    ([[], [3, 0]], [2, 0]),  # a group D reads nothing of; positions out of order
+])
+def test_fold_is_the_definition(pair, positions, zeros):
+    """fold()'s one gather and segmented sum over all copiers give the module
+    docstring's value per (group, position), the plan cached or not."""
+    p, _, _, _, _ = pair("hybrid")
+    cps = p.arena.span_copiers(p.arena.order)
+    layout = p.arena.sums.layout(cps, p.arena.order, p.info.tokens_per_page, "d2h")
+    rng = np.random.default_rng(len(positions[0]))
+    pos = [np.array(x, np.int64) for x in positions]
+    arrays = [rng.integers(0, 2**63, size=sum(len(pos[g]) + zeros[g] for g in grp.tolist()),
+                           dtype=np.int64).view(np.uint64) for grp in layout.groups]
+    want = _fold_by_definition(layout, arrays, pos, zeros)
+    for _ in range(2):  # the second call takes the cached plan
+        got = layout.fold(arrays, pos, zeros)
+        assert [g.dtype for g in got] == [np.uint64] * len(want)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="sums of"):
+        layout.fold(arrays[:-1], pos, zeros)
+    with pytest.raises(ValueError, match="sums of"):
+        layout.fold([a[:-1] for a in arrays], pos, zeros)
+
+
 class _SlowReadback:
     """A readback whose sums arrive when ``arrive`` is set (what a CUDA event does)."""
 

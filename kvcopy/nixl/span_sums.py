@@ -91,43 +91,80 @@ class SumLayout:
              zero_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
         """Per group, the folded value of each page position in ``positions[g]`` (see
         the module docstring); ``arrays``: the copiers' sums (uint64), each triple's
-        ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded."""
+        ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded.
+
+        One gather, one ``mix64`` and one segmented sum over every copier's sums at
+        once, by an index plan cached per set of positions: ~10 numpy calls whatever the
+        copiers and groups (per copier and group, as before, a two-group layout of 10
+        triples took 48-53 us a fold against 27-31 us now, warm, one core; not saved).
+        Right after a copy has swept the caches a fold costs more (~100-150 us measured
+        inside a 6 MiB arena ``complete``)."""
         zeros = tuple(int(z) for z in zero_counts) if zero_counts is not None else (0,) * len(positions)
         pos = [np.asarray(p, np.int64) for p in positions]
         key = (tuple(p.tobytes() for p in pos), zeros)
-        parts = self._folds.get(key)
-        if parts is None:
-            parts = self._fold_parts(pos, zeros)
+        plan = self._folds.get(key)
+        if plan is None:
+            plan = self._fold_plan(pos, zeros)
             if len(self._folds) >= FOLDS_KEPT:
                 self._folds.pop(next(iter(self._folds)))
-            self._folds[key] = parts
-        acc = [np.zeros(len(p), np.uint64) for p in pos]
-        with np.errstate(over="ignore"):
-            for out, copier_parts in zip(arrays, parts):
-                size, groups = copier_parts
-                if len(out) != size:
-                    raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
-                for g, idx, bound, rows in groups:
-                    acc[g] += _mix64(out[idx] ^ bound).reshape(rows, -1).sum(axis=0, dtype=np.uint64)
-        return acc
+            self._folds[key] = plan
+        sizes, gather, bounds, starts, spans = plan
+        if len(arrays) != len(sizes):
+            raise ValueError(f"sums of {len(arrays)} copiers for a layout of {len(sizes)}")
+        for out, size in zip(arrays, sizes):
+            if len(out) != size:
+                raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
+        values = np.zeros(0, np.uint64)
+        if len(gather):
+            with np.errstate(over="ignore"):
+                x = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays))[gather]
+                x ^= bounds
+                values = np.add.reduceat(_mix64(x), starts, dtype=np.uint64)
+        return [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in spans]
 
-    def _fold_parts(self, pos: List[np.ndarray], zeros: Tuple[int, ...]):
-        """Per copier: (blocks of its call, per group: (indices of the folded sums,
-        their seal bounds ``mix64(position * POSITION_MUL)``, triples))."""
+    def _fold_plan(self, pos: List[np.ndarray], zeros: Tuple[int, ...]):
+        """fold()'s index plan: (each copier's number of sums; the indices, into all
+        copiers' sums end to end, of the sums folded, ordered by (group, position);
+        their seal bounds ``mix64(((J << 40) + position) * POSITION_MUL)``; where each
+        (group, position)'s sums start; per group, its values' slice of the sums'
+        result and whether any triple of the group has sums)."""
         reads = np.array([len(p) for p in pos], np.int64)
-        out = []
+        sizes, base = [], 0
+        per_group: List[List[Tuple[np.ndarray, np.ndarray]]] = [[] for _ in pos]  # (indices, J) blocks
         for js, group, by_group in zip(self.numbers, self.groups, self.by_group):
             per = reads[group] + np.asarray(zeros, np.int64)[group]
-            starts = np.cumsum(per) - per
-            parts = []
+            starts = np.cumsum(per) - per + base
             for g, at in by_group:
                 n = int(reads[g])
-                if n:
-                    idx = (starts[at][:, None] + np.arange(n)[None, :]).ravel()
-                    sealed_at = ((js[at][:, None] << POSITION_BITS) + pos[g][None, :]).ravel()
-                    parts.append((g, idx, seal_bounds(sealed_at), len(at)))
-            out.append((int(per.sum()), parts))
-        return out
+                if n:  # [n positions, len(at) triples]
+                    per_group[g].append((starts[at][None, :] + np.arange(n)[:, None], js[at]))
+            size = int(per.sum())
+            sizes.append(size)
+            base += size
+        gather: List[np.ndarray] = []
+        bounds: List[np.ndarray] = []
+        value_starts: List[np.ndarray] = []
+        spans: List[Tuple[int, int, bool]] = []
+        done = gathered = 0
+        for g, blocks in enumerate(per_group):
+            n = int(reads[g])
+            if not blocks:  # no triple of this group: its values are 0
+                spans.append((done, done + n, False))
+                continue
+            idx = np.concatenate([b for b, _ in blocks], axis=1)  # [n, triples of g]
+            js = np.concatenate([j for _, j in blocks])
+            sealed_at = (js[None, :] << POSITION_BITS) + pos[g][:, None]
+            gather.append(idx.ravel())
+            bounds.append(seal_bounds(sealed_at.ravel()))
+            value_starts.append(gathered + idx.shape[1] * np.arange(n, dtype=np.int64))
+            spans.append((done, done + n, True))  # groups with no triple take no slot
+            done += n
+            gathered += idx.size
+        return sizes, _joined(gather, np.int64), _joined(bounds, np.uint64), _joined(value_starts, np.int64), spans
+
+
+def _joined(parts: List[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
 
 def seal_bounds(positions: np.ndarray) -> np.ndarray:
