@@ -96,7 +96,7 @@ class SumLayout:
         One gather, one ``mix64`` and one segmented sum over every copier's sums at
         once, by an index plan cached per set of positions: ~10 numpy calls whatever the
         copiers and groups (per copier and group, as before, a two-group layout of 10
-        triples took 48-53 us a fold against 27-31 us now, warm, one core; not saved).
+        triples took 48-64 us a fold against 23-35 us now, warm, one core; not saved).
         Right after a copy has swept the caches a fold costs more (~100-150 us measured
         inside a 6 MiB arena ``complete``)."""
         zeros = tuple(int(z) for z in zero_counts) if zero_counts is not None else (0,) * len(positions)
