@@ -42,8 +42,8 @@ copied with. The position and layer in the key make the same bytes at another pl
 sum differently. The term costs one 32 x 32 -> 64-bit multiply per 8 bytes: one
 ``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE.U32`` per word on
 NVIDIA GPUs: on one AVX2 core the copy with sums takes 1.0-1.2x the time of the copy
-without below 16 MiB per call, less above, where only the summing loop streams its
-stores (docs/backends.md, "Cost"; GPUs not measured yet). Until 2026-12
+without at 6-64 MiB per call for most presets (up to 1.43x in one noisy run of a
+converting copy; docs/backends.md, "Cost"; GPUs not measured yet). Until 2026-12
 the term was MurmurHash3's 64-bit finalizer (``mix64``: one-to-one, two 64-bit
 multiplies per word; it still binds page sums to requests and positions, :func:`seal`,
 once per page); AVX2 has no 64-bit multiply, and on one Zen 3 core a copy with
