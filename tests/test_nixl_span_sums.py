@@ -16,6 +16,7 @@ from kvcopy.checksum import seal
 from kvcopy.nixl import TransferManager
 from kvcopy.nixl.options import ManagerOptions
 from kvcopy.nixl.pull import Completion
+from kvcopy.nixl import span_sums
 from kvcopy.nixl.record import PageSums, StagedRequest
 from kvcopy.nixl.sum_check import SumCheck, SumStats
 from kvcopy.testing.nixl import fuzz
@@ -359,6 +360,42 @@ def test_fold_is_the_definition(pair, positions, zeros):
         layout.fold(arrays[:-1], pos, zeros)
     with pytest.raises(ValueError, match="sums of"):
         layout.fold([a[:-1] for a in arrays], pos, zeros)
+
+
+def test_compare_names_exactly_the_pages_that_differ(pair):
+    """ScatterCheck.compare: None when every value matches (the one-comparison path and
+    the per-group one alike), else the message naming each differing page and no other."""
+    p, _, _, _, _ = pair("hybrid")
+    cps = p.arena.span_copiers(p.arena.order)
+    layout = p.arena.sums.layout(cps, p.arena.order, p.info.tokens_per_page, "d2h")
+    pos, zeros = [np.array([2, 0], np.int64), np.array([1, 4, 5], np.int64)], [1, 0]
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 2**63, size=sum(len(pos[g]) + zeros[g] for g in grp.tolist()),
+                           dtype=np.int64).view(np.uint64) for grp in layout.groups]
+    expected = layout.fold(arrays, pos, zeros)
+    plan = layout.fold_plan(pos, zeros)
+    local = ((30, 31), (40, 41, 42))
+
+    def check(exp, want):
+        return span_sums.ScatterCheck(layout, tuple(pos), tuple(zeros), tuple(exp), local, plan, want)
+    assert check(expected, span_sums.matching_values(plan, expected)).compare(arrays) is None
+    assert check(expected, None).compare(arrays) is None  # the per-group path agrees
+    off = [e.copy() for e in expected]
+    off[1][2] ^= np.uint64(1)
+    for want in (span_sums.matching_values(plan, off), None):
+        msg = check(off, want).compare(arrays)
+        assert msg is not None and "1 page(s)" in msg and "group 1 page position 5 (local page 42)" in msg
+    with pytest.raises(ValueError):
+        plan.gather[0] = 0  # shared by requests: read-only
+
+
+def test_nothing_matches_where_a_group_without_sums_expects_a_value():
+    """A group with no triple on D folds to zeros: P's nonzero value there cannot match."""
+    plan = span_sums.FoldPlan((2,), np.zeros(2, np.int64), np.zeros(2, np.uint64), np.array([0, 1], np.int64),
+                              ((0, 2, True), (2, 3, False)))
+    zero = [np.array([7, 8], np.uint64), np.zeros(1, np.uint64)]
+    assert list(span_sums.matching_values(plan, zero)) == [7, 8]
+    assert span_sums.matching_values(plan, [zero[0], np.ones(1, np.uint64)]) is None
 
 
 class _SlowReadback:

@@ -85,20 +85,11 @@ class SumLayout:
                 "units": units, "copiers": copiers}
         text = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
         self.fingerprint = hashlib.sha256(text).hexdigest()[:LAYOUT_HEX]
-        self._folds: Dict[tuple, list] = {}  # fold()'s index plans by page positions
+        self._folds: Dict[tuple, FoldPlan] = {}  # fold()'s index plans by page positions
 
-    def fold(self, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
-             zero_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
-        """Per group, the folded value of each page position in ``positions[g]`` (see
-        the module docstring); ``arrays``: the copiers' sums (uint64), each triple's
-        ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded.
-
-        One gather, one ``mix64`` and one segmented sum over every copier's sums at
-        once, by an index plan cached per set of positions: ~10 numpy calls whatever the
-        copiers and groups (per copier and group, as before, a two-group layout of 10
-        triples took 48-64 us a fold against 23-35 us now, warm, one core; not saved).
-        Right after a copy has swept the caches a fold costs more (~100-150 us measured
-        inside a 6 MiB arena ``complete``)."""
+    def fold_plan(self, positions: Sequence[np.ndarray], zero_counts: Optional[Sequence[int]] = None) -> "FoldPlan":
+        """:meth:`fold`'s index plan for these page positions (cached: one per distinct
+        set of positions, :data:`FOLDS_KEPT` kept)."""
         zeros = tuple(int(z) for z in zero_counts) if zero_counts is not None else (0,) * len(positions)
         pos = [np.asarray(p, np.int64) for p in positions]
         key = (tuple(p.tobytes() for p in pos), zeros)
@@ -108,21 +99,18 @@ class SumLayout:
             if len(self._folds) >= FOLDS_KEPT:
                 self._folds.pop(next(iter(self._folds)))
             self._folds[key] = plan
-        sizes, gather, bounds, starts, spans = plan
-        if len(arrays) != len(sizes):
-            raise ValueError(f"sums of {len(arrays)} copiers for a layout of {len(sizes)}")
-        for out, size in zip(arrays, sizes):
-            if len(out) != size:
-                raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
-        values = np.zeros(0, np.uint64)
-        if len(gather):
-            with np.errstate(over="ignore"):
-                x = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays))[gather]
-                x ^= bounds
-                values = np.add.reduceat(_mix64(x), starts, dtype=np.uint64)
-        return [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in spans]
+        return plan
 
-    def _fold_plan(self, pos: List[np.ndarray], zeros: Tuple[int, ...]):
+    def fold(self, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
+             zero_counts: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+        """Per group, the folded value of each page position in ``positions[g]`` (see
+        the module docstring); ``arrays``: the copiers' sums (uint64), each triple's
+        ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded."""
+        plan = self.fold_plan(positions, zero_counts)
+        values = plan.values(arrays)
+        return [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in plan.spans]
+
+    def _fold_plan(self, pos: List[np.ndarray], zeros: Tuple[int, ...]) -> "FoldPlan":
         """fold()'s index plan: (each copier's number of sums; the indices, into all
         copiers' sums end to end, of the sums folded, ordered by (group, position);
         their seal bounds ``mix64(((J << 40) + position) * POSITION_MUL)``; where each
@@ -160,7 +148,40 @@ class SumLayout:
             spans.append((done, done + n, True))  # groups with no triple take no slot
             done += n
             gathered += idx.size
-        return sizes, _joined(gather, np.int64), _joined(bounds, np.uint64), _joined(value_starts, np.int64), spans
+        return FoldPlan(tuple(sizes), _read_only(_joined(gather, np.int64)), _read_only(_joined(bounds, np.uint64)),
+                        _read_only(_joined(value_starts, np.int64)), tuple(spans))
+
+
+class FoldPlan(NamedTuple):
+    """How :meth:`SumLayout.fold` folds the sums of one set of page positions (arrays
+    read-only in use: made once, shared by every request with those positions)."""
+
+    sizes: Tuple[int, ...]  # each copier's number of sums
+    gather: np.ndarray  # indices, into all copiers' sums end to end, ordered by (group, position)
+    bounds: np.ndarray  # their seal bounds mix64(((J << 40) + position) * POSITION_MUL)
+    starts: np.ndarray  # where each (group, position)'s sums start in the gathered ones
+    spans: Tuple[Tuple[int, int, bool], ...]  # per group: its slice of the values, and whether it has sums
+
+    def values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """The folded values of the groups with sums, end to end (group, then position).
+
+        One gather, one ``mix64`` and one segmented sum over every copier's sums at
+        once: ~10 numpy calls whatever the copiers and groups (per copier and group, as
+        before, a two-group layout of 10 triples took 48-64 us a fold against 23-35 us
+        now, warm, one core; not saved). Right after a copy has swept the caches the
+        same calls cost 3-5x more (18 us warm against 57-78 us after a 24 MiB sweep,
+        ``seeds2`` one group, 192 sums; not saved). Integer arrays wrap silently in
+        numpy (no overflow check, unlike its scalars), so no ``errstate`` is needed."""
+        if len(arrays) != len(self.sizes):
+            raise ValueError(f"sums of {len(arrays)} copiers for a layout of {len(self.sizes)}")
+        for out, size in zip(arrays, self.sizes):
+            if len(out) != size:
+                raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
+        if not len(self.gather):
+            return np.zeros(0, np.uint64)
+        x = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays))[self.gather]
+        x ^= self.bounds
+        return np.add.reduceat(_mix64(x), self.starts, dtype=np.uint64)
 
 
 def _joined(parts: List[np.ndarray], dtype) -> np.ndarray:
@@ -175,8 +196,7 @@ def seal_bounds(positions: np.ndarray) -> np.ndarray:
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
-    """:func:`kvcopy.checksum.mix64` in place on a fresh uint64 array (overflow wraps;
-    the caller holds ``np.errstate``)."""
+    """:func:`kvcopy.checksum.mix64` in place on a fresh uint64 array (overflow wraps)."""
     x ^= x >> np.uint64(33)
     x *= np.uint64(MIX1)
     x ^= x >> np.uint64(33)
@@ -238,9 +258,19 @@ class ScatterCheck(NamedTuple):
     zero_counts: Tuple[int, ...]  # per group: the pages the scatter zeroes after them
     expected: Tuple[np.ndarray, ...]  # per group: P's value at each of those positions
     local_pages: Tuple[Tuple[int, ...], ...]  # per group: D's page for each (to name it)
+    plan: FoldPlan  # the layout's fold plan for these positions
+    want: Optional[np.ndarray]  # plan.values() of a match, or None where no fold can match
 
     def compare(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
-        got = self.layout.fold(arrays, self.positions, self.zero_counts)
+        """None if every page D read sums as P's did, else the message naming those
+        that differ. A match is one fold and one comparison of the flat values: this
+        runs right after the scatter swept the caches, where every Python step costs
+        (the per-group fold and comparison it replaced took 100-150 us there, against
+        18 us warm, in a 6 MiB ``complete``; not saved)."""
+        values = self.plan.values(arrays)
+        if self.want is not None and bool((values == self.want).all()):
+            return None
+        got = [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in self.plan.spans]
         bad = [(g, int(self.positions[g][i]), self.local_pages[g][i])
                for g in range(len(got)) for i in np.flatnonzero(got[g] != self.expected[g]).tolist()]
         return mismatch_message(bad) if bad else None
@@ -284,8 +314,25 @@ def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
         e.setflags(write=False)
         pos.setflags(write=False)
         expected.append((pos, e))
+    plan = layout.fold_plan([p for p, _ in expected], zero_counts)
     return ScatterCheck(layout, tuple(p for p, _ in expected), tuple(int(z) for z in zero_counts),
-                        tuple(e for _, e in expected), tuple(tuple(p) for p in local_pages)), None
+                        tuple(e for _, e in expected), tuple(tuple(p) for p in local_pages), plan,
+                        matching_values(plan, [e for _, e in expected])), None
+
+
+def matching_values(plan: FoldPlan, expected: Sequence[np.ndarray]) -> Optional[np.ndarray]:
+    """What ``plan.values()`` gives when every page matches ``expected`` (per group),
+    read-only; None when nothing can match: a group with no triple on D folds to zeros,
+    so P's values there must be zero too."""
+    if any(e.any() for e, (_, _, summed) in zip(expected, plan.spans) if not summed):
+        return None
+    return _read_only(np.concatenate([np.zeros(0, np.uint64)] +
+                                     [e for e, (_, _, summed) in zip(expected, plan.spans) if summed]))
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
 
 
 # ---------------------------------------------------------------- one arena's sums
