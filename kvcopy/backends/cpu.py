@@ -147,5 +147,7 @@ class CpuBackend(Backend):
         _, entries, offsets, group_entries, groups, simd, stream, threads = self.state(tables)
         rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
                         out.data_ptr(), out.numel(), simd, stream)
+        if rc == 2:  # nothing written
+            raise MemoryError(f"kvcopy_cpu_copy_sums: no memory for its threads' rows of {out.numel()} sums")
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy_sums failed with code {rc}")
