@@ -243,6 +243,11 @@ LOOPS = [
     pytest.param({"KVCOPY_CPU_STREAM_BYTES": "1"}, id="streaming-stores"),
     pytest.param({"KVCOPY_CPU_SIMD": "avx2"}, id="avx2", marks=needs_avx2),
     pytest.param({"KVCOPY_CPU_SIMD": "avx2", "KVCOPY_CPU_STREAM_BYTES": "1"}, id="avx2-streaming", marks=needs_avx2),
+    # runs copied piece by piece by memcpy and hashed after (every run of 192 bytes and
+    # more: pieces of 192-255 bytes, a multiple of 64 but the last), and never
+    pytest.param({"KVCOPY_CPU_SUM_PIECE_BYTES": "192"}, id="pieces"),
+    pytest.param({"KVCOPY_CPU_SIMD": "avx2", "KVCOPY_CPU_SUM_PIECE_BYTES": "192"}, id="avx2-pieces", marks=needs_avx2),
+    pytest.param({"KVCOPY_CPU_SUM_PIECE_BYTES": "0"}, id="fused"),
 ]
 
 
@@ -281,6 +286,16 @@ def test_cpu_avx2_setting_on_a_cpu_without_it_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="this CPU has no AVX2"):
         cpu._simd(0)
     assert cpu._simd(1) == 2
+
+
+@needs_lib
+@pytest.mark.parametrize("value", ["100", "-64", "16k"])
+def test_cpu_piece_setting_is_checked(value, monkeypatch):
+    """KVCOPY_CPU_SUM_PIECE_BYTES must be 0 or a positive multiple of 64 (pieces keep
+    hash words whole): anything else is refused at prepare."""
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", value)
+    with pytest.raises(ValueError, match="KVCOPY_CPU_SUM_PIECE_BYTES must be"):
+        check_sums("cpu", QUICK[0], "d2h")
 
 
 @needs_lib

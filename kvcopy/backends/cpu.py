@@ -89,6 +89,27 @@ def _stream_min_bytes() -> int:
         raise ValueError(f"KVCOPY_CPU_STREAM_BYTES must be an integer, got {text!r}") from None
 
 
+PIECE_BYTES_DEFAULT = 16 << 10
+
+
+def _piece_bytes() -> int:
+    """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold,
+    the vector loops copy runs of at least this many bytes piece by piece with memcpy,
+    hashing each piece from L1 right after (default 16 KiB; ``0``: never, every run
+    through the fused loop; else a multiple of 64). memcpy's string moves write lines
+    without reading them first, which vector stores cannot: on a Xeon with AVX-512 (one
+    thread, ``cpu+sum`` / ``cpu``) the fused loop cost 1.10-1.13x at ``seeds2`` 6 MiB
+    and 1.32-1.49x at ``mla`` 15 MiB, the pieced one 1.05-1.08x and 1.07-1.08x (README)."""
+    text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
+    try:
+        value = int(text) if text else PIECE_BYTES_DEFAULT
+    except ValueError:
+        value = -1
+    if value < 0 or value % 64:
+        raise ValueError(f"KVCOPY_CPU_SUM_PIECE_BYTES must be 0 or a positive multiple of 64, got {text!r}")
+    return value
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -107,7 +128,7 @@ class CpuBackend(Backend):
             self._sums = lib.kvcopy_cpu_copy_sums
             self._sums.restype = ctypes.c_int
             self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                                       ctypes.c_int64]
+                                                                       ctypes.c_int64, ctypes.c_int64]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -131,11 +152,12 @@ class CpuBackend(Backend):
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
-            _ptr(tables.group_entries), tables.num_groups, _simd(self._loops), _stream_min_bytes(), _threads(),
+            _ptr(tables.group_entries), tables.num_groups, _simd(self._loops), _stream_min_bytes(), _piece_bytes(),
+            _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        copy, entries, offsets, group_entries, groups, _, stream, threads = self.state(tables)
+        copy, entries, offsets, group_entries, groups, _, stream, _, threads = self.state(tables)
         rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads, stream)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
@@ -144,9 +166,9 @@ class CpuBackend(Backend):
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
-        _, entries, offsets, group_entries, groups, simd, stream, threads = self.state(tables)
+        _, entries, offsets, group_entries, groups, simd, stream, piece, threads = self.state(tables)
         rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                        out.data_ptr(), out.numel(), simd, stream)
+                        out.data_ptr(), out.numel(), simd, stream, piece)
         if rc == 2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums: no memory for its threads' rows of {out.numel()} sums")
         if rc != 0:
