@@ -10,9 +10,11 @@
 // by a loop that hashes the words it holds in registers on their way to the
 // destination: 128 bytes per step with AVX-512 F, else 64 with AVX2 (one vpmuludq per
 // vector of words: product_term's 32 x 32-bit multiply), else 16 bytes per step in
-// scalar code. Each page's sum is added to its slot once per
-// (item, block), in a row of slots of the thread's own (threads share slots: the layers
-// of a group), the rows summed at the end of the call.
+// scalar code; in calls below the streaming threshold a vector loop given piece_bytes
+// (the AVX-512 loop, by default) copies runs that long with memcpy, piece by piece,
+// each piece hashed from L1 right after (for_each_piece). Each page's sum is added to
+// its slot once per (item, block), in a row of slots of the thread's own (threads share
+// slots: the layers of a group), the rows summed at the end of the call.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -233,12 +235,14 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
 
 // A run of rb bytes (rb >= piece > 0, piece a multiple of 64) cut into rb / piece
 // pieces of equal length rounded up to 64 bytes (the last the rest): fn(offset, bytes)
-// in order. Below the streaming
-// threshold the vector loops copy a run this long piece by piece with memcpy and hash
-// each piece right after, from L1, where memcpy's loads left it: the bytes still come
-// from memory once, and memcpy's string moves write lines without reading them first,
-// which the loops' vector stores cannot (fused, 6-15 MiB calls of 32-72 KiB pages on a
-// Xeon with AVX-512 cost 1.10-1.49x the plain copy; pieced, 1.04-1.08x: README).
+// in order. Below the streaming threshold a vector loop given piece_bytes copies a run
+// this long piece by piece with memcpy and hashes each piece right after, from L1,
+// where memcpy's loads left it: the bytes still come from memory once, and memcpy's
+// string moves write lines without reading them first, which vector stores cannot.
+// The hash then no longer overlaps the copy: on a Xeon the AVX-512 loop gained
+// (seeds2 6 MiB 1.14-1.22x -> 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.35x ->
+// 1.06-1.12x), the AVX2 loop lost at 6 MiB (1.13-1.45x -> 1.34-1.35x), so Python
+// passes 16 KiB for the first and 0 for the second (kvcopy/backends/cpu.py).
 template <class Fn>
 inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {
   const int64_t count = rb / piece;

@@ -298,6 +298,19 @@ def test_cpu_piece_setting_is_checked(value, monkeypatch):
         check_sums("cpu", QUICK[0], "d2h")
 
 
+def test_cpu_pieces_default_to_the_avx512_loop(monkeypatch):
+    """Runs are pieced by default only in the AVX-512 loop (where it measured faster);
+    KVCOPY_CPU_SUM_PIECE_BYTES sets it for every vector loop."""
+    from kvcopy.backends.cpu import PIECE_BYTES_DEFAULT, _piece_bytes
+
+    monkeypatch.delenv("KVCOPY_CPU_SUM_PIECE_BYTES", raising=False)
+    assert [_piece_bytes(loop) for loop in (0, 1, 2)] == [0, 0, PIECE_BYTES_DEFAULT]
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "4096")
+    assert [_piece_bytes(loop) for loop in (0, 1, 2)] == [4096] * 3
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "0")
+    assert _piece_bytes(2) == 0
+
+
 @needs_lib
 def test_cpu_simd_setting_is_checked(monkeypatch):
     """A KVCOPY_CPU_SIMD the backend does not know is refused when a copier direction

@@ -13,7 +13,10 @@ With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums`
 loop hashes each word between its load and its store: AVX-512 F where the CPU has it,
 else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's one
-32 x 32-bit multiply per word. On one core of an AMD EPYC Zen 3 (AVX2) the copy with
+32 x 32-bit multiply per word. In calls below the streaming threshold the AVX-512 loop
+copies runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instead,
+piece by piece, and hashes each piece from L1 right after (:func:`_piece_bytes`).
+On one core of an AMD EPYC Zen 3 (AVX2) the copy with
 sums takes 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x (medians of the
 saved runs; see docs/backends.md, "Cost").
 
@@ -90,19 +93,24 @@ def _stream_min_bytes() -> int:
 
 
 PIECE_BYTES_DEFAULT = 16 << 10
+_AVX512_LOOP = 2  # kvcopy_cpu_sums_loop's number for the AVX-512 loop
 
 
-def _piece_bytes() -> int:
+def _piece_bytes(loop: int) -> int:
     """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold,
     the vector loops copy runs of at least this many bytes piece by piece with memcpy,
-    hashing each piece from L1 right after (default 16 KiB; ``0``: never, every run
-    through the fused loop; else a multiple of 64). memcpy's string moves write lines
-    without reading them first, which vector stores cannot: on a Xeon with AVX-512 (one
-    thread, ``cpu+sum`` / ``cpu``) the fused loop cost 1.10-1.13x at ``seeds2`` 6 MiB
-    and 1.32-1.49x at ``mla`` 15 MiB, the pieced one 1.05-1.08x and 1.07-1.08x (README)."""
+    hashing each piece from L1 right after (``0``: never, every run through the fused
+    loop; else a multiple of 64). Default: 16 KiB for the AVX-512 loop, 0 for the AVX2
+    one. memcpy's string moves write lines without reading them first, which vector
+    stores cannot; the hash then runs apart from the copy, which AVX-512 affords and
+    AVX2 not everywhere. On a Xeon with AVX-512 (one thread, ``cpu+sum`` / ``cpu``,
+    two runs each, ``bench/results/cpu-xeon-*.json``): AVX-512 loop fused 1.14-1.22x at
+    ``seeds2`` 6 MiB, 1.37-1.52x at 12 MiB, 1.09-1.35x at ``mla`` 15 MiB; pieced
+    1.06-1.11x, 1.09-1.23x, 1.06-1.12x. AVX2 loop fused 1.13-1.45x, 1.21-1.55x,
+    1.20-1.32x; pieced 1.34-1.35x, 1.16-1.33x, 1.12-1.16x."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
-        value = int(text) if text else PIECE_BYTES_DEFAULT
+        value = int(text) if text else (PIECE_BYTES_DEFAULT if loop == _AVX512_LOOP else 0)
     except ValueError:
         value = -1
     if value < 0 or value % 64:
@@ -149,11 +157,12 @@ class CpuBackend(Backend):
     def prepare(self, tables: CopyTables) -> None:
         if self._lib is None:
             raise ValueError(f"backend 'cpu' is not available: {self._why}")
+        simd = _simd(self._loops)
         # The addresses of the static arrays, resolved once; the arrays live in tables.
         tables.backend_state["cpu"] = (
             self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
-            _ptr(tables.group_entries), tables.num_groups, _simd(self._loops), _stream_min_bytes(), _piece_bytes(),
-            _threads(),
+            _ptr(tables.group_entries), tables.num_groups, simd, _stream_min_bytes(),
+            _piece_bytes(self._lib.kvcopy_cpu_sums_loop(simd)), _threads(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:

@@ -302,6 +302,8 @@ def env_info(device: str) -> dict:
         "cupy": _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy"),
         "nixl": _version("nixl-cu12") or _version("nixl-cu13") or _version("nixl"),
         "device": device,
+        # the knobs the run was made with (KVCOPY_CPU_SIMD, KVCOPY_CPU_SUM_PIECE_BYTES, ...)
+        "kvcopy_settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVCOPY_")},
     }
     if device != "cpu":
         props = torch.cuda.get_device_properties(torch.device(device))
