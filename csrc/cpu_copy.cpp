@@ -240,8 +240,8 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
 // where memcpy's loads left it: the bytes still come from memory once, and memcpy's
 // string moves write lines without reading them first, which vector stores cannot.
 // The hash then no longer overlaps the copy: on a Xeon the AVX-512 loop gained
-// (seeds2 6 MiB 1.14-1.22x -> 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.35x ->
-// 1.06-1.12x), the AVX2 loop lost at 6 MiB (1.13-1.45x -> 1.34-1.35x), so Python
+// (seeds2 6 MiB 1.14-1.22x -> 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.39x ->
+// 1.06-1.12x), the AVX2 loop not at 6 MiB (1.13-1.45x -> 1.21-1.35x), so Python
 // passes 16 KiB for the first and 0 for the second (kvcopy/backends/cpu.py).
 template <class Fn>
 inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {

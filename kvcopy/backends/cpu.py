@@ -104,10 +104,12 @@ def _piece_bytes(loop: int) -> int:
     one. memcpy's string moves write lines without reading them first, which vector
     stores cannot; the hash then runs apart from the copy, which AVX-512 affords and
     AVX2 not everywhere. On a Xeon with AVX-512 (one thread, ``cpu+sum`` / ``cpu``,
-    two runs each, ``bench/results/cpu-xeon-*.json``): AVX-512 loop fused 1.14-1.22x at
-    ``seeds2`` 6 MiB, 1.37-1.52x at 12 MiB, 1.09-1.35x at ``mla`` 15 MiB; pieced
-    1.06-1.11x, 1.09-1.23x, 1.06-1.12x. AVX2 loop fused 1.13-1.45x, 1.21-1.55x,
-    1.20-1.32x; pieced 1.34-1.35x, 1.16-1.33x, 1.12-1.16x."""
+    three runs each, ``bench/results/cpu-xeon-*.json``): AVX-512 loop fused 1.14-1.22x
+    at ``seeds2`` 6 MiB, 1.37-1.52x at 12 MiB, 1.09-1.39x at ``mla`` 15 MiB; pieced
+    1.06-1.11x, 1.02-1.23x, 1.06-1.12x. AVX2 loop fused 1.13-1.45x, 1.21-1.55x,
+    1.20-1.32x; pieced 1.21-1.35x, 1.10-1.33x, 1.12-1.20x: no better at 6 MiB, so not
+    the default there (the fused AVX2 loop was within 3% of memcpy at 6 MiB on an AMD
+    EPYC, hand-built, not saved)."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
         value = int(text) if text else (PIECE_BYTES_DEFAULT if loop == _AVX512_LOOP else 0)
