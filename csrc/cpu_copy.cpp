@@ -12,7 +12,7 @@
 // vector of words: product_term's 32 x 32-bit multiply), else 16 bytes per step in
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
 // (the AVX-512 loop, by default) copies runs that long with memcpy, piece by piece,
-// each piece hashed from L1 right after (for_each_piece). Each page's sum is added to
+// each piece hashed right after where it landed (for_each_piece). Each page's sum is added to
 // its slot once per (item, block), in a row of slots of the thread's own (threads share
 // slots: the layers of a group), the rows summed at the end of the call.
 #include <stdint.h>
@@ -233,20 +233,24 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
   return a0 + a1;
 }
 
-// A run of rb bytes (rb >= piece > 0, piece a multiple of 64) cut into rb / piece
-// pieces of equal length rounded up to 64 bytes (the last the rest): fn(offset, bytes)
-// in order. Below the streaming threshold a vector loop given piece_bytes copies a run
-// this long piece by piece with memcpy and hashes each piece right after, from L1,
-// where memcpy's loads left it: the bytes still come from memory once, and memcpy's
-// string moves write lines without reading them first, which vector stores cannot.
-// The hash then no longer overlaps the copy: on a Xeon the AVX-512 loop gained
-// (seeds2 6 MiB 1.14-1.22x -> 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.39x ->
-// 1.06-1.12x), the AVX2 loop not at 6 MiB (1.13-1.45x -> 1.21-1.35x), so Python
-// passes 16 KiB for the first and 0 for the second (kvcopy/backends/cpu.py).
+// A run of rb bytes (rb >= piece > 0, piece a multiple of 64) cut into pieces of at
+// most `piece` bytes, as equal as 64-byte multiples allow (the last the rest):
+// fn(offset, bytes) in order. Below the streaming threshold a vector loop given
+// piece_bytes copies a run this long piece by piece with memcpy and hashes each piece
+// right after where it landed, still in cache: the bytes come from memory once, and
+// memcpy's string moves write lines without reading them first, which vector stores
+// cannot. The destination, not the source: the sum is of what the copy wrote, as the
+// fused loop's is of the registers it stores, so a source rewritten in between (a late
+// READ into D's span) cannot let stale bytes in the KV pass; re-reading the source
+// instead was no faster (Xeon, three presets, two runs; not saved). The hash no longer
+// overlaps the copy: on a Xeon the AVX-512 loop gained (seeds2 6 MiB 1.14-1.22x ->
+// 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.39x -> 1.06-1.12x), the AVX2 loop not
+// at 6 MiB (1.13-1.45x -> 1.21-1.35x), so Python passes 16 KiB for the first and 0 for
+// the second (kvcopy/backends/cpu.py).
 template <class Fn>
 inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {
-  const int64_t count = rb / piece;
-  const int64_t each = ((rb + count - 1) / count + 63) & ~(int64_t)63;
+  const int64_t count = (rb + piece - 1) / piece;
+  const int64_t each = ((rb + count - 1) / count + 63) & ~(int64_t)63;  // <= piece
   for (int64_t o = 0; o < rb; o += each) fn(o, rb - o < each ? rb - o : each);
 }
 
@@ -338,7 +342,7 @@ uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b, uint64_t base, int6
     for_each_piece(rb, piece, [&](int64_t o, int64_t n) {
       memcpy(d + o, s + o, static_cast<size_t>(n));
       rest +=
-          run_avx512<false, false>(s + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, a0, a1);
+          run_avx512<false, false>(d + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, a0, a1);
     });
   });
   if (kStream) _mm_sfence();  // the streamed lines ordered before anything that follows
@@ -413,7 +417,7 @@ uint64_t copy_page_avx2(const kvcopy::Item& it, int64_t b, uint64_t base, int64_
     }
     for_each_piece(rb, piece, [&](int64_t o, int64_t n) {
       memcpy(d + o, s + o, static_cast<size_t>(n));
-      rest += run_avx2<false, false>(s + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, a0, a1);
+      rest += run_avx2<false, false>(d + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, a0, a1);
     });
   });
   if (kStream) _mm_sfence();
@@ -660,26 +664,22 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
   const PageCopy copy_page = page_copy(simd, stream);
 #ifdef _OPENMP
-  if (total_bytes >= kParallelMinBytes && items > 1) {
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  if (total_bytes >= kParallelMinBytes && items > 1 && threads > 1 && num_sums > 0) {
     // Threads share slots (the layers of a group), so each adds into its own row of
-    // `rows`, summed into `sums` once every item is copied: no locked add per page.
-    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    // `rows`, summed into `sums` by this thread once every item is copied (one team,
+    // one barrier, as the plain copy): no locked add per page.
     uint64_t* rows = static_cast<uint64_t*>(calloc((size_t)threads * (size_t)num_sums, 8));
     if (rows == nullptr) return 2;  // before any byte is written
-#pragma omp parallel num_threads(threads)
-    {
-      uint64_t* mine = rows + (int64_t)omp_get_thread_num() * num_sums;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < items; ++i) {
-        copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries),
-                       copy_page, piece_bytes, mine);
-      }
-#pragma omp for schedule(static)
-      for (int64_t j = 0; j < num_sums; ++j) {
-        uint64_t sum = 0;
-        for (int t = 0; t < threads; ++t) sum += rows[(int64_t)t * num_sums + j];
-        sums[j] = sum;
-      }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < items; ++i) {
+      copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy_page,
+                     piece_bytes, rows + (int64_t)omp_get_thread_num() * num_sums);
+    }
+    for (int64_t j = 0; j < num_sums; ++j) {
+      uint64_t sum = 0;
+      for (int t = 0; t < threads; ++t) sum += rows[(int64_t)t * num_sums + j];
+      sums[j] = sum;
     }
     free(rows);
     return 0;

@@ -244,7 +244,7 @@ LOOPS = [
     pytest.param({"KVCOPY_CPU_SIMD": "avx2"}, id="avx2", marks=needs_avx2),
     pytest.param({"KVCOPY_CPU_SIMD": "avx2", "KVCOPY_CPU_STREAM_BYTES": "1"}, id="avx2-streaming", marks=needs_avx2),
     # runs copied piece by piece by memcpy and hashed after (every run of 192 bytes and
-    # more: pieces of 192-255 bytes, a multiple of 64 but the last), and never
+    # more: pieces of at most 192 bytes, multiples of 64 but the last), and never
     pytest.param({"KVCOPY_CPU_SUM_PIECE_BYTES": "192"}, id="pieces"),
     pytest.param({"KVCOPY_CPU_SIMD": "avx2", "KVCOPY_CPU_SUM_PIECE_BYTES": "192"}, id="avx2-pieces", marks=needs_avx2),
     pytest.param({"KVCOPY_CPU_SUM_PIECE_BYTES": "0"}, id="fused"),
@@ -326,16 +326,44 @@ def test_cpu_simd_setting_is_checked(monkeypatch):
     # merged items of two runs per page (K and V halves), walked page by page
     CopyCase(layout="kv_first", num_groups=1, num_blocks=16, ids="all", block_size=64, num_heads=8, head_size=128),
 ], ids=["nhd", "kv_first-merged"])
-def test_cpu_threads_add_shared_slots(monkeypatch, case):
+@pytest.mark.parametrize("pieces", ["0", "1024"])
+def test_cpu_threads_add_shared_slots(monkeypatch, case, pieces):
     """Above 1 MiB the items of one call run on OpenMP threads, several layers of a
-    group adding into one block's slot at once."""
+    group adding into one block's slot at once (each thread into a row of its own),
+    runs hashed as they are stored or piece by piece after memcpy."""
     monkeypatch.setenv("KVCOPY_CPU_THREADS", "2")
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", pieces)
     check = prepare_check("cpu", case, "d2h")
     call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
     check.copier.close()
     assert call.total_bytes >= 1 << 20 and call.num_items > 1  # what takes the OpenMP path
     for direction in DIRECTIONS:
         check_sums("cpu", case, direction)
+
+
+@needs_lib
+def test_cpu_sums_without_rows_write_nothing(monkeypatch):
+    """The threads' sums rows are allocated before any byte moves: a call that cannot
+    have them (a sums count too large to allocate) returns 2, destination untouched."""
+    from kvcopy.backends import get_backend
+
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", "2")
+    case = CopyCase(num_groups=2, layers_per_group=4, num_blocks=64, ids="all", block_size=16, num_heads=8,
+                    head_size=128)
+    check = prepare_check("cpu", case, "d2h")
+    call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
+    tables = check.copier.tables("d2h")
+    backend = get_backend("cpu")
+    _, entries, offsets, group_entries, groups, simd, stream, piece, threads = backend.state(tables)
+    assert call.total_bytes >= 1 << 20 and call.num_items > 1 and threads == 2  # the threaded path
+    before = {n: t.clone() for n, t in check.got[1].items()}
+    out = torch.zeros(8, dtype=torch.int64)
+    rc = backend._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
+                       out.data_ptr(), 1 << 61, simd, stream, piece)
+    assert rc == 2
+    assert all(torch.equal(t, before[n]) for n, t in check.got[1].items())
+    assert not out.any()
+    check.copier.close()
 
 
 @needs_lib

@@ -15,7 +15,8 @@ else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the sca
 loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's one
 32 x 32-bit multiply per word. In calls below the streaming threshold the AVX-512 loop
 copies runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instead,
-piece by piece, and hashes each piece from L1 right after (:func:`_piece_bytes`).
+piece by piece, and hashes each piece right after in the destination, still in cache
+(:func:`_piece_bytes`).
 On one core of an AMD EPYC Zen 3 (AVX2) the copy with
 sums takes 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x (medians of the
 saved runs; see docs/backends.md, "Cost").
@@ -99,7 +100,7 @@ _AVX512_LOOP = 2  # kvcopy_cpu_sums_loop's number for the AVX-512 loop
 def _piece_bytes(loop: int) -> int:
     """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold,
     the vector loops copy runs of at least this many bytes piece by piece with memcpy,
-    hashing each piece from L1 right after (``0``: never, every run through the fused
+    hashing each piece right after where it landed (``0``: never, every run through the fused
     loop; else a multiple of 64). Default: 16 KiB for the AVX-512 loop, 0 for the AVX2
     one. memcpy's string moves write lines without reading them first, which vector
     stores cannot; the hash then runs apart from the copy, which AVX-512 affords and

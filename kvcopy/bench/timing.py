@@ -281,6 +281,12 @@ def _cpu_model() -> Optional[str]:
     return f"{model} ({', '.join(simd) or 'no AVX2'})" if model else None
 
 
+# The environment variables that change what a copy does or how fast (recorded by env_info).
+SETTINGS = ("KVCOPY_BACKENDS", "KVCOPY_CPU_SIMD", "KVCOPY_CPU_STREAM_BYTES", "KVCOPY_CPU_SUM_PIECE_BYTES",
+            "KVCOPY_CPU_THREADS", "KVCOPY_MAX_CTAS", "KVCOPY_CTAS_PER_SM", "KVCOPY_MIN_BYTES_PER_WARP",
+            "KVCOPY_CUDA_NVRTC", "KVCOPY_CE_MODE", "KVCOPY_CE_HOST_ANY", "KVCOPY_CALIBRATION", "KVCOPY_LIB_DIR")
+
+
 def env_info(device: str) -> dict:
     """What a result needs to be read later: machine, versions, commit, date."""
     from .. import __version__
@@ -302,8 +308,9 @@ def env_info(device: str) -> dict:
         "cupy": _version("cupy-cuda13x") or _version("cupy-cuda12x") or _version("cupy"),
         "nixl": _version("nixl-cu12") or _version("nixl-cu13") or _version("nixl"),
         "device": device,
-        # the knobs the run was made with (KVCOPY_CPU_SIMD, KVCOPY_CPU_SUM_PIECE_BYTES, ...)
-        "kvcopy_settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVCOPY_")},
+        # the knobs the run was made with: named ones only (a key's variable, which the
+        # user names, must never reach a result file)
+        "kvcopy_settings": {k: os.environ[k] for k in SETTINGS if k in os.environ},
     }
     if device != "cpu":
         props = torch.cuda.get_device_properties(torch.device(device))
