@@ -669,16 +669,19 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
     // Threads share slots (the layers of a group), so each adds into its own row of
     // `rows`, summed into `sums` by this thread once every item is copied (one team,
     // one barrier, as the plain copy): no locked add per page.
-    uint64_t* rows = static_cast<uint64_t*>(calloc((size_t)threads * (size_t)num_sums, 8));
+    // 128 bytes at least between one row's end and the next row's start: rows sharing
+    // a line would have two threads adding page sums pass it back and forth.
+    const int64_t stride = ((num_sums + 15) & ~(int64_t)15) + 16;
+    uint64_t* rows = static_cast<uint64_t*>(calloc((size_t)threads * (size_t)stride, 8));
     if (rows == nullptr) return 2;  // before any byte is written
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; ++i) {
       copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy_page,
-                     piece_bytes, rows + (int64_t)omp_get_thread_num() * num_sums);
+                     piece_bytes, rows + (int64_t)omp_get_thread_num() * stride);
     }
     for (int64_t j = 0; j < num_sums; ++j) {
       uint64_t sum = 0;
-      for (int t = 0; t < threads; ++t) sum += rows[(int64_t)t * num_sums + j];
+      for (int t = 0; t < threads; ++t) sum += rows[(int64_t)t * stride + j];
       sums[j] = sum;
     }
     free(rows);
