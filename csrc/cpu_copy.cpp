@@ -652,9 +652,11 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 
 // kvcopy_cpu_copy with checksums: sums[num_sums] (one per block of the call, in call
 // order; zeroed here first) receive each page's checksum (kernels/page_checksum.cuh).
-// Returns 2, having written nothing, if the threads' rows cannot be allocated.
 // simd = 0 keeps to the scalar loop, 2 to the AVX2 loop (the tests compare them all);
-// calls of at least stream_min_bytes (> 0) store with non-temporal stores.
+// calls of at least stream_min_bytes (> 0) store with non-temporal stores; in the
+// others a vector loop copies runs of at least piece_bytes (> 0, a multiple of 64) with
+// memcpy, piece by piece, each piece hashed after (for_each_piece); 0: never.
+// Returns 2, having written nothing, if the threads' rows cannot be allocated.
 int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
                          int64_t total_bytes, int num_threads, uint64_t* sums, int64_t num_sums,
