@@ -254,6 +254,19 @@ inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {
   for (int64_t o = 0; o < rb; o += each) fn(o, rb - o < each ? rb - o : each);
 }
 
+// One run, pieced: each piece memcpy'd, then hash(where it landed, bytes, key of its
+// first word), the terms' sum returned. For both vector loops (hash: theirs, no stores).
+template <class Hash>
+inline uint64_t copy_then_hash(const unsigned char* s, unsigned char* d, int64_t rb, int64_t piece,
+                               uint64_t key, Hash&& hash) {
+  uint64_t sum = 0;
+  for_each_piece(rb, piece, [&](int64_t o, int64_t n) {
+    memcpy(d + o, s + o, static_cast<size_t>(n));
+    sum += hash(d + o, n, key + (uint64_t)(o / 8) * kWordStep);
+  });
+  return sum;
+}
+
 #if defined(KVCOPY_X86_LOOPS)
 // Source lines are prefetched this far ahead of the loads: the hash's multiplies keep
 // fewer loads in flight than memcpy's string moves, and calls beyond the caches paid
@@ -339,10 +352,8 @@ uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b, uint64_t base, int6
       rest += run_avx512<kStream>(s, d, rb, key, a0, a1);
       return;
     }
-    for_each_piece(rb, piece, [&](int64_t o, int64_t n) {
-      memcpy(d + o, s + o, static_cast<size_t>(n));
-      rest +=
-          run_avx512<false, false>(d + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, a0, a1);
+    rest += copy_then_hash(s, d, rb, piece, key, [&](unsigned char* p, int64_t n, uint64_t k) {
+      return run_avx512<false, false>(p, p, n, k, a0, a1);
     });
   });
   if (kStream) _mm_sfence();  // the streamed lines ordered before anything that follows
@@ -415,9 +426,8 @@ uint64_t copy_page_avx2(const kvcopy::Item& it, int64_t b, uint64_t base, int64_
       rest += run_avx2<kStream>(s, d, rb, key, a0, a1);
       return;
     }
-    for_each_piece(rb, piece, [&](int64_t o, int64_t n) {
-      memcpy(d + o, s + o, static_cast<size_t>(n));
-      rest += run_avx2<false, false>(d + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, a0, a1);
+    rest += copy_then_hash(s, d, rb, piece, key, [&](unsigned char* p, int64_t n, uint64_t k) {
+      return run_avx2<false, false>(p, p, n, k, a0, a1);
     });
   });
   if (kStream) _mm_sfence();

@@ -107,8 +107,7 @@ class SumLayout:
         the module docstring); ``arrays``: the copiers' sums (uint64), each triple's
         ``len(positions[g])`` pages followed by ``zero_counts[g]`` pages not folded."""
         plan = self.fold_plan(positions, zero_counts)
-        values = plan.values(arrays)
-        return [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in plan.spans]
+        return plan.per_group(plan.values(arrays))
 
     def _fold_plan(self, pos: List[np.ndarray], zeros: Tuple[int, ...]) -> "FoldPlan":
         """fold()'s index plan: (each copier's number of sums; the indices, into all
@@ -182,6 +181,10 @@ class FoldPlan(NamedTuple):
         x = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays))[self.gather]
         x ^= self.bounds
         return np.add.reduceat(_mix64(x), self.starts, dtype=np.uint64)
+
+    def per_group(self, values: np.ndarray) -> List[np.ndarray]:
+        """:meth:`values` cut per group; a group with no triple folds to zeros."""
+        return [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in self.spans]
 
 
 def _joined(parts: List[np.ndarray], dtype) -> np.ndarray:
@@ -271,7 +274,7 @@ class ScatterCheck(NamedTuple):
         values = self.plan.values(arrays)
         if self.want is not None and bool((values == self.want).all()):
             return None
-        got = [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in self.plan.spans]
+        got = self.plan.per_group(values)
         bad = [(g, int(self.positions[g][i]), self.local_pages[g][i])
                for g in range(len(got)) for i in np.flatnonzero(got[g] != self.expected[g]).tolist()]
         return mismatch_message(bad) if bad else None
