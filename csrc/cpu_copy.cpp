@@ -605,7 +605,8 @@ extern "C" {
 //    signatures, other sums, so a library built before it is refused, not trusted.
 // 6: kvcopy_cpu_copy takes stream_min_bytes (the plain copy streams large calls too).
 // 7: kvcopy_cpu_copy_sums takes piece_bytes.
-int kvcopy_cpu_abi_version() { return 7; }
+// 8: kvcopy_fold_page_sums.
+int kvcopy_cpu_abi_version() { return 8; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP
@@ -714,6 +715,32 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 // Whether kvcopy_cpu_copy streams a call of total_bytes (1) or memcpy's it (0).
 int kvcopy_cpu_copy_streams(int64_t total_bytes, int64_t stream_min_bytes) {
   return item_copy(total_bytes, stream_min_bytes) != copy_item<copy_memcpy>;
+}
+
+// The arena's fold of page sums (kvcopy/nixl/span_sums.py, FoldPlan.values): value v
+// is the sum over i in [starts[v], starts[v + 1]) (the last value's to num_gather) of
+// mix64(sums[gather[i]] ^ bounds[i]), mod 2^64; stored in values (when not null) and
+// counted where it differs from want (when not null). Returns that count, or -1 (nothing
+// stored) when starts or gather leave their ranges. One call where numpy took ~14: right
+// after a copy has swept the caches each of those cost several us.
+int64_t kvcopy_fold_page_sums(const uint64_t* sums, int64_t num_sums, const int64_t* gather,
+                              const uint64_t* bounds, int64_t num_gather, const int64_t* starts,
+                              int64_t num_values, uint64_t* values, const uint64_t* want) {
+  for (int64_t v = 0; v < num_values; ++v) {
+    const int64_t end = v + 1 < num_values ? starts[v + 1] : num_gather;
+    if (starts[v] < 0 || starts[v] > end || end > num_gather) return -1;
+  }
+  for (int64_t i = 0; i < num_gather; ++i)
+    if (gather[i] < 0 || gather[i] >= num_sums) return -1;
+  int64_t differ = 0;
+  for (int64_t v = 0; v < num_values; ++v) {
+    const int64_t end = v + 1 < num_values ? starts[v + 1] : num_gather;
+    uint64_t acc = 0;
+    for (int64_t i = starts[v]; i < end; ++i) acc += kvcopy::mix64(sums[gather[i]] ^ bounds[i]);
+    if (values != nullptr) values[v] = acc;
+    if (want != nullptr) differ += acc != want[v];
+  }
+  return differ;
 }
 
 // The vector loops kvcopy_cpu_copy_sums can run on this CPU: bit 0 AVX2, bit 1 AVX-512.

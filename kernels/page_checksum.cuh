@@ -44,6 +44,16 @@ KVCOPY_HD uint64_t word_term(uint64_t word, uint64_t base, int64_t pos) {
   return product_term(word ^ (base + kPositionMul * (uint64_t)pos));
 }
 
+// MurmurHash3's 64-bit finalizer (kvcopy.checksum.mix64): one-to-one; seals a page's
+// sum to its request and position once per page (kvcopy.checksum.seal), not per word.
+KVCOPY_HD uint64_t mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xFF51AFD7ED558CCDull;
+  x ^= x >> 33;
+  x *= 0xC4CEB9FE1A85EC53ull;
+  return x ^ (x >> 33);
+}
+
 // Bytes of the hash word that starts at offset q (a multiple of 8) of a run of `rb`.
 KVCOPY_HD int64_t hash_word_bytes(int64_t q, int64_t rb) {
   return rb - q < kHashWordBytes ? rb - q : kHashWordBytes;

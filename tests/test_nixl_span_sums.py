@@ -356,6 +356,8 @@ def test_fold_is_the_definition(pair, positions, zeros):
         got = layout.fold(arrays, pos, zeros)
         assert [g.dtype for g in got] == [np.uint64] * len(want)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    plan = layout.fold_plan(pos, zeros)
+    assert np.array_equal(plan.numpy_values(arrays), plan.values(arrays))  # the oracle and the host library
     with pytest.raises(ValueError, match="sums of"):
         layout.fold(arrays[:-1], pos, zeros)
     with pytest.raises(ValueError, match="sums of"):
@@ -377,7 +379,8 @@ def test_compare_names_exactly_the_pages_that_differ(pair):
     local = ((30, 31), (40, 41, 42))
 
     def check(exp, want):
-        return span_sums.ScatterCheck(layout, tuple(pos), tuple(zeros), tuple(exp), local, plan, want)
+        return span_sums.ScatterCheck(layout, tuple(pos), tuple(zeros), tuple(exp), local, plan, want,
+                                      0 if want is None else span_sums._address(want))
     assert check(expected, span_sums.matching_values(plan, expected)).compare(arrays) is None
     assert check(expected, None).compare(arrays) is None  # the per-group path agrees
     off = [e.copy() for e in expected]
@@ -392,10 +395,48 @@ def test_compare_names_exactly_the_pages_that_differ(pair):
 def test_nothing_matches_where_a_group_without_sums_expects_a_value():
     """A group with no triple on D folds to zeros: P's nonzero value there cannot match."""
     plan = span_sums.FoldPlan((2,), np.zeros(2, np.int64), np.zeros(2, np.uint64), np.array([0, 1], np.int64),
-                              ((0, 2, True), (2, 3, False)))
+                              ((0, 2, True), (2, 3, False)), (0, 0, 0))
     zero = [np.array([7, 8], np.uint64), np.zeros(1, np.uint64)]
     assert list(span_sums.matching_values(plan, zero)) == [7, 8]
     assert span_sums.matching_values(plan, [zero[0], np.ones(1, np.uint64)]) is None
+
+
+def test_the_host_library_folds_and_compares_as_numpy_does(pair, monkeypatch):
+    """kvcopy_fold_page_sums (one C call) against FoldPlan.numpy_values: the same values,
+    a difference in any one value found, and plan indices out of range refused; without
+    the library the numpy fold stands in, with the same verdicts."""
+    assert span_sums._fold_function() is not None, "the host library is built with the package"
+    p, _, _, _, _ = pair("hybrid")
+    cps = p.arena.span_copiers(p.arena.order)
+    layout = p.arena.sums.layout(cps, p.arena.order, p.info.tokens_per_page, "d2h")
+    pos, zeros = [np.array([0, 2, 1], np.int64), np.array([5, 0, 3, 4], np.int64)], [1, 2]
+    plan = layout.fold_plan(pos, zeros)
+    rng = np.random.default_rng(11)
+    arrays = [rng.integers(0, 2**63, size=n, dtype=np.int64).view(np.uint64) for n in plan.sizes]
+    want = plan.numpy_values(arrays)
+    assert len(want) == len(plan.starts) > 1 and np.array_equal(plan.values(arrays), want)
+    want.setflags(write=False)
+    at = span_sums._address(want)
+    for library in (True, False):
+        if not library:
+            monkeypatch.setattr(span_sums, "_FOLD", [None])
+        assert not plan.differs(arrays, want, at)
+        for k in range(len(want)):
+            off = want.copy()
+            off[k] ^= np.uint64(1 << int(rng.integers(64)))
+            assert plan.differs(arrays, off, span_sums._address(off))
+        bent = [a.copy() for a in arrays]
+        bent[-1][int(rng.integers(len(bent[-1])))] += np.uint64(1)
+        # a sum not folded (a zeroed page's) may change without a difference; a folded one may not
+        assert plan.differs(bent, want, at) == (not np.array_equal(plan.numpy_values(bent), want))
+        with pytest.raises(ValueError, match="sums of"):
+            plan.differs([a[:-1] for a in arrays], want, at)
+    monkeypatch.setattr(span_sums, "_FOLD", [])
+    gather = plan.gather.copy()
+    gather[-1] = sum(plan.sizes)  # one past the sums
+    bad = plan._replace(gather=gather, at=(span_sums._address(gather),) + plan.at[1:])
+    with pytest.raises(RuntimeError, match="out of range"):
+        bad.values(arrays)
 
 
 class _SlowReadback:

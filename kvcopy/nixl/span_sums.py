@@ -35,18 +35,24 @@ position it reads. Pages D does not read (prefix hits, holes) and pages it zeroe
 not compared: no byte of them crossed. Different page sizes, TP slices, group plans or
 in-page layouts fail the fingerprint or the row test: such requests are unchecked.
 
-Cost: P and D each fold ``blocks`` sums on the host (two ``mix64`` per block, numpy),
-and on CUDA one device-to-host copy of the sums (:class:`~kvcopy.nixl.sum_check.Readback`).
+Cost: P and D each fold ``blocks`` sums on the host (two ``mix64`` per block: one call of
+the host library's ``kvcopy_fold_page_sums``, numpy without it), and on CUDA one
+device-to-host copy of the sums (:class:`~kvcopy.nixl.sum_check.Readback`). On CPU the
+sums tensors of a call shape are made once and reused, and D compares before
+``complete`` returns; after a 6 MiB copy has swept the caches each torch or numpy call
+costs 15-20x its warm time, so the fewer the better.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..backends import native
 from ..checksum import MIX1, MIX2, POSITION_MUL, mix64
 from ..copier import CallPlan
 from ..tables import RUN_BYTES
@@ -147,8 +153,9 @@ class SumLayout:
             spans.append((done, done + n, True))  # groups with no triple take no slot
             done += n
             gathered += idx.size
-        return FoldPlan(tuple(sizes), _read_only(_joined(gather, np.int64)), _read_only(_joined(bounds, np.uint64)),
-                        _read_only(_joined(value_starts, np.int64)), tuple(spans))
+        g, b, v = (_read_only(_joined(gather, np.int64)), _read_only(_joined(bounds, np.uint64)),
+                   _read_only(_joined(value_starts, np.int64)))
+        return FoldPlan(tuple(sizes), g, b, v, tuple(spans), (_address(g), _address(b), _address(v)))
 
 
 class FoldPlan(NamedTuple):
@@ -160,31 +167,90 @@ class FoldPlan(NamedTuple):
     bounds: np.ndarray  # their seal bounds mix64(((J << 40) + position) * POSITION_MUL)
     starts: np.ndarray  # where each (group, position)'s sums start in the gathered ones
     spans: Tuple[Tuple[int, int, bool], ...]  # per group: its slice of the values, and whether it has sums
+    at: Tuple[int, int, int]  # the addresses of gather, bounds and starts (kvcopy_fold_page_sums)
 
     def values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """The folded values of the groups with sums, end to end (group, then position).
+        """The folded values of the groups with sums, end to end (group, then position):
+        one call of the host library's ``kvcopy_fold_page_sums``, or :meth:`numpy_values`
+        without the library."""
+        x = self._joined(arrays)
+        out = np.empty(len(self.starts), np.uint64)
+        if not self._fold(x, _address(out), 0):
+            return self.numpy_values(arrays)
+        return out
 
-        One gather, one ``mix64`` and one segmented sum over every copier's sums at
-        once: ~10 numpy calls whatever the copiers and groups (per copier and group, as
-        before, a two-group layout of 10 triples took 48-64 us a fold against 23-35 us
-        now, warm, one core; not saved). Right after a copy has swept the caches the
-        same calls cost 3-5x more (18 us warm against 57-78 us after a 24 MiB sweep,
-        ``seeds2`` one group, 192 sums; not saved). Integer arrays wrap silently in
-        numpy (no overflow check, unlike its scalars), so no ``errstate`` is needed."""
+    def differs(self, arrays: Sequence[np.ndarray], want: np.ndarray, want_at: int) -> bool:
+        """Whether :meth:`values` differs from ``want`` (at address ``want_at``; ``len(starts)``
+        values), in one call of the host library where it is there (the comparison
+        right after D's scatter: ~14 numpy calls cost 60-100 us there, once the scatter
+        had swept the caches, against 45-55 us for one ctypes call; scratch timings of a
+        6 MiB ``complete`` on a 2-core Xeon VM, not saved)."""
+        x = self._joined(arrays)
+        differ = self._fold(x, 0, want_at)
+        if differ is None:
+            return not bool((self.numpy_values(arrays) == want).all())
+        return differ > 0
+
+    def _joined(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         if len(arrays) != len(self.sizes):
             raise ValueError(f"sums of {len(arrays)} copiers for a layout of {len(self.sizes)}")
         for out, size in zip(arrays, self.sizes):
             if len(out) != size:
                 raise ValueError(f"sums of {len(out)} blocks for a call of {size}")
+        x = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if x.dtype != np.uint64 or not x.flags.c_contiguous:
+            raise ValueError(f"page sums must be contiguous uint64, got {x.dtype}")
+        return x
+
+    def _fold(self, x: np.ndarray, values_at: int, want_at: int) -> Optional[int]:
+        """kvcopy_fold_page_sums: the count of values differing from ``want`` (0 when
+        not compared); None without the host library."""
+        fold = _fold_function()
+        if fold is None:
+            return None
+        g, b, v = self.at
+        differ = fold(_address(x), len(x), g, b, len(self.gather), v, len(self.starts), values_at, want_at)
+        if differ < 0:  # the plan's own indices: never out of range
+            raise RuntimeError("kvcopy_fold_page_sums: a fold plan index out of range")
+        return differ
+
+    def numpy_values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """:meth:`values` in numpy (the oracle of the host library's fold, and its
+        stand-in without it): one gather, one ``mix64`` and one segmented sum over
+        every copier's sums at once, ~14 numpy calls whatever the copiers and groups.
+        Integer arrays wrap silently in numpy (no overflow check, unlike its scalars),
+        so no ``errstate`` is needed."""
+        x = self._joined(arrays)
         if not len(self.gather):
             return np.zeros(0, np.uint64)
-        x = (arrays[0] if len(arrays) == 1 else np.concatenate(arrays))[self.gather]
+        x = x[self.gather]
         x ^= self.bounds
         return np.add.reduceat(_mix64(x), self.starts, dtype=np.uint64)
 
     def per_group(self, values: np.ndarray) -> List[np.ndarray]:
         """:meth:`values` cut per group; a group with no triple folds to zeros."""
         return [values[a:b] if summed else np.zeros(b - a, np.uint64) for a, b, summed in self.spans]
+
+
+_FOLD: List[Any] = []  # [the ctypes function, or None], loaded on first use
+
+
+def _fold_function():
+    """The host library's ``kvcopy_fold_page_sums``, or None without the library."""
+    if not _FOLD:
+        lib, _ = native.load("kvcopy_cpu")
+        fn = None
+        if lib is not None:
+            fn = lib.kvcopy_fold_page_sums
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        _FOLD.append(fn)
+    return _FOLD[0]
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def _joined(parts: List[np.ndarray], dtype) -> np.ndarray:
@@ -263,6 +329,7 @@ class ScatterCheck(NamedTuple):
     local_pages: Tuple[Tuple[int, ...], ...]  # per group: D's page for each (to name it)
     plan: FoldPlan  # the layout's fold plan for these positions
     want: Optional[np.ndarray]  # plan.values() of a match, or None where no fold can match
+    want_at: int  # want's address (0 when None)
 
     def compare(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
         """None if every page D read sums as P's did, else the message naming those
@@ -271,10 +338,9 @@ class ScatterCheck(NamedTuple):
         (in a 6 MiB ``complete``: 47-58 us against 81-84 us for the per-group fold and
         comparison it replaced, ~120 us both in a noisier hour, 18 us with warm caches;
         scratch timings, not saved)."""
-        values = self.plan.values(arrays)
-        if self.want is not None and bool((values == self.want).all()):
+        if self.want is not None and not self.plan.differs(arrays, self.want, self.want_at):
             return None
-        got = self.plan.per_group(values)
+        got = self.plan.per_group(self.plan.values(arrays))
         bad = [(g, int(self.positions[g][i]), self.local_pages[g][i])
                for g in range(len(got)) for i in np.flatnonzero(got[g] != self.expected[g]).tolist()]
         return mismatch_message(bad) if bad else None
@@ -319,9 +385,10 @@ def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
         pos.setflags(write=False)
         expected.append((pos, e))
     plan = layout.fold_plan([p for p, _ in expected], zero_counts)
+    want = matching_values(plan, [e for _, e in expected])
     return ScatterCheck(layout, tuple(p for p, _ in expected), tuple(int(z) for z in zero_counts),
                         tuple(e for _, e in expected), tuple(tuple(p) for p in local_pages), plan,
-                        matching_values(plan, [e for _, e in expected])), None
+                        want, 0 if want is None else _address(want)), None
 
 
 def matching_values(plan: FoldPlan, expected: Sequence[np.ndarray]) -> Optional[np.ndarray]:
@@ -349,6 +416,12 @@ class ArenaSums:
         self.device = device
         self.stats = SumStats()
         self._layouts: Dict[Tuple[str, str], SumLayout] = {}
+        # CPU: the sums tensors of each call shape and their host arrays, made once and
+        # reused (P folds them before save returns; D compares them before complete
+        # returns). Right after a copy has swept the caches, making them per request took
+        # 100-130 us of a 6 MiB complete (two tensors and their numpy views; 3 us each
+        # with warm caches; scratch timing on a 2-core Xeon VM, not saved).
+        self._outs: Dict[Tuple[int, ...], Tuple[List[torch.Tensor], Readback]] = {}
 
     def layout(self, cps: SpanCopiers, order: str, tokens_per_page: Sequence[int], direction: str) -> SumLayout:
         key = (order, direction)
@@ -362,20 +435,40 @@ class ArenaSums:
         return found
 
     # P
-    def pack(self, cps: SpanCopiers, calls: Sequence[CallPlan]) -> Optional[List[torch.Tensor]]:
-        """Run P's pack; its sums tensors (None when off)."""
-        outs = [torch.empty(len(c.src_flat), dtype=torch.int64, device=self.device) for c in calls] \
-            if self.on else None
-        cps.run("d2h", calls, outs)
-        return outs
+    def pack(self, cps: SpanCopiers, calls: Sequence[CallPlan]
+             ) -> Optional[Tuple[List[torch.Tensor], Optional[Readback]]]:
+        """Run P's pack; its sums tensors and (CPU) their host arrays, None when off."""
+        if not self.on:
+            cps.run("d2h", calls)
+            return None
+        sums = self._sums_outs(calls)
+        cps.run("d2h", calls, sums[0])
+        return sums
 
-    def record(self, record: StagedRequest, layout: SumLayout, outs: Optional[List[torch.Tensor]],
+    def _sums_outs(self, calls: Sequence[CallPlan]) -> Tuple[List[torch.Tensor], Optional[Readback]]:
+        """Sums tensors for ``calls``: on CUDA new ones (read back later), on CPU the
+        ones of this call shape, reused, with their host arrays."""
+        if self.device.type == "cuda":
+            return [torch.empty(len(c.src_flat), dtype=torch.int64, device=self.device) for c in calls], None
+        sizes = tuple(len(c.src_flat) for c in calls)
+        found = self._outs.get(sizes)
+        if found is None:
+            outs = [torch.empty(n, dtype=torch.int64, device=self.device) for n in sizes]
+            if len(self._outs) >= FOLDS_KEPT:
+                self._outs.pop(next(iter(self._outs)))
+            found = self._outs[sizes] = (outs, Readback(outs))
+        return found
+
+    def record(self, record: StagedRequest, layout: SumLayout,
+               sums: Optional[Tuple[List[torch.Tensor], Optional[Readback]]],
                positions: Sequence[np.ndarray], counts: Sequence[int]):
-        """``record`` with P's sums, or a :class:`PendingRecord` while they are on a GPU."""
-        if outs is None:
+        """``record`` with P's sums (``pack``'s), or a :class:`PendingRecord` while they
+        are on a GPU. On CPU folded now: the next call reuses the tensors."""
+        if sums is None:
             return record
-        pending = PendingRecord(record, Readback(outs), layout, positions, counts)
-        return pending if self.device.type == "cuda" else pending.result()
+        outs, host = sums
+        pending = PendingRecord(record, host or Readback(outs), layout, positions, counts)
+        return pending if host is None else pending.result()
 
     # D
     def check(self, layout: Optional[SumLayout], records: Sequence[StagedRequest], same_counts: bool,
@@ -390,11 +483,15 @@ class ArenaSums:
 
     def scatter(self, cps: SpanCopiers, calls: Sequence[CallPlan], check: Optional[ScatterCheck],
                 ) -> Optional[SumCheck]:
-        """Run D's scatter, with sums where ``check`` compares them."""
+        """Run D's scatter, with sums where ``check`` compares them; on CPU compared
+        before this returns (the sums tensors are reused by the next call)."""
         if check is None:
             cps.run("h2d", calls)
             self.stats.unchecked()
             return None
-        outs = [torch.empty(len(c.src_flat), dtype=torch.int64, device=self.device) for c in calls]
+        outs, host = self._sums_outs(calls)
         cps.run("h2d", calls, outs)
-        return SumCheck(Readback(outs), check.compare, self.stats)
+        result = SumCheck(host or Readback(outs), check.compare, self.stats)
+        if host is not None:
+            result.result()
+        return result

@@ -279,14 +279,14 @@ class ArenaStaging(BufferMode):
             # every copy is checked before the first moves, and planned once
             calls = cps.plan("d2h", cps.ids(span.offset, segs, counts, [p[k] for p, k in zip(pages, positions)],
                                             positions))
-            outs = self.sums.pack(cps, calls)
+            sums = self.sums.pack(cps, calls)
         except Exception:
             self.arena.free(span)
             raise
         self._staged[rid] = _Staged(span, time.monotonic() + self.ttl_s, readers)
         record = StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
                                self.order)
-        return self.sums.record(record, layout, outs, positions, counts)
+        return self.sums.record(record, layout, sums, positions, counts)
 
     def on_notifications(self, new: Mapping[str, List[bytes]]) -> None:
         """P: a notification naming a staged request says its sender (a D agent, by
