@@ -175,7 +175,7 @@ class FoldPlan(NamedTuple):
         without the library."""
         x = self._joined(arrays)
         out = np.empty(len(self.starts), np.uint64)
-        if not self._fold(x, _address(out), 0):
+        if self._fold(x, _address(out), 0) is None:
             return self.numpy_values(arrays)
         return out
 
