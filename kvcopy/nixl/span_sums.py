@@ -167,7 +167,9 @@ class FoldPlan(NamedTuple):
     bounds: np.ndarray  # their seal bounds mix64(((J << 40) + position) * POSITION_MUL)
     starts: np.ndarray  # where each (group, position)'s sums start in the gathered ones
     spans: Tuple[Tuple[int, int, bool], ...]  # per group: its slice of the values, and whether it has sums
-    at: Tuple[int, int, int]  # the addresses of gather, bounds and starts (kvcopy_fold_page_sums)
+    # The addresses of gather, bounds and starts for kvcopy_fold_page_sums: derived, kept
+    # so the call after a copy reads no array interface (made by SumLayout._fold_plan alone).
+    at: Tuple[int, int, int]
 
     def values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """The folded values of the groups with sums, end to end (group, then position):
@@ -333,11 +335,9 @@ class ScatterCheck(NamedTuple):
 
     def compare(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
         """None if every page D read sums as P's did, else the message naming those
-        that differ. A match is one fold and one comparison of the flat values: this
-        runs right after the scatter swept the caches, where every numpy call costs
-        (in a 6 MiB ``complete``: 47-58 us against 81-84 us for the per-group fold and
-        comparison it replaced, ~120 us both in a noisier hour, 18 us with warm caches;
-        scratch timings, not saved)."""
+        that differ. A match is one call (:meth:`FoldPlan.differs`): this runs right
+        after the scatter swept the caches, where every numpy call costs; only a
+        mismatch folds per group to name the pages."""
         if self.want is not None and not self.plan.differs(arrays, self.want, self.want_at):
             return None
         got = self.plan.per_group(self.plan.values(arrays))
