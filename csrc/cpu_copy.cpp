@@ -592,6 +592,35 @@ void walk_ranges(const kvcopy::CursorTables& t, int64_t total_bytes, int64_t num
   }
 }
 
+// kvcopy_fold_page_sums' plan checks: every value's range of gathered sums inside
+// [0, num_gather), in order, and every gather index inside the sums.
+bool fold_plan_in_range(int64_t num_sums, const int64_t* gather, int64_t num_gather,
+                        const int64_t* starts, int64_t num_values) {
+  if (num_gather < 0 || num_values < 0) return false;
+  for (int64_t v = 0; v < num_values; ++v) {
+    const int64_t end = v + 1 < num_values ? starts[v + 1] : num_gather;
+    if (starts[v] < 0 || starts[v] > end || end > num_gather) return false;
+  }
+  for (int64_t i = 0; i < num_gather; ++i)
+    if (gather[i] < 0 || gather[i] >= num_sums) return false;
+  return true;
+}
+
+// kvcopy_fold_page_sums' fold, on a plan fold_plan_in_range accepted.
+int64_t fold_values(const uint64_t* sums, const int64_t* gather, const uint64_t* bounds,
+                    int64_t num_gather, const int64_t* starts, int64_t num_values, uint64_t* values,
+                    const uint64_t* want) {
+  int64_t differ = 0;
+  for (int64_t v = 0; v < num_values; ++v) {
+    const int64_t end = v + 1 < num_values ? starts[v + 1] : num_gather;
+    uint64_t acc = 0;
+    for (int64_t i = starts[v]; i < end; ++i) acc += kvcopy::mix64(sums[gather[i]] ^ bounds[i]);
+    if (values != nullptr) values[v] = acc;
+    if (want != nullptr) differ += acc != want[v];
+  }
+  return differ;
+}
+
 }  // namespace
 
 extern "C" {
@@ -606,7 +635,8 @@ extern "C" {
 // 6: kvcopy_cpu_copy takes stream_min_bytes (the plain copy streams large calls too).
 // 7: kvcopy_cpu_copy_sums takes piece_bytes.
 // 8: kvcopy_fold_page_sums.
-int kvcopy_cpu_abi_version() { return 8; }
+// 9: kvcopy_cpu_copy_sums_fold.
+int kvcopy_cpu_abi_version() { return 9; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP
@@ -726,21 +756,37 @@ int kvcopy_cpu_copy_streams(int64_t total_bytes, int64_t stream_min_bytes) {
 int64_t kvcopy_fold_page_sums(const uint64_t* sums, int64_t num_sums, const int64_t* gather,
                               const uint64_t* bounds, int64_t num_gather, const int64_t* starts,
                               int64_t num_values, uint64_t* values, const uint64_t* want) {
-  for (int64_t v = 0; v < num_values; ++v) {
-    const int64_t end = v + 1 < num_values ? starts[v + 1] : num_gather;
-    if (starts[v] < 0 || starts[v] > end || end > num_gather) return -1;
-  }
-  for (int64_t i = 0; i < num_gather; ++i)
-    if (gather[i] < 0 || gather[i] >= num_sums) return -1;
-  int64_t differ = 0;
-  for (int64_t v = 0; v < num_values; ++v) {
-    const int64_t end = v + 1 < num_values ? starts[v + 1] : num_gather;
-    uint64_t acc = 0;
-    for (int64_t i = starts[v]; i < end; ++i) acc += kvcopy::mix64(sums[gather[i]] ^ bounds[i]);
-    if (values != nullptr) values[v] = acc;
-    if (want != nullptr) differ += acc != want[v];
-  }
-  return differ;
+  if (!fold_plan_in_range(num_sums, gather, num_gather, starts, num_values)) return -1;
+  return fold_values(sums, gather, bounds, num_gather, starts, num_values, values, want);
+}
+
+// kvcopy_cpu_copy_sums, then kvcopy_fold_page_sums of the sums it wrote, in one call: D
+// compares its scatter's sums (P folds its pack's) in the copy's own host call, not in
+// a second one made after the copy has swept the caches (each cost 45-70 us there, warm
+// a few; 6 MiB complete on a 2-core Xeon VM, scratch timing, not saved). fold[7]: the
+// addresses of gather, bounds, then num_gather, the address of starts, num_values, then
+// the addresses of values and want (0: none), as kvcopy_fold_page_sums takes them.
+// Returns the count of values differing from want (0 when want is 0), or, before any
+// byte is written, -1 when the fold plan's indices leave their ranges, -2 when the
+// threads' rows cannot be allocated.
+int64_t kvcopy_cpu_copy_sums_fold(const int64_t* entries, const int64_t* group_offsets,
+                                  const int64_t* group_entries, int64_t num_groups,
+                                  const int64_t* packed, int64_t total_bytes, int num_threads,
+                                  uint64_t* sums, int64_t num_sums, int simd,
+                                  int64_t stream_min_bytes, int64_t piece_bytes,
+                                  const int64_t* fold) {
+  const int64_t* gather = reinterpret_cast<const int64_t*>(fold[0]);
+  const uint64_t* bounds = reinterpret_cast<const uint64_t*>(fold[1]);
+  const int64_t num_gather = fold[2];
+  const int64_t* starts = reinterpret_cast<const int64_t*>(fold[3]);
+  const int64_t num_values = fold[4];
+  uint64_t* values = reinterpret_cast<uint64_t*>(fold[5]);
+  const uint64_t* want = reinterpret_cast<const uint64_t*>(fold[6]);
+  if (!fold_plan_in_range(num_sums, gather, num_gather, starts, num_values)) return -1;
+  if (kvcopy_cpu_copy_sums(entries, group_offsets, group_entries, num_groups, packed, total_bytes,
+                           num_threads, sums, num_sums, simd, stream_min_bytes, piece_bytes) != 0)
+    return -2;
+  return fold_values(sums, gather, bounds, num_gather, starts, num_values, values, want);
 }
 
 // The vector loops kvcopy_cpu_copy_sums can run on this CPU: bit 0 AVX2, bit 1 AVX-512.

@@ -120,7 +120,7 @@ but the ``torch`` backend's.
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -262,6 +262,79 @@ def _indexed(device: torch.device) -> torch.device:
 def copy_device(src: torch.device, dst: torch.device) -> torch.device:
     """Where a copy's checksums go: its GPU if it has one, else the CPU."""
     return src if src.type == "cuda" else dst if dst.type == "cuda" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------- a fold in the copy's call
+class SumFold:
+    """A fold of one call's page sums, compared with the values it must give, that the
+    ``cpu`` backend makes inside the copy's own host call
+    (:meth:`~kvcopy.copier.BlockCopier.run_and_fold`; ``kvcopy_cpu_copy_sums_fold``)::
+
+        value[v] = SUM over i in segment v of  mix64(sums[gather[i]] XOR bounds[i])   (mod 2^64)
+
+    segment ``v`` running from ``starts[v]`` to ``starts[v + 1]`` (the last to the end of
+    ``gather``). With ``bounds = mix64(position * POSITION_MUL)`` each term is
+    :func:`seal`'s with seed 0, so a value is :func:`fold` of the sealed sums it gathers
+    (kvcopy's arena folds its page sums so, :mod:`kvcopy.nixl.span_sums`). ``want``:
+    the values a match gives, one per segment.
+
+    Made once and immutable: the arrays are copied, read-only, and kept alive with the
+    one int64 block of their addresses the library reads; the library re-checks every
+    index against the call's sums at each call, and nothing here can be re-pointed."""
+
+    __slots__ = ("_arrays", "_block", "_at")
+    _arrays: Tuple[np.ndarray, ...]
+    _block: np.ndarray
+    _at: int
+
+    def __init__(self, gather, bounds, starts, want):
+        arrays = []
+        for name, a, dtype in (("gather", gather, np.int64), ("bounds", bounds, _U64), ("starts", starts, np.int64),
+                               ("want", want, _U64)):
+            a = np.asarray(a)
+            if a.ndim != 1 or a.dtype.kind not in "iu":
+                raise TypeError(f"SumFold: {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
+            a = np.array(a, dtype=dtype, copy=True)
+            a.setflags(write=False)
+            arrays.append(a)
+        g, b, st, w = arrays
+        if len(b) != len(g) or len(w) != len(st):
+            raise ValueError(f"SumFold: {len(g)} gather indices with {len(b)} bounds, {len(st)} segments with "
+                             f"{len(w)} wanted values")
+        if len(st) and (st[0] < 0 or (np.diff(st) < 0).any() or st[-1] > len(g)):
+            raise ValueError(f"SumFold: segment starts must rise within the {len(g)} gathered sums")
+        block = np.array([_address(g), _address(b), len(g), _address(st), len(st), 0, _address(w)], np.int64)
+        block.setflags(write=False)
+        object.__setattr__(self, "_arrays", tuple(arrays))
+        object.__setattr__(self, "_block", block)
+        object.__setattr__(self, "_at", _address(block))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("SumFold is immutable")
+
+    @property
+    def at(self) -> int:
+        """The address of the block ``kvcopy_cpu_copy_sums_fold`` reads (fold[7])."""
+        return self._at
+
+    def differ(self, sums: np.ndarray) -> int:
+        """The oracle of the library's fold: how many values of ``sums`` (the call's,
+        uint64) differ from ``want``."""
+        g, b, st, w = self._arrays
+        s = np.asarray(sums, dtype=_U64)
+        if len(g) and (g.min() < 0 or g.max() >= len(s)):
+            raise ValueError(f"SumFold: a gather index outside the call's {len(s)} sums")
+        with np.errstate(over="ignore"):
+            ends = np.cumsum(np.concatenate([np.zeros(1, _U64), mix64(s[g] ^ b)]), dtype=_U64)
+            values = ends[np.append(st[1:], len(g))] - ends[st]  # wraps mod 2^64 as the sums do
+        return int((values != w).sum())
+
+    def __repr__(self) -> str:
+        return f"SumFold({len(self._arrays[0])} sums into {len(self._arrays[2])} values)"
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 # ---------------------------------------------------------------- host side

@@ -25,6 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .backends import Backend, choose_backend, get_backend
+from .checksum import SumFold
 from .checksum import check_output as check_checksum_output
 from .checksum import copy_device as checksum_device
 from .layout import PageLayout, byte_extent, describe, pair_pages
@@ -256,13 +257,29 @@ class BlockCopier:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
         were checked then; the storages are checked now, as for every call);
         ``checksums`` as for :meth:`to_host`."""
+        self._copy(self._planned(direction, call), call, checksums)
+        return call
+
+    def run_and_fold(self, direction: str, call: CallPlan, checksums: torch.Tensor, fold: SumFold) -> Optional[int]:
+        """:meth:`run` with ``checksums``, then ``fold`` of them (:class:`~kvcopy.checksum.SumFold`):
+        the count of its values that differ from its ``want``, computed in the copy's
+        own host call where the backend can (``cpu``). None where it cannot (a GPU
+        copy, whose sums are still on their way; a call with no block to copy): the
+        copy and its sums are made, nothing is folded."""
+        d = self._planned(direction, call)
+        if checksums is None:
+            raise TypeError("run_and_fold: checksums must be a torch.Tensor, got None")
+        if type(fold) is not SumFold:
+            raise TypeError(f"fold must be a SumFold, got {type(fold).__name__}")
+        return self._copy(d, call, checksums, fold)
+
+    def _planned(self, direction: str, call: CallPlan) -> _Direction:
         d = self._built(direction)
         if type(call) is not CallPlan or call.origin is not d.planner.origin:
             raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
         if self._closed:
             raise ValueError("BlockCopier is closed")
-        self._copy(d, call, checksums)
-        return call
+        return d
 
     def tables(self, direction: str) -> CopyTables:
         """The static tables of ``direction`` ("d2h" or "h2d")."""
@@ -286,20 +303,24 @@ class BlockCopier:
         self._copy(d, call, checksums)
         return call
 
-    def _copy(self, d: _Direction, call: CallPlan, checksums: Optional[torch.Tensor]) -> None:
+    def _copy(self, d: _Direction, call: CallPlan, checksums: Optional[torch.Tensor],
+              fold: Optional[SumFold] = None) -> Optional[int]:
         if checksums is not None:
             why, device = d.sums_check()
             if why:
                 raise ValueError(f"checksums requested but {why}")
-            check_checksum_output(checksums, len(call.src_flat), device)
+            check_checksum_output(checksums, call.num_blocks, device)
             if not call.num_items:
                 checksums.zero_()  # blocks of groups without layers: nothing to add
-                return
+                return None
             self._storages.check()
+            if fold is not None:
+                return d.backend.copy_with_checksums_folded(d.tables, call, checksums, fold.at)
             d.backend.copy_with_checksums(d.tables, call, checksums)
         elif call.num_items:
             self._storages.check()
             d.backend.copy(d.tables, call)
+        return None
 
     def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
         if self._closed:

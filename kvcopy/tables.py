@@ -248,6 +248,12 @@ class CallPlan:
         return self._fields[3]
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks of the call, every group's (``len(src_flat)``, without making an array:
+        the checksummed calls ask right after a copy, where each numpy call costs)."""
+        return len(self._fields[4]) // 8
+
+    @property
     def src_flat(self) -> np.ndarray:
         """Every group's source ids concatenated (read-only int64)."""
         return np.frombuffer(self._fields[4], dtype=np.int64)

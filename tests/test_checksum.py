@@ -20,7 +20,7 @@ import torch
 import kvcopy
 from kvcopy import backends
 from kvcopy.backends import Backend, kernel_inputs, native
-from kvcopy.checksum import (mix64, page_sums, product_term, reference_checksums, word_keys)
+from kvcopy.checksum import SumFold, mix64, page_sums, product_term, reference_checksums, word_keys
 from kvcopy.layout import describe, pair_pages
 from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, prepare_check, standard_cases
@@ -221,6 +221,96 @@ CPU_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_backends()[b] is
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_sums_match_oracle(backend, case, direction):
     check_sums(backend, case, direction)
+
+
+def _random_fold(sums: np.ndarray, rng, segments: int):
+    """gather, bounds, starts over ``sums`` (empty segments among them) and the values
+    they fold to, by the definition (SumFold's docstring), term by term."""
+    gather = rng.integers(0, len(sums), size=3 * len(sums))
+    bounds = rng.integers(0, 2**63, size=len(gather), dtype=np.int64).view(np.uint64)
+    starts = np.sort(rng.integers(0, len(gather) + 1, size=segments))
+    starts[0], starts[segments // 2] = 0, starts[segments // 2 - 1]  # a segment of no sums: value 0
+    ends = list(starts[1:]) + [len(gather)]
+    values = np.array([int(sum(int(t) for t in mix64(sums[gather[a:b]] ^ bounds[a:b]))) % (1 << 64)
+                       for a, b in zip(starts, ends)], np.uint64)
+    return gather, bounds, starts, values
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("case", QUICK[:6], ids=[c.id for c in QUICK[:6]])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_fold_in_the_copys_call_counts_what_differs(backend, case, direction):
+    """run_and_fold: the bytes and sums of run(), and, on ``cpu``, in the same host call,
+    the count of folded values that differ from the fold's want (one flipped bit in any
+    value found); backends that cannot fold in the call return None, having copied."""
+    check = prepare_check(backend, case, direction)
+    call = check.copier.plan(direction, check.dev_ids, check.host_ids)
+    want_sums = oracle(check, case, direction)
+    rng = np.random.default_rng(len(want_sums))
+    gather, bounds, starts, values = _random_fold(want_sums, rng, 6)
+    for k in (None, 0, 2, 5):
+        want = values.copy()
+        if k is not None:
+            want[k] ^= np.uint64(1 << int(rng.integers(64)))
+        fold = SumFold(gather, bounds, starts, want)
+        out = torch.full((call.num_blocks,), POISON_SUM, dtype=torch.int64)
+        differ = check.copier.run_and_fold(direction, call, out, fold)
+        check.assert_matches()
+        got = out.numpy().view(np.uint64)
+        assert np.array_equal(got, want_sums), f"{check.label}: sums differ from the oracle"
+        assert fold.differ(got) == (k is not None)  # the numpy oracle of the count
+        assert differ == (None if backend != "cpu" else int(k is not None))
+    assert call.num_blocks == len(call.src_flat) == sum(call.group_lens)
+    check.copier.close()
+
+
+@needs_lib
+def test_a_fold_outside_the_sums_writes_nothing():
+    """A gather index past the call's sums is refused before any byte moves (the
+    library checks the fold against every call's sums count)."""
+    case = QUICK[0]
+    check = prepare_check("cpu", case, "d2h")
+    call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
+    n = call.num_blocks
+    before = {k: t.clone() for k, t in check.got[1].items()}
+    out = torch.full((n,), POISON_SUM, dtype=torch.int64)
+    for gather, starts in (([0, n], [0]), ([0, -1], [0]), ([0, 1], [1, 0])):
+        fold = SumFold(gather, [1, 2], [0], [0]) if starts == [0] else None
+        if fold is None:  # starts that fall are refused when the fold is made
+            with pytest.raises(ValueError, match="segment starts"):
+                SumFold(gather, [1, 2], starts, [0, 0])
+            continue
+        with pytest.raises(ValueError, match="outside the call's"):
+            check.copier.run_and_fold("d2h", call, out, fold)
+        assert all(torch.equal(t, before[k]) for k, t in check.got[1].items())
+        assert (out == POISON_SUM).all()
+    with pytest.raises(TypeError, match="SumFold"):
+        check.copier.run_and_fold("d2h", call, out, (0, 0))
+    with pytest.raises(TypeError, match="checksums"):
+        check.copier.run_and_fold("d2h", call, None, SumFold([0], [0], [0], [0]))
+    check.copier.close()
+
+
+def test_a_sum_fold_cannot_be_changed():
+    """SumFold copies its arrays, read-only, with the block of their addresses: neither
+    an edit of what it was made from nor of it reaches what the library reads."""
+    gather = np.array([0, 1, 1])
+    fold = SumFold(gather, [3, 4, 5], [0, 2], [7, 8])
+    gather[0] = 10**9
+    sums = np.array([11, 12], np.uint64)
+    want = SumFold([0, 1, 1], [3, 4, 5], [0, 2], [7, 8]).differ(sums)
+    assert fold.differ(sums) == want
+    with pytest.raises(AttributeError):
+        fold.at = 0
+    with pytest.raises(AttributeError):
+        fold._block = None
+    for a in fold._arrays + (fold._block,):
+        with pytest.raises(ValueError):
+            a[0] = 1
+    with pytest.raises(ValueError, match="bounds"):
+        SumFold([0, 1], [3], [0], [7])
+    with pytest.raises(TypeError, match="integer"):
+        SumFold([0.5], [3], [0], [7])
 
 
 # Pages of 1.5-8 KiB: the vector loops' 64- and 128-byte steps; pages of odd sizes

@@ -360,7 +360,7 @@ def test_a_planned_call_runs_later_bit_exact_and_only_on_its_copier(backend):
 _PLAN_EDITS = {
     **{f"set {name}": (lambda c, name=name: setattr(c, name, 0), AttributeError)
        for name in ("words", "packed", "total_bytes", "num_groups", "origin", "prefix_words", "group_lens",
-                    "src_flat", "dst_flat", "_fields", "anything")},
+                    "src_flat", "dst_flat", "num_blocks", "_fields", "anything")},
     "del _fields": (lambda c: delattr(c, "_fields"), AttributeError),
     "packed item": (lambda c: setitem(c.packed, 2 * (c.num_groups + 1) + 1, 10**9), ValueError),
     "packed writeable": (lambda c: setattr(c.packed.flags, "writeable", True), ValueError),

@@ -28,20 +28,22 @@ def test_every_injected_fault_is_caught_and_no_clean_pull_fails():
 
 
 def test_the_injector_sees_a_comparison_that_looks_away(monkeypatch):
-    """A comparison that passes everything: every fault is missed, none caught."""
-    monkeypatch.setattr(span_sums.ScatterCheck, "compare", lambda self, arrays: None)
+    """A comparison that passes everything: every fault is missed, none caught (D
+    names the pages that differ only once a comparison, in the copy's call or after
+    it, found them: naming none passes everything)."""
+    monkeypatch.setattr(span_sums.ScatterCheck, "differences", lambda self, arrays: None)
     report = inject.inject(20, seed=2)
     assert report.clean["compared"] == 20 and report.injected > 0
     assert sum(c["missed"] for c in report.faults.values()) == report.injected == report.failures
 
 
 def test_a_comparison_naming_other_pages_is_wrong(monkeypatch):
-    real = span_sums.ScatterCheck.compare
+    real = span_sums.ScatterCheck.differences
 
     def shifted(self, arrays):
         found = real(self, arrays)
         return found and found.replace("page position ", "page position 1")
-    monkeypatch.setattr(span_sums.ScatterCheck, "compare", shifted)
+    monkeypatch.setattr(span_sums.ScatterCheck, "differences", shifted)
     report = inject.inject(10, seed=3)
     assert sum(c["wrong"] for c in report.faults.values()) > 0
 

@@ -93,12 +93,19 @@ def named_pages(error):
 FAULTS = ["p_flip", "p_swap", "replay", "d_flip", "truncate"]
 
 
+@pytest.mark.parametrize("compared", ["in the copy's call", "after the copy"])
 @pytest.mark.parametrize("kind", ["hybrid", "hnd"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_fault_fails_exactly_its_request(pair, kind, fault, monkeypatch):
+def test_a_fault_fails_exactly_its_request(pair, kind, fault, compared, monkeypatch):
     """Requests A, B, C in flight together (E staged earlier, of the same shape); the
     fault hits B only. A and C land byte for byte and are checked; B fails naming pages
-    of its own, having written nothing outside its own pages."""
+    of its own, having written nothing outside its own pages. D compares in the
+    scatter's own host call (one copier on the ``cpu`` backend: no comparison after it),
+    or after it (several copiers, other backends)."""
+    if compared == "after the copy":
+        monkeypatch.setattr(span_sums, "scatter_fold", lambda plan, want: None)
+    else:
+        monkeypatch.setattr(span_sums.FoldPlan, "differs", lambda *a: pytest.fail("compared after the copy"))
     p, d, peer, pe, de = pair(kind)
     rng = np.random.default_rng(7)
     used_p, used_d = set(), set()
@@ -380,7 +387,8 @@ def test_compare_names_exactly_the_pages_that_differ(pair):
 
     def check(exp, want):
         return span_sums.ScatterCheck(layout, tuple(pos), tuple(zeros), tuple(exp), local, plan, want,
-                                      0 if want is None else span_sums._address(want))
+                                      0 if want is None else span_sums._address(want),
+                                      span_sums.scatter_fold(plan, want))
     assert check(expected, span_sums.matching_values(plan, expected)).compare(arrays) is None
     assert check(expected, None).compare(arrays) is None  # the per-group path agrees
     off = [e.copy() for e in expected]

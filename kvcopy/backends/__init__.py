@@ -84,6 +84,15 @@ class Backend:
         the call, on the copy's device; checked by the caller), stream-ordered."""
         raise NotImplementedError(self.checksum_reason(tables))
 
+    def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                                   fold_at: int) -> Optional[int]:
+        """``copy_with_checksums``, then, where this backend can do it in the same host
+        call, the fold at ``fold_at`` (a :class:`kvcopy.checksum.SumFold`'s block) of
+        ``out``: the count of values differing from the fold's ``want``. None where it
+        cannot: the copy and its sums are made, nothing is folded."""
+        self.copy_with_checksums(tables, call, out)
+        return None
+
 
 # name -> "module:Class", imported lazily.
 _REGISTRY = {

@@ -128,6 +128,7 @@ class CpuBackend(Backend):
         lib, self._why = native.load("kvcopy_cpu")
         self._lib: Any = lib
         self._sums: Any = None
+        self._sums_fold: Any = None
         self._loops = 0
         if lib is not None:
             self._loops = int(lib.kvcopy_cpu_sums_loops())
@@ -140,6 +141,9 @@ class CpuBackend(Backend):
             self._sums.restype = ctypes.c_int
             self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                                                        ctypes.c_int64, ctypes.c_int64]
+            self._sums_fold = lib.kvcopy_cpu_copy_sums_fold
+            self._sums_fold.restype = ctypes.c_int64
+            self._sums_fold.argtypes = self._sums.argtypes + [ctypes.c_void_p]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why
@@ -185,3 +189,15 @@ class CpuBackend(Backend):
             raise MemoryError(f"kvcopy_cpu_copy_sums: no memory for its threads' rows of {out.numel()} sums")
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy_sums failed with code {rc}")
+
+    def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                                   fold_at: int) -> Optional[int]:
+        """One C call (``kvcopy_cpu_copy_sums_fold``): the copy, its sums, their fold."""
+        _, entries, offsets, group_entries, groups, simd, stream, piece, threads = self.state(tables)
+        differ = self._sums_fold(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
+                                 out.data_ptr(), out.numel(), simd, stream, piece, fold_at)
+        if differ == -2:  # nothing written
+            raise MemoryError(f"kvcopy_cpu_copy_sums_fold: no memory for its threads' rows of {out.numel()} sums")
+        if differ < 0:  # nothing written
+            raise ValueError(f"kvcopy_cpu_copy_sums_fold: the fold gathers outside the call's {out.numel()} sums")
+        return differ

@@ -23,6 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..checksum import SumFold
 from ..copier import BlockCopier, CallPlan
 from .pack_order import Unit
 
@@ -92,6 +93,15 @@ class SpanCopiers:
         (:mod:`kvcopy.nixl.span_sums`), or None."""
         for k, (copier, call) in enumerate(zip(self.copiers, calls)):
             copier.run(direction, call, None if sums is None else sums[k])
+
+    def run_and_fold(self, direction: str, calls: Sequence[CallPlan], sums: Sequence[torch.Tensor],
+                     fold: SumFold) -> Optional[int]:
+        """One copier's call with its sums folded by ``fold`` in the same host call where
+        the backend can (:meth:`~kvcopy.copier.BlockCopier.run_and_fold`): the count of
+        values that differ, or None (copied and summed, not folded)."""
+        if len(self.copiers) != 1 or len(calls) != 1 or len(sums) != 1:
+            raise ValueError(f"run_and_fold: one copier's call, got {len(self.copiers)} copiers, {len(calls)} calls")
+        return self.copiers[0].run_and_fold(direction, calls[0], sums[0], fold)
 
     def close(self) -> None:
         for c in self.copiers:

@@ -9,7 +9,7 @@ inside the staged block: the same bytes staged on both sides sum alike.
 
 Data layout
 -----------
-Per copier, the sums tensor is int64 ``[len(call.src_flat)]``: the copier's triples in
+Per copier, the sums tensor is int64 ``[call.num_blocks]``: the copier's triples in
 its order, each with its pages in call order (P: the page positions P holds; D: the
 positions D reads, then the pages D zeroes from the zero granule, never compared).
 Folded per KV cache group ``g`` and page position ``k`` (uint64, mod 2^64)::
@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ..backends import native
-from ..checksum import MIX1, MIX2, POSITION_MUL, mix64
+from ..checksum import MIX1, MIX2, POSITION_MUL, SumFold, mix64
 from ..copier import CallPlan
 from ..tables import RUN_BYTES
 from .record import LAYOUT_HEX, PageSums, StagedRequest
@@ -332,6 +332,7 @@ class ScatterCheck(NamedTuple):
     plan: FoldPlan  # the layout's fold plan for these positions
     want: Optional[np.ndarray]  # plan.values() of a match, or None where no fold can match
     want_at: int  # want's address (0 when None)
+    fold: Optional[SumFold]  # plan and want for the copy's own host call (one copier), else None
 
     def compare(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
         """None if every page D read sums as P's did, else the message naming those
@@ -340,6 +341,11 @@ class ScatterCheck(NamedTuple):
         mismatch folds per group to name the pages."""
         if self.want is not None and not self.plan.differs(arrays, self.want, self.want_at):
             return None
+        return self.differences(arrays)
+
+    def differences(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
+        """The message naming the pages whose values differ from P's (None if none do):
+        a fold per group, made once a comparison has found a difference."""
         got = self.plan.per_group(self.plan.values(arrays))
         bad = [(g, int(self.positions[g][i]), self.local_pages[g][i])
                for g in range(len(got)) for i in np.flatnonzero(got[g] != self.expected[g]).tolist()]
@@ -388,7 +394,16 @@ def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
     want = matching_values(plan, [e for _, e in expected])
     return ScatterCheck(layout, tuple(p for p, _ in expected), tuple(int(z) for z in zero_counts),
                         tuple(e for _, e in expected), tuple(tuple(p) for p in local_pages), plan,
-                        want, 0 if want is None else _address(want)), None
+                        want, 0 if want is None else _address(want), scatter_fold(plan, want)), None
+
+
+def scatter_fold(plan: FoldPlan, want: Optional[np.ndarray]) -> Optional[SumFold]:
+    """The :class:`~kvcopy.checksum.SumFold` a one-copier scatter's call compares with
+    (``plan``'s gather, bounds and starts, ``want``), or None: several copiers (their
+    sums are joined first), or no value can match."""
+    if want is None or len(plan.sizes) != 1:
+        return None
+    return SumFold(plan.gather, plan.bounds, plan.starts, want)
 
 
 def matching_values(plan: FoldPlan, expected: Sequence[np.ndarray]) -> Optional[np.ndarray]:
@@ -414,6 +429,7 @@ class ArenaSums:
     def __init__(self, on: bool, device: torch.device):
         self.on = bool(on)
         self.device = device
+        self._on_cuda = device.type == "cuda"  # a bool: torch.device.type took 15-20 us cold after a copy
         self.stats = SumStats()
         self._layouts: Dict[Tuple[str, str], SumLayout] = {}
         # CPU: the sums tensors of each call shape and their host arrays, made once and
@@ -448,9 +464,9 @@ class ArenaSums:
     def _sums_outs(self, calls: Sequence[CallPlan]) -> Tuple[List[torch.Tensor], Optional[Readback]]:
         """Sums tensors for ``calls``: on CUDA new ones (read back later), on CPU the
         ones of this call shape, reused, with their host arrays."""
-        if self.device.type == "cuda":
-            return [torch.empty(len(c.src_flat), dtype=torch.int64, device=self.device) for c in calls], None
-        sizes = tuple(len(c.src_flat) for c in calls)
+        if self._on_cuda:
+            return [torch.empty(c.num_blocks, dtype=torch.int64, device=self.device) for c in calls], None
+        sizes = tuple(c.num_blocks for c in calls)
         found = self._outs.get(sizes)
         if found is None:
             outs = [torch.empty(n, dtype=torch.int64, device=self.device) for n in sizes]
@@ -490,7 +506,12 @@ class ArenaSums:
             self.stats.unchecked()
             return None
         outs, host = self._sums_outs(calls)
-        cps.run("h2d", calls, outs)
+        if host is not None and check.fold is not None:
+            differ = cps.run_and_fold("h2d", calls, outs, check.fold)
+            if differ is not None:  # compared in the copy's call: only a mismatch folds again, to name pages
+                return SumCheck.made(check.differences(host.arrays()) if differ else None, self.stats)
+        else:
+            cps.run("h2d", calls, outs)
         result = SumCheck(host or Readback(outs), check.compare, self.stats)
         if host is not None:
             result.result()
