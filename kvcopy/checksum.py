@@ -288,24 +288,33 @@ class SumFold:
     _at: int
 
     def __init__(self, gather, bounds, starts, want):
-        arrays = []
-        for name, a, dtype in (("gather", gather, np.int64), ("bounds", bounds, _U64), ("starts", starts, np.int64),
-                               ("want", want, _U64)):
-            a = np.asarray(a)
-            if a.ndim != 1 or a.dtype.kind not in "iu":
-                raise TypeError(f"SumFold: {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
-            a = np.array(a, dtype=dtype, copy=True)
-            a.setflags(write=False)
-            arrays.append(a)
-        g, b, st, w = arrays
+        g, b, st, w = (_int_array(name, a, dtype) for name, a, dtype in
+                       (("gather", gather, np.int64), ("bounds", bounds, _U64), ("starts", starts, np.int64),
+                        ("want", want, _U64)))
         if len(b) != len(g) or len(w) != len(st):
             raise ValueError(f"SumFold: {len(g)} gather indices with {len(b)} bounds, {len(st)} segments with "
                              f"{len(w)} wanted values")
         if len(st) and (st[0] < 0 or (np.diff(st) < 0).any() or st[-1] > len(g)):
             raise ValueError(f"SumFold: segment starts must rise within the {len(g)} gathered sums")
+        self._set((g, b, st, w))
+
+    def wanting(self, want) -> "SumFold":
+        """The same fold compared with other values: only ``want`` is copied (the
+        arena's D makes one per request, each with that request's values from P; its
+        gather, bounds and starts are shared by every request reading the same pages)."""
+        w = _int_array("want", want, _U64)
+        g, b, st, _ = self._arrays
+        if len(w) != len(st):
+            raise ValueError(f"SumFold: {len(st)} segments with {len(w)} wanted values")
+        fold = SumFold.__new__(SumFold)
+        fold._set((g, b, st, w))
+        return fold
+
+    def _set(self, arrays: Tuple[np.ndarray, ...]) -> None:
+        g, b, st, w = arrays
         block = np.array([_address(g), _address(b), len(g), _address(st), len(st), 0, _address(w)], np.int64)
         block.setflags(write=False)
-        object.__setattr__(self, "_arrays", tuple(arrays))
+        object.__setattr__(self, "_arrays", arrays)
         object.__setattr__(self, "_block", block)
         object.__setattr__(self, "_at", _address(block))
 
@@ -335,6 +344,16 @@ class SumFold:
 
 def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
+
+
+def _int_array(name: str, a, dtype) -> np.ndarray:
+    """A read-only copy of the 1-D integer array ``a`` as ``dtype``."""
+    a = np.asarray(a)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise TypeError(f"SumFold: {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
+    a = np.array(a, dtype=dtype, copy=True)
+    a.setflags(write=False)
+    return a
 
 
 # ---------------------------------------------------------------- host side

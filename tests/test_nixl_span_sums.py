@@ -403,7 +403,7 @@ def test_compare_names_exactly_the_pages_that_differ(pair):
 def test_nothing_matches_where_a_group_without_sums_expects_a_value():
     """A group with no triple on D folds to zeros: P's nonzero value there cannot match."""
     plan = span_sums.FoldPlan((2,), np.zeros(2, np.int64), np.zeros(2, np.uint64), np.array([0, 1], np.int64),
-                              ((0, 2, True), (2, 3, False)), (0, 0, 0))
+                              ((0, 2, True), (2, 3, False)), (0, 0, 0), None)
     zero = [np.array([7, 8], np.uint64), np.zeros(1, np.uint64)]
     assert list(span_sums.matching_values(plan, zero)) == [7, 8]
     assert span_sums.matching_values(plan, [zero[0], np.ones(1, np.uint64)]) is None

@@ -155,7 +155,8 @@ class SumLayout:
             gathered += idx.size
         g, b, v = (_read_only(_joined(gather, np.int64)), _read_only(_joined(bounds, np.uint64)),
                    _read_only(_joined(value_starts, np.int64)))
-        return FoldPlan(tuple(sizes), g, b, v, tuple(spans), (_address(g), _address(b), _address(v)))
+        fold = SumFold(g, b, v, np.zeros(len(v), np.uint64)) if len(sizes) == 1 else None
+        return FoldPlan(tuple(sizes), g, b, v, tuple(spans), (_address(g), _address(b), _address(v)), fold)
 
 
 class FoldPlan(NamedTuple):
@@ -170,6 +171,9 @@ class FoldPlan(NamedTuple):
     # The addresses of gather, bounds and starts for kvcopy_fold_page_sums: derived, kept
     # so the call after a copy reads no array interface (made by SumLayout._fold_plan alone).
     at: Tuple[int, int, int]
+    # The same fold for the copy's own host call, wanting zeros (one copier only; else None):
+    # each request's check takes it with that request's values (SumFold.wanting).
+    fold: Optional[SumFold]
 
     def values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """The folded values of the groups with sums, end to end (group, then position):
@@ -401,9 +405,9 @@ def scatter_fold(plan: FoldPlan, want: Optional[np.ndarray]) -> Optional[SumFold
     """The :class:`~kvcopy.checksum.SumFold` a one-copier scatter's call compares with
     (``plan``'s gather, bounds and starts, ``want``), or None: several copiers (their
     sums are joined first), or no value can match."""
-    if want is None or len(plan.sizes) != 1:
+    if want is None or plan.fold is None:
         return None
-    return SumFold(plan.gather, plan.bounds, plan.starts, want)
+    return plan.fold.wanting(want)
 
 
 def matching_values(plan: FoldPlan, expected: Sequence[np.ndarray]) -> Optional[np.ndarray]:
