@@ -244,9 +244,16 @@ def check_output(out, num_blocks: int, device: torch.device) -> None:
         raise TypeError(f"checksums must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != torch.int64:
         raise TypeError(f"checksums must be an int64 tensor (the sums' bits), got {out.dtype}")
-    if out.dim() != 1 or out.numel() != num_blocks or not out.is_contiguous():
+    if out.shape != (num_blocks,) or not out.is_contiguous():
         raise ValueError(f"checksums must be a contiguous 1-D tensor of {num_blocks} elements (one per "
                          f"block of the call), got shape {tuple(out.shape)}")
+    # Few tensor attributes read: this runs per checksummed call, and right after a copy
+    # that swept the caches each read cost 3-10 us (out.device and the two device
+    # normalizations 20 us; scratch timing of the arena's complete, 6 MiB, not saved).
+    if device.type == "cpu":
+        if not out.is_cpu:
+            raise ValueError(f"checksums must be on the copy's device cpu, got {out.device}")
+        return
     want, got = _indexed(device), _indexed(out.device)
     if got != want:
         raise ValueError(f"checksums must be on the copy's device {want}, got {out.device}")

@@ -243,6 +243,8 @@ def _api_copier(backend="cpu", **kw):
     ([0] * 6, TypeError, "torch.Tensor"),
     (torch.zeros(6, dtype=torch.float64), TypeError, "int64"),
     (torch.zeros(5, dtype=torch.int64), ValueError, "6 elements"),
+    (torch.zeros(6, 1, dtype=torch.int64), ValueError, "1-D tensor of 6"),
+    (torch.zeros(3, 2, dtype=torch.int64), ValueError, "1-D tensor of 6"),
     (torch.zeros(6, 2, dtype=torch.int64)[:, 0], ValueError, "contiguous"),
     (torch.zeros(6, dtype=torch.int64, device="meta"), ValueError, "device"),
 ])
