@@ -237,9 +237,10 @@ def table_checksums(tables: CopyTables, call: CallPlan) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- the output tensor
-def check_output(out, num_blocks: int, device: torch.device) -> None:
+def check_output(out, num_blocks: int, device: torch.device, on_cpu: Optional[bool] = None) -> None:
     """``TypeError``/``ValueError`` unless ``out`` can receive a call's checksums:
-    an int64 tensor of ``num_blocks`` contiguous elements on ``device``."""
+    an int64 tensor of ``num_blocks`` contiguous elements on ``device`` (``on_cpu``:
+    whether that is the CPU, when the caller knows it)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"checksums must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != torch.int64:
@@ -247,10 +248,10 @@ def check_output(out, num_blocks: int, device: torch.device) -> None:
     if out.shape != (num_blocks,) or not out.is_contiguous():
         raise ValueError(f"checksums must be a contiguous 1-D tensor of {num_blocks} elements (one per "
                          f"block of the call), got shape {tuple(out.shape)}")
-    # Few tensor attributes read: this runs per checksummed call, and right after a copy
-    # that swept the caches each read cost 3-10 us (out.device and the two device
-    # normalizations 20 us; scratch timing of the arena's complete, 6 MiB, not saved).
-    if device.type == "cpu":
+    # Few attributes read: this runs per checksummed call, and right after a copy that
+    # swept the caches each tensor attribute cost 3-10 us, a torch.device's type 15-20 us
+    # (scratch timing of the arena's complete, 6 MiB, not saved).
+    if on_cpu if on_cpu is not None else device.type == "cpu":
         if not out.is_cpu:
             raise ValueError(f"checksums must be on the copy's device cpu, got {out.device}")
         return
