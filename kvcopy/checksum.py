@@ -284,16 +284,18 @@ class SumFold:
     ``gather``). With ``bounds = mix64(position * POSITION_MUL)`` each term is
     :func:`seal`'s with seed 0, so a value is :func:`fold` of the sealed sums it gathers
     (kvcopy's arena folds its page sums so, :mod:`kvcopy.nixl.span_sums`). ``want``:
-    the values a match gives, one per segment.
+    the values a match gives, one per segment; :meth:`collecting` makes the same fold
+    that writes its values out instead of comparing them.
 
-    Made once and immutable: the arrays are copied, read-only, and kept alive with the
-    one int64 block of their addresses the library reads; the library re-checks every
-    index against the call's sums at each call, and nothing here can be re-pointed."""
+    Immutable: the arrays are copied, read-only, and kept alive with the one int64
+    block of their addresses the library reads; the library re-checks every index
+    against the call's sums at each call, and nothing here can be re-pointed."""
 
-    __slots__ = ("_arrays", "_block", "_at")
+    __slots__ = ("_arrays", "_block", "_at", "_values")
     _arrays: Tuple[np.ndarray, ...]
     _block: np.ndarray
     _at: int
+    _values: Optional[np.ndarray]
 
     def __init__(self, gather, bounds, starts, want):
         g, b, st, w = (_int_array(name, a, dtype) for name, a, dtype in
@@ -318,10 +320,28 @@ class SumFold:
         fold._set((g, b, st, w))
         return fold
 
-    def _set(self, arrays: Tuple[np.ndarray, ...]) -> None:
+    def collecting(self) -> "SumFold":
+        """The same fold, compared with nothing: the library writes the values into
+        :attr:`values`, this fold's own array (the arena's P records its pack's values
+        so; make one per call)."""
+        g, b, st, _ = self._arrays
+        fold = SumFold.__new__(SumFold)
+        fold._set((g, b, st, np.zeros(0, _U64)), np.zeros(len(st), _U64))
+        return fold
+
+    @property
+    def values(self) -> Optional[np.ndarray]:
+        """A collecting fold's values, written by the library's last fold (zeros before
+        one); None for a fold compared with ``want``."""
+        return self._values
+
+    def _set(self, arrays: Tuple[np.ndarray, ...], values: Optional[np.ndarray] = None) -> None:
         g, b, st, w = arrays
-        block = np.array([_address(g), _address(b), len(g), _address(st), len(st), 0, _address(w)], np.int64)
+        block = np.array([_address(g), _address(b), len(g), _address(st), len(st),
+                          0 if values is None else _address(values), 0 if values is not None else _address(w)],
+                         np.int64)
         block.setflags(write=False)
+        object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_arrays", arrays)
         object.__setattr__(self, "_block", block)
         object.__setattr__(self, "_at", _address(block))
@@ -334,17 +354,21 @@ class SumFold:
         """The address of the block ``kvcopy_cpu_copy_sums_fold`` reads (fold[7])."""
         return self._at
 
-    def differ(self, sums: np.ndarray) -> int:
-        """The oracle of the library's fold: how many values of ``sums`` (the call's,
-        uint64) differ from ``want``."""
-        g, b, st, w = self._arrays
+    def values_of(self, sums: np.ndarray) -> np.ndarray:
+        """The oracle of the library's fold: the values of ``sums`` (the call's, uint64)."""
+        g, b, st, _ = self._arrays
         s = np.asarray(sums, dtype=_U64)
         if len(g) and (g.min() < 0 or g.max() >= len(s)):
             raise ValueError(f"SumFold: a gather index outside the call's {len(s)} sums")
         with np.errstate(over="ignore"):
             ends = np.cumsum(np.concatenate([np.zeros(1, _U64), mix64(s[g] ^ b)]), dtype=_U64)
-            values = ends[np.append(st[1:], len(g))] - ends[st]  # wraps mod 2^64 as the sums do
-        return int((values != w).sum())
+            return ends[np.append(st[1:], len(g))] - ends[st]  # wraps mod 2^64 as the sums do
+
+    def differ(self, sums: np.ndarray) -> int:
+        """The oracle of the library's count: how many values of ``sums`` differ from ``want``."""
+        if self._values is not None:
+            raise ValueError("SumFold: a collecting fold compares nothing")
+        return int((self.values_of(sums) != self._arrays[3]).sum())
 
     def __repr__(self) -> str:
         return f"SumFold({len(self._arrays[0])} sums into {len(self._arrays[2])} values)"

@@ -242,7 +242,8 @@ def _random_fold(sums: np.ndarray, rng, segments: int):
 def test_a_fold_in_the_copys_call_counts_what_differs(backend, case, direction):
     """run_and_fold: the bytes and sums of run(), and, on ``cpu``, in the same host call,
     the count of folded values that differ from the fold's want (one flipped bit in any
-    value found); backends that cannot fold in the call return None, having copied."""
+    value found), or a collecting fold's values; backends that cannot fold in the call
+    return None, having copied."""
     check = prepare_check(backend, case, direction)
     call = check.copier.plan(direction, check.dev_ids, check.host_ids)
     want_sums = oracle(check, case, direction)
@@ -260,6 +261,14 @@ def test_a_fold_in_the_copys_call_counts_what_differs(backend, case, direction):
         assert np.array_equal(got, want_sums), f"{check.label}: sums differ from the oracle"
         assert fold.differ(got) == (k is not None)  # the numpy oracle of the count
         assert differ == (None if backend != "cpu" else int(k is not None))
+    collect = SumFold(gather, bounds, starts, values).collecting()  # values written out, nothing compared
+    out = torch.full((call.num_blocks,), POISON_SUM, dtype=torch.int64)
+    assert check.copier.run_and_fold(direction, call, out, collect) == (None if backend != "cpu" else 0)
+    check.assert_matches()
+    assert np.array_equal(collect.values_of(out.numpy().view(np.uint64)), values)
+    assert np.array_equal(collect.values, values if backend == "cpu" else np.zeros(len(values), np.uint64))
+    with pytest.raises(ValueError, match="compares nothing"):
+        collect.differ(want_sums)
     assert call.num_blocks == len(call.src_flat) == sum(call.group_lens)
     check.copier.close()
 

@@ -200,6 +200,36 @@ def test_clean_pulls_are_checked_with_prefix_hits_and_holes(pair, kind):
     assert d.stats()["checksum_checked"] == 3
 
 
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("kind", ["hybrid", "hnd"])
+def test_p_folds_in_the_copys_call_as_after_it(pair, kind, holes, monkeypatch):
+    """P's save folds its pack's sums in the copy's own host call (one copier on
+    ``cpu``: no fold after the copy) into the record's values the fold after the copy
+    gives, holes (sliding-window pages P lacks) at 0."""
+    p, _, _, pe, _ = pair(kind)
+    rng = np.random.default_rng(5)
+    p_ids = allocate_blocks(rng, pe, block_counts(kind), set(), NP)
+    if holes:
+        p_ids[-1][:2] = [-1, -1]
+    with monkeypatch.context() as m:
+        m.setattr(span_sums.FoldPlan, "values", lambda *a: pytest.fail("folded after the copy"))
+        record = p.save(p_ids, num_tokens=N, request_id="x")
+    (outs, host), = p.arena.sums._outs.values()  # the pack's sums, as the copy left them
+    layout = p.arena.sums.layout(p.arena.span_copiers(p.arena.order), p.arena.order, p.info.tokens_per_page, "d2h")
+    info = p.info
+    counts = [-(-N // t) for t in info.tokens_per_page]
+    positions = []
+    for g, ids in enumerate(p_ids):
+        pages = np.repeat(np.asarray(ids, np.int64), info.tokens_per_block[g] // info.tokens_per_page[g])[:counts[g]]
+        positions.append(np.flatnonzero(pages != -1))
+    assert holes == any(len(q) < c for q, c in zip(positions, counts))
+    after = span_sums.page_sums(layout, host.arrays(), positions, counts)
+    assert record.sums == after and any(v.any() for v in map(record.sums.values, range(len(counts))))
+    for g, q in enumerate(positions):  # the holes' values are 0, the others not
+        v = record.sums.values(g)
+        assert not np.delete(v, q).any() and v[q].all()
+
+
 @pytest.mark.parametrize("off", ["p", "d"])
 def test_the_switch_off_on_either_side_leaves_requests_unchecked(pair, off):
     p, d, peer, pe, de = pair("hybrid", {"checksum": off != "p"}, {"checksum": off != "d"})

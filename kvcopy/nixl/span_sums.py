@@ -282,12 +282,15 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- P
 def page_sums(layout: SumLayout, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
-              counts: Sequence[int]) -> PageSums:
-    """The record's sums: per group one value per page position (0 for a hole)."""
+              counts: Sequence[int], folded: Optional[np.ndarray] = None) -> PageSums:
+    """The record's sums: per group one value per page position (0 for a hole);
+    ``folded``: the fold plan's values where the copy's call made them already."""
+    plan = layout.fold_plan(positions)
     values = []
-    for g, folded in enumerate(layout.fold(arrays, positions)):
-        v = np.zeros(counts[g], np.uint64)
-        v[np.asarray(positions[g], np.int64)] = folded
+    for g, v in enumerate(plan.per_group(plan.values(arrays) if folded is None else folded)):
+        if len(positions[g]) != counts[g]:  # holes (sorted distinct positions, fewer than counts[g])
+            v, held = np.zeros(counts[g], np.uint64), v
+            v[np.asarray(positions[g], np.int64)] = held
         values.append(v)
     return PageSums.of(layout.fingerprint, values)
 
@@ -298,12 +301,13 @@ class PendingRecord(PendingResult):
     if it has not ended, and gives the :class:`~kvcopy.nixl.record.StagedRequest`."""
 
     def __init__(self, record: StagedRequest, readback: Readback, layout: SumLayout,
-                 positions: Sequence[np.ndarray], counts: Sequence[int]):
+                 positions: Sequence[np.ndarray], counts: Sequence[int], folded: Optional[np.ndarray] = None):
         self._record = record
         self._readback = readback
         self._layout = layout
         self._positions = positions
         self._counts = counts
+        self._folded = folded
         self._done: Optional[StagedRequest] = None
 
     @property
@@ -315,7 +319,7 @@ class PendingRecord(PendingResult):
 
     def result(self) -> StagedRequest:
         if self._done is None:
-            sums = page_sums(self._layout, self._readback.arrays(), self._positions, self._counts)
+            sums = page_sums(self._layout, self._readback.arrays(), self._positions, self._counts, self._folded)
             self._done = self._record.with_sums(sums)
         return self._done
 
@@ -455,15 +459,23 @@ class ArenaSums:
         return found
 
     # P
-    def pack(self, cps: SpanCopiers, calls: Sequence[CallPlan]
-             ) -> Optional[Tuple[List[torch.Tensor], Optional[Readback]]]:
-        """Run P's pack; its sums tensors and (CPU) their host arrays, None when off."""
+    def pack(self, cps: SpanCopiers, calls: Sequence[CallPlan], layout: SumLayout, positions: Sequence[np.ndarray]
+             ) -> Optional[Tuple[List[torch.Tensor], Optional[Readback], Optional[np.ndarray]]]:
+        """Run P's pack; its sums tensors, (CPU) their host arrays, and the values folded
+        in the copy's own host call where it could (one copier on ``cpu``); None when off."""
         if not self.on:
             cps.run("d2h", calls)
             return None
-        sums = self._sums_outs(calls)
-        cps.run("d2h", calls, sums[0])
-        return sums
+        outs, host = self._sums_outs(calls)
+        if host is not None:
+            fold = layout.fold_plan(positions).fold
+            if fold is not None:
+                fold = fold.collecting()
+                if cps.run_and_fold("d2h", calls, outs, fold) is not None:
+                    return outs, host, fold.values
+                return outs, host, None
+        cps.run("d2h", calls, outs)
+        return outs, host, None
 
     def _sums_outs(self, calls: Sequence[CallPlan]) -> Tuple[List[torch.Tensor], Optional[Readback]]:
         """Sums tensors for ``calls``: on CUDA new ones (read back later), on CPU the
@@ -480,14 +492,15 @@ class ArenaSums:
         return found
 
     def record(self, record: StagedRequest, layout: SumLayout,
-               sums: Optional[Tuple[List[torch.Tensor], Optional[Readback]]],
+               sums: Optional[Tuple[List[torch.Tensor], Optional[Readback], Optional[np.ndarray]]],
                positions: Sequence[np.ndarray], counts: Sequence[int]):
         """``record`` with P's sums (``pack``'s), or a :class:`PendingRecord` while they
-        are on a GPU. On CPU folded now: the next call reuses the tensors."""
+        are on a GPU. On CPU folded now (if the copy's call did not): the next call
+        reuses the tensors."""
         if sums is None:
             return record
-        outs, host = sums
-        pending = PendingRecord(record, host or Readback(outs), layout, positions, counts)
+        outs, host, values = sums
+        pending = PendingRecord(record, host or Readback(outs), layout, positions, counts, values)
         return pending if host is None else pending.result()
 
     # D

@@ -279,7 +279,7 @@ class ArenaStaging(BufferMode):
             # every copy is checked before the first moves, and planned once
             calls = cps.plan("d2h", cps.ids(span.offset, segs, counts, [p[k] for p, k in zip(pages, positions)],
                                             positions))
-            sums = self.sums.pack(cps, calls)
+            sums = self.sums.pack(cps, calls, layout, positions)
         except Exception:
             self.arena.free(span)
             raise
