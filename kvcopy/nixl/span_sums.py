@@ -35,12 +35,15 @@ position it reads. Pages D does not read (prefix hits, holes) and pages it zeroe
 not compared: no byte of them crossed. Different page sizes, TP slices, group plans or
 in-page layouts fail the fingerprint or the row test: such requests are unchecked.
 
-Cost: P and D each fold ``blocks`` sums on the host (two ``mix64`` per block: one call of
-the host library's ``kvcopy_fold_page_sums``, numpy without it), and on CUDA one
-device-to-host copy of the sums (:class:`~kvcopy.nixl.sum_check.Readback`). On CPU the
-sums tensors of a call shape are made once and reused, and D compares before
-``complete`` returns; after a 6 MiB copy has swept the caches each torch or numpy call
-costs 15-20x its warm time, so the fewer the better.
+Cost: P and D each fold ``blocks`` sums on the host (two ``mix64`` per block), and on
+CUDA one device-to-host copy of the sums (:class:`~kvcopy.nixl.sum_check.Readback`).
+After a 6 MiB copy has swept the caches each torch or numpy call costs 15-20x its warm
+time, so on CPU the path after the copy makes as few as it can: the sums tensors of a
+call shape are made once and reused (D compares before ``complete`` returns, P folds
+before ``save`` returns), and with one span copier on the ``cpu`` backend the fold (P)
+and the fold and comparison (D) run inside the copy's own C call
+(:class:`~kvcopy.checksum.SumFold`, ``kvcopy_cpu_copy_sums_fold``); otherwise one call
+of the host library's ``kvcopy_fold_page_sums`` after it (numpy without the library).
 """
 from __future__ import annotations
 
