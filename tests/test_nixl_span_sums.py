@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvcopy.backends import Backend
+from kvcopy.backends.cpu import CpuBackend
 from kvcopy.checksum import seal
 from kvcopy.nixl import TransferManager
 from kvcopy.nixl.options import ManagerOptions
@@ -93,7 +95,18 @@ def named_pages(error):
 FAULTS = ["p_flip", "p_swap", "replay", "d_flip", "truncate"]
 
 
-@pytest.mark.parametrize("compared", ["in the copy's call", "after the copy"])
+def fold_after_the_copy(monkeypatch, how):
+    """Make P and D fold after the copy: as with several copiers (no fold for the
+    copy's call), or as with a backend that cannot fold in its call (it copies and
+    sums, returning None)."""
+    if how == "no fold":
+        monkeypatch.setattr(span_sums, "scatter_fold", lambda plan, want: None)
+        monkeypatch.setattr(span_sums.FoldPlan, "fold", None)
+    else:
+        monkeypatch.setattr(CpuBackend, "copy_with_checksums_folded", Backend.copy_with_checksums_folded)
+
+
+@pytest.mark.parametrize("compared", ["in the copy's call", "no fold", "backend cannot fold"])
 @pytest.mark.parametrize("kind", ["hybrid", "hnd"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_fails_exactly_its_request(pair, kind, fault, compared, monkeypatch):
@@ -102,10 +115,10 @@ def test_a_fault_fails_exactly_its_request(pair, kind, fault, compared, monkeypa
     of its own, having written nothing outside its own pages. D compares in the
     scatter's own host call (one copier on the ``cpu`` backend: no comparison after it),
     or after it (several copiers, other backends)."""
-    if compared == "after the copy":
-        monkeypatch.setattr(span_sums, "scatter_fold", lambda plan, want: None)
-    else:
+    if compared == "in the copy's call":
         monkeypatch.setattr(span_sums.FoldPlan, "differs", lambda *a: pytest.fail("compared after the copy"))
+    else:
+        fold_after_the_copy(monkeypatch, compared)
     p, d, peer, pe, de = pair(kind)
     rng = np.random.default_rng(7)
     used_p, used_d = set(), set()
@@ -200,19 +213,24 @@ def test_clean_pulls_are_checked_with_prefix_hits_and_holes(pair, kind):
     assert d.stats()["checksum_checked"] == 3
 
 
+@pytest.mark.parametrize("folded", ["in the copy's call", "no fold", "backend cannot fold"])
 @pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("kind", ["hybrid", "hnd"])
-def test_p_folds_in_the_copys_call_as_after_it(pair, kind, holes, monkeypatch):
+def test_p_folds_in_the_copys_call_as_after_it(pair, kind, holes, folded, monkeypatch):
     """P's save folds its pack's sums in the copy's own host call (one copier on
     ``cpu``: no fold after the copy) into the record's values the fold after the copy
-    gives, holes (sliding-window pages P lacks) at 0."""
+    gives, holes (sliding-window pages P lacks) at 0; the fold after the copy (several
+    copiers, other backends) gives the same record."""
     p, _, _, pe, _ = pair(kind)
     rng = np.random.default_rng(5)
     p_ids = allocate_blocks(rng, pe, block_counts(kind), set(), NP)
     if holes:
         p_ids[-1][:2] = [-1, -1]
     with monkeypatch.context() as m:
-        m.setattr(span_sums.FoldPlan, "values", lambda *a: pytest.fail("folded after the copy"))
+        if folded == "in the copy's call":
+            m.setattr(span_sums.FoldPlan, "values", lambda *a: pytest.fail("folded after the copy"))
+        else:
+            fold_after_the_copy(m, folded)
         record = p.save(p_ids, num_tokens=N, request_id="x")
     (outs, host), = p.arena.sums._outs.values()  # the pack's sums, as the copy left them
     layout = p.arena.sums.layout(p.arena.span_copiers(p.arena.order), p.arena.order, p.info.tokens_per_page, "d2h")
