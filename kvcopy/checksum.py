@@ -287,15 +287,17 @@ class SumFold:
     the values a match gives, one per segment; :meth:`collecting` makes the same fold
     that writes its values out instead of comparing them.
 
-    Immutable: the arrays are copied, read-only, and kept alive with the one int64
-    block of their addresses the library reads; the library re-checks every index
-    against the call's sums at each call, and nothing here can be re-pointed."""
+    Immutable: the arrays are copied into ``bytes`` (numpy refuses to make a view of
+    ``bytes`` writable), as is the block of their addresses and lengths the library
+    reads; a collecting fold's values live in a ``bytearray`` its view cannot resize;
+    attributes can be neither set nor deleted. The library re-checks every index
+    against the call's sums at each call."""
 
     __slots__ = ("_arrays", "_block", "_at", "_values")
-    _arrays: Tuple[np.ndarray, ...]
-    _block: np.ndarray
-    _at: int
-    _values: Optional[np.ndarray]
+    _arrays: Tuple[np.ndarray, ...]  # gather, bounds, starts, want: views of bytes
+    _block: np.ndarray  # the library's fold[7], a view of bytes
+    _at: int  # its address
+    _values: Optional[np.ndarray]  # a collecting fold's values: a view of a bytearray
 
     def __init__(self, gather, bounds, starts, want):
         g, b, st, w = (_int_array(name, a, dtype) for name, a, dtype in
@@ -326,7 +328,7 @@ class SumFold:
         so; make one per call)."""
         g, b, st, _ = self._arrays
         fold = SumFold.__new__(SumFold)
-        fold._set((g, b, st, np.zeros(0, _U64)), np.zeros(len(st), _U64))
+        fold._set((g, b, st, _int_array("want", [], _U64)), np.frombuffer(bytearray(8 * len(st)), _U64))
         return fold
 
     @property
@@ -337,16 +339,18 @@ class SumFold:
 
     def _set(self, arrays: Tuple[np.ndarray, ...], values: Optional[np.ndarray] = None) -> None:
         g, b, st, w = arrays
-        block = np.array([_address(g), _address(b), len(g), _address(st), len(st),
-                          0 if values is None else _address(values), 0 if values is not None else _address(w)],
-                         np.int64)
-        block.setflags(write=False)
+        block = np.frombuffer(np.array([_address(g), _address(b), len(g), _address(st), len(st),
+                                        0 if values is None else _address(values),
+                                        0 if values is not None else _address(w)], np.int64).tobytes(), np.int64)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_arrays", arrays)
         object.__setattr__(self, "_block", block)
         object.__setattr__(self, "_at", _address(block))
 
     def __setattr__(self, name, value):
+        raise AttributeError("SumFold is immutable")
+
+    def __delattr__(self, name):
         raise AttributeError("SumFold is immutable")
 
     @property
@@ -379,13 +383,11 @@ def _address(a: np.ndarray) -> int:
 
 
 def _int_array(name: str, a, dtype) -> np.ndarray:
-    """A read-only copy of the 1-D integer array ``a`` as ``dtype``."""
+    """The 1-D integer array ``a`` as ``dtype``, copied into ``bytes``: read-only for good."""
     a = np.asarray(a)
-    if a.ndim != 1 or a.dtype.kind not in "iu":
+    if a.ndim != 1 or (a.dtype.kind not in "iu" and len(a)):
         raise TypeError(f"SumFold: {name} must be a 1-D integer array, got {a.dtype} of shape {a.shape}")
-    a = np.array(a, dtype=dtype, copy=True)
-    a.setflags(write=False)
-    return a
+    return np.frombuffer(a.astype(dtype).tobytes(), dtype)
 
 
 # ---------------------------------------------------------------- host side

@@ -199,5 +199,6 @@ class CpuBackend(Backend):
         if differ == -2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums_fold: no memory for its threads' rows of {out.numel()} sums")
         if differ < 0:  # nothing written
-            raise ValueError(f"kvcopy_cpu_copy_sums_fold: the fold gathers outside the call's {out.numel()} sums")
+            raise ValueError(f"kvcopy_cpu_copy_sums_fold: the fold's indices leave their ranges (a gather index "
+                             f"outside the call's {out.numel()} sums, or segment starts out of order)")
         return differ

@@ -190,10 +190,11 @@ class FoldPlan(NamedTuple):
 
     def differs(self, arrays: Sequence[np.ndarray], want: np.ndarray, want_at: int) -> bool:
         """Whether :meth:`values` differs from ``want`` (at address ``want_at``; ``len(starts)``
-        values), in one call of the host library where it is there (the comparison
-        right after D's scatter: ~14 numpy calls cost 60-100 us there, once the scatter
-        had swept the caches, against 45-55 us for one ctypes call; scratch timings of a
-        6 MiB ``complete`` on a 2-core Xeon VM, not saved)."""
+        values), in one call of the host library where it is there: D's comparison
+        after the scatter where the scatter's own call could not fold (several copiers,
+        a backend other than ``cpu``). ~14 numpy calls cost 60-100 us there, once the
+        scatter had swept the caches, against 45-55 us for one ctypes call (scratch
+        timings of a 6 MiB ``complete`` on a 2-core Xeon VM, not saved)."""
         x = self._joined(arrays)
         differ = self._fold(x, 0, want_at)
         if differ is None:
@@ -347,9 +348,10 @@ class ScatterCheck(NamedTuple):
 
     def compare(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
         """None if every page D read sums as P's did, else the message naming those
-        that differ. A match is one call (:meth:`FoldPlan.differs`): this runs right
-        after the scatter swept the caches, where every numpy call costs; only a
-        mismatch folds per group to name the pages."""
+        that differ: the comparison after the scatter, where its own call could not
+        fold (:attr:`fold` None, or a backend other than ``cpu``). A match is one call
+        (:meth:`FoldPlan.differs`): this runs right after the scatter swept the caches,
+        where every numpy call costs; only a mismatch folds per group to name the pages."""
         if self.want is not None and not self.plan.differs(arrays, self.want, self.want_at):
             return None
         return self.differences(arrays)
@@ -471,8 +473,9 @@ class ArenaSums:
             return None
         outs, host = self._sums_outs(calls)
         if host is not None:
-            fold = layout.fold_plan(positions).fold
-            if fold is not None:
+            plan = layout.fold_plan(positions)
+            fold = plan.fold
+            if fold is not None and plan.sizes[0] == calls[0].num_blocks:  # else page_sums refuses the sizes
                 fold = fold.collecting()
                 if cps.run_and_fold("d2h", calls, outs, fold) is not None:
                     return outs, host, fold.values
@@ -526,7 +529,7 @@ class ArenaSums:
             self.stats.unchecked()
             return None
         outs, host = self._sums_outs(calls)
-        if host is not None and check.fold is not None:
+        if host is not None and check.fold is not None and check.plan.sizes[0] == calls[0].num_blocks:
             differ = cps.run_and_fold("h2d", calls, outs, check.fold)
             if differ is not None:  # compared in the copy's call: only a mismatch folds again, to name pages
                 return SumCheck.made(check.differences(host.arrays()) if differ else None, self.stats)
