@@ -286,12 +286,13 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- P
 def page_sums(layout: SumLayout, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
-              counts: Sequence[int], folded: Optional[np.ndarray] = None) -> PageSums:
+              counts: Sequence[int], folded: Optional[Tuple[FoldPlan, np.ndarray]] = None) -> PageSums:
     """The record's sums: per group one value per page position (0 for a hole);
-    ``folded``: the fold plan's values where the copy's call made them already."""
-    plan = layout.fold_plan(positions)
+    ``folded``: the fold plan for ``positions`` and its values, where the copy's call
+    made them already (no plan looked up after the copy)."""
+    plan, made = folded if folded is not None else (layout.fold_plan(positions), None)
     values = []
-    for g, v in enumerate(plan.per_group(plan.values(arrays) if folded is None else folded)):
+    for g, v in enumerate(plan.per_group(plan.values(arrays) if made is None else made)):
         if len(positions[g]) != counts[g]:  # holes (sorted distinct positions, fewer than counts[g])
             v, held = np.zeros(counts[g], np.uint64), v
             v[np.asarray(positions[g], np.int64)] = held
@@ -305,7 +306,8 @@ class PendingRecord(PendingResult):
     if it has not ended, and gives the :class:`~kvcopy.nixl.record.StagedRequest`."""
 
     def __init__(self, record: StagedRequest, readback: Readback, layout: SumLayout,
-                 positions: Sequence[np.ndarray], counts: Sequence[int], folded: Optional[np.ndarray] = None):
+                 positions: Sequence[np.ndarray], counts: Sequence[int],
+                 folded: Optional[Tuple[FoldPlan, np.ndarray]] = None):
         self._record = record
         self._readback = readback
         self._layout = layout
@@ -465,7 +467,7 @@ class ArenaSums:
 
     # P
     def pack(self, cps: SpanCopiers, calls: Sequence[CallPlan], layout: SumLayout, positions: Sequence[np.ndarray]
-             ) -> Optional[Tuple[List[torch.Tensor], Optional[Readback], Optional[np.ndarray]]]:
+             ) -> Optional[Tuple[List[torch.Tensor], Optional[Readback], Optional[Tuple[FoldPlan, np.ndarray]]]]:
         """Run P's pack; its sums tensors, (CPU) their host arrays, and the values folded
         in the copy's own host call where it could (one copier on ``cpu``); None when off."""
         if not self.on:
@@ -477,8 +479,8 @@ class ArenaSums:
             fold = plan.fold
             if fold is not None and plan.sizes[0] == calls[0].num_blocks:  # else page_sums refuses the sizes
                 fold = fold.collecting()
-                if cps.run_and_fold("d2h", calls, outs, fold) is not None:
-                    return outs, host, fold.values
+                if cps.run_and_fold("d2h", calls, outs, fold) is not None and fold.values is not None:
+                    return outs, host, (plan, fold.values)
                 return outs, host, None
         cps.run("d2h", calls, outs)
         return outs, host, None
@@ -498,15 +500,15 @@ class ArenaSums:
         return found
 
     def record(self, record: StagedRequest, layout: SumLayout,
-               sums: Optional[Tuple[List[torch.Tensor], Optional[Readback], Optional[np.ndarray]]],
+               sums: Optional[Tuple[List[torch.Tensor], Optional[Readback], Optional[Tuple[FoldPlan, np.ndarray]]]],
                positions: Sequence[np.ndarray], counts: Sequence[int]):
         """``record`` with P's sums (``pack``'s), or a :class:`PendingRecord` while they
         are on a GPU. On CPU folded now (if the copy's call did not): the next call
         reuses the tensors."""
         if sums is None:
             return record
-        outs, host, values = sums
-        pending = PendingRecord(record, host or Readback(outs), layout, positions, counts, values)
+        outs, host, folded = sums
+        pending = PendingRecord(record, host or Readback(outs), layout, positions, counts, folded)
         return pending if host is None else pending.result()
 
     # D
