@@ -213,6 +213,25 @@ def test_clean_pulls_are_checked_with_prefix_hits_and_holes(pair, kind):
     assert d.stats()["checksum_checked"] == 3
 
 
+def test_a_difference_found_in_the_copys_call_fails_even_if_no_page_is_named(pair, monkeypatch):
+    """The scatter's own call found a difference; should naming the pages after it
+    find none (a bug), the request fails all the same, never completes ok."""
+    p, d, peer, pe, de = pair("hybrid")
+    rng = np.random.default_rng(9)
+    counts = block_counts("hybrid")
+    record = p.save(allocate_blocks(rng, pe, counts, set(), NP), num_tokens=N, request_id="x")
+    plan = d.plan_pull(peer, record, N, allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP))
+    h = d.pull(plan, notify=b"x")
+    assert wait(d, h) == "DONE"
+    local = read_rows(plan)[0]
+    d.arena.buffer[int(local[0, 0]) - d.arena.base] ^= 1
+    monkeypatch.setattr(span_sums.FoldPlan, "differs", lambda *a: pytest.fail("compared after the copy"))
+    monkeypatch.setattr(span_sums.ScatterCheck, "differences", lambda self, arrays: None)
+    done = d.complete(h)
+    assert done.ready and not done.ok and done.checked and done.error == span_sums.UNNAMED, done
+    assert d.stats()["checksum_failed"] == 1
+
+
 @pytest.mark.parametrize("folded", ["in the copy's call", "no fold", "backend cannot fold"])
 @pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("kind", ["hybrid", "hnd"])
@@ -419,7 +438,7 @@ def test_fold_is_the_definition(pair, positions, zeros):
         layout.fold([a[:-1] for a in arrays], pos, zeros)
 
 
-def test_compare_names_exactly_the_pages_that_differ(pair):
+def test_compare_names_exactly_the_pages_that_differ(pair, monkeypatch):
     """ScatterCheck.compare: None when every value matches (the one-comparison path and
     the per-group one alike), else the message naming each differing page and no other."""
     p, _, _, _, _ = pair("hybrid")
@@ -444,6 +463,11 @@ def test_compare_names_exactly_the_pages_that_differ(pair):
     for want in (span_sums.matching_values(plan, off), None):
         msg = check(off, want).compare(arrays)
         assert msg is not None and "1 page(s)" in msg and "group 1 page position 5 (local page 42)" in msg
+    # a comparison that found a difference fails the request even if naming finds no page
+    failing = check(off, span_sums.matching_values(plan, off))
+    with monkeypatch.context() as m:
+        m.setattr(span_sums.ScatterCheck, "differences", lambda self, arrays: None)
+        assert failing.compare(arrays) == failing.named(arrays) == span_sums.UNNAMED
     with pytest.raises(ValueError):
         plan.gather[0] = 0  # shared by requests: read-only
 

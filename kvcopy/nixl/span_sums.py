@@ -356,7 +356,14 @@ class ScatterCheck(NamedTuple):
         where every numpy call costs; only a mismatch folds per group to name the pages."""
         if self.want is not None and not self.plan.differs(arrays, self.want, self.want_at):
             return None
-        return self.differences(arrays)
+        return self.differences(arrays) if self.want is None else self.named(arrays)
+
+    def named(self, arrays: Sequence[np.ndarray]) -> str:
+        """The message for sums a comparison found different: :meth:`differences`, or,
+        should the fold that names pages find none (it folds the same sums, so only a
+        bug could make it), a mismatch all the same: a request is failed, never used,
+        when a comparison said its bytes changed."""
+        return self.differences(arrays) or UNNAMED
 
     def differences(self, arrays: Sequence[np.ndarray]) -> Optional[str]:
         """The message naming the pages whose values differ from P's (None if none do):
@@ -367,6 +374,7 @@ class ScatterCheck(NamedTuple):
         return mismatch_message(bad) if bad else None
 
 
+UNNAMED = "checksum mismatch: the bytes D received differ from those P staged (the pages could not be named)"
 UNLIKE = "P's staged pages are not D's (page sizes, TP slices, group plans or in-page layouts differ)"
 
 
@@ -534,7 +542,7 @@ class ArenaSums:
         if host is not None and check.fold is not None and check.plan.sizes[0] == calls[0].num_blocks:
             differ = cps.run_and_fold("h2d", calls, outs, check.fold)
             if differ is not None:  # compared in the copy's call: only a mismatch folds again, to name pages
-                return SumCheck.made(check.differences(host.arrays()) if differ else None, self.stats)
+                return SumCheck.made(check.named(host.arrays()) if differ else None, self.stats)
         else:
             cps.run("h2d", calls, outs)
         result = SumCheck(host or Readback(outs), check.compare, self.stats)
