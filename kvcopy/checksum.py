@@ -339,13 +339,13 @@ class SumFold:
 
     def _set(self, arrays: Tuple[np.ndarray, ...], values: Optional[np.ndarray] = None) -> None:
         g, b, st, w = arrays
-        block = np.frombuffer(np.array([_address(g), _address(b), len(g), _address(st), len(st),
-                                        0 if values is None else _address(values),
-                                        0 if values is not None else _address(w)], np.int64).tobytes(), np.int64)
+        block = np.frombuffer(np.array([address_of(g), address_of(b), len(g), address_of(st), len(st),
+                                        0 if values is None else address_of(values),
+                                        0 if values is not None else address_of(w)], np.int64).tobytes(), np.int64)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_arrays", arrays)
         object.__setattr__(self, "_block", block)
-        object.__setattr__(self, "_at", _address(block))
+        object.__setattr__(self, "_at", address_of(block))
 
     def __setattr__(self, name, value):
         raise AttributeError("SumFold is immutable")
@@ -364,9 +364,7 @@ class SumFold:
         s = np.asarray(sums, dtype=_U64)
         if len(g) and (g.min() < 0 or g.max() >= len(s)):
             raise ValueError(f"SumFold: a gather index outside the call's {len(s)} sums")
-        with np.errstate(over="ignore"):
-            ends = np.cumsum(np.concatenate([np.zeros(1, _U64), mix64(s[g] ^ b)]), dtype=_U64)
-            return ends[np.append(st[1:], len(g))] - ends[st]  # wraps mod 2^64 as the sums do
+        return fold_segments(s, g, b, st)
 
     def differ(self, sums: np.ndarray) -> int:
         """The oracle of the library's count: how many values of ``sums`` differ from ``want``."""
@@ -378,7 +376,18 @@ class SumFold:
         return f"SumFold({len(self._arrays[0])} sums into {len(self._arrays[2])} values)"
 
 
-def _address(a: np.ndarray) -> int:
+def fold_segments(sums: np.ndarray, gather: np.ndarray, bounds: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """:class:`SumFold`'s values in numpy, the definition the host library's folds are
+    held to: per segment ``v`` (``starts[v]`` to the next start, the last to the end of
+    ``gather``) the sum of ``mix64(sums[gather[i]] ^ bounds[i])`` mod 2^64; a segment
+    of no sums gives 0. ``sums`` uint64, indices in range (not checked here)."""
+    with np.errstate(over="ignore"):
+        ends = np.cumsum(np.concatenate([np.zeros(1, _U64), mix64(sums[gather] ^ bounds)]), dtype=_U64)
+        return ends[np.append(starts[1:], len(gather)).astype(np.int64)] - ends[starts]  # wraps as the sums do
+
+
+def address_of(a: np.ndarray) -> int:
+    """The address of an array's first element (what the host library is handed)."""
     return a.__array_interface__["data"][0]
 
 

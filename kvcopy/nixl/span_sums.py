@@ -56,7 +56,8 @@ import numpy as np
 import torch
 
 from ..backends import native
-from ..checksum import MIX1, MIX2, POSITION_MUL, SumFold, mix64
+from ..checksum import POSITION_MUL, SumFold, fold_segments, mix64
+from ..checksum import address_of as _address
 from ..copier import CallPlan
 from ..tables import RUN_BYTES
 from .record import LAYOUT_HEX, PageSums, StagedRequest
@@ -226,16 +227,9 @@ class FoldPlan(NamedTuple):
 
     def numpy_values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """:meth:`values` in numpy (the oracle of the host library's fold, and its
-        stand-in without it): one gather, one ``mix64`` and one segmented sum over
-        every copier's sums at once, ~14 numpy calls whatever the copiers and groups.
-        Integer arrays wrap silently in numpy (no overflow check, unlike its scalars),
-        so no ``errstate`` is needed."""
-        x = self._joined(arrays)
-        if not len(self.gather):
-            return np.zeros(0, np.uint64)
-        x = x[self.gather]
-        x ^= self.bounds
-        return np.add.reduceat(_mix64(x), self.starts, dtype=np.uint64)
+        stand-in without it): :func:`kvcopy.checksum.fold_segments` over every
+        copier's sums at once, ~15 numpy calls whatever the copiers and groups."""
+        return fold_segments(self._joined(arrays), self.gather, self.bounds, self.starts)
 
     def per_group(self, values: np.ndarray) -> List[np.ndarray]:
         """:meth:`values` cut per group; a group with no triple folds to zeros."""
@@ -259,10 +253,6 @@ def _fold_function():
     return _FOLD[0]
 
 
-def _address(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
-
-
 def _joined(parts: List[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
@@ -272,16 +262,6 @@ def seal_bounds(positions: np.ndarray) -> np.ndarray:
     so ``mix64(sum ^ bound)`` is ``seal(sum, 0, position)``."""
     with np.errstate(over="ignore"):
         return mix64(positions.astype(np.uint64) * np.uint64(POSITION_MUL))
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """:func:`kvcopy.checksum.mix64` in place on a fresh uint64 array (overflow wraps)."""
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(MIX1)
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(MIX2)
-    x ^= x >> np.uint64(33)
-    return x
 
 
 # ---------------------------------------------------------------- P
