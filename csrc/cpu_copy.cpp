@@ -11,10 +11,11 @@
 // destination: 128 bytes per step with AVX-512 F, else 64 with AVX2 (one vpmuludq per
 // vector of words: product_term's 32 x 32-bit multiply), else 16 bytes per step in
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
-// (the AVX-512 loop, by default) copies runs that long with memcpy, piece by piece,
-// each piece hashed right after where it landed (for_each_piece). Each page's sum is added to
-// its slot once per (item, block), in a row of slots of the thread's own (threads share
-// slots: the layers of a group), the rows summed at the end of the call.
+// copies runs that long with memcpy, piece by piece, each piece hashed where it landed
+// one piece later, with the next piece's source prefetched under the hash
+// (PieceStream). Each page's sum is added to its slot once per (item, block), in a row
+// of slots of the thread's own (threads share slots: the layers of a group), the rows
+// summed at the end of the call.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -237,16 +238,17 @@ uint64_t copy_run_scalar(const unsigned char* s, unsigned char* d, int64_t n, ui
 // most `piece` bytes, as equal as 64-byte multiples allow (the last the rest):
 // fn(offset, bytes) in order. Below the streaming threshold a vector loop given
 // piece_bytes copies a run this long piece by piece with memcpy and hashes each piece
-// right after where it landed, still in cache: the bytes come from memory once, and
+// where it landed, still in cache (PieceStream): the bytes come from memory once, and
 // memcpy's string moves write lines without reading them first, which vector stores
 // cannot. The destination, not the source: the sum is of what the copy wrote, as the
 // fused loop's is of the registers it stores, so a source rewritten in between (a late
 // READ into D's span) cannot let stale bytes in the KV pass; re-reading the source
-// instead was no faster (Xeon, three presets, two runs; not saved). The hash no longer
-// overlaps the copy: on a Xeon the AVX-512 loop gained (seeds2 6 MiB 1.14-1.22x ->
-// 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.39x -> 1.06-1.12x), the AVX2 loop not
-// at 6 MiB (1.13-1.45x -> 1.21-1.35x), so Python passes 16 KiB for the first and 0 for
-// the second (kvcopy/backends/cpu.py).
+// instead was no faster (Xeon, three presets, two runs; not saved). Hashed right after
+// its memcpy, with nothing fetched meanwhile, a piece's hash did not overlap the copy:
+// on a Xeon the AVX-512 loop still gained over the fused loop (seeds2 6 MiB 1.14-1.22x
+// -> 1.06-1.11x of the plain copy, mla 15 MiB 1.09-1.39x -> 1.06-1.12x), the AVX2 loop
+// not at 6 MiB (1.13-1.45x -> 1.21-1.35x); docs/backends.md has the figures with the
+// next piece prefetched under each hash.
 template <class Fn>
 inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {
   const int64_t count = (rb + piece - 1) / piece;
@@ -254,20 +256,55 @@ inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {
   for (int64_t o = 0; o < rb; o += each) fn(o, rb - o < each ? rb - o : each);
 }
 
-// One run, pieced: each piece memcpy'd, then hash(where it landed, bytes, key of its
-// first word), the terms' sum returned. For both vector loops (hash: theirs, no stores).
-template <class Hash>
-inline uint64_t copy_then_hash(const unsigned char* s, unsigned char* d, int64_t rb, int64_t piece,
-                               uint64_t key, Hash&& hash) {
-  uint64_t sum = 0;
-  for_each_piece(rb, piece, [&](int64_t o, int64_t n) {
-    memcpy(d + o, s + o, static_cast<size_t>(n));
-    sum += hash(d + o, n, key + (uint64_t)(o / 8) * kWordStep);
-  });
-  return sum;
-}
+// The checksum of n bytes at p (a piece where memcpy put it), keyed from key, with the
+// lines of [pf, pf + pf_n) (the next piece's source) prefetched into L1 along the way:
+// one vector loop's piece hash (hash_piece_avx512, hash_piece_avx2).
+using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
+                               const unsigned char* pf, int64_t pf_n);
+
+// One thread's pieced copies, hashed one piece behind: a piece is memcpy'd when it
+// comes and hashed where it landed when the next one comes, the next one's source
+// prefetched under the hash, so its memcpy reads from L1 and the hash's arithmetic
+// overlaps the fetch instead of following it. The next piece may belong to another
+// run, page or item of the thread's (only the thread's last piece has no prefetch):
+// each piece's sum goes to its own page's slot. The destinations of a call never
+// overlap (the call planner's duplicate check), so hashing a piece later reads what its
+// memcpy wrote. Hashing each piece right after its memcpy, with nothing fetched under
+// the hash: 1.11-1.20x the time of memcpy alone for 6 MiB of 32 KiB runs in 16 KiB
+// pieces, scattered destinations; one behind, with the prefetch: 0.93-1.06x (T0 hint;
+// T1 and T2 0.96-1.08x, NTA ~3x; hand-built, Xeon with AVX-512, both directions, not
+// saved).
+struct PieceStream {
+  PieceHash hash;
+  const unsigned char* d = nullptr;  // the piece waiting for its hash
+  int64_t n = 0;
+  uint64_t key = 0;
+  uint64_t* slot = nullptr;  // its page's sum; null: none waiting
+
+  void add(const unsigned char* src, unsigned char* dst, int64_t bytes, uint64_t k,
+           uint64_t* page_slot) {
+    if (slot != nullptr) *slot += hash(d, n, key, src, bytes);
+    memcpy(dst, src, static_cast<size_t>(bytes));
+    d = dst;
+    n = bytes;
+    key = k;
+    slot = page_slot;
+  }
+  // Before the thread's sums are read: the last piece's hash.
+  void finish() {
+    if (slot != nullptr) *slot += hash(d, n, key, nullptr, 0);
+    slot = nullptr;
+  }
+};
 
 #if defined(KVCOPY_X86_LOOPS)
+// The lines of [pf + from, pf + to) a piece's hash loop did not reach (the next piece
+// longer than this one): prefetched after it.
+inline void prefetch_rest(const unsigned char* pf, int64_t from, int64_t to) {
+  for (int64_t j = from; j < to; j += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(pf + j), _MM_HINT_T0);
+}
+
 // Source lines are prefetched this far ahead of the loads: the hash's multiplies keep
 // fewer loads in flight than memcpy's string moves, and calls beyond the caches paid
 // for it (~10% of a 36 MiB call on one core without; within noise with).
@@ -283,11 +320,13 @@ KVCOPY_TARGET("avx512f") inline __m512i product_terms8(__m512i x) {
 // per page); the head and the rest (< 128 bytes) in scalar code, returned. kStream:
 // non-temporal stores (the destination 64-byte aligned by a scalar head, when it is
 // 8-byte aligned: hash words stay whole), which write lines without reading them first,
-// as memcpy's string moves do; used for calls too large for the caches.
+// as memcpy's string moves do; used for calls too large for the caches. !kCopy (a
+// piece's hash): no stores, and the lines of [pf, pf + pf_n) prefetched on the way.
 template <bool kStream, bool kCopy = true>
 KVCOPY_TARGET("avx512f")
-inline uint64_t run_avx512(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key,
-                           __m512i& acc0, __m512i& acc1) {
+inline uint64_t
+    run_avx512(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key, __m512i& acc0,
+               __m512i& acc1, const unsigned char* pf = nullptr, int64_t pf_n = 0) {
   int64_t i = 0;
   uint64_t head = 0;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
@@ -315,6 +354,9 @@ inline uint64_t run_avx512(const unsigned char* s, unsigned char* d, int64_t n, 
       if (kCopy) {
         _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes + 64), _MM_HINT_T0);
+      } else if (i + 128 <= pf_n) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + i + 64), _MM_HINT_T0);
       }
       const __m512i w0 = _mm512_loadu_si512(s + i);
       const __m512i w1 = _mm512_loadu_si512(s + i + 64);
@@ -335,26 +377,31 @@ inline uint64_t run_avx512(const unsigned char* s, unsigned char* d, int64_t n, 
     acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
+  if (!kCopy) prefetch_rest(pf, i < (pf_n & ~(int64_t)127) ? i : pf_n & ~(int64_t)127, pf_n);
   return head + copy_run_scalar<kCopy>(s + i, d + i, n - i, key);
+}
+
+// hash_piece for the AVX-512 loop.
+KVCOPY_TARGET("avx512f")
+uint64_t hash_piece_avx512(const unsigned char* p, int64_t n, uint64_t key, const unsigned char* pf,
+                           int64_t pf_n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+  const uint64_t rest =
+      run_avx512<false, false>(p, const_cast<unsigned char*>(p), n, key, a0, a1, pf,
+                               pf_n);  // no stores
+  return rest + (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
 }
 
 // All runs of block b of the item, one reduction.
 template <bool kStream>
 KVCOPY_TARGET("avx512f")
-uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b, uint64_t base, int64_t piece) {
+uint64_t copy_page_avx512(const kvcopy::Item& it, int64_t b, uint64_t base) {
   __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
   uint64_t rest = 0;
   const int64_t rb = it.run_bytes();
   for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
-    const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
-    unsigned char* d = reinterpret_cast<unsigned char*>(dst);
-    if (kStream || piece <= 0 || rb < piece) {
-      rest += run_avx512<kStream>(s, d, rb, key, a0, a1);
-      return;
-    }
-    rest += copy_then_hash(s, d, rb, piece, key, [&](unsigned char* p, int64_t n, uint64_t k) {
-      return run_avx512<false, false>(p, p, n, k, a0, a1);
-    });
+    rest += run_avx512<kStream>(reinterpret_cast<const unsigned char*>(src),
+                                reinterpret_cast<unsigned char*>(dst), rb, key, a0, a1);
   });
   if (kStream) _mm_sfence();  // the streamed lines ordered before anything that follows
   return rest + (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
@@ -370,8 +417,9 @@ KVCOPY_TARGET("avx2") inline __m256i product_terms4(__m256i x) {
 // run_avx512 with 256-bit vectors: 64 bytes per step.
 template <bool kStream, bool kCopy = true>
 KVCOPY_TARGET("avx2")
-inline uint64_t run_avx2(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key,
-                         __m256i& acc0, __m256i& acc1) {
+inline uint64_t
+    run_avx2(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key, __m256i& acc0,
+             __m256i& acc1, const unsigned char* pf = nullptr, int64_t pf_n = 0) {
   int64_t i = 0;
   uint64_t head = 0;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
@@ -390,7 +438,10 @@ inline uint64_t run_avx2(const unsigned char* s, unsigned char* d, int64_t n, ui
     const __m256i step = _mm256_set1_epi64x((long long)(8 * kWordStep));
     __m256i a0 = acc0, a1 = acc1;  // in registers for the loop (see run_avx512)
     for (; i + 64 <= n; i += 64) {
-      if (kCopy) _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
+      if (kCopy)
+        _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
+      else if (i + 64 <= pf_n)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
       if (!kCopy) {
@@ -410,35 +461,42 @@ inline uint64_t run_avx2(const unsigned char* s, unsigned char* d, int64_t n, ui
     acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
+  if (!kCopy) prefetch_rest(pf, i < (pf_n & ~(int64_t)63) ? i : pf_n & ~(int64_t)63, pf_n);
   return head + copy_run_scalar<kCopy>(s + i, d + i, n - i, key);
+}
+
+KVCOPY_TARGET("avx2") inline uint64_t lane_sum4(__m256i v) {
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+// hash_piece for the AVX2 loop.
+KVCOPY_TARGET("avx2")
+uint64_t hash_piece_avx2(const unsigned char* p, int64_t n, uint64_t key, const unsigned char* pf,
+                         int64_t pf_n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+  const uint64_t rest = run_avx2<false, false>(p, const_cast<unsigned char*>(p), n, key, a0, a1, pf,
+                                               pf_n);  // no stores
+  return rest + lane_sum4(_mm256_add_epi64(a0, a1));
 }
 
 template <bool kStream>
 KVCOPY_TARGET("avx2")
-uint64_t copy_page_avx2(const kvcopy::Item& it, int64_t b, uint64_t base, int64_t piece) {
+uint64_t copy_page_avx2(const kvcopy::Item& it, int64_t b, uint64_t base) {
   __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
   uint64_t rest = 0;
   const int64_t rb = it.run_bytes();
   for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
-    const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
-    unsigned char* d = reinterpret_cast<unsigned char*>(dst);
-    if (kStream || piece <= 0 || rb < piece) {
-      rest += run_avx2<kStream>(s, d, rb, key, a0, a1);
-      return;
-    }
-    rest += copy_then_hash(s, d, rb, piece, key, [&](unsigned char* p, int64_t n, uint64_t k) {
-      return run_avx2<false, false>(p, p, n, k, a0, a1);
-    });
+    rest += run_avx2<kStream>(reinterpret_cast<const unsigned char*>(src),
+                              reinterpret_cast<unsigned char*>(dst), rb, key, a0, a1);
   });
   if (kStream) _mm_sfence();
-  alignas(32) uint64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(a0, a1));
-  return rest + lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  return rest + lane_sum4(_mm256_add_epi64(a0, a1));
 }
 #endif
 
-uint64_t copy_page_scalar(const kvcopy::Item& it, int64_t b, uint64_t base, int64_t piece) {
-  (void)piece;  // the scalar loop is far slower than memcpy: pieces would not pay
+uint64_t copy_page_scalar(const kvcopy::Item& it, int64_t b, uint64_t base) {
   uint64_t acc = 0;
   const int64_t rb = it.run_bytes();
   for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
@@ -448,7 +506,7 @@ uint64_t copy_page_scalar(const kvcopy::Item& it, int64_t b, uint64_t base, int6
   return acc;
 }
 
-using PageCopy = uint64_t (*)(const kvcopy::Item&, int64_t, uint64_t, int64_t);
+using PageCopy = uint64_t (*)(const kvcopy::Item&, int64_t, uint64_t);
 
 // The loops this CPU can run: bit 0 the AVX2 loop, bit 1 the AVX-512 (F) loop.
 int vector_loops() {
@@ -492,6 +550,28 @@ PageCopy page_copy(int simd, bool stream) {
   return copy_page_scalar;
 }
 
+// How one call copies with sums: page by page through `page`; runs of at least `piece`
+// bytes piece by piece (PieceStream) where piece_hash is set: in a vector loop, below
+// the streaming threshold (streamed stores leave nothing in cache for a hash after),
+// with piece_bytes > 0. The scalar loop is far slower than memcpy: pieces would not pay.
+struct SumsCopy {
+  PageCopy page;
+  PieceHash piece_hash;
+  int64_t piece;
+};
+
+SumsCopy sums_copy(int simd, bool stream, int64_t piece) {
+  SumsCopy c{page_copy(simd, stream), nullptr, piece};
+#if defined(KVCOPY_X86_LOOPS)
+  if (!stream && piece > 0) {
+    const SumsLoop loop = loop_for(simd);
+    if (loop == kAvx512Loop) c.piece_hash = hash_piece_avx512;
+    if (loop == kAvx2Loop) c.piece_hash = hash_piece_avx2;
+  }
+#endif
+  return c;
+}
+
 void add_sum(uint64_t* sums, int64_t slot, uint64_t v) {
   __atomic_fetch_add(sums + slot, v, __ATOMIC_RELAXED);
 }
@@ -501,10 +581,28 @@ void add_sum(uint64_t* sums, int64_t slot, uint64_t v) {
 // sharing one array) waits for the page's stores to drain before the next page's loads
 // may start: on a Xeon with AVX-512 it held 12% of the loop's samples under perf in a
 // 6 MiB arena scatter of 32 KiB pages, one thread (not saved).
-void copy_item_sums(const kvcopy::Item& it, PageCopy copy_page, int64_t piece, uint64_t* sums) {
+//
+// Items whose runs are at least `piece` bytes go through the thread's PieceStream
+// instead, when the call has a piece hash (a vector loop, below the streaming threshold,
+// piece_bytes > 0): piece by piece, each page's pieces adding into its slot.
+void copy_item_sums(const kvcopy::Item& it, const SumsCopy& c, PieceStream& pieces,
+                    uint64_t* sums) {
   const uint64_t base = kvcopy::key_base(it.ordinal);
-  for (int64_t b = 0; b < it.num_blocks; ++b)
-    sums[it.out_index + b] += copy_page(it, b, base, piece);
+  const int64_t rb = it.run_bytes();
+  if (c.piece_hash == nullptr || rb < c.piece) {
+    for (int64_t b = 0; b < it.num_blocks; ++b) sums[it.out_index + b] += c.page(it, b, base);
+    return;
+  }
+  for (int64_t b = 0; b < it.num_blocks; ++b) {
+    uint64_t* slot = sums + it.out_index + b;
+    for_each_page_run(it, b, base, [&](int64_t src, int64_t dst, uint64_t key) {
+      const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+      unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+      for_each_piece(rb, c.piece, [&](int64_t o, int64_t n) {
+        pieces.add(s + o, d + o, n, key + (uint64_t)(o / 8) * kWordStep, slot);
+      });
+    });
+  }
 }
 
 // The checksum terms of the word of `word_bytes` at `src`, at offset q of a run of rb
@@ -705,7 +803,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
   const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
-  const PageCopy copy_page = page_copy(simd, stream);
+  const SumsCopy copy = sums_copy(simd, stream, piece_bytes);
 #ifdef _OPENMP
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (total_bytes >= kParallelMinBytes && items > 1 && threads > 1 && num_sums > 0) {
@@ -717,10 +815,16 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
     const int64_t stride = ((num_sums + 15) & ~(int64_t)15) + 16;
     uint64_t* rows = static_cast<uint64_t*>(calloc((size_t)threads * (size_t)stride, 8));
     if (rows == nullptr) return 2;  // before any byte is written
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t i = 0; i < items; ++i) {
-      copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy_page,
-                     piece_bytes, rows + (int64_t)omp_get_thread_num() * stride);
+#pragma omp parallel num_threads(threads)
+    {
+      uint64_t* row = rows + (int64_t)omp_get_thread_num() * stride;
+      PieceStream pieces{copy.piece_hash};
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < items; ++i) {
+        copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy,
+                       pieces, row);
+      }
+      pieces.finish();  // before the barrier the rows are summed after
     }
     for (int64_t j = 0; j < num_sums; ++j) {
       uint64_t sum = 0;
@@ -735,10 +839,12 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   (void)num_threads;
 #endif
   memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
+  PieceStream pieces{copy.piece_hash};
   for (int64_t i = 0; i < items; ++i) {
-    copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy_page,
-                   piece_bytes, sums);
+    copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy,
+                   pieces, sums);
   }
+  pieces.finish();
   return 0;
 }
 

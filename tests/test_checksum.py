@@ -24,6 +24,7 @@ from kvcopy.checksum import SumFold, mix64, page_sums, product_term, reference_c
 from kvcopy.layout import describe, pair_pages
 from kvcopy.tables import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, prepare_check, standard_cases
+from kvcopy.testing.cases import storage_bytes
 
 lib, why = native.load("kvcopy_cpu")
 CASES = standard_cases()
@@ -428,13 +429,13 @@ def test_cpu_piece_setting_is_checked(value, monkeypatch):
         check_sums("cpu", QUICK[0], "d2h")
 
 
-def test_cpu_pieces_default_to_the_avx512_loop(monkeypatch):
-    """Runs are pieced by default only in the AVX-512 loop (where it measured faster);
-    KVCOPY_CPU_SUM_PIECE_BYTES sets it for every vector loop."""
+def test_cpu_pieces_default_to_the_vector_loops(monkeypatch):
+    """Runs are pieced by default in both vector loops, never in the scalar one;
+    KVCOPY_CPU_SUM_PIECE_BYTES sets it for every loop (the scalar one ignores it)."""
     from kvcopy.backends.cpu import PIECE_BYTES_DEFAULT, _piece_bytes
 
     monkeypatch.delenv("KVCOPY_CPU_SUM_PIECE_BYTES", raising=False)
-    assert [_piece_bytes(loop) for loop in (0, 1, 2)] == [0, 0, PIECE_BYTES_DEFAULT]
+    assert [_piece_bytes(loop) for loop in (0, 1, 2)] == [0, PIECE_BYTES_DEFAULT, PIECE_BYTES_DEFAULT]
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "4096")
     assert [_piece_bytes(loop) for loop in (0, 1, 2)] == [4096] * 3
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "0")
@@ -469,6 +470,58 @@ def test_cpu_threads_add_shared_slots(monkeypatch, case, pieces):
     assert call.total_bytes >= 1 << 20 and call.num_items > 1  # what takes the OpenMP path
     for direction in DIRECTIONS:
         check_sums("cpu", case, direction)
+
+
+def _two_shapes(poison: str):
+    """(device caches, host buffers, layer groups): group 0 of 1 KiB runs, group 1 of
+    128-byte runs (NHD bf16, 4 tokens x 2 heads x 64 or 8 elements)
+    with every block: the ``poison`` side filled with POISON_BYTE."""
+    dev, host, groups = {}, {}, []
+    for tag, head in (("a", 64), ("b", 8)):
+        case = CopyCase(num_groups=1, layers_per_group=8, num_blocks=160, block_size=4, num_heads=2,
+                        head_size=head, seed=head)
+        d, h = case.build(poison=poison)
+        groups.append([f"{tag}.{n}" for n in case.layer_groups()[0]])
+        dev.update({f"{tag}.{n}": t for n, t in d.items()})
+        host.update({f"{tag}.{n}": t for n, t in h.items()})
+    return dev, host, groups
+
+
+@needs_lib
+@pytest.mark.parametrize("loop", [pytest.param("1", id="vector"), pytest.param("avx2", id="avx2", marks=needs_avx2)])
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, direction, threads, loop):
+    """A piece is hashed when the thread's next piece comes (its source prefetched under
+    the hash): the next piece of the run, of another run, page or item, after items of
+    runs too short for pieces (group 1, copied by the fused loop in between), or, for
+    the thread's last piece, at the end of the call. Bytes and sums as the torch
+    backend's, destination and sums poisoned first, one thread and two."""
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", loop)
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "192")  # group 0's runs: 6 pieces each
+    rng = np.random.default_rng(7)
+    ids = [sorted(rng.permutation(160)[:150].tolist()), rng.permutation(160)[:40].tolist()]
+    results = []
+    for backend in ("torch", "cpu"):
+        dev, host, groups = _two_shapes("host" if direction == "d2h" else "device")
+        copier = kvcopy.BlockCopier(dev, host, groups, backend=backend)
+        out = torch.full((sum(map(len, ids)),), POISON_SUM, dtype=torch.int64)
+        if direction == "d2h":
+            copier.to_host(ids, ids, checksums=out)
+        else:
+            copier.to_device(ids, ids, checksums=out)
+        if backend == "cpu":
+            call = copier.plan(direction, ids, ids)
+            assert call.total_bytes >= 1 << 20 and call.num_items > 1  # threads split it at 2
+        copier.close()
+        results.append((dev, host, out.numpy().view(np.uint64).copy()))
+    (want_dev, want_host, want_sums), (dev, host, sums) = results
+    for want, got in ((want_dev, dev), (want_host, host)):
+        for name in want:
+            assert torch.equal(storage_bytes(want[name]), storage_bytes(got[name])), name
+    bad = np.flatnonzero(sums != want_sums)
+    assert not len(bad), f"{len(bad)} of {len(sums)} sums differ from torch's, first {bad[:4]}"
 
 
 @needs_lib

@@ -13,10 +13,10 @@ With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums`
 loop hashes each word between its load and its store: AVX-512 F where the CPU has it,
 else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's one
-32 x 32-bit multiply per word. In calls below the streaming threshold the AVX-512 loop
-copies runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instead,
-piece by piece, and hashes each piece right after in the destination, still in cache
-(:func:`_piece_bytes`).
+32 x 32-bit multiply per word. In calls below the streaming threshold the vector loops
+copy runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instead,
+piece by piece, and hash each piece in the destination, still in cache, while the next
+piece's source is prefetched (:func:`_piece_bytes`).
 On one core of an AMD EPYC Zen 3 (AVX2) the copy with
 sums takes 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x (medians of the
 saved runs; see docs/backends.md, "Cost").
@@ -94,26 +94,25 @@ def _stream_min_bytes() -> int:
 
 
 PIECE_BYTES_DEFAULT = 16 << 10
-_AVX512_LOOP = 2  # kvcopy_cpu_sums_loop's number for the AVX-512 loop
+_SCALAR_LOOP = 0  # kvcopy_cpu_sums_loop's number for the scalar loop
 
 
 def _piece_bytes(loop: int) -> int:
     """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold,
     the vector loops copy runs of at least this many bytes piece by piece with memcpy,
-    hashing each piece right after where it landed (``0``: never, every run through the fused
-    loop; else a multiple of 64). Default: 16 KiB for the AVX-512 loop, 0 for the AVX2
-    one. memcpy's string moves write lines without reading them first, which vector
-    stores cannot; the hash then runs apart from the copy, which AVX-512 affords and
-    AVX2 not everywhere. On a Xeon with AVX-512 (one thread, ``cpu+sum`` / ``cpu``,
-    three runs each, ``bench/results/cpu-xeon-*.json``): AVX-512 loop fused 1.14-1.22x
-    at ``seeds2`` 6 MiB, 1.37-1.52x at 12 MiB, 1.09-1.39x at ``mla`` 15 MiB; pieced
-    1.06-1.11x, 1.02-1.23x, 1.06-1.12x. AVX2 loop fused 1.13-1.45x, 1.21-1.55x,
-    1.20-1.32x; pieced 1.21-1.35x, 1.10-1.33x, 1.12-1.20x: no better at 6 MiB, so not
-    the default there (the fused AVX2 loop was within 3% of memcpy at 6 MiB on an AMD
-    EPYC, hand-built, not saved)."""
+    and hash each piece where it landed when the next piece comes, that piece's source
+    prefetched under the hash (``0``: never, every run through the fused loop; else a
+    multiple of 64). Default: 16 KiB for both vector loops, 0 for the scalar one (far
+    slower than memcpy: pieces would not pay). memcpy's string moves write lines without
+    reading them first, which vector stores cannot, and the prefetch lets the hash's
+    arithmetic run while the next piece is fetched. On a Xeon with AVX-512 (one thread,
+    ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved; docs/backends.md,
+    "Cost"): AVX-512 loop pieced with the prefetch 1.02-1.06x, pieced without it
+    1.02-1.32x, fused 1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused
+    1.07x. CPUs with only AVX2 (AMD Zen 2/3) have not run the pieces."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
-        value = int(text) if text else (PIECE_BYTES_DEFAULT if loop == _AVX512_LOOP else 0)
+        value = int(text) if text else (0 if loop == _SCALAR_LOOP else PIECE_BYTES_DEFAULT)
     except ValueError:
         value = -1
     if value < 0 or value % 64:
