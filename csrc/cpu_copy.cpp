@@ -12,8 +12,8 @@
 // vector of words: product_term's 32 x 32-bit multiply), else 16 bytes per step in
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
 // copies runs that long with memcpy, piece by piece, each piece hashed where it landed
-// one piece later, with the next piece's source prefetched under the hash
-// (PieceStream). Each page's sum is added to its slot once per (item, block), in a row
+// one piece later, with the next piece's source prefetched under the hash in calls the
+// caches hold (PieceStream). Each page's sum is added to its slot once per (item, block), in a row
 // of slots of the thread's own (threads share slots: the layers of a group), the rows
 // summed at the end of the call.
 #include <stdint.h>
@@ -71,6 +71,10 @@ namespace {
 // Below this many bytes a call runs on one thread: waking an OpenMP team costs more
 // than copying that much.
 constexpr int64_t kParallelMinBytes = 1 << 20;
+
+// Pieced checksummed calls below this many bytes prefetch each next piece's source
+// under the hash of the piece before (PieceStream): calls the caches hold.
+constexpr int64_t kPiecePrefetchMaxBytes = 8 << 20;
 
 void copy_memcpy(const unsigned char* s, unsigned char* d, int64_t n) {
   memcpy(d, s, static_cast<size_t>(n));
@@ -273,9 +277,14 @@ using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
 // the hash: 1.11-1.20x the time of memcpy alone for 6 MiB of 32 KiB runs in 16 KiB
 // pieces, scattered destinations; one behind, with the prefetch: 0.93-1.06x (T0 hint;
 // T1 and T2 0.96-1.08x, NTA ~3x; hand-built, Xeon with AVX-512, both directions, not
-// saved).
+// saved). Only in calls the caches hold (kPiecePrefetchMaxBytes): where the bytes come
+// from DRAM the prefetch cost more than it hid (15 MiB of 18 KiB runs in 9 KiB pieces:
+// 1.05-1.11x against 1.01-1.07x without, worse in 5 of 6 runs; prefetching only a
+// piece's first 1-4 KiB won nothing at 6 MiB; same program), and at 12 MiB it changed
+// nothing beyond the noise (kvcopy-bench, docs/backends.md).
 struct PieceStream {
   PieceHash hash;
+  bool prefetch;                     // the next piece's source under each hash
   const unsigned char* d = nullptr;  // the piece waiting for its hash
   int64_t n = 0;
   uint64_t key = 0;
@@ -283,7 +292,7 @@ struct PieceStream {
 
   void add(const unsigned char* src, unsigned char* dst, int64_t bytes, uint64_t k,
            uint64_t* page_slot) {
-    if (slot != nullptr) *slot += hash(d, n, key, src, bytes);
+    if (slot != nullptr) *slot += hash(d, n, key, prefetch ? src : nullptr, prefetch ? bytes : 0);
     memcpy(dst, src, static_cast<size_t>(bytes));
     d = dst;
     n = bytes;
@@ -558,10 +567,11 @@ struct SumsCopy {
   PageCopy page;
   PieceHash piece_hash;
   int64_t piece;
+  bool prefetch;  // PieceStream::prefetch
 };
 
-SumsCopy sums_copy(int simd, bool stream, int64_t piece) {
-  SumsCopy c{page_copy(simd, stream), nullptr, piece};
+SumsCopy sums_copy(int simd, bool stream, int64_t piece, int64_t total_bytes) {
+  SumsCopy c{page_copy(simd, stream), nullptr, piece, total_bytes < kPiecePrefetchMaxBytes};
 #if defined(KVCOPY_X86_LOOPS)
   if (!stream && piece > 0) {
     const SumsLoop loop = loop_for(simd);
@@ -803,7 +813,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
   const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
-  const SumsCopy copy = sums_copy(simd, stream, piece_bytes);
+  const SumsCopy copy = sums_copy(simd, stream, piece_bytes, total_bytes);
 #ifdef _OPENMP
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (total_bytes >= kParallelMinBytes && items > 1 && threads > 1 && num_sums > 0) {
@@ -818,7 +828,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 #pragma omp parallel num_threads(threads)
     {
       uint64_t* row = rows + (int64_t)omp_get_thread_num() * stride;
-      PieceStream pieces{copy.piece_hash};
+      PieceStream pieces{copy.piece_hash, copy.prefetch};
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
         copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy,
@@ -839,7 +849,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   (void)num_threads;
 #endif
   memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
-  PieceStream pieces{copy.piece_hash};
+  PieceStream pieces{copy.piece_hash, copy.prefetch};
   for (int64_t i = 0; i < items; ++i) {
     copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy,
                    pieces, sums);

@@ -472,13 +472,13 @@ def test_cpu_threads_add_shared_slots(monkeypatch, case, pieces):
         check_sums("cpu", case, direction)
 
 
-def _two_shapes(poison: str):
+def _two_shapes(poison: str, num_blocks: int):
     """(device caches, host buffers, layer groups): group 0 of 1 KiB runs, group 1 of
-    128-byte runs (NHD bf16, 4 tokens x 2 heads x 64 or 8 elements)
-    with every block: the ``poison`` side filled with POISON_BYTE."""
+    128-byte runs (NHD bf16, 4 tokens x 2 heads x 64 or 8 elements), 8 layers each:
+    the ``poison`` side filled with POISON_BYTE."""
     dev, host, groups = {}, {}, []
     for tag, head in (("a", 64), ("b", 8)):
-        case = CopyCase(num_groups=1, layers_per_group=8, num_blocks=160, block_size=4, num_heads=2,
+        case = CopyCase(num_groups=1, layers_per_group=8, num_blocks=num_blocks, block_size=4, num_heads=2,
                         head_size=head, seed=head)
         d, h = case.build(poison=poison)
         groups.append([f"{tag}.{n}" for n in case.layer_groups()[0]])
@@ -491,20 +491,22 @@ def _two_shapes(poison: str):
 @pytest.mark.parametrize("loop", [pytest.param("1", id="vector"), pytest.param("avx2", id="avx2", marks=needs_avx2)])
 @pytest.mark.parametrize("threads", ["1", "2"])
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, direction, threads, loop):
-    """A piece is hashed when the thread's next piece comes (its source prefetched under
-    the hash): the next piece of the run, of another run, page or item, after items of
-    runs too short for pieces (group 1, copied by the fused loop in between), or, for
-    the thread's last piece, at the end of the call. Bytes and sums as the torch
-    backend's, destination and sums poisoned first, one thread and two."""
+@pytest.mark.parametrize("num_blocks", [pytest.param(160, id="1MiB"), pytest.param(1200, id="9MiB")])
+def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks, direction, threads, loop):
+    """A piece is hashed when the thread's next piece comes (in calls under 8 MiB its
+    source prefetched under the hash, above not): the next piece of the run, of another
+    run, page or item, after items of runs too short for pieces (group 1, copied by the
+    fused loop in between), or, for the thread's last piece, at the end of the call.
+    Bytes and sums as the torch backend's, destination and sums poisoned first, one
+    thread and two."""
     monkeypatch.setenv("KVCOPY_CPU_SIMD", loop)
     monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "192")  # group 0's runs: 6 pieces each
     rng = np.random.default_rng(7)
-    ids = [sorted(rng.permutation(160)[:150].tolist()), rng.permutation(160)[:40].tolist()]
+    ids = [sorted(rng.permutation(num_blocks)[:num_blocks - 10].tolist()), rng.permutation(num_blocks)[:40].tolist()]
     results = []
     for backend in ("torch", "cpu"):
-        dev, host, groups = _two_shapes("host" if direction == "d2h" else "device")
+        dev, host, groups = _two_shapes("host" if direction == "d2h" else "device", num_blocks)
         copier = kvcopy.BlockCopier(dev, host, groups, backend=backend)
         out = torch.full((sum(map(len, ids)),), POISON_SUM, dtype=torch.int64)
         if direction == "d2h":
@@ -513,7 +515,8 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, direction, 
             copier.to_device(ids, ids, checksums=out)
         if backend == "cpu":
             call = copier.plan(direction, ids, ids)
-            assert call.total_bytes >= 1 << 20 and call.num_items > 1  # threads split it at 2
+            assert call.num_items > 1 and (1 << 20) <= call.total_bytes < 16 << 20  # threads at 2; pieces
+            assert (call.total_bytes < 8 << 20) == (num_blocks == 160)  # the prefetch's side
         copier.close()
         results.append((dev, host, out.numpy().view(np.uint64).copy()))
     (want_dev, want_host, want_sums), (dev, host, sums) = results
