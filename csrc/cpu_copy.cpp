@@ -272,9 +272,11 @@ using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
 // overlaps the fetch instead of following it. The next piece may belong to another
 // run, page or item of the thread's (only the thread's last piece has no prefetch):
 // each piece's sum goes to its own page's slot. The destinations of a call never
-// overlap (the call planner's duplicate check), so hashing a piece later reads what its
-// memcpy wrote. Hashing each piece right after its memcpy, with nothing fetched under
-// the hash: 1.11-1.20x the time of memcpy alone for 6 MiB of 32 KiB runs in 16 KiB
+// overlap (BlockCopier's _check_destinations refuses layers whose pages could share
+// bytes; shared destinations are checked per call by csrc/call_plan.cpp's duplicate
+// check and _check_shared_rows), so hashing a piece later reads what its memcpy wrote.
+// Hashing each piece right after its memcpy, with nothing fetched under the hash:
+// 1.11-1.20x the time of memcpy alone for 6 MiB of 32 KiB runs in 16 KiB
 // pieces, scattered destinations; one behind, with the prefetch: 0.93-1.06x (T0 hint;
 // T1 and T2 0.96-1.08x, NTA ~3x; hand-built, Xeon with AVX-512, both directions, not
 // saved). Only in calls the caches hold (kPiecePrefetchMaxBytes): where the bytes come
@@ -744,7 +746,8 @@ extern "C" {
 // 7: kvcopy_cpu_copy_sums takes piece_bytes.
 // 8: kvcopy_fold_page_sums.
 // 9: kvcopy_cpu_copy_sums_fold.
-int kvcopy_cpu_abi_version() { return 9; }
+// 10: kvcopy_cpu_sums_prefetch.
+int kvcopy_cpu_abi_version() { return 10; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP
@@ -804,7 +807,8 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 // simd = 0 keeps to the scalar loop, 2 to the AVX2 loop (the tests compare them all);
 // calls of at least stream_min_bytes (> 0) store with non-temporal stores; in the
 // others a vector loop copies runs of at least piece_bytes (> 0, a multiple of 64) with
-// memcpy, piece by piece, each piece hashed after (for_each_piece); 0: never.
+// memcpy, piece by piece, each piece hashed one piece later (PieceStream; the next
+// piece's source prefetched in calls under kPiecePrefetchMaxBytes); 0: never.
 // Returns 2, having written nothing, if the threads' rows cannot be allocated.
 int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
@@ -856,6 +860,17 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   }
   pieces.finish();
   return 0;
+}
+
+// Whether kvcopy_cpu_copy_sums, given these arguments, copies runs of run_bytes piece by
+// piece (bit 0) and prefetches each next piece's source under the hash of the one
+// before (bit 1): what sums_copy decides, for the tests.
+int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes, int simd,
+                           int64_t stream_min_bytes, int64_t piece_bytes) {
+  const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
+  const SumsCopy c = sums_copy(simd, stream, piece_bytes, total_bytes);
+  if (c.piece_hash == nullptr || run_bytes < c.piece) return 0;
+  return 1 | (c.prefetch ? 2 : 0);
 }
 
 // Whether kvcopy_cpu_copy streams a call of total_bytes (1) or memcpy's it (0).

@@ -363,7 +363,9 @@ BIG_CASES = [CopyCase(layout="kv_first", block_size=16, num_heads=4, head_size=6
              CopyCase(layout="lbnhc", num_heads=4, head_size=128, block_size=8, ids="odd"),
              CopyCase(layout="nhd", dtype="uint8", block_size=16, num_heads=3, head_size=67, ids="runs", num_blocks=32),
              CopyCase(layout="kv_first", dtype="fp16", block_size=16, num_heads=3, head_size=35, ids="scattered",
-                      num_blocks=32)]
+                      num_blocks=32),
+             # 201-byte runs: with 192-byte pieces, 128 + 73 bytes, the last word zero-padded
+             CopyCase(layout="nhd", dtype="uint8", block_size=3, num_heads=1, head_size=67, ids="runs", num_blocks=32)]
 
 
 HAS_AVX2 = lib is not None and bool(lib.kvcopy_cpu_sums_loops() & 1)
@@ -472,12 +474,12 @@ def test_cpu_threads_add_shared_slots(monkeypatch, case, pieces):
         check_sums("cpu", case, direction)
 
 
-def _two_shapes(poison: str, num_blocks: int):
-    """(device caches, host buffers, layer groups): group 0 of 1 KiB runs, group 1 of
-    128-byte runs (NHD bf16, 4 tokens x 2 heads x 64 or 8 elements), 8 layers each:
+def _three_shapes(poison: str, num_blocks: int):
+    """(device caches, host buffers, layer groups): groups of 1 KiB, 128-byte and
+    512-byte runs (NHD bf16, 4 tokens x 2 heads x 64, 8 or 32 elements), 8 layers each:
     the ``poison`` side filled with POISON_BYTE."""
     dev, host, groups = {}, {}, []
-    for tag, head in (("a", 64), ("b", 8)):
+    for tag, head in (("a", 64), ("b", 8), ("c", 32)):
         case = CopyCase(num_groups=1, layers_per_group=8, num_blocks=num_blocks, block_size=4, num_heads=2,
                         head_size=head, seed=head)
         d, h = case.build(poison=poison)
@@ -494,19 +496,26 @@ def _two_shapes(poison: str, num_blocks: int):
 @pytest.mark.parametrize("num_blocks", [pytest.param(160, id="1MiB"), pytest.param(1200, id="9MiB")])
 def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks, direction, threads, loop):
     """A piece is hashed when the thread's next piece comes (in calls under 8 MiB its
-    source prefetched under the hash, above not): the next piece of the run, of another
-    run, page or item, after items of runs too short for pieces (group 1, copied by the
-    fused loop in between), or, for the thread's last piece, at the end of the call.
-    Bytes and sums as the torch backend's, destination and sums poisoned first, one
-    thread and two."""
+    source prefetched under the hash, above not: as the library reports it): the next
+    piece of the page, of another page or item, after items of runs too short for
+    pieces (group 1's, copied by the fused loop between group 0's and group 2's pieces),
+    or, for the thread's last piece, at the end of the call. Bytes and sums as the torch
+    backend's, destination and sums poisoned first, one thread and two."""
+    from kvcopy.backends import get_backend
+
     monkeypatch.setenv("KVCOPY_CPU_SIMD", loop)
     monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
-    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "192")  # group 0's runs: 6 pieces each
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "192")  # 1 KiB runs: 6 pieces, 512 B: 3
+    monkeypatch.delenv("KVCOPY_CPU_STREAM_BYTES", raising=False)  # 9 MiB calls pieced, not streamed
     rng = np.random.default_rng(7)
-    ids = [sorted(rng.permutation(num_blocks)[:num_blocks - 10].tolist()), rng.permutation(num_blocks)[:40].tolist()]
+    ids = [sorted(rng.permutation(num_blocks)[:num_blocks - 10].tolist()), rng.permutation(num_blocks)[:40].tolist(),
+           rng.permutation(num_blocks)[:40].tolist()]
+    pieces = lib.kvcopy_cpu_sums_pieces
+    pieces.restype, pieces.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                                     ctypes.c_int64]
     results = []
     for backend in ("torch", "cpu"):
-        dev, host, groups = _two_shapes("host" if direction == "d2h" else "device", num_blocks)
+        dev, host, groups = _three_shapes("host" if direction == "d2h" else "device", num_blocks)
         copier = kvcopy.BlockCopier(dev, host, groups, backend=backend)
         out = torch.full((sum(map(len, ids)),), POISON_SUM, dtype=torch.int64)
         if direction == "d2h":
@@ -515,8 +524,10 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
             copier.to_device(ids, ids, checksums=out)
         if backend == "cpu":
             call = copier.plan(direction, ids, ids)
-            assert call.num_items > 1 and (1 << 20) <= call.total_bytes < 16 << 20  # threads at 2; pieces
-            assert (call.total_bytes < 8 << 20) == (num_blocks == 160)  # the prefetch's side
+            assert call.num_items > 1 and call.total_bytes >= 1 << 20  # the threads' path at 2
+            simd, stream, piece = get_backend("cpu").state(copier.tables(direction))[5:8]
+            how = [pieces(call.total_bytes, run, simd, stream, piece) for run in (1024, 128, 512)]
+            assert how == ([3, 0, 3] if num_blocks == 160 else [1, 0, 1])  # pieced (+2: prefetched)
         copier.close()
         results.append((dev, host, out.numpy().view(np.uint64).copy()))
     (want_dev, want_host, want_sums), (dev, host, sums) = results
@@ -525,6 +536,49 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
             assert torch.equal(storage_bytes(want[name]), storage_bytes(got[name])), name
     bad = np.flatnonzero(sums != want_sums)
     assert not len(bad), f"{len(bad)} of {len(sums)} sums differ from torch's, first {bad[:4]}"
+
+
+@needs_lib
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("pieces", [pytest.param("0", id="fused"), pytest.param("4096", id="pieces")])
+def test_cpu_sums_are_of_the_bytes_written(monkeypatch, pieces, threads):
+    """The sums are of what the copy wrote, not of a source that changes under it (a
+    late write into the pages being saved): d2h while another thread keeps adding to
+    every source page, each call's sums equal the oracle's over the destination's
+    bytes. Pieces hashed in their source instead disagreed in 11 and 18 of the 60 calls
+    (one thread, two)."""
+    import threading
+
+    from kvcopy.checksum import as_unsigned, table_checksums
+
+    monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
+    monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", pieces)
+    gen = torch.Generator().manual_seed(3)
+    dev = {f"l{i}": torch.randint(-100, 100, (64, 16, 8, 128), dtype=torch.int16, generator=gen) for i in range(8)}
+    host = {n: torch.zeros_like(t) for n, t in dev.items()}
+    copier = kvcopy.BlockCopier(dev, host, [list(dev)], backend="cpu")
+    ids = [list(range(0, 60, 2))]  # 30 pages of 32 KiB per layer: 7.5 MiB, pieces prefetched
+    call = copier.plan("d2h", ids, ids)
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            for t in dev.values():
+                t.add_(1)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    differing = 0
+    try:
+        for _ in range(60):
+            out = torch.full((call.num_blocks,), POISON_SUM, dtype=torch.int64)
+            copier.run("d2h", call, checksums=out)
+            differing += int((as_unsigned(out) != table_checksums(copier.tables("d2h"), call)).any())
+    finally:
+        stop.set()
+        thread.join()
+    copier.close()
+    assert differing == 0, f"{differing} of 60 calls' sums differ from the bytes they wrote"
 
 
 @needs_lib

@@ -18,8 +18,9 @@ copy runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instea
 piece by piece, and hash each piece in the destination, still in cache, while the next
 piece's source is prefetched in calls under 8 MiB (:func:`_piece_bytes`).
 On one core of an AMD EPYC Zen 3 (AVX2) the copy with
-sums takes 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x (medians of the
-saved runs; see docs/backends.md, "Cost").
+sums took 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x, with the fused
+AVX2 loop, the default then (medians of the saved runs; see docs/backends.md, "Cost";
+the pieces have not run there).
 
 Both copies write calls of at least ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) with
 non-temporal stores. A run of a few KiB copied by memcpy never reaches glibc's own
@@ -107,9 +108,9 @@ def _piece_bytes(loop: int) -> int:
     reading them first, which vector stores cannot, and the prefetch lets the hash's
     arithmetic run while the next piece is fetched. On a Xeon with AVX-512 (one thread,
     ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved; docs/backends.md,
-    "Cost"): AVX-512 loop pieced with the prefetch 1.02-1.06x, pieced without it
-    1.02-1.32x, fused 1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused
-    1.07x. CPUs with only AVX2 (AMD Zen 2/3) have not run the pieces."""
+    "Cost"): AVX-512 loop pieced with the prefetch 1.00-1.07x in 14 of 16 rows (1.16x
+    in both of one run's), pieced without it 1.02-1.33x, fused 1.14-1.22x; AVX2 loop
+    pieced with the prefetch 1.01-1.07x, fused 1.07x. CPUs with only AVX2 (AMD Zen 2/3) have not run the pieces."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
         value = int(text) if text else (0 if loop == _SCALAR_LOOP else PIECE_BYTES_DEFAULT)
