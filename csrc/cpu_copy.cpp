@@ -13,9 +13,9 @@
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
 // copies runs that long with memcpy, piece by piece, each piece hashed where it landed
 // one piece later, with the next piece's source prefetched under the hash in calls the
-// caches hold (PieceStream). Each page's sum is added to its slot once per (item, block), in a row
-// of slots of the thread's own (threads share slots: the layers of a group), the rows
-// summed at the end of the call.
+// caches hold (PieceStream). Each page's sum is added to its slot once per (item,
+// block), in a row of slots of the thread's own (threads share slots: the layers of a
+// group), the rows summed at the end of the call.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
