@@ -127,11 +127,17 @@ void copy_item_stream(const kvcopy::Item& it) {
 
 using ItemCopy = void (*)(const kvcopy::Item&);
 
+// Whether a call of total_bytes streams its stores (stream_min_bytes > 0: the
+// threshold; 0: never): one rule for the plain copy and the summing one.
+inline bool streams(int64_t total_bytes, int64_t stream_min_bytes) {
+  return stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
+}
+
 // The plain copy of an item: non-temporal stores for a call of at least
 // stream_min_bytes (> 0) where the CPU has them, else memcpy.
 ItemCopy item_copy(int64_t total_bytes, int64_t stream_min_bytes) {
 #if defined(KVCOPY_STREAM_COPY)
-  if (stream_min_bytes > 0 && total_bytes >= stream_min_bytes) return copy_item_stream;
+  if (streams(total_bytes, stream_min_bytes)) return copy_item_stream;
 #else
   (void)total_bytes;
   (void)stream_min_bytes;
@@ -816,7 +822,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          int simd, int64_t stream_min_bytes, int64_t piece_bytes) {
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
-  const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
+  const bool stream = streams(total_bytes, stream_min_bytes);
   const SumsCopy copy = sums_copy(simd, stream, piece_bytes, total_bytes);
 #ifdef _OPENMP
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
@@ -867,7 +873,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 // before (bit 1): what sums_copy decides, for the tests.
 int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes, int simd,
                            int64_t stream_min_bytes, int64_t piece_bytes) {
-  const bool stream = stream_min_bytes > 0 && total_bytes >= stream_min_bytes;
+  const bool stream = streams(total_bytes, stream_min_bytes);
   const SumsCopy c = sums_copy(simd, stream, piece_bytes, total_bytes);
   if (c.piece_hash == nullptr || run_bytes < c.piece) return 0;
   return 1 | (c.prefetch ? 2 : 0);

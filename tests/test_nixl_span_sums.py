@@ -14,7 +14,7 @@ import torch
 
 from kvcopy.backends import Backend
 from kvcopy.backends.cpu import CpuBackend
-from kvcopy.checksum import seal
+from kvcopy.checksum import address_of, seal
 from kvcopy.nixl import TransferManager
 from kvcopy.nixl.options import ManagerOptions
 from kvcopy.nixl.pull import Completion
@@ -454,7 +454,7 @@ def test_compare_names_exactly_the_pages_that_differ(pair, monkeypatch):
 
     def check(exp, want):
         return span_sums.ScatterCheck(layout, tuple(pos), tuple(zeros), tuple(exp), local, plan, want,
-                                      0 if want is None else span_sums._address(want),
+                                      0 if want is None else address_of(want),
                                       span_sums.scatter_fold(plan, want))
     assert check(expected, span_sums.matching_values(plan, expected)).compare(arrays) is None
     assert check(expected, None).compare(arrays) is None  # the per-group path agrees
@@ -499,7 +499,7 @@ def test_the_host_library_folds_and_compares_as_numpy_does(pair, monkeypatch):
         got = plan.values(arrays)
     assert len(want) == len(plan.starts) > 1 and np.array_equal(got, want)
     want.setflags(write=False)
-    at = span_sums._address(want)
+    at = address_of(want)
     for library in (True, False):
         if not library:
             monkeypatch.setattr(span_sums, "_FOLD", [None])
@@ -507,7 +507,7 @@ def test_the_host_library_folds_and_compares_as_numpy_does(pair, monkeypatch):
         for k in range(len(want)):
             off = want.copy()
             off[k] ^= np.uint64(1 << int(rng.integers(64)))
-            assert plan.differs(arrays, off, span_sums._address(off))
+            assert plan.differs(arrays, off, address_of(off))
         bent = [a.copy() for a in arrays]
         bent[-1][int(rng.integers(len(bent[-1])))] += np.uint64(1)
         # a sum not folded (a zeroed page's) may change without a difference; a folded one may not
@@ -517,7 +517,7 @@ def test_the_host_library_folds_and_compares_as_numpy_does(pair, monkeypatch):
     monkeypatch.setattr(span_sums, "_FOLD", [])
     gather = plan.gather.copy()
     gather[-1] = sum(plan.sizes)  # one past the sums
-    bad = plan._replace(gather=gather, at=(span_sums._address(gather),) + plan.at[1:])
+    bad = plan._replace(gather=gather, at=(address_of(gather),) + plan.at[1:])
     with pytest.raises(RuntimeError, match="out of range"):
         bad.values(arrays)
 

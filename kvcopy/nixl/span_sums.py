@@ -56,8 +56,7 @@ import numpy as np
 import torch
 
 from ..backends import native
-from ..checksum import POSITION_MUL, SumFold, fold_segments, mix64
-from ..checksum import address_of as _address
+from ..checksum import POSITION_MUL, SumFold, address_of, fold_segments, mix64
 from ..copier import CallPlan
 from ..tables import RUN_BYTES
 from .record import LAYOUT_HEX, PageSums, StagedRequest
@@ -160,7 +159,7 @@ class SumLayout:
         g, b, v = (_read_only(_joined(gather, np.int64)), _read_only(_joined(bounds, np.uint64)),
                    _read_only(_joined(value_starts, np.int64)))
         fold = SumFold(g, b, v, np.zeros(len(v), np.uint64)) if len(sizes) == 1 else None
-        return FoldPlan(tuple(sizes), g, b, v, tuple(spans), (_address(g), _address(b), _address(v)), fold)
+        return FoldPlan(tuple(sizes), g, b, v, tuple(spans), (address_of(g), address_of(b), address_of(v)), fold)
 
 
 class FoldPlan(NamedTuple):
@@ -185,7 +184,7 @@ class FoldPlan(NamedTuple):
         without the library."""
         x = self._joined(arrays)
         out = np.empty(len(self.starts), np.uint64)
-        if self._fold(x, _address(out), 0) is None:
+        if self._fold(x, address_of(out), 0) is None:
             return self.numpy_values(arrays)
         return out
 
@@ -220,7 +219,7 @@ class FoldPlan(NamedTuple):
         if fold is None:
             return None
         g, b, v = self.at
-        differ = fold(_address(x), len(x), g, b, len(self.gather), v, len(self.starts), values_at, want_at)
+        differ = fold(address_of(x), len(x), g, b, len(self.gather), v, len(self.starts), values_at, want_at)
         if differ < 0:  # the plan's own indices: never out of range
             raise RuntimeError("kvcopy_fold_page_sums: a fold plan index out of range")
         return differ
@@ -397,7 +396,7 @@ def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
     want = matching_values(plan, [e for _, e in expected])
     return ScatterCheck(layout, tuple(p for p, _ in expected), tuple(int(z) for z in zero_counts),
                         tuple(e for _, e in expected), tuple(tuple(p) for p in local_pages), plan,
-                        want, 0 if want is None else _address(want), scatter_fold(plan, want)), None
+                        want, 0 if want is None else address_of(want), scatter_fold(plan, want)), None
 
 
 def scatter_fold(plan: FoldPlan, want: Optional[np.ndarray]) -> Optional[SumFold]:
