@@ -12,10 +12,10 @@
 // vector of words: product_term's 32 x 32-bit multiply), else 16 bytes per step in
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
 // copies runs that long with memcpy, piece by piece, each piece hashed where it landed
-// one piece later, with the next piece's source prefetched under the hash in calls the
-// caches hold (PieceStream). Each page's sum is added to its slot once per (item,
-// block), in a row of slots of the thread's own (threads share slots: the layers of a
-// group), the rows summed at the end of the call.
+// one piece later, with the next piece's source prefetched under the hash, whole in
+// calls the caches hold, else its first half (PieceStream). Each page's sum is added
+// to its slot once per (item, block), in a row of slots of the thread's own (threads
+// share slots: the layers of a group), the rows summed at the end of the call.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,8 +73,8 @@ namespace {
 constexpr int64_t kParallelMinBytes = 1 << 20;
 
 // Pieced checksummed calls below this many bytes prefetch each next piece's source
-// under the hash of the piece before (PieceStream): calls the caches hold.
-constexpr int64_t kPiecePrefetchMaxBytes = 8 << 20;
+// whole under the hash of the piece before, larger calls its first half (PieceStream).
+constexpr int64_t kWholePrefetchMaxBytes = 8 << 20;
 
 void copy_memcpy(const unsigned char* s, unsigned char* d, int64_t n) {
   memcpy(d, s, static_cast<size_t>(n));
@@ -267,17 +267,18 @@ inline void for_each_piece(int64_t rb, int64_t piece, Fn&& fn) {
 }
 
 // The checksum of n bytes at p (a piece where memcpy put it), keyed from key, with the
-// lines of [pf, pf + pf_n) (the next piece's source) prefetched into L1 along the way:
-// one vector loop's piece hash (hash_piece_avx512, hash_piece_avx2).
+// next piece's source [pf, pf + pf_n) prefetched into L1 along the way, whole or its
+// first half: one vector loop's piece hash (hash_piece_avx512, hash_piece_avx2, each
+// in both).
 using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
                                const unsigned char* pf, int64_t pf_n);
 
 // One thread's pieced copies, hashed one piece behind: a piece is memcpy'd when it
 // comes and hashed where it landed when the next one comes, the next one's source
-// prefetched under the hash, so its memcpy reads from L1 and the hash's arithmetic
-// overlaps the fetch instead of following it. The next piece may belong to another
-// run, page or item of the thread's (only the thread's last piece has no prefetch):
-// each piece's sum goes to its own page's slot. The destinations of a call never
+// prefetched under the hash (the piece hash's), so its memcpy reads from L1 and the
+// hash's arithmetic overlaps the fetch instead of following it. The next piece may
+// belong to another run, page or item of the thread's (only the thread's last piece has
+// no prefetch): each piece's sum goes to its own page's slot. The destinations of a call never
 // overlap (BlockCopier's _check_destinations refuses layers whose pages could share
 // bytes; shared destinations are checked per call by csrc/call_plan.cpp's duplicate
 // check and _check_shared_rows), so hashing a piece later reads what its memcpy wrote.
@@ -285,14 +286,16 @@ using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
 // 1.11-1.20x the time of memcpy alone for 6 MiB of 32 KiB runs in 16 KiB
 // pieces, scattered destinations; one behind, with the prefetch: 0.93-1.06x (T0 hint;
 // T1 and T2 0.96-1.08x, NTA ~3x; hand-built, Xeon with AVX-512, both directions, not
-// saved). Only in calls the caches hold (kPiecePrefetchMaxBytes): where the bytes come
-// from DRAM the prefetch cost more than it hid (15 MiB of 18 KiB runs in 9 KiB pieces:
-// 1.05-1.11x against 1.01-1.07x without, worse in 5 of 6 runs; prefetching only a
-// piece's first 1-4 KiB won nothing at 6 MiB; same program), and at 12 MiB it changed
-// nothing beyond the noise (kvcopy-bench, docs/backends.md).
+// saved). From kWholePrefetchMaxBytes up, where the bytes may come from DRAM, only the
+// next piece's first half, one line per 128 bytes hashed: there the whole piece cost
+// more than it hid (15 MiB of 18 KiB runs in 9 KiB pieces: 1.16-1.24x memcpy against
+// 1.08-1.21x with nothing prefetched), half of it did not (1.08-1.19x; 12 MiB of 32 KiB
+// runs in 16 KiB pieces: half 1.08-1.24x, whole 1.11-1.35x, nothing 1.24-1.35x; same
+// program, four runs each; kvcopy-bench pairs in docs/backends.md). Below it the whole
+// piece: at 6 MiB half read 1.07-1.11x against whole 1.07-1.10x, and kvcopy-bench's
+// median over ten pairs 1.07x against 1.05x (not saved).
 struct PieceStream {
   PieceHash hash;
-  bool prefetch;                     // the next piece's source under each hash
   const unsigned char* d = nullptr;  // the piece waiting for its hash
   int64_t n = 0;
   uint64_t key = 0;
@@ -300,7 +303,7 @@ struct PieceStream {
 
   void add(const unsigned char* src, unsigned char* dst, int64_t bytes, uint64_t k,
            uint64_t* page_slot) {
-    if (slot != nullptr) *slot += hash(d, n, key, prefetch ? src : nullptr, prefetch ? bytes : 0);
+    if (slot != nullptr) *slot += hash(d, n, key, src, bytes);
     memcpy(dst, src, static_cast<size_t>(bytes));
     d = dst;
     n = bytes;
@@ -315,6 +318,15 @@ struct PieceStream {
 };
 
 #if defined(KVCOPY_X86_LOOPS)
+// A piece hash's prefetch of the next piece: at its step over bytes [i, i + kStep) the
+// lines from pf + (i >> kHalf), so that the loop's steps cover the first half of the
+// next piece (kHalf) or all of it, below pf + end.
+template <int kStep, int kHalf>
+inline void prefetch_step(const unsigned char* pf, int64_t i, int64_t end) {
+  for (int64_t j = i >> kHalf; j < (i + kStep) >> kHalf && j < end; j += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(pf + j), _MM_HINT_T0);
+}
+
 // The lines of [pf + from, pf + to) a piece's hash loop did not reach (the next piece
 // longer than this one): prefetched after it.
 inline void prefetch_rest(const unsigned char* pf, int64_t from, int64_t to) {
@@ -338,14 +350,16 @@ KVCOPY_TARGET("avx512f") inline __m512i product_terms8(__m512i x) {
 // non-temporal stores (the destination 64-byte aligned by a scalar head, when it is
 // 8-byte aligned: hash words stay whole), which write lines without reading them first,
 // as memcpy's string moves do; used for calls too large for the caches. !kCopy (a
-// piece's hash): no stores, and the lines of [pf, pf + pf_n) prefetched on the way.
-template <bool kStream, bool kCopy = true>
+// piece's hash): no stores, and the next piece [pf, pf + pf_n) prefetched on the way,
+// its first half with kHalf (prefetch_step).
+template <bool kStream, bool kCopy = true, int kHalf = 0>
 KVCOPY_TARGET("avx512f")
 inline uint64_t
     run_avx512(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key, __m512i& acc0,
                __m512i& acc1, const unsigned char* pf = nullptr, int64_t pf_n = 0) {
   int64_t i = 0;
   uint64_t head = 0;
+  const int64_t pf_end = pf_n >> kHalf;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
   if (stream) {
     i = (int64_t)((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63);
@@ -371,9 +385,8 @@ inline uint64_t
       if (kCopy) {
         _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes + 64), _MM_HINT_T0);
-      } else if (i + 128 <= pf_n) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(pf + i + 64), _MM_HINT_T0);
+      } else {
+        prefetch_step<128, kHalf>(pf, i, pf_end);
       }
       const __m512i w0 = _mm512_loadu_si512(s + i);
       const __m512i w1 = _mm512_loadu_si512(s + i + 64);
@@ -394,18 +407,19 @@ inline uint64_t
     acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
-  if (!kCopy) prefetch_rest(pf, i < (pf_n & ~(int64_t)127) ? i : pf_n & ~(int64_t)127, pf_n);
+  if (!kCopy) prefetch_rest(pf, i >> kHalf, pf_end);
   return head + copy_run_scalar<kCopy>(s + i, d + i, n - i, key);
 }
 
-// hash_piece for the AVX-512 loop.
+// PieceHash for the AVX-512 loop.
+template <int kHalf>
 KVCOPY_TARGET("avx512f")
 uint64_t hash_piece_avx512(const unsigned char* p, int64_t n, uint64_t key, const unsigned char* pf,
                            int64_t pf_n) {
   __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
   const uint64_t rest =
-      run_avx512<false, false>(p, const_cast<unsigned char*>(p), n, key, a0, a1, pf,
-                               pf_n);  // no stores
+      run_avx512<false, false, kHalf>(p, const_cast<unsigned char*>(p), n, key, a0, a1, pf,
+                                      pf_n);  // no stores
   return rest + (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
 }
 
@@ -432,13 +446,14 @@ KVCOPY_TARGET("avx2") inline __m256i product_terms4(__m256i x) {
 }
 
 // run_avx512 with 256-bit vectors: 64 bytes per step.
-template <bool kStream, bool kCopy = true>
+template <bool kStream, bool kCopy = true, int kHalf = 0>
 KVCOPY_TARGET("avx2")
 inline uint64_t
     run_avx2(const unsigned char* s, unsigned char* d, int64_t n, uint64_t key, __m256i& acc0,
              __m256i& acc1, const unsigned char* pf = nullptr, int64_t pf_n = 0) {
   int64_t i = 0;
   uint64_t head = 0;
+  const int64_t pf_end = pf_n >> kHalf;
   const bool stream = kStream && (reinterpret_cast<uintptr_t>(d) & 7) == 0;
   if (stream) {
     i = (int64_t)((32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31);
@@ -457,8 +472,8 @@ inline uint64_t
     for (; i + 64 <= n; i += 64) {
       if (kCopy)
         _mm_prefetch(reinterpret_cast<const char*>(s + i + kPrefetchBytes), _MM_HINT_T0);
-      else if (i + 64 <= pf_n)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);
+      else
+        prefetch_step<64, kHalf>(pf, i, pf_end);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
       if (!kCopy) {
@@ -478,7 +493,7 @@ inline uint64_t
     acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
-  if (!kCopy) prefetch_rest(pf, i < (pf_n & ~(int64_t)63) ? i : pf_n & ~(int64_t)63, pf_n);
+  if (!kCopy) prefetch_rest(pf, i >> kHalf, pf_end);
   return head + copy_run_scalar<kCopy>(s + i, d + i, n - i, key);
 }
 
@@ -488,13 +503,14 @@ KVCOPY_TARGET("avx2") inline uint64_t lane_sum4(__m256i v) {
   return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
-// hash_piece for the AVX2 loop.
+// PieceHash for the AVX2 loop.
+template <int kHalf>
 KVCOPY_TARGET("avx2")
 uint64_t hash_piece_avx2(const unsigned char* p, int64_t n, uint64_t key, const unsigned char* pf,
                          int64_t pf_n) {
   __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-  const uint64_t rest = run_avx2<false, false>(p, const_cast<unsigned char*>(p), n, key, a0, a1, pf,
-                                               pf_n);  // no stores
+  const uint64_t rest = run_avx2<false, false, kHalf>(p, const_cast<unsigned char*>(p), n, key, a0,
+                                                      a1, pf, pf_n);  // no stores
   return rest + lane_sum4(_mm256_add_epi64(a0, a1));
 }
 
@@ -575,16 +591,16 @@ struct SumsCopy {
   PageCopy page;
   PieceHash piece_hash;
   int64_t piece;
-  bool prefetch;  // PieceStream::prefetch
+  bool whole;  // piece_hash prefetches the next piece whole, else its first half
 };
 
 SumsCopy sums_copy(int simd, bool stream, int64_t piece, int64_t total_bytes) {
-  SumsCopy c{page_copy(simd, stream), nullptr, piece, total_bytes < kPiecePrefetchMaxBytes};
+  SumsCopy c{page_copy(simd, stream), nullptr, piece, total_bytes < kWholePrefetchMaxBytes};
 #if defined(KVCOPY_X86_LOOPS)
   if (!stream && piece > 0) {
     const SumsLoop loop = loop_for(simd);
-    if (loop == kAvx512Loop) c.piece_hash = hash_piece_avx512;
-    if (loop == kAvx2Loop) c.piece_hash = hash_piece_avx2;
+    if (loop == kAvx512Loop) c.piece_hash = c.whole ? hash_piece_avx512<0> : hash_piece_avx512<1>;
+    if (loop == kAvx2Loop) c.piece_hash = c.whole ? hash_piece_avx2<0> : hash_piece_avx2<1>;
   }
 #endif
   return c;
@@ -752,8 +768,10 @@ extern "C" {
 // 7: kvcopy_cpu_copy_sums takes piece_bytes.
 // 8: kvcopy_fold_page_sums.
 // 9: kvcopy_cpu_copy_sums_fold.
-// 10: kvcopy_cpu_sums_prefetch.
-int kvcopy_cpu_abi_version() { return 10; }
+// 10: kvcopy_cpu_sums_pieces.
+// 11: kvcopy_cpu_sums_pieces' bit 1 is a whole next piece prefetched (else its first
+//     half; was: any prefetch).
+int kvcopy_cpu_abi_version() { return 11; }
 
 int kvcopy_cpu_has_openmp() {
 #ifdef _OPENMP
@@ -814,7 +832,8 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 // calls of at least stream_min_bytes (> 0) store with non-temporal stores; in the
 // others a vector loop copies runs of at least piece_bytes (> 0, a multiple of 64) with
 // memcpy, piece by piece, each piece hashed one piece later (PieceStream; the next
-// piece's source prefetched in calls under kPiecePrefetchMaxBytes); 0: never.
+// piece's source prefetched under it, whole in calls under kWholePrefetchMaxBytes,
+// else its first half); 0: never.
 // Returns 2, having written nothing, if the threads' rows cannot be allocated.
 int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
@@ -838,7 +857,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 #pragma omp parallel num_threads(threads)
     {
       uint64_t* row = rows + (int64_t)omp_get_thread_num() * stride;
-      PieceStream pieces{copy.piece_hash, copy.prefetch};
+      PieceStream pieces{copy.piece_hash};
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
         copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy,
@@ -859,7 +878,7 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
   (void)num_threads;
 #endif
   memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
-  PieceStream pieces{copy.piece_hash, copy.prefetch};
+  PieceStream pieces{copy.piece_hash};
   for (int64_t i = 0; i < items; ++i) {
     copy_item_sums(kvcopy::locate_item(i, call, entries, group_offsets, group_entries), copy,
                    pieces, sums);
@@ -869,14 +888,15 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 }
 
 // Whether kvcopy_cpu_copy_sums, given these arguments, copies runs of run_bytes piece by
-// piece (bit 0) and prefetches each next piece's source under the hash of the one
-// before (bit 1): what sums_copy decides, for the tests.
+// piece (bit 0), and whether it then prefetches each next piece's source whole under
+// the hash of the one before (bit 1) or its first half (bit 1 clear): what sums_copy
+// decides, for the tests.
 int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes, int simd,
                            int64_t stream_min_bytes, int64_t piece_bytes) {
   const bool stream = streams(total_bytes, stream_min_bytes);
   const SumsCopy c = sums_copy(simd, stream, piece_bytes, total_bytes);
   if (c.piece_hash == nullptr || run_bytes < c.piece) return 0;
-  return 1 | (c.prefetch ? 2 : 0);
+  return 1 | (c.whole ? 2 : 0);
 }
 
 // Whether kvcopy_cpu_copy streams a call of total_bytes (1) or memcpy's it (0).

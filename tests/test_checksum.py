@@ -495,8 +495,9 @@ def _three_shapes(poison: str, num_blocks: int):
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("num_blocks", [pytest.param(160, id="1MiB"), pytest.param(1200, id="9MiB")])
 def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks, direction, threads, loop):
-    """A piece is hashed when the thread's next piece comes (in calls under 8 MiB its
-    source prefetched under the hash, above not: as the library reports it): the next
+    """A piece is hashed when the thread's next piece comes (its source prefetched under
+    the hash, whole in calls under 8 MiB, above its first half: as the library reports
+    it): the next
     piece of the page, of another page or item, after items of runs too short for
     pieces (group 1's, copied by the fused loop between group 0's and group 2's pieces),
     or, for the thread's last piece, at the end of the call. Bytes and sums as the torch
@@ -527,7 +528,7 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
             assert call.num_items > 1 and call.total_bytes >= 1 << 20  # the threads' path at 2
             simd, stream, piece = get_backend("cpu").state(copier.tables(direction))[5:8]
             how = [pieces(call.total_bytes, run, simd, stream, piece) for run in (1024, 128, 512)]
-            assert how == ([3, 0, 3] if num_blocks == 160 else [1, 0, 1])  # pieced (+2: prefetched)
+            assert how == ([3, 0, 3] if num_blocks == 160 else [1, 0, 1])  # pieced (+2: prefetched whole)
         copier.close()
         results.append((dev, host, out.numpy().view(np.uint64).copy()))
     (want_dev, want_host, want_sums), (dev, host, sums) = results

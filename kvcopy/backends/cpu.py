@@ -16,7 +16,8 @@ loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's 
 32 x 32-bit multiply per word. In calls below the streaming threshold the vector loops
 copy runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instead,
 piece by piece, and hash each piece in the destination, still in cache, while the next
-piece's source is prefetched in calls under 8 MiB (:func:`_piece_bytes`).
+piece's source is prefetched, whole in calls under 8 MiB, else its first half
+(:func:`_piece_bytes`).
 On one core of an AMD EPYC Zen 3 (AVX2) the copy with
 sums took 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x, with the fused
 AVX2 loop, the default then (medians of the saved runs; see docs/backends.md, "Cost";
@@ -102,8 +103,8 @@ def _piece_bytes(loop: int) -> int:
     """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold,
     the vector loops copy runs of at least this many bytes piece by piece with memcpy,
     and hash each piece where it landed when the next piece comes, that piece's source
-    prefetched under the hash in calls under 8 MiB (``0``: never, every run through the
-    fused loop; else a multiple of 64). Default: 16 KiB for both vector loops, 0 for the
+    prefetched under the hash, whole in calls under 8 MiB, else its first half (``0``:
+    never, every run through the fused loop; else a multiple of 64). Default: 16 KiB for both vector loops, 0 for the
     scalar one (far slower than memcpy: pieces would not pay). memcpy's string moves
     write lines without reading them first, which vector stores cannot, and the prefetch
     lets the hash's arithmetic run while the next piece is fetched. On a Xeon with
