@@ -292,8 +292,8 @@ using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
 // 1.08-1.21x with nothing prefetched), half of it did not (1.08-1.19x; 12 MiB of 32 KiB
 // runs in 16 KiB pieces: half 1.08-1.24x, whole 1.11-1.35x, nothing 1.24-1.35x; same
 // program, four runs each; kvcopy-bench pairs in docs/backends.md). Below it the whole
-// piece: at 6 MiB half read 1.07-1.11x against whole 1.07-1.10x, and kvcopy-bench's
-// median over ten pairs 1.07x against 1.05x (not saved).
+// piece: at 6 MiB half read 1.07-1.11x against whole 1.08-1.10x, and kvcopy-bench's
+// median over nine pairs 1.06x against 1.05x (not saved).
 struct PieceStream {
   PieceHash hash;
   const unsigned char* d = nullptr;  // the piece waiting for its hash

@@ -5,8 +5,8 @@ with one 64-bit sum per block of the call (per ``(group, i)``, summed over the g
 layers), computed by the copy from the words it moves: no second pass over memory.
 The ``cpu`` backend hashes in the loop that copies (``csrc/cpu_copy.cpp``; its vector
 loops hash runs of 16 KiB and more piece by piece, each piece in the destination after
-memcpy wrote it, still in cache; in calls under 8 MiB the next piece's source is
-prefetched under each hash), the
+memcpy wrote it, still in cache, while the next piece's source is prefetched, whole
+in calls under 8 MiB, else its first half), the
 ``cuda`` kernel in registers on the way from load to store with one atomic add per
 warp and page (``kernels/block_copy_kernel.cuh``), the ``triton`` kernel per row of
 its tile (``kernels/triton_copy.py``); ``torch`` computes it here after its copy

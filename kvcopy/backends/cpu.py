@@ -111,8 +111,10 @@ def _piece_bytes(loop: int) -> int:
     AVX-512 (one thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
     docs/backends.md, "Cost"): AVX-512 loop pieced with the prefetch 1.00-1.07x in 14
     of 16 rows (1.16x in both of one run's), pieced without it 1.02-1.33x, fused
-    1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused 1.07x. CPUs with
-    only AVX2 (AMD Zen 2/3) have not run the pieces."""
+    1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused 1.07x. With the
+    next piece's first half prefetched from 8 MiB up: ``seeds2`` 12 MiB 1.02-1.14x and
+    ``mla`` (15 MiB) 1.02-1.07x, against 1.12-1.26x and 1.09-1.16x with nothing
+    prefetched there. CPUs with only AVX2 (AMD Zen 2/3) have not run the pieces."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
         value = int(text) if text else (0 if loop == _SCALAR_LOOP else PIECE_BYTES_DEFAULT)
