@@ -73,7 +73,8 @@ namespace {
 constexpr int64_t kParallelMinBytes = 1 << 20;
 
 // Pieced checksummed calls below this many bytes prefetch each next piece's source
-// whole under the hash of the piece before, larger calls its first half (PieceStream).
+// whole under the hash of the piece before, calls of this many and more its first half
+// (PieceStream).
 constexpr int64_t kWholePrefetchMaxBytes = 8 << 20;
 
 void copy_memcpy(const unsigned char* s, unsigned char* d, int64_t n) {
@@ -277,11 +278,12 @@ using PieceHash = uint64_t (*)(const unsigned char* p, int64_t n, uint64_t key,
 // comes and hashed where it landed when the next one comes, the next one's source
 // prefetched under the hash (the piece hash's), so its memcpy reads from L1 and the
 // hash's arithmetic overlaps the fetch instead of following it. The next piece may
-// belong to another run, page or item of the thread's (only the thread's last piece has
-// no prefetch): each piece's sum goes to its own page's slot. The destinations of a call never
-// overlap (BlockCopier's _check_destinations refuses layers whose pages could share
-// bytes; shared destinations are checked per call by csrc/call_plan.cpp's duplicate
-// check and _check_shared_rows), so hashing a piece later reads what its memcpy wrote.
+// belong to another run, page or item of the thread's (only the thread's last piece
+// has no prefetch): each piece's sum goes to its own page's slot. The destinations of
+// a call never overlap (BlockCopier's _check_destinations refuses layers whose pages
+// could share bytes; shared destinations are checked per call by csrc/call_plan.cpp's
+// duplicate check and _check_shared_rows), so hashing a piece later reads what its
+// memcpy wrote.
 // Hashing each piece right after its memcpy, with nothing fetched under the hash:
 // 1.11-1.20x the time of memcpy alone for 6 MiB of 32 KiB runs in 16 KiB
 // pieces, scattered destinations; one behind, with the prefetch: 0.93-1.06x (T0 hint;
@@ -318,12 +320,21 @@ struct PieceStream {
 };
 
 #if defined(KVCOPY_X86_LOOPS)
-// A piece hash's prefetch of the next piece: at its step over bytes [i, i + kStep) the
-// lines from pf + (i >> kHalf), so that the loop's steps cover the first half of the
-// next piece (kHalf) or all of it, below pf + end.
+// Where a piece hash's prefetch of the next piece stands after its steps over bytes
+// [0, i): the first 64-byte multiple from i >> kHalf (the AVX2 loop's 64-byte steps
+// reach half a line per step with kHalf: each line is prefetched once).
+template <int kHalf>
+inline int64_t prefetched_to(int64_t i) {
+  static_assert(kHalf == 0 || kHalf == 1, "the whole next piece or its first half");
+  return ((i >> kHalf) + 63) & ~(int64_t)63;
+}
+
+// A piece hash's prefetch at its step over bytes [i, i + kStep): the next piece's lines
+// from offset prefetched_to(i) to prefetched_to(i + kStep), below end, so that the
+// loop's steps cover its first half (kHalf) or all of it.
 template <int kStep, int kHalf>
 inline void prefetch_step(const unsigned char* pf, int64_t i, int64_t end) {
-  for (int64_t j = i >> kHalf; j < (i + kStep) >> kHalf && j < end; j += 64)
+  for (int64_t j = prefetched_to<kHalf>(i); j < prefetched_to<kHalf>(i + kStep) && j < end; j += 64)
     _mm_prefetch(reinterpret_cast<const char*>(pf + j), _MM_HINT_T0);
 }
 
@@ -407,7 +418,7 @@ inline uint64_t
     acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
-  if (!kCopy) prefetch_rest(pf, i >> kHalf, pf_end);
+  if (!kCopy) prefetch_rest(pf, prefetched_to<kHalf>(i), pf_end);
   return head + copy_run_scalar<kCopy>(s + i, d + i, n - i, key);
 }
 
@@ -493,7 +504,7 @@ inline uint64_t
     acc1 = a1;
     key += (uint64_t)((i - start) / 8) * kWordStep;
   }
-  if (!kCopy) prefetch_rest(pf, i >> kHalf, pf_end);
+  if (!kCopy) prefetch_rest(pf, prefetched_to<kHalf>(i), pf_end);
   return head + copy_run_scalar<kCopy>(s + i, d + i, n - i, key);
 }
 

@@ -497,11 +497,10 @@ def _three_shapes(poison: str, num_blocks: int):
 def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks, direction, threads, loop):
     """A piece is hashed when the thread's next piece comes (its source prefetched under
     the hash, whole in calls under 8 MiB, above its first half: as the library reports
-    it): the next
-    piece of the page, of another page or item, after items of runs too short for
-    pieces (group 1's, copied by the fused loop between group 0's and group 2's pieces),
-    or, for the thread's last piece, at the end of the call. Bytes and sums as the torch
-    backend's, destination and sums poisoned first, one thread and two."""
+    it): the next piece of the page, of another page or item, after items of runs too
+    short for pieces (group 1's, copied by the fused loop between group 0's and group
+    2's pieces), or, for the thread's last piece, at the end of the call. Bytes and sums
+    as the torch backend's, destination and sums poisoned first, one thread and two."""
     from kvcopy.backends import get_backend
 
     monkeypatch.setenv("KVCOPY_CPU_SIMD", loop)
