@@ -104,8 +104,9 @@ def _piece_bytes(loop: int) -> int:
     the vector loops copy runs of at least this many bytes piece by piece with memcpy,
     and hash each piece where it landed when the next piece comes, that piece's source
     prefetched under the hash, whole in calls under 8 MiB, else its first half (``0``:
-    never, every run through the fused loop; else a multiple of 64). Default: 16 KiB for both vector loops, 0 for the
-    scalar one (far slower than memcpy: pieces would not pay). memcpy's string moves
+    never, every run through the fused loop; else a multiple of 64). Default: 16 KiB
+    for both vector loops, 0 for the scalar one (far slower than memcpy: pieces would
+    not pay). memcpy's string moves
     write lines without reading them first, which vector stores cannot, and the prefetch
     lets the hash's arithmetic run while the next piece is fetched. On a Xeon with
     AVX-512 (one thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
