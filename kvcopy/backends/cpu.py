@@ -106,10 +106,9 @@ def _piece_bytes(loop: int) -> int:
     prefetched under the hash, whole in calls under 8 MiB, else its first half (``0``:
     never, every run through the fused loop; else a multiple of 64). Default: 16 KiB
     for both vector loops, 0 for the scalar one (far slower than memcpy: pieces would
-    not pay). memcpy's string moves
-    write lines without reading them first, which vector stores cannot, and the prefetch
-    lets the hash's arithmetic run while the next piece is fetched. On a Xeon with
-    AVX-512 (one thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
+    not pay). memcpy's string moves write lines without reading them first, which
+    vector stores cannot, and the prefetch lets the hash's arithmetic run while the next
+    piece is fetched. On a Xeon with AVX-512 (one thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
     docs/backends.md, "Cost"): AVX-512 loop pieced with the prefetch 1.00-1.07x in 14
     of 16 rows (1.16x in both of one run's), pieced without it 1.02-1.33x, fused
     1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused 1.07x. With the
