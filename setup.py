@@ -152,7 +152,10 @@ class CMakeBuild(build_ext):
         jobs = ["-j", str(os.cpu_count() or 2)]
         log = []
         try:
-            args = base + ([f"-DCMAKE_CUDA_COMPILER={nvcc}"] if nvcc else ["-DKVCOPY_WITH_CUDA=OFF"])
+            # ON said each time: a build folder's cache keeps an earlier OFF (a fallback
+            # below) and would skip the CUDA library on every later build
+            args = base + ([f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DKVCOPY_WITH_CUDA=ON"] if nvcc
+                           else ["-DKVCOPY_WITH_CUDA=OFF"])
             _run(args, log)
             _run([cmake, "--build", str(build_dir)] + jobs, log)
             return

@@ -466,6 +466,7 @@ def test_cpu_threads_add_shared_slots(monkeypatch, case, pieces):
     runs hashed as they are stored or piece by piece after memcpy."""
     monkeypatch.setenv("KVCOPY_CPU_THREADS", "2")
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", pieces)
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "0")  # cached stores on every CPU (Intel's default streams)
     check = prepare_check("cpu", case, "d2h")
     call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
     check.copier.close()
@@ -506,7 +507,7 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
     monkeypatch.setenv("KVCOPY_CPU_SIMD", loop)
     monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "192")  # 1 KiB runs: 6 pieces, 512 B: 3
-    monkeypatch.delenv("KVCOPY_CPU_STREAM_BYTES", raising=False)  # 9 MiB calls pieced, not streamed
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", str(16 << 20))  # 9 MiB calls pieced, not streamed
     rng = np.random.default_rng(7)
     ids = [sorted(rng.permutation(num_blocks)[:num_blocks - 10].tolist()), rng.permutation(num_blocks)[:40].tolist(),
            rng.permutation(num_blocks)[:40].tolist()]
@@ -540,19 +541,22 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
 
 @needs_lib
 @pytest.mark.parametrize("threads", ["1", "2"])
-@pytest.mark.parametrize("pieces", [pytest.param("0", id="fused"), pytest.param("4096", id="pieces")])
-def test_cpu_sums_are_of_the_bytes_written(monkeypatch, pieces, threads):
+@pytest.mark.parametrize("pieces, stream", [pytest.param("0", "0", id="fused"), pytest.param("4096", "0", id="pieces"),
+                                            pytest.param("4096", "1", id="streaming")])
+def test_cpu_sums_are_of_the_bytes_written(monkeypatch, pieces, stream, threads):
     """The sums are of what the copy wrote, not of a source that changes under it (a
     late write into the pages being saved): d2h while another thread keeps adding to
     every source page, each call's sums equal the oracle's over the destination's
-    bytes. Pieces hashed in their source instead disagreed in 11 and 18 of the 60 calls
-    (one thread, two)."""
+    bytes, hashed as stored (cached or streaming stores) or piece by piece after memcpy.
+    Pieces hashed in their source instead disagreed in 11 and 18 of the 60 calls (one
+    thread, two)."""
     import threading
 
     from kvcopy.checksum import as_unsigned, table_checksums
 
     monkeypatch.setenv("KVCOPY_CPU_THREADS", threads)
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", pieces)
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", stream)  # 0: never (Intel's default streams 7.5 MiB)
     gen = torch.Generator().manual_seed(3)
     dev = {f"l{i}": torch.randint(-100, 100, (64, 16, 8, 128), dtype=torch.int16, generator=gen) for i in range(8)}
     host = {n: torch.zeros_like(t) for n, t in dev.items()}

@@ -164,9 +164,16 @@ def test_the_plain_copy_streams_from_the_threshold(monkeypatch):
     want = [1, 0, 0, 1, 0] if platform.machine() in ("x86_64", "AMD64") else [0] * 5  # SSE2's loop
     assert [streams(b, m) for b, m in ((big, big), (big - 1, big), (big, 0), (1, 1), (0, 1))] == want
 
-    seen = []
     monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "12345")
-    backend = CpuBackend()
+    seen = _spy_stream_threshold(monkeypatch, CpuBackend())
+    check_copy("cpu", STREAM_CASES[-1], "d2h").close()
+    assert seen and all(v == 12345 for v in seen)
+
+
+def _spy_stream_threshold(monkeypatch, backend) -> list:
+    """Install ``backend`` as the ``cpu`` backend; the list it returns collects the
+    streaming threshold each plain copy passes to the library."""
+    seen = []
     real = backend._lib.kvcopy_cpu_copy
 
     def spy(*args):
@@ -175,5 +182,27 @@ def test_the_plain_copy_streams_from_the_threshold(monkeypatch):
 
     monkeypatch.setattr(backend._lib, "kvcopy_cpu_copy", spy)
     monkeypatch.setitem(backends._instances, "cpu", backend)
-    check_copy("cpu", STREAM_CASES[-1], "d2h").close()
-    assert seen and all(v == 12345 for v in seen)
+    return seen
+
+
+@pytest.mark.parametrize("vendor, want", [("GenuineIntel", 2 << 20), ("AuthenticAMD", 16 << 20), ("", 16 << 20)])
+def test_the_streaming_threshold_defaults_by_cpu_vendor(vendor, want, monkeypatch, tmp_path):
+    """Without KVCOPY_CPU_STREAM_BYTES a copier streams from 2 MiB on Intel CPUs and from
+    16 MiB on others (what was measured on each: docs/backends.md); the variable, when
+    set, wins on every CPU. The vendor comes from cpuinfo's vendor_id line."""
+    from kvcopy.backends import cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: sse2\n\nprocessor\t: 1\n"
+                    if vendor else "processor\t: 0\nBogoMIPS\t: 50.00\n")
+    assert cpu.cpu_vendor(str(info)) == vendor
+    assert cpu.cpu_vendor(str(tmp_path / "missing")) == ""
+
+    monkeypatch.setattr(cpu, "cpu_vendor", lambda: vendor)
+    monkeypatch.delenv("KVCOPY_CPU_STREAM_BYTES", raising=False)
+    assert cpu.default_stream_bytes() == want
+    seen = _spy_stream_threshold(monkeypatch, cpu.CpuBackend())
+    check_copy("cpu", STREAM_CASES[0], "d2h").close()
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", "0")
+    check_copy("cpu", STREAM_CASES[0], "h2d").close()
+    assert seen and seen[0] == want and seen[-1] == 0

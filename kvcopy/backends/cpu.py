@@ -3,11 +3,11 @@
 Both sides must be CPU tensors (a CPU-only engine, or the tests). The call passes the
 static tables' addresses and the packed call array; the library walks every item
 (OpenMP threads above 1 MiB per call) and memcpy's its segments, or, in calls of at
-least ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB), copies them with non-temporal stores (an
-SSE2 loop). ctypes releases the
-GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the threads; it is read
-when a copier direction is prepared (not once per process), so a benchmark that sets
-it before building its copiers runs them on that many threads.
+least ``KVCOPY_CPU_STREAM_BYTES`` (2 MiB on Intel CPUs, else 16 MiB:
+:func:`default_stream_bytes`), copies them with non-temporal stores (an SSE2 loop).
+ctypes releases the GIL for the duration of the call. ``KVCOPY_CPU_THREADS`` caps the
+threads; it is read when a copier direction is prepared (not once per process), so a
+benchmark that sets it before building its copiers runs them on that many threads.
 
 With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums``, whose
 loop hashes each word between its load and its store: AVX-512 F where the CPU has it,
@@ -23,15 +23,19 @@ sums took 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x, with the fu
 AVX2 loop, the default then (medians of the saved runs; see docs/backends.md, "Cost";
 the pieces have not run there).
 
-Both copies write calls of at least ``KVCOPY_CPU_STREAM_BYTES`` (16 MiB) with
-non-temporal stores. A run of a few KiB copied by memcpy never reaches glibc's own
-streaming threshold, so each store first reads its destination line: a third more
-memory traffic for a call the caches cannot hold (the plain copy took 0.62-0.73x the
-time with streaming stores at 18-64 MiB, d2h, one core, interleaved calls; not saved).
+Both copies write calls of at least ``KVCOPY_CPU_STREAM_BYTES`` (2 MiB on Intel, else
+16 MiB) with non-temporal stores. A run of a few KiB copied by memcpy never reaches
+glibc's own streaming threshold, so each store first reads its destination line: a
+third more memory traffic for a call the caches cannot hold (the plain copy took
+0.62-0.73x the time with streaming stores at 18-64 MiB, d2h, one core, interleaved
+calls, on an AMD EPYC; not saved). A streamed checksummed call hashes each word between
+its load and its store: pieces run only below the threshold (under 2 MiB on Intel,
+under 16 MiB elsewhere).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any, Optional
 
@@ -75,13 +79,46 @@ def _simd(loops: int) -> int:
 
 
 STREAM_BYTES_DEFAULT = 16 << 20
+STREAM_BYTES_INTEL = 2 << 20
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor string as Linux reports it (``GenuineIntel``, ``AuthenticAMD``;
+    empty where ``cpuinfo`` has no ``vendor_id``, e.g. on Arm, or cannot be read), read
+    once."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_stream_bytes() -> int:
+    """The streaming threshold without ``KVCOPY_CPU_STREAM_BYTES``: 2 MiB on Intel CPUs,
+    16 MiB on others.
+
+    On a 2-core Xeon with AVX-512 (Sapphire Rapids class: AMX, AVX-512 FP16; one core,
+    ``kvcopy-bench`` calls of 1-15 MiB interleaved with and without streaming; docs/
+    backends.md, "Streaming from 2 MiB on Intel"), the plain copy took 0.78-1.08x the
+    time with streaming stores (median of 40 rows 0.93x at 1-12 MiB), the checksummed
+    copy streaming 0.98-1.07x the streamed plain one against 1.00-1.14x for the pieced
+    copy beside memcpy, and at 0.25-0.5 MiB streaming cost up to 2x (the caches hold the
+    call: 2 MiB of L2 per core). The 16 MiB default was set on AMD EPYCs, where
+    streaming cost at 6-12 MiB (:func:`_stream_min_bytes`); CPUs other than Intel's
+    keep it."""
+    return STREAM_BYTES_INTEL if cpu_vendor() == "GenuineIntel" else STREAM_BYTES_DEFAULT
 
 
 def _stream_min_bytes() -> int:
     """``KVCOPY_CPU_STREAM_BYTES``: calls of at least this many bytes, plain or
-    checksummed, store with non-temporal stores (default 16 MiB; 0: never). Streaming
-    pays for calls the last-level cache cannot hold and costs for those it can. The
-    checksummed copy on a 2-core AMD EPYC with AVX-512 (one thread, ``seeds2``,
+    checksummed, store with non-temporal stores (default :func:`default_stream_bytes`:
+    2 MiB on Intel, 16 MiB elsewhere; 0: never). Streaming pays for calls the caches
+    cannot hold and costs for those they can; where that line falls depends on the CPU.
+    The checksummed copy on a 2-core AMD EPYC with AVX-512 (one thread, ``seeds2``,
     ``cpu+sum`` / plain ``cpu``, which did not stream then): streaming 6-12 MiB calls
     cost 1.12-1.16x against 1.04-1.07x without; at 18 MiB both cost 1.06-1.14x; at 24 MiB
     streaming cost 1.01x against 1.26-1.34x without, at 36 MiB 0.89-0.91x against
@@ -90,7 +127,7 @@ def _stream_min_bytes() -> int:
     but 1.06-1.16x h2d (medians and 10th percentiles)."""
     text = os.environ.get("KVCOPY_CPU_STREAM_BYTES", "").strip()
     try:
-        return max(0, int(text)) if text else STREAM_BYTES_DEFAULT
+        return max(0, int(text)) if text else default_stream_bytes()
     except ValueError:
         raise ValueError(f"KVCOPY_CPU_STREAM_BYTES must be an integer, got {text!r}") from None
 

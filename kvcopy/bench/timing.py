@@ -53,6 +53,8 @@ from typing import Callable, Dict, List, Mapping, Optional
 import numpy as np
 import torch
 
+from ..backends.cpu import default_stream_bytes
+
 # A row whose p90 is more than this fraction above its p10 is too noisy for its ratio
 # to be read as a result (on an idle machine every row of the default run stays under it).
 NOISE_SPREAD = 0.25
@@ -313,6 +315,9 @@ def env_info(device: str) -> dict:
         # the knobs the run was made with: named ones only (a key's variable, which the
         # user names, must never reach a result file)
         "kvcopy_settings": {k: os.environ[k] for k in SETTINGS if k in os.environ},
+        # the threshold the cpu backend streams from when KVCOPY_CPU_STREAM_BYTES is unset
+        # (it depends on the CPU's vendor)
+        "cpu_stream_bytes_default": default_stream_bytes(),
     }
     if device != "cpu":
         props = torch.cuda.get_device_properties(torch.device(device))
