@@ -3,13 +3,14 @@
 ``BlockCopier.to_host(ids, checksums=out)`` (and ``to_device``, ``run``) fills ``out``
 with one 64-bit sum per block of the call (per ``(group, i)``, summed over the group's
 layers), computed by the copy from the words it moves: no second pass over memory.
-The ``cpu`` backend hashes in the loop that copies (``csrc/cpu_copy.cpp``; its vector
-loops hash runs of 16 KiB and more piece by piece, each piece in the destination after
-memcpy wrote it, still in cache, while the next piece's source is prefetched, whole
-in calls under 8 MiB, else its first half), the
-``cuda`` kernel in registers on the way from load to store with one atomic add per
-warp and page (``kernels/block_copy_kernel.cuh``), the ``triton`` kernel per row of
-its tile (``kernels/triton_copy.py``); ``torch`` computes it here after its copy
+The ``cpu`` backend hashes in the loop that copies (``csrc/cpu_copy.cpp``; below the
+streaming threshold, 2 MiB on Intel CPUs and 16 MiB on others, its vector loops hash
+runs of 16 KiB and more piece by piece, each piece in the destination after memcpy
+wrote it, still in cache, while the next piece's source is prefetched, whole in calls
+under 8 MiB, else its first half), the ``cuda`` kernel in registers on the way from
+load to store with one atomic add per warp and page
+(``kernels/block_copy_kernel.cuh``), the ``triton`` kernel per row of its tile
+(``kernels/triton_copy.py``); ``torch`` computes it here after its copy
 (:func:`table_checksums`: a second pass, and a host wait on a GPU copy), which is also
 the oracle the tests hold every backend to, bit for bit. ``ce`` cannot
 (copy engines never bring the bytes into an SM): a ``ce`` copier asked for checksums
@@ -46,7 +47,8 @@ sum differently. The term costs one 32 x 32 -> 64-bit multiply per 8 bytes: one
 ``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE.U32`` per word on
 NVIDIA GPUs: on one AVX2 core the copy with sums takes 1.0-1.2x the time of the copy
 without at 6-64 MiB per call for most presets (up to 1.43x in one noisy run of a
-converting copy; docs/backends.md, "Cost"; GPUs not measured yet). Until 2026-12
+converting copy), on one AVX-512 Xeon core 0.93-1.04x at 2-36 MiB (docs/backends.md,
+"Cost"; GPUs not measured yet). Until 2026-12
 the term was MurmurHash3's 64-bit finalizer (``mix64``: one-to-one, two 64-bit
 multiplies per word; it still binds page sums to requests and positions, :func:`seal`,
 once per page); AVX2 has no 64-bit multiply, and on one Zen 3 core a copy with

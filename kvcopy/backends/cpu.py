@@ -101,15 +101,15 @@ def default_stream_bytes() -> int:
     """The streaming threshold without ``KVCOPY_CPU_STREAM_BYTES``: 2 MiB on Intel CPUs,
     16 MiB on others.
 
-    On a 2-core Xeon with AVX-512 (Sapphire Rapids class: AMX, AVX-512 FP16; one core,
-    ``kvcopy-bench`` calls of 1-15 MiB interleaved with and without streaming; docs/
-    backends.md, "Streaming from 2 MiB on Intel"), the plain copy took 0.78-1.08x the
-    time with streaming stores (median of 40 rows 0.93x at 1-12 MiB), the checksummed
-    copy streaming 0.98-1.07x the streamed plain one against 1.00-1.14x for the pieced
-    copy beside memcpy, and at 0.25-0.5 MiB streaming cost up to 2x (the caches hold the
-    call: 2 MiB of L2 per core). The 16 MiB default was set on AMD EPYCs, where
-    streaming cost at 6-12 MiB (:func:`_stream_min_bytes`); CPUs other than Intel's
-    keep it."""
+    On a 2-core Xeon with AVX-512 (Sapphire Rapids class: AMX, AVX-512 FP16; 2 MiB of
+    L2 per core; one thread; docs/backends.md, "Streaming from 2 MiB on Intel"): in
+    scratch sweeps the plain copy took 0.78-1.08x the time with streaming stores at
+    1-12 MiB (median 0.93x over 40 rows) but 0.93-1.95x at 0.25-0.5 MiB, where the caches
+    hold the call. Three saved pairs per preset (``bench/results/cpu-xeon-stream2m-*``):
+    ``cpu+sum`` / ``cpu`` 0.93-1.04x at 2-15 MiB against 0.98-1.13x with the 16 MiB
+    threshold, and the plain copy itself 0.60-0.98x the time at 6-15 MiB. The 16 MiB
+    default was set on AMD EPYCs, where streaming cost at 6-12 MiB
+    (:func:`_stream_min_bytes`); CPUs other than Intel's keep it."""
     return STREAM_BYTES_INTEL if cpu_vendor() == "GenuineIntel" else STREAM_BYTES_DEFAULT
 
 
