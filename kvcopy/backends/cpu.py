@@ -98,8 +98,9 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 def default_stream_bytes() -> int:
-    """The streaming threshold without ``KVCOPY_CPU_STREAM_BYTES``: 2 MiB on Intel CPUs,
-    16 MiB on others.
+    """The streaming threshold without ``KVCOPY_CPU_STREAM_BYTES``: 2 MiB on Intel CPUs
+    (:func:`cpu_vendor` says ``GenuineIntel``), 16 MiB otherwise, including where
+    ``/proc/cpuinfo`` cannot be read.
 
     On a 2-core Xeon with AVX-512 (Sapphire Rapids class: AMX, AVX-512 FP16; 2 MiB of
     L2 per core; one thread; docs/backends.md, "Streaming from 2 MiB on Intel"): in
@@ -145,13 +146,16 @@ def _piece_bytes(loop: int) -> int:
     for both vector loops, 0 for the scalar one (far slower than memcpy: pieces would
     not pay). memcpy's string moves write lines without reading them first, which
     vector stores cannot, and the prefetch lets the hash's arithmetic run while the next
-    piece is fetched. On a Xeon with AVX-512 (one thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
+    piece is fetched. On a Xeon with AVX-512, with the 16 MiB threshold of the time (one
+    thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
     docs/backends.md, "Cost"): AVX-512 loop pieced with the prefetch 1.00-1.07x in 14
     of 16 rows (1.16x in both of one run's), pieced without it 1.02-1.33x, fused
     1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused 1.07x. With the
     next piece's first half prefetched from 8 MiB up: ``seeds2`` 12 MiB 1.02-1.14x and
     ``mla`` (15 MiB) 1.02-1.07x, against 1.12-1.26x and 1.09-1.16x with nothing
-    prefetched there. CPUs with only AVX2 (AMD Zen 2/3) have not run the pieces."""
+    prefetched there. On Intel CPUs these calls now stream by default
+    (:func:`default_stream_bytes`), so there pieces serve calls under 2 MiB; CPUs with
+    only AVX2 (AMD Zen 2/3) have not run the pieces."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
         value = int(text) if text else (0 if loop == _SCALAR_LOOP else PIECE_BYTES_DEFAULT)
