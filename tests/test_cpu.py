@@ -189,14 +189,18 @@ def _spy_stream_threshold(monkeypatch, backend) -> list:
 def test_the_streaming_threshold_defaults_by_cpu_vendor(vendor, want, monkeypatch, tmp_path):
     """Without KVCOPY_CPU_STREAM_BYTES a copier streams from 2 MiB on Intel CPUs and from
     16 MiB on others (what was measured on each: docs/backends.md); the variable, when
-    set, wins on every CPU. The vendor comes from cpuinfo's vendor_id line."""
+    set, wins on every CPU. The vendor comes from cpuinfo's vendor_id line: the first
+    processor's fields are read, the file read once."""
     from kvcopy.backends import cpu
 
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: sse2\n\nprocessor\t: 1\n"
-                    if vendor else "processor\t: 0\nBogoMIPS\t: 50.00\n")
-    assert cpu.cpu_vendor(str(info)) == vendor
-    assert cpu.cpu_vendor(str(tmp_path / "missing")) == ""
+                    "vendor_id\t: other\n" if vendor else "processor\t: 0\nBogoMIPS\t: 50.00\n")
+    fields = cpu.cpuinfo(str(info))
+    assert fields.get("vendor_id", "") == vendor and fields["processor"] == "0"
+    info.unlink()
+    assert cpu.cpuinfo(str(info)) is fields  # cached
+    assert dict(cpu.cpuinfo(str(tmp_path / "missing"))) == {}
 
     monkeypatch.setattr(cpu, "cpu_vendor", lambda: vendor)
     monkeypatch.delenv("KVCOPY_CPU_STREAM_BYTES", raising=False)

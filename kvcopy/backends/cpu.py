@@ -37,7 +37,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
@@ -83,18 +84,28 @@ STREAM_BYTES_INTEL = 2 << 20
 
 
 @functools.lru_cache(maxsize=4)
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's vendor string as Linux reports it (``GenuineIntel``, ``AuthenticAMD``;
-    empty where ``cpuinfo`` has no ``vendor_id``, e.g. on Arm, or cannot be read), read
-    once."""
+def cpuinfo(path: str = "/proc/cpuinfo") -> Mapping[str, str]:
+    """The first processor's fields in Linux's cpuinfo (``vendor_id``, ``model name``,
+    ``flags``, ...), read once per path; empty where the file cannot be read (not Linux)
+    and, for a field, where the CPU has none (Arm has no ``vendor_id``)."""
     try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(1 << 16)
     except OSError:
-        pass
-    return ""
+        return MappingProxyType({})
+    fields: Dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip(), value.strip())
+    return MappingProxyType(fields)
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux names it (``GenuineIntel``, ``AuthenticAMD``), or ""."""
+    return cpuinfo().get("vendor_id", "")
 
 
 def default_stream_bytes() -> int:

@@ -53,7 +53,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 import numpy as np
 import torch
 
-from ..backends.cpu import default_stream_bytes
+from ..backends.cpu import cpuinfo, default_stream_bytes
 
 # A row whose p90 is more than this fraction above its p10 is too noisy for its ratio
 # to be read as a result (on an idle machine every row of the default run stays under it).
@@ -270,13 +270,7 @@ def _cpu_model() -> Optional[str]:
     """The CPU's model name and its vector extensions the copy loops pick from (Linux's
     /proc/cpuinfo; None elsewhere): a checksummed cpu copy costs 2-5x more without
     AVX-512."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read(1 << 16)
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in text.splitlines()[:64] if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = cpuinfo()
     flags = set(fields.get("flags", "").split())
     simd = [f for f in ("avx2", "avx512f", "avx512dq") if f in flags]
     model = fields.get("model name")
