@@ -355,6 +355,83 @@ def test_measure_settles_each_timed_call_and_rotates_the_rounds():
     assert all(t.stats()["iters"] == 3 for t in timings.values())
 
 
+def test_measure_flushes_right_before_each_timed_call():
+    """``flush`` runs after the settling calls and the ``before`` hook, right before each
+    timed call, and never before an untimed one."""
+    from kvcopy.bench.timing import measure
+
+    calls = []
+    methods = {m: (lambda m=m: calls.append(m)) for m in ("a", "b")}
+    before = {"a": lambda: calls.append("before-a")}
+    measure(methods, "cpu", iters=2, warmup=1, budget_s=60.0, settle=1, before=before,
+            flush=lambda: calls.append("flush"))
+    assert calls == ["before-a", "a", "b",  # warm-up
+                     "before-a", "a", "before-a", "flush", "a", "b", "flush", "b",
+                     "b", "flush", "b", "before-a", "a", "before-a", "flush", "a"]
+
+
+@pytest.mark.parametrize("cache", ["cold-dst", "cold"])
+def test_cold_cache_runs_flush_the_slabs_before_each_timed_call(cache, tmp_path, capsys, monkeypatch):
+    """--cache cold-dst/cold: before every timed call of every row (memcpy included) the
+    destination slab (and with cold the source's) is flushed, whole; nothing settles,
+    the rows still verify bit-exact, and the JSON and the header say which."""
+    import kvcopy.backends.cpu as cpu_mod
+    from kvcopy.bench import run as run_mod
+
+    flushed = []
+    real = cpu_mod.flush_caches
+
+    def spy(t):
+        flushed.append((t.data_ptr(), t.untyped_storage().nbytes()))
+        return real(t)
+
+    monkeypatch.setattr(cpu_mod, "flush_caches", spy)
+    slabs = {}
+    real_flush = run_mod._cache_flush
+
+    def spy_flush(point, direction, c):
+        slabs[direction] = {side: (t.data_ptr(), t.untyped_storage().nbytes()) for side, t in point.slabs.items()}
+        return real_flush(point, direction, c)
+
+    monkeypatch.setattr(run_mod, "_cache_flush", spy_flush)
+    rc, res = run_json(tmp_path, "--num-groups", "1", "--backends", "cpu", "--checksum", "--cache", cache,
+                       "--budget", "60", *SMALL)
+    assert rc == 0 and res["cache"] == cache
+    rows = res["results"]
+    assert {r["method"] for r in rows} == {"memcpy", "cpu", "cpu+sum"}
+    assert all(r["verify"] == ("n/a" if r["method"] == "memcpy" else "ok") for r in rows)
+    timed = sum(r["iters"] for r in rows)
+    assert timed == 2 * 3 * 3  # two directions, three rows, --iters 3
+    per_call = 1 if cache == "cold-dst" else 2
+    flushed_after_check = flushed[-timed * per_call:]  # _check_cache flushed a probe first
+    assert len(flushed) == timed * per_call + 1
+    for direction, (src, dst) in (("h2d", ("host", "device")), ("d2h", ("device", "host"))):
+        want = [slabs[direction][dst]] + ([slabs[direction][src]] if cache == "cold" else [])
+        mine = flushed_after_check[:timed * per_call // 2] if direction == "h2d" else \
+            flushed_after_check[timed * per_call // 2:]
+        assert mine == want * (len(mine) // len(want)), direction
+    out = capsys.readouterr().out
+    assert f"cache: {cache}: the " in out and "flushed from every cache level before each timed call" in out
+
+
+def test_cold_cache_is_refused_where_it_cannot_mean_anything(tmp_path, monkeypatch):
+    """A GPU run, and a library with no flush for the CPU, are refused before anything runs."""
+    import kvcopy.backends.cpu as cpu_mod
+    from kvcopy.bench.args import BenchError
+    from kvcopy.bench.run import _check_cache
+
+    class Args:
+        cache = "cold"
+
+    with pytest.raises(BenchError, match="CPU runs only"):
+        _check_cache(Args(), "cuda")
+    monkeypatch.setattr(cpu_mod, "flush_caches", lambda t: False)
+    with pytest.raises(BenchError, match="no cache flush for this CPU"):
+        _check_cache(Args(), "cpu")
+    Args.cache = "warm"
+    _check_cache(Args(), "cuda")  # warm: nothing to check anywhere
+
+
 def test_presets_and_names_need_no_torch():
     """--help lists presets, dtypes and layouts from torch-free data, the same names the
     scenarios use, and does not import torch."""

@@ -117,6 +117,31 @@ def test_tensors_off_the_host_are_refused():
             SimpleNamespace(src_device=src, dst_device=dst))
 
 
+def test_flush_caches_leaves_the_bytes_and_checks_its_arguments():
+    """kvcopy-bench --cache: the flush writes lines back, so every byte, dirty ones
+    included, reads back unchanged; a view flushes its whole storage (an unaligned start
+    and a length that ends mid-line too); off-host tensors and bad spans are refused."""
+    import torch
+
+    from kvcopy.backends.cpu import flush_caches
+
+    flush = lib.kvcopy_cpu_flush
+    flush.restype = ctypes.c_int
+    flush.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    g = torch.Generator().manual_seed(7)
+    t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+    want = t.clone()
+    t[1::4097] ^= 0x5A  # dirty lines, written just before the flush
+    want[1::4097] ^= 0x5A
+    assert flush_caches(t[13:1000]) == (platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"))
+    assert torch.equal(t, want)
+    assert flush(t.data_ptr() + 5, 123) in (0, 1) and torch.equal(t, want)
+    assert flush(None, 0) in (0, 1)
+    assert flush(t.data_ptr(), -1) == -1 and flush(None, 64) == -1
+    with pytest.raises(ValueError, match="a CPU tensor"):
+        flush_caches(torch.empty(4, device="meta"))
+
+
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_a_call_above_a_mebibyte_on_openmp_threads_is_bit_exact(threads, monkeypatch):
     """Calls of 1 MiB and more spread their items over OpenMP threads."""

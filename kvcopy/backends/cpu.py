@@ -177,6 +177,30 @@ def _piece_bytes(loop: int) -> int:
     return value
 
 
+def flush_caches(tensor: torch.Tensor) -> bool:
+    """Write back and evict the lines of ``tensor``'s whole storage from this CPU's
+    caches (``clflush`` on x86-64, ``dc civac`` on Arm64), leaving its bytes as they
+    are: ``kvcopy-bench --cache cold`` calls it before each timed call, so the call
+    starts with its pages in memory, as a request's pages are in a serving engine
+    whose other requests have passed through the caches since. True when flushed,
+    False where the library has no flush instruction for this CPU (nothing done).
+    Raises ValueError for a tensor not on the CPU and RuntimeError without the
+    library. Time: about the bytes' memory bandwidth (dirty lines are written back)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"flush_caches: a CPU tensor, got one on {tensor.device}")
+    lib, why = native.load("kvcopy_cpu")
+    if lib is None:
+        raise RuntimeError(f"flush_caches needs the kvcopy_cpu library: {why}")
+    storage = tensor.untyped_storage()
+    fn = lib.kvcopy_cpu_flush
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    rc = fn(storage.data_ptr(), storage.nbytes())
+    if rc < 0:
+        raise RuntimeError(f"kvcopy_cpu_flush failed with code {rc}")
+    return rc == 1
+
+
 class CpuBackend(Backend):
     name = "cpu"
 

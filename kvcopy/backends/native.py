@@ -24,7 +24,7 @@ LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 BUILD_INFO = LIB_DIR / "build-info.json"
 
 # The ABI version (``<stem>_abi_version()``) this Python code calls each library with.
-ABI_VERSIONS = {"kvcopy_cpu": 11, "kvcopy_cuda": 3}
+ABI_VERSIONS = {"kvcopy_cpu": 12, "kvcopy_cuda": 3}
 
 _loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
 

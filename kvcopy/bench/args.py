@@ -84,6 +84,12 @@ def add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "75-77%% with 2 threads, 4-7%% with 1); on a GPU and with 0: torch's default")
     m.add_argument("--host-memory", choices=["pinned", "pageable"], default="pinned",
                    help="host buffers on a GPU machine (vLLM allocates pageable ones)")
+    m.add_argument("--cache", choices=["warm", "cold-dst", "cold"], default="warm",
+                   help="CPU runs: where each timed call finds its bytes. warm: in the caches, after "
+                        "untimed calls of the same method; cold-dst: the destination's lines flushed "
+                        "from every cache level before each timed call (a serving engine's pack into "
+                        "staging or scatter into its KV cache: pages other requests have pushed out); "
+                        "cold: the source's too (kvcopy.backends.cpu.flush_caches)")
     if sweep:
         w = p.add_argument_group("sweep")
         w.add_argument("--chunk-sizes", default=DEFAULT_CHUNKS, metavar="SIZE[,SIZE...]",

@@ -123,6 +123,10 @@ def format_table(result: dict, sweep: bool) -> str:
     if th and env["device"] == "cpu":
         out.write(f"threads: {plural(th['count'], 'thread')} for every row, memcpy included "
                   f"(torch.set_num_threads, KVCOPY_CPU_THREADS for cpu): {th['why']}\n")
+    if result.get("cache", "warm") != "warm":
+        what = "destination's" if result["cache"] == "cold-dst" else "source's and destination's"
+        out.write(f"cache: {result['cache']}: the {what} lines flushed from every cache level before each "
+                  "timed call, memcpy included (--cache)\n")
     if result.get("cpu_checksum_loop"):
         out.write(f"cpu+sum: the {result['cpu_checksum_loop']} loop (KVCOPY_CPU_SIMD; docs/backends.md, "
                   "\"Checksums\")\n")

@@ -90,8 +90,11 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     # Each timed call follows untimed ones of the same method on the same buffers, so the
     # floor is as warm as the rows compared with it: 6 on the CPU (an 18 MiB copy got
     # faster for 6 calls after the torch row), 1 on a GPU (timing module doc).
+    # --cache cold-dst/cold: nothing to settle; the flush leaves every row's bytes in memory.
+    flush = _cache_flush(point, direction, getattr(args, "cache", "warm"))
+    settle = (SETTLE_CPU if flush is None else 0) if device == "cpu" else 1
     timings = measure(fns, device, iters, args.warmup, budget_s=budget, min_iters=min(floor, iters),
-                      settle=SETTLE_CPU if device == "cpu" else 1)
+                      settle=settle, flush=flush)
     ref = timings["memcpy"].stats().get("median_us")
     rows = []
     for key, fn in fns.items():
@@ -109,6 +112,45 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     for key in raised:
         rows.append({**_row_head(point, direction, key, meta[key], caps[key]), "iters": 0, "verify": verify[key]})
     return rows
+
+
+def _cache_flush(point, direction: str, cache: str) -> Optional[Callable[[], None]]:
+    """``--cache``: None (warm), else a call that evicts the destination slab's lines
+    (``cold-dst``) and the source's (``cold``): every byte any row of the point touches
+    on that side, the memcpy floor's included."""
+    if cache == "warm":
+        return None
+    from ..backends.cpu import flush_caches
+
+    src_side, dst_side = point._ends(direction)
+    slabs = [point.slabs[dst_side]] + ([point.slabs[src_side]] if cache == "cold" else [])
+
+    def flush() -> None:
+        for slab in slabs:
+            flush_caches(slab)
+
+    return flush
+
+
+def _check_cache(args, device: str) -> None:
+    """``--cache`` other than warm: a CPU run on a CPU the library can flush."""
+    cache = getattr(args, "cache", "warm")
+    if cache == "warm":
+        return
+    if device != "cpu":
+        raise BenchError(f"--cache {cache}: CPU runs only (a GPU's copies reach host memory over PCIe, "
+                         "not through the CPU's caches, and its own L2 is not flushed this way)")
+    import torch
+
+    from ..backends.cpu import flush_caches
+
+    try:
+        flushed = flush_caches(torch.empty(64, dtype=torch.uint8))
+    except RuntimeError as exc:
+        raise BenchError(f"--cache {cache}: {exc}") from None
+    if not flushed:
+        raise BenchError(f"--cache {cache}: the kvcopy_cpu library has no cache flush for this CPU "
+                         "(x86-64 and Arm64 only)")
 
 
 def _row_head(point, direction: str, key: str, method: str, cap: Optional[int]) -> dict:
@@ -186,6 +228,7 @@ def run_bench(args, sweep: bool) -> dict:
     from .units import parse_size
 
     device = _device(args)
+    _check_cache(args, device)
     threads, threads_why = _threads(args, device)
     # Every method and the memcpy floor on the same threads: torch's intra-op pool (the
     # floor, the baselines, the torch backend) and the cpu backend's OpenMP team, which
@@ -246,6 +289,7 @@ def _result(args, sweep: bool, device: str, scenarios, methods, skipped, threads
         "description": description,
         "methods": methods,
         "threads": {"count": threads, "why": threads_why},
+        "cache": getattr(args, "cache", "warm"),
         "noise_limit": NOISE_SPREAD,
         "skipped": skipped,
         "notes": [],

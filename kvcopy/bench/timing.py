@@ -86,11 +86,14 @@ def noisy(stats: Mapping[str, float], limit: float = NOISE_SPREAD) -> bool:
 
 def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, warmup: int,
             budget_s: float = 10.0, min_iters: int = 5, settle: int = 0,
-            before: Optional[Mapping[str, Callable[[], None]]] = None) -> Dict[str, Timing]:
+            before: Optional[Mapping[str, Callable[[], None]]] = None,
+            flush: Optional[Callable[[], None]] = None) -> Dict[str, Timing]:
     """Round-robin timing of every method; see the module doc. ``settle`` untimed calls
     of a method precede each of its timed calls; ``before[name]``, when given, runs
     untimed before every call of ``name`` (warm-up, settling and timed: e.g. to make the
-    plan the call consumes). The budget counts the untimed calls too."""
+    plan the call consumes); ``flush``, untimed, right before every timed call (after
+    ``before``: e.g. to evict the call's bytes from the caches). The budget counts the
+    untimed calls too."""
     on_gpu = device != "cpu"
     out = {name: Timing() for name in methods}
     spent = {name: 0.0 for name in methods}
@@ -109,6 +112,8 @@ def measure(methods: Dict[str, Callable[[], None]], device: str, iters: int, war
                 _call(fn, before, name)
             if before is not None and name in before:
                 before[name]()
+            if flush is not None:
+                flush()
             _timed_call(fn, on_gpu, out[name])
             spent[name] += time.perf_counter() - t_in
             if spent[name] > budget_s and i + 1 >= min_iters:
