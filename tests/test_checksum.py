@@ -298,7 +298,7 @@ def test_a_fold_outside_the_sums_writes_nothing():
     # the library's own checks, on blocks SumFold would refuse to make: -1, nothing written
     from kvcopy.backends import get_backend
     backend = get_backend("cpu")
-    _, entries, offsets, group_entries, groups, simd, stream, piece, threads = backend.state(
+    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, _ = backend.state(
         check.copier.tables("d2h"))
     gather, bounds = np.zeros(4, np.int64), np.zeros(4, np.uint64)
     want = np.zeros(3, np.uint64)
@@ -442,6 +442,67 @@ def test_cpu_pieces_default_to_the_vector_loops(monkeypatch):
     assert [_piece_bytes(loop) for loop in (0, 1, 2)] == [4096] * 3
     monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", "0")
     assert _piece_bytes(2) == 0
+
+
+@needs_lib
+@pytest.mark.parametrize("setting", [None, "16384"])
+def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch):
+    """By default a checksummed call under PIECE_MIN_CALL_BYTES reaches the library with
+    no pieces (the fused loop: faster where the caches hold the call), one of that size
+    with 16 KiB pieces; a set KVCOPY_CPU_SUM_PIECE_BYTES pieces calls of any size. Both
+    C entry points (the copy with sums and the one that also folds them), and every
+    call's bytes and sums as the torch backend's, destination and sums poisoned."""
+    from kvcopy.backends import cpu, get_backend
+    from kvcopy.checksum import SumFold
+
+    if setting is None:
+        monkeypatch.delenv("KVCOPY_CPU_SUM_PIECE_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("KVCOPY_CPU_SUM_PIECE_BYTES", setting)
+    monkeypatch.setenv("KVCOPY_CPU_STREAM_BYTES", str(16 << 20))  # no call here streams
+    monkeypatch.setenv("KVCOPY_CPU_SIMD", "1")
+    if get_backend("cpu").checksum_loop() == "scalar":
+        pytest.skip("the scalar loop never pieces")
+    backend = get_backend("cpu")
+    seen = []
+    for attr in ("_sums", "_sums_fold"):
+        real = getattr(backend, attr)
+
+        def spy(*args, real=real, attr=attr):
+            seen.append((attr, args[5], args[-1] if attr == "_sums" else args[-2]))  # total bytes, piece
+            return real(*args)
+
+        monkeypatch.setattr(backend, attr, spy)
+    gen = torch.Generator().manual_seed(5)
+    dev = {f"l{i}": torch.randint(-100, 100, (96, 16, 8, 128), dtype=torch.int16, generator=gen) for i in range(2)}
+    results = {}
+    for name in ("torch", "cpu"):
+        host = {n: torch.full_like(t, -7) for n, t in dev.items()}
+        copier = kvcopy.BlockCopier(dev, host, [list(dev)], backend=name)
+        sums = []
+        for n in (31, 32, 40):  # 1.94 MiB, 2 MiB and 2.5 MiB of 32 KiB pages
+            ids = [list(range(0, 2 * n, 2))]
+            call = copier.plan("d2h", ids, ids)
+            out = torch.full((call.num_blocks,), POISON_SUM, dtype=torch.int64)
+            if name == "cpu":
+                copier.run_and_fold("d2h", call, out, SumFold([0], [0], [0], [0]).collecting())
+                out2 = torch.full((call.num_blocks,), POISON_SUM, dtype=torch.int64)
+                copier.run("d2h", call, checksums=out2)
+                assert torch.equal(out, out2)
+            else:
+                copier.run("d2h", call, checksums=out)
+            sums.append(out.clone())
+        copier.close()
+        results[name] = ({n: t.clone() for n, t in host.items()}, sums)
+    (want_host, want_sums), (host, got_sums) = results["torch"], results["cpu"]
+    assert all(torch.equal(want_host[n], host[n]) for n in host)
+    assert all(torch.equal(a, b) for a, b in zip(want_sums, got_sums))
+    big = cpu.PIECE_MIN_CALL_BYTES
+    assert [b for _, b, _ in seen] == [31 << 16, 31 << 16, 32 << 16, 32 << 16, 40 << 16, 40 << 16]
+    assert big == 32 << 16
+    want_piece = (lambda b: 16384) if setting else (lambda b: 16384 if b >= big else 0)
+    assert [(a, p) for a, _, p in seen] == [(a, want_piece(b)) for a, b, _ in seen]
+    assert {a for a, _, _ in seen} == {"_sums", "_sums_fold"}
 
 
 @needs_lib
@@ -598,7 +659,7 @@ def test_cpu_sums_without_rows_write_nothing(monkeypatch):
     call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
     tables = check.copier.tables("d2h")
     backend = get_backend("cpu")
-    _, entries, offsets, group_entries, groups, simd, stream, piece, threads = backend.state(tables)
+    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, _ = backend.state(tables)
     assert call.total_bytes >= 1 << 20 and call.num_items > 1 and threads == 2  # the threaded path
     before = {n: t.clone() for n, t in check.got[1].items()}
     out = torch.zeros(8, dtype=torch.int64)

@@ -13,11 +13,12 @@ With checksums (:mod:`kvcopy.checksum`) the call goes to ``kvcopy_cpu_copy_sums`
 loop hashes each word between its load and its store: AVX-512 F where the CPU has it,
 else AVX2, else scalar code (``KVCOPY_CPU_SIMD``, read at prepare: ``0`` the scalar
 loop, ``avx2`` the AVX2 loop); one ``vpmuludq`` per vector of words, the hash's one
-32 x 32-bit multiply per word. In calls below the streaming threshold the vector loops
-copy runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy instead,
-piece by piece, and hash each piece in the destination, still in cache, while the next
-piece's source is prefetched, whole in calls under 8 MiB, else its first half
-(:func:`_piece_bytes`).
+32 x 32-bit multiply per word. In calls from 2 MiB up to the streaming threshold the
+vector loops copy runs of at least ``KVCOPY_CPU_SUM_PIECE_BYTES`` (16 KiB) with memcpy
+instead, piece by piece, and hash each piece in the destination, still in cache, while
+the next piece's source is prefetched, whole in calls under 8 MiB, else its first half
+(:func:`_piece_bytes`); smaller calls, which the caches hold, keep the fused loop
+(:data:`PIECE_MIN_CALL_BYTES`).
 On one core of an AMD EPYC Zen 3 (AVX2) the copy with
 sums took 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x, with the fused
 AVX2 loop, the default then (medians of the saved runs; see docs/backends.md, "Cost";
@@ -29,8 +30,8 @@ glibc's own streaming threshold, so each store first reads its destination line:
 third more memory traffic for a call the caches cannot hold (the plain copy took
 0.62-0.73x the time with streaming stores at 18-64 MiB, d2h, one core, interleaved
 calls, on an AMD EPYC; not saved). A streamed checksummed call hashes each word between
-its load and its store: pieces run only below the threshold (under 2 MiB on Intel,
-under 16 MiB elsewhere).
+its load and its store: pieces run only below the threshold, so on Intel CPUs, with
+both limits at 2 MiB, never by default (2-16 MiB elsewhere).
 """
 from __future__ import annotations
 
@@ -145,12 +146,24 @@ def _stream_min_bytes() -> int:
 
 
 PIECE_BYTES_DEFAULT = 16 << 10
+# Checksummed calls below this many bytes keep the fused loop unless
+# KVCOPY_CPU_SUM_PIECE_BYTES is set (:func:`_piece_min_call_bytes`). The pieces were
+# measured at 6-15 MiB, where they beat it; calls the caches hold went the other way.
+# One core of a Xeon with AVX-512, seeds2 calls of 0.25-1.5 MiB, cpu+sum / cpu, four
+# interleaved pairs per cache state (bench/results/cpu-xeon-*-under2m-*.json): warm
+# (kvcopy-bench's default) fused 1.17-1.21x against pieced 1.40-1.55x at 256 KiB,
+# 1.13-1.24x against 1.44-1.60x at 512 KiB, 1.10-1.18x against 1.19-1.28x at 1 MiB,
+# 1.02-1.11x against 1.08-1.15x at 1.5 MiB; with the destination flushed from the
+# caches before each call (--cache cold-dst) and with the source too (cold), the two
+# within 0.03x of each other's median at every size (fused lower in 6 of 8).
+PIECE_MIN_CALL_BYTES = 2 << 20
 _SCALAR_LOOP = 0  # kvcopy_cpu_sums_loop's number for the scalar loop
 
 
 def _piece_bytes(loop: int) -> int:
-    """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold,
-    the vector loops copy runs of at least this many bytes piece by piece with memcpy,
+    """``KVCOPY_CPU_SUM_PIECE_BYTES``: in checksummed calls below the streaming threshold
+    (and, unless this is set, of at least :data:`PIECE_MIN_CALL_BYTES`), the vector
+    loops copy runs of at least this many bytes piece by piece with memcpy,
     and hash each piece where it landed when the next piece comes, that piece's source
     prefetched under the hash, whole in calls under 8 MiB, else its first half (``0``:
     never, every run through the fused loop; else a multiple of 64). Default: 16 KiB
@@ -165,8 +178,9 @@ def _piece_bytes(loop: int) -> int:
     next piece's first half prefetched from 8 MiB up: ``seeds2`` 12 MiB 1.02-1.14x and
     ``mla`` (15 MiB) 1.02-1.07x, against 1.12-1.26x and 1.09-1.16x with nothing
     prefetched there. On Intel CPUs these calls now stream by default
-    (:func:`default_stream_bytes`), so there pieces serve calls under 2 MiB; CPUs with
-    only AVX2 (AMD Zen 2/3) have not run the pieces."""
+    (:func:`default_stream_bytes`), and smaller ones keep the fused loop, so there the
+    pieces run only when this is set; CPUs with only AVX2 (AMD Zen 2/3) have not run
+    them."""
     text = os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip()
     try:
         value = int(text) if text else (0 if loop == _SCALAR_LOOP else PIECE_BYTES_DEFAULT)
@@ -175,6 +189,13 @@ def _piece_bytes(loop: int) -> int:
     if value < 0 or value % 64:
         raise ValueError(f"KVCOPY_CPU_SUM_PIECE_BYTES must be 0 or a positive multiple of 64, got {text!r}")
     return value
+
+
+def _piece_min_call_bytes() -> int:
+    """The smallest checksummed call whose runs go piece by piece: ``0`` (every call
+    below the streaming threshold) when ``KVCOPY_CPU_SUM_PIECE_BYTES`` is set, which
+    asks for pieces of that size; else :data:`PIECE_MIN_CALL_BYTES`."""
+    return 0 if os.environ.get("KVCOPY_CPU_SUM_PIECE_BYTES", "").strip() else PIECE_MIN_CALL_BYTES
 
 
 def flush_caches(tensor: torch.Tensor) -> bool:
@@ -249,11 +270,11 @@ class CpuBackend(Backend):
         tables.backend_state["cpu"] = (
             self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
             _ptr(tables.group_entries), tables.num_groups, simd, _stream_min_bytes(),
-            _piece_bytes(self._lib.kvcopy_cpu_sums_loop(simd)), _threads(),
+            _piece_bytes(self._lib.kvcopy_cpu_sums_loop(simd)), _threads(), _piece_min_call_bytes(),
         )
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        copy, entries, offsets, group_entries, groups, _, stream, _, threads = self.state(tables)
+        copy, entries, offsets, group_entries, groups, _, stream, _, threads, _ = self.state(tables)
         rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads, stream)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
@@ -262,7 +283,9 @@ class CpuBackend(Backend):
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
-        _, entries, offsets, group_entries, groups, simd, stream, piece, threads = self.state(tables)
+        _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = self.state(tables)
+        if call.total_bytes < piece_min:
+            piece = 0
         rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
                         out.data_ptr(), out.numel(), simd, stream, piece)
         if rc == 2:  # nothing written
@@ -273,7 +296,9 @@ class CpuBackend(Backend):
     def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
                                    fold_at: int) -> Optional[int]:
         """One C call (``kvcopy_cpu_copy_sums_fold``): the copy, its sums, their fold."""
-        _, entries, offsets, group_entries, groups, simd, stream, piece, threads = self.state(tables)
+        _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = self.state(tables)
+        if call.total_bytes < piece_min:
+            piece = 0
         differ = self._sums_fold(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
                                  out.data_ptr(), out.numel(), simd, stream, piece, fold_at)
         if differ == -2:  # nothing written
