@@ -155,7 +155,7 @@ PIECE_BYTES_DEFAULT = 16 << 10
 # 1.13-1.24x against 1.44-1.60x at 512 KiB, 1.10-1.18x against 1.19-1.28x at 1 MiB,
 # 1.02-1.11x against 1.08-1.15x at 1.5 MiB; with the destination flushed from the
 # caches before each call (--cache cold-dst) and with the source too (cold), the two
-# within 0.03x of each other's median at every size (fused lower in 6 of 8).
+# within 0.05x of each other's median at every size (fused lower in 6 of 8).
 PIECE_MIN_CALL_BYTES = 2 << 20
 _SCALAR_LOOP = 0  # kvcopy_cpu_sums_loop's number for the scalar loop
 
