@@ -14,7 +14,9 @@
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
 // copies runs that long with memcpy, piece by piece, each piece hashed where it landed
 // one piece later, with the next piece's source prefetched under the hash, whole in
-// calls the caches hold, else its first half (PieceStream). Each page's sum is added
+// calls under 8 MiB, else its first half (PieceStream). Python gives piece_bytes only
+// to calls of 2 MiB and more unless KVCOPY_CPU_SUM_PIECE_BYTES is set
+// (PIECE_MIN_CALL_BYTES in kvcopy/backends/cpu.py). Each page's sum is added
 // to its slot once per (item, block), in a row of slots of the thread's own (threads
 // share slots: the layers of a group), the rows summed at the end of the call.
 #include <stdint.h>
@@ -794,7 +796,7 @@ int kvcopy_cpu_abi_version() { return 12; }
 // -1 for a null p with n > 0 or n < 0.
 int kvcopy_cpu_flush(const void* p, int64_t n) {
   if (n < 0 || (p == nullptr && n > 0)) return -1;
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__)
   // clflush: SSE2, every x86-64 CPU; a line size of 64 bytes on every one that has it.
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(63);
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n);
@@ -809,7 +811,7 @@ int kvcopy_cpu_flush(const void* p, int64_t n) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~(line - 1);
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n);
   for (uintptr_t a = first; a < end; a += line) asm volatile("dc civac, %0" : : "r"(a) : "memory");
-  asm volatile("dsb ish" : : : "memory");
+  asm volatile("dsb sy" : : : "memory");  // as Linux ends a clean to the point of coherency
   return 1;
 #else
   (void)p;
@@ -934,7 +936,8 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 // Whether kvcopy_cpu_copy_sums, given these arguments, copies runs of run_bytes piece by
 // piece (bit 0), and whether it then prefetches each next piece's source whole under
 // the hash of the one before (bit 1) or its first half (bit 1 clear): what sums_copy
-// decides, for the tests.
+// decides, for the tests. (By default Python passes piece_bytes = 0 for calls under
+// PIECE_MIN_CALL_BYTES, kvcopy/backends/cpu.py: those never reach the pieces.)
 int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes, int simd,
                            int64_t stream_min_bytes, int64_t piece_bytes) {
   const bool stream = streams(total_bytes, stream_min_bytes);

@@ -373,8 +373,9 @@ def test_measure_flushes_right_before_each_timed_call():
 @pytest.mark.parametrize("cache", ["cold-dst", "cold"])
 def test_cold_cache_runs_flush_the_slabs_before_each_timed_call(cache, tmp_path, capsys, monkeypatch):
     """--cache cold-dst/cold: before every timed call of every row (memcpy included) the
-    destination slab (and with cold the source's) is flushed, whole; nothing settles,
-    the rows still verify bit-exact, and the JSON and the header say which."""
+    destination slab (and with cold the source's) is flushed, whole, after the settling
+    calls (cold-dst) or with none (cold); the rows still verify bit-exact, and the JSON
+    and the header say which."""
     import kvcopy.backends.cpu as cpu_mod
     from kvcopy.bench import run as run_mod
 
@@ -394,9 +395,21 @@ def test_cold_cache_runs_flush_the_slabs_before_each_timed_call(cache, tmp_path,
         return real_flush(point, direction, c)
 
     monkeypatch.setattr(run_mod, "_cache_flush", spy_flush)
+    import kvcopy.bench.timing as timing_mod
+
+    settles = []
+    real_measure = timing_mod.measure
+
+    def spy_measure(*args, **kw):
+        settles.append(kw["settle"])
+        return real_measure(*args, **kw)
+
+    monkeypatch.setattr(timing_mod, "measure", spy_measure)
     rc, res = run_json(tmp_path, "--num-groups", "1", "--backends", "cpu", "--checksum", "--cache", cache,
                        "--budget", "60", *SMALL)
     assert rc == 0 and res["cache"] == cache
+    # cold-dst settles as warm (the source as warm for every row), cold not at all
+    assert settles == [run_mod.SETTLE_CPU if cache == "cold-dst" else 0] * 2
     rows = res["results"]
     assert {r["method"] for r in rows} == {"memcpy", "cpu", "cpu+sum"}
     assert all(r["verify"] == ("n/a" if r["method"] == "memcpy" else "ok") for r in rows)

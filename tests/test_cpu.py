@@ -137,6 +137,24 @@ def test_flush_caches_leaves_the_bytes_and_checks_its_arguments():
     assert torch.equal(t, want)
     assert flush(t.data_ptr() + 5, 123) in (0, 1) and torch.equal(t, want)
     assert flush(None, 0) in (0, 1)
+    # The flush stays inside its span's lines: with the page after the span unmapped
+    # for access (a flush there faults), a span ending at the page's last byte, a
+    # one-byte span there, and a whole page.
+    import mmap
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 2 * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    ctypes.memset(base, 0x3C, page)
+    try:
+        for start, n in ((page - 1, 1), (0, page), (13, page - 13), (page - 64, 64)):
+            assert flush(base + start, n) in (0, 1)
+        assert ctypes.string_at(base, page) == b"\x3c" * page
+    finally:
+        libc.mprotect(base + page, page, 3)  # PROT_READ | PROT_WRITE: mmap can unmap it
+
     assert flush(t.data_ptr(), -1) == -1 and flush(None, 64) == -1
     with pytest.raises(ValueError, match="a CPU tensor"):
         flush_caches(torch.empty(4, device="meta"))

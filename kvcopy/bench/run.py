@@ -4,7 +4,8 @@ memcpy of the same bytes, measured in the same run; and ``list``.
 Every table starts with a contiguous memcpy of the same bytes, copied within the same
 buffers as every other row (the point's device and host slabs: pinned host memory on a
 GPU, plain memory on the CPU), measured in the same run, round by round with the other
-rows, each timed call after an untimed one of the same method (:mod:`.timing`); each
+rows, each timed call after untimed ones of the same method (:mod:`.timing`; with
+``--cache cold`` right after a flush instead); each
 row then gives min, median and p90 time per request-sync and the spread, GB/s, % of
 that memcpy, device ops per call (``--op-counts``), a bit-exact check against the torch
 reference with the destination poisoned first (on by default; ``--no-verify``), and a
@@ -90,9 +91,12 @@ def measure_point(point, direction: str, methods: List[str], args, device: str,
     # Each timed call follows untimed ones of the same method on the same buffers, so the
     # floor is as warm as the rows compared with it: 6 on the CPU (an 18 MiB copy got
     # faster for 6 calls after the torch row), 1 on a GPU (timing module doc).
-    # --cache cold-dst/cold: nothing to settle; the flush leaves every row's bytes in memory.
-    flush = _cache_flush(point, direction, getattr(args, "cache", "warm"))
-    settle = (SETTLE_CPU if flush is None else 0) if device == "cpu" else 1
+    # --cache cold-dst: settled as warm (each row's source as warm as every other's, as a
+    # serving engine's source pages were just written), then the destination flushed;
+    # cold: the flush leaves both sides in memory, so nothing settles.
+    cache = getattr(args, "cache", "warm")
+    flush = _cache_flush(point, direction, cache)
+    settle = (0 if cache == "cold" else SETTLE_CPU) if device == "cpu" else 1
     timings = measure(fns, device, iters, args.warmup, budget_s=budget, min_iters=min(floor, iters),
                       settle=settle, flush=flush)
     ref = timings["memcpy"].stats().get("median_us")
