@@ -154,8 +154,9 @@ PIECE_BYTES_DEFAULT = 16 << 10
 # (kvcopy-bench's default) fused 1.17-1.21x against pieced 1.40-1.55x at 256 KiB,
 # 1.13-1.24x against 1.44-1.60x at 512 KiB, 1.10-1.18x against 1.19-1.28x at 1 MiB,
 # 1.02-1.11x against 1.08-1.15x at 1.5 MiB; with the destination flushed from the
-# caches before each call (--cache cold-dst) and with the source too (cold), the two
-# within 0.05x of each other's median at every size (fused lower in 6 of 8).
+# caches before each call (--cache cold-dst) or the source too (cold), mostly rows
+# flagged as noise, the medians 0.09x apart at most, either way (pieces lower at
+# 512 KiB cold-dst, fused lower at 1.5 MiB and at every size cold).
 PIECE_MIN_CALL_BYTES = 2 << 20
 _SCALAR_LOOP = 0  # kvcopy_cpu_sums_loop's number for the scalar loop
 
