@@ -5,7 +5,8 @@ Every table starts with a contiguous memcpy of the same bytes, copied within the
 buffers as every other row (the point's device and host slabs: pinned host memory on a
 GPU, plain memory on the CPU), measured in the same run, round by round with the other
 rows, each timed call after untimed ones of the same method (:mod:`.timing`; with
-``--cache cold`` right after a flush instead); each
+``--cache cold-dst`` after those and a flush of the destination, with ``cold`` after a
+flush of both sides alone); each
 row then gives min, median and p90 time per request-sync and the spread, GB/s, % of
 that memcpy, device ops per call (``--op-counts``), a bit-exact check against the torch
 reference with the destination poisoned first (on by default; ``--no-verify``), and a
