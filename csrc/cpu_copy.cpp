@@ -14,9 +14,9 @@
 // scalar code; in calls below the streaming threshold a vector loop given piece_bytes
 // copies runs that long with memcpy, piece by piece, each piece hashed where it landed
 // one piece later, with the next piece's source prefetched under the hash, whole in
-// calls under 8 MiB, else its first half (PieceStream). Python gives piece_bytes only
-// to calls of 2 MiB and more unless KVCOPY_CPU_SUM_PIECE_BYTES is set
-// (PIECE_MIN_CALL_BYTES in kvcopy/backends/cpu.py). Each page's sum is added
+// calls under 8 MiB, else its first half (PieceStream), in calls of at least
+// piece_min_bytes (Python: PIECE_MIN_CALL_BYTES, 2 MiB, unless
+// KVCOPY_CPU_SUM_PIECE_BYTES is set). Each page's sum is added
 // to its slot once per (item, block), in a row of slots of the thread's own (threads
 // share slots: the layers of a group), the rows summed at the end of the call.
 #include <stdint.h>
@@ -601,7 +601,9 @@ PageCopy page_copy(int simd, bool stream) {
 // How one call copies with sums: page by page through `page`; runs of at least `piece`
 // bytes piece by piece (PieceStream) where piece_hash is set: in a vector loop, below
 // the streaming threshold (streamed stores leave nothing in cache for a hash after),
-// with piece_bytes > 0. The scalar loop is far slower than memcpy: pieces would not pay.
+// with piece_bytes > 0, in calls of at least piece_min_bytes (calls the caches hold ran
+// faster in the fused loop). The scalar loop is far slower than memcpy: pieces would
+// not pay.
 struct SumsCopy {
   PageCopy page;
   PieceHash piece_hash;
@@ -609,14 +611,16 @@ struct SumsCopy {
   bool whole;  // piece_hash prefetches the next piece whole, else its first half
 };
 
-SumsCopy sums_copy(int simd, bool stream, int64_t piece, int64_t total_bytes) {
+SumsCopy sums_copy(int simd, bool stream, int64_t piece, int64_t piece_min, int64_t total_bytes) {
   SumsCopy c{page_copy(simd, stream), nullptr, piece, total_bytes < kWholePrefetchMaxBytes};
 #if defined(KVCOPY_X86_LOOPS)
-  if (!stream && piece > 0) {
+  if (!stream && piece > 0 && total_bytes >= piece_min) {
     const SumsLoop loop = loop_for(simd);
     if (loop == kAvx512Loop) c.piece_hash = c.whole ? hash_piece_avx512<0> : hash_piece_avx512<1>;
     if (loop == kAvx2Loop) c.piece_hash = c.whole ? hash_piece_avx2<0> : hash_piece_avx2<1>;
   }
+#else
+  (void)piece_min;
 #endif
   return c;
 }
@@ -786,7 +790,8 @@ extern "C" {
 // 10: kvcopy_cpu_sums_pieces.
 // 11: kvcopy_cpu_sums_pieces' bit 1 is a whole next piece prefetched (else its first
 //     half; was: any prefetch).
-// 12: kvcopy_cpu_flush.
+// 12: kvcopy_cpu_flush; kvcopy_cpu_copy_sums, kvcopy_cpu_copy_sums_fold and
+//     kvcopy_cpu_sums_pieces take piece_min_bytes after piece_bytes.
 int kvcopy_cpu_abi_version() { return 12; }
 
 // Writes back and evicts the cache lines of [p, p + n) from every level of this CPU's
@@ -876,19 +881,20 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 // order; zeroed here first) receive each page's checksum (kernels/page_checksum.cuh).
 // simd = 0 keeps to the scalar loop, 2 to the AVX2 loop (the tests compare them all);
 // calls of at least stream_min_bytes (> 0) store with non-temporal stores; in the
-// others a vector loop copies runs of at least piece_bytes (> 0, a multiple of 64) with
-// memcpy, piece by piece, each piece hashed one piece later (PieceStream; the next
-// piece's source prefetched under it, whole in calls under kWholePrefetchMaxBytes,
-// else its first half); 0: never.
+// others of at least piece_min_bytes a vector loop copies runs of at least piece_bytes
+// (> 0, a multiple of 64) with memcpy, piece by piece, each piece hashed one piece later
+// (PieceStream; the next piece's source prefetched under it, whole in calls under
+// kWholePrefetchMaxBytes, else its first half); 0: never.
 // Returns 2, having written nothing, if the threads' rows cannot be allocated.
 int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
                          const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
                          int64_t total_bytes, int num_threads, uint64_t* sums, int64_t num_sums,
-                         int simd, int64_t stream_min_bytes, int64_t piece_bytes) {
+                         int simd, int64_t stream_min_bytes, int64_t piece_bytes,
+                         int64_t piece_min_bytes) {
   const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
   const int64_t items = call.num_items();
   const bool stream = streams(total_bytes, stream_min_bytes);
-  const SumsCopy copy = sums_copy(simd, stream, piece_bytes, total_bytes);
+  const SumsCopy copy = sums_copy(simd, stream, piece_bytes, piece_min_bytes, total_bytes);
 #ifdef _OPENMP
   const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   if (total_bytes >= kParallelMinBytes && items > 1 && threads > 1 && num_sums > 0) {
@@ -936,12 +942,11 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 // Whether kvcopy_cpu_copy_sums, given these arguments, copies runs of run_bytes piece by
 // piece (bit 0), and whether it then prefetches each next piece's source whole under
 // the hash of the one before (bit 1) or its first half (bit 1 clear): what sums_copy
-// decides, for the tests. (By default Python passes piece_bytes = 0 for calls under
-// PIECE_MIN_CALL_BYTES, kvcopy/backends/cpu.py: those never reach the pieces.)
+// decides, for the tests.
 int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes, int simd,
-                           int64_t stream_min_bytes, int64_t piece_bytes) {
+                           int64_t stream_min_bytes, int64_t piece_bytes, int64_t piece_min_bytes) {
   const bool stream = streams(total_bytes, stream_min_bytes);
-  const SumsCopy c = sums_copy(simd, stream, piece_bytes, total_bytes);
+  const SumsCopy c = sums_copy(simd, stream, piece_bytes, piece_min_bytes, total_bytes);
   if (c.piece_hash == nullptr || run_bytes < c.piece) return 0;
   return 1 | (c.whole ? 2 : 0);
 }
@@ -978,7 +983,7 @@ int64_t kvcopy_cpu_copy_sums_fold(const int64_t* entries, const int64_t* group_o
                                   const int64_t* packed, int64_t total_bytes, int num_threads,
                                   uint64_t* sums, int64_t num_sums, int simd,
                                   int64_t stream_min_bytes, int64_t piece_bytes,
-                                  const int64_t* fold) {
+                                  int64_t piece_min_bytes, const int64_t* fold) {
   const int64_t* gather = reinterpret_cast<const int64_t*>(fold[0]);
   const uint64_t* bounds = reinterpret_cast<const uint64_t*>(fold[1]);
   const int64_t num_gather = fold[2];
@@ -988,7 +993,8 @@ int64_t kvcopy_cpu_copy_sums_fold(const int64_t* entries, const int64_t* group_o
   const uint64_t* want = reinterpret_cast<const uint64_t*>(fold[6]);
   if (!fold_plan_in_range(num_sums, gather, num_gather, starts, num_values)) return -1;
   if (kvcopy_cpu_copy_sums(entries, group_offsets, group_entries, num_groups, packed, total_bytes,
-                           num_threads, sums, num_sums, simd, stream_min_bytes, piece_bytes) != 0)
+                           num_threads, sums, num_sums, simd, stream_min_bytes, piece_bytes,
+                           piece_min_bytes) != 0)
     return -2;
   return fold_values(sums, gather, bounds, num_gather, starts, num_values, values, want);
 }

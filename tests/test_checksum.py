@@ -298,7 +298,7 @@ def test_a_fold_outside_the_sums_writes_nothing():
     # the library's own checks, on blocks SumFold would refuse to make: -1, nothing written
     from kvcopy.backends import get_backend
     backend = get_backend("cpu")
-    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, _ = backend.state(
+    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = backend.state(
         check.copier.tables("d2h"))
     gather, bounds = np.zeros(4, np.int64), np.zeros(4, np.uint64)
     want = np.zeros(3, np.uint64)
@@ -308,7 +308,7 @@ def test_a_fold_outside_the_sums_writes_nothing():
         block = np.array([gather.ctypes.data, bounds.ctypes.data, num_gather, st.ctypes.data, num_values, 0,
                           want.ctypes.data], np.int64)
         rc = backend._sums_fold(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                                out.data_ptr(), n, simd, stream, piece, block.ctypes.data)
+                                out.data_ptr(), n, simd, stream, piece, piece_min, block.ctypes.data)
         assert rc == -1, (starts, num_gather, num_values)
         assert all(torch.equal(t, before[k]) for k, t in check.got[1].items())
         assert (out == POISON_SUM).all()
@@ -447,11 +447,12 @@ def test_cpu_pieces_default_to_the_vector_loops(monkeypatch):
 @needs_lib
 @pytest.mark.parametrize("setting", [None, "16384"])
 def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch):
-    """By default a checksummed call under PIECE_MIN_CALL_BYTES reaches the library with
-    no pieces (the fused loop: faster where the caches hold the call), one of that size
-    with 16 KiB pieces; a set KVCOPY_CPU_SUM_PIECE_BYTES pieces calls of any size. Both
-    C entry points (the copy with sums and the one that also folds them), and every
-    call's bytes and sums as the torch backend's, destination and sums poisoned."""
+    """By default the library pieces a checksummed call's runs only from
+    PIECE_MIN_CALL_BYTES up (under it the fused loop: faster where the caches hold the
+    call); a set KVCOPY_CPU_SUM_PIECE_BYTES pieces calls of any size. The arguments
+    both C entry points (the copy with sums, and the one that also folds them) receive,
+    asked of the library's own decision (kvcopy_cpu_sums_pieces), and every call's
+    bytes and sums as the torch backend's, destination and sums poisoned."""
     from kvcopy.backends import cpu, get_backend
     from kvcopy.checksum import SumFold
 
@@ -464,12 +465,16 @@ def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch
     if get_backend("cpu").checksum_loop() == "scalar":
         pytest.skip("the scalar loop never pieces")
     backend = get_backend("cpu")
+    pieces = lib.kvcopy_cpu_sums_pieces
+    pieces.restype, pieces.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                                     ctypes.c_int64, ctypes.c_int64]
     seen = []
     for attr in ("_sums", "_sums_fold"):
         real = getattr(backend, attr)
 
         def spy(*args, real=real, attr=attr):
-            seen.append((attr, args[5], args[-1] if attr == "_sums" else args[-2]))  # total bytes, piece
+            # total bytes, then simd, stream threshold, piece, piece_min (the fold's block after)
+            seen.append((attr, args[5], *args[9:13]))
             return real(*args)
 
         monkeypatch.setattr(backend, attr, spy)
@@ -497,12 +502,13 @@ def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch
     (want_host, want_sums), (host, got_sums) = results["torch"], results["cpu"]
     assert all(torch.equal(want_host[n], host[n]) for n in host)
     assert all(torch.equal(a, b) for a, b in zip(want_sums, got_sums))
-    big = cpu.PIECE_MIN_CALL_BYTES
-    assert [b for _, b, _ in seen] == [31 << 16, 31 << 16, 32 << 16, 32 << 16, 40 << 16, 40 << 16]
-    assert big == 32 << 16
-    want_piece = (lambda b: 16384) if setting else (lambda b: 16384 if b >= big else 0)
-    assert [(a, p) for a, _, p in seen] == [(a, want_piece(b)) for a, b, _ in seen]
-    assert {a for a, _, _ in seen} == {"_sums", "_sums_fold"}
+    assert [s[1] for s in seen] == [31 << 16, 31 << 16, 32 << 16, 32 << 16, 40 << 16, 40 << 16]
+    assert {s[0] for s in seen} == {"_sums", "_sums_fold"}
+    assert cpu.PIECE_MIN_CALL_BYTES == 32 << 16  # the 2 MiB call is the first pieced by default
+    # 32 KiB runs: pieced (bit 0) from 2 MiB by default, at every size when set
+    how = [pieces(total, 32 << 10, simd, stream, piece, piece_min) & 1
+           for _, total, simd, stream, piece, piece_min in seen]
+    assert how == ([1] * 6 if setting else [0, 0, 1, 1, 1, 1])
 
 
 @needs_lib
@@ -574,7 +580,7 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
            rng.permutation(num_blocks)[:40].tolist()]
     pieces = lib.kvcopy_cpu_sums_pieces
     pieces.restype, pieces.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                                                     ctypes.c_int64]
+                                                     ctypes.c_int64, ctypes.c_int64]
     results = []
     for backend in ("torch", "cpu"):
         dev, host, groups = _three_shapes("host" if direction == "d2h" else "device", num_blocks)
@@ -587,8 +593,9 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
         if backend == "cpu":
             call = copier.plan(direction, ids, ids)
             assert call.num_items > 1 and call.total_bytes >= 1 << 20  # the threads' path at 2
-            simd, stream, piece = get_backend("cpu").state(copier.tables(direction))[5:8]
-            how = [pieces(call.total_bytes, run, simd, stream, piece) for run in (1024, 128, 512)]
+            simd, stream, piece, _, piece_min = get_backend("cpu").state(copier.tables(direction))[5:10]
+            assert piece_min == 0  # the piece size is set: pieces at every size
+            how = [pieces(call.total_bytes, run, simd, stream, piece, piece_min) for run in (1024, 128, 512)]
             assert how == ([3, 0, 3] if num_blocks == 160 else [1, 0, 1])  # pieced (+2: prefetched whole)
         copier.close()
         results.append((dev, host, out.numpy().view(np.uint64).copy()))
@@ -659,12 +666,12 @@ def test_cpu_sums_without_rows_write_nothing(monkeypatch):
     call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
     tables = check.copier.tables("d2h")
     backend = get_backend("cpu")
-    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, _ = backend.state(tables)
+    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = backend.state(tables)
     assert call.total_bytes >= 1 << 20 and call.num_items > 1 and threads == 2  # the threaded path
     before = {n: t.clone() for n, t in check.got[1].items()}
     out = torch.zeros(8, dtype=torch.int64)
     rc = backend._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                       out.data_ptr(), 1 << 61, simd, stream, piece)
+                       out.data_ptr(), 1 << 61, simd, stream, piece, piece_min)
     assert rc == 2
     assert all(torch.equal(t, before[n]) for n, t in check.got[1].items())
     assert not out.any()

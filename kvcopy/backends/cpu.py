@@ -217,7 +217,7 @@ def _flush_function() -> Any:
 def flush_caches(tensor: torch.Tensor) -> bool:
     """Write back and evict the lines of ``tensor``'s whole storage from this CPU's
     caches (``clflush`` on x86-64, ``dc civac`` on Arm64), leaving its bytes as they
-    are: ``kvcopy-bench --cache cold`` calls it before each timed call, so the call
+    are: ``kvcopy-bench --cache cold-dst`` and ``cold`` call it before each timed call, so the call
     starts with its pages in memory, as a request's pages are in a serving engine
     whose other requests have passed through the caches since. True when flushed,
     False where the library has no flush instruction for this CPU (nothing done).
@@ -252,7 +252,7 @@ class CpuBackend(Backend):
             self._sums = lib.kvcopy_cpu_copy_sums
             self._sums.restype = ctypes.c_int
             self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                                       ctypes.c_int64, ctypes.c_int64]
+                                                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
             self._sums_fold = lib.kvcopy_cpu_copy_sums_fold
             self._sums_fold.restype = ctypes.c_int64
             self._sums_fold.argtypes = self._sums.argtypes + [ctypes.c_void_p]
@@ -295,10 +295,8 @@ class CpuBackend(Backend):
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
         _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = self.state(tables)
-        if call.total_bytes < piece_min:
-            piece = 0
         rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                        out.data_ptr(), out.numel(), simd, stream, piece)
+                        out.data_ptr(), out.numel(), simd, stream, piece, piece_min)
         if rc == 2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums: no memory for its threads' rows of {out.numel()} sums")
         if rc != 0:
@@ -308,10 +306,8 @@ class CpuBackend(Backend):
                                    fold_at: int) -> Optional[int]:
         """One C call (``kvcopy_cpu_copy_sums_fold``): the copy, its sums, their fold."""
         _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = self.state(tables)
-        if call.total_bytes < piece_min:
-            piece = 0
         differ = self._sums_fold(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                                 out.data_ptr(), out.numel(), simd, stream, piece, fold_at)
+                                 out.data_ptr(), out.numel(), simd, stream, piece, piece_min, fold_at)
         if differ == -2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums_fold: no memory for its threads' rows of {out.numel()} sums")
         if differ < 0:  # nothing written
