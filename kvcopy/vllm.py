@@ -253,5 +253,7 @@ class KvcopyNixlConnector(NixlPullConnector):
 # The arena connector (kvcopy's own transport under vLLM's scheduler), in its own module;
 # importable from here so both connectors share one kv_connector_module_path.
 from .vllm_arena import KvcopyArenaConnector  # noqa: E402
+# KV offloading (vLLM's OffloadingConnector with kvcopy's copies), in its own module.
+from .vllm_offload import KvcopyOffloadingConnector, KvcopyOffloadingSpec  # noqa: E402
 
-__all__ += ["KvcopyArenaConnector"]
+__all__ += ["KvcopyArenaConnector", "KvcopyOffloadingConnector", "KvcopyOffloadingSpec"]
