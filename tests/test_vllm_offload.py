@@ -178,7 +178,7 @@ class VllmReference:
 
         tensors = [CanonicalKVCacheTensor(view(ct.tensor), ct.page_size_bytes) for ct in kv.tensors]
         self.worker = CPUOffloadingWorker(CanonicalKVCaches(tensors, kv.group_data_refs), blocks_per_chunk,
-                                          worker.layout.num_chunks)
+                                          worker.jobs.num_chunks)
         self.handlers = (self.worker._store_handler, self.worker._load_handler, self.worker._expedited_load_handler)
         for h in self.handlers:
             h._swap_blocks_batch = _memmove_batch
@@ -249,7 +249,7 @@ def _random_jobs(rng, rig, count):
     GPU blocks distinct across the jobs and groups (one block pool), chunks likewise."""
     groups = len(rig.worker.kv_caches.group_data_refs)
     gpu_pool = list(rng.permutation(np.arange(1, rig.num_blocks)))
-    chunk_pool = list(rng.permutation(rig.worker.layout.num_chunks))
+    chunk_pool = list(rng.permutation(rig.worker.jobs.num_chunks))
     jobs = []
     for _ in range(count):
         sizes = [int(rng.integers(0, 4)) for _ in range(groups)]
@@ -418,7 +418,7 @@ def test_the_spec_loads_through_vllms_factory_from_both_module_paths():
 ])
 def test_bad_options_are_refused(raw, match):
     with pytest.raises(ValueError, match=match):
-        OffloadOptions.from_extra_config({"kvcopy": raw})
+        OffloadOptions.from_mapping(raw)
 
 
 @pytest.mark.parametrize("extra,match", [

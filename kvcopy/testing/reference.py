@@ -60,3 +60,28 @@ def reference_copy_groups(
         for name in layers:
             bd = (block_dims or {}).get(name, 0)
             reference_copy(src[name], dst[name], s_ids, d_ids, bd)
+
+
+def reference_offload_job(device_tensors: Sequence[torch.Tensor], groups: Sequence[Sequence[tuple]],
+                          host_tensors: Sequence[torch.Tensor], blocks_per_chunk: int, store: bool,
+                          group_sizes: Sequence[int], block_indices: Sequence[int], device_ids: Sequence[int],
+                          chunk_ids: Sequence[int]) -> None:
+    """One offloading job (:mod:`kvcopy.offload`'s layout), block by block: group ``g``'s
+    ``i``-th block is sub-block ``p = block_indices[g] % blocks_per_chunk + i`` of the
+    group's chunks, i.e. chunk ``p // blocks_per_chunk``, bytes from ``(p %
+    blocks_per_chunk) * page`` of its row; each layer ``(tensor, bytes)`` of the group
+    moves its first ``bytes`` bytes of the page. ``store``: device to host, else back."""
+    d_at = c_at = 0
+    for g, (n, first) in enumerate(zip(group_sizes, block_indices)):
+        skip = first % blocks_per_chunk
+        for i in range(n):
+            p = skip + i
+            block, chunk, j = device_ids[d_at + i], chunk_ids[c_at + p // blocks_per_chunk], p % blocks_per_chunk
+            for idx, nbytes in groups[g]:
+                page = device_tensors[idx].shape[1]
+                dev = device_tensors[idx][:, :nbytes]
+                host = host_tensors[idx][:, j * page:j * page + nbytes]
+                src, dst, s_id, d_id = (dev, host, block, chunk) if store else (host, dev, chunk, block)
+                reference_copy(src, dst, [s_id], [d_id])
+        d_at += n
+        c_at += -(-(n + skip) // blocks_per_chunk) if n else 0
