@@ -8,13 +8,11 @@ packed pages, attention + GDN), vLLM's ``OffloadingConnector`` worker side
 
 The reference is vLLM's own CPU spec worker (``CPUOffloadingWorker`` and its
 ``SingleDirectionOffloadingHandler``: descriptor building, group sizes, block indices,
-sub-block skips, its host tensors) on a clone of the device storages: the canonical
-device tensors are CPU tensors of a subclass that reports ``is_cuda`` (its handler
-asserts it), the device DMA call (``ops.swap_blocks_batch``, ``cuMemcpyBatchAsync``)
-is replaced by a memmove of each of its descriptors, and its CUDA streams and events
-by objects that do nothing (the memmoves run in the call). Every byte of every host
-tensor after a store, and of every device storage after a load, must equal the
-reference's, the destination poisoned first.
+sub-block skips, its host tensors) on a clone of the device storages, with its CUDA
+calls replaced as :mod:`kvcopy.testing.vllm_offload` says (a memmove per descriptor
+for ``cuMemcpyBatchAsync``). Every byte of every host tensor after a store, and of
+every device storage after a load, must equal the reference's, the destination
+poisoned first.
 
 The scheduler tests run vLLM's real ``Scheduler`` with the connector on both sides;
 the test plays the model runner (``KVConnectorModelRunnerMixin``'s order: preemptions,
@@ -28,7 +26,6 @@ Run in the vLLM environment; skipped where vLLM 0.33 is not installed.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import zlib
@@ -60,7 +57,6 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec, make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.cpu.gpu_worker import CPUOffloadingWorker  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -68,6 +64,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  # noqa: E402
 
 import kvcopy.vllm  # noqa: E402
+from kvcopy.testing.vllm_offload import VllmCpuWorker  # noqa: E402
 from kvcopy.vllm_offload import (  # noqa: E402
     KvcopyOffloadingConnector, KvcopyOffloadingSpec, KvcopyOffloadingWorker, OffloadOptions,
 )
@@ -127,44 +124,9 @@ def _fill(raws, seed: int) -> None:
         r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=g))
 
 
-class _ReportsCuda(torch.Tensor):
-    """A CPU tensor vLLM's handler accepts as a device tensor (it asserts ``is_cuda``)."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-
-class _NoEvent:
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return 0.0
-
-
-class _NoStream:
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
-def _memmove_batch(src, dst, sizes, is_src_access_order_any=False):
-    """What ``cuMemcpyBatchAsync`` does with vLLM's descriptors, one memmove each."""
-    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
-        ctypes.memmove(d, s, n)
-
-
 class VllmReference:
-    """vLLM's own CPU spec worker on clones of the device storages (module docstring)."""
+    """vLLM's own CPU spec worker (:class:`kvcopy.testing.vllm_offload.VllmCpuWorker`)
+    on clones of the device storages, its host tensors its own."""
 
     def __init__(self, worker: KvcopyOffloadingWorker, blocks_per_chunk: int):
         kv = worker.kv_caches
@@ -174,31 +136,19 @@ class VllmReference:
         def view(t):
             clone = self.clones[t.untyped_storage().data_ptr()]
             return torch.empty(0, dtype=t.dtype).set_(clone.untyped_storage(), t.storage_offset(), t.shape,
-                                                      t.stride()).as_subclass(_ReportsCuda)
+                                                      t.stride())
 
         tensors = [CanonicalKVCacheTensor(view(ct.tensor), ct.page_size_bytes) for ct in kv.tensors]
-        self.worker = CPUOffloadingWorker(CanonicalKVCaches(tensors, kv.group_data_refs), blocks_per_chunk,
-                                          worker.jobs.num_chunks)
-        self.handlers = (self.worker._store_handler, self.worker._load_handler, self.worker._expedited_load_handler)
-        for h in self.handlers:
-            h._swap_blocks_batch = _memmove_batch
-        self.cpu_tensors = self.handlers[0].dst_tensors
+        self.vllm = VllmCpuWorker(CanonicalKVCaches(tensors, kv.group_data_refs), blocks_per_chunk,
+                                  worker.jobs.num_chunks)
+        self.cpu_tensors = self.vllm.cpu_tensors
         assert [tuple(t.shape) for t in self.cpu_tensors] == [tuple(t.shape) for t in worker.cpu_tensors]
 
-    def _run(self, submit, *args):
-        for h in self.handlers:  # each transfer takes two events and a stream from the pools
-            h._event_pool[:] = [_NoEvent(), _NoEvent()]
-            h._stream_pool[:] = [_NoStream()]
-        assert submit(*args)
-        done = self.worker.get_finished()
-        assert [r.success for r in done] == [True]
-        return done[0]
-
     def store(self, job, gpu, cpu):
-        return self._run(self.worker.submit_store, job, gpu, cpu)
+        return self.vllm.store(job, gpu, cpu)
 
     def load(self, job, cpu, gpu):
-        return self._run(self.worker.submit_load, job, cpu, gpu)
+        return self.vllm.load(job, cpu, gpu)
 
     def sync_device_from_ours(self):
         for p, r in self.ours.items():
