@@ -28,7 +28,11 @@ Steps, most informative first (each a fresh process, so a hang costs one step):
 ``scenario`` the per-call host path stubbed and real (``kvcopy-bench overhead``), host
              overhead per call at 48 layers x 6 groups (real launches), the kernels with
              and without checksums side by side (the ``seeds2`` preset, 6 groups: goal
-             >= 95% of the kernel without), then ``seeds2`` (the benchmark of the vLLM
+             >= 95% of the kernel without), KV offloading jobs (``bench/offload_bench.py``:
+             store and load of 32 layers x 16 blocks at 4, 16, 28 and 64 KiB pages, kvcopy
+             with and without checksums, the copy engines with one descriptor per page
+             and the Triton kernel on 12 CTAs, vLLM's own worker where vLLM is installed,
+             each as x memcpy; goal >= 0.90, checksums <= 1.05x), then ``seeds2`` (the benchmark of the vLLM
              pull request that coalesced host-buffer copies; 1 and 6 groups) with launch
              counts and the profiler's device time beside the wall time.
 
@@ -103,6 +107,8 @@ SIZES = {
         convert512=["--backends", "cuda,triton,ce,auto", "--iters", "50", "--budget", "0.3"],
         checksum=["--num-groups", "6", "--backends", "cuda,triton", "--checksum", "--iters", "50",
                   "--budget", "0.3"],
+        offload=["--device", "cuda", "--pages-kib", "4,16,28,64", "--layers", "32", "--blocks", "16", "--iters", "30",
+                 "--budget", "0.3"],
     ),
     "cpu": dict(
         smoke=dict(num_layers=2, num_groups=2, blocks_per_request=2, block_size=16),
@@ -119,6 +125,8 @@ SIZES = {
         convert512=["--num-layers", "2", "--backends", "cpu", "--iters", "3", "--budget", "0.05", "--threads", "1"],
         checksum=["--num-layers", "4", "--num-groups", "2", "--backends", "cpu", "--checksum", "--iters", "3",
                   "--budget", "0.05", "--threads", "1"],
+        offload=["--device", "cpu", "--pages-kib", "4", "--layers", "2", "--blocks", "2", "--iters", "3",
+                 "--budget", "0.05"],
     ),
 }
 
@@ -780,6 +788,7 @@ def step_scenario(s: Step) -> str:
 
     if "convert512" in PRESETS:  # issue 10's layout-converting copy, where this tree has it
         parts.append(("convert512", ["run", "--device", dev, "--preset", "convert512"] + sz["convert512"]))
+    parts.insert(3, ("offload", ["offload"] + sz["offload"]))
     for name, argv in parts:
         path = work_dir() / f"scenario-{name}.json"
         left = s.left() - 5
@@ -793,7 +802,13 @@ def step_scenario(s: Step) -> str:
                      "checksum": 0.25}.get(name, 0.5)
             argv = argv + ["--time-limit", f"{max(2.0, left * share):.0f}"]
         try:
-            rc = bench(argv + ["--json", str(path), "--quiet"] if argv[0] == "run" else argv + ["--json", str(path)])
+            if argv[0] == "offload":  # bench/offload_bench.py, in its own process
+                p = run_logged([sys.executable, str(ROOT / "bench" / "offload_bench.py"), *argv[1:], "--json",
+                                str(path)], max(2.0, left * 0.3), cwd=str(ROOT))
+                rc = p.returncode
+            else:
+                rc = bench(argv + ["--json", str(path), "--quiet"] if argv[0] == "run" else argv + ["--json",
+                                                                                                   str(path)])
         except Exception as exc:
             log(traceback.format_exc())
             rc = 1
@@ -808,7 +823,24 @@ def step_scenario(s: Step) -> str:
     return status
 
 
-SCENARIO_PARTS = ("host_path", "overhead", "checksum", "seeds2", "convert512")
+SCENARIO_PARTS = ("host_path", "overhead", "checksum", "offload", "seeds2", "convert512")
+
+
+def offload_lines(res: dict) -> List[str]:
+    """bench/offload_bench.py's rows: per page size and direction, each row as x memcpy
+    (kvcopy's offloading goal: >= 0.90 at every page size, checksums <= 1.05x)."""
+    by: Dict[tuple, Dict[str, dict]] = {}
+    for r in (res or {}).get("results", []):
+        by.setdefault((r["page_bytes"], r["direction"]), {})[r["method"]] = r
+    lines = []
+    for (page, direction), rows in sorted(by.items()):
+        mem = rows.get("memcpy", {})
+        cells = [f"{m} {r['x_memcpy']:.2f}x" for m, r in rows.items() if m != "memcpy"]
+        plain, sums = rows.get("kvcopy"), rows.get("kvcopy+sums")
+        cost = f", sums {sums['median_us'] / plain['median_us']:.2f}x" if plain and sums else ""
+        lines.append(f"  offload {page // 1024} KiB {direction}: memcpy {mem.get('gbps', 0):.1f} GB/s; "
+                     + ", ".join(cells) + cost)
+    return lines
 
 
 def checksum_lines(res: dict) -> List[str]:
@@ -840,6 +872,7 @@ def scenario_text(data: dict) -> str:
                      + (f"  host {r['host_us']:.0f} us" if r.get("host_us") else "")
                      + ("" if r.get("verify") in ("ok", "n/a", None) else f"  {r['verify'][:60]}"))
     lines += checksum_lines(data.get("checksum") or {})
+    lines += offload_lines(data.get("offload") or {})
     over = data.get("overhead") or {}
     per = [f"{r['method']} {r['direction']} {r['host_us']:.1f}" for r in over.get("results", [])
            if r.get("host_us") is not None and r["method"] != "memcpy"]

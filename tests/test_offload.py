@@ -285,3 +285,29 @@ def test_gpu_jobs_wait_for_the_current_stream_and_fail_a_flipped_byte():
     (r,) = copier.finished()
     assert not r.ok and r.bad_pages == 1
     copier.close()
+
+
+# ---------------------------------------------------------------- the benchmark script
+def run_offload_bench(*args: str) -> str:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    p = subprocess.run([sys.executable, str(root / "bench" / "offload_bench.py"), "--pages-kib", "4", "--layers", "2",
+                        "--blocks", "3", "--iters", "3", "--budget", "0.05", *args], capture_output=True, text=True,
+                       timeout=300, cwd=root, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return p.stdout
+
+
+def test_the_offload_benchmark_times_every_row_side_by_side():
+    import re
+
+    out = run_offload_bench()
+    for direction in ("store", "load"):
+        for method in ("memcpy", "kvcopy", "kvcopy+sums"):
+            assert re.search(rf"^run 0 +4 KiB {direction} +{re.escape(method)} +\d+\.\d+ us .* \d\.\d\dx memcpy", out,
+                             re.M), (direction, method, out)

@@ -626,3 +626,13 @@ def test_a_flipped_byte_in_a_stored_block_is_caught_at_reload_and_recomputed(eng
     assert any("third" in (o.finished_recving or ()) for o in e.outputs[n:])
     assert not any(o.failed_recving for o in e.outputs[n:])
     assert len(e.computed["third"]) < len(prompt) - e.block_size, "the third run was recomputed, not loaded"
+
+
+def test_the_offload_benchmark_times_vllms_own_worker_beside_kvcopy():
+    from test_offload import run_offload_bench
+
+    out = run_offload_bench()
+    assert "vLLM rows: yes" in out
+    for direction in ("store", "load"):
+        for method in ("memcpy", "kvcopy", "kvcopy+sums", "vllm", "vllm plan"):
+            assert f"4 KiB {direction} {method} " in " ".join(out.split()), (direction, method, out)
