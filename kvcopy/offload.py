@@ -295,7 +295,7 @@ class OffloadCopier:
         for jobs in self._queues.values():
             while jobs and jobs[0].end.query():
                 job = jobs.popleft()
-                del self._events[job.job_id]
+                self._events.pop(job.job_id, None)
                 out.append(self._finish(job))
         return out
 
