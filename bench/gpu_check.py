@@ -107,8 +107,8 @@ SIZES = {
         convert512=["--backends", "cuda,triton,ce,auto", "--iters", "50", "--budget", "0.3"],
         checksum=["--num-groups", "6", "--backends", "cuda,triton", "--checksum", "--iters", "50",
                   "--budget", "0.3"],
-        offload=["--device", "cuda", "--pages-kib", "4,16,28,64", "--layers", "32", "--blocks", "16", "--iters", "30",
-                 "--budget", "0.3"],
+        offload=["--device", "cuda", "--pages-kib", "4,16,28,64", "--layers", "32", "--blocks", "16", "--iters", "20",
+                 "--budget", "0.15"],
     ),
     "cpu": dict(
         smoke=dict(num_layers=2, num_groups=2, blocks_per_request=2, block_size=16),
@@ -804,7 +804,7 @@ def step_scenario(s: Step) -> str:
         try:
             if argv[0] == "offload":  # bench/offload_bench.py, in its own process
                 p = run_logged([sys.executable, str(ROOT / "bench" / "offload_bench.py"), *argv[1:], "--json",
-                                str(path)], max(2.0, left * 0.3), cwd=str(ROOT))
+                                str(path)], max(8.0, left * 0.35), cwd=str(ROOT))
                 rc = p.returncode
             else:
                 rc = bench(argv + ["--json", str(path), "--quiet"] if argv[0] == "run" else argv + ["--json",

@@ -271,7 +271,7 @@ def main(argv=None) -> int:
           f"thread(s); vLLM rows: {why_not_vllm or 'yes'}"
           + ("" if args.device != "cpu" or why_not_vllm else f"; vLLM descriptors copied by "
              f"{'a C memcpy loop' if batch else 'a Python memmove loop (no cc)'}"), flush=True)
-    results = []
+    results: List[dict] = []
     for rep in range(args.repeat):
         for kib in (int(x) for x in args.pages_kib.split(",")):
             rows = measure_size(torch, args, kib * 1024, batch, why_not_vllm)
@@ -281,10 +281,12 @@ def main(argv=None) -> int:
                 print(f"run {rep} {kib:>3} KiB {r['direction']:<5} {r['method']:<12} {r['median_us']:9.1f} us "
                       f"{r['gbps']:6.2f} GB/s {r['x_memcpy']:5.2f}x memcpy{flag}", flush=True)
             results += rows
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "layers": args.layers, "blocks": args.blocks,
-                                               "threads": args.threads, "vllm": why_not_vllm or "yes",
-                                               "results": results}, indent=1) + "\n")
+            if args.json:  # after every size: a run cut short keeps what it measured
+                tmp = Path(args.json + ".tmp")
+                tmp.write_text(json.dumps({"device": args.device, "layers": args.layers, "blocks": args.blocks,
+                                           "threads": args.threads, "vllm": why_not_vllm or "yes",
+                                           "results": results}, indent=1) + "\n")
+                os.replace(tmp, args.json)
     return 0
 
 
