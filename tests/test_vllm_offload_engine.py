@@ -1,9 +1,10 @@
 """kvcopy's KV offloading in a real vLLM 0.33 engine on the CPU (tests/vllm_offload_engine.py).
 
-Three engines, one after the other, each in its own process on the same 2-layer
-random-weight float32 Llama and the same prompts: without offloading (the baseline),
-with ``KvcopyOffloadingConnector`` + ``KvcopyOffloadingSpec``, and with vLLM's
-``OffloadingConnector`` and its own ``CPUOffloadingSpec``. A prompt is run, evicted
+Engines one after the other, each in its own process, on the same random-weight
+float32 model and prompts: without offloading (the baseline), with
+``KvcopyOffloadingConnector`` + ``KvcopyOffloadingSpec``, for a 2-layer Llama (one KV
+cache group) and a 4-layer Gemma 2 (sliding-window and full-attention layers: two
+groups); and vLLM's ``OffloadingConnector`` with its own ``CPUOffloadingSpec``. A prompt is run, evicted
 from the device cache by four others, and run again; then one bit is flipped in every
 stored page on the host and it runs again (evicted first); then once more.
 
@@ -45,13 +46,17 @@ def runs(tmp_path_factory):
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out = {}
-    for mode in ("baseline", "offload", "stock"):
-        path = root / f"{mode}.json"
-        p = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_offload_engine.py"), mode, str(root / "model"),
-                            str(path)], env=env, capture_output=True, text=True, timeout=900, cwd=str(root))
-        assert p.returncode == 0 and path.exists(), (mode, (p.stdout + p.stderr)[-3000:])
-        out[mode] = json.loads(path.read_text())
+    for family, mode in [(f, m) for f in FAMILIES for m in ("baseline", "offload")] + [("llama", "stock")]:
+        path = root / f"{family}-{mode}.json"
+        p = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_offload_engine.py"), mode,
+                            str(root / family), str(path), family], env=env, capture_output=True, text=True,
+                           timeout=900, cwd=str(root))
+        assert p.returncode == 0 and path.exists(), (family, mode, (p.stdout + p.stderr)[-3000:])
+        out[family, mode] = json.loads(path.read_text())
     return out
+
+
+FAMILIES = ["llama", "gemma2"]
 
 
 def _phase(run, name):
@@ -59,26 +64,33 @@ def _phase(run, name):
 
 
 def test_vllms_own_spec_is_refused_on_the_cpu_platform(runs):
-    assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in runs["stock"]["error"]
-    assert "spec.py" in runs["stock"]["traceback"] and "get_worker" in runs["stock"]["traceback"]
+    stock = runs["llama", "stock"]
+    assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in stock["error"]
+    assert "spec.py" in stock["traceback"] and "get_worker" in stock["traceback"]
 
 
-def test_the_engine_with_kvcopys_offloading_generates_the_baselines_tokens(runs):
-    assert "error" not in runs["offload"] and "error" not in runs["baseline"], runs["offload"].get("traceback")
-    assert len(runs["offload"]["tokens"]) == 16
-    assert runs["offload"]["tokens"] == runs["baseline"]["tokens"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_with_kvcopys_offloading_generates_the_baselines_tokens(runs, family):
+    off, base = runs[family, "offload"], runs[family, "baseline"]
+    assert "error" not in off and "error" not in base, off.get("traceback") or base.get("traceback")
+    assert len(off["tokens"]) == 16
+    assert off["tokens"] == base["tokens"]
 
 
-def test_the_evicted_prompt_is_loaded_from_the_cpu_and_vllm_counts_it(runs):
-    c = _phase(runs["offload"], "reload")["counters"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_evicted_prompt_is_loaded_from_the_cpu_and_vllm_counts_it(runs, family):
+    reload = _phase(runs[family, "offload"], "reload")
+    c = reload["counters"]
     assert c["vllm:external_prefix_cache_hits"] >= 5 * 32  # P's full 32-token blocks, from the offload tier
     assert c["vllm:kv_offload_load_bytes"] > 0 and c["vllm:kv_offload_store_bytes"] > 0
     assert c["vllm:prefix_cache_hits"] == 0  # none of it from the device cache
-    assert _phase(runs["offload"], "reload")["failed_loads"] == []
+    assert reload["failed_loads"] == []
 
 
-def test_a_flipped_bit_on_the_host_fails_one_load_that_vllm_recomputes_then_loads_again(runs):
-    flipped, reloaded = _phase(runs["offload"], "flipped"), _phase(runs["offload"], "reloaded")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_flipped_bit_on_the_host_fails_one_load_that_vllm_recomputes_then_loads_again(runs, family):
+    off = runs[family, "offload"]
+    flipped, reloaded = _phase(off, "flipped"), _phase(off, "reloaded")
     assert flipped["flipped"] > 0
     assert len(flipped["failed_loads"]) == 1  # P's load, caught by its checksums
     assert reloaded["failed_loads"] == flipped["failed_loads"]  # the recomputed P stored again: no new failure

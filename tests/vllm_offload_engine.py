@@ -1,14 +1,16 @@
 """A real vLLM 0.33 CPU engine with or without kvcopy's KV offloading, for
 tests/test_vllm_offload_engine.py (not a test module; run in a CPU engine environment).
 
-    python tests/vllm_offload_engine.py MODE MODEL_DIR OUT.json
+    python tests/vllm_offload_engine.py MODE MODEL_DIR OUT.json [FAMILY]
 
 ``MODE``: ``baseline`` (no connector), ``offload`` (``KvcopyOffloadingConnector`` with
 ``KvcopyOffloadingSpec``, ``kv_load_failure_policy="recompute"``) or ``stock``
 (vLLM's ``OffloadingConnector`` with its own ``CPUOffloadingSpec``: what vLLM's CPU
 platform says). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-the ``uni`` executor), 16 device blocks of 32 tokens, prefix caching on, greedy
-decoding. The script (the same prompts in every mode):
+the ``uni`` executor), 16 device blocks of 32 tokens (24 for gemma2), prefix caching on, greedy
+decoding. ``FAMILY``: ``llama`` (default: one KV cache group) or ``gemma2`` (sliding
+window of 64 tokens and full attention alternating: two KV cache groups). The script
+(the same prompts in every mode):
 
 1. prompt P, then four other prompts (P's blocks leave the device cache), P again;
 2. (``offload``) one bit flipped in the first layer's page of every sub-block stored
@@ -31,26 +33,32 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+BLOCKS = {"llama": 16, "gemma2": 24}  # a request fits, and four others evict it
 COUNTERS = ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:kv_offload_load_bytes",
             "vllm:kv_offload_store_bytes", "vllm:prefix_cache_hits")
 
 
-def build_model(path: str) -> None:
-    """A 2-layer Llama with random float32 weights (random bf16 models tie their logits)."""
+def build_model(path: str, family: str) -> None:
+    """A tiny model with random float32 weights (random bf16 models tie their logits)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
-                         tie_word_embeddings=False, initializer_range=0.1)
+    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 vocab_size=512, max_position_embeddings=2048, initializer_range=0.1)
+    if family == "llama":
+        config = LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, **shape)
+    elif family == "gemma2":
+        config = Gemma2Config(num_hidden_layers=4, sliding_window=64, query_pre_attn_scalar=64, **shape)
+    else:
+        raise ValueError(f"unknown model family {family!r}")
     config.torch_dtype = torch.float32
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(path)
 
 
-def engine(mode: str, model_dir: str):
+def engine(mode: str, model_dir: str, family: str):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -62,8 +70,8 @@ def engine(mode: str, model_dir: str):
             kv_connector_module_path="kvcopy.vllm" if mode == "offload" else None, kv_role="kv_both",
             kv_load_failure_policy="recompute", kv_connector_extra_config={**spec, "cpu_bytes_to_use": 64 << 20})
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=256, block_size=32,
-               num_gpu_blocks_override=16, enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=4,
-               disable_log_stats=False, distributed_executor_backend="uni", **kw)
+               num_gpu_blocks_override=BLOCKS[family], enable_prefix_caching=True, enforce_eager=True, seed=0,
+               max_num_seqs=4, disable_log_stats=False, distributed_executor_backend="uni", **kw)
 
 
 def flip_stored_pages() -> int:
@@ -82,15 +90,15 @@ def flip_stored_pages() -> int:
     return len(subs)
 
 
-def main(mode: str, model_dir: str, out_path: str) -> None:
+def main(mode: str, model_dir: str, out_path: str, family: str = "llama") -> None:
     import numpy as np
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    build_model(model_dir)
+    build_model(model_dir, family)
     result = {"mode": mode, "tokens": [], "phases": []}
     try:
-        llm = engine(mode, model_dir)
+        llm = engine(mode, model_dir, family)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -140,4 +148,4 @@ def main(mode: str, model_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
