@@ -286,6 +286,11 @@ class BlockCopier:
         """The static tables of ``direction`` ("d2h" or "h2d")."""
         return self._built(direction).tables
 
+    def checksum_reason(self, direction: str) -> Optional[str]:
+        """Why calls in ``direction`` cannot compute checksums (a ``ce`` copier), or
+        None: for callers that check it once at build rather than at their first call."""
+        return self._built(direction).sums_check()[0]
+
     def _built(self, direction: str) -> _Direction:
         if direction == "d2h":
             d = self._d2h

@@ -94,7 +94,7 @@ class JobResult:
     seconds: float
     bad_pages: int = 0  # pages whose sums differ from their store's
     unstored_pages: int = 0  # pages no checksummed store wrote
-    first_chunk: int = -1  # the job's first chunk, for messages
+    bad_chunks: Tuple[int, ...] = ()  # the chunks holding those pages, for messages
 
 
 Layer = Tuple[int, int]  # (device tensor index, page bytes)
@@ -165,6 +165,12 @@ class OffloadCopier:
         self.num_groups = len(groups)
         self.num_chunks = int(host_tensors[0].shape[0])
         self.copier = self._build(device_tensors, groups, host_tensors)
+        if options.checksum:
+            why = self.copier.checksum_reason("d2h") or self.copier.checksum_reason("h2d")
+            if why:
+                self.copier.close()
+                raise ValueError(f"offloading: kvcopy.checksum is on but {why}; set kvcopy.checksum to false "
+                                 "to use this backend")
         self.on_gpu = self.device.type == "cuda"
         self._sums = np.zeros(self.num_chunks * blocks_per_chunk, dtype=np.uint64)  # last store's sum per sub-block
         self._stored = np.zeros(self.num_chunks * blocks_per_chunk, dtype=bool)  # ... written by a checksummed store
@@ -276,6 +282,7 @@ class OffloadCopier:
     def _finish(self, job: _Job) -> JobResult:
         """A finished job's sums recorded (store) or compared (load)."""
         bad = 0
+        chunks: Tuple[int, ...] = ()
         if job.sums is not None:
             got = (job.sums_host if job.sums_host is not None else job.sums).numpy().view(np.uint64)
             if job.store:
@@ -283,11 +290,13 @@ class OffloadCopier:
                 self._stored[job.subs] = True
             else:
                 assert job.expected is not None and job.stored is not None
-                bad = int(np.count_nonzero((got != job.expected) & job.stored))
+                differ = (got != job.expected) & job.stored
+                bad = int(np.count_nonzero(differ))
+                if bad or job.unstored:
+                    chunks = tuple(np.unique(job.subs[differ | ~job.stored] // self.bpc).tolist())
         seconds = job.seconds if job.end is None else job.start.elapsed_time(job.end) * 1e-3
-        first = int(job.subs[0]) // self.bpc if len(job.subs) else -1
         return JobResult(job.job_id, job.store, not (bad or job.unstored), job.num_bytes, seconds, bad,
-                         job.unstored, first)
+                         job.unstored, chunks)
 
     def finished(self) -> List[JobResult]:
         """The jobs finished since the last call (device jobs: polled, never waited for)."""

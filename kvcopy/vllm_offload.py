@@ -154,8 +154,8 @@ class KvcopyOffloadingWorker(OffloadingWorker):
     def _load_failed(self, r: JobResult) -> bool:
         """Log a load that failed its checksums; True when the connector reports it."""
         logger.error("kvcopy offloading: load job %d failed its checksums: %d pages differ from what their store "
-                     "computed, %d were never stored with a checksum (first chunk %d)%s", r.job_id, r.bad_pages,
-                     r.unstored_pages, r.first_chunk,
+                     "computed, %d were never stored with a checksum (chunks %s)%s", r.job_id, r.bad_pages,
+                     r.unstored_pages, list(r.bad_chunks),
                      "; the request is reported as a failed KV load" if self.reports_failures else
                      "; vLLM's OffloadingConnector has no load failure path and stops on a failed job: use "
                      "KvcopyOffloadingConnector (kv_connector_module_path kvcopy.vllm) to recompute instead")

@@ -3,9 +3,10 @@
 Layouts as vLLM 0.33's CPU offloading makes them: device tensors ``(blocks, page)``
 with padded or packed rows, groups sharing tensors (overlaid hybrids) with layer pages
 shorter than the row, private host tensors or strided slots of one shared region,
-several blocks per chunk and groups starting mid-chunk. The destination is poisoned
-first; every byte of every host tensor (store) or device storage (load) must equal the
-reference's. The GPU tests (``-m gpu``) run the same jobs on CUDA device tensors and
+several blocks per chunk and groups starting mid-chunk, chunks past 4 GiB of a host
+tensor. The destination is poisoned first (host tensors 0x5A before the stores, device
+storages 0x5A before the loads); every byte of every host tensor (store) or device
+storage (load) must equal the reference's. The GPU tests (``-m gpu``) run the same jobs on CUDA device tensors and
 pinned host memory, asynchronously, on the copier's streams.
 """
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 
 from kvcopy.offload import JobResult, OffloadCopier, OffloadOptions
 from kvcopy.testing.reference import reference_offload_job
+
+
+POISON = 0x5A
 
 
 def _rand(shape, seed, device="cpu"):
@@ -46,13 +50,13 @@ class Case:
         rows = [bpc * t.shape[1] for t in self.tensors]
         if kind == "overlay":  # host tensors: slots of one shared region, rows padded (vLLM's mmap layout)
             stride = sum(rows) + 4096 * 2
-            self.region = torch.zeros(num_chunks * stride, dtype=torch.int8, pin_memory=pin)
+            self.region = torch.full((num_chunks * stride,), POISON, dtype=torch.int8, pin_memory=pin)
             self.hosts, at = [], 0
             for r in rows:
                 self.hosts.append(torch.as_strided(self.region, (num_chunks, r), (stride, 1), at))
                 at += r
         else:
-            self.hosts = [torch.zeros((num_chunks, r), dtype=torch.int8, pin_memory=pin) for r in rows]
+            self.hosts = [torch.full((num_chunks, r), POISON, dtype=torch.int8, pin_memory=pin) for r in rows]
         self.num_blocks, self.num_chunks = num_blocks, num_chunks
 
     def copier(self, **opts) -> OffloadCopier:
@@ -133,7 +137,7 @@ def _roundtrip(kind, bpc, device, checksum=True):
     assert all(r.ok and r.store for r in stores)
     assert case.equal(ref), "host bytes differ from the reference after the stores"
     for s in case.storages + ref.storages:  # poisoned device, the same on both sides
-        s.fill_(0x5A)
+        s.fill_(POISON)
     loads = []
     for i, (sizes, starts, _dev, ch) in enumerate(jobs):
         dst = [int(free.pop()) for _ in range(sum(sizes))]
@@ -178,8 +182,8 @@ def test_a_flipped_host_byte_fails_only_the_load_that_reads_it():
         copier.submit(10 + i, False, sizes, starts, [int(free.pop()) for _ in range(sum(sizes))], ch)
     done = {r.job_id: r for r in copier.finished()}
     assert not done[10].ok and done[10].bad_pages == 1 and done[10].unstored_pages == 0
-    assert done[11].ok
-    assert done[10].first_chunk >= 0
+    assert done[11].ok and done[11].bad_chunks == ()
+    assert done[10].bad_chunks == (jobs[0][3][first],)
 
 
 def test_a_padding_byte_is_not_part_of_any_page():
@@ -200,7 +204,84 @@ def test_a_sub_block_never_stored_fails_its_load():
     copier.finished()
     copier.submit(2, False, [2], [0], [8, 9], [5])  # sub-blocks 0 and 1
     (r,) = copier.finished()
-    assert not r.ok and r.unstored_pages == 1 and r.bad_pages == 0
+    assert not r.ok and r.unstored_pages == 1 and r.bad_pages == 0 and r.bad_chunks == (5,)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bit_flipped_anywhere_in_a_stored_chunk_fails_the_load_iff_a_page_holds_it(kind):
+    """Each byte of a stored chunk's row in every host tensor, one bit flipped in turn
+    (bit ``byte % 8``): the load of that chunk fails with one bad page, naming the
+    chunk, when the byte lies in a page of one of the group's layers; a byte no page
+    holds (the row's padding past a shorter page, another tensor's row) leaves it ok."""
+    case = Case(kind, 2, num_chunks=8)
+    g = len(case.groups) - 1  # overlay, padded_packed: the group with the shorter pages
+    sizes, starts = [0] * len(case.groups), [0] * len(case.groups)
+    sizes[g] = 2
+    copier = case.copier()
+    copier.submit(1, True, sizes, starts, [3, 4], [5])  # both sub-blocks of chunk 5
+    assert copier.finished()[0].ok
+    held = {idx: {j * case.tensors[idx].shape[1] + b for j in range(2) for b in range(nbytes)}
+            for idx, nbytes in case.groups[g]}
+    checked = 0
+    for idx, host in enumerate(case.hosts):
+        row = host[5]
+        for b in range(row.numel()):
+            row[b] ^= 1 << (b % 8)
+            copier.submit(2, False, sizes, starts, [7, 8], [5])
+            (r,) = copier.finished()
+            row[b] ^= 1 << (b % 8)
+            in_page = b in held.get(idx, ())
+            assert (r.ok, r.bad_pages, r.bad_chunks) == ((False, 1, (5,)) if in_page else (True, 0, ())), (idx, b)
+            checked += in_page
+    assert checked == sum(len(v) for v in held.values())
+    copier.close()
+
+
+def test_chunks_past_4_gib_of_a_host_tensor(tmp_path):
+    """vLLM's host tensors hold ``cpu_bytes_to_use`` (64 GiB and more): a chunk's offset
+    passes 2^32 bytes. The host tensor here is a sparse file mapped with rows 3 GiB
+    apart (chunk 2 starts past 6 GiB; only the pages touched take memory); a store
+    and a load across chunks 1 and 2 equal the reference on a compact twin, and a bit
+    flipped in chunk 2 fails the load that reads it."""
+    page, stride, rows = 4096, (3 << 30) + 4096, 3
+    path = tmp_path / "host"
+    with open(path, "wb") as f:
+        f.truncate((rows - 1) * stride + 2 * page)
+    raw = torch.from_file(str(path), shared=True, size=(rows - 1) * stride + 2 * page, dtype=torch.int8)
+    host = torch.as_strided(raw, (rows, 2 * page), (stride, 1))
+    host.fill_(POISON)
+    twin = torch.full((rows, 2 * page), POISON, dtype=torch.int8)
+    dev = _rand((8, page), 7)
+    ref_dev = dev.clone()
+    groups = [[(0, page)]]
+    copier = OffloadCopier([dev], groups, [host], 2, OffloadOptions())
+    job = ([2], [1], [3, 5], [1, 2])  # sub-block 1 of chunk 1, sub-block 0 of chunk 2
+    copier.submit(1, True, *job)
+    reference_offload_job([ref_dev], groups, [twin], 2, True, *job)
+    assert copier.finished()[0].ok
+    assert torch.equal(host, twin)
+    dev.fill_(POISON)
+    ref_dev.fill_(POISON)
+    load = ([2], [1], [6, 7], [1, 2])
+    copier.submit(2, False, *load)
+    reference_offload_job([ref_dev], groups, [twin], 2, False, *load)
+    assert copier.finished()[0].ok
+    assert torch.equal(dev, ref_dev)
+    host[2, 100] ^= 1
+    copier.submit(3, False, *load)
+    (r,) = copier.finished()
+    assert not r.ok and r.bad_pages == 1 and r.bad_chunks == (2,)
+    copier.close()
+
+
+def test_a_backend_that_cannot_sum_is_refused_at_build_with_checksums_on(monkeypatch):
+    from kvcopy import backends
+
+    case = Case("one_group", 1)
+    monkeypatch.setattr(type(backends.get_backend("cpu")), "checksum_reason", lambda self, tables: "it cannot")
+    with pytest.raises(ValueError, match="kvcopy.checksum is on but it cannot"):
+        case.copier(backend="cpu")
+    case.copier(backend="cpu", checksum=False).close()
 
 
 @pytest.mark.parametrize("sizes,starts,dev,chunks", [
