@@ -54,9 +54,10 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheLayout, SlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
-    CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec, make_offload_key,
+    CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec, LookupResult, ReqContext, make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -66,15 +67,19 @@ from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  
 import kvcopy.vllm  # noqa: E402
 from kvcopy.testing.vllm_offload import VllmCpuWorker  # noqa: E402
 from kvcopy.vllm_offload import (  # noqa: E402
-    KvcopyOffloadingConnector, KvcopyOffloadingSpec, KvcopyOffloadingWorker, OffloadOptions,
+    KvcopyOffloadingConnector, KvcopyOffloadingSpec, KvcopyOffloadingWorker, OffloadOptions, drop_chunks,
 )
 
 init_none_hash(sha256)
 assert vllm_env  # a fixture, used by name
 
+# tests/test_vllm.py's model families, and the other block-outermost layouts vLLM
+# canonicalizes as whole packed rows (BHLNC takes one page size only)
+OFFLOAD_CASES = {**CASES, "heads_packed_blnhc": dict(CASES["heads_packed_blhnc"], layout="BLNHC"),
+                 "one_group_bhlnc": dict(CASES["one_group"], layout="BHLNC")}
 FAMILIES = ["one_group", "hybrid_kv_sharing", "kernel_split_32_to_16", "mla", "hybrid_lbnhc", "heads_padded",
-            "heads_unified_block_size", "heads_packed_blhnc", "gdn_padded", "gdn_exact", "gdn_kernel_split_32_to_16",
-            "gdn_packed_blhnc"]
+            "heads_unified_block_size", "heads_packed_blhnc", "heads_packed_blnhc", "one_group_bhlnc", "gdn_padded",
+            "gdn_exact", "gdn_kernel_split_32_to_16", "gdn_packed_blhnc"]
 SPEC = {"spec_name": "KvcopyOffloadingSpec", "spec_module_path": "kvcopy.vllm"}
 
 
@@ -186,7 +191,7 @@ def rigs(vllm_env):
     made = []
 
     def make(case, **kw):
-        made.append(Rig(vllm_env, CASES[case] if isinstance(case, str) else case, **kw))
+        made.append(Rig(vllm_env, OFFLOAD_CASES[case] if isinstance(case, str) else case, **kw))
         return made[-1]
 
     yield make
@@ -349,6 +354,38 @@ def test_under_the_stock_connector_a_failed_load_stops_vllm(rigs):
     rig.worker.submit_load(300, cpu, gpu)
     with pytest.raises(AssertionError):  # vLLM's "we currently do not support job failures"
         cw.get_finished(set())
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_dropped_chunks_leave_vllms_manager_as_an_eviction_would(policy):
+    """drop_chunks on vLLM's own CPUOffloadingManager: a chunk another load still reads
+    stays (returned, to retry once that load completes), an idle one leaves (its
+    lookup misses, a removal event names it, its chunk id is free); the evictable
+    count stays what the manager's own eviction then relies on."""
+    m = CPUOffloadingManager(num_chunks=4, cache_policy=policy, enable_events=True)
+    ctx = ReqContext("r")
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
+    assert m.prepare_store(keys, ctx) is not None
+    m.complete_store(keys, ctx)
+    list(m.take_events())
+    m.prepare_load([keys[1]], ctx)  # a load still reads keys[1]
+    assert drop_chunks(m, {keys[0], keys[1]}) == {keys[1]}
+    assert (m.lookup(keys[0], ctx), m.lookup(keys[1], ctx)) == (LookupResult.MISS, LookupResult.HIT)
+    assert [(e.keys, e.removed) for e in m.take_events()] == [([keys[0]], True)]
+    m.complete_load([keys[1]], ctx)
+    assert drop_chunks(m, {keys[1]}) == set()
+    assert m.lookup(keys[1], ctx) == LookupResult.MISS
+    assert m._num_evictable_cache_chunks == 2 and m._get_num_free_chunks() == 2  # keys 2, 3; chunks 0, 1
+    # Four new chunks: the two freed ids and the two idle chunks evicted, no more, no fewer.
+    new = [make_offload_key(bytes([9 + i]) * 32, 0) for i in range(4)]
+    out = m.prepare_store(new, ctx)
+    assert out is not None and sorted(out.evicted_keys) == sorted(keys[2:])
+    assert sorted(out.store_spec.block_ids.tolist()) == [0, 1, 2, 3]
+    m.complete_store(new, ctx)
+    m.prepare_load(new, ctx)  # every chunk read: nothing to evict for a fifth
+    assert m._num_evictable_cache_chunks == 0
+    assert m.prepare_store([make_offload_key(b"x" * 32, 0)], ctx) is None
+    assert drop_chunks(m, set(new) | {keys[2]}) == set(new)  # read, or gone: nothing removed
 
 
 # ---------------------------------------------------------------- configuration
