@@ -16,9 +16,13 @@ blocks of a load differ from the store's. Rows, per page size and direction (sto
 device to host; load: back):
 
 * ``memcpy``: one contiguous copy of the job's bytes (host to host on the CPU; pinned
-  host to device or back on a GPU): the ceiling;
+  host to device or back on a GPU): the ceiling on a GPU; on the CPU torch's
+  one-thread copy, which kvcopy's CPU backend passes where it streams (non-temporal
+  stores in calls above its threshold: the 32 MiB jobs of 64 KiB pages);
 * ``kvcopy``, ``kvcopy+sums``: ``OffloadCopier.submit`` (ids checked, one backend call
   for every layer), without and with page checksums (a load's sums compared);
+  CPU: ``kvcopy plan``: the job's ids checked and packed, no copy (kvcopy's host cost
+  per job, beside ``vllm plan``);
 * CPU, with vLLM importable: ``vllm``: vLLM's ``CPUOffloadingWorker`` job (its
   ``transfer_async``: numpy descriptors, one per page and layer) with the batched DMA
   call done by a C loop of ``memcpy`` over its descriptors (compiled here with ``cc``;
@@ -141,7 +145,19 @@ def kvcopy_rows(torch, s: Setup, store: bool, verify: bool) -> Dict[str, Callabl
             _check(torch, s, copier, reference_offload_job)
         stream = copier._streams.get("store" if store else "load")
         rows[name] = _job_fn(torch, copier, s, store, stream)
+        if name == "kvcopy" and s.device == "cpu":
+            rows["kvcopy plan"] = _plan_fn(copier, s, store)
     return rows
+
+
+def _plan_fn(copier, s: Setup, store: bool) -> Callable[[], None]:
+    """What ``submit`` does before its copy: the ids checked and split per copier group, the call planned."""
+    job, direction = s.job(store), "d2h" if store else "h2d"
+
+    def plan():
+        dev, host, _ = copier.job_ids(*job)
+        copier.copier.plan(direction, dev, host)
+    return plan
 
 
 def _job_fn(torch, copier, s: Setup, store: bool, stream) -> Callable[[], None]:

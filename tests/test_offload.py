@@ -389,7 +389,7 @@ def test_the_offload_benchmark_times_every_row_side_by_side():
 
     out = run_offload_bench()
     for direction in ("store", "load"):
-        for method in ("memcpy", "kvcopy", "kvcopy+sums"):
+        for method in ("memcpy", "kvcopy", "kvcopy+sums", "kvcopy plan"):
             assert re.search(rf"^run 0 +4 KiB {direction} +{re.escape(method)} +\d+\.\d+ us .* \d\.\d\dx memcpy", out,
                              re.M), (direction, method, out)
 

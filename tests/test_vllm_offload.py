@@ -671,5 +671,5 @@ def test_the_offload_benchmark_times_vllms_own_worker_beside_kvcopy():
     out = run_offload_bench()
     assert "vLLM rows: yes" in out
     for direction in ("store", "load"):
-        for method in ("memcpy", "kvcopy", "kvcopy+sums", "vllm", "vllm plan"):
+        for method in ("memcpy", "kvcopy", "kvcopy+sums", "kvcopy plan", "vllm", "vllm plan"):
             assert f"4 KiB {direction} {method} " in " ".join(out.split()), (direction, method, out)
