@@ -184,7 +184,8 @@ class _ArenaPath:
         self.n += 1
         t0 = time.perf_counter()
         record = self.pm.save(positions(self.tokens, p_ids, num_tokens), num_tokens=num_tokens, request_id=rid)
-        plan = self.dm.plan_pull(self.peer, record.to_bytes(), num_tokens, positions(self.tokens, d_ids, num_tokens))
+        plan = self.dm.plan_pull(self.peer, record.to_bytes(), num_tokens, positions(self.tokens, d_ids, num_tokens),
+                                 request_id=rid)
         h = self.dm.pull(plan, notify=notify_bytes(rid, 1))
         while self.dm.poll(h) == "PROC":
             pass

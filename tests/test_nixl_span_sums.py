@@ -128,7 +128,7 @@ def test_a_fault_fails_exactly_its_request(pair, kind, fault, compared, monkeypa
     records = {r: p.save(p_ids[r], num_tokens=N, request_id=r) for r in "EABC"}
     assert all(rec.sums is not None for rec in records.values())
     before = clone_caches(de.device_caches)
-    plans = {r: d.plan_pull(peer, records[r], N, d_ids[r]) for r in "ABC"}
+    plans = {r: d.plan_pull(peer, records[r], N, d_ids[r], request_id=r) for r in "ABC"}
     buf, b = p.arena.buffer, records["B"]
     block = p.arena.span_copiers(p.arena.order).index[0][0]  # bytes of one staged block (uniform models)
     remote = read_rows(plans["B"])[1]
@@ -204,7 +204,7 @@ def test_clean_pulls_are_checked_with_prefix_hits_and_holes(pair, kind):
         cached = cached if kind != "seeds3" else 0
         before = clone_caches(de.device_caches)
         record = p.save(p_ids, num_tokens=n, request_id=f"r{i}")
-        h = d.pull(d.plan_pull(peer, record, n, d_ids, cached), notify=f"r{i}".encode())
+        h = d.pull(d.plan_pull(peer, record, n, d_ids, cached, request_id=f"r{i}"), notify=f"r{i}".encode())
         assert wait(d, h) == "DONE"
         done = d.complete(h)
         assert done.ok and done.checked and done.unchecked is None, done
@@ -220,7 +220,7 @@ def test_a_difference_found_in_the_copys_call_fails_even_if_no_page_is_named(pai
     rng = np.random.default_rng(9)
     counts = block_counts("hybrid")
     record = p.save(allocate_blocks(rng, pe, counts, set(), NP), num_tokens=N, request_id="x")
-    plan = d.plan_pull(peer, record, N, allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP))
+    plan = d.plan_pull(peer, record, N, allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP), request_id="x")
     h = d.pull(plan, notify=b"x")
     assert wait(d, h) == "DONE"
     local = read_rows(plan)[0]
@@ -274,7 +274,7 @@ def test_the_switch_off_on_either_side_leaves_requests_unchecked(pair, off):
     assert (record.sums is None) == (off == "p")
     before = clone_caches(de.device_caches)
     d_ids = [[20, 21, 22], [50, 51, 52, 53, 54, 55]]
-    h = d.pull(d.plan_pull(peer, record, N, d_ids), notify=b"x")
+    h = d.pull(d.plan_pull(peer, record, N, d_ids, request_id="x"), notify=b"x")
     assert wait(d, h) == "DONE"
     done = d.complete(h)
     why = "P sent no page sums" if off == "p" else "checksum off on D"
@@ -321,7 +321,8 @@ def test_pages_that_differ_between_p_and_d_are_unchecked_not_checked(p_tp, d_tp,
             ranks = list(range(p_tp)) if p_tp > d_tp else [0]
             peers = [dm.add_peer(pms[r].metadata()) for r in ranks]
             before = clone_caches(d_caches)
-            plan = dm.plan_pull(peers, {peers[i]: records[r] for i, r in enumerate(ranks)}, 71, spec.d.block_ids)
+            plan = dm.plan_pull(peers, {peers[i]: records[r] for i, r in enumerate(ranks)}, 71, spec.d.block_ids,
+                                request_id="u")
             h = dm.pull(plan, notify=b"u")
             assert wait(dm, h) == "DONE"
             done = dm.complete(h)
@@ -344,12 +345,13 @@ def test_d_compares_with_the_record_it_was_given_and_edits_after_plan_do_not_cou
     vals = [record.sums.values(0)]
     vals[0][1] ^= np.uint64(1)
     lied = record.with_sums(PageSums.of(record.sums.layout, vals))
-    h = d.pull(d.plan_pull(peer, StagedRequest.from_bytes(lied.to_bytes()), 40, [[20, 21, 22]]), notify=b"a")
+    h = d.pull(d.plan_pull(peer, StagedRequest.from_bytes(lied.to_bytes()), 40, [[20, 21, 22]], request_id="a"),
+               notify=b"a")
     assert wait(d, h) == "DONE"
     done = d.complete(h)
     assert not done.ok and "page position 1 (local page 21)" in done.error, done
     record = p.save([[4, 5, 6]], num_tokens=40, request_id="b")
-    plan = d.plan_pull(peer, record, 40, [[30, 31, 32]])
+    plan = d.plan_pull(peer, record, 40, [[30, 31, 32]], request_id="b")
     object.__setattr__(record, "sums", lied.sums)  # edited after the plan was made
     h = d.pull(plan, notify=b"b")
     assert wait(d, h) == "DONE"
@@ -361,10 +363,10 @@ def test_sums_that_do_not_fit_the_request_are_refused_at_plan_pull(pair):
     record = p.save([[1, 2, 3]], num_tokens=40, request_id="a")
     short = record.with_sums(PageSums(record.sums.layout, (record.sums.pages[0][:-16],)))
     with pytest.raises(ValueError, match="page sums per group"):
-        d.plan_pull(peer, StagedRequest.from_bytes(short.to_bytes()), 40, [[20, 21, 22]])
+        d.plan_pull(peer, StagedRequest.from_bytes(short.to_bytes()), 40, [[20, 21, 22]], request_id="a")
     bogus = record.with_sums(PageSums(record.sums.layout, ("zz" * 24,)))
     with pytest.raises(ValueError, match="hex"):
-        d.plan_pull(peer, bogus, 40, [[20, 21, 22]])
+        d.plan_pull(peer, bogus, 40, [[20, 21, 22]], request_id="a")
     assert d.stats()["bytes_in_use"] == 0
 
 

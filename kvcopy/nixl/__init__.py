@@ -18,7 +18,7 @@ from ._agent import NixlError, load_nixl, nixl_available
 from .arena import ArenaFull
 from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
-from .manager import TransferManager
+from .manager import ChecksumRequired, TransferManager
 from .options import ManagerOptions
 from .plan import (
     NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
@@ -32,6 +32,7 @@ from .staging import ArenaPlan
 __all__ = [
     "ArenaFull",
     "ArenaPlan",
+    "ChecksumRequired",
     "Completion",
     "EngineInfo",
     "HANDSHAKE_VERSION",

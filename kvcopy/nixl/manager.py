@@ -10,6 +10,7 @@
     m.poll(h) -> "DONE" | "PROC" | "ERR"
     m.complete(h) -> Completion           # D: zero unread pages, one masked h2d
     m.notifications()                     # P: {D's name: [notify, ...]}: D is done reading
+    m.notify(peer, b"req-7")              # D: tell P outside a pull (it gives the request up)
     m.close()
 
 Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``)
@@ -48,6 +49,8 @@ Notifications: D, not NIXL, tells each peer of a pull that it is done with the
 request, exactly once: when that peer's READ is DONE, or when the pull fails (then to
 every peer not told yet). READs carry no NIXL notification: NIXL sends one whenever its
 status check sees the READ complete, also inside the release of a handle given up on.
+``notify`` sends one outside a pull (a request D gives up before reading). With a
+shared key each carries a tag its receiver checks (:mod:`kvcopy.nixl.notices`).
 
 Deadlines (``pull(..., timeout_s=)`` or ``pull_timeout_s``): a pull in flight past its
 deadline fails at the next ``poll`` (no timer thread: ``poll`` checks the clock).
@@ -65,6 +68,8 @@ one NIXL READ each; the handle is DONE when all are, and fails as a whole if one
 Integrity (``checksum=True``, :mod:`kvcopy.nixl.span_sums`): arena mode's records carry
 the page sums of P's pack; D's scatter sums what it copies, and a mismatch fails the
 request (``Completion.ok`` False naming the pages); ``stats()`` counts the outcomes.
+With ``require_checksum=True`` a pull that reads pages it cannot compare is refused
+at ``plan_pull`` (:class:`ChecksumRequired`), before anything is read or written.
 
 Not thread-safe: one thread drives a manager.
 """
@@ -73,6 +78,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
@@ -85,6 +91,7 @@ from .arena import ArenaFull
 from .buffer_mode import BufferMode, Peer, Read
 from .handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
 from .late_reads import LateReads
+from .notices import tagged, untag
 from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
 from .paged_modes import DeviceMode, MirrorMode
@@ -108,6 +115,11 @@ class _Remote:
     peer: Peer
 
 
+class ChecksumRequired(ValueError):
+    """``require_checksum``: the pull would read pages whose page sums cannot be compared
+    (``Completion.unchecked`` would say why); refused before anything moved."""
+
+
 class TransferManager:
     """NIXL transfers of paged KV between engines (see the module docstring).
 
@@ -121,6 +133,9 @@ class TransferManager:
         self.name = checked_name(name, "name (the NIXL agent name)", MAX_NAME)
         opts = ManagerOptions.make(options, overrides)
         self.pull_timeout_s = opts.pull_timeout_s
+        self.require_checksum = opts.require_checksum
+        if opts.require_checksum and buffer == "device":
+            raise ValueError("require_checksum: device mode carries no page sums; use host or arena mode")
         # Shared HMAC key (docs/nixl.md, "Trust model"): metadata() is authenticated
         # with it, add_peer accepts only metadata authenticated with it, and so for
         # staged-request records in wire form.
@@ -140,6 +155,7 @@ class TransferManager:
             mode.close()
             raise
         self._registrations: List[object] = []
+        self._notifications_refused = 0  # with a key: notifications whose tag did not match (dropped)
         self._kept: Dict[str, List[bytes]] = {}  # notifications save() read for the caller
         self._peers: Dict[str, _Remote] = {}
         self._dlists: Dict[str, object] = {}  # peer -> NIXL's prepared list of its regions (not arena peers)
@@ -157,7 +173,7 @@ class TransferManager:
             name=self.name, buffer=buffer, mem_type=mode.mem_type, tp_rank=opts.tp_rank, tp_size=opts.tp_size,
             tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
             regions=mode.region_infos, agent_metadata=self._agent.metadata(), arena=mode.arena_range,
-            sums=mode.sums_region)
+            sums=mode.sums_region, generation=secrets.token_hex(8))
         self._closed = False
 
     def _register(self, mode: BufferMode) -> None:
@@ -293,9 +309,11 @@ class TransferManager:
 
     def notifications(self, keep: bool = False) -> Dict[str, List[bytes]]:
         """New notify messages by peer name: each says that peer is done reading a request
-        (arena mode: frees that request's span once all its readers said so)."""
+        (arena mode: frees that request's span once all its readers said so). With a
+        key, only messages whose tag matches, tags stripped (:mod:`kvcopy.nixl.notices`)."""
         self._check_open()
-        new = self._agent.notifications()
+        new, refused = untag(self._key, self.name, self._info.generation, self._agent.notifications())
+        self._notifications_refused += refused
         self._mode.on_notifications(new)
         if keep:  # save() looked: hand these to the next caller
             for k, v in new.items():
@@ -308,15 +326,19 @@ class TransferManager:
 
     # ------------------------------------------------------------ D side
     def plan_pull(self, peer, remote_block_ids, remote_num_tokens: int, local_block_ids,
-                  num_cached_tokens=0) -> Plan:
+                  num_cached_tokens=0, *, request_id=None) -> Plan:
         """Plan one request's pull by token position (see :mod:`kvcopy.nixl.plan`).
 
         ``peer`` is one peer name, or a sequence of them: the TP ranks of one engine
         this rank reads KV heads from (see :func:`kvcopy.nixl.remote_ranks`).
         ``remote_block_ids`` is one list per remote group, shared by those ranks, or a
         mapping peer name -> such lists; in arena mode, the peers' StagedRequest records
-        (or their wire bytes). One plan, one ``pull``, one ``complete`` (or one
-        ``discard``): see :mod:`kvcopy.nixl.ledger` for a plan's life.
+        (or their wire bytes), which must name ``request_id`` (required in arena mode:
+        a record of another request, engine, TP rank or registration is refused, see
+        :mod:`kvcopy.nixl.record`). One plan, one ``pull``, one ``complete`` (or one
+        ``discard``): see :mod:`kvcopy.nixl.ledger` for a plan's life. With
+        ``require_checksum``, a pull that would read pages it cannot compare raises
+        :class:`ChecksumRequired` (nothing is held).
         """
         self._check_open()
         names = [peer] if isinstance(peer, str) else list(peer)
@@ -325,7 +347,11 @@ class TransferManager:
                 raise ValueError(f"unknown peer {name!r}; add_peer its metadata first")
         self._reap()  # spans whose READs ended are free again
         plan, work = self._mode.plan(self._info, [self._peers[n].peer for n in names], remote_block_ids,
-                                     remote_num_tokens, local_block_ids, num_cached_tokens)
+                                     remote_num_tokens, local_block_ids, num_cached_tokens, request_id=request_id)
+        if self.require_checksum and work.unchecked is not None and any(work.read_pages):
+            self._mode.free(work)
+            raise ChecksumRequired(f"require_checksum: this pull's pages cannot be compared ({work.unchecked}); "
+                                   "refused before anything was read")
         self._ledger.bind(plan, tuple((n, self._peers[n]) for n in names), work)
         return plan
 
@@ -474,12 +500,28 @@ class TransferManager:
         return self._mode if isinstance(self._mode, ArenaStaging) else None
 
     # ------------------------------------------------------------ bookkeeping
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to an added peer now, outside any pull (D gives a request up
+        before reading it, so P frees its span at once); tagged with the key, if any.
+        A peer that cannot be reached is not an error here (NIXL reports it on the next
+        READ): P's TTL still bounds what it holds."""
+        self._check_open()
+        if not isinstance(message, (bytes, bytearray)) or not message:
+            raise TypeError(f"message must be non-empty bytes, got {type(message).__name__}")
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer its metadata first")
+        self._send(peer, bytes(message))
+
+    def _send(self, name: str, message: bytes) -> None:
+        gen = self._peers[name].peer.info.generation
+        self._agent.send_notification(name, tagged(self._key, self.name, name, gen, message))
+
     def _notify(self, rec: PullRecord, name: str) -> None:
         """Tell peer ``name`` the pull is done with its request: once, if it has a
         notify message and the peer is still added."""
         if rec.notify and name not in rec.notified and name in self._peers:
             rec.notified.add(name)
-            self._agent.send_notification(name, rec.notify)
+            self._send(name, rec.notify)
 
     def _ended(self, rec: PullRecord, name: str, state: str) -> None:
         """Peer ``name``'s READ of ``rec`` ended (NIXL said so): release its handle."""
@@ -540,7 +582,8 @@ class TransferManager:
             self._reap()
         live = sum(len(r.xfers) for r in self._in_flight.values()) + len(self._unreleased)
         out = {"in_flight": len(self._in_flight), "live_transfer_handles": live,
-               "abandoned_reads": len(self._late), "peers": len(self._peers)}
+               "abandoned_reads": len(self._late), "peers": len(self._peers),
+               "notifications_refused": self._notifications_refused}
         out.update(self._mode.stats())
         return out
 
