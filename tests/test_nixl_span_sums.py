@@ -15,7 +15,7 @@ import torch
 from kvcopy.backends import Backend
 from kvcopy.backends.cpu import CpuBackend
 from kvcopy.checksum import address_of, seal
-from kvcopy.nixl import TransferManager
+from kvcopy.nixl import ChecksumRequired, TransferManager
 from kvcopy.nixl.options import ManagerOptions
 from kvcopy.nixl.pull import Completion
 from kvcopy.nixl import span_sums
@@ -565,3 +565,79 @@ def test_the_switch_is_a_bool():
     with pytest.raises(TypeError, match="checksum"):
         ManagerOptions(checksum="yes")
     assert ManagerOptions().checksum is True
+
+
+# ---------------------------------------------------------------- require_checksum (D can require checks)
+def _uncheckable(kind: str, record: StagedRequest) -> bytes:
+    """The wire form D gets in each case where its pages cannot be compared (unkeyed
+    managers: anyone on the path can re-frame a record with a fresh digest)."""
+    if kind == "P runs without sums":
+        return record.to_bytes()
+    if kind == "sums stripped on the way":
+        return StagedRequest.from_dict({k: v for k, v in record.to_dict().items() if k != "sums"}).to_bytes()
+    assert kind == "sums layout fingerprint changed"
+    return record.with_sums(PageSums("0" * 32, record.sums.pages)).to_bytes()
+
+
+@pytest.mark.parametrize("kind", ["P runs without sums", "sums stripped on the way",
+                                  "sums layout fingerprint changed"])
+def test_require_checksum_refuses_a_pull_d_cannot_check(pair, kind):
+    """With ``checksum=True`` alone such a pull completes ``ok=True, checked=False``
+    whatever bytes it brings (here: a byte of P's span changed after the pack, so the
+    load is wrong); with ``require_checksum=True`` plan_pull refuses it before anything
+    is read or written, and the same D still pulls a checkable request exactly."""
+    p_kw = {"checksum": False} if kind == "P runs without sums" else None
+    p, d, peer, pe, de = pair("one_group", p_kw=p_kw)
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="r")
+    p.arena.buffer[record.offset + 3] ^= 0x40  # corrupted after the pack
+    wire = _uncheckable(kind, record)
+    before = clone_caches(de.device_caches)
+    h = d.pull(d.plan_pull(peer, wire, 40, [[10, 11, 12]], request_id="r"))  # checks possible, not required
+    assert wait(d, h) == "DONE"
+    done = d.complete(h)
+    assert done.ok and not done.checked and done.unchecked  # the wrong bytes went through
+    want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[1, 2, 3]], 40)
+    assert not same_bytes(de.device_caches, want)
+
+    strict = de.manager(f"Dstrict{next(_names)}", buffer="arena", arena_bytes=KB, require_checksum=True)
+    try:
+        speer = strict.add_peer(p.metadata())
+        poisoned = clone_caches(de.device_caches)
+        with pytest.raises(ChecksumRequired, match="cannot be compared"):
+            strict.plan_pull(speer, wire, 40, [[20, 21, 22]], request_id="r")
+        assert same_bytes(de.device_caches, poisoned) and strict.stats()["bytes_in_use"] == 0
+        if kind != "P runs without sums":  # the genuine record, pages intact: compared, exact
+            p.arena.buffer[record.offset + 3] ^= 0x40
+            before = clone_caches(de.device_caches)
+            h = strict.pull(strict.plan_pull(speer, record, 40, [[20, 21, 22]], request_id="r"))
+            assert wait(strict, h) == "DONE"
+            done = strict.complete(h)
+            assert done.ok and done.checked
+            want = expected_pull(before, de, [[20, 21, 22]], pe.device_caches, pe, [[1, 2, 3]], 40)
+            assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    finally:
+        strict.close()
+
+
+def test_require_checksum_in_host_mode_and_its_refusals():
+    """Host mode compares its own way (docs/nixl.md): a P without sums is refused the
+    same way; device mode carries none, so require_checksum is refused there at once."""
+    with one_torch_thread():
+        pe, de = build_case("one_group", NP), build_case("one_group", NP)
+        fill_random(pe.device_caches, 3)
+        fill_random(de.device_caches, 4)
+        tag = next(_names)
+        p = pe.manager(f"Phost{tag}", checksum=False)
+        d = de.manager(f"Dhost{tag}", require_checksum=True)
+        try:
+            peer = d.add_peer(p.metadata())
+            p.save([[1, 2, 3]])
+            with pytest.raises(ChecksumRequired, match="P sent no page sums"):
+                d.plan_pull(peer, [[1, 2, 3]], 40, [[10, 11, 12]])
+            full_hit = d.plan_pull(peer, [[1, 2, 3]], 40, [[10, 11, 12]], num_cached_tokens=48)
+            d.discard(full_hit)  # nothing read, nothing to compare: not refused
+        finally:
+            p.close()
+            d.close()
+        with pytest.raises(ValueError, match="device mode carries no page sums"):
+            de.manager(f"Ddev{tag}", buffer="device", require_checksum=True)

@@ -233,12 +233,91 @@ def test_records_from_the_peer_are_checked(pd):
     assert p.stats()["spans"] == 1  # only "x"
 
 
+KEY = b"kvcopy-arena-test-key-0123456789"
+
+
+def test_a_genuine_record_of_another_request_is_refused():
+    """D asks for request B and is handed A's genuine, keyed record of the same length:
+    before records were bound, B completed as loaded holding A's KV (the key and the
+    page sums both pass: A's bytes match A's sums). plan_pull names the request it
+    pulls and refuses A's record, in wire form and as an object; B's own record pulls
+    B exactly."""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB, key=KEY)
+        rec_a = p.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        rec_b = p.save([[4, 5, 6]], num_tokens=40, request_id="B")
+        assert rec_a.nbytes == rec_b.nbytes  # the same size: nothing but the binding tells them apart
+        before = clone_caches(de.device_caches)
+        for given in (rec_a.to_bytes(KEY), rec_a):
+            with pytest.raises(ValueError, match="record of request 'A' given for request 'B'"):
+                d.plan_pull(peer, given, 40, [[10, 11, 12]], request_id="B")
+        with pytest.raises(ValueError, match="needs request_id"):
+            d.plan_pull(peer, rec_b.to_bytes(KEY), 40, [[10, 11, 12]])
+        assert d.stats()["bytes_in_use"] == 0 and same_bytes(de.device_caches, before)
+        h = d.pull(d.plan_pull(peer, rec_b.to_bytes(KEY), 40, [[10, 11, 12]], request_id="B"), notify=b"B")
+        assert wait(d, h) == "DONE" and d.complete(h).ok
+        want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[4, 5, 6]], 40)
+        assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+
+
+def test_a_record_of_another_rank_or_an_earlier_registration_is_refused():
+    """A record names P's TP rank and registration generation: P re-registered under
+    the same name (restarted) makes every record of the old registration stale, even
+    one whose span offset and size the new P also uses."""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB)
+        old = p.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        with pytest.raises(ValueError, match="record of TP rank 1 given for peer"):
+            d.plan_pull(peer, StagedRequest(**{**old.__dict__, "tp_rank": 1}).to_bytes(), 40, [[10, 11, 12]],
+                        request_id="A")
+        name = p.name
+        p.close()
+        d.remove_peer(peer)
+        p2 = pe.manager(name, buffer="arena", arena_bytes=KB)
+        pairs.made.append(p2)
+        peer = d.add_peer(p2.metadata())
+        new = p2.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        assert (new.offset, new.nbytes) == (old.offset, old.nbytes) and new.generation != old.generation
+        with pytest.raises(ValueError, match="re-registered"):
+            d.plan_pull(peer, old.to_bytes(), 40, [[10, 11, 12]], request_id="A")
+        d.discard(d.plan_pull(peer, new.to_bytes(), 40, [[10, 11, 12]], request_id="A"))
+        assert d.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("offset", -1),  # posted a READ below P's arena
+    ("offset", True),  # read as 1
+    ("num_tokens", 40.0),
+    ("nbytes", 8192.5),
+    ("blocks", ((True, True, True),)),
+    ("blocks", "abc"),
+    ("request_id", b"A"),
+    ("sums", {"layout": "0" * 32, "pages": ["0" * 48]}),
+])
+def test_record_objects_are_checked_exactly_as_wire_records(field, value):
+    """A StagedRequest handed to plan_pull in-process goes through the wire form's field
+    checker: each of these was accepted (and some completed ok) before; each is refused
+    now as its wire form is, with nothing allocated and D's KV untouched."""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB)
+        record = p.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        bad = StagedRequest(**{**record.__dict__, field: value})
+        before = clone_caches(de.device_caches)
+        with pytest.raises((ValueError, TypeError)):
+            d.plan_pull(peer, bad, 40, [[10, 11, 12]], request_id="A")
+        if field != "sums":  # the same fields in wire form (a PageSums dict cannot be framed)
+            with pytest.raises((ValueError, TypeError)):
+                d.plan_pull(peer, bad.to_bytes(), 40, [[10, 11, 12]], request_id="A")
+        assert d.stats()["bytes_in_use"] == 0 and same_bytes(de.device_caches, before)
+        d.discard(d.plan_pull(peer, record, 40, [[10, 11, 12]], request_id="A"))  # the genuine one is taken
+
+
 def test_corrupted_records_are_refused_by_plan_pull_and_keyed_managers_authenticate_them():
     """Bit flips in the offset's digits, the order, the block flags of a record in wire
     form (which completed ok=True with foreign bytes before records carried a digest),
     and records made without the managers' shared key: plan_pull refuses each before
     allocating D's span."""
-    key = b"kvcopy-arena-test-key-0123456789"
+    key = KEY
     with one_torch_thread(), ManagerPairs() as pairs:
         p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB, key=key)
         record = p.save([[1, 2, 3]], num_tokens=40, request_id="flip")
