@@ -71,6 +71,11 @@ RECORD = Framing(RECORD_MAGIC, RECORD_VERSION, ((2, MAX_RECORD_BYTES),), "staged
 _WHERE = "malformed staged-request record"
 
 
+class StaleRegistration(ValueError):
+    """A record of an earlier registration of the peer (another generation: the peer
+    re-registered, or restarted, under the same name since its handshake was added)."""
+
+
 @dataclass(frozen=True)
 class PageSums:
     """P's page sums of one staged request: ``layout``, the fingerprint of how they were
@@ -215,7 +220,7 @@ def check_record(p: EngineInfo, rec: StagedRequest, n_tok: int, request_id: str
     if rec.tp_rank != p.tp_rank:
         raise ValueError(f"record of TP rank {rec.tp_rank} given for peer {p.name!r}, TP rank {p.tp_rank}")
     if rec.generation != p.generation:
-        raise ValueError(f"record of registration {rec.generation} given for peer {p.name!r}, registered as "
+        raise StaleRegistration(f"record of registration {rec.generation} given for peer {p.name!r}, registered as "
                          f"{p.generation}: the peer re-registered (restarted) since; add_peer its new handshake")
     if p.buffer != "arena" or p.arena[1] <= 0:
         raise ValueError(f"peer {p.name!r} is in {p.buffer!r} mode, not 'arena': it stages no requests")
