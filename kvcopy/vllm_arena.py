@@ -55,8 +55,10 @@ Decisions, and why:
   has requests; each worker runs a housekeeping thread (every :data:`HOUSEKEEPING_S`)
   that, under the worker's lock (the ``TransferManager`` is driven by one thread at a
   time), reads D's notifications and frees what D is done with and what outlived its
-  TTL on P (:meth:`~kvcopy.vllm_arena_stage.ArenaStager.tick`), and sends D's give-ups
-  that waited for P's handshake (:meth:`~kvcopy.vllm_arena_pull.ArenaPuller.tick`).
+  TTL on P (:meth:`~kvcopy.vllm_arena_stage.ArenaStager.tick`), takes the give-ups P's
+  side channel got for its rank (asking its own scheduler's listener: vLLM's scheduler
+  reaches the workers only in a step), and sends D's give-ups that waited for P's
+  handshake (:meth:`~kvcopy.vllm_arena_pull.ArenaPuller.tick`).
 
 What each side exchanges: :mod:`kvcopy.vllm_arena_meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm_arena_channel`. Options
@@ -70,6 +72,8 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Set, Tuple
 
+import msgspec
+from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
@@ -77,7 +81,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.logger import init_logger
 
 from .nixl.manager import TransferManager
-from .vllm_arena_channel import RecordStore, serve
+from .vllm_arena_channel import (
+    GIVEUP_POLL_S, MAX_GIVE_UPS_REPLY, TAKE_GIVEUPS_MSG, RecordStore, give_ups_of, serve,
+)
+from .vllm_arena_fetch import Reply
 from .vllm_arena_meta import (
     MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
     compatibility_hash,
@@ -158,13 +165,13 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while P has a request waiting to be staged (arena
-        space, a copy) or D's give-ups to hand its workers, and while D has requests to
-        hand its workers (one aborted before it was scheduled: P frees its span)."""
+        space, a copy), and while D has requests to hand its workers (one aborted before
+        it was scheduled: P frees its span)."""
         now = time.monotonic()
         for rid in [r for r, (deadline, _) in self._awaiting.items() if now > deadline]:
             del self._awaiting[rid]
             self.store.fail(rid, "no worker reported it staged")
-        return bool(self._awaiting) or self.store.has_give_ups() or bool(self._reqs_need_recv)
+        return bool(self._awaiting) or bool(self._reqs_need_recv)
 
     # ------------------------------------------------------------ D
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -208,7 +215,7 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
                 r = self._recv_meta(params, int(params.get("remote_num_tokens") or 0), None)
             recv[rid] = r
         stage, self._stage = self._stage, {}
-        return KvcopyArenaMetadata(nixl, stage, recv, self.store.take_give_ups())
+        return KvcopyArenaMetadata(nixl, stage, recv)
 
 
 def _leading_holes(blocks) -> int:
@@ -243,6 +250,12 @@ class KvcopyArenaWorker:
         self.puller: Optional[ArenaPuller] = None
         self.lock = threading.Lock()  # the manager, stager and puller: the engine thread or the housekeeper
         self.housekeeper: Optional[Housekeeper] = None
+        # this engine's own side channel (P: where D's give-ups arrive), as vLLM's scheduler binds it
+        self.listener = (envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+                         envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index)
+        self.producer = bool(vllm_config.kv_transfer_config.is_kv_producer)
+        self._give_ups: Optional[Reply] = None
+        self._give_ups_asked = 0.0
 
     def register_kv_caches(self, kv_caches) -> None:
         layout = arena_layout(self.kv_cache_config, kv_caches, kv_sharing_layers(self.vllm_config), self.use_mla)
@@ -277,10 +290,33 @@ class KvcopyArenaWorker:
         return NixlHandshakePayload(compatibility_hash=self.compat, agent_metadata_bytes=self.manager.metadata())
 
     def _tick(self) -> None:
-        """The housekeeper's turn (under the lock): P's notifications and TTLs, D's give-ups."""
-        if self.stager is not None and self.puller is not None:
-            self.stager.tick()
-            self.puller.tick()
+        """The housekeeper's turn (under the lock): P's notifications, TTLs and give-ups; D's give-ups."""
+        if self.stager is None or self.puller is None:
+            return
+        if self.producer:
+            self._take_give_ups()
+        self.stager.tick()
+        self.puller.tick()
+
+    def _take_give_ups(self) -> None:
+        """P: the give-ups this engine's side channel got for this rank (asked every
+        ``GIVEUP_POLL_S``, one question in flight)."""
+        assert self.stager is not None and self.puller is not None
+        asking = self._give_ups
+        if asking is not None and asking.done:
+            self._give_ups = None
+            if asking.parts is not None:
+                try:
+                    self.stager.note_give_ups(give_ups_of(asking.parts))
+                except ValueError as exc:
+                    logger.warning("kvcopy arena: %s: this engine's side channel: %s", self.name, exc)
+        now = time.monotonic()
+        if self._give_ups is None and now - self._give_ups_asked >= GIVEUP_POLL_S:
+            self._give_ups_asked = now
+            host, port = self.listener
+            self._give_ups = self.puller.channel.ask(host, port, msgspec.msgpack.encode((TAKE_GIVEUPS_MSG,
+                                                                                        self.tp_rank)),
+                                                     MAX_GIVE_UPS_REPLY)
 
     def start_load(self, meta: KvcopyArenaMetadata) -> None:
         _, puller = self._require()

@@ -12,6 +12,7 @@ one request, one reply (msgpack)::
     D -> P  (GET_META_MSG, 0, tp_rank)                 P -> D  [NixlHandshakePayload, perf_counter]
     D -> P  (RECORDS_MSG, request_id, [ranks])         P -> D  [{"state", "records", "ttl_left", "error"}]
     D -> P  (GIVEUP_MSG, request_id, [ranks], reader, d_tp)   P -> D  [{"state": "ok", ...}]
+    P's worker -> P  (TAKE_GIVEUPS_MSG, tp_rank)       P -> worker  [{"give_ups": [[request_id, reader, d_tp], ...]}]
 
 ``state`` is ``ready`` (every rank's record, ``[[rank, wire bytes], ...]``), ``pending``
 (not staged yet: ask again), ``failed`` (a rank could not stage it, or its span is freed
@@ -20,8 +21,10 @@ left of P's span lifetime, measured from when the scheduler got the record (so i
 overstates the age by one step at most; :class:`RecordStore` subtracts a margin for that).
 A give-up says D's agent ``reader`` (of a D of TP size ``d_tp``) will not read the
 request on those P ranks (D could not tell P's workers over NIXL: it refused P's
-handshake, or never got it): P's scheduler hands it to its workers at its next step,
-where it counts as that reader's notification (:mod:`kvcopy.vllm_arena_stage`).
+handshake, or never got it). P's scheduler keeps it per P rank until that rank's worker
+takes it (its housekeeping thread asks every :data:`GIVEUP_POLL_S`, whether the engine
+steps or not: vLLM's scheduler reaches its workers only in a step); there it counts as
+that reader's notification (:mod:`kvcopy.vllm_arena_stage`).
 
 **With a key** (``key_env``) every question but ``HELLO_MSG`` is wrapped, and P answers
 nothing else (a handshake, a record, a give-up only to a peer that proved it holds the
@@ -74,6 +77,7 @@ logger = init_logger("vllm.kvcopy")
 
 RECORDS_MSG = b"kvcopy_records"
 GIVEUP_MSG = b"kvcopy_giveup"
+TAKE_GIVEUPS_MSG = b"kvcopy_take_giveups"
 HELLO_MSG = b"kvcopy_hello"
 AUTH_MSG = b"kvcopy_auth"
 STATES = ("ready", "pending", "failed", "expired")
@@ -87,7 +91,10 @@ NONCE_BYTES = 16
 MAC_BYTES = 32
 CHALLENGE_TTL_S = 30.0
 MAX_CHALLENGES = 4096  # outstanding on P (the oldest go first): bounded whoever asks
-MAX_GIVE_UPS = 4096  # requests with give-ups not yet handed to P's workers
+MAX_GIVE_UPS = 4096  # requests per P rank with give-ups its worker has not taken yet
+GIVE_UPS_PER_REPLY = 1024
+MAX_GIVE_UPS_REPLY = 4 << 20
+GIVEUP_POLL_S = 0.2  # how often P's workers take the give-ups P's side channel got
 RESTART_DELAY_S = 0.1
 
 
@@ -192,7 +199,7 @@ class RecordStore:
         self.margin_s = max(1.0, 0.1 * self.ttl_s) if margin_s is None else float(margin_s)
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
-        self._give_ups: "OrderedDict[str, Dict[int, Dict[str, int]]]" = OrderedDict()
+        self._give_ups: Dict[int, "OrderedDict[str, Dict[str, int]]"] = {}  # P rank -> request -> reader -> D's TP
 
     def update(self, report: KvcopyArenaWorkerMeta, now: Optional[float] = None) -> Set[str]:
         """Take one step's worker report; returns the requests that got a record or a failure."""
@@ -256,21 +263,23 @@ class RecordStore:
         """D's agent ``reader`` (of ``d_tp`` D ranks) will not read ``request_id`` on ``ranks``
         (see the module docstring)."""
         with self._lock:
-            by_rank = self._give_ups.setdefault(request_id, {})
-            self._give_ups.move_to_end(request_id)
             for r in ranks:
-                by_rank.setdefault(r, {})[reader] = d_tp
-            while len(self._give_ups) > MAX_GIVE_UPS:
-                self._give_ups.popitem(last=False)
+                queue = self._give_ups.setdefault(r, OrderedDict())
+                queue.setdefault(request_id, {})[reader] = d_tp
+                queue.move_to_end(request_id)
+                while len(queue) > MAX_GIVE_UPS:
+                    queue.popitem(last=False)
 
-    def take_give_ups(self) -> Dict[str, Dict[int, Dict[str, int]]]:
-        """The give-ups not yet handed to the workers (the scheduler's next step hands them)."""
+    def take_give_ups(self, rank: int) -> List[Tuple[str, str, int]]:
+        """(request, reader, D's TP size) given up on P rank ``rank``, not taken yet (at
+        most :data:`GIVE_UPS_PER_REPLY` requests; the rest the next time)."""
         with self._lock:
-            out, self._give_ups = dict(self._give_ups), OrderedDict()
+            queue = self._give_ups.get(rank)
+            out: List[Tuple[str, str, int]] = []
+            while queue and len(out) < GIVE_UPS_PER_REPLY:
+                rid, readers = queue.popitem(last=False)
+                out += [(rid, reader, d_tp) for reader, d_tp in readers.items()]
         return out
-
-    def has_give_ups(self) -> bool:
-        return bool(self._give_ups)
 
 
 def _reply(state: str, records: Optional[List] = None, ttl_left: float = 0.0, error: str = "") -> dict:
@@ -353,6 +362,8 @@ def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> List[bytes]:
             and _is_int(args[3]) and 1 <= args[3] <= MAX_TP:
         store.give_up(args[0], args[1], args[2], args[3])
         return [msgspec.msgpack.encode(_reply("ok"))]
+    if kind == TAKE_GIVEUPS_MSG and len(args) == 1 and _is_int(args[0]) and 0 <= args[0] < MAX_TP:
+        return [msgspec.msgpack.encode({"give_ups": [list(g) for g in store.take_give_ups(args[0])]})]
     if kind in (HELLO_MSG, AUTH_MSG):
         return _failed("this P has no key (key_env): ask without one")
     return _failed("malformed question")
@@ -441,6 +452,19 @@ def records_of(parts: Sequence[bytes], ranks: Sequence[int], where: str) -> Reco
     if d["state"] == "ready" and set(records) != set(ranks):
         raise ValueError(f"P at {where}: records of ranks {sorted(records)}, asked for {sorted(ranks)}")
     return RecordsReply(d["state"], records, float(ttl), err[:1000])
+
+
+def give_ups_of(parts: Sequence[bytes]) -> List[Tuple[str, str, int]]:
+    """P's worker: the give-ups in its scheduler's reply to ``TAKE_GIVEUPS_MSG``."""
+    if len(parts) != 1:
+        raise ValueError("malformed give-ups reply")
+    d = decode_bounded(parts[0], MAX_GIVE_UPS_REPLY, "give-ups reply")
+    items = d.get("give_ups") if isinstance(d, dict) else None
+    if not isinstance(items, list) or not all(
+            isinstance(g, list) and len(g) == 3 and _request_id(g[0]) and _reader(g[1]) and _is_int(g[2])
+            and 1 <= g[2] <= MAX_TP for g in items):
+        raise ValueError(f"malformed give-ups reply: {str(d.get('error') if isinstance(d, dict) else d)[:200]}")
+    return [(g[0], g[1], g[2]) for g in items]
 
 
 def ok_of(parts: Sequence[bytes], where: str) -> None:

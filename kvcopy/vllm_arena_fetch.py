@@ -20,6 +20,7 @@ starts then.
   deadline. The caller polls :attr:`Fetch.done`; :attr:`Fetch.metadata` fills as the
   handshakes arrive.
 * :meth:`SideChannel.give_up`: one give-up question; its outcome is only logged.
+* :meth:`SideChannel.ask`: any other question (P's worker taking its give-ups).
 * With a key, every question is wrapped with a challenge of P's (a pool per P, refilled
   by each keyed reply; a ``HELLO`` first when it is empty) and every reply checked.
 """
@@ -78,6 +79,15 @@ class Fetch:
 
 
 @dataclass
+class Reply:
+    """One question's outcome: ``parts`` or ``error``, once ``done``."""
+
+    done: bool = False
+    parts: Optional[List[bytes]] = None
+    error: Optional[Exception] = None
+
+
+@dataclass
 class _Exchange:
     endpoint: _Endpoint
     question: bytes  # the unkeyed question
@@ -133,6 +143,20 @@ class SideChannel:
             logger.info("kvcopy arena: telling P at %s that request %s is given up failed: %s", where, request_id, exc)
         self._post(lambda: self._ask((host, port), question, _checked(done, failed), failed,
                                      time.monotonic() + EXCHANGE_TIMEOUT_S, 4096))
+
+    def ask(self, host: str, port: int, question: bytes, max_bytes: int) -> Reply:
+        out = Reply()
+
+        def done(parts):
+            out.parts = parts
+            out.done = True
+
+        def failed(exc):
+            out.error = exc
+            out.done = True
+        self._post(lambda: self._ask((host, port), question, done, failed, time.monotonic() + EXCHANGE_TIMEOUT_S,
+                                     max_bytes))
+        return out
 
     def forget(self, engine_id: str, ranks: Sequence[int]) -> None:
         """Ask these P ranks for their handshake again next time (P may have restarted)."""

@@ -9,8 +9,6 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
   whose prefill ends this step (:class:`ArenaStage`: their block table and token count)
   and, on D, the requests to pull (:class:`ArenaRecv`: where P is, and D's blocks as
   token-anchored lists).
-  On P also D's give-ups that came over the side channel (:mod:`kvcopy.vllm_arena_channel`),
-  per request, P rank and D agent.
 * Workers -> scheduler (:class:`KvcopyArenaWorkerMeta`, merged over TP ranks by vLLM's
   ``aggregate``): per request and P rank, the staged record's wire bytes, or why it
   could not be staged, and which staged spans were freed.
@@ -134,12 +132,10 @@ class ArenaRecv:
 class KvcopyArenaMetadata(KVConnectorMetadata):
     """One step's scheduler -> worker metadata (see the module docstring)."""
 
-    def __init__(self, nixl, stage: Dict[str, ArenaStage], recv: Dict[str, ArenaRecv],
-                 give_ups: Optional[Dict[str, Dict[int, Dict[str, int]]]] = None):
+    def __init__(self, nixl, stage: Dict[str, ArenaStage], recv: Dict[str, ArenaRecv]):
         self.nixl = nixl  # vLLM's NixlConnectorMetadata: reqs_to_send, reqs_not_processed
         self.stage = stage
         self.recv = recv
-        self.give_ups = give_ups or {}  # P: request -> P rank -> {D agent: D's TP size} that gave it up
 
 
 @dataclass

@@ -4,7 +4,7 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
 
 Each step (``wait_for_save``) :meth:`ArenaStager.step`:
 
-1. reads D's notifications and the give-ups P's scheduler forwards (:meth:`tick`, below);
+1. reads D's notifications (:meth:`tick`, below);
 2. drops the requests P's scheduler gave up (``reqs_not_processed``: aborted);
 3. stages the requests whose prefill ended (``ArenaStage``: one ``TransferManager.save``
    each, one masked copy of every group's own layers into one span). A full arena is
@@ -27,7 +27,8 @@ reads this P rank (:func:`readers_of`, the same choice D makes with
 up while P was still waiting for space or copying) is kept (:data:`EARLY_KEPT` at most,
 for the TTL) and counted when it is: a request every reader gave up is never staged.
 Spans the arena freed at their TTL are noticed here too. Freed spans are reported, so
-P's scheduler stops serving their records.
+P's scheduler stops serving their records. Give-ups that came over P's side channel
+(:meth:`note_give_ups`: D could not reach this rank over NIXL) count the same.
 
 A request staged (or failed) whose blocks P's scheduler holds (``reqs_to_send``: it
 finished the request with ``delay_free_blocks``) is reported in ``finished_sending``: P's
@@ -83,9 +84,6 @@ class ArenaStager:
 
     def step(self, meta: KvcopyArenaMetadata) -> None:
         now = time.monotonic()
-        for rid, by_rank in meta.give_ups.items():
-            for reader, d_tp in by_rank.get(self.rank, {}).items():
-                self._note(rid, reader, d_tp, GAVE_UP, now)
         self.tick(now)
         for rid in meta.nixl.reqs_not_processed:
             self._abort(rid)
@@ -111,6 +109,12 @@ class ArenaStager:
             self._forget(rid)
         while self.early and next(iter(self.early.values()))[2] < now:
             self.early.popitem(last=False)
+
+    def note_give_ups(self, give_ups) -> None:
+        """(request, D agent, D's TP size) that P's side channel got for this rank."""
+        now = time.monotonic()
+        for rid, reader, d_tp in give_ups:
+            self._note(rid, reader, d_tp, GAVE_UP, now)
 
     def _note(self, rid: str, reader: str, d_tp: int, kind: bytes, now: float) -> None:
         """``reader`` (a D agent) is done with ``rid`` (read it, or gave it up)."""

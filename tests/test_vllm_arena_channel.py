@@ -19,7 +19,8 @@ import zmq  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG, NixlHandshakePayload  # noqa: E402
 
 from kvcopy.vllm_arena_channel import (  # noqa: E402
-    AUTH_MSG, GIVEUP_MSG, HELLO_MSG, RECORDS_MSG, RecordStore, answer, question_mac, records_of, serve,
+    AUTH_MSG, GIVEUP_MSG, HELLO_MSG, RECORDS_MSG, TAKE_GIVEUPS_MSG, RecordStore, answer, give_ups_of, question_mac,
+    records_of, serve,
 )
 from kvcopy.vllm_arena_fetch import SideChannel  # noqa: E402
 from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta  # noqa: E402
@@ -48,8 +49,9 @@ def test_record_store_answers():
     assert len(s) == 1  # only "g" (reported now) is younger than the TTL
     s.give_up("r", [0, 1], "D-tp0", 2)
     s.give_up("r", [1], "D-tp1", 2)
-    assert s.has_give_ups() and s.take_give_ups() == {"r": {0: {"D-tp0": 2}, 1: {"D-tp0": 2, "D-tp1": 2}}}
-    assert not s.has_give_ups() and s.take_give_ups() == {}
+    s.give_up("q", [1], "D-tp1", 2)
+    assert s.take_give_ups(1) == [("r", "D-tp0", 2), ("r", "D-tp1", 2), ("q", "D-tp1", 2)]
+    assert s.take_give_ups(0) == [("r", "D-tp0", 2)] and s.take_give_ups(0) == s.take_give_ups(1) == []
 
 
 def test_side_channel_answers_malformed_questions_without_raising():
@@ -64,9 +66,10 @@ def test_side_channel_answers_malformed_questions_without_raising():
               b"\x91" * 1000 + b"\xc0", b"\x93\xc4\x0ekvcopy_records\x91" + b"\x91" * 1000 + b"\xc0\x91\x00"]:
         (reply,) = answer(q, {}, store)
         assert msgspec.msgpack.decode(reply) == MALFORMED, q
-    assert not store.has_give_ups()
     (ok,) = answer(enc((GIVEUP_MSG, "r", [0], "D-tp0", 1)), {}, store)
-    assert msgspec.msgpack.decode(ok)["state"] == "ok" and store.take_give_ups() == {"r": {0: {"D-tp0": 1}}}
+    assert msgspec.msgpack.decode(ok)["state"] == "ok"
+    (taken,) = answer(enc((TAKE_GIVEUPS_MSG, 0)), {}, store)
+    assert give_ups_of([taken]) == [("r", "D-tp0", 1)] and store.take_give_ups(0) == []
 
 
 def test_the_shape_bound_takes_what_msgspec_takes_and_refuses_what_kills_it():
@@ -297,7 +300,7 @@ def test_a_keyed_listener_answers_only_authenticated_questions_once(listener):
     for plain in [enc((GET_META_MSG, 0, 0)), enc((RECORDS_MSG, "r", [0])), enc((GIVEUP_MSG, "r", [0], "D", 1))]:
         (reply,) = _ask(port, plain)  # one part: no handshake, a refusal
         assert "requires authentication" in msgspec.msgpack.decode(reply)["error"]
-    assert not store.has_give_ups()
+    assert store.take_give_ups(0) == []
     question = enc((RECORDS_MSG, "r", [0]))
     c = challenge_of(_ask(port, enc((HELLO_MSG,))))
     data, nonce = wrap(KEY, c, question)
@@ -337,9 +340,9 @@ def test_keyed_client_and_listener_fetch_handshakes_records_and_give_ups(listene
         assert f.error is None and f.reply.records == {0: b"rec"} and f.metadata == {0: b"md"}
         ch.give_up("127.0.0.1", port, "r", [0], "kvcopy-arena-D-tp0", 1)
         end = time.monotonic() + 10
-        while not store.has_give_ups():
+        while not (taken := store.take_give_ups(0)):
             assert time.monotonic() < end
             time.sleep(0.005)
-        assert store.take_give_ups() == {"r": {0: {"kvcopy-arena-D-tp0": 1}}}
+        assert taken == [("r", "kvcopy-arena-D-tp0", 1)]
     finally:
         ch.close()
