@@ -2,33 +2,24 @@
 key anyone who reaches P's agent frees a staged span by naming its request; with the
 managers' key only a tagged notification from a key holder does, for this registration
 of this P."""
-import struct
 import time
 
 import pytest
 
 from kvcopy.nixl import notices
 from kvcopy.nixl._agent import Agent
-from kvcopy.nixl.handshake import MAGIC
 from kvcopy.testing.nixl.engines import ManagerPairs, collect_notifications, one_torch_thread, wait
+from kvcopy.testing.nixl.hostile import nixl_part
 
 KEY = b"kvcopy-notices-test-key-01234567"
 _names = iter(range(10**6))
-
-
-def _nixl_part(metadata: bytes) -> bytes:
-    """NIXL's agent metadata cut out of a handshake by hand: the HMAC covers it, but
-    nothing hides it, and NIXL itself checks nothing."""
-    header, agent = struct.unpack_from("<QQ", metadata, len(MAGIC) + 8)
-    start = len(MAGIC) + 8 + 16 + header
-    return metadata[start:start + agent]
 
 
 def _intruder(p, message: bytes) -> Agent:
     """A bare NIXL agent that never passed any handshake sends ``message`` to P (close
     it once P has looked: a send is asynchronous)."""
     intruder = Agent(f"intruder-{next(_names)}")
-    name = intruder.add_remote(_nixl_part(p.metadata()))
+    name = intruder.add_remote(nixl_part(p.metadata()))
     assert intruder.send_notification(name, message) is None
     return intruder
 

@@ -58,10 +58,10 @@ def prefill_process(vllm_env, tmp_path):
 
     procs = []
 
-    def start(case_name, engine_id, seed):
+    def start(case_name, engine_id, seed, **opts):
         parent, child = mp.get_context("spawn").Pipe()
         proc = mp.get_context("spawn").Process(
-            target=prefill_child, args=(child, vllm_env.model, str(tmp_path), case_name, engine_id, seed),
+            target=prefill_child, args=(child, vllm_env.model, str(tmp_path), case_name, engine_id, seed, opts),
             daemon=True)
         proc.start()
         procs.append(proc)

@@ -24,6 +24,7 @@ from kvcopy.vllm_arena_channel import (  # noqa: E402
 )
 from kvcopy.vllm_arena_fetch import SideChannel  # noqa: E402
 from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta  # noqa: E402
+from vllm_arena_engines import ask_side_channel, free_port  # noqa: E402
 
 enc = msgspec.msgpack.encode
 KEY = b"kvcopy-side-channel-key-01234567"
@@ -231,27 +232,12 @@ def test_a_listener_that_cannot_bind_does_not_hang_the_scheduler():
         ctx.term()
 
 
-def _ask(port, question, timeout_ms=5000):
-    ctx = zmq.Context()
-    try:
-        s = ctx.socket(zmq.REQ)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, timeout_ms)
-        s.connect(f"tcp://127.0.0.1:{port}")
-        s.send(question)
-        return s.recv_multipart()
-    finally:
-        ctx.destroy(linger=0)
-
-
 @pytest.fixture
 def listener(monkeypatch):
     """A real listener thread (``serve``) on a free port: (port, store, stop)."""
     started = []
 
     def start(key=None, data=None):
-        from vllm_arena_engines import free_port
-
         port, store = free_port(), RecordStore(60)
         ready, stop = threading.Event(), threading.Event()
         t = threading.Thread(target=serve, args=(data or {}, ready, stop, "127.0.0.1", port, store, key), daemon=True)
@@ -282,8 +268,8 @@ def test_a_listener_that_dies_anyway_is_restarted_and_logged(listener, monkeypat
     port, store = listener()
     store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
     with pytest.raises(zmq.Again):
-        _ask(port, enc((RECORDS_MSG, "r", [0])), timeout_ms=1500)  # the one that broke it: no answer
-    (reply,) = _ask(port, enc((RECORDS_MSG, "r", [0])))
+        ask_side_channel(port, enc((RECORDS_MSG, "r", [0])), timeout_ms=1500)  # the one that broke it: no answer
+    (reply,) = ask_side_channel(port, enc((RECORDS_MSG, "r", [0])))
     assert msgspec.msgpack.decode(reply)["records"] == [[0, b"rec"]]
     assert any("starting it again" in r.getMessage() for r in caplog.records)
 
@@ -298,23 +284,23 @@ def test_a_keyed_listener_answers_only_authenticated_questions_once(listener):
     port, store = listener(KEY, {(0, 0): payload})
     store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
     for plain in [enc((GET_META_MSG, 0, 0)), enc((RECORDS_MSG, "r", [0])), enc((GIVEUP_MSG, "r", [0], "D", 1))]:
-        (reply,) = _ask(port, plain)  # one part: no handshake, a refusal
+        (reply,) = ask_side_channel(port, plain)  # one part: no handshake, a refusal
         assert "requires authentication" in msgspec.msgpack.decode(reply)["error"]
     assert store.take_give_ups(0) == []
     question = enc((RECORDS_MSG, "r", [0]))
-    c = challenge_of(_ask(port, enc((HELLO_MSG,))))
+    c = challenge_of(ask_side_channel(port, enc((HELLO_MSG,))))
     data, nonce = wrap(KEY, c, question)
-    parts, c2 = unwrap(KEY, nonce, _ask(port, data), "reply")
+    parts, c2 = unwrap(KEY, nonce, ask_side_channel(port, data), "reply")
     assert msgspec.msgpack.decode(parts[0])["records"] == [[0, b"rec"]] and c2 != c
-    (replayed,) = _ask(port, data)  # the same question again: its challenge is used up
+    (replayed,) = ask_side_channel(port, data)  # the same question again: its challenge is used up
     assert "used or expired challenge" in msgspec.msgpack.decode(replayed)["error"]
     wrong, _ = wrap(b"another-key-of-enough-length-012", c2, question)
-    assert "MAC does not match" in msgspec.msgpack.decode(_ask(port, wrong)[0])["error"]
+    assert "MAC does not match" in msgspec.msgpack.decode(ask_side_channel(port, wrong)[0])["error"]
     made_up = b"x" * 16
     forged = enc((AUTH_MSG, made_up, b"n" * 16, question, question_mac(KEY, made_up, b"n" * 16, question)))
-    assert "challenge" in msgspec.msgpack.decode(_ask(port, forged)[0])["error"]
+    assert "challenge" in msgspec.msgpack.decode(ask_side_channel(port, forged)[0])["error"]
     data, nonce = wrap(KEY, c2, question)
-    reply = _ask(port, data)
+    reply = ask_side_channel(port, data)
     with pytest.raises(ValueError, match="not authenticated"):
         unwrap(KEY, b"another nonce!!!", reply, "reply")  # a reply to another question
     with pytest.raises(ValueError, match="not authenticated"):
