@@ -33,7 +33,7 @@ def test_a_bare_agent_frees_a_staged_span_only_without_a_key(key):
         got = []
         try:
             deadline = time.monotonic() + 60  # hang guard: the message arrives, kept or refused
-            while not got and not p.stats()["notifications_refused"] and time.monotonic() < deadline:
+            while not got and not p.stats().get("notifications_refused") and time.monotonic() < deadline:
                 got += [m for msgs in p.notifications().values() for m in msgs]
                 time.sleep(0.001)
         finally:

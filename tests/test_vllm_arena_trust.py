@@ -72,11 +72,14 @@ def test_questions_that_killed_the_listener_leave_it_answering(engines):
 
 
 def _fuzz_questions(rng: random.Random, n: int):
-    """(class, question) for ``n`` malformed questions: random bytes, bit flips and
-    truncations of genuine questions, random msgpack values (any type, nesting up to 60),
-    genuine question kinds with wrong argument types."""
+    """(class, question) for ``n`` malformed questions, five classes in turn: random
+    bytes, a bit flipped in a genuine question, a genuine question truncated, random
+    msgpack values (any type, nesting up to 60; half of them shaped as a question of a
+    known kind with wrong arguments), and nesting 100 to 3,000 deep (arrays, maps or
+    both, alone or in a slot of a genuine question)."""
     genuine = [enc((GET_META_MSG, 0, 0)), enc((RECORDS_MSG, "req", [0])), enc((GIVEUP_MSG, "req", [0], "D", 1)),
                enc((HELLO_MSG,))]
+    kinds = [GET_META_MSG, RECORDS_MSG, GIVEUP_MSG, HELLO_MSG, b"kvcopy_take_giveups"]
 
     def value(depth):
         kind = rng.randrange(9 if depth < 60 else 6)
@@ -85,7 +88,15 @@ def _fuzz_questions(rng: random.Random, n: int):
                 lambda: [value(depth + 1) for _ in range(rng.randrange(4))],
                 lambda: {str(i): value(depth + 1) for i in range(rng.randrange(4))},
                 lambda: [value(depth + 1)]][kind]()
-    classes = ["random bytes", "bit flip", "truncation", "random value", "wrong arguments"]
+
+    def deep():
+        levels = rng.randrange(100, 3000)
+        body = b"".join(rng.choice([b"\x91", b"\x81\x00"]) for _ in range(levels)) + b"\xc0"
+        if rng.random() < 0.5:
+            return body
+        head = rng.choice([b"\x93\xc4\x0ekvcopy_records", b"\x93\xc4\x0cget_meta_msg\x00"])
+        return head + body + (b"\x91\x00" if head.endswith(b"records") else b"")
+    classes = ["random bytes", "bit flip", "truncation", "random value", "deep nesting"]
     for i in range(n):
         cls = classes[i % len(classes)]
         if cls == "random bytes":
@@ -99,10 +110,9 @@ def _fuzz_questions(rng: random.Random, n: int):
             g = rng.choice(genuine)
             q = g[:rng.randrange(len(g))] or b"\xc1"
         elif cls == "random value":
-            q = enc(value(0))
+            q = enc(value(0) if i % 2 else (rng.choice(kinds),) + tuple(value(50) for _ in range(rng.randrange(5))))
         else:
-            kind = rng.choice([GET_META_MSG, RECORDS_MSG, GIVEUP_MSG, HELLO_MSG, b"kvcopy_take_giveups"])
-            q = enc((kind,) + tuple(value(50) for _ in range(rng.randrange(5))))
+            q = deep()
         yield cls, q
 
 
@@ -185,7 +195,7 @@ def test_with_a_key_p_serves_and_frees_for_nobody_else(engines, monkeypatch, key
         name = intruder.add_remote(nixl_part(p.manager.metadata()))
         assert intruder.send_notification(name, notify_bytes("S", 1, GAVE_UP)) is None
         end = time.monotonic() + 10  # hang guard: the notification arrives, and is taken or refused
-        while p.manager.arena.staged == ["S"] and not p.manager.stats()["notifications_refused"]:
+        while p.manager.arena.staged == ["S"] and not p.manager.stats().get("notifications_refused"):
             assert time.monotonic() < end
             time.sleep(0.01)
     finally:
