@@ -11,9 +11,14 @@ one request, one reply (msgpack)::
 
     D -> P  (GET_META_MSG, 0, tp_rank)                 P -> D  [NixlHandshakePayload, perf_counter]
     D -> P  (RECORDS_MSG, request_id, [ranks])         P -> D  [{"state", "records", "ttl_left", "error"}]
+    D -> P  (RECORDS_MSG, [[request_id, [ranks]], ...])   P -> D  [[{...}, ...]]   (one reply per request)
     D -> P  (GIVEUP_MSG, request_id, [ranks], reader, d_tp)   P -> D  [{"state": "ok", ...}]
     P's worker -> P  (TAKE_GIVEUPS_MSG, tp_rank)       P -> worker  [{"give_ups": [[request_id, reader, d_tp], ...]}]
 
+D asks in the second form: the requests it waits for from one P, up to
+:data:`MAX_BATCH` in one question, so P's listener answers a few questions a second
+per D however many requests wait (one question per request and poll would make a
+hundred waiting requests thousands of questions, and TCP connections, a second).
 ``state`` is ``ready`` (every rank's record, ``[[rank, wire bytes], ...]``), ``pending``
 (not staged yet: ask again), ``failed`` (a rank could not stage it, or its span is freed
 already) or ``expired`` (P's TTL would end before a READ could). ``ttl_left`` is what is
@@ -82,8 +87,9 @@ HELLO_MSG = b"kvcopy_hello"
 AUTH_MSG = b"kvcopy_auth"
 STATES = ("ready", "pending", "failed", "expired")
 MAX_QUESTION_BYTES = 1 << 16
+MAX_BATCH = 64  # requests in one records question (and at most half of MAX_QUESTION_BYTES of them)
 MAX_DEPTH = 4  # the deepest message either side sends: a records reply (map, list, pair) in a keyed wrapper
-MAX_ITEMS = 4 * MAX_TP + 64
+MAX_ITEMS = MAX_BATCH * (MAX_TP + 8)
 MAX_METADATA_REPLY = 64 << 20  # kvcopy's handshake: 8 MiB header + 16 MiB NIXL metadata, framed
 MAX_RECORDS_REPLY = 64 << 20
 MAX_TTL_S = 1e6
@@ -358,6 +364,9 @@ def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> List[bytes]:
         return [payload or b"", msgspec.msgpack.encode(time.perf_counter())]
     if kind == RECORDS_MSG and len(args) == 2 and _request_id(args[0]) and _ranks(args[1]):
         return [msgspec.msgpack.encode(store.lookup(args[0], args[1]))]
+    if kind == RECORDS_MSG and len(args) == 1 and isinstance(args[0], list) and 0 < len(args[0]) <= MAX_BATCH \
+            and all(isinstance(a, list) and len(a) == 2 and _request_id(a[0]) and _ranks(a[1]) for a in args[0]):
+        return [msgspec.msgpack.encode([store.lookup(rid, ranks) for rid, ranks in args[0]])]
     if kind == GIVEUP_MSG and len(args) == 4 and _request_id(args[0]) and _ranks(args[1]) and _reader(args[2]) \
             and _is_int(args[3]) and 1 <= args[3] <= MAX_TP:
         store.give_up(args[0], args[1], args[2], args[3])
@@ -436,7 +445,29 @@ def records_of(parts: Sequence[bytes], ranks: Sequence[int], where: str) -> Reco
     """P's answer about one request's records on ``ranks`` (see the module docstring)."""
     if len(parts) != 1:
         raise ValueError(f"P at {where}: malformed records reply")
+    return _records(decode_bounded(parts[0], MAX_RECORDS_REPLY, f"records reply from P at {where}"), ranks, where)
+
+
+def batch_of(parts: Sequence[bytes], asked: Sequence[Sequence[int]], where: str) -> List[object]:
+    """P's answers to a batched records question, one per request asked (its ranks in
+    ``asked``): a :class:`RecordsReply`, or the ``ValueError`` its answer raised."""
+    if len(parts) != 1:
+        raise ValueError(f"P at {where}: malformed records reply")
     d = decode_bounded(parts[0], MAX_RECORDS_REPLY, f"records reply from P at {where}")
+    if not isinstance(d, list) or len(d) != len(asked):
+        if isinstance(d, dict) and "error" in d:
+            raise ValueError(f"P at {where} refused the question: {str(d['error'])[:200]}")
+        raise ValueError(f"P at {where}: malformed records reply ({len(asked)} requests asked)")
+    out: List[object] = []
+    for one, ranks in zip(d, asked):
+        try:
+            out.append(_records(one, ranks, where))
+        except ValueError as exc:
+            out.append(exc)
+    return out
+
+
+def _records(d: Any, ranks: Sequence[int], where: str) -> RecordsReply:
     if not isinstance(d, dict) or set(d) != {"state", "records", "ttl_left", "error"} or d["state"] not in STATES:
         raise ValueError(f"P at {where}: malformed records reply")
     ttl, err, recs = d["ttl_left"], d["error"], d["records"]

@@ -17,8 +17,11 @@ starts then.
 * :meth:`SideChannel.fetch`: for each P rank, its handshake (cached per engine and rank,
   one question in flight per rank whoever waits for it), then, unless only the
   handshakes are wanted, the records, asked again while P says ``pending``, until the
-  deadline. The caller polls :attr:`Fetch.done`; :attr:`Fetch.metadata` fills as the
-  handshakes arrive.
+  deadline; the requests due from one P go in one question (up to
+  :data:`~kvcopy.vllm_arena_channel.MAX_BATCH`), one such question in flight per P and
+  at most one per :data:`RECORDS_INTERVAL_S`, so P's listener gets at most 100 questions
+  a second from a D, however many requests wait. The caller polls :attr:`Fetch.done`;
+  :attr:`Fetch.metadata` fills as the handshakes arrive.
 * :meth:`SideChannel.give_up`: one give-up question; its outcome is only logged.
 * :meth:`SideChannel.ask`: any other question (P's worker taking its give-ups).
 * With a key, every question is wrapped with a challenge of P's (a pool per P, refilled
@@ -39,14 +42,17 @@ from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path, make_zmq_socket
 
 from .vllm_arena_channel import (
-    CHALLENGE_TTL_S, GIVEUP_MSG, HELLO_MSG, MAX_METADATA_REPLY, MAX_RECORDS_REPLY, RECORDS_MSG, RecordsReply,
-    challenge_of, decode_bounded, metadata_of, ok_of, records_of, unwrap, wrap,
+    CHALLENGE_TTL_S, GIVEUP_MSG, HELLO_MSG, MAX_BATCH, MAX_METADATA_REPLY, MAX_QUESTION_BYTES, MAX_RECORDS_REPLY,
+    RECORDS_MSG, RecordsReply, batch_of, challenge_of, decode_bounded, metadata_of, ok_of, unwrap, wrap,
 )
 
 logger = init_logger("vllm.kvcopy")
 
 EXCHANGE_TIMEOUT_S = 5.0  # one question to P's side channel
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05  # asking again while P says "pending"
+# Per P: one records question in flight, at most one per this long (at most 100 a
+# second from a D, whatever the number of requests waiting and their backoff phases).
+RECORDS_INTERVAL_S = 0.01
 IDLE_WAKE_S = 1.0  # the loop's longest sleep with nothing in flight (it also wakes on new work)
 POOL_PER_P = 64  # challenges kept per P; kept for half their life on P
 _Endpoint = Tuple[str, int]
@@ -122,6 +128,8 @@ class SideChannel:
         self._poller = zmq.Poller()
         self._meta_asking: Dict[Tuple[str, int], Set[int]] = {}  # (engine, rank) -> fetches waiting (by id)
         self._pool: Dict[_Endpoint, Deque[Tuple[bytes, float]]] = {}
+        self._records_asked: Dict[_Endpoint, float] = {}  # when the last records question went
+        self._records_busy: Set[_Endpoint] = set()  # a records question in flight
         self._thread = threading.Thread(target=self._run, name="kvcopy-arena-fetch", daemon=True)
         self._thread.start()
 
@@ -208,9 +216,19 @@ class SideChannel:
         for w in work:
             w()
         now = time.monotonic()
+        due: Dict[_Endpoint, List[Fetch]] = {}
         for f in list(self._fetches):
-            self._advance(f, now)
+            if self._advance(f, now):
+                due.setdefault(f.endpoint, []).append(f)
         wake = [x.deadline for x in self._exchanges.values()] + [f.deadline for f in self._fetches]
+        for endpoint, fetches in due.items():
+            allowed = self._records_asked.get(endpoint, 0.0) + RECORDS_INTERVAL_S
+            if endpoint in self._records_busy:
+                continue  # asked when it comes back
+            if now < allowed:
+                wake.append(allowed)
+                continue
+            self._ask_records(endpoint, fetches)
         wake += [f.next_ask for f in self._fetches if not f.asking and f.next_ask > now]
         timeout = min([IDLE_WAKE_S] + [max(0.0, t - now) for t in wake])
         for sock, _ in self._poller.poll(int(timeout * 1000) + 1):
@@ -226,14 +244,15 @@ class SideChannel:
                 x.on_error(TimeoutError(f"P's side channel {x.endpoint[0]}:{x.endpoint[1]} did not answer "
                                         f"within {EXCHANGE_TIMEOUT_S:g} s"))
 
-    def _advance(self, f: Fetch, now: float) -> None:
+    def _advance(self, f: Fetch, now: float) -> bool:
+        """Move ``f`` on; whether its records are due to be asked for now."""
         if f.done:
             self._fetches.remove(f)
-            return
+            return False
         if now >= f.deadline:
             what = "records" if f.metadata.keys() >= set(f.ranks) else "handshake"
             self._finish(f, TimeoutError(f"no {what} from P within the fetch timeout"))
-            return
+            return False
         missing = [r for r in f.ranks if r not in f.metadata]
         for r in missing:
             md = self.cached(f.engine_id, r)
@@ -245,11 +264,11 @@ class SideChannel:
             else:
                 self._meta_asking[(f.engine_id, r)].add(id(f))
         if any(r not in f.metadata for r in f.ranks):
-            return
+            return False
         if not f.records_wanted:
             self._finish(f, None)
-        elif not f.asking and now >= f.next_ask:
-            self._ask_records(f)
+            return False
+        return not f.asking and now >= f.next_ask
 
     def _ask_metadata(self, f: Fetch, rank: int) -> None:
         key = (f.engine_id, rank)
@@ -269,28 +288,52 @@ class SideChannel:
         self._ask(f.endpoint, msgspec.msgpack.encode((GET_META_MSG, 0, rank)), _checked(done, failed), failed,
                   time.monotonic() + EXCHANGE_TIMEOUT_S, MAX_METADATA_REPLY)
 
-    def _ask_records(self, f: Fetch) -> None:
-        f.asking = True
+    def _ask_records(self, endpoint: _Endpoint, fetches: List[Fetch]) -> None:
+        """One question for up to :data:`MAX_BATCH` requests due from one P (at most
+        half of P's question limit in request ids); the rest go in the next."""
+        batch: List[Fetch] = []
+        size = 0
+        for f in fetches:
+            cost = len(f.request_id) + 8 * len(f.ranks) + 16
+            if batch and (len(batch) == MAX_BATCH or size + cost > MAX_QUESTION_BYTES // 2):
+                break
+            batch.append(f)
+            size += cost
+        self._ask_batch(endpoint, batch)
+
+    def _ask_batch(self, endpoint: _Endpoint, batch: List[Fetch]) -> None:
         asked = time.monotonic()
-        where = f"{f.host}:{f.port}"
+        where = f"{endpoint[0]}:{endpoint[1]}"
+        self._records_asked[endpoint] = asked
+        self._records_busy.add(endpoint)
+        for f in batch:
+            f.asking = True
 
         def done(parts):
-            f.asking = False
-            reply = records_of(parts, f.ranks, where)
-            if reply.state == "ready":
-                f.reply, f.asked = reply, asked
-                self._finish(f, None)
-            elif reply.state != "pending":
-                self._finish(f, RuntimeError(f"P {reply.state}: {reply.error}"))
-            else:
-                f.next_ask = time.monotonic() + f.backoff
-                f.backoff = min(2 * f.backoff, POLL_MAX_S)
+            self._records_busy.discard(endpoint)
+            replies = batch_of(parts, [f.ranks for f in batch], where)
+            for f, reply in zip(batch, replies):
+                f.asking = False
+                if f.done:  # its deadline passed meanwhile
+                    continue
+                if isinstance(reply, Exception):
+                    self._finish(f, reply)
+                elif reply.state == "ready":
+                    f.reply, f.asked = reply, asked
+                    self._finish(f, None)
+                elif reply.state != "pending":
+                    self._finish(f, RuntimeError(f"P {reply.state}: {reply.error}"))
+                else:
+                    f.next_ask = time.monotonic() + f.backoff
+                    f.backoff = min(2 * f.backoff, POLL_MAX_S)
 
         def failed(exc):
-            f.asking = False
-            self._finish(f, exc)
-        self._ask(f.endpoint, msgspec.msgpack.encode((RECORDS_MSG, f.request_id, list(f.ranks))),
-                  _checked(done, failed), failed, min(f.deadline, asked + EXCHANGE_TIMEOUT_S), MAX_RECORDS_REPLY)
+            self._records_busy.discard(endpoint)
+            for f in batch:
+                f.asking = False
+                self._finish(f, exc)
+        question = msgspec.msgpack.encode((RECORDS_MSG, [[f.request_id, list(f.ranks)] for f in batch]))
+        self._ask(endpoint, question, _checked(done, failed), failed, asked + EXCHANGE_TIMEOUT_S, MAX_RECORDS_REPLY)
 
     def _finish(self, f: Fetch, error: Optional[Exception]) -> None:
         if f.done:
@@ -306,6 +349,7 @@ class SideChannel:
         for f in list(self._fetches):
             self._finish(f, error)
         self._meta_asking.clear()
+        self._records_busy.clear()
 
     # ------------------------------------------------------------ exchanges
     def _ask(self, endpoint: _Endpoint, question: bytes, on_reply, on_error, deadline: float, max_bytes: int) -> None:
