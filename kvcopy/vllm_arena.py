@@ -42,8 +42,8 @@ Decisions, and why:
   offset. So P's workers report records (``build_connector_worker_meta``, merged over TP
   ranks), P's scheduler keeps them (:class:`~kvcopy.vllm_arena_channel.RecordStore`),
   and D asks for them at ``remote_host:remote_port`` (already in ``kv_transfer_params``):
-  one round trip per request on the control plane, and D also learns there when P could
-  not stage a request or how long its span lives.
+  a round trip on the control plane (the requests waiting for one P asked together), and
+  D also learns there when P could not stage a request or how long its span lives.
 * **The handshake is kvcopy's, over vLLM's side channel.** Each worker's
   ``get_handshake_metadata`` is vLLM's ``NixlHandshakePayload`` whose agent bytes are
   ``TransferManager.metadata()`` (kvcopy's checked format: digest, optional shared-key
