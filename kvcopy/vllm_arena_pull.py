@@ -159,7 +159,7 @@ class ArenaPuller:
                 return
             if job.fetch.error is not None:
                 raise job.fetch.error
-            self._add_peers(job.recv.engine_id, job.fetch.metadata)
+            self._add_peers(job.recv.engine_id, job.fetch.metadata, replace=job.refetched)
             try:
                 job.plan = self._plan(job)
             except ArenaFull as exc:
@@ -177,10 +177,15 @@ class ArenaPuller:
                 return
         self._pull(job, now)
 
-    def _add_peers(self, engine_id: str, metadata: Dict[int, bytes]) -> None:
+    def _add_peers(self, engine_id: str, metadata: Dict[int, bytes], replace: bool = False) -> None:
+        """``add_peer`` the handshakes of P ranks not added yet; with ``replace`` (the
+        handshakes were just fetched again because a record named a newer registration),
+        also those added with other bytes. Without it an added peer stays: another
+        request's fetch may hold handshake bytes older than what is added, and the
+        record decides (``StaleRegistration``, then this request fetches afresh)."""
         for rank, md in metadata.items():
             name = agent_name(engine_id, rank)
-            if self._added.get(name) == md:
+            if name in self._added and (self._added[name] == md or not replace):
                 continue
             if name in self._added:  # P re-registered (restarted): its old NIXL metadata is stale
                 self.m.remove_peer(name)

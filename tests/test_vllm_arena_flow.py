@@ -206,12 +206,10 @@ def test_an_idle_p_frees_expired_spans(engines):
     d = engines(CASES[CASE], "kv_consumer")
     fill(p, d, 47)
     prefill(p, ["old"], prompts(1, [40], seed=47))
-    assert p.manager.arena.staged == ["old"]
-    expiry = p.manager.arena._staged[b"old"].deadline  # when its TTL ends (monotonic)
-    while True:  # P is not stepped from here on
-        with p.worker.arena_worker.lock:
-            if not p.manager.arena.staged:
-                break
+    assert p.staged() == ["old"]
+    with p.worker.arena_worker.lock:
+        expiry = p.manager.arena._staged[b"old"].deadline  # when its TTL ends (monotonic)
+    while p.staged():  # P is not stepped from here on
         assert time.monotonic() < expiry + GUARD_S, "the span outlived its TTL on an idle P"
         time.sleep(0.02)
     assert time.monotonic() >= expiry  # freed by its TTL, not by anything else

@@ -153,14 +153,14 @@ def test_a_genuine_record_of_another_request_fails_the_load(engines, monkeypatch
     fill(p, d, 23)
     tok_a, tok_b = prompts(2, [40, 40], seed=23)
     params_a, params_b = prefill(p, ["A", "B"], [tok_a, tok_b])
-    run([p], lambda: sorted(p.manager.arena.staged) == ["A", "B"])
+    run([p], lambda: p.staged() == ["A", "B"])
     store = p.sched.connector.connector_scheduler.store
     real = store.lookup
     monkeypatch.setattr(store, "lookup", lambda rid, ranks, now=None: real("A" if rid == "B" else rid, ranks, now))
     _failed_load(d, "B", tok_b, params_b, [p])
     end = time.monotonic() + 10  # hang guard: P frees B's span when D gives it up, not at its TTL
-    while p.manager.arena.staged != ["A"]:
-        assert time.monotonic() < end, p.manager.arena.staged
+    while p.staged() != ["A"]:
+        assert time.monotonic() < end, p.staged()
         time.sleep(0.01)
     monkeypatch.setattr(store, "lookup", real)
     before = d.raw_bytes()
@@ -183,7 +183,7 @@ def test_with_a_key_p_serves_and_frees_for_nobody_else(engines, monkeypatch, key
     p, d = engines(case, "kv_producer", **kw), engines(case, "kv_consumer", **kw)
     fill(p, d, 24)
     (params,) = prefill(p, ["S"], prompts(1, [40], seed=24))
-    run([p], lambda: p.manager.arena.staged == ["S"])
+    run([p], lambda: p.staged() == ["S"])
     port = _port(p)
     meta = ask_side_channel(port, enc((GET_META_MSG, 0, 0)))
     records = msgspec.msgpack.decode(ask_side_channel(port, enc((RECORDS_MSG, "S", [0])))[0])
@@ -195,15 +195,15 @@ def test_with_a_key_p_serves_and_frees_for_nobody_else(engines, monkeypatch, key
         name = intruder.add_remote(nixl_part(p.manager.metadata()))
         assert intruder.send_notification(name, notify_bytes("S", 1, GAVE_UP)) is None
         end = time.monotonic() + 10  # hang guard: the notification arrives, and is taken or refused
-        while p.manager.arena.staged == ["S"] and not p.manager.stats().get("notifications_refused"):
+        while p.staged() == ["S"] and not p.stats().get("notifications_refused"):
             assert time.monotonic() < end
             time.sleep(0.01)
     finally:
         intruder.close()
     if not keyed:
-        assert p.manager.arena.staged == []  # freed by anyone who reaches P's NIXL agent
+        assert p.staged() == []  # freed by anyone who reaches P's NIXL agent
         return
-    assert p.manager.arena.staged == ["S"] and p.manager.stats()["notifications_refused"] == 1
+    assert p.staged() == ["S"] and p.stats()["notifications_refused"] == 1
     _transfer(p, d, [40, 23], seed=25)
 
 
@@ -218,15 +218,15 @@ def test_require_checksum_sends_an_uncheckable_load_to_the_error_path(engines):
     (tok,) = prompts(1, [40], seed=26)
     (params,) = prefill(p, ["U"], [tok])
     _failed_load(d, "U", tok, params, [p])
-    assert d.manager.stats()["checksum_unchecked"] == 0
+    assert d.stats()["checksum_unchecked"] == 0
     end = time.monotonic() + 10  # hang guard
-    while p.manager.arena.staged:
+    while p.staged():
         assert time.monotonic() < end
         time.sleep(0.01)
     lenient = engines(case, "kv_consumer")
     fill(p, lenient, 27)
     _transfer(p, lenient, [40], seed=27)
-    assert lenient.manager.stats()["checksum_unchecked"] == 1
+    assert lenient.stats()["checksum_unchecked"] == 1
 
 
 def test_a_p_restarted_under_the_same_name_and_port_is_asked_again(engines, monkeypatch, vllm_env):

@@ -182,6 +182,19 @@ class ArenaEngine:
     raw = property(lambda self: self.ranks[0].raw)
     manager = property(lambda self: self.ranks[0].worker.arena_worker.manager)
 
+    def stats(self, rank=0) -> dict:
+        """Rank ``rank``'s manager stats, under its worker's lock (the worker's
+        housekeeping thread drives the manager too, between steps)."""
+        w = self.ranks[rank].worker.arena_worker
+        with w.lock:
+            return w.manager.stats()
+
+    def staged(self, rank=0) -> list:
+        """The requests rank ``rank``'s arena holds staged (under its worker's lock)."""
+        w = self.ranks[rank].worker.arena_worker
+        with w.lock:
+            return sorted(w.manager.arena.staged)
+
     def add(self, rid, tokens, params=None, max_tokens=1):
         extra = {"kv_transfer_params": dict(params)} if params is not None else None
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
@@ -403,5 +416,5 @@ def p_state(p) -> dict:
     gave up, and its manager's stats."""
     w = p.worker.arena_worker
     with w.lock:
-        return {"staged": sorted(p.manager.arena.staged), "pending": sorted(w.stager.pending),
-                "requests": sorted(p.sched.requests), "gave_up": w.stager.gave_up, "stats": p.manager.stats()}
+        return {"staged": sorted(w.manager.arena.staged), "pending": sorted(w.stager.pending),
+                "requests": sorted(p.sched.requests), "gave_up": w.stager.gave_up, "stats": w.manager.stats()}
