@@ -39,7 +39,7 @@ import msgspec
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.logger import init_logger
-from vllm.utils.network_utils import make_zmq_path, make_zmq_socket
+from vllm.utils.network_utils import make_zmq_path
 
 from .vllm_arena_channel import (
     CHALLENGE_TTL_S, GIVEUP_MSG, HELLO_MSG, MAX_BATCH, MAX_METADATA_REPLY, MAX_QUESTION_BYTES, MAX_RECORDS_REPLY,
@@ -354,15 +354,18 @@ class SideChannel:
     # ------------------------------------------------------------ exchanges
     def _ask(self, endpoint: _Endpoint, question: bytes, on_reply, on_error, deadline: float, max_bytes: int) -> None:
         x = _Exchange(endpoint, question, on_reply, on_error, deadline, max_bytes)
-        if self.key is None:
-            self._send(x, question)
-            return
-        challenge = self._challenge(endpoint)
-        if challenge is None:
-            x.hello = True
-            self._send(x, msgspec.msgpack.encode((HELLO_MSG,)), 1024)
-        else:
-            self._send_wrapped(x, challenge)
+        try:
+            if self.key is None:
+                self._send(x, question)
+                return
+            challenge = self._challenge(endpoint)
+            if challenge is None:
+                x.hello = True
+                self._send(x, msgspec.msgpack.encode((HELLO_MSG,)), 1024)
+            else:
+                self._send_wrapped(x, challenge)
+        except Exception as exc:  # noqa: BLE001 -- an address ZMQ refuses (from a request's params): this question fails
+            on_error(exc)
 
     def _send_wrapped(self, x: _Exchange, challenge: bytes) -> None:
         assert self.key is not None
@@ -371,11 +374,15 @@ class SideChannel:
         self._send(x, data)
 
     def _send(self, x: _Exchange, data: bytes, max_bytes: Optional[int] = None) -> None:
-        sock = make_zmq_socket(ctx=self._ctx, path=make_zmq_path("tcp", *x.endpoint), socket_type=zmq.REQ,
-                               bind=False)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes or x.max_bytes + 4096)
-        sock.send(data)
+        sock = self._ctx.socket(zmq.REQ)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_bytes or x.max_bytes + 4096)
+            sock.connect(make_zmq_path("tcp", *x.endpoint))
+            sock.send(data)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         self._exchanges[sock] = x
         self._poller.register(sock, zmq.POLLIN)
 

@@ -339,3 +339,17 @@ def test_keyed_client_and_listener_fetch_handshakes_records_and_give_ups(listene
         assert taken == [("r", "kvcopy-arena-D-tp0", 1)]
     finally:
         ch.close()
+
+
+def test_a_request_with_an_address_zmq_refuses_fails_alone(fake_p):
+    """A request's ``remote_host`` comes from its params: one ZMQ cannot connect to fails
+    that fetch, and the fetch beside it completes."""
+    good = fake_p(lambda q: _handshake(q) or [enc([{"state": "ready", "records": [[0, b"rec"]], "ttl_left": 5.0,
+                                                    "error": ""}])])
+    ch = SideChannel(None, "compat")
+    try:
+        bad = ch.fetch("B", "no such host!", 1, "r", [0], 10.0)
+        f = ch.fetch("G", "127.0.0.1", good.port, "r", [0], 10.0)
+        assert _wait(bad).error is not None and _wait(f).error is None and f.reply.records == {0: b"rec"}
+    finally:
+        ch.close()
