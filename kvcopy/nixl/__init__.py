@@ -18,7 +18,7 @@ from ._agent import NixlError, load_nixl, nixl_available
 from .arena import ArenaFull
 from .geometry import rank_heads, remote_ranks
 from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
-from .manager import ChecksumRequired, TransferManager
+from .manager import TransferManager
 from .options import ManagerOptions
 from .plan import (
     NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
@@ -28,6 +28,7 @@ from .record import StagedRequest, StaleRegistration
 from .regions import RegionInfo, RegionSet, build_regions
 from .routes import Routes, plan_routes
 from .staging import ArenaPlan
+from .sum_check import ChecksumRequired
 
 __all__ = [
     "ArenaFull",

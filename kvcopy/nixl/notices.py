@@ -17,12 +17,15 @@ a message whose tag does not match (:func:`untag`; counted in the manager's
 of the key, for this registration of this receiver; replayed to the same receiver it
 says again what it said (a reader already counted counts once), replayed anywhere else
 it is refused. A key holder can still say what it likes (docs/nixl.md, "Trust model").
+
+:class:`Mailbox` is one manager's side of it: what it sends, tagged, and what it takes,
+checked, with the messages ``save`` read early kept for the next caller.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 TAG_BYTES = 32
 _DOMAIN = b"kvcopy-notify\0"
@@ -58,3 +61,34 @@ def untag(key: Optional[bytes], receiver: str, generation: str, new: Mapping[str
                 continue
             out.setdefault(sender, []).append(body)
     return out, refused
+
+
+class Mailbox:
+    """One manager's notifications over its NIXL agent (``send_notification``,
+    ``notifications``), with its shared key (or None) and its name."""
+
+    def __init__(self, agent, key: Optional[bytes], name: str):
+        self._agent, self._key, self._name = agent, key, name
+        self._kept: Dict[str, List[bytes]] = {}  # taken with keep=True: the next take hands them out
+        self.refused = 0  # messages whose tag did not match (dropped)
+
+    def send(self, peer: str, generation: str, message: bytes) -> None:
+        """``message`` to ``peer`` (its registration ``generation``), tagged with the key."""
+        self._agent.send_notification(peer, tagged(self._key, self._name, peer, generation, message))
+
+    def take(self, generation: str, on_new: Callable[[Mapping[str, List[bytes]]], None], keep: bool = False
+             ) -> Dict[str, List[bytes]]:
+        """New messages by sender (with a key: tags checked against this manager's
+        ``generation`` and stripped), first shown to ``on_new``; with ``keep`` held for
+        the next call instead of returned."""
+        new, refused = untag(self._key, self._name, generation, self._agent.notifications())
+        self.refused += refused
+        on_new(new)
+        if keep:
+            for k, v in new.items():
+                self._kept.setdefault(k, []).extend(v)
+            return {}
+        out, self._kept = self._kept, {}
+        for k, v in new.items():
+            out.setdefault(k, []).extend(v)
+        return out

@@ -357,6 +357,8 @@ class DeviceMode(PagedMode):
 
     @classmethod
     def build(cls, device_caches, layer_groups, tokens_per_page, opts: ManagerOptions) -> "DeviceMode":
+        if opts.require_checksum:
+            raise ValueError("require_checksum: device mode carries no page sums; use host or arena mode")
         regions = build_regions(device_caches, layer_groups, tokens_per_page, "device", opts.block_dim,
                                 opts.kv_layout, opts.tp_rank, opts.tp_size, opts.total_kv_heads)
         return cls(regions, device_caches, layer_groups)
