@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
 import msgspec  # noqa: E402
+import zmq  # noqa: E402
 from test_vllm import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
 from test_vllm_arena import _failed_load, _transfer, engines  # noqa: E402  (a load that must fail, one that must not)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
@@ -116,7 +117,7 @@ def _fuzz_questions(rng: random.Random, n: int):
         yield cls, q
 
 
-def test_a_malformed_question_fuzz_leaves_the_listener_answering(engines):
+def test_a_malformed_question_fuzz_leaves_the_listener_answering(engines, caplog):
     """2,000 malformed questions (five classes, 400 each) at one P: each is answered (an
     error, or for a well-formed stray question its proper answer), the listener never
     stops, and every 100 questions a genuine records question is answered; then a
@@ -128,7 +129,10 @@ def test_a_malformed_question_fuzz_leaves_the_listener_answering(engines):
     counts: dict = {}
     rng = random.Random(0)
     for i, (cls, q) in enumerate(_fuzz_questions(rng, 2000)):
-        parts = ask_side_channel(port, q)
+        try:
+            parts = ask_side_channel(port, q, timeout_ms=30_000)  # a hang guard: answers take milliseconds
+        except zmq.Again:
+            pytest.fail(f"question {i} ({cls}, {len(q)} bytes, {q[:40]!r}...) got no answer")
         kind = "error" if len(parts) == 1 and "error" in msgspec.msgpack.decode(parts[0]) else "answered"
         counts[(cls, kind)] = counts.get((cls, kind), 0) + 1
         if i % 100 == 99:
@@ -136,6 +140,7 @@ def test_a_malformed_question_fuzz_leaves_the_listener_answering(engines):
             assert msgspec.msgpack.decode(reply)["state"] == "pending"
     assert sum(counts.values()) == 2000
     print("side-channel fuzz, per class and outcome:", dict(sorted(counts.items())))
+    assert not [r for r in caplog.records if "starting it again" in r.getMessage()]  # nothing escaped a handler
     assert p.sched.connector.connector_scheduler._nixl_handshake_listener_t.is_alive()
     _transfer(p, d, [40, 23], seed=22)
 
