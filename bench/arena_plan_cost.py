@@ -74,10 +74,10 @@ def main(argv=None) -> int:
         record = mp.save(_padded(P.ids, counts), num_tokens=tokens, request_id="cost", readers=1 << 62)
 
         def plan_pull():
-            md.discard(md.plan_pull(peer, record, tokens, d_ids))
+            md.discard(md.plan_pull(peer, record, tokens, d_ids, request_id="cost"))
 
         # correctness, once: D's KV equals P's at the request's blocks
-        plan = md.plan_pull(peer, record, tokens, d_ids)
+        plan = md.plan_pull(peer, record, tokens, d_ids, request_id="cost")
         n_desc, span = plan.num_descriptors, plan.span.nbytes
         h = md.pull(plan)
         while md.poll(h) == "PROC":

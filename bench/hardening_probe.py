@@ -71,7 +71,7 @@ def records(args) -> Dict[str, object]:
         for what, data in record_mutations(wire, KEY, d.arena.arena.granule):
             cases += 1
             try:
-                plan = d.plan_pull(peer, data, 40, [[10, 11, 12]])
+                plan = d.plan_pull(peer, data, 40, [[10, 11, 12]], request_id="A")
             except (ValueError, TypeError):
                 continue
             except Exception as exc:
@@ -87,7 +87,7 @@ def records(args) -> Dict[str, object]:
             wrong += int(done and not same_bytes(de.device_caches, want))
         # the genuine record, last: accepted and exact (the probe can tell the two apart)
         before = clone_caches(de.device_caches)
-        h = d.pull(d.plan_pull(peer, wire, 40, [[20, 21, 22]]), notify=b"A")
+        h = d.pull(d.plan_pull(peer, wire, 40, [[20, 21, 22]], request_id="A"), notify=b"A")
         want = expected_pull(before, de, [[20, 21, 22]], pe.device_caches, pe, [[1, 2, 3]], 40)
         if not (wait(d, h) == "DONE" and d.complete(h).ok and same_bytes(de.device_caches, want)):
             accepted += 1

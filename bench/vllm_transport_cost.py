@@ -50,7 +50,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import zmq  # noqa: E402
 from vllm.config import (  # noqa: E402
     DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config,
 )
@@ -66,7 +65,8 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 import test_vllm as harness  # noqa: E402  (tests/test_vllm.py: vLLM's worker built the way the tests build it)
 from kvcopy.vllm import KvcopyArenaConnector, KvcopyNixlConnector  # noqa: E402
-from kvcopy.vllm_arena_channel import RecordStore, fetch_records, serve  # noqa: E402
+from kvcopy.vllm_arena_channel import RECORDS_MSG, MAX_RECORDS_REPLY, RecordStore, batch_of, serve  # noqa: E402
+from kvcopy.vllm_arena_fetch import SideChannel  # noqa: E402
 from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta, notify_bytes  # noqa: E402
 from kvcopy.vllm_groups import host_mirror_bytes, positions  # noqa: E402
 
@@ -184,7 +184,8 @@ class _ArenaPath:
         self.n += 1
         t0 = time.perf_counter()
         record = self.pm.save(positions(self.tokens, p_ids, num_tokens), num_tokens=num_tokens, request_id=rid)
-        plan = self.dm.plan_pull(self.peer, record.to_bytes(), num_tokens, positions(self.tokens, d_ids, num_tokens))
+        plan = self.dm.plan_pull(self.peer, record.to_bytes(), num_tokens, positions(self.tokens, d_ids, num_tokens),
+                                 request_id=rid)
         h = self.dm.pull(plan, notify=notify_bytes(rid, 1))
         while self.dm.poll(h) == "PROC":
             pass
@@ -210,15 +211,20 @@ def _side_channel_rtt(record, rounds):
     t = threading.Thread(target=serve, args=({}, ready, stop, "127.0.0.1", port, store), daemon=True)
     t.start()
     ready.wait()
-    ctx = zmq.Context()
+    client = SideChannel(None, "")
+    question = msgspec.msgpack.encode((RECORDS_MSG, [["r", [0]]]))
     out = []
     try:
         for _ in range(rounds):
             t0 = time.perf_counter()
-            assert fetch_records(ctx, "127.0.0.1", port, "r", [0], 5.0).state == "ready"
+            reply = client.ask("127.0.0.1", port, question, MAX_RECORDS_REPLY)
+            while not reply.done:
+                time.sleep(0)
+            (got,) = batch_of(reply.parts, [[0]], "bench")
+            assert got.state == "ready"
             out.append(time.perf_counter() - t0)
     finally:
-        ctx.destroy(linger=0)
+        client.close()
         stop.set()
         t.join()
     return statistics.median(out)

@@ -97,6 +97,18 @@ def sequence(value, what: str, length: Optional[int] = None):
     return value
 
 
+def items(value, what: str) -> list:
+    """The items of a caller's outer sequence (see :func:`sequence`), read by index as
+    ``len()`` counts them: a sequence whose ``len()`` promises items it does not have
+    raises ``ValueError`` here, not ``IndexError`` later."""
+    sequence(value, what)
+    n = len(value)
+    try:
+        return [value[i] for i in range(n)]
+    except IndexError:
+        raise ValueError(f"{what}: len() says {n} item(s), but they cannot all be read: {shown(value)}") from None
+
+
 def _torch_ids(ids, what: str):
     """A CPU integer tensor as numpy; anything else as it is."""
     try:
@@ -159,8 +171,7 @@ def block_id_lists(value, n_groups: int, what: str, lowest: int = 0,
     """One flat block id list per KV cache group, each as int64 (see :func:`block_ids`),
     each id ``>= lowest`` and below its group's ``limits[g]`` where given. A value that
     is not a list of lists raises ``TypeError``; the wrong number of lists ``ValueError``."""
-    _refuse_masked(value, what)
-    sequence(value, f"{what} (one block id list per KV cache group)")
+    value = items(value, f"{what} (one block id list per KV cache group)")
     if len(value) != n_groups:
         raise ValueError(f"{what}: expected one block id list per KV cache group ({n_groups}), got "
                          f"{len(value)}: {shown(value)}")

@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from .backends import native
-from .checks import block_ids, sequence
+from .checks import block_ids, items
 from .tables import CallPlan, CopyTables, call_plan
 
 # Error codes of csrc/call_plan.cpp (PlanError).
@@ -110,8 +110,8 @@ class CallPlanner:
         """Step 1 for anything but plain lists: the ids through kvcopy.checks."""
         src_what = f"{self._src_side} block ids (one list per KV cache group)"
         dst_what = f"{self._dst_side} block ids (one list per KV cache group)"
-        sequence(src_ids, src_what)
-        sequence(dst_ids, dst_what)
+        src_ids = items(src_ids, src_what)
+        dst_ids = items(dst_ids, dst_what)
         if len(src_ids) != self._g or len(dst_ids) != self._g:
             raise ValueError(
                 f"expected one id list per KV cache group ({self._g}), got "
@@ -248,14 +248,12 @@ _INT_ONLY = frozenset((int,))
 
 
 def _plain_ids(src_ids, dst_ids, g: int):
-    """``(src, dst, lens)`` as ``array('q')`` buffers when both sides are ``g`` plain
-    lists/tuples of ints of matching lengths, else None (the checked path then runs,
-    and raises where the ids are bad)."""
+    """``(src, dst, lens)`` as ``array('q')`` buffers when both sides are lists or tuples
+    of ``g`` plain lists/tuples of ints of matching lengths, else None (the checked path
+    then runs, and raises where the ids are bad: a set, frozenset or dict view outside,
+    whose order would decide which group gets which ids, included)."""
     same = dst_ids is src_ids  # to_host(ids)/to_device(ids): one id list for both sides
-    try:
-        if len(src_ids) != g or len(dst_ids) != g:
-            return None
-    except TypeError:
+    if type(src_ids) not in _PLAIN or type(dst_ids) not in _PLAIN or len(src_ids) != g or len(dst_ids) != g:
         return None
     for x in (src_ids if same else itertools.chain(src_ids, dst_ids)):
         if type(x) not in _PLAIN or _may_hold_bools(x):

@@ -42,8 +42,8 @@ Decisions, and why:
   offset. So P's workers report records (``build_connector_worker_meta``, merged over TP
   ranks), P's scheduler keeps them (:class:`~kvcopy.vllm_arena_channel.RecordStore`),
   and D asks for them at ``remote_host:remote_port`` (already in ``kv_transfer_params``):
-  one round trip per request on the control plane, and D also learns there when P could
-  not stage a request or how long its span lives.
+  a round trip on the control plane (the requests waiting for one P asked together), and
+  D also learns there when P could not stage a request or how long its span lives.
 * **The handshake is kvcopy's, over vLLM's side channel.** Each worker's
   ``get_handshake_metadata`` is vLLM's ``NixlHandshakePayload`` whose agent bytes are
   ``TransferManager.metadata()`` (kvcopy's checked format: digest, optional shared-key
@@ -51,16 +51,29 @@ Decisions, and why:
   answer for records: :func:`~kvcopy.vllm_arena_channel.serve`) serves it. No new port,
   and D reaches P exactly where vLLM's own connector would.
 
-What each side exchanges: :mod:`kvcopy.vllm_arena_meta`. Options
+* **Spans are freed without the engine stepping.** vLLM steps an engine only while it
+  has requests; each worker runs a housekeeping thread (every :data:`HOUSEKEEPING_S`)
+  that, under the worker's lock (the ``TransferManager`` is driven by one thread at a
+  time), reads D's notifications and frees what D is done with and what outlived its
+  TTL on P (:meth:`~kvcopy.vllm_arena_stage.ArenaStager.tick`), takes the give-ups P's
+  side channel got for its rank (asking its own scheduler's listener: vLLM's scheduler
+  reaches the workers only in a step), and sends D's give-ups that waited for P's
+  handshake (:meth:`~kvcopy.vllm_arena_pull.ArenaPuller.tick`).
+
+What each side exchanges: :mod:`kvcopy.vllm_arena_meta`; the side channel's messages,
+with and without a key: :mod:`kvcopy.vllm_arena_channel`. Options
 (``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm_arena_meta.ArenaOptions`.
 Not supported: push, DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
 GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``).
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Dict, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
+import msgspec
+from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
@@ -68,7 +81,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.logger import init_logger
 
 from .nixl.manager import TransferManager
-from .vllm_arena_channel import RecordStore, serve
+from .vllm_arena_channel import (
+    GIVEUP_POLL_S, MAX_GIVE_UPS_REPLY, TAKE_GIVEUPS_MSG, RecordStore, give_ups_of, serve,
+)
+from .vllm_arena_fetch import Reply
 from .vllm_arena_meta import (
     MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
     compatibility_hash,
@@ -78,6 +94,8 @@ from .vllm_arena_stage import ArenaStager
 from .vllm_groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
 
 logger = init_logger("vllm.kvcopy")
+
+HOUSEKEEPING_S = 0.05  # how often a worker reads notifications and TTLs between steps
 
 __all__ = ["KvcopyArenaConnector", "KvcopyArenaScheduler", "KvcopyArenaWorker"]
 
@@ -92,6 +110,7 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
         self.options = options
         self.tokens = group_tokens(kv_cache_config)
         self.store = RecordStore(options.arena_ttl_s)
+        self.key = options.key()
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
         self._stage: Dict[str, ArenaStage] = {}
         self._recv: Dict[str, ArenaRecv] = {}
@@ -100,7 +119,7 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
 
     def _nixl_handshake_listener(self, encoded_data, ready_event, stop_event, host, port):
         """vLLM's listener thread, answering for records too (the base starts it)."""
-        serve(encoded_data, ready_event, stop_event, host, port, self.store)
+        serve(encoded_data, ready_event, stop_event, host, port, self.store, self.key)
 
     # ------------------------------------------------------------ P
     def _build_save_meta(self, meta, scheduler_output) -> None:
@@ -145,12 +164,14 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
                     del self._awaiting[rid]
 
     def has_pending_push_work(self) -> bool:
-        """Keep P stepping while a request waits to be staged (arena space, a copy)."""
+        """Keep the engine stepping while P has a request waiting to be staged (arena
+        space, a copy), and while D has requests to hand its workers (one aborted before
+        it was scheduled: P frees its span)."""
         now = time.monotonic()
         for rid in [r for r, (deadline, _) in self._awaiting.items() if now > deadline]:
             del self._awaiting[rid]
             self.store.fail(rid, "no worker reported it staged")
-        return bool(self._awaiting)
+        return bool(self._awaiting) or bool(self._reqs_need_recv)
 
     # ------------------------------------------------------------ D
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -227,6 +248,14 @@ class KvcopyArenaWorker:
         self.manager: Optional[TransferManager] = None
         self.stager: Optional[ArenaStager] = None
         self.puller: Optional[ArenaPuller] = None
+        self.lock = threading.Lock()  # the manager, stager and puller: the engine thread or the housekeeper
+        self.housekeeper: Optional[Housekeeper] = None
+        # this engine's own side channel (P: where D's give-ups arrive), as vLLM's scheduler binds it
+        self.listener = (envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+                         envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index)
+        self.producer = bool(vllm_config.kv_transfer_config.is_kv_producer)
+        self._give_ups: Optional[Reply] = None
+        self._give_ups_asked = 0.0
 
     def register_kv_caches(self, kv_caches) -> None:
         layout = arena_layout(self.kv_cache_config, kv_caches, kv_sharing_layers(self.vllm_config), self.use_mla)
@@ -237,10 +266,12 @@ class KvcopyArenaWorker:
             self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
             buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=replicated,
             copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key, arena_bytes=o.arena_bytes,
-            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum)
+            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum,
+            require_checksum=o.require_checksum)
         self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
         self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
-                                  self.compat, len(self.kv_cache_config.kv_cache_groups) == 1)
+                                  self.compat, len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
+        self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(
@@ -258,34 +289,94 @@ class KvcopyArenaWorker:
         assert self.manager is not None
         return NixlHandshakePayload(compatibility_hash=self.compat, agent_metadata_bytes=self.manager.metadata())
 
+    def _tick(self) -> None:
+        """The housekeeper's turn (under the lock): P's notifications, TTLs and give-ups; D's give-ups."""
+        if self.stager is None or self.puller is None:
+            return
+        if self.producer:
+            self._take_give_ups()
+        self.stager.tick()
+        self.puller.tick()
+
+    def _take_give_ups(self) -> None:
+        """P: the give-ups this engine's side channel got for this rank (asked every
+        ``GIVEUP_POLL_S``, one question in flight)."""
+        assert self.stager is not None and self.puller is not None
+        asking = self._give_ups
+        if asking is not None and asking.done:
+            self._give_ups = None
+            if asking.parts is not None:
+                try:
+                    self.stager.note_give_ups(give_ups_of(asking.parts))
+                except ValueError as exc:
+                    logger.warning("kvcopy arena: %s: this engine's side channel: %s", self.name, exc)
+        now = time.monotonic()
+        if self._give_ups is None and now - self._give_ups_asked >= GIVEUP_POLL_S:
+            self._give_ups_asked = now
+            host, port = self.listener
+            self._give_ups = self.puller.channel.ask(host, port, msgspec.msgpack.encode((TAKE_GIVEUPS_MSG,
+                                                                                        self.tp_rank)),
+                                                     MAX_GIVE_UPS_REPLY)
+
     def start_load(self, meta: KvcopyArenaMetadata) -> None:
         _, puller = self._require()
-        puller.start(meta.recv)
-        puller.step()  # post READs whose records are in, before the forward
+        with self.lock:
+            puller.start(meta.recv)
+            puller.step()  # post READs whose records are in, before the forward
 
     def save(self, meta: KvcopyArenaMetadata) -> None:
         stager, _ = self._require()
-        stager.step(meta)
+        with self.lock:
+            stager.step(meta)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         stager, puller = self._require()
-        puller.step()
-        done, failed = puller.results()
-        return KVConnectorTransferResults(finished_sending=stager.finished_sending(), finished_recving=done,
-                                          failed_recving=failed)
+        with self.lock:
+            puller.step()
+            done, failed = puller.results()
+            return KVConnectorTransferResults(finished_sending=stager.finished_sending(), finished_recving=done,
+                                              failed_recving=failed)
 
     def load_error_block_ids(self) -> Set[int]:
-        return self.puller.take_error_blocks() if self.puller is not None else set()
+        with self.lock:
+            return self.puller.take_error_blocks() if self.puller is not None else set()
 
     def report(self) -> Optional[KvcopyArenaWorkerMeta]:
-        return self.stager.take_report() if self.stager is not None else None
+        with self.lock:
+            return self.stager.take_report() if self.stager is not None else None
 
     def shutdown(self) -> None:
+        if self.housekeeper is not None:
+            self.housekeeper.stop()
+            self.housekeeper = None
         if self.puller is not None:
             self.puller.close()
         if self.manager is not None:
             self.manager.close()
         self.manager = self.stager = self.puller = None
+
+
+class Housekeeper:
+    """A daemon thread calling ``tick`` under ``lock`` every ``period_s`` until :meth:`stop`;
+    what ``tick`` raises is logged, never ends it."""
+
+    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str):
+        self._tick, self._lock, self._period = tick, lock, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                with self._lock:
+                    self._tick()
+            except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
+                logger.exception("kvcopy arena: housekeeping failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
 
 class KvcopyArenaConnector(NixlBaseConnector):

@@ -13,7 +13,9 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
   ``aggregate``): per request and P rank, the staged record's wire bytes, or why it
   could not be staged, and which staged spans were freed.
 * D -> P over NIXL: a reader's notification (:func:`notify_bytes`, :func:`parse_notify`)
-  names the request and D's TP size, so each P rank knows how many D ranks read it.
+  names the request, D's TP size (so each P rank knows how many D ranks read it) and
+  whether D read the span or gave the request up without reading it; either way that
+  reader is done with it. With a key it carries a tag P checks (:mod:`kvcopy.nixl.notices`).
 """
 from __future__ import annotations
 
@@ -29,9 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from .nixl.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
-ARENA_PROTOCOL = 1
+ARENA_PROTOCOL = 2  # 2: records bound to request/rank/registration, give-ups, keyed side channel
 NOTIFY_PREFIX = b"kvcopy-arena\0"
+READ, GAVE_UP = b"r", b"g"  # what a reader's notification says
 MAX_TP = 1024
+# The shortest arena TTL the connector takes: P's side channel stops serving a record a
+# margin of max(1 s, 10% of the TTL) before its span expires, so below 2 s nothing would
+# be served for long enough to be read.
+MIN_ARENA_TTL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,9 @@ class ArenaOptions:
     pull_timeout_s: float = 30.0  # D: one READ's deadline (also bounded by what is left of P's TTL)
     arena_order: str = "token"  # or "head" (HND pages, P/D of different TP)
     copy_backend: str = "auto"
-    key_env: Optional[str] = None  # environment variable holding the shared HMAC key (hex)
+    key_env: Optional[str] = None  # environment variable holding the shared key (hex): side channel, records, notes
     checksum: bool = True  # page sums: P's pack into the record, D's scatter compared (docs/nixl.md, "Checksums")
+    require_checksum: bool = False  # D: a pull whose pages cannot be compared fails its load (docs/vllm.md)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,8 +70,14 @@ class ArenaOptions:
             raise ValueError(f"kvcopy.arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         if not isinstance(self.copy_backend, str):
             raise ValueError(f"kvcopy.copy_backend must be a backend name, got {self.copy_backend!r}")
-        if not isinstance(self.checksum, bool):
-            raise ValueError(f"kvcopy.checksum must be true or false, got {self.checksum!r}")
+        for flag in ("checksum", "require_checksum"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"kvcopy.{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.require_checksum and not self.checksum:
+            raise ValueError("kvcopy.require_checksum needs kvcopy.checksum true")
+        if self.arena_ttl_s < MIN_ARENA_TTL_S:
+            raise ValueError(f"kvcopy.arena_ttl_s must be at least {MIN_ARENA_TTL_S:g} s (P serves a record until a "
+                             f"margin of max(1 s, 10%) before its span expires), got {self.arena_ttl_s!r}")
         if self.key_env is not None and (not isinstance(self.key_env, str) or not self.key_env):
             raise ValueError(f"kvcopy.key_env must name an environment variable, got {self.key_env!r}")
 
@@ -164,23 +178,30 @@ def compatibility_hash(vllm_config) -> str:
     return "kvcopy-arena:" + hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
 
 
-def notify_bytes(remote_request_id: str, d_tp_size: int) -> bytes:
-    """D's notification to each P rank it read (or gave up on) for a request."""
-    return NOTIFY_PREFIX + remote_request_id.encode("utf-8") + b"\0" + str(int(d_tp_size)).encode()
+def notify_bytes(remote_request_id: str, d_tp_size: int, kind: bytes = READ) -> bytes:
+    """D's notification to each P rank it read (``READ``) or gave up without reading
+    (``GAVE_UP``) for a request."""
+    rid = remote_request_id.encode("utf-8")
+    if b"\0" in rid or kind not in (READ, GAVE_UP):
+        raise ValueError(f"request id {remote_request_id[:40]!r} holds a NUL, or kind {kind!r} is unknown")
+    return NOTIFY_PREFIX + rid + b"\0" + str(int(d_tp_size)).encode() + b"\0" + kind
 
 
-def parse_notify(msg: bytes) -> Optional[Tuple[str, int]]:
-    """(request id, D's TP size) of a reader's notification, or None for anything else
-    (a notification is peer input: malformed ones are ignored, never trusted)."""
+def parse_notify(msg: bytes) -> Optional[Tuple[str, int, bytes]]:
+    """(request id, D's TP size, ``READ`` or ``GAVE_UP``) of a reader's notification, or
+    None for anything else (a notification is peer input: malformed ones are ignored,
+    never trusted)."""
     if not isinstance(msg, (bytes, bytearray)) or not msg.startswith(NOTIFY_PREFIX):
         return None
-    body = bytes(msg[len(NOTIFY_PREFIX):])
-    rid, sep, tp = body.rpartition(b"\0")
-    if not sep or not rid or not tp.isdigit() or len(tp) > 4:
+    fields = bytes(msg[len(NOTIFY_PREFIX):]).split(b"\0")
+    if len(fields) != 3 or fields[2] not in (READ, GAVE_UP):
+        return None
+    rid, tp, kind = fields
+    if not rid or not tp.isdigit() or len(tp) > 4:
         return None
     try:
         text = rid.decode("utf-8")
     except UnicodeDecodeError:
         return None
     size = int(tp)
-    return (text, size) if 1 <= size <= MAX_TP else None
+    return (text, size, kind) if 1 <= size <= MAX_TP else None

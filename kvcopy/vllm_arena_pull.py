@@ -3,19 +3,21 @@
 Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
 
 A request to pull (:class:`~kvcopy.vllm_arena_meta.ArenaRecv`) goes through these states,
-one :class:`_Job` each, advanced once per step by :meth:`ArenaPuller.step` (the engine
-thread: the ``TransferManager`` is driven from that thread only):
+one :class:`_Job` each, advanced by :meth:`ArenaPuller.step` in the engine thread (the
+``TransferManager`` is driven under the worker's lock, :mod:`kvcopy.vllm_arena`):
 
-1. **fetch** (a background thread; network only): for each P rank this rank reads
-   (:func:`kvcopy.nixl.remote_ranks`), P's kvcopy handshake over P's side channel (once
-   per P rank; again after a failed pull, in case P restarted), then P's records for
-   the request (:func:`kvcopy.vllm_arena_channel.fetch_records`), asked again while P
-   says ``pending`` (still staging: P's arena full), until ``fetch_timeout_s`` from the
-   request's start;
+1. **fetch** (:mod:`kvcopy.vllm_arena_fetch`: one thread, every question in flight at
+   once): for each P rank this rank reads (:func:`kvcopy.nixl.remote_ranks`), P's kvcopy
+   handshake over P's side channel (once per P rank; again after a failed pull, in case
+   P restarted), then P's records for the request, asked again while P says ``pending``
+   (still staging: P's arena full), until ``fetch_timeout_s`` from the request's start;
 2. **plan**: ``add_peer`` for handshakes not added yet (checked there), then
    ``plan_pull(P ranks, records, tokens, D's token-anchored blocks, D's prefix hit per
-   group)``; a full arena on D is back-pressure: retried every step until the same
-   deadline;
+   group, request_id=P's request id)``: a record of another request, engine, rank or
+   registration is refused; one of an earlier registration of P (P restarted) makes D
+   fetch P's handshake again, once. A full arena on D is back-pressure: retried every
+   step until the same deadline; with ``require_checksum`` a pull whose pages cannot be
+   compared is refused here;
 3. **pull**: one NIXL READ per P rank (one descriptor for equal geometry), carrying the
    notification that tells P this reader is done; its deadline is ``pull_timeout_s`` or
    what is left of P's span lifetime, whichever is shorter (a READ must end before P may
@@ -31,43 +33,35 @@ Every request the scheduler waits for ends in ``finished_recving``; one that did
 complete ``ok`` (whatever the cause: a refused handshake or record, P's failure to stage,
 an expired span, a deadline, a dead P, a ``Completion(ok=False)`` of any kind) also in
 ``failed_recving``, and, for single-group models (vLLM refuses block ids otherwise), its
-blocks in ``get_block_ids_with_load_errors``: vLLM's scheduler recomputes it. Requests D
-needs nothing of (a full prefix hit, an abort before scheduling) are pulled with nothing
-to read, which only sends P the notification that frees its span; their failures are
-logged, not reported.
+blocks in ``get_block_ids_with_load_errors``: vLLM's scheduler recomputes it.
+
+**Giving up.** D tells P about every request it will not read, so P frees the span at
+once instead of at its TTL: a notification ``GAVE_UP`` to each P rank over NIXL where D
+holds that rank's handshake (added now if it was fetched and passes ``add_peer``), else
+a give-up question over P's side channel (P's scheduler hands it to its workers at its
+next step). Requests D needs nothing of (a full prefix hit, an abort before scheduling)
+are given up the same way; where the handshake is not cached yet, it is fetched first
+and the notification sent by the worker's housekeeping thread (:meth:`ArenaPuller.tick`),
+without waiting for D to step. A pull that failed after its READ was posted has told P
+already (the manager notifies every peer of a failed pull).
 """
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-import zmq
 from vllm.logger import init_logger
 
-from .nixl import ArenaFull, NO_BLOCK, remote_ranks
+from .nixl import ArenaFull, NO_BLOCK, StaleRegistration, remote_ranks
 from .nixl.manager import TransferManager
 from .nixl.plan import Plan
 from .nixl.pull import Completion, PullHandle
-from .vllm_arena_channel import fetch_metadata, fetch_records
-from .vllm_arena_meta import ArenaOptions, ArenaRecv, agent_name, notify_bytes
+from .vllm_arena_fetch import Fetch, SideChannel
+from .vllm_arena_meta import GAVE_UP, ArenaOptions, ArenaRecv, agent_name, notify_bytes
 from .vllm_groups import GroupTokens
 
 logger = init_logger("vllm.kvcopy")
-
-FETCH_THREADS = 4
-EXCHANGE_TIMEOUT_S = 5.0  # one question to P's side channel
-POLL_MIN_S, POLL_MAX_S = 0.002, 0.05  # asking again while P says "pending"
-
-
-@dataclass(frozen=True)
-class _Fetched:
-    metadata: Dict[int, bytes]  # P rank -> handshake bytes
-    records: Dict[int, bytes]  # P rank -> record wire bytes
-    ttl_left: float  # of P's spans, from `asked`
-    asked: float  # monotonic, before the question that got the records
 
 
 @dataclass
@@ -76,83 +70,54 @@ class _Job:
     recv: ArenaRecv
     ranks: List[int]
     deadline: float  # fetch + D's arena space
-    future: Optional[Future] = None
-    fetched: Optional[_Fetched] = None
+    fetch: Optional[Fetch] = None
     plan: Optional[Plan] = None
     handle: Optional[PullHandle] = None
     completion: Optional[Completion] = None  # completed; on CUDA its checksum verdict may still be on the way
     blocks: Tuple[int, ...] = field(default=())  # D's blocks, for load errors
+    refetched: bool = False  # P's handshake fetched again after a record of a newer registration
 
 
 class ArenaPuller:
-    """One D rank's pulls (see the module docstring)."""
+    """One D rank's pulls (see the module docstring). Not thread-safe: the worker
+    serializes every call with its lock."""
 
     def __init__(self, manager: TransferManager, options: ArenaOptions, tokens: GroupTokens, tp_rank: int,
-                 tp_size: int, total_kv_heads: Optional[int], compat: str, single_group: bool):
+                 tp_size: int, total_kv_heads: Optional[int], compat: str, single_group: bool,
+                 key: Optional[bytes] = None):
         self.m = manager
         self.opts = options
         self.tokens = tokens
         self.rank, self.tp, self.heads = tp_rank, tp_size, total_kv_heads
-        self.compat = compat
         self.single_group = single_group
         self.jobs: Dict[str, _Job] = {}
+        self.giving_up: Dict[str, _Job] = {}  # requests D will not read, waiting for P's handshake to say so
         self.finished: Set[str] = set()
         self.failed: Set[str] = set()
         self.error_blocks: Set[int] = set()
         self._added: Dict[str, bytes] = {}  # peer name -> the handshake bytes add_peer took
-        self._metadata: Dict[Tuple[str, int], bytes] = {}  # (engine, P rank) -> handshake bytes, shared
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._zmq = zmq.Context()
-        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvcopy-arena-fetch")
+        self.channel = SideChannel(key, compat)
 
     # ------------------------------------------------------------ start
     def start(self, recv: Dict[str, ArenaRecv]) -> None:
         now = time.monotonic()
         for rid, r in recv.items():
-            if rid in self.jobs:
+            if rid in self.jobs or rid in self.giving_up:
                 logger.warning("kvcopy arena: request %s is already being pulled; ignored", rid)
                 continue
             ranks = remote_ranks(self.rank, self.tp, r.remote_tp_size, self.heads) if r.error is None else []
             job = _Job(rid, r, ranks, now + self.opts.fetch_timeout_s)
             if r.positions is not None:
                 job.blocks = tuple(b for g in r.positions for b in g if b != NO_BLOCK)
-            self.jobs[rid] = job
             if r.error is not None:
+                self.jobs[rid] = job
                 self._fail(job, r.error)
-                continue
-            job.future = self._pool.submit(self._fetch, r, ranks, job.deadline)
-
-    def _fetch(self, r: ArenaRecv, ranks: List[int], deadline: float) -> _Fetched:
-        """Background thread: handshakes (cached) and the records, network only."""
-        metadata = {}
-        for rank in ranks:
-            with self._lock:
-                md = self._metadata.get((r.engine_id, rank))
-            if md is None:
-                md = fetch_metadata(self._zmq, r.host, r.port, rank, self._left(deadline), self.compat)
-                with self._lock:
-                    self._metadata[(r.engine_id, rank)] = md
-            metadata[rank] = md
-        wait = POLL_MIN_S
-        while not self._stop.is_set():
-            asked = time.monotonic()
-            reply = fetch_records(self._zmq, r.host, r.port, r.remote_request_id, ranks, self._left(deadline))
-            if reply.state == "ready":
-                return _Fetched(metadata, reply.records, reply.ttl_left, asked)
-            if reply.state != "pending":
-                raise RuntimeError(f"P {reply.state}: {reply.error}")
-            if time.monotonic() + wait >= deadline:
-                raise TimeoutError(f"P did not stage the request within {self.opts.fetch_timeout_s:g} s")
-            time.sleep(wait)
-            wait = min(2 * wait, POLL_MAX_S)
-        raise RuntimeError("the connector is shutting down")
-
-    def _left(self, deadline: float) -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no records from P within {self.opts.fetch_timeout_s:g} s")
-        return min(left, EXCHANGE_TIMEOUT_S)
+            elif r.positions is None:  # nothing to read (a full prefix hit, an abort): P may free it now
+                self._give_up(job, "D needs nothing of it")
+            else:
+                self.jobs[rid] = job
+                job.fetch = self.channel.fetch(r.engine_id, r.host, r.port, r.remote_request_id, ranks,
+                                               self.opts.fetch_timeout_s)
 
     # ------------------------------------------------------------ step
     def step(self) -> None:
@@ -162,6 +127,17 @@ class ArenaPuller:
                 self._advance(job, now)
             except Exception as exc:  # noqa: BLE001 -- any failure fails the request (recomputed), never the engine
                 self._fail(job, f"{type(exc).__name__}: {exc}")
+        self.tick()
+
+    def tick(self) -> None:
+        """Give-ups whose handshake fetch ended: tell P now (no engine step needed)."""
+        for job in list(self.giving_up.values()):
+            if job.fetch is None or job.fetch.done:
+                del self.giving_up[job.rid]
+                try:
+                    self._tell_p(job)
+                except Exception as exc:  # noqa: BLE001 -- P's TTL still frees the span; the engine goes on
+                    logger.info("kvcopy arena: telling P that request %s is given up failed: %s", job.rid, exc)
 
     def _advance(self, job: _Job, now: float) -> None:
         if job.handle is not None:
@@ -177,26 +153,39 @@ class ArenaPuller:
             else:
                 self._fail(job, f"pull failed: {done.error}")
             return
-        if job.fetched is None:
-            assert job.future is not None
-            if not job.future.done():
-                return
-            job.fetched = job.future.result()  # raises the fetch's failure
-            self._add_peers(job)
         if job.plan is None:
+            assert job.fetch is not None
+            if not job.fetch.done:
+                return
+            if job.fetch.error is not None:
+                raise job.fetch.error
+            self._add_peers(job.recv.engine_id, job.fetch.metadata, replace=job.refetched)
             try:
                 job.plan = self._plan(job)
             except ArenaFull as exc:
                 if exc.ever_fits and now < job.deadline:
                     return  # back-pressure: D's own completions free space
                 raise
+            except StaleRegistration:
+                if job.refetched:
+                    raise
+                job.refetched = True  # P restarted since its handshake was cached: once more, afresh
+                self.channel.forget(job.recv.engine_id, job.ranks)
+                r = job.recv
+                job.fetch = self.channel.fetch(r.engine_id, r.host, r.port, r.remote_request_id, job.ranks,
+                                               max(0.0, job.deadline - now))
+                return
         self._pull(job, now)
 
-    def _add_peers(self, job: _Job) -> None:
-        assert job.fetched is not None
-        for rank, md in job.fetched.metadata.items():
-            name = agent_name(job.recv.engine_id, rank)
-            if self._added.get(name) == md:
+    def _add_peers(self, engine_id: str, metadata: Dict[int, bytes], replace: bool = False) -> None:
+        """``add_peer`` the handshakes of P ranks not added yet; with ``replace`` (the
+        handshakes were just fetched again because a record named a newer registration),
+        also those added with other bytes. Without it an added peer stays: another
+        request's fetch may hold handshake bytes older than what is added, and the
+        record decides (``StaleRegistration``, then this request fetches afresh)."""
+        for rank, md in metadata.items():
+            name = agent_name(engine_id, rank)
+            if name in self._added and (self._added[name] == md or not replace):
                 continue
             if name in self._added:  # P re-registered (restarted): its old NIXL metadata is stale
                 self.m.remove_peer(name)
@@ -208,43 +197,39 @@ class ArenaPuller:
             self._added[name] = md
 
     def _plan(self, job: _Job) -> Plan:
-        r, f = job.recv, job.fetched
-        assert f is not None
+        r, f = job.recv, job.fetch
+        assert f is not None and f.reply is not None and r.positions is not None
         peers = [agent_name(r.engine_id, rank) for rank in job.ranks]
-        records = {agent_name(r.engine_id, rank): f.records[rank] for rank in job.ranks}
-        if r.positions is None:  # nothing to read: a plan of holes only sends P the notification
-            local = [[NO_BLOCK] * -(-r.num_tokens // t) for t in self.tokens.tokens_per_block]
-            return self.m.plan_pull(peers, records, r.num_tokens, local, r.num_tokens)
-        return self.m.plan_pull(peers, records, r.num_tokens, [list(g) for g in r.positions],
-                                list(r.cached_tokens))
+        records = {agent_name(r.engine_id, rank): f.reply.records[rank] for rank in job.ranks}
+        return self.m.plan_pull(peers, records, r.num_tokens, [list(g) for g in r.positions], list(r.cached_tokens),
+                                request_id=r.remote_request_id)
 
     def _pull(self, job: _Job, now: float) -> None:
-        f = job.fetched
-        assert f is not None
-        left = f.ttl_left - (now - f.asked)
-        timeout = min(self.opts.pull_timeout_s, left)
-        assert job.plan is not None
+        f = job.fetch
+        assert f is not None and f.reply is not None and job.plan is not None
+        timeout = min(self.opts.pull_timeout_s, f.reply.ttl_left - (now - f.asked))
         if timeout <= 0:
             self.m.discard(job.plan)
             job.plan = None
             raise TimeoutError("P's span expires before a READ could end")
-        job.handle = self.m.pull(job.plan, notify=notify_bytes(job.recv.remote_request_id, self.tp), timeout_s=timeout)
+        job.handle = self.m.pull(job.plan, notify=notify_bytes(job.recv.remote_request_id, self.tp),
+                                 timeout_s=timeout)
 
     # ------------------------------------------------------------ outcomes
     def _finish(self, job: _Job) -> None:
         del self.jobs[job.rid]
-        if job.recv.awaiting:
-            self.finished.add(job.rid)
+        self.finished.add(job.rid)
 
     def _fail(self, job: _Job, reason: str) -> None:
         self.jobs.pop(job.rid, None)
         if job.plan is not None and job.handle is None:
             self.m.discard(job.plan)
-        with self._lock:  # ask P for its handshake again next time: it may have restarted
-            for rank in job.ranks:
-                self._metadata.pop((job.recv.engine_id, rank), None)
+            job.plan = None
+        self.channel.forget(job.recv.engine_id, job.ranks)  # ask P for its handshake again: it may have restarted
+        if job.handle is None and job.ranks:  # no READ told P: D gives the request up
+            self._give_up(job, reason)
         if not job.recv.awaiting:
-            logger.info("kvcopy arena: notifying P about request %s failed: %s", job.rid, reason)
+            logger.info("kvcopy arena: request %s (nothing to read) failed: %s", job.rid, reason)
             return
         logger.warning("kvcopy arena: pulling request %s from %s failed, vLLM recomputes it: %s", job.rid,
                        job.recv.engine_id, reason)
@@ -252,6 +237,39 @@ class ArenaPuller:
         self.failed.add(job.rid)
         if self.single_group:
             self.error_blocks.update(job.blocks)
+
+    def _give_up(self, job: _Job, reason: str) -> None:
+        """Tell every P rank of ``job`` that this reader will not read it (module docstring)."""
+        job.plan = job.handle = None
+        r = job.recv
+        if all(agent_name(r.engine_id, k) in self._added for k in job.ranks) or (job.fetch is not None
+                                                                                 and job.fetch.done):
+            self._tell_p(job)
+            return
+        if job.fetch is None:  # fetch P's handshakes, then tell P (tick)
+            job.fetch = self.channel.fetch(r.engine_id, r.host, r.port, r.remote_request_id, job.ranks,
+                                           self.opts.fetch_timeout_s, records=False)
+        logger.debug("kvcopy arena: giving request %s up once P's handshake is in (%s)", job.rid, reason)
+        self.giving_up[job.rid] = job
+
+    def _tell_p(self, job: _Job) -> None:
+        r = job.recv
+        unreached = []
+        msg = notify_bytes(r.remote_request_id, self.tp, GAVE_UP)
+        known = dict(job.fetch.metadata) if job.fetch is not None else {}
+        for k in job.ranks:
+            name = agent_name(r.engine_id, k)
+            if name not in self._added and k in known:
+                try:
+                    self._add_peers(r.engine_id, {k: known[k]})
+                except Exception as exc:  # noqa: BLE001 -- a handshake D refuses: P is told another way
+                    logger.debug("kvcopy arena: P rank %d's handshake refused (%s)", k, exc)
+            if name in self._added:
+                self.m.notify(name, msg)
+            else:
+                unreached.append(k)
+        if unreached:
+            self.channel.give_up(r.host, r.port, r.remote_request_id, unreached, self.m.name, self.tp)
 
     def results(self) -> Tuple[Set[str], Set[str]]:
         """(finished_recving, failed_recving) since the last call."""
@@ -264,7 +282,5 @@ class ArenaPuller:
         return out
 
     def close(self) -> None:
-        """Stop the fetches (an exchange in flight ends within its timeout), then the sockets."""
-        self._stop.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._zmq.destroy(linger=0)
+        """Stop the side-channel client (exchanges in flight are dropped)."""
+        self.channel.close()

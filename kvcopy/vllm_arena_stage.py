@@ -4,12 +4,7 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
 
 Each step (``wait_for_save``) :meth:`ArenaStager.step`:
 
-1. reads D's notifications (:func:`~kvcopy.vllm_arena_meta.parse_notify`): a reader of a
-   request says it is done (read, or gave up) and how many D ranks there are; once every D
-   rank that reads this P rank (:func:`readers_of`, the same choice D makes with
-   :func:`kvcopy.nixl.remote_ranks`) has said so, the span is freed
-   (``TransferManager.arena.release``). Spans the arena freed at their TTL are noticed
-   here too. Freed spans are reported, so P's scheduler stops serving their records;
+1. reads D's notifications (:meth:`tick`, below);
 2. drops the requests P's scheduler gave up (``reqs_not_processed``: aborted);
 3. stages the requests whose prefill ended (``ArenaStage``: one ``TransferManager.save``
    each, one masked copy of every group's own layers into one span). A full arena is
@@ -21,6 +16,20 @@ Each step (``wait_for_save``) :meth:`ArenaStager.step`:
    never waits for it. With ``checksum`` the record carries the pack's page sums, read
    back with the copy (:class:`~kvcopy.nixl.span_sums.PendingRecord`) and finished then.
 
+:meth:`tick` runs at every step and, between steps, from the worker's housekeeping
+thread (:mod:`kvcopy.vllm_arena`): vLLM steps an engine only while it has requests, and
+an idle P must still free what D is done with and what outlived its TTL. It reads D's
+notifications (:func:`~kvcopy.vllm_arena_meta.parse_notify`): a reader of a request
+says it read it or gave it up, and how many D ranks there are; once every D rank that
+reads this P rank (:func:`readers_of`, the same choice D makes with
+:func:`kvcopy.nixl.remote_ranks`) has said either, the span is freed
+(``TransferManager.arena.release``). A notification for a request not staged yet (D gave
+up while P was still waiting for space or copying) is kept (:data:`EARLY_KEPT` at most,
+for the TTL) and counted when it is: a request every reader gave up is never staged.
+Spans the arena freed at their TTL are noticed here too. Freed spans are reported, so
+P's scheduler stops serving their records. Give-ups that came over P's side channel
+(:meth:`note_give_ups`: D could not reach this rank over NIXL) count the same.
+
 A request staged (or failed) whose blocks P's scheduler holds (``reqs_to_send``: it
 finished the request with ``delay_free_blocks``) is reported in ``finished_sending``: P's
 KV blocks go back to the pool as soon as the arena holds the copy, not when D has read.
@@ -28,14 +37,22 @@ KV blocks go back to the pool as soon as the arena holds the copy, not when D ha
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Dict, Optional, Set, Tuple
 
 import torch
+from vllm.logger import init_logger
 
 from .nixl import ArenaFull, remote_ranks
 from .nixl.manager import TransferManager
 from .nixl.sum_check import finished
-from .vllm_arena_meta import ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify
+from .vllm_arena_meta import (
+    GAVE_UP, ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
+)
+
+logger = init_logger("vllm.kvcopy")
+
+EARLY_KEPT = 4096  # requests with notifications that came before their span (oldest dropped past this)
 
 
 def readers_of(p_rank: int, p_tp: int, d_tp: int, total_kv_heads: Optional[int]) -> int:
@@ -45,7 +62,8 @@ def readers_of(p_rank: int, p_tp: int, d_tp: int, total_kv_heads: Optional[int])
 
 
 class ArenaStager:
-    """One P rank's staging (see the module docstring)."""
+    """One P rank's staging (see the module docstring). Not thread-safe: the worker
+    serializes :meth:`step`, :meth:`tick` and the rest with its lock."""
 
     def __init__(self, manager: TransferManager, options: ArenaOptions, tp_rank: int, tp_size: int,
                  total_kv_heads: Optional[int], key: Optional[bytes]):
@@ -58,22 +76,73 @@ class ArenaStager:
         self.live: Set[str] = set()  # staged spans not freed yet
         self.done: Set[str] = set()  # staged or failed: P's blocks may go
         self.held: Set[str] = set()  # P's scheduler holds these requests' blocks for us
-        self.readers: Dict[str, Set[str]] = {}  # request -> D agents that said they are done
+        self.readers: Dict[str, Tuple[int, Set[str]]] = {}  # request -> (D's TP size, D agents done with it)
+        # notifications that came before their span: request -> (D's TP size, readers, until)
+        self.early: "OrderedDict[str, Tuple[int, Set[str], float]]" = OrderedDict()
+        self.gave_up = 0  # spans freed (or stagings skipped) because every reader gave up
         self.report = KvcopyArenaWorkerMeta()
 
     def step(self, meta: KvcopyArenaMetadata) -> None:
         now = time.monotonic()
-        self._read_notifications()
+        self.tick(now)
         for rid in meta.nixl.reqs_not_processed:
             self._abort(rid)
         self.held.update(meta.nixl.reqs_to_send)
         for rid, stage in meta.stage.items():
             self.pending[rid] = (stage, now + self.opts.stage_timeout_s)
         self._stage_pending(now)
-        self._check_copies()
+        self._check_copies(now)
+
+    def tick(self, now: Optional[float] = None) -> None:
+        """D's notifications, copies that ended, TTLs: everything that needs no step."""
+        now = time.monotonic() if now is None else now
+        for peer, msgs in self.m.notifications().items():
+            for msg in msgs:
+                parsed = parse_notify(msg)
+                if parsed is not None:
+                    self._note(parsed[0], peer, parsed[1], parsed[2], now)
+        self._check_copies(now)
+        arena = self.m.arena
+        assert arena is not None
+        staged = set(arena.staged)
+        for rid in [r for r in self.live if r not in staged]:  # freed at its TTL
+            self._forget(rid)
+        while self.early and next(iter(self.early.values()))[2] < now:
+            self.early.popitem(last=False)
+
+    def note_give_ups(self, give_ups) -> None:
+        """(request, D agent, D's TP size) that P's side channel got for this rank."""
+        now = time.monotonic()
+        for rid, reader, d_tp in give_ups:
+            self._note(rid, reader, d_tp, GAVE_UP, now)
+
+    def _note(self, rid: str, reader: str, d_tp: int, kind: bytes, now: float) -> None:
+        """``reader`` (a D agent) is done with ``rid`` (read it, or gave it up)."""
+        if rid in self.live and rid not in self.syncing:
+            _, seen = self.readers.setdefault(rid, (d_tp, set()))
+            seen.add(reader)  # distinct D agents: a repeated notification counts once
+            if len(seen) >= readers_of(self.rank, self.tp, d_tp, self.heads):
+                if kind == GAVE_UP:
+                    self.gave_up += 1
+                self._release(rid)
+            return
+        _, seen, _ = self.early.setdefault(rid, (d_tp, set(), now + self.opts.arena_ttl_s))
+        seen.add(reader)
+        self.early.move_to_end(rid)
+        while len(self.early) > EARLY_KEPT:
+            self.early.popitem(last=False)
+
+    def _everyone_gave_up(self, rid: str) -> bool:
+        entry = self.early.get(rid)
+        return entry is not None and len(entry[1]) >= readers_of(self.rank, self.tp, entry[0], self.heads)
 
     def _stage_pending(self, now: float) -> None:
         for rid, (stage, deadline) in list(self.pending.items()):
+            if self._everyone_gave_up(rid):  # D gave it up while it waited here: never staged
+                self.gave_up += 1
+                del self.early[rid]
+                self._fail(rid, "every reader gave it up before it was staged")
+                continue
             try:
                 out = self.m.save(stage.block_ids, wait=False, num_tokens=stage.num_tokens, request_id=rid)
             except ArenaFull as exc:
@@ -89,29 +158,15 @@ class ArenaStager:
             self.live.add(rid)
             self.syncing[rid] = (record, event)
 
-    def _check_copies(self) -> None:
+    def _check_copies(self, now: float) -> None:
         for rid, (record, event) in list(self.syncing.items()):
             if event is None or event.query():  # the pack and its page sums are in host memory
                 del self.syncing[rid]
                 self.report.staged.setdefault(rid, {})[self.rank] = finished(record).to_bytes(self.key)
                 self.done.add(rid)
-
-    def _read_notifications(self) -> None:
-        for peer, msgs in self.m.notifications().items():
-            for msg in msgs:
-                parsed = parse_notify(msg)
-                if parsed is None or parsed[0] not in self.live or parsed[0] in self.syncing:
-                    continue  # not ours, or a request this rank holds no readable span of
-                rid, d_tp = parsed
-                seen = self.readers.setdefault(rid, set())
-                seen.add(peer)  # distinct D agents: a repeated notification counts once
-                if len(seen) >= readers_of(self.rank, self.tp, d_tp, self.heads):
-                    self._release(rid)
-        arena = self.m.arena
-        assert arena is not None
-        staged = set(arena.staged)
-        for rid in [r for r in self.live if r not in staged]:  # freed at its TTL
-            self._forget(rid)
+                d_tp, early, _ = self.early.pop(rid, (1, set(), now))
+                for reader in early:
+                    self._note(rid, reader, d_tp, GAVE_UP, now)
 
     def _release(self, rid: str) -> None:
         arena = self.m.arena

@@ -276,7 +276,7 @@ def test_arena_plan_pull_refuses_loose_arguments_and_allocates_nothing(arena_pd,
     args = dict(n=40, local=[[2, 3, 4]], c=0)
     args.update(kw)
     with pytest.raises(exc):
-        d.plan_pull(peer, record, args["n"], args["local"], args["c"])
+        d.plan_pull(peer, record, args["n"], args["local"], args["c"], request_id="x")
     assert d.stats()["bytes_in_use"] == 0 and d.stats()["spans"] == 0
 
 

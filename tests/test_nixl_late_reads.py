@@ -102,7 +102,7 @@ def test_abort_mid_flight_holds_d_span_until_the_read_ended():
 def _abort_mid_flight(p, d, peer, pe, de):
     record = p.save([[1, 2, 3]], num_tokens=40, request_id="ab")
     before = clone_caches(de.device_caches)
-    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]], request_id="ab")
     h = d.pull(plan, notify=b"ab")
     d.abort(h)
     assert h.state == "ERR" and h.error == "aborted"
@@ -114,7 +114,7 @@ def _abort_mid_flight(p, d, peer, pe, de):
     assert st["held_spans"] == st["abandoned_reads"] <= int(done.read_pending)  # it may have ended since
     if st["held_spans"]:  # still D's: the next plan gets another span
         assert st["bytes_in_use"] == plan.span.nbytes
-        again = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+        again = d.plan_pull(peer, record, 40, [[10, 11, 12]], request_id="ab")
         assert again.span.offset != plan.span.offset
         d.discard(again)
     end = time.monotonic() + 30
@@ -136,7 +136,8 @@ def test_close_with_a_read_that_may_land_destroys_the_agent_first(rig, buffer):
 
     r = rig(buffer)
     plan, _ = r.fail_a(Outcome())
-    h = r.d.pull(r.d.plan_pull(r.peer1, r.a_remote, N, [[30, 31, 32]]), notify=b"A")  # in flight at close
+    # in flight at close
+    h = r.d.pull(r.d.plan_pull(r.peer1, r.a_remote, N, [[30, 31, 32]], request_id="A"), notify=b"A")
     assert r.d.stats()["abandoned_reads"] == 1 and h.state == "PROC"
     agent = weakref.ref(r.d._agent._agent.agent)
     kept = len(manager._KEPT_ALIVE)

@@ -122,7 +122,7 @@ def test_many_requests_in_flight_complete_in_any_order(pd):
     assert same_bytes(de.device_caches, expected), first_difference(de.device_caches, expected)
     assert set(unchecked) <= {"D reads no page of this request (all cached)"}  # host mode: pages compared
     assert d.stats() == {"in_flight": 0, "live_transfer_handles": 0, "abandoned_reads": 0, "peers": 1, "held_reads": 0,
-                         "checksum_checked": 12 - len(unchecked), "checksum_failed": 0,
+                         "notifications_refused": 0, "checksum_checked": 12 - len(unchecked), "checksum_failed": 0,
                          "checksum_unchecked": len(unchecked), "checksum_pending": 0}
     got = collect_notifications(p, len(reqs))
     assert sorted(got) == sorted((d.name, f"req-{i}".encode()) for i in range(len(reqs)))

@@ -27,6 +27,12 @@ def test_defaults_and_overrides():
     ({"key": "a string key, long enough"}, TypeError, "key must be bytes"),
     ({"key": b"short"}, ValueError, "at least 16"),
     ({"progress_delay_us": -1}, ValueError, "progress_delay_us"),
+    # a span freed before any D could ask for it and read it
+    ({"arena_ttl_s": 0}, ValueError, "arena_ttl_s"),
+    ({"arena_ttl_s": 1e-9}, ValueError, "arena_ttl_s must be at least 0.5"),
+    ({"arena_ttl_s": 0.49}, ValueError, "arena_ttl_s must be at least 0.5"),
+    ({"require_checksum": 1}, TypeError, "require_checksum must be True or False"),
+    ({"require_checksum": True, "checksum": False}, ValueError, "require_checksum needs checksum=True"),
 ])
 def test_bad_options_raise_naming_them(kw, exc, match):
     with pytest.raises(exc, match=match):
@@ -36,4 +42,4 @@ def test_bad_options_raise_naming_them(kw, exc, match):
 def test_options_must_be_options():
     with pytest.raises(TypeError, match="ManagerOptions"):
         ManagerOptions.make({"tp_rank": 0}, {})
-    assert ManagerOptions(arena_ttl_s=0).arena_ttl_s == 0.0  # P frees staged spans at its next look
+    assert ManagerOptions(arena_ttl_s=0.5).arena_ttl_s == 0.5  # the floor itself is taken

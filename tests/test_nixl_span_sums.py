@@ -15,7 +15,7 @@ import torch
 from kvcopy.backends import Backend
 from kvcopy.backends.cpu import CpuBackend
 from kvcopy.checksum import address_of, seal
-from kvcopy.nixl import TransferManager
+from kvcopy.nixl import ChecksumRequired, TransferManager
 from kvcopy.nixl.options import ManagerOptions
 from kvcopy.nixl.pull import Completion
 from kvcopy.nixl import span_sums
@@ -128,7 +128,7 @@ def test_a_fault_fails_exactly_its_request(pair, kind, fault, compared, monkeypa
     records = {r: p.save(p_ids[r], num_tokens=N, request_id=r) for r in "EABC"}
     assert all(rec.sums is not None for rec in records.values())
     before = clone_caches(de.device_caches)
-    plans = {r: d.plan_pull(peer, records[r], N, d_ids[r]) for r in "ABC"}
+    plans = {r: d.plan_pull(peer, records[r], N, d_ids[r], request_id=r) for r in "ABC"}
     buf, b = p.arena.buffer, records["B"]
     block = p.arena.span_copiers(p.arena.order).index[0][0]  # bytes of one staged block (uniform models)
     remote = read_rows(plans["B"])[1]
@@ -204,7 +204,7 @@ def test_clean_pulls_are_checked_with_prefix_hits_and_holes(pair, kind):
         cached = cached if kind != "seeds3" else 0
         before = clone_caches(de.device_caches)
         record = p.save(p_ids, num_tokens=n, request_id=f"r{i}")
-        h = d.pull(d.plan_pull(peer, record, n, d_ids, cached), notify=f"r{i}".encode())
+        h = d.pull(d.plan_pull(peer, record, n, d_ids, cached, request_id=f"r{i}"), notify=f"r{i}".encode())
         assert wait(d, h) == "DONE"
         done = d.complete(h)
         assert done.ok and done.checked and done.unchecked is None, done
@@ -220,7 +220,7 @@ def test_a_difference_found_in_the_copys_call_fails_even_if_no_page_is_named(pai
     rng = np.random.default_rng(9)
     counts = block_counts("hybrid")
     record = p.save(allocate_blocks(rng, pe, counts, set(), NP), num_tokens=N, request_id="x")
-    plan = d.plan_pull(peer, record, N, allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP))
+    plan = d.plan_pull(peer, record, N, allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP), request_id="x")
     h = d.pull(plan, notify=b"x")
     assert wait(d, h) == "DONE"
     local = read_rows(plan)[0]
@@ -274,7 +274,7 @@ def test_the_switch_off_on_either_side_leaves_requests_unchecked(pair, off):
     assert (record.sums is None) == (off == "p")
     before = clone_caches(de.device_caches)
     d_ids = [[20, 21, 22], [50, 51, 52, 53, 54, 55]]
-    h = d.pull(d.plan_pull(peer, record, N, d_ids), notify=b"x")
+    h = d.pull(d.plan_pull(peer, record, N, d_ids, request_id="x"), notify=b"x")
     assert wait(d, h) == "DONE"
     done = d.complete(h)
     why = "P sent no page sums" if off == "p" else "checksum off on D"
@@ -321,7 +321,8 @@ def test_pages_that_differ_between_p_and_d_are_unchecked_not_checked(p_tp, d_tp,
             ranks = list(range(p_tp)) if p_tp > d_tp else [0]
             peers = [dm.add_peer(pms[r].metadata()) for r in ranks]
             before = clone_caches(d_caches)
-            plan = dm.plan_pull(peers, {peers[i]: records[r] for i, r in enumerate(ranks)}, 71, spec.d.block_ids)
+            plan = dm.plan_pull(peers, {peers[i]: records[r] for i, r in enumerate(ranks)}, 71, spec.d.block_ids,
+                                request_id="u")
             h = dm.pull(plan, notify=b"u")
             assert wait(dm, h) == "DONE"
             done = dm.complete(h)
@@ -344,12 +345,13 @@ def test_d_compares_with_the_record_it_was_given_and_edits_after_plan_do_not_cou
     vals = [record.sums.values(0)]
     vals[0][1] ^= np.uint64(1)
     lied = record.with_sums(PageSums.of(record.sums.layout, vals))
-    h = d.pull(d.plan_pull(peer, StagedRequest.from_bytes(lied.to_bytes()), 40, [[20, 21, 22]]), notify=b"a")
+    h = d.pull(d.plan_pull(peer, StagedRequest.from_bytes(lied.to_bytes()), 40, [[20, 21, 22]], request_id="a"),
+               notify=b"a")
     assert wait(d, h) == "DONE"
     done = d.complete(h)
     assert not done.ok and "page position 1 (local page 21)" in done.error, done
     record = p.save([[4, 5, 6]], num_tokens=40, request_id="b")
-    plan = d.plan_pull(peer, record, 40, [[30, 31, 32]])
+    plan = d.plan_pull(peer, record, 40, [[30, 31, 32]], request_id="b")
     object.__setattr__(record, "sums", lied.sums)  # edited after the plan was made
     h = d.pull(plan, notify=b"b")
     assert wait(d, h) == "DONE"
@@ -361,10 +363,10 @@ def test_sums_that_do_not_fit_the_request_are_refused_at_plan_pull(pair):
     record = p.save([[1, 2, 3]], num_tokens=40, request_id="a")
     short = record.with_sums(PageSums(record.sums.layout, (record.sums.pages[0][:-16],)))
     with pytest.raises(ValueError, match="page sums per group"):
-        d.plan_pull(peer, StagedRequest.from_bytes(short.to_bytes()), 40, [[20, 21, 22]])
+        d.plan_pull(peer, StagedRequest.from_bytes(short.to_bytes()), 40, [[20, 21, 22]], request_id="a")
     bogus = record.with_sums(PageSums(record.sums.layout, ("zz" * 24,)))
     with pytest.raises(ValueError, match="hex"):
-        d.plan_pull(peer, bogus, 40, [[20, 21, 22]])
+        d.plan_pull(peer, bogus, 40, [[20, 21, 22]], request_id="a")
     assert d.stats()["bytes_in_use"] == 0
 
 
@@ -563,3 +565,79 @@ def test_the_switch_is_a_bool():
     with pytest.raises(TypeError, match="checksum"):
         ManagerOptions(checksum="yes")
     assert ManagerOptions().checksum is True
+
+
+# ---------------------------------------------------------------- require_checksum (D can require checks)
+def _uncheckable(kind: str, record: StagedRequest) -> bytes:
+    """The wire form D gets in each case where its pages cannot be compared (unkeyed
+    managers: anyone on the path can re-frame a record with a fresh digest)."""
+    if kind == "P runs without sums":
+        return record.to_bytes()
+    if kind == "sums stripped on the way":
+        return StagedRequest.from_dict({k: v for k, v in record.to_dict().items() if k != "sums"}).to_bytes()
+    assert kind == "sums layout fingerprint changed"
+    return record.with_sums(PageSums("0" * 32, record.sums.pages)).to_bytes()
+
+
+@pytest.mark.parametrize("kind", ["P runs without sums", "sums stripped on the way",
+                                  "sums layout fingerprint changed"])
+def test_require_checksum_refuses_a_pull_d_cannot_check(pair, kind):
+    """With ``checksum=True`` alone such a pull completes ``ok=True, checked=False``
+    whatever bytes it brings (here: a byte of P's span changed after the pack, so the
+    load is wrong); with ``require_checksum=True`` plan_pull refuses it before anything
+    is read or written, and the same D still pulls a checkable request exactly."""
+    p_kw = {"checksum": False} if kind == "P runs without sums" else None
+    p, d, peer, pe, de = pair("one_group", p_kw=p_kw)
+    record = p.save([[1, 2, 3]], num_tokens=40, request_id="r")
+    p.arena.buffer[record.offset + 3] ^= 0x40  # corrupted after the pack
+    wire = _uncheckable(kind, record)
+    before = clone_caches(de.device_caches)
+    h = d.pull(d.plan_pull(peer, wire, 40, [[10, 11, 12]], request_id="r"))  # checks possible, not required
+    assert wait(d, h) == "DONE"
+    done = d.complete(h)
+    assert done.ok and not done.checked and done.unchecked  # the wrong bytes went through
+    want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[1, 2, 3]], 40)
+    assert not same_bytes(de.device_caches, want)
+
+    strict = de.manager(f"Dstrict{next(_names)}", buffer="arena", arena_bytes=KB, require_checksum=True)
+    try:
+        speer = strict.add_peer(p.metadata())
+        poisoned = clone_caches(de.device_caches)
+        with pytest.raises(ChecksumRequired, match="cannot be compared"):
+            strict.plan_pull(speer, wire, 40, [[20, 21, 22]], request_id="r")
+        assert same_bytes(de.device_caches, poisoned) and strict.stats()["bytes_in_use"] == 0
+        if kind != "P runs without sums":  # the genuine record, pages intact: compared, exact
+            p.arena.buffer[record.offset + 3] ^= 0x40
+            before = clone_caches(de.device_caches)
+            h = strict.pull(strict.plan_pull(speer, record, 40, [[20, 21, 22]], request_id="r"))
+            assert wait(strict, h) == "DONE"
+            done = strict.complete(h)
+            assert done.ok and done.checked
+            want = expected_pull(before, de, [[20, 21, 22]], pe.device_caches, pe, [[1, 2, 3]], 40)
+            assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    finally:
+        strict.close()
+
+
+def test_require_checksum_in_host_mode_and_its_refusals():
+    """Host mode compares its own way (docs/nixl.md): a P without sums is refused the
+    same way; device mode carries none, so require_checksum is refused there at once."""
+    with one_torch_thread():
+        pe, de = build_case("one_group", NP), build_case("one_group", NP)
+        fill_random(pe.device_caches, 3)
+        fill_random(de.device_caches, 4)
+        tag = next(_names)
+        p = pe.manager(f"Phost{tag}", checksum=False)
+        d = de.manager(f"Dhost{tag}", require_checksum=True)
+        try:
+            peer = d.add_peer(p.metadata())
+            p.save([[1, 2, 3]])
+            with pytest.raises(ChecksumRequired, match="P sent no page sums"):
+                d.plan_pull(peer, [[1, 2, 3]], 40, [[10, 11, 12]])
+            full_hit = d.plan_pull(peer, [[1, 2, 3]], 40, [[10, 11, 12]], num_cached_tokens=48)
+            d.discard(full_hit)  # nothing read, nothing to compare: not refused
+        finally:
+            p.close()
+            d.close()
+        with pytest.raises(ValueError, match="device mode carries no page sums"):
+            de.manager(f"Ddev{tag}", buffer="device", require_checksum=True)

@@ -36,7 +36,7 @@ def pd():
 
 def pull_arena(d, peer, de, d_ids, pe, p_ids, record, n, cached=0, notify=b""):
     before = clone_caches(de.device_caches)
-    plan = d.plan_pull(peer, record, n, d_ids, cached)
+    plan = d.plan_pull(peer, record, n, d_ids, cached, request_id=record.request_id)
     h = d.pull(plan, notify=notify or record.request_id.encode())
     assert wait(d, h) == "DONE", h.error
     done = d.complete(h)
@@ -98,7 +98,8 @@ def test_full_arena_raises_and_drops_nothing(pd):
     plans = []
     with pytest.raises(ArenaFull):
         for k in range(len(records) + 1):
-            plans.append(d.plan_pull(peer, records[k % len(records)][1], 48, [[30 + k, 20 + k, 10 + k]]))
+            rec = records[k % len(records)][1]
+            plans.append(d.plan_pull(peer, rec, 48, [[30 + k, 20 + k, 10 + k]], request_id=rec.request_id))
     assert d.stats()["failed_allocations"] == 1 and len(plans) == len(records)
     for plan in plans:
         d.discard(plan)
@@ -146,9 +147,11 @@ def test_save_larger_than_the_arena_does_not_wait(pd):
 
 
 def test_ttl_frees_p_spans(pd):
-    p, d, peer, pe, de = pd("one_group", arena_ttl_s=0.0)
+    p, d, peer, pe, de = pd("one_group", arena_ttl_s=0.5)  # the shortest TTL a manager takes
     p.save([[1, 2]], num_tokens=20, request_id="old")
-    time.sleep(0.01)
+    p.notifications()
+    assert p.arena.staged == ["old"]
+    time.sleep(0.55)
     p.notifications()
     assert p.stats()["bytes_in_use"] == 0 and p.arena.staged == []
 
@@ -178,7 +181,7 @@ def test_readers_are_distinct_d_agents(pd):
 def test_failed_pull_writes_nothing_and_frees_d_span(pd):
     p, d, peer, pe, de = pd("one_group")
     record = p.save([[1, 2, 3]], num_tokens=40, request_id="gone")
-    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]])
+    plan = d.plan_pull(peer, record, 40, [[10, 11, 12]], request_id="gone")
     before = clone_caches(de.device_caches)
     p.close()  # P goes away before the READ
     d.remove_peer(peer)
@@ -208,7 +211,7 @@ def test_records_from_the_peer_are_checked(pd):
         StagedRequest.from_bytes(b"\xff")
     with pytest.raises(TypeError, match="must be bytes"):
         StagedRequest.from_bytes(record.to_dict())
-    d.discard(d.plan_pull(peer, record.to_bytes(), 40, [[10, 11, 12]]))  # the wire form is accepted
+    d.discard(d.plan_pull(peer, record.to_bytes(), 40, [[10, 11, 12]], request_id="x"))  # the wire form is accepted
     for rec, words in [
         (StagedRequest(**{**record.__dict__, "offset": p.info.arena[1]}), "inside the peer's"),
         (StagedRequest(**{**record.__dict__, "engine": "someone"}), "given for peer"),
@@ -216,9 +219,10 @@ def test_records_from_the_peer_are_checked(pd):
         (StagedRequest(**{**record.__dict__, "blocks": ((1, 1),)}), "blocks staged"),
     ]:
         with pytest.raises(ValueError, match=words):
-            d.plan_pull(peer, rec, rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]])
+            d.plan_pull(peer, rec, rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]], request_id="x")
         with pytest.raises(ValueError, match=words):  # the same record in wire form
-            d.plan_pull(peer, rec.to_bytes(), rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]])
+            d.plan_pull(peer, rec.to_bytes(), rec.num_tokens if "staged" not in words else 40, [[10, 11, 12]],
+                        request_id="x")
     assert d.stats()["bytes_in_use"] == 0  # nothing allocated by the refused plans
     with pytest.raises(ValueError, match="already staged"):
         p.save([[4]], num_tokens=10, request_id="x")
@@ -229,12 +233,91 @@ def test_records_from_the_peer_are_checked(pd):
     assert p.stats()["spans"] == 1  # only "x"
 
 
+KEY = b"kvcopy-arena-test-key-0123456789"
+
+
+def test_a_genuine_record_of_another_request_is_refused():
+    """D asks for request B and is handed A's genuine, keyed record of the same length:
+    before records were bound, B completed as loaded holding A's KV (the key and the
+    page sums both pass: A's bytes match A's sums). plan_pull names the request it
+    pulls and refuses A's record, in wire form and as an object; B's own record pulls
+    B exactly."""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB, key=KEY)
+        rec_a = p.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        rec_b = p.save([[4, 5, 6]], num_tokens=40, request_id="B")
+        assert rec_a.nbytes == rec_b.nbytes  # the same size: nothing but the binding tells them apart
+        before = clone_caches(de.device_caches)
+        for given in (rec_a.to_bytes(KEY), rec_a):
+            with pytest.raises(ValueError, match="record of request 'A' given for request 'B'"):
+                d.plan_pull(peer, given, 40, [[10, 11, 12]], request_id="B")
+        with pytest.raises(ValueError, match="needs request_id"):
+            d.plan_pull(peer, rec_b.to_bytes(KEY), 40, [[10, 11, 12]])
+        assert d.stats()["bytes_in_use"] == 0 and same_bytes(de.device_caches, before)
+        h = d.pull(d.plan_pull(peer, rec_b.to_bytes(KEY), 40, [[10, 11, 12]], request_id="B"), notify=b"B")
+        assert wait(d, h) == "DONE" and d.complete(h).ok
+        want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[4, 5, 6]], 40)
+        assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+
+
+def test_a_record_of_another_rank_or_an_earlier_registration_is_refused():
+    """A record names P's TP rank and registration generation: P re-registered under
+    the same name (restarted) makes every record of the old registration stale, even
+    one whose span offset and size the new P also uses."""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB)
+        old = p.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        with pytest.raises(ValueError, match="record of TP rank 1 given for peer"):
+            d.plan_pull(peer, StagedRequest(**{**old.__dict__, "tp_rank": 1}).to_bytes(), 40, [[10, 11, 12]],
+                        request_id="A")
+        name = p.name
+        p.close()
+        d.remove_peer(peer)
+        p2 = pe.manager(name, buffer="arena", arena_bytes=KB)
+        pairs.made.append(p2)
+        peer = d.add_peer(p2.metadata())
+        new = p2.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        assert (new.offset, new.nbytes) == (old.offset, old.nbytes) and new.generation != old.generation
+        with pytest.raises(ValueError, match="re-registered"):
+            d.plan_pull(peer, old.to_bytes(), 40, [[10, 11, 12]], request_id="A")
+        d.discard(d.plan_pull(peer, new.to_bytes(), 40, [[10, 11, 12]], request_id="A"))
+        assert d.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("offset", -1),  # posted a READ below P's arena
+    ("offset", True),  # read as 1
+    ("num_tokens", 40.0),
+    ("nbytes", 8192.5),
+    ("blocks", ((True, True, True),)),
+    ("blocks", "abc"),
+    ("request_id", b"A"),
+    ("sums", {"layout": "0" * 32, "pages": ["0" * 48]}),
+])
+def test_record_objects_are_checked_exactly_as_wire_records(field, value):
+    """A StagedRequest handed to plan_pull in-process goes through the wire form's field
+    checker: each of these was accepted (and some completed ok) before; each is refused
+    now as its wire form is, with nothing allocated and D's KV untouched."""
+    with one_torch_thread(), ManagerPairs() as pairs:
+        p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB)
+        record = p.save([[1, 2, 3]], num_tokens=40, request_id="A")
+        bad = StagedRequest(**{**record.__dict__, field: value})
+        before = clone_caches(de.device_caches)
+        with pytest.raises((ValueError, TypeError)):
+            d.plan_pull(peer, bad, 40, [[10, 11, 12]], request_id="A")
+        if field != "sums":  # the same fields in wire form (a PageSums dict cannot be framed)
+            with pytest.raises((ValueError, TypeError)):
+                d.plan_pull(peer, bad.to_bytes(), 40, [[10, 11, 12]], request_id="A")
+        assert d.stats()["bytes_in_use"] == 0 and same_bytes(de.device_caches, before)
+        d.discard(d.plan_pull(peer, record, 40, [[10, 11, 12]], request_id="A"))  # the genuine one is taken
+
+
 def test_corrupted_records_are_refused_by_plan_pull_and_keyed_managers_authenticate_them():
     """Bit flips in the offset's digits, the order, the block flags of a record in wire
     form (which completed ok=True with foreign bytes before records carried a digest),
     and records made without the managers' shared key: plan_pull refuses each before
     allocating D's span."""
-    key = b"kvcopy-arena-test-key-0123456789"
+    key = KEY
     with one_torch_thread(), ManagerPairs() as pairs:
         p, d, peer, pe, de = pairs.make("one_group", NP, buffer="arena", arena_bytes=KB, key=key)
         record = p.save([[1, 2, 3]], num_tokens=40, request_id="flip")
@@ -248,14 +331,14 @@ def test_corrupted_records_are_refused_by_plan_pull_and_keyed_managers_authentic
                 for bit in range(8):
                     flipped = wire[:i] + bytes([wire[i] ^ (1 << bit)]) + wire[i + 1:]
                     with pytest.raises(ValueError):
-                        d.plan_pull(peer, flipped, 40, [[10, 11, 12]])
+                        d.plan_pull(peer, flipped, 40, [[10, 11, 12]], request_id="flip")
                     refused += 1
         for unkeyed in (record.to_bytes(), record.to_bytes(b"not-the-managers-key-0123456789")):
             with pytest.raises(ValueError, match="authenticated|HMAC"):
-                d.plan_pull(peer, unkeyed, 40, [[10, 11, 12]])
+                d.plan_pull(peer, unkeyed, 40, [[10, 11, 12]], request_id="flip")
         assert refused == 3 * 6 * 8 and d.stats()["bytes_in_use"] == 0
         before = clone_caches(de.device_caches)
-        plan = d.plan_pull(peer, wire, 40, [[10, 11, 12]])
+        plan = d.plan_pull(peer, wire, 40, [[10, 11, 12]], request_id="flip")
         h = d.pull(plan, notify=b"flip")
         assert wait(d, h) == "DONE" and d.complete(h).ok
         want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[1, 2, 3]], 40)
@@ -265,7 +348,7 @@ def test_corrupted_records_are_refused_by_plan_pull_and_keyed_managers_authentic
 def test_plan_is_pulled_once(pd):
     p, d, peer, pe, de = pd("one_group")
     record = p.save([[1]], num_tokens=16, request_id="once")
-    plan = d.plan_pull(peer, record, 16, [[3]])
+    plan = d.plan_pull(peer, record, 16, [[3]], request_id="once")
     assert isinstance(plan, ArenaPlan)
     h = d.pull(plan, notify=b"once")
     with pytest.raises(ValueError, match="the plan is pulled: only a planned plan can be pulled"):
@@ -366,7 +449,7 @@ def hnd_pull(p_tp, d_tp, order, cached=0, p_tpp=16, d_tpp=16, n=71, heads=4):
             peers = [dm.add_peer(pms[r].metadata()) for r in ranks]
             before = clone_caches(d_caches)
             plan = dm.plan_pull(peers, {peers[i]: records[r] for i, r in enumerate(ranks)}, n,
-                                dside.block_ids, cached)
+                                dside.block_ids, cached, request_id="hnd")
             h = dm.pull(plan, notify=b"hnd")
             assert wait(dm, h) == "DONE", h.error
             assert dm.complete(h).ok
@@ -518,10 +601,11 @@ def test_two_processes_p_killed_mid_flight(prefill):
             ((raw,),) = prefill.call("save_arena", b, 32, f"k{i}")
             reqs.append((b, [[20 + 2 * i, 21 + 2 * i]], StagedRequest.from_bytes(raw)))
         before = clone_caches(de.device_caches)
-        handles = [d.pull(d.plan_pull(peer, r, 32, q), notify=r.request_id.encode()) for _, q, r in reqs[:4]]
+        handles = [d.pull(d.plan_pull(peer, r, 32, q, request_id=r.request_id), notify=r.request_id.encode())
+                   for _, q, r in reqs[:4]]
         prefill.process.kill()
         prefill.process.join(30)
-        handles += [d.pull(d.plan_pull(peer, r, 32, q)) for _, q, r in reqs[4:]]
+        handles += [d.pull(d.plan_pull(peer, r, 32, q, request_id=r.request_id)) for _, q, r in reqs[4:]]
         expected, states = before, []
         deadline = time.monotonic() + 30
         for h, (b, q, _) in zip(handles, reqs):
@@ -571,7 +655,7 @@ def test_two_processes_p_tp2_to_d_tp4(prefill, order):
             managers.append(dm)
             peers = [dm.add_peer(metadata[r]) for r in ranks]
             before = clone_caches(d_caches)
-            plan = dm.plan_pull(peers, {peers[0]: records[ranks[0]]}, n, dside.block_ids, 0)
+            plan = dm.plan_pull(peers, {peers[0]: records[ranks[0]]}, n, dside.block_ids, 0, request_id="tp")
             h = dm.pull(plan, notify=b"tp")
             assert wait(dm, h) == "DONE", h.error
             assert dm.complete(h).ok
@@ -607,7 +691,7 @@ def test_arena_mode_with_cuda_kv():
             peer = d.add_peer(p.metadata())
             record = p.save([[4, 9, 2]], num_tokens=40, request_id="g")
             before = {k: v.cpu() for k, v in de.device_caches.items()}
-            h = d.pull(d.plan_pull(peer, record, 40, [[30, 31, 32, 33]]), notify=b"g")
+            h = d.pull(d.plan_pull(peer, record, 40, [[30, 31, 32, 33]], request_id="g"), notify=b"g")
             assert wait(d, h) == "DONE"
             assert d.complete(h).ok
             torch.cuda.synchronize()
@@ -666,7 +750,7 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
             assert {(u.heads, u.outer) for u in stage_units(info.regions, HEAD_ORDER)} == {(4 // p_tp, 2)}
             records[info.name] = st.stage(info, p.block_ids, n, b"q", 1)
             peers.append(Peer(len(peers), info, (), ()))
-        plan, _ = d_st.plan(d_info, peers, records, n, d.block_ids, 0)
+        plan, _ = d_st.plan(d_info, peers, records, n, d.block_ids, 0, request_id="q")
         # a head slice of each layer is one run per peer (fewer where runs line up across layers)
         assert all(len(rows[0]) <= len(layers) for rows in plan.reads.values())
     finally:

@@ -130,3 +130,45 @@ def test_host_side_limit_and_lengths():
         copier.plan("d2h", [[0], [1], [2]], [[0], [1, 2], [3]])
     with pytest.raises(ValueError, match=r"one id list per KV cache group \(3\)"):
         copier.plan("d2h", [[0], [1]])
+
+
+class _LyingLength:
+    """An outer sequence whose len() promises one item more than it holds."""
+
+    def __init__(self, lists):
+        self._lists = lists
+
+    def __len__(self):
+        return len(self._lists) + 1
+
+    def __getitem__(self, i):
+        return self._lists[i]
+
+
+@pytest.mark.parametrize("outer,exc", [
+    # no defined order: which group gets which ids would be up to the container
+    (lambda lists: set(map(tuple, lists)), TypeError),
+    (lambda lists: frozenset(map(tuple, lists)), TypeError),
+    (lambda lists: dict(enumerate(lists)).values(), TypeError),
+    (lambda lists: dict(enumerate(lists)), TypeError),
+    (lambda lists: _LyingLength(lists[:2]), ValueError),  # IndexError before
+], ids=["set", "frozenset", "dict.values()", "dict", "len() lies"])
+def test_the_outer_container_of_per_group_ids_has_an_order_and_its_length(outer, exc):
+    """Every direction, the fast path for plain lists included: refused before any
+    byte moves (destination poisoned, compared whole)."""
+    copier = _copier()
+    lists = [[0, 1], [2, 3], [4, 5]]
+    for direction in ("d2h", "h2d"):
+        with pytest.raises(exc, match="block ids"):
+            copier.plan(direction, outer(lists))
+    dev = {"x": torch.arange(4 * 4 * 2, dtype=torch.uint8).reshape(4, 4, 2)}
+    hb = {"x": torch.full((10, 4, 2), 0x5A, dtype=torch.uint8)}
+    one = kvcopy.BlockCopier(dev, hb, [["x"]])
+    before = hb["x"].clone()
+    with pytest.raises(TypeError):
+        one.to_host({(1, 2)})
+    with pytest.raises(ValueError):
+        one.to_host(_LyingLength([]))
+    assert torch.equal(hb["x"], before)
+    one.to_host([(1, 2)])  # the same ids in a list: copied
+    assert torch.equal(hb["x"][1:3], dev["x"][1:3]) and torch.equal(hb["x"][3:], before[3:])

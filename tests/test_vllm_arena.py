@@ -58,10 +58,10 @@ def prefill_process(vllm_env, tmp_path):
 
     procs = []
 
-    def start(case_name, engine_id, seed):
+    def start(case_name, engine_id, seed, **opts):
         parent, child = mp.get_context("spawn").Pipe()
         proc = mp.get_context("spawn").Process(
-            target=prefill_child, args=(child, vllm_env.model, str(tmp_path), case_name, engine_id, seed),
+            target=prefill_child, args=(child, vllm_env.model, str(tmp_path), case_name, engine_id, seed, opts),
             daemon=True)
         proc.start()
         procs.append(proc)
@@ -109,20 +109,20 @@ def test_several_requests_in_one_step_one_descriptor_each(engines, monkeypatch):
     plans = _spy_pulls(d, monkeypatch)
     for e in (p, d):  # no host mirror: the arena is the only memory NIXL registers
         ((_, nbytes, _, mem),) = e.manager.arena.registrations()
-        assert mem == "DRAM" and nbytes == e.manager.stats()["arena_bytes"] + e.manager.arena.arena.granule
+        assert mem == "DRAM" and nbytes == e.stats()["arena_bytes"] + e.manager.arena.arena.granule
     fill(p, d, 1)
     tokens = prompts(3, [40, 17, 64])
     rids = ["a", "b", "c"]
     params = prefill(p, rids, tokens)
     # P's KV blocks go back to its pool once staged, before D has read anything: the arena holds the KV
     run([p], lambda: not any(r in p.sched.requests for r in rids))
-    assert p.manager.stats()["staged_requests"] == 3
+    assert p.stats()["staged_requests"] == 3
     before = d.raw_bytes()
     assert decode(d, [p], rids, tokens, params) == set()
     assert_same(d, expected_d(p, d, [(r, r, len(t)) for r, t in zip(rids, tokens)], before))
     assert [pl.num_descriptors for pl in plans] == [1, 1, 1]  # equal geometry: one READ descriptor per request
-    run([p], lambda: p.manager.stats()["staged_requests"] == 0)  # D's notifications freed P's spans
-    assert d.manager.stats()["bytes_in_use"] == 0 and d.manager.stats()["live_transfer_handles"] == 0
+    run([p], lambda: p.stats()["staged_requests"] == 0)  # D's notifications freed P's spans
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["live_transfer_handles"] == 0
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -190,13 +190,13 @@ def test_p_arena_too_small_for_two_requests_the_second_waits_then_completes(engi
     fill(p, d, 7)
     tokens = prompts(2, [64, 64], seed=7)
     params = prefill(p, ["x", "y"], tokens)  # both prefills end in one step
-    st = p.manager.stats()
+    st = p.stats()
     assert st["staged_requests"] == 1 and st["failed_allocations"] >= 1  # the second is held back, not dropped
     assert {"x", "y"} <= set(p.sched.requests)  # and its KV blocks with it, until it is staged
     before = d.raw_bytes()
     assert decode(d, [p], ["x", "y"], tokens, params) == set()
     assert_same(d, expected_d(p, d, [("x", "x", 64), ("y", "y", 64)], before))
-    assert p.manager.stats()["high_water"] <= ONE_SPAN
+    assert p.stats()["high_water"] <= ONE_SPAN
 
 
 def test_d_arena_too_small_for_two_requests_the_second_waits_then_completes(engines):
@@ -209,7 +209,7 @@ def test_d_arena_too_small_for_two_requests_the_second_waits_then_completes(engi
     before = d.raw_bytes()
     assert decode(d, [p], ["x", "y"], tokens, params) == set()
     assert_same(d, expected_d(p, d, [("x", "x", 64), ("y", "y", 64)], before))
-    assert d.manager.stats()["failed_allocations"] >= 1 and d.manager.stats()["bytes_in_use"] == 0
+    assert d.stats()["failed_allocations"] >= 1 and d.stats()["bytes_in_use"] == 0
 
 
 # ------------------------------------------------------------------ failures
@@ -249,7 +249,7 @@ def test_p_cannot_stage_a_request_larger_than_its_arena_and_d_recomputes_it(engi
     (params,) = prefill(p, ["big"], [tokens])
     _failed_load(d, "big", tokens, params, [p])
     run([p], lambda: "big" not in p.sched.requests)  # P's blocks freed too
-    assert p.manager.stats()["staged_requests"] == 0
+    assert p.stats()["staged_requests"] == 0
 
 
 @pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing"])
@@ -313,8 +313,9 @@ def test_a_byte_changed_in_ps_span_fails_the_load_by_its_checksum(engines, name)
     tokens = prompts(1, [40], seed=13)[0]
     (params,) = prefill(p, ["bad"], [tokens])
     arena = p.manager.arena
-    (entry,) = arena._staged.values()  # the one staged span
-    arena.buffer[entry.span.offset + 5] ^= 0x10
+    with p.worker.arena_worker.lock:  # its housekeeping thread reads notifications and TTLs meanwhile
+        (entry,) = arena._staged.values()  # the one staged span
+        arena.buffer[entry.span.offset + 5] ^= 0x10
     before = d.raw_bytes()
     errors = set()
     real_step = d.step
@@ -332,7 +333,7 @@ def test_a_byte_changed_in_ps_span_fails_the_load_by_its_checksum(engines, name)
     exp = expected_d(p, d, [("bad", "bad", n_load)], before)
     assert (exp != before).any()
     assert int((d.raw != exp).sum()) == 1  # the flipped byte, copied into the request's own page
-    stats = d.manager.stats()
+    stats = d.stats()
     assert (stats["checksum_failed"], stats["checksum_checked"]) == (1, 0)
     if len(d.kcc.kv_cache_groups) == 1:
         assert errors == {b for g in d.tables["bad"] for b in g if b}
@@ -385,7 +386,7 @@ def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, pr
     assert killed and failed == {"x"}
     assert errors == {b for g in d.tables["x"] for b in g if b}
     assert_same(d, expected_d(p1, d, [("y", "y", 40), ("z", "z", 56)], before))
-    st = d.manager.stats()
+    st = d.stats()
     assert st["in_flight"] == 0 and st["live_transfer_handles"] == 0
 
 
@@ -413,13 +414,13 @@ def test_a_request_d_aborts_before_loading_frees_ps_span(engines):
     tokens = prompts(1, [40], seed=18)[0]
     (params,) = prefill(p, ["gone"], [tokens])
     run([p], lambda: "gone" not in p.sched.requests)
-    assert p.manager.stats()["staged_requests"] == 1
+    assert p.stats()["staged_requests"] == 1
     before = d.raw_bytes()
     d.add("gone", tokens, params, max_tokens=2)
     d.sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
-    run([d, p], lambda: p.manager.stats()["staged_requests"] == 0)
+    run([d, p], lambda: p.stats()["staged_requests"] == 0)
     assert_same(d, before)
-    assert d.manager.stats()["bytes_in_use"] == 0 and not d.worker.arena_worker.puller.jobs
+    assert d.stats()["bytes_in_use"] == 0 and not d.worker.arena_worker.puller.jobs
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
@@ -436,5 +437,5 @@ def test_p_and_d_of_other_tp_sizes(engines, p_tp, d_tp):
     before = [x.raw.clone() for x in d.ranks]
     assert decode(d, [p], rids, tokens, params) == set()
     assert_same(d, expected_d(p, d, [(r, r, len(t)) for r, t in zip(rids, tokens)], before))
-    run([p], lambda: not any(x.worker.arena_worker.manager.stats()["staged_requests"] for x in p.ranks))
-    assert all(x.worker.arena_worker.manager.stats()["bytes_in_use"] == 0 for x in d.ranks)
+    run([p], lambda: not any(p.stats(r)["staged_requests"] for r in range(len(p.ranks))))
+    assert all(d.stats(r)["bytes_in_use"] == 0 for r in range(len(d.ranks)))

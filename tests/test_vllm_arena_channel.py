@@ -1,7 +1,11 @@
-"""kvcopy.vllm_arena_channel: P's record store and listener, D's checks of P's replies (vLLM env)."""
+"""kvcopy.vllm_arena_channel and vllm_arena_fetch: P's record store and listener, D's client
+and its checks of P's replies, with and without a key (vLLM env; the listener inside real
+engines, hostile clients included: tests/test_vllm_arena_trust.py)."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -10,11 +14,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG, NixlHandshakePayload  # noqa: E402
+
+from kvcopy.vllm_arena_channel import (  # noqa: E402
+    AUTH_MSG, GIVEUP_MSG, HELLO_MSG, RECORDS_MSG, TAKE_GIVEUPS_MSG, RecordStore, answer, give_ups_of, question_mac,
+    records_of, serve,
+)
+from kvcopy.vllm_arena_fetch import SideChannel  # noqa: E402
+from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta  # noqa: E402
+from vllm_arena_engines import ask_side_channel, free_port  # noqa: E402
+
+enc = msgspec.msgpack.encode
+KEY = b"kvcopy-side-channel-key-01234567"
+MALFORMED = {"state": "failed", "records": [], "ttl_left": 0.0, "error": "malformed question"}
+
 
 def test_record_store_answers():
-    from kvcopy.vllm_arena_channel import RecordStore
-    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
-
     s = RecordStore(ttl_s=60, margin_s=5)
     assert s.lookup("r", [0, 1], now=0)["state"] == "pending"  # not reported yet
     s.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"a"}}), now=10)
@@ -31,44 +48,108 @@ def test_record_store_answers():
     assert s.lookup("g", [0])["error"] == "aborted on P"
     s.purge(now=100)
     assert len(s) == 1  # only "g" (reported now) is younger than the TTL
+    s.give_up("r", [0, 1], "D-tp0", 2)
+    s.give_up("r", [1], "D-tp1", 2)
+    s.give_up("q", [1], "D-tp1", 2)
+    assert s.take_give_ups(1) == [("r", "D-tp0", 2), ("r", "D-tp1", 2), ("q", "D-tp1", 2)]
+    assert s.take_give_ups(0) == [("r", "D-tp0", 2)] and s.take_give_ups(0) == s.take_give_ups(1) == []
 
 
 def test_side_channel_answers_malformed_questions_without_raising():
-    import msgspec
-
-    from kvcopy.vllm_arena_channel import RECORDS_MSG, RecordStore, answer
-    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
-
     store = RecordStore(60)
     store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
-    enc = msgspec.msgpack.encode
     (ok,) = answer(enc((RECORDS_MSG, "r", [0])), {}, store)
     assert msgspec.msgpack.decode(ok)["records"] == [[0, b"rec"]]
     for q in [b"\xc1", enc(1), enc((RECORDS_MSG, "r")), enc((RECORDS_MSG, "", [0])), enc((RECORDS_MSG, "r", [])),
               enc((RECORDS_MSG, "r", [-1])), enc((RECORDS_MSG, "r", [True])), enc((RECORDS_MSG, "r", [1 << 20])),
-              enc((RECORDS_MSG, "x" * 2000, [0])), enc((b"other", "r", [0]))]:
+              enc((RECORDS_MSG, "x" * 2000, [0])), enc((b"other", "r", [0])), enc((GIVEUP_MSG, "r", [0], "", 1)),
+              enc((GIVEUP_MSG, "r", [0], "D", 0)), enc((GIVEUP_MSG, "r", [0], "D")), enc([]),
+              b"\x91" * 1000 + b"\xc0", b"\x93\xc4\x0ekvcopy_records\x91" + b"\x91" * 1000 + b"\xc0\x91\x00"]:
         (reply,) = answer(q, {}, store)
-        assert msgspec.msgpack.decode(reply) == {"state": "failed", "records": [], "ttl_left": 0.0,
-                                                 "error": "malformed question"}, q
+        assert msgspec.msgpack.decode(reply) == MALFORMED, q
+    (ok,) = answer(enc((GIVEUP_MSG, "r", [0], "D-tp0", 1)), {}, store)
+    assert msgspec.msgpack.decode(ok)["state"] == "ok"
+    (taken,) = answer(enc((TAKE_GIVEUPS_MSG, 0)), {}, store)
+    assert give_ups_of([taken]) == [("r", "D-tp0", 1)] and store.take_give_ups(0) == []
 
 
-def _one_reply_server(reply_parts):
-    """A ROUTER on loopback that answers one question with ``reply_parts``."""
-    import threading
+def test_the_shape_bound_takes_what_msgspec_takes_and_refuses_what_kills_it():
+    """Every message the two sides send passes the bound; what msgspec cannot decode
+    (deep nesting: RecursionError) is refused by it, never handed to msgspec."""
+    from kvcopy.msgpack_shape import check_shape
+    from kvcopy.vllm_arena_channel import MAX_DEPTH, MAX_ITEMS
 
-    import zmq
+    sent = [enc((GET_META_MSG, 0, 3)), enc((RECORDS_MSG, "req", list(range(8)))), enc((HELLO_MSG,)),
+            enc((GIVEUP_MSG, "r", [0, 1], "kvcopy-arena-D-tp0", 2)),
+            enc({"state": "ready", "records": [[r, b"x" * 300] for r in range(8)], "ttl_left": 1.5, "error": ""}),
+            enc({"parts": [b"a", b"b"], "challenge": b"c" * 16, "mac": b"m" * 32}),
+            enc((AUTH_MSG, b"c" * 16, b"n" * 16, enc((RECORDS_MSG, "r", [0])), b"m" * 32)),
+            enc(NixlHandshakePayload(compatibility_hash="h", agent_metadata_bytes=b"md" * 1000))]
+    for m in sent:
+        check_shape(m, 1 << 20, MAX_DEPTH, MAX_ITEMS)
+        msgspec.msgpack.decode(m)
+    for depth in (MAX_DEPTH + 1, 1000):
+        deep = b"\x91" * depth + b"\xc0"
+        with pytest.raises(ValueError, match="deeper"):
+            check_shape(deep, 1 << 20, MAX_DEPTH, MAX_ITEMS)
+    with pytest.raises(RecursionError):
+        msgspec.msgpack.decode(b"\x91" * 1000 + b"\xc0")
 
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
 
-    def serve_once():
-        ident, empty, _ = sock.recv_multipart()
-        sock.send_multipart([ident, empty] + reply_parts)
-        sock.close(linger=1000)
-        ctx.term()
-    threading.Thread(target=serve_once, daemon=True).start()
-    return port
+# ---------------------------------------------------------------- a P of our own making
+class FakeP:
+    """A ROUTER on loopback answering each question with ``handler(question) -> parts``."""
+
+    def __init__(self, handler):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.handler, self.questions = handler, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, empty, q = self.sock.recv_multipart()
+            self.questions.append(q)
+            parts = self.handler(q)
+            if parts is not None:
+                self.sock.send_multipart([ident, empty] + parts)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def fake_p():
+    made = []
+
+    def make(handler):
+        made.append(FakeP(handler))
+        return made[-1]
+    yield make
+    for p in made:
+        p.close()
+
+
+def _wait(f, limit=30.0):
+    end = time.monotonic() + limit  # hang guard only
+    while not f.done:
+        assert time.monotonic() < end, "the fetch never ended"
+        time.sleep(0.005)
+    return f
+
+
+def _handshake(q):
+    if msgspec.msgpack.decode(q)[0] == GET_META_MSG:
+        return [enc(NixlHandshakePayload(compatibility_hash="compat", agent_metadata_bytes=b"md")), enc(0.0)]
+    return None
 
 
 @pytest.mark.parametrize("reply", [
@@ -79,32 +160,64 @@ def _one_reply_server(reply_parts):
     {"state": "ready", "records": [[0, b"r"]], "ttl_left": float("inf"), "error": ""},
     {"state": "ready", "records": [[0, b"r"]], "ttl_left": -1.0, "error": ""},
     {"state": "ready", "records": [[0, b"r"]], "ttl_left": 1.0},
-], ids=range(9))
+    {"state": "ready", "records": [[True, b"r"]], "ttl_left": 1.0, "error": ""},
+    [b"\x91" * 5000 + b"\xc0"],  # would kill a decoder without the bound
+], ids=range(11))
 def test_d_checks_p_s_records_reply(reply):
-    import msgspec
-    import zmq
+    parts = reply if isinstance(reply, list) else [enc(reply)]
+    with pytest.raises(ValueError, match="malformed|records of ranks"):
+        records_of(parts, [0], "test")
 
-    from kvcopy.vllm_arena_channel import fetch_records
 
-    parts = reply if isinstance(reply, list) else [msgspec.msgpack.encode(reply)]
-    port = _one_reply_server(parts)
-    ctx = zmq.Context()
+def test_a_hostile_reply_fails_its_fetch_and_nothing_else(fake_p):
+    """D's client thread survives every reply: a deep reply fails that fetch; a second
+    P's fetch, in flight at the same time, completes."""
+    bad = fake_p(lambda q: _handshake(q) or [b"\x91" * 5000 + b"\xc0"])
+    good = fake_p(lambda q: _handshake(q) or [enc([{"state": "ready", "records": [[0, b"rec"]], "ttl_left": 5.0,
+                                                    "error": ""}])])
+    ch = SideChannel(None, "compat")
     try:
-        with pytest.raises(ValueError, match="malformed|records of ranks"):
-            fetch_records(ctx, "127.0.0.1", port, "r", [0], 5.0)
+        f_bad = ch.fetch("E1", "127.0.0.1", bad.port, "r", [0], 10.0)
+        f_good = ch.fetch("E2", "127.0.0.1", good.port, "r", [0], 10.0)
+        assert "malformed" in str(_wait(f_bad).error)
+        assert _wait(f_good).error is None and f_good.reply.records == {0: b"rec"} and f_good.metadata == {0: b"md"}
+        again = _wait(ch.fetch("E2", "127.0.0.1", good.port, "s", [0], 10.0))
+        assert again.error is None and sum(msgspec.msgpack.decode(q)[0] == GET_META_MSG for q in good.questions) == 1
     finally:
-        ctx.destroy(linger=0)
+        ch.close()
+
+
+def test_a_p_that_says_pending_holds_no_other_fetch(fake_p):
+    """Eight fetches to a P that stays ``pending`` and one to a P that is ready: the
+    ninth completes at once (with a pool of four threads each holding a pending fetch
+    it waited behind them until their deadline)."""
+    def pending(q):
+        batch = msgspec.msgpack.decode(q)[1]
+        return [enc([{"state": "pending", "records": [], "ttl_left": 0.0, "error": ""} for _ in batch])]
+    slow = fake_p(lambda q: _handshake(q) or pending(q))
+    ready = fake_p(lambda q: _handshake(q) or [enc([{"state": "ready", "records": [[0, b"rec"]], "ttl_left": 5.0,
+                                                     "error": ""}])])
+    ch = SideChannel(None, "compat")
+    try:
+        waiting = [ch.fetch("S", "127.0.0.1", slow.port, f"w{i}", [0], 20.0) for i in range(8)]
+        t0 = time.monotonic()
+        f = _wait(ch.fetch("R", "127.0.0.1", ready.port, "go", [0], 20.0), limit=10)
+        assert f.error is None and not any(w.done for w in waiting)
+        assert time.monotonic() - t0 < 5  # a hang guard, far above the milliseconds it takes
+        end = time.monotonic() + 10  # hang guard
+        while len(records := [a[1] for a in map(msgspec.msgpack.decode, list(slow.questions))
+                              if a[0] == RECORDS_MSG]) < 3:
+            assert time.monotonic() < end
+            time.sleep(0.005)
+        assert all(sorted(rid for rid, _ in batch) == [f"w{i}" for i in range(8)] for batch in records[1:])
+        assert not any(w.done for w in waiting)  # asked again and again, all eight in one question
+    finally:
+        ch.close()
 
 
 def test_a_listener_that_cannot_bind_does_not_hang_the_scheduler():
     """vLLM's scheduler waits for the listener's ready event; a port in use must end that
     wait (the thread's error is raised there), never block the engine's start forever."""
-    import threading
-
-    import zmq
-
-    from kvcopy.vllm_arena_channel import RecordStore, serve
-
     ctx = zmq.Context()
     taken = ctx.socket(zmq.ROUTER)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
@@ -124,3 +237,119 @@ def test_a_listener_that_cannot_bind_does_not_hang_the_scheduler():
         stop.set()
         taken.close(linger=0)
         ctx.term()
+
+
+@pytest.fixture
+def listener(monkeypatch):
+    """A real listener thread (``serve``) on a free port: (port, store, stop)."""
+    started = []
+
+    def start(key=None, data=None):
+        port, store = free_port(), RecordStore(60)
+        ready, stop = threading.Event(), threading.Event()
+        t = threading.Thread(target=serve, args=(data or {}, ready, stop, "127.0.0.1", port, store, key), daemon=True)
+        t.start()
+        assert ready.wait(30)
+        started.append((t, stop))
+        return port, store
+    yield start
+    for t, stop in started:
+        stop.set()
+        t.join(10)
+
+
+def test_a_listener_that_dies_anyway_is_restarted_and_logged(listener, monkeypatch, caplog):
+    """Nothing a peer sends ends it; if a ZMQ error (or a bug) does, it is started again
+    and logged, and answers as before."""
+    import kvcopy.vllm_arena_channel as channel
+
+    real = channel.answer
+    broke = []
+
+    def answer_once_broken(*a, **k):
+        if not broke:
+            broke.append(1)
+            raise zmq.ZMQError(zmq.EFSM, "injected")  # escapes the handler: the loop dies
+        return real(*a, **k)
+    monkeypatch.setattr(channel, "answer", answer_once_broken)
+    port, store = listener()
+    store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
+    with pytest.raises(zmq.Again):
+        ask_side_channel(port, enc((RECORDS_MSG, "r", [0])), timeout_ms=1500)  # the one that broke it: no answer
+    (reply,) = ask_side_channel(port, enc((RECORDS_MSG, "r", [0])))
+    assert msgspec.msgpack.decode(reply)["records"] == [[0, b"rec"]]
+    assert any("starting it again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_keyed_listener_answers_only_authenticated_questions_once(listener):
+    """With a key: the handshake, records and give-ups only for a question carrying a MAC
+    under a challenge P issued; a recorded question replayed, a wrong key, a forged or
+    made-up challenge are refused; D checks P's reply MAC over its own nonce."""
+    from kvcopy.vllm_arena_channel import challenge_of, unwrap, wrap
+
+    payload = enc(NixlHandshakePayload(compatibility_hash="compat", agent_metadata_bytes=b"md"))
+    port, store = listener(KEY, {(0, 0): payload})
+    store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
+    for plain in [enc((GET_META_MSG, 0, 0)), enc((RECORDS_MSG, "r", [0])), enc((GIVEUP_MSG, "r", [0], "D", 1))]:
+        (reply,) = ask_side_channel(port, plain)  # one part: no handshake, a refusal
+        assert "requires authentication" in msgspec.msgpack.decode(reply)["error"]
+    assert store.take_give_ups(0) == []
+    question = enc((RECORDS_MSG, "r", [0]))
+    c = challenge_of(ask_side_channel(port, enc((HELLO_MSG,))))
+    data, nonce = wrap(KEY, c, question)
+    parts, c2 = unwrap(KEY, nonce, ask_side_channel(port, data), "reply")
+    assert msgspec.msgpack.decode(parts[0])["records"] == [[0, b"rec"]] and c2 != c
+    (replayed,) = ask_side_channel(port, data)  # the same question again: its challenge is used up
+    assert "used or expired challenge" in msgspec.msgpack.decode(replayed)["error"]
+    wrong, _ = wrap(b"another-key-of-enough-length-012", c2, question)
+    assert "MAC does not match" in msgspec.msgpack.decode(ask_side_channel(port, wrong)[0])["error"]
+    made_up = b"x" * 16
+    forged = enc((AUTH_MSG, made_up, b"n" * 16, question, question_mac(KEY, made_up, b"n" * 16, question)))
+    assert "challenge" in msgspec.msgpack.decode(ask_side_channel(port, forged)[0])["error"]
+    data, nonce = wrap(KEY, c2, question)
+    reply = ask_side_channel(port, data)
+    with pytest.raises(ValueError, match="not authenticated"):
+        unwrap(KEY, b"another nonce!!!", reply, "reply")  # a reply to another question
+    with pytest.raises(ValueError, match="not authenticated"):
+        unwrap(b"another-key-of-enough-length-012", nonce, reply, "reply")
+
+
+def test_keyed_client_and_listener_fetch_handshakes_records_and_give_ups(listener):
+    """D's client with the key: one HELLO for the first question, then each reply's
+    challenge for the next; a client without the key, or with another, gets nothing."""
+    payload = enc(NixlHandshakePayload(compatibility_hash="compat", agent_metadata_bytes=b"md"))
+    port, store = listener(KEY, {(0, 0): payload})
+    store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
+    for key, words in [(None, "requires authentication"), (b"another-key-of-enough-length-012", "MAC")]:
+        ch = SideChannel(key, "compat")
+        try:
+            f = _wait(ch.fetch("E", "127.0.0.1", port, "r", [0], 10.0))
+            assert f.reply is None and words in str(f.error), f.error
+        finally:
+            ch.close()
+    ch = SideChannel(KEY, "compat")
+    try:
+        f = _wait(ch.fetch("E", "127.0.0.1", port, "r", [0], 10.0))
+        assert f.error is None and f.reply.records == {0: b"rec"} and f.metadata == {0: b"md"}
+        ch.give_up("127.0.0.1", port, "r", [0], "kvcopy-arena-D-tp0", 1)
+        end = time.monotonic() + 10
+        while not (taken := store.take_give_ups(0)):
+            assert time.monotonic() < end
+            time.sleep(0.005)
+        assert taken == [("r", "kvcopy-arena-D-tp0", 1)]
+    finally:
+        ch.close()
+
+
+def test_a_request_with_an_address_zmq_refuses_fails_alone(fake_p):
+    """A request's ``remote_host`` comes from its params: one ZMQ cannot connect to fails
+    that fetch, and the fetch beside it completes."""
+    good = fake_p(lambda q: _handshake(q) or [enc([{"state": "ready", "records": [[0, b"rec"]], "ttl_left": 5.0,
+                                                    "error": ""}])])
+    ch = SideChannel(None, "compat")
+    try:
+        bad = ch.fetch("B", "no such host!", 1, "r", [0], 10.0)
+        f = ch.fetch("G", "127.0.0.1", good.port, "r", [0], 10.0)
+        assert _wait(bad).error is not None and _wait(f).error is None and f.reply.records == {0: b"rec"}
+    finally:
+        ch.close()

@@ -23,12 +23,19 @@ def test_options_are_checked():
     for bad, match in [({"arena_bytes": 0}, "arena_bytes"), ({"arena_bytes": True}, "arena_bytes"),
                        ({"pull_timeout_s": float("nan")}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
                        ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
-                       ({"key_env": ""}, "key_env"), ({"checksum": "yes"}, "checksum"), ({"checksum": 1}, "checksum")]:
+                       ({"key_env": ""}, "key_env"), ({"checksum": "yes"}, "checksum"), ({"checksum": 1}, "checksum"),
+                       ({"require_checksum": 1}, "require_checksum"),
+                       ({"require_checksum": True, "checksum": False}, "needs kvcopy.checksum"),
+                       # a span freed before it could be served (0 and 1e-9 were taken)
+                       ({"arena_ttl_s": 0}, "arena_ttl_s"), ({"arena_ttl_s": 1e-9}, "at least 2"),
+                       ({"arena_ttl_s": 1.9}, "at least 2")]:
         with pytest.raises(ValueError, match=match):
             opts(**bad)
     with pytest.raises(ValueError, match="KVCOPY_TEST_KEY.*not set"):
         opts(key_env="KVCOPY_TEST_KEY").key()
     assert opts().checksum is True and opts(checksum=False).checksum is False
+    assert opts().require_checksum is False and opts(require_checksum=True).require_checksum is True
+    assert opts(arena_ttl_s=2).arena_ttl_s == 2
 
 
 def test_the_mirror_connector_refuses_checksum_true():
@@ -47,13 +54,16 @@ def test_the_mirror_connector_refuses_checksum_true():
 
 
 def test_reader_notifications_are_parsed_strictly():
-    from kvcopy.vllm_arena_meta import notify_bytes, parse_notify
+    from kvcopy.vllm_arena_meta import GAVE_UP, READ, notify_bytes, parse_notify
 
-    assert parse_notify(notify_bytes("req-1", 4)) == ("req-1", 4)
-    assert parse_notify(notify_bytes("a\0b", 2)) == ("a\0b", 2)  # the TP size is after the last NUL
-    for bad in [b"req-1", b"kvcopy-arena\0req", b"kvcopy-arena\0req\0x", b"kvcopy-arena\0req\x000",
-                b"kvcopy-arena\0req\x0099999", b"kvcopy-arena\0\xff\xfe\x001", b"kvcopy-arena\0\x001", "str"]:
+    assert parse_notify(notify_bytes("req-1", 4)) == ("req-1", 4, READ)
+    assert parse_notify(notify_bytes("req-1", 2, GAVE_UP)) == ("req-1", 2, GAVE_UP)
+    for bad in [b"req-1", b"kvcopy-arena\0req", b"kvcopy-arena\0req\0x\0r", b"kvcopy-arena\0req\x000\0r",
+                b"kvcopy-arena\0req\x0099999\0r", b"kvcopy-arena\0\xff\xfe\x001\0r", b"kvcopy-arena\0\x001\0r",
+                b"kvcopy-arena\0req\x001", b"kvcopy-arena\0req\x001\0x", b"kvcopy-arena\0a\0b\x001\0r", "str"]:
         assert parse_notify(bad) is None, bad
+    with pytest.raises(ValueError, match="NUL"):
+        notify_bytes("a\0b", 2)
 
 
 def test_worker_reports_merge_over_tp_ranks():

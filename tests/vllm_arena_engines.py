@@ -58,6 +58,23 @@ from kvcopy.vllm_arena_meta import agent_name
 init_none_hash(sha256)
 
 
+def ask_side_channel(port: int, question: bytes, timeout_ms: int = 5000):
+    """One question to the side channel on ``port`` (loopback), as any client on the
+    network could ask it: the reply's parts (``zmq.Again`` if none comes in time)."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send(question)
+        return s.recv_multipart()
+    finally:
+        ctx.destroy(linger=0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,6 +181,19 @@ class ArenaEngine:
     worker = property(lambda self: self.ranks[0].worker)
     raw = property(lambda self: self.ranks[0].raw)
     manager = property(lambda self: self.ranks[0].worker.arena_worker.manager)
+
+    def stats(self, rank=0) -> dict:
+        """Rank ``rank``'s manager stats, under its worker's lock (the worker's
+        housekeeping thread drives the manager too, between steps)."""
+        w = self.ranks[rank].worker.arena_worker
+        with w.lock:
+            return w.manager.stats()
+
+    def staged(self, rank=0) -> list:
+        """The requests rank ``rank``'s arena holds staged (under its worker's lock)."""
+        w = self.ranks[rank].worker.arena_worker
+        with w.lock:
+            return sorted(w.manager.arena.staged)
 
     def add(self, rid, tokens, params=None, max_tokens=1):
         extra = {"kv_transfer_params": dict(params)} if params is not None else None
@@ -332,8 +362,11 @@ def prompts(n, lengths, seed=0):
     return [torch.randint(1, 250, (length,), generator=g).tolist() for length in lengths][:n]
 
 
-def prefill_child(conn, model_dir, root, case_name, engine_id, seed):
-    """A spawned P engine (its own vLLM state: gloo, world size 1), driven over a pipe."""
+def prefill_child(conn, model_dir, root, case_name, engine_id, seed, opts=None):
+    """A spawned P engine (its own vLLM state: gloo, world size 1), driven over a pipe as
+    vLLM's engine core drives its engine: stepped while its scheduler has requests
+    (``has_requests``, which asks the connector too), otherwise idle, blocked on the pipe
+    as the engine core blocks on its input queue (:func:`serve_commands`)."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
@@ -342,12 +375,46 @@ def prefill_child(conn, model_dir, root, case_name, engine_id, seed):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{root}/dist-child")
         initialize_model_parallel(1, 1)
-    p = ArenaEngine(model_config, CASES[case_name], "kv_producer", os.environ.__setitem__, engine_id=engine_id)
+    p = ArenaEngine(model_config, CASES[case_name], "kv_producer", os.environ.__setitem__, engine_id=engine_id,
+                    **(opts or {}))
     p.raw.copy_(torch.randint(0, 256, p.raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
     conn.send("ready")
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "stop":
-            break
-        conn.send(prefill(p, *args))
+    serve_commands(conn, p)
     p.close()
+
+
+def serve_commands(conn, p):
+    """The child's loop. Commands: ``("prefill", (rids, tokens))`` -> the requests'
+    ``kv_transfer_params`` once P finished them; ``("stats", None)`` -> what P holds
+    (:func:`p_state`); ``("snapshot", rids)`` -> (P's buffer, its block tables of ``rids``);
+    ``("stop", None)``."""
+    owed = []
+    while True:
+        busy = bool(owed) or p.sched.has_requests()
+        if not busy or conn.poll(0):
+            cmd, args = conn.recv()  # idle: nothing but a command wakes P (no step)
+            if cmd == "stop":
+                return
+            if cmd == "prefill":
+                for rid, toks in zip(*args):
+                    p.add(rid, toks, {"do_remote_decode": True})
+                owed.append(list(args[0]))
+            elif cmd == "stats":
+                conn.send(p_state(p))
+            elif cmd == "snapshot":
+                conn.send((p.raw.numpy().tobytes(), {r: p.tables[r] for r in args}))
+        if p.sched.has_requests():
+            p.step()
+        while owed and all(r in p.params for r in owed[0]):
+            conn.send([p.params[r] for r in owed.pop(0)])
+        time.sleep(0.001)
+
+
+def p_state(p) -> dict:
+    """What a P engine holds (one rank): staged spans, requests waiting for arena space,
+    requests its scheduler keeps, stagings skipped or spans freed because every reader
+    gave up, and its manager's stats."""
+    w = p.worker.arena_worker
+    with w.lock:
+        return {"staged": sorted(w.manager.arena.staged), "pending": sorted(w.stager.pending),
+                "requests": sorted(p.sched.requests), "gave_up": w.stager.gave_up, "stats": w.manager.stats()}

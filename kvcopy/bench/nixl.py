@@ -406,7 +406,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
 
     def make_plan(row: str) -> None:
         if row not in pending:
-            pending[row] = mda.plan_pull(peer, record, tokens, d_padded)
+            pending[row] = mda.plan_pull(peer, record, tokens, d_padded, request_id="bench")
 
     saves = iter(range(1 << 62))
 

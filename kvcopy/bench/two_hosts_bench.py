@@ -116,7 +116,8 @@ def d_setup(server, sc, p_info: dict, rounds: int, delay_us: int) -> int:
         return host.plan_pull(peer, padded(p_ids, counts), tokens, padded(d_ids, counts))
 
     plan = host_plan()
-    pools = {k: [arena.plan_pull(arena_peer, record, tokens, padded(d_ids, counts)) for _ in range(rounds)]
+    pools = {k: [arena.plan_pull(arena_peer, record, tokens, padded(d_ids, counts), request_id=record.request_id)
+                 for _ in range(rounds)]
              for k in ("pull", "pc")}
     server.scratch.update(point=D, d_ids=d_ids, plan=plan, host_plan=host_plan, pools=pools)
     return int(plan.num_bytes)

@@ -159,9 +159,11 @@ class Server:
         if key in self.watched or key in self.ended:
             raise ValueError(f"pull {key!r} exists")
         mgr = self.managers[m]
+        request_id = None
         if isinstance(remote, (bytes, bytearray)):
             remote = StagedRequest.from_bytes(bytes(remote))
-        plan = mgr.plan_pull(peer, remote, num_tokens, local_ids)
+            request_id = remote.request_id  # the bench's own record, as its P staged it
+        plan = mgr.plan_pull(peer, remote, num_tokens, local_ids, request_id=request_id)
         t_post = time.monotonic()
         h = mgr.pull(plan, notify=notify, timeout_s=timeout_s)
         self.watched[key] = {"_m": mgr, "_h": h, "_hold": hold, "t_post": t_post, "state": "PROC"}

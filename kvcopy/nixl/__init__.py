@@ -24,14 +24,16 @@ from .plan import (
     NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
 )
 from .pull import Completion, PagesHeld, PullHandle
-from .record import StagedRequest
+from .record import StagedRequest, StaleRegistration
 from .regions import RegionInfo, RegionSet, build_regions
 from .routes import Routes, plan_routes
 from .staging import ArenaPlan
+from .sum_check import ChecksumRequired
 
 __all__ = [
     "ArenaFull",
     "ArenaPlan",
+    "ChecksumRequired",
     "Completion",
     "EngineInfo",
     "HANDSHAKE_VERSION",
@@ -49,6 +51,7 @@ __all__ = [
     "RegionSet",
     "Routes",
     "StagedRequest",
+    "StaleRegistration",
     "TransferManager",
     "build_multi_pull_plan",
     "build_pull_plan",

@@ -410,7 +410,8 @@ class Agent:
 
     def notifications(self) -> Dict[str, List[bytes]]:
         notifs = self._agent.get_new_notifs()
-        return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in notifs.items()}
+        # a sender's name is the peer's to choose: bytes that are not UTF-8 must not raise here
+        return {(k.decode(errors="replace") if isinstance(k, bytes) else k): list(v) for k, v in notifs.items()}
 
     def send_notification(self, peer: str, message: bytes) -> Optional[str]:
         try:

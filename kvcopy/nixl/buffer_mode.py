@@ -70,6 +70,7 @@ class Work(Protocol):
     read_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages the READs fill
     zero_pages: Tuple[Tuple[int, ...], ...]  # per local group: the local pages complete() zeroes
     local_block_ids: Tuple[Tuple[int, ...], ...]  # per local group: the blocks the pull writes
+    unchecked: Optional[str]  # why complete() will not compare the pages' sums; None: it will
 
 
 class Read(NamedTuple):
@@ -135,9 +136,10 @@ class BufferMode(ABC):
     # ---------------------------------------------------------------- D side
     @abstractmethod
     def plan(self, info: EngineInfo, peers: Sequence[Peer], remote, num_tokens, local_block_ids,
-             num_cached_tokens) -> Tuple[Plan, "Work"]:
-        """D's ``plan_pull`` (``remote``: P's block ids, or its StagedRequest records):
-        the plan for the caller and the mode's work (see the module docstring)."""
+             num_cached_tokens, request_id=None) -> Tuple[Plan, "Work"]:
+        """D's ``plan_pull`` (``remote``: P's block ids, or its StagedRequest records, which
+        must name ``request_id``): the plan for the caller and the mode's work (see the
+        module docstring)."""
 
     @abstractmethod
     def reads(self, work: "Work") -> Sequence[Read]:

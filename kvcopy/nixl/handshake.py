@@ -15,7 +15,9 @@ with two parts, as for the staged-request records of arena mode)::
     [32 bytes]       HMAC-SHA256 (shared key) of every byte before it, if flag bit 0
 
 The JSON header carries the engine's name, buffer mode and memory type, TP rank and
-size, per KV cache group its tokens per logical block and per kernel page, and per
+size, its registration generation (:data:`GENERATION_HEX` hex digits drawn when the
+manager was made: a record names it, so a record of an earlier registration under the
+same name is refused), per KV cache group its tokens per logical block and per kernel page, and per
 region everything :class:`~kvcopy.nixl.regions.RegionInfo` holds: members ``(layer,
 group)``, address, page count and strides, chunks, dtype, layout, tokens per page, KV
 heads (total and the range this rank holds), head size, named in-chunk axes.
@@ -66,7 +68,9 @@ from .regions import (
 from .schema import Record, loads
 
 MAGIC = b"KVCOPY-NIXL\0"
-HANDSHAKE_VERSION = 4  # 4: host mode's page-sums region; 3: lengths, digest, HMAC; 2: named in-chunk axes
+# 5: the registration generation; 4: host mode's page-sums region; 3: lengths, digest, HMAC;
+# 2: named in-chunk axes
+HANDSHAKE_VERSION = 5
 
 # Documented maxima (docs/nixl.md, "Limits"): what a handshake may declare at all.
 MAX_HEADER_BYTES = 8 << 20  # JSON header: ~500 bytes per region, so ~16,000 regions
@@ -75,6 +79,8 @@ MAX_AGENT_BYTES = 16 << 20  # NIXL agent metadata: ~200 bytes per NIXL registrat
 HANDSHAKE = Framing(MAGIC, HANDSHAKE_VERSION, ((1, MAX_HEADER_BYTES), (0, MAX_AGENT_BYTES)),
                     "handshake metadata", "handshake")
 MAX_TP = 1024
+GENERATION_HEX = 16  # lowercase hex digits of a registration generation (64 random bits)
+NO_GENERATION = "0" * GENERATION_HEX  # engines that register nothing (virtual engines, plan tests)
 MAX_GROUP_PAGES = 1 << 62  # the page-id bound of a group without regions (EngineInfo.group_blocks)
 MAX_TOKENS_PER_BLOCK = 1 << 20
 # Limits that follow from the local engine (check_peer_limits): a peer of the same
@@ -139,6 +145,7 @@ class EngineInfo:
     agent_metadata: bytes
     arena: Tuple[int, int] = (0, 0)  # "arena" mode: (address, bytes) of the registered staging arena
     sums: Optional[SumsRegion] = None  # "host" mode with checksums: the page-sums region
+    generation: str = NO_GENERATION  # drawn per registration (TransferManager); records name it
 
     @property
     def num_groups(self) -> int:
@@ -184,6 +191,7 @@ def header_of(info: EngineInfo) -> dict:
         "mem_type": info.mem_type,
         "tp_rank": info.tp_rank,
         "tp_size": info.tp_size,
+        "generation": info.generation,
         "tokens_per_block": list(info.tokens_per_block),
         "tokens_per_page": list(info.tokens_per_page),
         "regions": [r.to_dict() for r in info.regions],
@@ -226,6 +234,7 @@ def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
     mem_type = r.choice("mem_type", MEM_TYPES)
     tp_size = r.integer("tp_size", 1, MAX_TP)
     tp_rank = r.integer("tp_rank", 0, tp_size - 1)
+    generation = check_generation(r.name("generation", GENERATION_HEX), r.at("generation"))
     tpb = r.integers("tokens_per_block", 1, MAX_GROUPS, 1, MAX_TOKENS_PER_BLOCK)
     tpp = r.integers("tokens_per_page", len(tpb), len(tpb), 1, MAX_TOKENS_PER_PAGE)
     raw_regions = r.entries("regions", 1, max_layers)  # a region holds at least one layer
@@ -267,8 +276,15 @@ def _engine_info(h, agent_metadata: bytes, max_layers: int) -> EngineInfo:
     return EngineInfo(
         name=name, buffer=buffer, mem_type=mem_type, tp_rank=tp_rank, tp_size=tp_size,
         tokens_per_block=tuple(tpb), tokens_per_page=tuple(tpp), regions=tuple(regions),
-        agent_metadata=agent_metadata, arena=(arena[0], arena[1]), sums=sums,
+        agent_metadata=agent_metadata, arena=(arena[0], arena[1]), sums=sums, generation=generation,
     )
+
+
+def check_generation(value: str, where: str) -> str:
+    """``value`` if it is :data:`GENERATION_HEX` lowercase hex digits."""
+    if len(value) != GENERATION_HEX or value.strip("0123456789abcdef"):
+        raise ValueError(f"{where}: generation {value[:40]!r} is not {GENERATION_HEX} lowercase hex digits")
+    return value
 
 
 def _sums_region(raw, buffer: str, regions: List[RegionInfo], num_groups: int) -> SumsRegion:

@@ -10,6 +10,7 @@
     m.poll(h) -> "DONE" | "PROC" | "ERR"
     m.complete(h) -> Completion           # D: zero unread pages, one masked h2d
     m.notifications()                     # P: {D's name: [notify, ...]}: D is done reading
+    m.notify(peer, b"req-7")              # D: tell P outside a pull (it gives the request up)
     m.close()
 
 Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``)
@@ -48,6 +49,8 @@ Notifications: D, not NIXL, tells each peer of a pull that it is done with the
 request, exactly once: when that peer's READ is DONE, or when the pull fails (then to
 every peer not told yet). READs carry no NIXL notification: NIXL sends one whenever its
 status check sees the READ complete, also inside the release of a handle given up on.
+``notify`` sends one outside a pull (a request D gives up before reading). With a
+shared key each carries a tag its receiver checks (:mod:`kvcopy.nixl.notices`).
 
 Deadlines (``pull(..., timeout_s=)`` or ``pull_timeout_s``): a pull in flight past its
 deadline fails at the next ``poll`` (no timer thread: ``poll`` checks the clock).
@@ -62,9 +65,10 @@ UCX worker) before the memory can be freed, or keeps the memory alive.
 Heterogeneous peers (see :mod:`kvcopy.nixl.plan`): a plan may read from several peers,
 one NIXL READ each; the handle is DONE when all are, and fails as a whole if one fails.
 
-Integrity (``checksum=True``, :mod:`kvcopy.nixl.span_sums`): arena mode's records carry
-the page sums of P's pack; D's scatter sums what it copies, and a mismatch fails the
-request (``Completion.ok`` False naming the pages); ``stats()`` counts the outcomes.
+Integrity (``checksum=True``, :mod:`kvcopy.nixl.span_sums`): arena mode's records carry the
+page sums of P's pack; D's scatter sums what it copies, and a mismatch fails the request
+(``Completion.ok`` False naming the pages); ``stats()`` counts the outcomes.
+``require_checksum=True``: ``plan_pull`` refuses a pull it could not compare (``ChecksumRequired``).
 
 Not thread-safe: one thread drives a manager.
 """
@@ -73,6 +77,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
@@ -80,16 +85,18 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 import torch
 
 from ..checks import name as checked_name, seconds
-from ._agent import Agent, NixlError, metadata_name
+from ._agent import Agent, NixlError
 from .arena import ArenaFull
 from .buffer_mode import BufferMode, Peer, Read
 from .handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
 from .late_reads import LateReads
+from .notices import Mailbox
+from .peer_load import load_peer
 from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
 from .paged_modes import DeviceMode, MirrorMode
 from .plan import Plan
-from .sum_check import NOT_WRITTEN, finished
+from .sum_check import NOT_WRITTEN, finished, unchecked_refusal
 from .pull import DONE, ERR, PROC, Completion, PullHandle
 from .regions import MAX_NAME, RegionSet, tokens_per_group
 from .staging import ArenaStaging
@@ -121,6 +128,7 @@ class TransferManager:
         self.name = checked_name(name, "name (the NIXL agent name)", MAX_NAME)
         opts = ManagerOptions.make(options, overrides)
         self.pull_timeout_s = opts.pull_timeout_s
+        self.require_checksum = opts.require_checksum  # device mode refuses it (no sums)
         # Shared HMAC key (docs/nixl.md, "Trust model"): metadata() is authenticated
         # with it, add_peer accepts only metadata authenticated with it, and so for
         # staged-request records in wire form.
@@ -140,7 +148,7 @@ class TransferManager:
             mode.close()
             raise
         self._registrations: List[object] = []
-        self._kept: Dict[str, List[bytes]] = {}  # notifications save() read for the caller
+        self._mail = Mailbox(self._agent, self._key, self.name)  # notifications (kvcopy.nixl.notices)
         self._peers: Dict[str, _Remote] = {}
         self._dlists: Dict[str, object] = {}  # peer -> NIXL's prepared list of its regions (not arena peers)
         self._peer_keys = itertools.count()  # Peer.key: never reused, so caches never serve a re-added peer
@@ -157,7 +165,7 @@ class TransferManager:
             name=self.name, buffer=buffer, mem_type=mode.mem_type, tp_rank=opts.tp_rank, tp_size=opts.tp_size,
             tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
             regions=mode.region_infos, agent_metadata=self._agent.metadata(), arena=mode.arena_range,
-            sums=mode.sums_region)
+            sums=mode.sums_region, generation=secrets.token_hex(8))
         self._closed = False
 
     def _register(self, mode: BufferMode) -> None:
@@ -192,8 +200,8 @@ class TransferManager:
 
         Everything is checked before any byte reaches NIXL (:func:`decode`: lengths,
         digest, key, every header field; :func:`check_peer_limits`; the layer pairing),
-        and a refusal after NIXL loaded the peer's agent releases it again (parked,
-        see :mod:`kvcopy.nixl._agent`), so the name can be added with genuine metadata.
+        then NIXL loads the peer's agent (:func:`~kvcopy.nixl.peer_load.load_peer`: a
+        refusal after that releases it again, so the name can be added with genuine metadata).
         """
         self._check_open()
         remote = decode(metadata, self._key, layer_limit(self._info))
@@ -201,30 +209,13 @@ class TransferManager:
         layer_pairs = pair_layers(self._info, remote)
         if remote.name in self._peers:
             raise ValueError(f"peer {remote.name!r} is already added; remove_peer it first")
-        agent_name = metadata_name(remote.agent_metadata)
-        if agent_name is not None and agent_name != remote.name:
-            raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent metadata is "
-                             f"for {agent_name!r}")
         descs, offsets = engine_descriptors(remote)  # bounded by check_peer_limits
-        try:
-            name = self._agent.add_remote(remote.agent_metadata)
-        except NixlError as exc:
-            self._agent.unload_remote(remote.name)  # NIXL may keep what it loaded before failing
-            raise ValueError(f"peer {remote.name!r}: {exc}") from None
-        if name != remote.name:
-            if name not in self._peers and name != self.name:  # never touch a peer in use
-                self._agent.release_remote(name)
-            raise ValueError(f"peer handshake names {remote.name!r} but its NIXL agent is {name!r}")
-        try:  # an arena peer is read at its staged spans, never at its KV
-            dlist = None if remote.buffer == "arena" else self._agent.prep_remote(name, descs, remote.mem_type)
-        except NixlError as exc:
-            self._agent.release_remote(name)
-            raise ValueError(f"peer {name!r}: its advertised regions are not what it registered: {exc}") from None
-        peer = Peer(next(self._peer_keys), remote, tuple(layer_pairs), tuple(offsets.tolist()))
-        self._peers[name] = _Remote(peer)
+        dlist = load_peer(self._agent, remote, descs, self.name, self._peers)
+        self._peers[remote.name] = _Remote(Peer(next(self._peer_keys), remote, tuple(layer_pairs),
+                                                tuple(offsets.tolist())))
         if dlist is not None:
-            self._dlists[name] = dlist
-        return name
+            self._dlists[remote.name] = dlist
+        return remote.name
 
     def peers(self) -> List[str]:
         return list(self._peers)
@@ -293,30 +284,24 @@ class TransferManager:
 
     def notifications(self, keep: bool = False) -> Dict[str, List[bytes]]:
         """New notify messages by peer name: each says that peer is done reading a request
-        (arena mode: frees that request's span once all its readers said so)."""
+        (arena mode: frees that request's span once all its readers said so). With a
+        key, only messages whose tag matches, tags stripped (:mod:`kvcopy.nixl.notices`)."""
         self._check_open()
-        new = self._agent.notifications()
-        self._mode.on_notifications(new)
-        if keep:  # save() looked: hand these to the next caller
-            for k, v in new.items():
-                self._kept.setdefault(k, []).extend(v)
-            return {}
-        out, self._kept = self._kept, {}
-        for k, v in new.items():
-            out.setdefault(k, []).extend(v)
-        return out
+        return self._mail.take(self._info.generation, self._mode.on_notifications, keep)  # keep: save() looked
 
     # ------------------------------------------------------------ D side
     def plan_pull(self, peer, remote_block_ids, remote_num_tokens: int, local_block_ids,
-                  num_cached_tokens=0) -> Plan:
+                  num_cached_tokens=0, *, request_id=None) -> Plan:
         """Plan one request's pull by token position (see :mod:`kvcopy.nixl.plan`).
 
         ``peer`` is one peer name, or a sequence of them: the TP ranks of one engine
         this rank reads KV heads from (see :func:`kvcopy.nixl.remote_ranks`).
         ``remote_block_ids`` is one list per remote group, shared by those ranks, or a
         mapping peer name -> such lists; in arena mode, the peers' StagedRequest records
-        (or their wire bytes). One plan, one ``pull``, one ``complete`` (or one
-        ``discard``): see :mod:`kvcopy.nixl.ledger` for a plan's life.
+        (or their wire bytes) of ``request_id`` (required: :mod:`kvcopy.nixl.record`
+        says what they are bound to). One plan, one ``pull``, one ``complete`` (or one
+        ``discard``): see :mod:`kvcopy.nixl.ledger`. ``require_checksum``: a pull that
+        would read pages it cannot compare raises ``ChecksumRequired`` (:mod:`kvcopy.nixl.sum_check`).
         """
         self._check_open()
         names = [peer] if isinstance(peer, str) else list(peer)
@@ -325,7 +310,11 @@ class TransferManager:
                 raise ValueError(f"unknown peer {name!r}; add_peer its metadata first")
         self._reap()  # spans whose READs ended are free again
         plan, work = self._mode.plan(self._info, [self._peers[n].peer for n in names], remote_block_ids,
-                                     remote_num_tokens, local_block_ids, num_cached_tokens)
+                                     remote_num_tokens, local_block_ids, num_cached_tokens, request_id=request_id)
+        refusal = unchecked_refusal(work) if self.require_checksum else None
+        if refusal is not None:
+            self._mode.free(work)
+            raise refusal
         self._ledger.bind(plan, tuple((n, self._peers[n]) for n in names), work)
         return plan
 
@@ -474,12 +463,22 @@ class TransferManager:
         return self._mode if isinstance(self._mode, ArenaStaging) else None
 
     # ------------------------------------------------------------ bookkeeping
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to an added peer now, outside any pull (D gives a request up
+        before reading it: P frees its span at once), tagged with the key if any."""
+        self._check_open()
+        if not isinstance(message, (bytes, bytearray)) or not message:
+            raise TypeError(f"message must be non-empty bytes, got {type(message).__name__}")
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}; add_peer its metadata first")
+        self._mail.send(peer, self._peers[peer].peer.info.generation, bytes(message))
+
     def _notify(self, rec: PullRecord, name: str) -> None:
         """Tell peer ``name`` the pull is done with its request: once, if it has a
         notify message and the peer is still added."""
         if rec.notify and name not in rec.notified and name in self._peers:
             rec.notified.add(name)
-            self._agent.send_notification(name, rec.notify)
+            self._mail.send(name, self._peers[name].peer.info.generation, rec.notify)
 
     def _ended(self, rec: PullRecord, name: str, state: str) -> None:
         """Peer ``name``'s READ of ``rec`` ended (NIXL said so): release its handle."""
@@ -540,7 +539,8 @@ class TransferManager:
             self._reap()
         live = sum(len(r.xfers) for r in self._in_flight.values()) + len(self._unreleased)
         out = {"in_flight": len(self._in_flight), "live_transfer_handles": live,
-               "abandoned_reads": len(self._late), "peers": len(self._peers)}
+               "abandoned_reads": len(self._late), "peers": len(self._peers),
+               "notifications_refused": self._mail.refused}
         out.update(self._mode.stats())
         return out
 

@@ -15,6 +15,11 @@ from ._agent import PROGRESS_DELAY_US
 from .framing import check_key
 from .pack_order import ORDERS
 
+# The shortest arena TTL a manager takes. Below it a span is freed before a D can have
+# asked for its record and read it (a side-channel round trip plus a READ on a loaded
+# host); the project's own late-READ tests run P's TTL at this, equal to D's deadline.
+MIN_ARENA_TTL_S = 0.5
+
 
 @dataclass(frozen=True)
 class ManagerOptions:
@@ -33,6 +38,7 @@ class ManagerOptions:
     arena_order: str = "token"  # arena mode: "token" or "head" (HND pages)
     progress_delay_us: int = PROGRESS_DELAY_US  # NIXL progress-thread poll timeout
     checksum: bool = True  # page sums computed by the copies, compared on D (docs/nixl.md, "Checksums")
+    require_checksum: bool = False  # D: refuse a pull whose pages cannot be compared (plan_pull raises)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalized values are set once, here
@@ -43,15 +49,21 @@ class ManagerOptions:
         put(self, "pull_timeout_s", seconds(self.pull_timeout_s, "pull_timeout_s"))
         put(self, "key", check_key(self.key))
         put(self, "arena_bytes", integer(self.arena_bytes, "arena_bytes", minimum=1))
-        ttl = seconds(self.arena_ttl_s, "arena_ttl_s", allow_zero=True)
+        ttl = seconds(self.arena_ttl_s, "arena_ttl_s")
         if ttl is None:
             raise TypeError("arena_ttl_s must be a number of seconds, got None")
+        if ttl < MIN_ARENA_TTL_S:
+            raise ValueError(f"arena_ttl_s must be at least {MIN_ARENA_TTL_S} s (a span must outlive D's "
+                             f"question for its record and its READ), got {self.arena_ttl_s!r}")
         put(self, "arena_ttl_s", ttl)
         if self.arena_order not in ORDERS:
             raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         put(self, "progress_delay_us", integer(self.progress_delay_us, "progress_delay_us", minimum=0))
-        if not isinstance(self.checksum, bool):
-            raise TypeError(f"checksum must be True or False, got {type(self.checksum).__name__}")
+        for flag in ("checksum", "require_checksum"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {type(getattr(self, flag)).__name__}")
+        if self.require_checksum and not self.checksum:
+            raise ValueError("require_checksum needs checksum=True (without sums no pull could be compared)")
 
     @classmethod
     def make(cls, options: Optional["ManagerOptions"], overrides: Mapping[str, Any]) -> "ManagerOptions":

@@ -106,7 +106,7 @@ class PagedMode(BufferMode):
         """Nothing to free: a request holds no memory of this mode (P frees its blocks)."""
 
     # ---------------------------------------------------------------- D side
-    def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens):
+    def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens, request_id=None):
         sources = [(p.info, p.layer_pairs) for p in peers]
         if not isinstance(remote, Mapping) and len(peers) == 1:
             remote = {peers[0].name: remote}
@@ -318,7 +318,7 @@ class MirrorMode(PagedMode):
         self._copier.to_host(pages)
         return None
 
-    def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens):
+    def plan(self, info, peers, remote, num_tokens, local_block_ids, num_cached_tokens, request_id=None):
         plan, work = super().plan(info, peers, remote, num_tokens, local_block_ids, num_cached_tokens)
         # complete() must not fail after the read: check its copy now
         self._copier.plan("h2d", [list(r) + list(z) for r, z in zip(work.read_pages, work.zero_pages)])
@@ -357,6 +357,8 @@ class DeviceMode(PagedMode):
 
     @classmethod
     def build(cls, device_caches, layer_groups, tokens_per_page, opts: ManagerOptions) -> "DeviceMode":
+        if opts.require_checksum:
+            raise ValueError("require_checksum: device mode carries no page sums; use host or arena mode")
         regions = build_regions(device_caches, layer_groups, tokens_per_page, "device", opts.block_dim,
                                 opts.kv_layout, opts.tp_rank, opts.tp_size, opts.total_kv_heads)
         return cls(regions, device_caches, layer_groups)

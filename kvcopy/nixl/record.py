@@ -1,6 +1,7 @@
 """The staged-request record: what P's arena ``save`` tells D about one request, and its wire form.
 
-A :class:`StagedRequest` names P's engine, the request, the span in P's arena (offset,
+A :class:`StagedRequest` names P's engine (its NIXL agent), TP rank and registration
+generation (:mod:`kvcopy.nixl.handshake`), the request, the span in P's arena (offset,
 bytes), the prompt's token count, per KV cache group which block positions P staged
 (1) and which are holes (0), the pack order (:mod:`kvcopy.nixl.pack_order`) and, when P
 computed them, its page sums (:class:`PageSums`, :mod:`kvcopy.nixl.span_sums`). D
@@ -9,6 +10,12 @@ in D's KV: the record crosses a process boundary and is untrusted input. The sum
 what D's scatter must reproduce; the record's digest (and HMAC) covers them, so a span
 that changed after P's pack, or a READ that brought other bytes, cannot also bring
 matching sums.
+
+A record is bound to what it is used for: D's ``plan_pull`` names the request it pulls
+and refuses a record of another request, of another engine or TP rank than the peer it
+reads, or of an earlier registration of that peer (another generation: P restarted
+under the same name). A record object the caller hands over is checked exactly as a
+wire record is (:meth:`StagedRequest.checked`: the same field reader, one checker).
 
 Wire form (:meth:`StagedRequest.to_bytes`, :meth:`StagedRequest.from_bytes`), framed
 as the handshake is (:mod:`kvcopy.nixl.framing`)::
@@ -43,14 +50,14 @@ from typing import Any, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .framing import Framing
-from .handshake import EngineInfo
+from .handshake import GENERATION_HEX, NO_GENERATION, EngineInfo, MAX_TP, check_generation
 from .pack_order import ORDER, ORDERS
 from .plan import NO_BLOCK
 from .regions import MAX_GROUPS, MAX_NAME
 from .schema import Record, check_int, check_list, loads
 
 RECORD_MAGIC = b"KVCOPY-STAGE"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the TP rank and the registration generation
 MAX_RECORD_BYTES = 8 << 20  # a 1M-token prompt of 16-token blocks is 128 KiB of flags per group
 MAX_REQUEST_ID = 1024  # characters
 MAX_SPAN = (1 << 63) - 1  # offsets and sizes inside the peer's arena (checked against it on D)
@@ -62,6 +69,11 @@ _HEX = re.compile(r"[0-9a-f]*")
 RECORD = Framing(RECORD_MAGIC, RECORD_VERSION, ((2, MAX_RECORD_BYTES),), "staged-request record",
                  "staged-request record")
 _WHERE = "malformed staged-request record"
+
+
+class StaleRegistration(ValueError):
+    """A record of an earlier registration of the peer (another generation: the peer
+    re-registered, or restarted, under the same name since its handshake was added)."""
 
 
 @dataclass(frozen=True)
@@ -120,11 +132,14 @@ class StagedRequest:
     blocks: Tuple[Tuple[int, ...], ...]
     order: str = ORDER
     sums: Optional[PageSums] = None  # P's page sums; None: P computed none (checksum=False)
+    tp_rank: int = 0  # P's TP rank (its handshake's)
+    generation: str = NO_GENERATION  # P's registration generation (its handshake's)
 
     def to_dict(self) -> dict:
         out = {"engine": self.engine, "request_id": self.request_id, "offset": self.offset,
                "nbytes": self.nbytes, "num_tokens": self.num_tokens,
-               "blocks": [list(b) for b in self.blocks], "order": self.order}
+               "blocks": [list(b) for b in self.blocks], "order": self.order, "tp_rank": self.tp_rank,
+               "generation": self.generation}
         if self.sums is not None:  # absent, not null: a record has one encoding
             out["sums"] = self.sums.to_dict()
         return out
@@ -148,6 +163,8 @@ class StagedRequest:
         raw = r.entries("blocks", 1, MAX_GROUPS)
         order = r.choice("order", ORDERS.values())
         raw_sums = r.optional("sums")
+        tp_rank = r.integer("tp_rank", 0, MAX_TP - 1)
+        generation = check_generation(r.name("generation", GENERATION_HEX), r.at("generation"))
         r.done()
         blocks = []
         for g, flags in enumerate(raw):
@@ -155,7 +172,23 @@ class StagedRequest:
             blocks.append(tuple(check_int(x, 0, 1, f"{at}[{i}]")
                                 for i, x in enumerate(check_list(flags, 0, MAX_BLOCKS, at))))
         sums = None if raw_sums is None else PageSums.from_dict(raw_sums)
-        return cls(engine, request_id, offset, nbytes, num_tokens, tuple(blocks), order, sums)
+        return cls(engine, request_id, offset, nbytes, num_tokens, tuple(blocks), order, sums, tp_rank, generation)
+
+    @classmethod
+    def checked(cls, rec: Any) -> "StagedRequest":
+        """A record object from the caller (in-process), checked exactly as a wire record:
+        its fields through :meth:`from_dict` (an offset of ``-1`` or ``True``, a token
+        count of ``64.0``, boolean block flags are refused as they are on the wire).
+        Returns the checked copy, which is what D uses from then on."""
+        if type(rec) is not cls:
+            raise TypeError(f"a staged-request record must be a StagedRequest, got {type(rec).__name__}")
+        if rec.sums is not None and type(rec.sums) is not PageSums:
+            raise TypeError(f"{_WHERE}: sums must be PageSums or None, got {type(rec.sums).__name__}")
+        try:
+            fields = rec.to_dict()
+        except (TypeError, ValueError) as exc:  # e.g. blocks that are not lists
+            raise TypeError(f"{_WHERE}: {exc}") from None
+        return cls.from_dict(fields)
 
     @classmethod
     def from_bytes(cls, data, key: Optional[bytes] = None) -> "StagedRequest":
@@ -174,12 +207,21 @@ def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def check_record(p: EngineInfo, rec: StagedRequest, n_tok: int) -> Tuple[Tuple[int, ...], List[np.ndarray]]:
-    """Check one peer's record against its handshake (D): (its page counts per group,
-    the span's shape; its page positions held per group, ``NO_BLOCK`` for a hole). Page
-    sums, where it carries them, must number one per page position."""
+def check_record(p: EngineInfo, rec: StagedRequest, n_tok: int, request_id: str
+                 ) -> Tuple[Tuple[int, ...], List[np.ndarray]]:
+    """Check one peer's record against its handshake and the request D pulls (D): (its
+    page counts per group, the span's shape; its page positions held per group,
+    ``NO_BLOCK`` for a hole). Page sums, where it carries them, must number one per
+    page position."""
+    if rec.request_id != request_id:
+        raise ValueError(f"record of request {rec.request_id[:80]!r} given for request {request_id[:80]!r}")
     if rec.engine != p.name:
         raise ValueError(f"record of engine {rec.engine!r} given for peer {p.name!r}")
+    if rec.tp_rank != p.tp_rank:
+        raise ValueError(f"record of TP rank {rec.tp_rank} given for peer {p.name!r}, TP rank {p.tp_rank}")
+    if rec.generation != p.generation:
+        raise StaleRegistration(f"record of registration {rec.generation} given for peer {p.name!r}, registered as "
+                         f"{p.generation}: the peer re-registered (restarted) since; add_peer its new handshake")
     if p.buffer != "arena" or p.arena[1] <= 0:
         raise ValueError(f"peer {p.name!r} is in {p.buffer!r} mode, not 'arena': it stages no requests")
     if rec.num_tokens != n_tok:

@@ -285,7 +285,7 @@ class ArenaStaging(BufferMode):
             raise
         self._staged[rid] = _Staged(span, time.monotonic() + self.ttl_s, readers)
         record = StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
-                               self.order)
+                               self.order, tp_rank=info.tp_rank, generation=info.generation)
         return self.sums.record(record, layout, sums, positions, counts)
 
     def on_notifications(self, new: Mapping[str, List[bytes]]) -> None:
@@ -326,9 +326,9 @@ class ArenaStaging(BufferMode):
         return [r.decode("latin-1") for r in self._staged]
 
     # ------------------------------------------------------------ D side
-    def plan(self, info, peers, records, num_tokens, local_block_ids, num_cached_tokens=0):
+    def plan(self, info, peers, records, num_tokens, local_block_ids, num_cached_tokens=0, request_id=None):
         self._check_engine(info)
-        req = self._request(info, peers, records, num_tokens, local_block_ids, num_cached_tokens)
+        req = self._request(info, peers, records, num_tokens, local_block_ids, num_cached_tokens, request_id)
         keys = req.peer_keys
         shape = self.shapes.get((req.order, req.counts, req.peer_counts, keys),
                                 lambda: self._shape(info, peers, req.order, req.counts, req.peer_counts), tags=keys)
@@ -346,12 +346,15 @@ class ArenaStaging(BufferMode):
             self.arena.free(span)
             raise
 
-    def _request(self, info, peers: Sequence[Peer], records, num_tokens, local_block_ids, cached) -> _Request:
-        """Check one request's arguments and its peers' records (see :func:`~kvcopy.nixl.record.check_record`)."""
+    def _request(self, info, peers: Sequence[Peer], records, num_tokens, local_block_ids, cached,
+                 request_id) -> _Request:
+        """Check one request's arguments and its peers' records (see :func:`~kvcopy.nixl.record.check_record`):
+        wire bytes and record objects alike, through one checker."""
+        if request_id is None:
+            raise ValueError("arena mode: plan_pull needs request_id= (the request the records must name)")
+        rid = request_key(request_id).decode("latin-1")
         names = [p.name for p in peers]
-        if isinstance(records, (bytes, bytearray, memoryview)):
-            records = StagedRequest.from_bytes(records, self._key)
-        if isinstance(records, StagedRequest):
+        if isinstance(records, (bytes, bytearray, memoryview, StagedRequest)):
             if len(names) != 1:
                 raise ValueError("several peers: pass a mapping peer name -> its StagedRequest")
             records = {names[0]: records}
@@ -363,9 +366,11 @@ class ArenaStaging(BufferMode):
             rec = records.get(p.name)
             if isinstance(rec, (bytes, bytearray, memoryview)):
                 rec = StagedRequest.from_bytes(rec, self._key)
-            if not isinstance(rec, StagedRequest):
+            elif isinstance(rec, StagedRequest):
+                rec = StagedRequest.checked(rec)
+            else:
                 raise ValueError(f"no StagedRequest for peer {p.name!r}")
-            counts, remote_ids[p.name] = check_record(p.info, rec, n_tok)
+            counts, remote_ids[p.name] = check_record(p.info, rec, n_tok, rid)
             peer_counts.append(counts)
             recs.append(rec)
         orders = {rec.order for rec in recs}

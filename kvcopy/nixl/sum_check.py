@@ -150,5 +150,19 @@ def finished(value):
     return value.result() if isinstance(value, PendingResult) else value
 
 
+class ChecksumRequired(ValueError):
+    """``require_checksum``: the pull would read pages whose page sums cannot be compared
+    (``Completion.unchecked`` would say why); refused before anything moved."""
+
+
+def unchecked_refusal(work) -> Optional[ChecksumRequired]:
+    """The refusal of a planned pull (a mode's work) that reads pages it will not compare,
+    or None (also for a pull that reads none: it has nothing to check)."""
+    if work.unchecked is None or not any(work.read_pages):
+        return None
+    return ChecksumRequired(f"require_checksum: this pull's pages cannot be compared ({work.unchecked}); "
+                            "refused before anything was read")
+
+
 # What a buffer mode's complete() returns when nothing was copied (a failed pull).
 NOT_WRITTEN: Tuple[Optional[SumCheck], Optional[str]] = (None, "nothing was written")

@@ -332,12 +332,12 @@ class PullOutcome:
 
 def pull_and_complete(
     d_manager, peer: str, d_engine: ToyEngine, d_block_ids, p_caches, p_engine: ToyEngine, p_block_ids,
-    num_tokens: int, num_cached_tokens: int = 0, notify: bytes = b"",
+    num_tokens: int, num_cached_tokens: int = 0, notify: bytes = b"", request_id=None,
 ) -> PullOutcome:
     """plan_pull -> pull -> poll -> complete on D, and both expectations of the result."""
 
     before = clone_caches(d_engine.device_caches)
-    plan = d_manager.plan_pull(peer, p_block_ids, num_tokens, d_block_ids, num_cached_tokens)
+    plan = d_manager.plan_pull(peer, p_block_ids, num_tokens, d_block_ids, num_cached_tokens, request_id=request_id)
     handle = d_manager.pull(plan, notify=notify)
     wait(d_manager, handle)
     completion = d_manager.complete(handle)

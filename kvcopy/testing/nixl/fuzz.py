@@ -136,9 +136,11 @@ def run_arena_case(spec: Spec) -> Outcome:
             records[info.name] = p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
             peers.append(Peer(len(peers), info, (), ()))
             buffers[info.name] = p_st.buffer
-        _, first = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        _, first = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached,
+                             request_id=b"req")
         # the same request again, while the first holds its span: from the caches, at another span
-        _, work = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached)
+        _, work = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached,
+                            request_id=b"req")
         d_st.free(first)
     except ValueError as exc:
         for st in made:

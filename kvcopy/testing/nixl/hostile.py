@@ -8,6 +8,11 @@ region pairs and refs, the span, the READ rows and zero runs (written in place, 
 writable, through their bases, reshaped). Each edit is ``(name, edit(plan, other))``;
 an edit may raise where it is made (that is a refusal too).
 
+:func:`nixl_part`: NIXL's agent metadata cut out of a kvcopy handshake by hand, as anyone
+who sees a handshake on the wire can (the HMAC authenticates it, nothing hides it): a
+bare NIXL agent loaded with it reaches the engine's registered memory and its
+notifications.
+
 :func:`record_mutations`: every single-bit flip of the wire bytes, random byte changes,
 every truncation, extensions, and JSON edits re-framed with a fresh digest: malformed
 ones (duplicate keys, booleans, floats, strings and ``-0`` for integers, missing and
@@ -19,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from functools import partial
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from ...nixl.handshake import MAGIC
 from ...nixl.record import RECORD, canonical
 
 Edit = Tuple[str, Callable[[Any, Any], None]]
@@ -175,3 +182,11 @@ def record_mutations(wire: bytes, key: Optional[bytes], granule: int, seed: int 
     d = json.loads(body)
     for what, new in list(_malformed(d)) + list(_well_formed(d, granule)):
         yield f"re-framed, {what}", RECORD.frame((new,))
+
+
+def nixl_part(metadata: bytes) -> bytes:
+    """The NIXL agent metadata inside a kvcopy handshake (``metadata``), cut out by its
+    declared lengths without checking anything (see the module docstring)."""
+    header, agent = struct.unpack_from("<QQ", metadata, len(MAGIC) + 8)
+    start = len(MAGIC) + 8 + 16 + header
+    return metadata[start:start + agent]

@@ -115,7 +115,7 @@ class _Case:
         self.old = self._stage_earlier(p_st, info, p_caches)
         self.record = p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
         _, self.work = self.d_st.plan(d_info, [Peer(0, info, (), ())], {info.name: self.record}, spec.num_tokens,
-                                      spec.d.block_ids, spec.num_cached)
+                                      spec.d.block_ids, spec.num_cached, request_id=b"req")
         self.pbuf, self.dbuf = p_st.buffer, self.d_st.buffer
         self.p_span = self.pbuf[self.record.offset:self.record.offset + self.record.nbytes].clone()
         self.reads = {r.peer: (r.local, r.remote) for r in self.d_st.reads(self.work)}

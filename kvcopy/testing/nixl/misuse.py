@@ -64,7 +64,7 @@ class Requests:
         self.expected = clone_caches(self.de.device_caches)
 
     def plan(self, which: str):
-        return self.d.plan_pull(self.peer, self.remote[which], N, LOCAL[which])
+        return self.d.plan_pull(self.peer, self.remote[which], N, LOCAL[which], request_id=which)
 
     def landed(self, which: str) -> None:
         """Request ``which`` completed: D's caches must now also hold it."""
@@ -148,8 +148,8 @@ def reader_gives_up_case(how: str, settle_s: float = 1.0) -> Outcome:
         try:
             peer2 = d2.add_peer(p.metadata())
             record = p.save([[1, 2, 3]], num_tokens=N, request_id="A", readers=2)
-            plan2 = d2.plan_pull(peer2, record, N, [[10, 11, 12]])
-            h = d.pull(d.plan_pull(peer, record, N, [[20, 21, 22]]), notify=b"A")
+            plan2 = d2.plan_pull(peer2, record, N, [[10, 11, 12]], request_id="A")
+            h = d.pull(d.plan_pull(peer, record, N, [[20, 21, 22]], request_id="A"), notify=b"A")
             time.sleep(0.2)  # the READ lands; D does not poll it
             if how == "abort":
                 d.abort(h)  # a READ DONE when posted is not aborted: one notification all the same

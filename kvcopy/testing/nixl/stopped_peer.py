@@ -127,7 +127,7 @@ class StoppedPeer:
     def fail_a(self, out: Outcome):
         """P1 stopped, D's pull of A posted; it fails at its deadline. -> (plan, completion)."""
         self.stop_p1()
-        plan = self.d.plan_pull(self.peer1, self.a_remote, N, A_D)
+        plan = self.d.plan_pull(self.peer1, self.a_remote, N, A_D, request_id="A")
         h = self.d.pull(plan, notify=b"A")
         out.expect(wait(self.d, h, 30) == "ERR" and "deadline" in str(h.error), f"A did not fail at its deadline: {h}")
         return plan, self.d.complete(h)
@@ -144,7 +144,7 @@ class StoppedPeer:
     def pull_b(self, d_ids, out: Outcome, plan=None):
         """Post B from P2 into ``d_ids`` (or ``plan``) and wait for it -> (D's caches before, handle)."""
         before = clone_caches(self.de.device_caches)
-        h = self.d.pull(plan or self.d.plan_pull(self.peer2, self.b_remote, N, d_ids), notify=b"B")
+        h = self.d.pull(plan or self.d.plan_pull(self.peer2, self.b_remote, N, d_ids, request_id="B"), notify=b"B")
         out.expect(wait(self.d, h, 30) == "DONE", f"B did not end DONE: {h}")
         return before, h
 
@@ -199,7 +199,7 @@ def paged_case(rig: StoppedPeer) -> Outcome:
     out.expect(rig.d.held_blocks() == tuple(map(tuple, A_D)), f"held blocks: {rig.d.held_blocks()}")
     if rig.buffer == "host":
         out.expect(same_bytes(before_a, rig.de.device_caches), "A's failure wrote D's KV")
-    held = rig.d.plan_pull(rig.peer2, rig.b_remote, N, A_D)
+    held = rig.d.plan_pull(rig.peer2, rig.b_remote, N, A_D, request_id="B")
     try:
         rig.d.pull(held, notify=b"B")
         out.expect(False, "B's pull into A's pages was accepted while A's READ may land")
