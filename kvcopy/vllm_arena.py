@@ -68,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.logger import init_logger
 
 from .nixl.manager import TransferManager
+from .vllm_affinity import threads_on, transfer_cpus
 from .vllm_arena_channel import RecordStore, serve
 from .vllm_arena_meta import (
     MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
@@ -224,6 +225,7 @@ class KvcopyArenaWorker:
         self.name = agent_name(engine_id, self.tp_rank)
         self.compat = compatibility_hash(vllm_config)
         self.key = options.key()
+        self.thread_cpus = transfer_cpus()  # where the transfer threads run (kvcopy.vllm_affinity)
         self.manager: Optional[TransferManager] = None
         self.stager: Optional[ArenaStager] = None
         self.puller: Optional[ArenaPuller] = None
@@ -233,21 +235,26 @@ class KvcopyArenaWorker:
         o = self.options
         replicated = self.total_kv_heads if self.total_kv_heads is not None and self.total_kv_heads < self.tp_size \
             else None  # else each rank's heads x TP, per layer
-        self.manager = TransferManager(
-            self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
-            buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=replicated,
-            copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key, arena_bytes=o.arena_bytes,
-            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum)
+        # The threads these start (NIXL's progress thread, UCX's async thread, the fetch pool, ZMQ's
+        # I/O thread) run off the model's cores: kvcopy.vllm_affinity
+        with threads_on(self.thread_cpus):
+            self.manager = TransferManager(
+                self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
+                buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size,
+                total_kv_heads=replicated, copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key,
+                arena_bytes=o.arena_bytes, arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum)
+            self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
+                                      self.compat, len(self.kv_cache_config.kv_cache_groups) == 1, self.thread_cpus)
         self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
-        self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
-                                  self.compat, len(self.kv_cache_config.kv_cache_groups) == 1)
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(
             "kvcopy: arena connector %s: %.3f GiB arena (pinned when the KV is on a GPU; vLLM's host mirror of "
-            "these caches would be %.3f GiB), %d transfer groups, %d layers registered%s",
+            "these caches would be %.3f GiB), %d transfer groups, %d layers registered%s%s",
             self.name, self.manager.stats()["arena_bytes"] / 2**30, host_mirror_bytes(kv_caches) / 2**30,
-            len(layout.groups), grouped, f", {skipped} KV-sharing layers never copied" if skipped else "")
+            len(layout.groups), grouped, f", {skipped} KV-sharing layers never copied" if skipped else "",
+            f"; transfer threads on CPUs {sorted(self.thread_cpus)} (vLLM's cores for KV transfer)"
+            if self.thread_cpus else "")
 
     def _require(self):
         if self.manager is None or self.stager is None or self.puller is None:

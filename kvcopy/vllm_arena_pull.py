@@ -42,7 +42,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import zmq
 from vllm.logger import init_logger
@@ -51,6 +51,7 @@ from .nixl import ArenaFull, NO_BLOCK, remote_ranks
 from .nixl.manager import TransferManager
 from .nixl.plan import Plan
 from .nixl.pull import Completion, PullHandle
+from .vllm_affinity import pin_current_thread
 from .vllm_arena_channel import fetch_metadata, fetch_records
 from .vllm_arena_meta import ArenaOptions, ArenaRecv, agent_name, notify_bytes
 from .vllm_groups import GroupTokens
@@ -88,7 +89,8 @@ class ArenaPuller:
     """One D rank's pulls (see the module docstring)."""
 
     def __init__(self, manager: TransferManager, options: ArenaOptions, tokens: GroupTokens, tp_rank: int,
-                 tp_size: int, total_kv_heads: Optional[int], compat: str, single_group: bool):
+                 tp_size: int, total_kv_heads: Optional[int], compat: str, single_group: bool,
+                 thread_cpus: Optional[FrozenSet[int]] = None):
         self.m = manager
         self.opts = options
         self.tokens = tokens
@@ -104,7 +106,9 @@ class ArenaPuller:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._zmq = zmq.Context()
-        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvcopy-arena-fetch")
+        # Fetch threads (and ZMQ's I/O thread they start) off the model's cores: kvcopy.vllm_affinity
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvcopy-arena-fetch",
+                                        initializer=pin_current_thread, initargs=(thread_cpus,))
 
     # ------------------------------------------------------------ start
     def start(self, recv: Dict[str, ArenaRecv]) -> None:
