@@ -198,6 +198,26 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
         return KvcopyArenaMetadata(nixl, stage, recv)
 
 
+# Attention backends whose page holds every K row before every V row (vLLM 0.33's CPU
+# attention, v1/attention/backends/cpu_attn.py: the [N, C] page viewed as [2N, C/2], K the
+# first half), not the token rows of K and V the logical [B, H, N, C] view suggests.
+SPLIT_PAGE_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+def split_page_tokens(vllm_config, layout) -> Optional[Tuple[int, ...]]:
+    """Tokens per page of each group when a layer's attention backend splits its pages
+    (:data:`SPLIT_PAGE_BACKENDS`), else None. Same-size pages still transfer whole, in
+    the backend's own byte order; pages of different sizes do not map token by token, so
+    these sizes join the compatibility hash (:func:`~kvcopy.vllm_arena_meta.compatibility_hash`)."""
+    context = vllm_config.compilation_config.static_forward_context
+    for names in layout.groups:
+        for name in names:
+            backend = getattr(context.get(name), "attn_backend", None)
+            if backend is not None and backend.get_name() in SPLIT_PAGE_BACKENDS:
+                return tuple(layout.tokens_per_page)
+    return None
+
+
 def _leading_holes(blocks) -> int:
     """Blocks at the start of a group's table D holds already (prefix-cache hits) or never
     will (vLLM's null block: a sliding window's start)."""
@@ -232,6 +252,9 @@ class KvcopyArenaWorker:
 
     def register_kv_caches(self, kv_caches) -> None:
         layout = arena_layout(self.kv_cache_config, kv_caches, kv_sharing_layers(self.vllm_config), self.use_mla)
+        split = split_page_tokens(self.vllm_config, layout)
+        if split:
+            self.compat = compatibility_hash(self.vllm_config, split)
         o = self.options
         replicated = self.total_kv_heads if self.total_kv_heads is not None and self.total_kv_heads < self.tp_size \
             else None  # else each rank's heads x TP, per layer
