@@ -69,6 +69,7 @@ from vllm.logger import init_logger
 
 from .nixl.manager import TransferManager
 from .vllm_affinity import threads_on, transfer_cpus
+from .vllm_checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
 from .vllm_arena_channel import RecordStore, serve
 from .vllm_arena_meta import (
     MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
@@ -253,8 +254,9 @@ class KvcopyArenaWorker:
     def register_kv_caches(self, kv_caches) -> None:
         layout = arena_layout(self.kv_cache_config, kv_caches, kv_sharing_layers(self.vllm_config), self.use_mla)
         split = split_page_tokens(self.vllm_config, layout)
-        if split:
-            self.compat = compatibility_hash(self.vllm_config, split)
+        conv = conv_state_layout() if has_mamba(self.kv_cache_config) else None
+        if split or conv:
+            self.compat = compatibility_hash(self.vllm_config, split, conv)
         o = self.options
         replicated = self.total_kv_heads if self.total_kv_heads is not None and self.total_kv_heads < self.tp_size \
             else None  # else each rank's heads x TP, per layer
@@ -323,6 +325,8 @@ class KvcopyArenaConnector(NixlBaseConnector):
     and :class:`KvcopyArenaWorker` (each worker); see the module docstring."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
+        check_config(vllm_config, ARENA, kv_cache_config)  # vLLM's checks keyed on "NixlConnector"
+        check_arena_only(vllm_config.kv_transfer_config)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         options = ArenaOptions.from_config(self.kv_transfer_config)
         self.arena_worker: Optional[KvcopyArenaWorker] = None

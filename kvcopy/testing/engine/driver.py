@@ -18,7 +18,7 @@ Commands (``{"op": ..., ...}``):
 * ``reset_prefix_cache``, ``exit``.
 
 CONFIG_JSON: ``model``, ``block_size``, ``max_model_len``, ``seed``, and optionally
-``kv_transfer_config`` (a dict for vLLM's ``KVTransferConfig``), ``worker_extension_cls``,
+``dtype`` (default float32), ``kv_transfer_config`` (a dict for vLLM's ``KVTransferConfig``), ``worker_extension_cls``,
 ``max_num_seqs``, ``enable_prefix_caching``.
 """
 from __future__ import annotations
@@ -78,8 +78,9 @@ def main(config_json: str, reply_fd: int) -> None:
         reply.flush()
 
     t0 = time.monotonic()
-    kwargs = dict(model=cfg["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=cfg["max_model_len"],
-                  block_size=cfg["block_size"], enforce_eager=True, seed=cfg.get("seed", 0),
+    kwargs = dict(model=cfg["model"], skip_tokenizer_init=True, dtype=cfg.get("dtype", "float32"),
+                  max_model_len=cfg["max_model_len"], block_size=cfg["block_size"], enforce_eager=True,
+                  seed=cfg.get("seed", 0),
                   disable_log_stats=False, max_num_seqs=cfg.get("max_num_seqs", 16),
                   enable_prefix_caching=cfg.get("enable_prefix_caching", True))
     if cfg.get("kv_transfer_config") is not None:

@@ -28,7 +28,29 @@ def _llama_config():
                        tie_word_embeddings=False, initializer_range=0.1)
 
 
-FAMILIES = {"llama": _llama_config}
+def _gemma3_config():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
+                            sliding_window=64, initializer_range=0.1, tie_word_embeddings=False,
+                            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                            architectures=["Gemma3ForCausalLM"])
+
+
+def _qwen3_next_config():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
+                           linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                           linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                           mlp_only_layers=[0, 1, 2], initializer_range=0.1, tie_word_embeddings=False,
+                           layer_types=["linear_attention"] * 3 + ["full_attention"])
+
+
+FAMILIES = {"llama": _llama_config, "gemma3": _gemma3_config, "qwen3_next": _qwen3_next_config}
 
 
 def build_model(family: str, path: str, seed: int = 0) -> ModelSpec:

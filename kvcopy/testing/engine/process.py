@@ -32,6 +32,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def read_log(path: str) -> str:
+    """A process's log file as text ("" before it exists)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def engine_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The environment engines run in: the CPU platform, no hub, 1 GiB of KV cache, and
     this checkout's ``kvcopy`` first on the path."""
@@ -151,11 +160,7 @@ class Engine:
         return self.call({"op": "reset_prefix_cache"})["reset"]
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, n: int = 40) -> str:
         lines = self.log().splitlines()[-n:]
