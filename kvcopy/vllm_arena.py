@@ -385,7 +385,12 @@ class KvcopyArenaConnector(NixlBaseConnector):
         return self._worker().report()
 
     def get_kv_connector_stats(self):
-        return None
+        """D's pull figures as vLLM's NIXL stats (:mod:`kvcopy.vllm_arena_stats`): vLLM logs
+        and exports them as it does its own connector's."""
+        worker = self.arena_worker
+        if worker is None or worker.puller is None:
+            return None
+        return worker.puller.stats.take()
 
     def unregister_kv_caches(self) -> None:
         raise NotImplementedError("KvcopyArenaConnector does not support sleep mode")

@@ -52,6 +52,7 @@ from .nixl.manager import TransferManager
 from .nixl.plan import Plan
 from .nixl.pull import Completion, PullHandle
 from .vllm_affinity import pin_current_thread
+from .vllm_arena_stats import PullStats
 from .vllm_arena_channel import fetch_metadata, fetch_records
 from .vllm_arena_meta import ArenaOptions, ArenaRecv, agent_name, notify_bytes
 from .vllm_groups import GroupTokens
@@ -82,6 +83,7 @@ class _Job:
     plan: Optional[Plan] = None
     handle: Optional[PullHandle] = None
     completion: Optional[Completion] = None  # completed; on CUDA its checksum verdict may still be on the way
+    posted: Tuple[float, float] = (0.0, 0.0)  # monotonic: before the READ was posted, after
     blocks: Tuple[int, ...] = field(default=())  # D's blocks, for load errors
 
 
@@ -101,6 +103,7 @@ class ArenaPuller:
         self.finished: Set[str] = set()
         self.failed: Set[str] = set()
         self.error_blocks: Set[int] = set()
+        self.stats = PullStats()  # vLLM's NIXL connector stats, for its logging and metrics
         self._added: Dict[str, bytes] = {}  # peer name -> the handshake bytes add_peer took
         self._metadata: Dict[Tuple[str, int], bytes] = {}  # (engine, P rank) -> handshake bytes, shared
         self._lock = threading.Lock()
@@ -232,11 +235,16 @@ class ArenaPuller:
             self.m.discard(job.plan)
             job.plan = None
             raise TimeoutError("P's span expires before a READ could end")
+        t0 = time.monotonic()
         job.handle = self.m.pull(job.plan, notify=notify_bytes(job.recv.remote_request_id, self.tp), timeout_s=timeout)
+        job.posted = (t0, time.monotonic())
 
     # ------------------------------------------------------------ outcomes
     def _finish(self, job: _Job) -> None:
         del self.jobs[job.rid]
+        if job.plan is not None and job.recv.awaiting:
+            self.stats.record(time.monotonic() - job.posted[0], job.posted[1] - job.posted[0], job.plan.num_bytes,
+                              getattr(job.plan, "num_descriptors", 0))  # an ArenaPlan's
         if job.recv.awaiting:
             self.finished.add(job.rid)
 
@@ -252,6 +260,7 @@ class ArenaPuller:
             return
         logger.warning("kvcopy arena: pulling request %s from %s failed, vLLM recomputes it: %s", job.rid,
                        job.recv.engine_id, reason)
+        self.stats.record_failed()
         self.finished.add(job.rid)
         self.failed.add(job.rid)
         if self.single_group:
