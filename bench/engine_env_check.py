@@ -2,7 +2,8 @@
 environment's python, from the repository root (``VLLM_TARGET_DEVICE=cpu``).
 
 Each step names what it found missing: vLLM 0.33 itself, the CPU platform, the CPU ops
-(``torch.ops._C`` after the platform loaded them), NIXL's UCX backend, then one greedy
+(``torch.ops._C`` after the platform loaded them), NIXL's UCX backend, ``vllm serve``'s
+API server, then one greedy
 generation from a 2-layer random-weight Llama (``kvcopy.testing.engine.models``) whose
 tokens must be as many as asked and inside the vocabulary.
 """
@@ -46,6 +47,11 @@ def main() -> None:
     agent = nixl_agent("engine-env-check", nixl_agent_config(backends=["UCX"]))
     if "UCX" not in agent.get_plugin_list():
         fail("NIXL has no UCX plugin")
+
+    try:  # what `vllm serve` imports beyond the engine
+        import vllm.entrypoints.openai.api_server  # noqa: F401
+    except ImportError as exc:
+        fail(f"vllm serve's API server does not import: {exc}")
 
     from kvcopy.testing.engine.models import build_model
     from vllm import LLM, SamplingParams

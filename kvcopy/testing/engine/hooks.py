@@ -33,6 +33,16 @@ class KvcopyHooks:
         """The arena connector's ``TransferManager.stats()`` (pulls, spans, checksum outcomes)."""
         return dict(_arena_manager().stats())
 
+    def kvcopy_staging_bytes(self) -> Dict[str, int]:
+        """Host memory the connector stages KV through (pinned on a GPU): the arena's
+        ``arena_bytes``, or vLLM's host buffers (none where NIXL reads the KV in place)."""
+        conn = _connector()
+        arena = getattr(conn, "arena_worker", None)
+        if arena is not None and arena.manager is not None:
+            return {"bytes": int(arena.manager.stats()["arena_bytes"]), "buffers": 1}
+        buffers = getattr(getattr(conn, "connector_worker", None), "host_xfer_buffers", None) or {}
+        return {"bytes": int(sum(t.untyped_storage().nbytes() for t in buffers.values())), "buffers": len(buffers)}
+
     def kvcopy_flip_staged_byte(self, offset: int = 5) -> int:
         """P: flip one bit of byte ``offset`` of every span staged now (as a faulty link or
         memory would, after P's pack computed its sums); returns how many spans."""

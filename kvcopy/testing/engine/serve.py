@@ -6,7 +6,10 @@
   P with ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, P's
   returned ``kv_transfer_params`` go to D with the request as the client sent it, and D's
   answer (streamed through when the client asked for a stream) goes back.
-* :func:`complete`: an HTTP client call (``urllib``), token-id prompt in, token ids out.
+* :func:`complete`: an HTTP client call (``urllib``), token-id prompt in, token ids out;
+  :func:`stream_first_token` the same streamed, timed to its first token.
+* :func:`metrics`: a server's Prometheus counters; :func:`rpc`: ``/collective_rpc`` on a
+  server started with ``VLLM_SERVER_DEV_MODE=1`` (the test hooks).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from .process import engine_env, free_port, read_log
 SERVED_NAME = "tiny"
 
 
-def _post(url: str, body: Dict[str, Any], timeout: float):
+def post_json(url: str, body: Dict[str, Any], timeout: float):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=timeout)
 
@@ -37,7 +40,7 @@ class Server:
 
     def __init__(self, name: str, model: str, log_path: str, kv_transfer_config: Optional[Dict[str, Any]] = None,
                  block_size: int = 32, max_model_len: int = 1024, dtype: str = "float32",
-                 env: Optional[Dict[str, str]] = None, python: str = sys.executable):
+                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = (), python: str = sys.executable):
         self.name, self.log_path = name, log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -45,9 +48,10 @@ class Server:
         self.argv = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                      "--served-model-name", SERVED_NAME, "--skip-tokenizer-init", "--dtype", dtype,
                      "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--enforce-eager",
-                     "--max-num-seqs", "16"]
+                     "--max-num-seqs", "16", "--enable-prompt-tokens-details"]
         if kv_transfer_config is not None:
             self.argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.argv += list(extra_args)
         self.env = engine_env(env)
         self.proc: Optional[subprocess.Popen] = None
 
@@ -123,13 +127,13 @@ class Proxy:
     def _serve(self, handler, body: Dict[str, Any]) -> None:
         prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         prefill.pop("stream_options", None)
-        with _post(self.prefill_url + "/v1/completions", prefill, self.timeout) as r:
+        with post_json(self.prefill_url + "/v1/completions", prefill, self.timeout) as r:
             params = json.loads(r.read()).get("kv_transfer_params")
         if not params:
             raise ValueError("P returned no kv_transfer_params")
         params = dict(params)
         params.pop("remote_prefill_cached_tokens", None)  # D reports its own cached tokens
-        with _post(self.decode_url + "/v1/completions", dict(body, kv_transfer_params=params), self.timeout) as r:
+        with post_json(self.decode_url + "/v1/completions", dict(body, kv_transfer_params=params), self.timeout) as r:
             handler.send_response(r.status)
             handler.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
             handler.end_headers()
@@ -150,20 +154,23 @@ def complete(url: str, prompt: Sequence[int], max_tokens: int, timeout: float = 
     the response's ``usage``."""
     body = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True}
-    with _post(url + "/v1/completions", body, timeout) as r:
+    with post_json(url + "/v1/completions", body, timeout) as r:
         data = json.loads(r.read())
     choice = data["choices"][0]
     return {"token_ids": list(choice.get("token_ids") or []), "usage": data.get("usage") or {}}
 
 
-def stream_first_token(url: str, prompt: Sequence[int], max_tokens: int, timeout: float = 300.0) -> Dict[str, Any]:
+def stream_first_token(url: str, prompt: Sequence[int], max_tokens: int, timeout: float = 300.0,
+                       kv_transfer_params: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """A streamed completion: seconds to the first token and to the end, and the token ids."""
     body = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     t0 = time.monotonic()
     first: Optional[float] = None
     tokens: List[int] = []
-    with _post(url + "/v1/completions", body, timeout) as r:
+    with post_json(url + "/v1/completions", body, timeout) as r:
         for raw in r:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
@@ -174,3 +181,30 @@ def stream_first_token(url: str, prompt: Sequence[int], max_tokens: int, timeout
                 first = time.monotonic() - t0
             tokens += got
     return {"ttft_s": first, "total_s": time.monotonic() - t0, "token_ids": tokens}
+
+
+def metrics(url: str, timeout: float = 30.0) -> Dict[str, float]:
+    """A server's Prometheus samples (``/metrics``), keyed ``name{labels}`` as written."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(samples: Dict[str, float], name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def rpc(url: str, method: str, timeout: float = 60.0) -> List[Any]:
+    """``LLM.collective_rpc`` over HTTP (vLLM's dev endpoint): each worker's result."""
+    with post_json(url + "/collective_rpc", {"method": method, "timeout": timeout}, timeout + 10) as r:
+        return json.loads(r.read()).get("results", [])
