@@ -17,7 +17,9 @@ is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL
 * **D** (``start_load_kv`` / ``get_transfer_results``, :mod:`kvcopy.vllm_arena_pull`):
   kvcopy's handshake, then ``plan_pull`` / ``pull`` / ``complete`` per request, by token
   position (P and D may use different block and kernel-page sizes, which vLLM's own
-  host-buffer path refuses), skipping D's prefix-cache hits.
+  host-buffer path refuses, except on an attention backend that splits its pages into K
+  and V halves, vLLM's CPU attention: :func:`split_page_tokens`), skipping D's
+  prefix-cache hits.
 * Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
   models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
   both sides. Models: what :mod:`kvcopy.vllm_groups` describes (several groups overlaid
@@ -54,7 +56,12 @@ Decisions, and why:
 What each side exchanges: :mod:`kvcopy.vllm_arena_meta`. Options
 (``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm_arena_meta.ArenaOptions`.
 Not supported: push, DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
-GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``).
+GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``),
+``bidirectional_kv_xfer`` (refused when the connector is made: :mod:`kvcopy.vllm_checks`,
+which also runs vLLM's checks keyed on the name "NixlConnector"). Its transfer threads
+start on the cores vLLM's CPU platform reserves for KV transfer
+(:mod:`kvcopy.vllm_affinity`), and its pulls reach vLLM as NIXL connector stats
+(:mod:`kvcopy.vllm_arena_stats`).
 """
 from __future__ import annotations
 
