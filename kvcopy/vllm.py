@@ -186,11 +186,25 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
                 "(vLLM's are unpadded: NIXL would refuse the regions)")
 
     def _group_ids(self, ids: Sequence[Sequence[int]]) -> Optional[Sequence[Sequence[int]]]:
-        """Per-group kernel-page ids, or None when the request moves nothing (vLLM
-        signals a full prefix hit with an empty list)."""
-        if not ids or not any(len(g) for g in ids):
+        """Per-group ids in each group's view unit, without vLLM's null block and without
+        repeats, or None when the request moves nothing (vLLM signals a full prefix hit
+        with an empty list). The null block (logical block 0: the first
+        ``pages_per_block`` ids of a group) holds no request's KV; a Mamba/GDN group lists
+        it at every position but its running state's, which the copier would refuse as an
+        id written twice in one call (vLLM's copy just copies it again). A repeated id is
+        the same source and destination on both sides: copying it once is the same."""
+        out = []
+        for g, per_block in zip(ids, self._pages_per_block):
+            seen: set = set()
+            row = []
+            for b in g:
+                if b >= per_block and b not in seen:
+                    seen.add(b)
+                    row.append(b)
+            out.append(row)
+        if not any(out):
             return None
-        return ids
+        return out
 
     def _wait(self) -> None:
         # vLLM's op is synchronous; keep that contract (see module docstring). Allowed

