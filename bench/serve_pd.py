@@ -118,8 +118,8 @@ def run_connector(args, connector, model, prompts, progress):
     return summarize(connector, results, warm, wall, before, after, staging)
 
 
-def _delta(before, after, name):
-    return metric_sum(after, name) - metric_sum(before, name)
+def _delta(before, after, name, **labels):
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
 def summarize(connector, results, warm, wall, before, after, staging):
@@ -134,8 +134,7 @@ def summarize(connector, results, warm, wall, before, after, staging):
         "descriptors_per_read": _delta(before, after, "vllm:nixl_num_descriptors_sum") / reads if reads else None,
         "bytes_per_read": _delta(before, after, "vllm:nixl_bytes_transferred_sum") / reads if reads else None,
         "failed_transfers": _delta(before, after, "vllm:nixl_num_failed_transfers_total"),
-        "prompt_tokens": {s: _delta(before, after, f'vllm:prompt_tokens_by_source_total{{source="{s}"}}')
-                          for s in SOURCES},
+        "prompt_tokens": {s: _delta(before, after, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES},
         "ttft_d_s": [r["ttft_d_s"] for r in results], "token_ids": [r["token_ids"] for r in results],
     }
 

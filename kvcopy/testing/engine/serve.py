@@ -199,9 +199,11 @@ def metrics(url: str, timeout: float = 30.0) -> Dict[str, float]:
     return out
 
 
-def metric_sum(samples: Dict[str, float], name: str) -> float:
-    """The sum of every sample of ``name`` (all label sets)."""
-    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+def metric_sum(samples: Dict[str, float], name: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items()
+               if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
 
 
 def rpc(url: str, method: str, timeout: float = 60.0) -> List[Any]:
