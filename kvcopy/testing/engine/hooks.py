@@ -38,8 +38,8 @@ class KvcopyHooks:
         ``arena_bytes``, or vLLM's host buffers (none where NIXL reads the KV in place)."""
         conn = _connector()
         arena = getattr(conn, "arena_worker", None)
-        if arena is not None and arena.manager is not None:
-            return {"bytes": int(arena.manager.stats()["arena_bytes"]), "buffers": 1}
+        if arena is not None and arena.manager is not None:  # the arena's allocation (stats() give its usable part)
+            return {"bytes": int(arena.manager.arena.buffer.untyped_storage().nbytes()), "buffers": 1}
         buffers = getattr(getattr(conn, "connector_worker", None), "host_xfer_buffers", None) or {}
         return {"bytes": int(sum(t.untyped_storage().nbytes() for t in buffers.values())), "buffers": len(buffers)}
 
