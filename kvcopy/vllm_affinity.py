@@ -13,10 +13,13 @@ runnable worker threads got no CPU for the whole 6 s sampled, P accepted D's con
 first) within 8 batches of 6 requests in 6 of 6 runs with UCX's debug log on, 4 of 6
 without.
 
-vLLM's own NIXL worker keeps its transfer work off the model's cores: on the CPU platform
-it moves itself to the last physical core of each NUMA node
-(``CpuPlatform.discover_numa_topology``, "reserve different cores for start_load_kv()
-from model_forward()"). The arena connector starts its transfer threads there:
+vLLM's own NIXL worker reserves cores for transfer work: on the CPU platform it moves the
+thread that builds it (the worker's engine thread, which then drives every transfer) to
+the last physical core of each NUMA node (``CpuPlatform.discover_numa_topology``,
+"reserve different cores for start_load_kv() from model_forward()"); its NIXL agent,
+built just before, keeps the model's core and busy-polls there (poll delay 0; read back
+from ``/proc`` in a stock engine: engine thread on CPU 1, agent and UCX threads on CPU 0).
+The arena connector starts its transfer threads on those reserved cores:
 :func:`transfer_cpus` names those cores, :func:`threads_on` runs the code that starts
 threads (the NIXL agent with its progress thread and UCX's async thread, the side-channel
 fetch pool, ZMQ's I/O thread) with the calling thread moved there and restores it after,
