@@ -98,6 +98,7 @@ from vllm.logger import init_logger  # noqa: E402
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed  # noqa: E402
 
 from .copier import BlockCopier  # noqa: E402
+from .vllm_checks import MIRROR, check_config  # noqa: E402
 from .vllm_groups import (  # noqa: E402
     kernel_block_ids, kv_sharing_layers, pages_per_block, state_host_buffers, transfer_layer_groups,
 )
@@ -105,7 +106,7 @@ from .vllm_groups import (  # noqa: E402
 # Under vLLM's logger tree, so the registration line shows in vLLM's own log output.
 logger = init_logger("vllm.kvcopy")
 
-__all__ = ["KvcopyNixlConnector", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
+__all__ = ["KvcopyNixlConnector", "KvcopyNixlScheduler", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
 
 
 class KvcopyNixlWorker(NixlPullConnectorWorker):
@@ -118,6 +119,22 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
     # Layers whose host buffer vLLM allocated smaller than the NIXL region it registers
     # for them (padded Mamba/GDN state pages), replaced by kvcopy: name -> page stride.
     kvcopy_state_buffers: Dict[str, int] = {}
+
+    def __init__(self, vllm_config, engine_id, kv_cache_config):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # host_buffer_on_cpu: vLLM turned host buffers off for the CPU platform; turn them on
+        self.kvcopy_forced_host_buffer = _forced_host_buffer(vllm_config)
+        if self.kvcopy_forced_host_buffer:
+            self.use_host_buffer = True
+
+    def set_host_xfer_buffer_ops(self, copy_operation) -> None:
+        """vLLM's: keeps the op only off the CPU platform; with ``host_buffer_on_cpu`` on
+        the CPU it is kept too, since vLLM's connector saves only when an op is set (the
+        copies themselves are the copier's)."""
+        if self.kvcopy_forced_host_buffer:
+            self.copy_blocks = copy_operation
+            return
+        super().set_host_xfer_buffer_ops(copy_operation)
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
@@ -169,11 +186,25 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
                 "(vLLM's are unpadded: NIXL would refuse the regions)")
 
     def _group_ids(self, ids: Sequence[Sequence[int]]) -> Optional[Sequence[Sequence[int]]]:
-        """Per-group kernel-page ids, or None when the request moves nothing (vLLM
-        signals a full prefix hit with an empty list)."""
-        if not ids or not any(len(g) for g in ids):
+        """Per-group ids in each group's view unit, without vLLM's null block and without
+        repeats, or None when the request moves nothing (vLLM signals a full prefix hit
+        with an empty list). The null block (logical block 0: the first
+        ``pages_per_block`` ids of a group) holds no request's KV; a Mamba/GDN group lists
+        it at every position but its running state's, which the copier would refuse as an
+        id written twice in one call (vLLM's copy just copies it again). A repeated id is
+        the same source and destination on both sides: copying it once is the same."""
+        out = []
+        for g, per_block in zip(ids, self._pages_per_block):
+            seen: set = set()
+            row = []
+            for b in g:
+                if b >= per_block and b not in seen:
+                    seen.add(b)
+                    row.append(b)
+            out.append(row)
+        if not any(out):
             return None
-        return ids
+        return out
 
     def _wait(self) -> None:
         # vLLM's op is synchronous; keep that contract (see module docstring). Allowed
@@ -214,16 +245,45 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         super().shutdown()
 
 
+def _mirror_flag(kv_transfer_config, key: str) -> bool:
+    raw = kv_transfer_config.get_from_extra_config("kvcopy", None) or {}
+    value = raw.get(key, False) if isinstance(raw, dict) else False
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config['kvcopy'][{key!r}] must be true or false, got {value!r}")
+    return value
+
+
+def host_buffer_on_cpu(kv_transfer_config) -> bool:
+    """``kv_connector_extra_config["kvcopy"]["host_buffer_on_cpu"]`` (default false): on
+    vLLM's CPU platform, stage through host buffers all the same.
+
+    vLLM turns host buffers off on a CPU worker (``use_host_buffer=False`` on both sides:
+    the KV is host memory already, NIXL reads it in place), so there the mirror connector
+    is vLLM's connector and kvcopy's copier never runs. With this flag on a CPU worker
+    and ``kv_buffer_device="cpu"``, the connector runs the path a GPU worker with host
+    buffers runs, step for step: vLLM allocates and registers the host buffers, P's
+    scheduler sends its saves, P's ``save_kv_to_host`` and D's ``sync_recved_kv_to_device``
+    run through the copier (kvcopy's ``cpu`` backend in place of a GPU one), NIXL READs the
+    host buffers. What differs from a GPU is only the copy backend and that no stream is
+    synchronized. For testing and measuring that path without a GPU; on a GPU worker the
+    flag changes nothing."""
+    return _mirror_flag(kv_transfer_config, "host_buffer_on_cpu")
+
+
+def _forced_host_buffer(vllm_config) -> bool:
+    from vllm.platforms import current_platform
+
+    return (host_buffer_on_cpu(vllm_config.kv_transfer_config) and current_platform.device_type == "cpu"
+            and vllm_config.kv_transfer_config.kv_buffer_device == "cpu")
+
+
 def mirror_checksum(kv_transfer_config) -> bool:
     """``kv_connector_extra_config["kvcopy"]["checksum"]`` for the mirror connector: only
     ``false`` (the default here). Its bytes travel by vLLM's own NIXL transfers and
     handshake, which carry no page sums, so nothing could compare them end to end;
     ``true`` is refused (``ValueError``) rather than ignored. Page sums need kvcopy's
     transport: the arena connector, where ``checksum`` is on by default."""
-    raw = kv_transfer_config.get_from_extra_config("kvcopy", None) or {}
-    value = raw.get("checksum", False) if isinstance(raw, dict) else False
-    if not isinstance(value, bool):
-        raise ValueError(f"kv_connector_extra_config['kvcopy']['checksum'] must be true or false, got {value!r}")
+    value = _mirror_flag(kv_transfer_config, "checksum")
     if value:
         raise ValueError("KvcopyNixlConnector: checksum=true needs kvcopy's transport; this connector moves KV "
                          "with vLLM's own NIXL transfers, which carry no page sums to compare. Use "
@@ -231,15 +291,28 @@ def mirror_checksum(kv_transfer_config) -> bool:
     return value
 
 
+class KvcopyNixlScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull scheduler; with :func:`host_buffer_on_cpu` on a CPU worker it sends P's
+    saves as it does for a GPU worker with host buffers."""
+
+    def __init__(self, vllm_config, engine_id, kv_cache_config):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        if _forced_host_buffer(vllm_config):
+            self.use_host_buffer = True
+
+
 class KvcopyNixlConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` (pull) with :class:`KvcopyNixlWorker` as its worker
-    (``checksum``: see :func:`mirror_checksum`)."""
+    (``checksum``: see :func:`mirror_checksum`; ``host_buffer_on_cpu``: see
+    :func:`host_buffer_on_cpu`)."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
         mirror_checksum(vllm_config.kv_transfer_config)
+        host_buffer_on_cpu(vllm_config.kv_transfer_config)
+        check_config(vllm_config, MIRROR, kv_cache_config)  # vLLM's checks keyed on "NixlConnector"
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(
+            self.connector_scheduler = KvcopyNixlScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
             self.connector_worker = None

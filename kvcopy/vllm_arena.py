@@ -17,7 +17,9 @@ is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL
 * **D** (``start_load_kv`` / ``get_transfer_results``, :mod:`kvcopy.vllm_arena_pull`):
   kvcopy's handshake, then ``plan_pull`` / ``pull`` / ``complete`` per request, by token
   position (P and D may use different block and kernel-page sizes, which vLLM's own
-  host-buffer path refuses), skipping D's prefix-cache hits.
+  host-buffer path refuses, except on an attention backend that splits its pages into K
+  and V halves, vLLM's CPU attention: :func:`split_page_tokens`), skipping D's
+  prefix-cache hits.
 * Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
   models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
   both sides. Models: what :mod:`kvcopy.vllm_groups` describes (several groups overlaid
@@ -64,7 +66,12 @@ What each side exchanges: :mod:`kvcopy.vllm_arena_meta`; the side channel's mess
 with and without a key: :mod:`kvcopy.vllm_arena_channel`. Options
 (``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm_arena_meta.ArenaOptions`.
 Not supported: push, DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
-GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``).
+GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``),
+``bidirectional_kv_xfer`` (refused when the connector is made: :mod:`kvcopy.vllm_checks`,
+which also runs vLLM's checks keyed on the name "NixlConnector"). Its transfer threads
+start on the cores vLLM's CPU platform reserves for KV transfer
+(:mod:`kvcopy.vllm_affinity`), and its pulls reach vLLM as NIXL connector stats
+(:mod:`kvcopy.vllm_arena_stats`).
 """
 from __future__ import annotations
 
@@ -81,10 +88,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.logger import init_logger
 
 from .nixl.manager import TransferManager
+from .vllm_affinity import threads_on, transfer_cpus
 from .vllm_arena_channel import (
     GIVEUP_POLL_S, MAX_GIVE_UPS_REPLY, TAKE_GIVEUPS_MSG, RecordStore, give_ups_of, serve,
 )
 from .vllm_arena_fetch import Reply
+from .vllm_checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
 from .vllm_arena_meta import (
     MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
     compatibility_hash,
@@ -218,6 +227,26 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
         return KvcopyArenaMetadata(nixl, stage, recv)
 
 
+# Attention backends whose page holds every K row before every V row (vLLM 0.33's CPU
+# attention, v1/attention/backends/cpu_attn.py: the [N, C] page viewed as [2N, C/2], K the
+# first half), not the token rows of K and V the logical [B, H, N, C] view suggests.
+SPLIT_PAGE_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+def split_page_tokens(vllm_config, layout) -> Optional[Tuple[int, ...]]:
+    """Tokens per page of each group when a layer's attention backend splits its pages
+    (:data:`SPLIT_PAGE_BACKENDS`), else None. Same-size pages still transfer whole, in
+    the backend's own byte order; pages of different sizes do not map token by token, so
+    these sizes join the compatibility hash (:func:`~kvcopy.vllm_arena_meta.compatibility_hash`)."""
+    context = vllm_config.compilation_config.static_forward_context
+    for names in layout.groups:
+        for name in names:
+            backend = getattr(context.get(name), "attn_backend", None)
+            if backend is not None and backend.get_name() in SPLIT_PAGE_BACKENDS:
+                return tuple(layout.tokens_per_page)
+    return None
+
+
 def _leading_holes(blocks) -> int:
     """Blocks at the start of a group's table D holds already (prefix-cache hits) or never
     will (vLLM's null block: a sliding window's start)."""
@@ -245,6 +274,7 @@ class KvcopyArenaWorker:
         self.name = agent_name(engine_id, self.tp_rank)
         self.compat = compatibility_hash(vllm_config)
         self.key = options.key()
+        self.thread_cpus = transfer_cpus()  # where the transfer threads run (kvcopy.vllm_affinity)
         self.manager: Optional[TransferManager] = None
         self.stager: Optional[ArenaStager] = None
         self.puller: Optional[ArenaPuller] = None
@@ -259,26 +289,36 @@ class KvcopyArenaWorker:
 
     def register_kv_caches(self, kv_caches) -> None:
         layout = arena_layout(self.kv_cache_config, kv_caches, kv_sharing_layers(self.vllm_config), self.use_mla)
+        split = split_page_tokens(self.vllm_config, layout)
+        conv = conv_state_layout() if has_mamba(self.kv_cache_config) else None
+        if split or conv:
+            self.compat = compatibility_hash(self.vllm_config, split, conv)
         o = self.options
         replicated = self.total_kv_heads if self.total_kv_heads is not None and self.total_kv_heads < self.tp_size \
             else None  # else each rank's heads x TP, per layer
-        self.manager = TransferManager(
-            self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
-            buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size, total_kv_heads=replicated,
-            copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key, arena_bytes=o.arena_bytes,
-            arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum,
-            require_checksum=o.require_checksum)
+        # The threads these start (NIXL's progress thread, UCX's async thread, the side channel's
+        # client thread and ZMQ's I/O thread, the housekeeper) run off the model's cores:
+        # kvcopy.vllm_affinity
+        with threads_on(self.thread_cpus):
+            self.manager = TransferManager(
+                self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
+                buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size,
+                total_kv_heads=replicated, copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key,
+                arena_bytes=o.arena_bytes, arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum,
+                require_checksum=o.require_checksum)
+            self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
+                                      self.compat, len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
+            self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
-        self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
-                                  self.compat, len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
-        self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(
             "kvcopy: arena connector %s: %.3f GiB arena (pinned when the KV is on a GPU; vLLM's host mirror of "
-            "these caches would be %.3f GiB), %d transfer groups, %d layers registered%s",
+            "these caches would be %.3f GiB), %d transfer groups, %d layers registered%s%s",
             self.name, self.manager.stats()["arena_bytes"] / 2**30, host_mirror_bytes(kv_caches) / 2**30,
-            len(layout.groups), grouped, f", {skipped} KV-sharing layers never copied" if skipped else "")
+            len(layout.groups), grouped, f", {skipped} KV-sharing layers never copied" if skipped else "",
+            f"; transfer threads on CPUs {sorted(self.thread_cpus)} (vLLM's cores for KV transfer)"
+            if self.thread_cpus else "")
 
     def _require(self):
         if self.manager is None or self.stager is None or self.puller is None:
@@ -384,6 +424,8 @@ class KvcopyArenaConnector(NixlBaseConnector):
     and :class:`KvcopyArenaWorker` (each worker); see the module docstring."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
+        check_config(vllm_config, ARENA, kv_cache_config)  # vLLM's checks keyed on "NixlConnector"
+        check_arena_only(vllm_config.kv_transfer_config)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         options = ArenaOptions.from_config(self.kv_transfer_config)
         self.arena_worker: Optional[KvcopyArenaWorker] = None
@@ -442,7 +484,12 @@ class KvcopyArenaConnector(NixlBaseConnector):
         return self._worker().report()
 
     def get_kv_connector_stats(self):
-        return None
+        """D's pull figures as vLLM's NIXL stats (:mod:`kvcopy.vllm_arena_stats`): vLLM logs
+        and exports them as it does its own connector's."""
+        worker = self.arena_worker
+        if worker is None or worker.puller is None:
+            return None
+        return worker.puller.stats.take()
 
     def unregister_kv_caches(self) -> None:
         raise NotImplementedError("KvcopyArenaConnector does not support sleep mode")

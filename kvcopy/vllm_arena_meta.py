@@ -168,14 +168,27 @@ def agent_name(engine_id: str, tp_rank: int) -> str:
     return f"kvcopy-arena-{engine_id}-tp{tp_rank}"
 
 
-def compatibility_hash(vllm_config) -> str:
-    """What two engines must share to transfer at all (geometry is kvcopy's handshake's job)."""
+def compatibility_hash(vllm_config, split_page_tokens: Optional[Tuple[int, ...]] = None,
+                       conv_state_layout: Optional[str] = None) -> str:
+    """What two engines must share to transfer at all (geometry is kvcopy's handshake's job).
+
+    ``split_page_tokens``: tokens per page of each group where the attention backend keeps
+    a page's K rows before its V rows (vLLM's CPU attention: ``[N, K | V]`` per token is
+    the logical ``[B, H, N, C]`` view, but the backend reads the page as ``[2N, C/2]``, all
+    K then all V). Token positions then do not map between pages of different sizes, so
+    the page sizes join the factors, readable at the front of the value (D's refusal of a
+    P with other page sizes quotes it): such a pair never transfers, and D recomputes.
+    ``conv_state_layout``: vLLM's SSM conv-state layout (``DS``/``SD``), for models with
+    Mamba/GDN state, whose bytes the arena moves as they lie (:mod:`kvcopy.vllm_checks`)."""
     from vllm import __version__
 
     m, c = vllm_config.model_config, vllm_config.cache_config
     factors = {"protocol": ARENA_PROTOCOL, "vllm": __version__, "model": m.model, "dtype": str(m.dtype),
-               "cache_dtype": str(c.cache_dtype)}
-    return "kvcopy-arena:" + hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+               "cache_dtype": str(c.cache_dtype), "split_page_tokens": list(split_page_tokens or ()),
+               "conv_state_layout": conv_state_layout}
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+    split = f"kv-split-pages-{'-'.join(map(str, split_page_tokens))}:" if split_page_tokens else ""
+    return "kvcopy-arena:" + split + digest
 
 
 def notify_bytes(remote_request_id: str, d_tp_size: int, kind: bytes = READ) -> bytes:

@@ -59,6 +59,7 @@ from .nixl.plan import Plan
 from .nixl.pull import Completion, PullHandle
 from .vllm_arena_fetch import Fetch, SideChannel
 from .vllm_arena_meta import GAVE_UP, ArenaOptions, ArenaRecv, agent_name, notify_bytes
+from .vllm_arena_stats import PullStats
 from .vllm_groups import GroupTokens
 
 logger = init_logger("vllm.kvcopy")
@@ -74,6 +75,7 @@ class _Job:
     plan: Optional[Plan] = None
     handle: Optional[PullHandle] = None
     completion: Optional[Completion] = None  # completed; on CUDA its checksum verdict may still be on the way
+    posted: Tuple[float, float] = (0.0, 0.0)  # monotonic: before the READ was posted, after
     blocks: Tuple[int, ...] = field(default=())  # D's blocks, for load errors
     refetched: bool = False  # P's handshake fetched again after a record of a newer registration
 
@@ -95,6 +97,7 @@ class ArenaPuller:
         self.finished: Set[str] = set()
         self.failed: Set[str] = set()
         self.error_blocks: Set[int] = set()
+        self.stats = PullStats()  # vLLM's NIXL connector stats, for its logging and metrics
         self._added: Dict[str, bytes] = {}  # peer name -> the handshake bytes add_peer took
         self.channel = SideChannel(key, compat)
 
@@ -212,12 +215,16 @@ class ArenaPuller:
             self.m.discard(job.plan)
             job.plan = None
             raise TimeoutError("P's span expires before a READ could end")
-        job.handle = self.m.pull(job.plan, notify=notify_bytes(job.recv.remote_request_id, self.tp),
-                                 timeout_s=timeout)
+        t0 = time.monotonic()
+        job.handle = self.m.pull(job.plan, notify=notify_bytes(job.recv.remote_request_id, self.tp), timeout_s=timeout)
+        job.posted = (t0, time.monotonic())
 
     # ------------------------------------------------------------ outcomes
     def _finish(self, job: _Job) -> None:
         del self.jobs[job.rid]
+        if job.plan is not None:
+            self.stats.record(time.monotonic() - job.posted[0], job.posted[1] - job.posted[0], job.plan.num_bytes,
+                              getattr(job.plan, "num_descriptors", 0))  # an ArenaPlan's
         self.finished.add(job.rid)
 
     def _fail(self, job: _Job, reason: str) -> None:
@@ -233,6 +240,7 @@ class ArenaPuller:
             return
         logger.warning("kvcopy arena: pulling request %s from %s failed, vLLM recomputes it: %s", job.rid,
                        job.recv.engine_id, reason)
+        self.stats.record_failed()
         self.finished.add(job.rid)
         self.failed.add(job.rid)
         if self.single_group:

@@ -43,3 +43,10 @@ def test_arena_plan_cost_times_plan_pull_beside_a_memcpy():
     rows = timed_rows(out, ["plan_pull", "plan_pull cold", "memcpy"])
     assert all(v > 0 for v in rows.values()), rows
     assert "1 descriptor(s)" in out
+
+
+def test_serve_pd_refuses_bad_arguments_before_starting_anything():
+    # the benchmark itself runs real engines: tests/engine/test_bench_serve.py
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_pd.py"), "--connectors", "nixl"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "unknown connector(s) ['nixl']" in proc.stderr, proc.stderr[-2000:]

@@ -61,7 +61,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  # noqa: E402
 
-from kvcopy.vllm import KvcopyNixlConnector  # noqa: E402
+from kvcopy.vllm import KvcopyNixlConnector, KvcopyNixlWorker  # noqa: E402
 
 LAYER = "model.layers.{}.self_attn.attn"
 GDN_LAYER = "model.layers.{}.linear_attn"
@@ -558,3 +558,17 @@ def test_copy_blocks_refuses_order_dependent_h2d_and_names_the_connector(vllm_en
     with pytest.raises(ValueError, match=r"order-dependent.*layers.*KvcopyNixlConnector"):
         kvcopy.copy_blocks(host, dev, [1, 2], [1, 2], "h2d")
     assert all(torch.equal(before[p], r) for p, r in _storages(dev).items())
+
+
+def test_the_mirror_worker_copies_neither_the_null_block_nor_an_id_twice():
+    """A real Qwen3-Next engine's P listed the null block (id 0) at every position of its
+    GDN group but the running state's; the copier refuses an id written twice in one call,
+    which killed P's engine. The null block's pages (the first pages_per_block ids of each
+    group) are dropped, repeats copied once."""
+    from types import SimpleNamespace
+
+    w = SimpleNamespace(_pages_per_block=[4, 1])
+    ids = [[0, 1, 2, 3, 8, 9, 10, 11, 8, 9, 10, 11], [0, 0, 0, 5]]
+    assert KvcopyNixlWorker._group_ids(w, ids) == [[8, 9, 10, 11], [5]]
+    assert KvcopyNixlWorker._group_ids(w, [[0, 1, 2, 3], [0, 0]]) is None
+    assert KvcopyNixlWorker._group_ids(w, [[], []]) is None

@@ -74,3 +74,45 @@ def test_worker_reports_merge_over_tp_ranks():
     m = a.aggregate(b)
     assert m.staged == {"r": {0: b"x", 1: b"y"}} and m.failed == {"s": {1: "full"}} and m.released == {"q": {0, 1}}
     assert not KvcopyArenaWorkerMeta() and m
+
+
+def test_the_mirror_connector_takes_host_buffer_on_cpu_as_a_flag():
+    from kvcopy.vllm import host_buffer_on_cpu
+
+    def cfg(extra):
+        return KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
+                                kv_connector_extra_config=extra)
+    assert host_buffer_on_cpu(cfg({})) is False
+    assert host_buffer_on_cpu(cfg({"kvcopy": {"host_buffer_on_cpu": True}})) is True
+    with pytest.raises(ValueError, match="true or false"):
+        host_buffer_on_cpu(cfg({"kvcopy": {"host_buffer_on_cpu": "yes"}}))
+
+
+def test_split_pages_and_the_conv_layout_join_the_compatibility_hash():
+    """vLLM's CPU attention keeps a page's K rows before its V rows: engines of different
+    page sizes, or of different Mamba conv-state layouts, must not match (D refuses P's
+    handshake and recomputes); the page sizes are readable at the front of the value."""
+    from types import SimpleNamespace
+
+    from kvcopy.vllm_arena import split_page_tokens
+    from kvcopy.vllm_arena_meta import compatibility_hash
+
+    # what the two functions read of a VllmConfig
+    cfg = SimpleNamespace(model_config=SimpleNamespace(model="tiny", dtype="float32"),
+                          cache_config=SimpleNamespace(cache_dtype="auto"),
+                          compilation_config=SimpleNamespace(static_forward_context={}))
+    plain = compatibility_hash(cfg)
+    p32, p64 = compatibility_hash(cfg, (32,)), compatibility_hash(cfg, (64,))
+    assert len({plain, p32, p64, compatibility_hash(cfg, None, "DS"), compatibility_hash(cfg, None, "SD")}) == 5
+    assert p32.startswith("kvcopy-arena:kv-split-pages-32:") and plain.startswith("kvcopy-arena:") and \
+        "split" not in plain
+    layout = SimpleNamespace(groups=(("l0", "l1"),), tokens_per_page=(32,))
+
+    def backend(name):
+        return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: name))
+    ctx = cfg.compilation_config.static_forward_context
+    assert split_page_tokens(cfg, layout) is None  # no attention layers known: nothing to refuse
+    ctx.update({"l0": backend("FLASH_ATTN"), "l1": backend("FLASH_ATTN")})
+    assert split_page_tokens(cfg, layout) is None
+    ctx["l1"] = backend("CPU_ATTN")
+    assert split_page_tokens(cfg, layout) == (32,)

@@ -1,0 +1,201 @@
+"""The serving benchmark: ``vllm serve`` P and D on the CPU, the three connectors side by side.
+
+    VLLM_TARGET_DEVICE=cpu build/engine-env/bin/python bench/serve_pd.py \\
+        [--connectors stock,mirror,arena] [--requests 16] [--lengths 256,1024] [--new-tokens 8] \\
+        [--concurrency 4] [--bind auto|nobind] [--out bench/out/serve]
+
+(the environment: ``bench/engine_env.sh``). For each connector in turn (one P/D pair on the
+machine at a time), one ``vllm serve`` P and one D (``kvcopy.testing.engine.serve``, a
+2-layer float32 Llama with random weights, 2 KV heads), then what a proxy does per
+request: P runs it with ``do_remote_decode`` and ``max_tokens=1``, D streams it with P's
+``kv_transfer_params``. The same requests (token-id prompts of the given lengths, in turn,
+from one seed) go through every connector, ``--concurrency`` at a time; one warm-up request
+first (the handshake), reported apart. Printed per connector, and written to
+``OUT/serve.json`` and ``OUT/serve.png`` (matplotlib):
+
+* time to first token at D (from sending D its request; median and p90) and P's time;
+* total wall time of the N requests;
+* host memory the connector stages KV through (pinned on a GPU): vLLM's host buffers, the
+  arena, or none where NIXL reads the KV in place (vLLM's stock connector on a CPU);
+* NIXL descriptors and bytes per READ (vLLM's ``vllm:nixl_*`` metrics on D, which the
+  arena connector reports too) and D's prompt tokens by source (loaded, computed);
+* whether D's tokens equal those of the first connector run, request by request.
+
+The connectors: ``stock`` (vLLM's ``NixlConnector``), ``mirror`` (``KvcopyNixlConnector``
+with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena``
+(``KvcopyArenaConnector``). ``--bind nobind`` runs every engine with
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
+"With a real engine", says why the two differ for vLLM's NIXL worker).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcopy.bench.output import Progress  # noqa: E402
+from kvcopy.testing.engine.models import build_model  # noqa: E402
+from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, random_prompts, side_channel_env  # noqa: E402
+from kvcopy.testing.engine.serve import (  # noqa: E402
+    Server, metric_sum, metrics, post_json, rpc, stream_first_token,
+)
+
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated: stock, mirror, arena")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--lengths", default="256,1024", help="prompt lengths in tokens, used in turn")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--bind", choices=("auto", "nobind"), default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--out", default="bench/out/serve")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
+    bad = [c for c in args.connectors if c not in CONNECTORS]
+    if bad or not args.connectors:
+        ap.error(f"unknown connector(s) {bad}; known: {', '.join(CONNECTORS)}")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    if any(n < 1 or n + args.new_tokens >= args.max_model_len for n in args.lengths) or args.requests < 1:
+        ap.error("each length must be >= 1 and leave room for --new-tokens below --max-model-len")
+    return args
+
+
+def one_request(p_url, d_url, prompt, new_tokens):
+    """What the proxy does, timed: P's prefill, then D's streamed decode."""
+    t0 = time.monotonic()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    with post_json(p_url + "/v1/completions", body, 300) as r:
+        params = dict(json.loads(r.read())["kv_transfer_params"])
+    params.pop("remote_prefill_cached_tokens", None)
+    p_s = time.monotonic() - t0
+    d = stream_first_token(d_url, prompt, new_tokens, kv_transfer_params=params)
+    return {"p_s": p_s, "ttft_d_s": d["ttft_s"], "d_s": d["total_s"], "token_ids": d["token_ids"]}
+
+
+def run_connector(args, connector, model, prompts, progress):
+    env = dict(side_channel_env(), VLLM_SERVER_DEV_MODE="1")
+    if args.bind == "nobind":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    kv = kv_transfer_config(connector)
+    extra = ["--worker-extension-cls", HOOKS]
+    p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), kv,
+               max_model_len=args.max_model_len, env=env, extra_args=extra)
+    d = Server(f"{connector}-D", model, os.path.join(args.out, f"{connector}-D.log"), kv,
+               max_model_len=args.max_model_len, env=dict(env, **side_channel_env()), extra_args=extra)
+    try:
+        p.start()
+        d.start()
+        p.wait_ready()
+        d.wait_ready()
+        warm = one_request(p.url, d.url, random_prompts([64], seed=99)[0], args.new_tokens)
+        before = metrics(d.url)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            futures = [pool.submit(one_request, p.url, d.url, q, args.new_tokens) for q in prompts]
+            results = []
+            for f in futures:
+                results.append(f.result())
+                progress.step(connector)
+        wall = time.monotonic() - t0
+        after = metrics(d.url)
+        staging = rpc(d.url, "kvcopy_staging_bytes")[0]
+    finally:
+        d.kill()
+        p.kill()
+    return summarize(connector, results, warm, wall, before, after, staging)
+
+
+def _delta(before, after, name, **labels):
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+def summarize(connector, results, warm, wall, before, after, staging):
+    ttft = sorted(r["ttft_d_s"] for r in results)
+    reads = _delta(before, after, "vllm:nixl_num_descriptors_count")
+    return {
+        "connector": connector, "requests": len(results), "wall_s": wall,
+        "ttft_d_median_s": statistics.median(ttft), "ttft_d_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+        "p_median_s": statistics.median(r["p_s"] for r in results), "warmup_ttft_d_s": warm["ttft_d_s"],
+        "staging_bytes": staging["bytes"], "staging_buffers": staging["buffers"],
+        "reads": reads,
+        "descriptors_per_read": _delta(before, after, "vllm:nixl_num_descriptors_sum") / reads if reads else None,
+        "bytes_per_read": _delta(before, after, "vllm:nixl_bytes_transferred_sum") / reads if reads else None,
+        "failed_transfers": _delta(before, after, "vllm:nixl_num_failed_transfers_total"),
+        "prompt_tokens": {s: _delta(before, after, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES},
+        "ttft_d_s": [r["ttft_d_s"] for r in results], "token_ids": [r["token_ids"] for r in results],
+    }
+
+
+def _mib(n):
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def print_table(rows):
+    ref = rows[0]["token_ids"]
+    head = ("connector", "TTFT@D med", "p90", "P med", "wall", "staging host mem", "desc/READ", "MiB/READ",
+            "loaded/computed tok", "= " + rows[0]["connector"])
+    lines = [head]
+    for r in rows:
+        same = sum(a == b for a, b in zip(r["token_ids"], ref))
+        pt = r["prompt_tokens"]
+        lines.append((r["connector"], f"{r['ttft_d_median_s']:.3f} s", f"{r['ttft_d_p90_s']:.3f} s",
+                      f"{r['p_median_s']:.3f} s", f"{r['wall_s']:.1f} s",
+                      f"{_mib(r['staging_bytes'])} ({r['staging_buffers']} buf)",
+                      "-" if r["descriptors_per_read"] is None else f"{r['descriptors_per_read']:.0f}",
+                      "-" if r["bytes_per_read"] is None else f"{r['bytes_per_read'] / 2**20:.2f}",
+                      f"{pt['external_kv_transfer']:.0f}/{pt['local_compute']:.0f}", f"{same}/{len(ref)}"))
+    widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    for ln in lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)))
+
+
+def plot(rows, args, path):
+    try:
+        import matplotlib
+    except ImportError as exc:
+        return f"no plot ({exc}; pip install matplotlib, the kvcopy[plot] extra)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.boxplot([r["ttft_d_s"] for r in rows], tick_labels=[r["connector"] for r in rows])
+    ax1.set_ylabel("time to first token at D (s)")
+    ax1.set_title(f"{args.requests} requests, lengths {args.lengths}, concurrency {args.concurrency}")
+    ax2.bar([r["connector"] for r in rows], [r["staging_bytes"] / 2**20 for r in rows])
+    ax2.set_ylabel("host staging memory (MiB)")
+    ax2.set_title("host memory KV is staged through")
+    fig.suptitle(f"vLLM 0.33 P/D on the CPU (2-layer Llama, bind={args.bind})")
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"plot: {path}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    model = build_model("llama", os.path.join(args.out, "model"), seed=0).path
+    prompts = random_prompts([args.lengths[i % len(args.lengths)] for i in range(args.requests)], seed=7)
+    progress = Progress(len(prompts) * len(args.connectors), args.quiet)
+    rows = [run_connector(args, c, model, prompts, progress) for c in args.connectors]
+    print_table(rows)
+    with open(os.path.join(args.out, "serve.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+    print(plot(rows, args, os.path.join(args.out, "serve.png")))
+    print(f"results: {os.path.join(args.out, 'serve.json')} (logs beside it)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Tiny random-weight models that vLLM's CPU backend runs, saved as a model folder.
+
+No weights can be downloaded: each family is a ``transformers`` config with random
+float32 weights (``save_pretrained``); engines load it with ``skip_tokenizer_init=True``
+and token-id prompts. Float32, because random bf16 models tie their logits, and greedy
+tokens then say nothing about the KV they were computed from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    path: str
+    seed: int
+    vocab_size: int
+    num_layers: int
+
+
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
+                       tie_word_embeddings=False, initializer_range=0.1)
+
+
+def _gemma3_config():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
+                            sliding_window=64, initializer_range=0.1, tie_word_embeddings=False,
+                            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                            architectures=["Gemma3ForCausalLM"])
+
+
+def _qwen3_next_config():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
+                           linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                           linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                           mlp_only_layers=[0, 1, 2], initializer_range=0.1, tie_word_embeddings=False,
+                           layer_types=["linear_attention"] * 3 + ["full_attention"])
+
+
+FAMILIES = {"llama": _llama_config, "gemma3": _gemma3_config, "qwen3_next": _qwen3_next_config}
+
+
+def build_model(family: str, path: str, seed: int = 0) -> ModelSpec:
+    """Save ``family``'s tiny model with weights drawn from ``seed`` into ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
+    config = FAMILIES[family]()
+    config.torch_dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    config.save_pretrained(path)
+    return ModelSpec(family, path, seed, config.vocab_size, config.num_hidden_layers)
