@@ -1,7 +1,7 @@
 """kvcopy's test tooling: references, case matrices, fuzzers and byte oracles.
 
 Not part of the library: nothing under ``kvcopy/`` outside this package imports it
-(``tests/test_import_graph.py`` checks), except the benchmark CLI (``kvcopy.bench``),
+(``tests/test_contracts.py`` checks), except the benchmark CLI (``kvcopy.bench``),
 which checks the copies it times against the reference. Shipped with the package so
 the tests, ``kvcopy-bench`` and ``python -m kvcopy.testing...`` can reach it.
 
