@@ -22,7 +22,7 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -236,8 +236,8 @@ setup(
     license="Apache-2.0",
     # torch 2.13.0 (the README's install) publishes wheels for CPython 3.10-3.14, none for 3.9.
     python_requires=">=3.10",
-    packages=["kvcopy", "kvcopy.backends", "kvcopy.bench", "kvcopy.kernels", "kvcopy.nixl", "kvcopy.testing",
-              "kvcopy.testing.nixl"],
+    # every package under kvcopy/ (kvcopy/kernels is a link to kernels/, mapped below)
+    packages=find_packages(include=["kvcopy", "kvcopy.*"], exclude=["kvcopy.kernels"]) + ["kvcopy.kernels"],
     package_dir={"kvcopy.kernels": "kernels"},
     package_data={"kvcopy.kernels": ["*.cuh"]},
     ext_modules=[CMakeLibrary("kvcopy._lib.libkvcopy_cpu")],

@@ -13,7 +13,7 @@ paths. P and D are vLLM-built caches (``get_kv_cache_config_from_groups``,
 ``allocate_kv_cache``) in one process, NIXL over UCX on loopback:
 
 * **vLLM**: ``NixlConnector`` workers with ``kv_buffer_device="cpu"`` (the worker harness of
-  ``tests/test_vllm.py``: vLLM's registration, its host buffers, its stock
+  ``tests/vllm/test_vllm_mirror.py``: vLLM's registration, its host buffers, its stock
   ``copy_kv_blocks`` with the CUDA platform's copies): P's ``wait_for_save``
   (``save_kv_to_host``), D's ``start_load_kv`` (vLLM's READ) and ``get_finished`` until
   the request is done (``sync_recved_kv_to_device`` included).
@@ -63,12 +63,12 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-import test_vllm as harness  # noqa: E402  (tests/test_vllm.py: vLLM's worker built the way the tests build it)
+import test_vllm_mirror as harness  # noqa: E402  (tests/vllm/test_vllm_mirror.py: vLLM's worker built the way the tests build it)
 from kvcopy.vllm import KvcopyArenaConnector, KvcopyNixlConnector  # noqa: E402
-from kvcopy.vllm_arena_channel import RECORDS_MSG, MAX_RECORDS_REPLY, RecordStore, batch_of, serve  # noqa: E402
-from kvcopy.vllm_arena_fetch import SideChannel  # noqa: E402
-from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta, notify_bytes  # noqa: E402
-from kvcopy.vllm_groups import host_mirror_bytes, positions  # noqa: E402
+from kvcopy.vllm.arena.channel import RECORDS_MSG, MAX_RECORDS_REPLY, RecordStore, batch_of, serve  # noqa: E402
+from kvcopy.vllm.arena.record_client import SideChannel  # noqa: E402
+from kvcopy.vllm.arena.meta import KvcopyArenaWorkerMeta, notify_bytes  # noqa: E402
+from kvcopy.vllm.groups import host_mirror_bytes, positions  # noqa: E402
 
 LAYER = "model.layers.{}.self_attn.attn"
 

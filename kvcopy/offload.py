@@ -1,6 +1,6 @@
 """Offloading jobs: device KV blocks to and from host chunks, one copier call per job, page sums checked.
 
-The engine under :mod:`kvcopy.vllm_offload` (vLLM's ``OffloadingConnector``), free of
+The engine under :mod:`kvcopy.vllm.offload` (vLLM's ``OffloadingConnector``), free of
 vLLM so it runs and is measured where vLLM is not installed.
 
 Data layout (vLLM 0.33's CPU offloading):

@@ -140,11 +140,7 @@ COPY_BACKENDS = CORE_DATA | {"kvcopy.backends"}
 COPY_CORE = COPY_BACKENDS | {"kvcopy.planner", "kvcopy.copier", "kvcopy.copy_op", "kvcopy.ops"}
 OFFLOAD = COPY_CORE | {"kvcopy.offload"}
 NIXL = COPY_CORE | {"kvcopy.nixl"}
-LIBRARY = OFFLOAD | NIXL | {"kvcopy", "kvcopy.msgpack_shape", "kvcopy.vllm", "kvcopy.vllm_affinity",
-                            "kvcopy.vllm_arena", "kvcopy.vllm_arena_channel", "kvcopy.vllm_arena_fetch",
-                            "kvcopy.vllm_arena_meta", "kvcopy.vllm_arena_pull", "kvcopy.vllm_arena_stage",
-                            "kvcopy.vllm_arena_stats", "kvcopy.vllm_checks", "kvcopy.vllm_groups",
-                            "kvcopy.vllm_offload"}
+LIBRARY = OFFLOAD | NIXL | {"kvcopy", "kvcopy.msgpack_shape", "kvcopy.vllm"}
 
 # module prefix -> the kvcopy modules (prefixes) it may import; the longest prefix decides
 LAYERS: Dict[str, Set[str]] = {
@@ -167,17 +163,6 @@ LAYERS: Dict[str, Set[str]] = {
     "kvcopy.offload": OFFLOAD,
     "kvcopy.nixl": NIXL,
     "kvcopy.vllm": LIBRARY,
-    "kvcopy.vllm_affinity": LIBRARY,
-    "kvcopy.vllm_arena": LIBRARY,
-    "kvcopy.vllm_arena_channel": LIBRARY,
-    "kvcopy.vllm_arena_fetch": LIBRARY,
-    "kvcopy.vllm_arena_meta": LIBRARY,
-    "kvcopy.vllm_arena_pull": LIBRARY,
-    "kvcopy.vllm_arena_stage": LIBRARY,
-    "kvcopy.vllm_arena_stats": LIBRARY,
-    "kvcopy.vllm_checks": LIBRARY,
-    "kvcopy.vllm_groups": LIBRARY,
-    "kvcopy.vllm_offload": LIBRARY,
     "kvcopy.testing": LIBRARY | {"kvcopy.testing"},
     "kvcopy.bench": LIBRARY | {"kvcopy.testing", "kvcopy.bench"},
 }
@@ -364,10 +349,7 @@ def test_real_vllm_is_imported_only_by_the_vllm_layer_and_test_tooling():
     assert out == []
 
 
-VLLM_IMPORTERS = ("kvcopy.vllm", "kvcopy.vllm_affinity", "kvcopy.vllm_arena", "kvcopy.vllm_arena_channel",
-                  "kvcopy.vllm_arena_fetch", "kvcopy.vllm_arena_meta", "kvcopy.vllm_arena_pull",
-                  "kvcopy.vllm_arena_stage", "kvcopy.vllm_arena_stats", "kvcopy.vllm_checks",
-                  "kvcopy.vllm_groups", "kvcopy.vllm_offload", "kvcopy.testing")
+VLLM_IMPORTERS = ("kvcopy.vllm", "kvcopy.testing")
 
 
 # ------------------------------------------------------------------ 2. private names
@@ -457,8 +439,8 @@ KNOWN_TEST_AGENT = {
     "tests/test_nixl_agent.py: kvcopy.nixl._agent._quiet_nixl_logging",
     "tests/test_nixl_notices.py: kvcopy.nixl._agent",
     "tests/test_nixl_notices.py: kvcopy.nixl._agent.Agent",
-    "tests/test_vllm_arena_trust.py: kvcopy.nixl._agent",
-    "tests/test_vllm_arena_trust.py: kvcopy.nixl._agent.Agent",
+    "tests/vllm/test_vllm_arena_trust.py: kvcopy.nixl._agent",
+    "tests/vllm/test_vllm_arena_trust.py: kvcopy.nixl._agent.Agent",
 }
 
 
@@ -755,9 +737,7 @@ def test_the_environment_check_can_fail(tmp_path):
 # ------------------------------------------------------------------ 7. shape
 TOP_LEVEL_MAX = 6
 KNOWN_TOP_LEVEL = {"checks", "checksum", "copier", "copy_op", "layout", "msgpack_shape", "offload", "ops", "planner",
-                   "storages", "tables", "vllm", "vllm_affinity", "vllm_arena", "vllm_arena_channel",
-                   "vllm_arena_fetch", "vllm_arena_meta", "vllm_arena_pull", "vllm_arena_stage", "vllm_arena_stats",
-                   "vllm_checks", "vllm_groups", "vllm_offload"}
+                   "storages", "tables"}
 
 
 def test_kvcopy_has_at_most_6_top_level_modules():

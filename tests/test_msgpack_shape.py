@@ -1,6 +1,6 @@
 """kvcopy.msgpack_shape: the bound checked before a msgpack decoder sees a peer's bytes
 (msgspec's recursion on deep nesting killed P's side-channel listener). The decoder
-cross-check and the listener fuzz: tests/test_vllm_arena_channel.py (vLLM env)."""
+cross-check and the listener fuzz: tests/vllm/test_vllm_arena_channel.py (vLLM env)."""
 import struct
 
 import pytest

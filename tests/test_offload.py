@@ -394,21 +394,21 @@ def test_the_offload_benchmark_times_every_row_side_by_side():
                              re.M), (direction, method, out)
 
 
-# ---------------------------------------------------------------- the vLLM module's version gate
+# ---------------------------------------------------------------- the vLLM package's version gate
 @pytest.mark.parametrize("fake,says", [
     ("fake = types.ModuleType('vllm'); fake.__version__ = '0.32.1'; sys.modules['vllm'] = fake",
      "needs vLLM 0.33.x, found vLLM 0.32.1"),
-    ("sys.modules['vllm'] = None", "needs vLLM 0.33.x; vLLM is not importable"),
+    ("sys.modules['vllm'] = None", "needs vLLM 0.33.x (pip install 'vllm==0.33.0'); vLLM is not importable"),
 ])
 def test_kvcopy_vllm_offload_names_the_vllm_it_needs(fake, says):
     import subprocess
     import sys
     from pathlib import Path
 
-    code = f"import sys, types\n{fake}\ntry:\n    import kvcopy.vllm_offload\nexcept ImportError as e:\n    print(e)\n"
+    code = f"import sys, types\n{fake}\ntry:\n    import kvcopy.vllm.offload\nexcept ImportError as e:\n    print(e)\n"
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == 0 and f"kvcopy.vllm_offload {says}" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"kvcopy.vllm {says}" in r.stdout, r.stdout + r.stderr
 
 
 def test_the_job_engine_never_imports_vllm():

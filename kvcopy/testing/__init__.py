@@ -8,7 +8,7 @@ the tests, ``kvcopy-bench`` and ``python -m kvcopy.testing...`` can reach it.
 * :mod:`.reference`: the torch reference every copy is checked against
   (``reference_copy``, ``reference_copy_groups``, ``reference_offload_job``).
 * :mod:`.vllm_offload`: vLLM 0.33's own CPU offloading worker run on CPU tensors, the
-  reference of :mod:`kvcopy.vllm_offload` (imports vLLM; not imported here).
+  reference of :mod:`kvcopy.vllm.offload` (imports vLLM; not imported here).
 * :mod:`.cases`: the shared case matrix and the bit-exact check every backend is held
   to (``CopyCase``, ``check_copy``, ``standard_cases``); its names are re-exported here.
 * :mod:`.nixl`: toy engines, the byte oracle (``replay``) and the fuzzers of the NIXL

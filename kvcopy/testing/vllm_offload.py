@@ -1,5 +1,5 @@
 """vLLM 0.33's own CPU offloading worker, run on CPU tensors: the reference for
-:mod:`kvcopy.vllm_offload` in its tests and its benchmark. Imports vLLM.
+:mod:`kvcopy.vllm.offload` in its tests and its benchmark. Imports vLLM.
 
 vLLM's ``CPUOffloadingWorker`` and its ``SingleDirectionOffloadingHandler`` run as they
 are (descriptor building per job: group sizes, block indices, sub-block skips; their

@@ -7,7 +7,7 @@ One P/D pair per connector (module scope): vLLM's stock ``NixlConnector``, the c
 connector. A batch puts all its prompts in flight at once on each side.
 
 The arena pair runs with vLLM's default CPU binding (what a user gets; the READ stall of
-``kvcopy.vllm_affinity`` showed there). The two pairs on vLLM's NIXL worker run unbound
+``kvcopy.vllm.affinity`` showed there). The two pairs on vLLM's NIXL worker run unbound
 (``VLLM_CPU_OMP_THREADS_BIND=nobind``): on the CPU platform that worker moves its engine
 thread to the core vLLM reserves for KV transfer, away from its OpenMP threads, and with
 the default binding D decoded at 0.2-0.4 tokens/s here (a batch 14-80 s instead of 3-5 s).

@@ -32,7 +32,7 @@ DTYPE = {"gemma3": "float32", "qwen3_next": "bfloat16"}
 # match): about 19 MB per request here, so the arena is sized for the whole batch.
 ARENA = {"gemma3": {}, "qwen3_next": {"arena_bytes": 512 << 20}}
 SLOW = pytest.mark.slow
-# vLLM's NIXL worker needs the DS conv layout for GDN (kvcopy.vllm_checks); vLLM's stock
+# vLLM's NIXL worker needs the DS conv layout for GDN (kvcopy.vllm.checks); vLLM's stock
 # connector on the GDN model is not here: D's handshake with P timed out (docs/vllm.md).
 CASES = [("gemma3", "arena"), pytest.param(("gemma3", "mirror"), marks=SLOW),
          pytest.param(("gemma3", "stock"), marks=SLOW), pytest.param(("qwen3_next", "arena"), marks=SLOW),

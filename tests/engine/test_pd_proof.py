@@ -91,7 +91,7 @@ def test_d_with_other_weights_continues_from_ps_kv(p_engine, engine_dir, model, 
     assert all(t != o for t, o in zip(batch.tokens, own)), "B alone makes the same tokens: the case proves nothing"
 
 
-@pytest.mark.slow  # the engine-free check: tests/test_vllm_arena_meta.py
+@pytest.mark.slow  # the engine-free check: tests/vllm/test_vllm_arena_meta.py
 def test_pages_of_other_sizes_on_cpu_attention_are_refused_and_recomputed(p_engine, engine_dir, single, link):
     prompts = random_prompts(LENGTHS, seed=12)
     want = [o["token_ids"] for o in single("llama").generate(prompts, NEW_TOKENS)]

@@ -38,6 +38,15 @@ def _gemma3_config():
                             architectures=["Gemma3ForCausalLM"])
 
 
+def _gemma2_config():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
+                        sliding_window=64, query_pre_attn_scalar=64, initializer_range=0.1,
+                        tie_word_embeddings=False)
+
+
 def _qwen3_next_config():
     from transformers import Qwen3NextConfig
 
@@ -50,7 +59,8 @@ def _qwen3_next_config():
                            layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
-FAMILIES = {"llama": _llama_config, "gemma3": _gemma3_config, "qwen3_next": _qwen3_next_config}
+FAMILIES = {"llama": _llama_config, "gemma2": _gemma2_config, "gemma3": _gemma3_config,
+            "qwen3_next": _qwen3_next_config}
 
 
 def build_model(family: str, path: str, seed: int = 0) -> ModelSpec:

@@ -1,4 +1,4 @@
-"""kvcopy.vllm_arena_stage: how many D ranks read each P rank (vLLM env; the staging itself: test_vllm_arena.py)."""
+"""kvcopy.vllm.arena.stage: how many D ranks read each P rank (vLLM env; the staging itself: test_vllm_arena.py)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the v
 ])
 def test_each_p_rank_counts_the_d_ranks_that_read_it(p_tp, d_tp, heads, expected):
     from kvcopy.nixl import remote_ranks
-    from kvcopy.vllm_arena_stage import readers_of
+    from kvcopy.vllm.arena.stage import readers_of
 
     assert [readers_of(r, p_tp, d_tp, heads) for r in range(p_tp)] == expected
     assert sum(expected) == sum(len(remote_ranks(r, d_tp, p_tp, heads)) for r in range(d_tp))

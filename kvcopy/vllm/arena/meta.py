@@ -28,7 +28,7 @@ from typing import Dict, Mapping, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from .nixl.pack_order import ORDERS
+from ...nixl.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
 ARENA_PROTOCOL = 2  # 2: records bound to request/rank/registration, give-ups, keyed side channel
@@ -179,7 +179,7 @@ def compatibility_hash(vllm_config, split_page_tokens: Optional[Tuple[int, ...]]
     the page sizes join the factors, readable at the front of the value (D's refusal of a
     P with other page sizes quotes it): such a pair never transfers, and D recomputes.
     ``conv_state_layout``: vLLM's SSM conv-state layout (``DS``/``SD``), for models with
-    Mamba/GDN state, whose bytes the arena moves as they lie (:mod:`kvcopy.vllm_checks`)."""
+    Mamba/GDN state, whose bytes the arena moves as they lie (:mod:`kvcopy.vllm.checks`)."""
     from vllm import __version__
 
     m, c = vllm_config.model_config, vllm_config.cache_config

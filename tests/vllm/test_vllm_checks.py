@@ -1,4 +1,4 @@
-"""kvcopy.vllm_checks: vLLM 0.33's configuration checks keyed on the name "NixlConnector",
+"""kvcopy.vllm.checks: vLLM 0.33's configuration checks keyed on the name "NixlConnector",
 for kvcopy's two connectors, against vLLM's own behaviour on the same configuration.
 
 Each case builds one configuration twice, once with vLLM's ``NixlConnector`` and once with
@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
-from test_vllm import CASES, _vllm_config, vllm_env  # noqa: E402
+from test_vllm_mirror import CASES, _vllm_config, vllm_env  # noqa: E402
 from vllm.config import ParallelConfig, VllmConfig  # noqa: E402
 from vllm.config.aux_output import AuxOutputConfig  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
@@ -27,8 +27,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout  
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
 
 from kvcopy.vllm import KvcopyArenaConnector, KvcopyNixlConnector  # noqa: E402
-from kvcopy.vllm_arena_meta import compatibility_hash  # noqa: E402
-from kvcopy.vllm_checks import ARENA, MIRROR, check_config  # noqa: E402
+from kvcopy.vllm.arena.meta import compatibility_hash  # noqa: E402
+from kvcopy.vllm.checks import ARENA, MIRROR, check_config  # noqa: E402
 
 assert vllm_env  # a fixture, used by name
 KVCOPY = {MIRROR: KvcopyNixlConnector, ARENA: KvcopyArenaConnector}

@@ -1,4 +1,4 @@
-"""kvcopy.vllm_affinity: the arena connector's transfer threads start on the cores vLLM's
+"""kvcopy.vllm.affinity: the arena connector's transfer threads start on the cores vLLM's
 CPU platform reserves for KV transfer, not on the model's cores its worker is bound to.
 
 Before this, every thread the arena worker started inherited the worker's binding, and
@@ -23,11 +23,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
-from test_vllm import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
+from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
 from vllm.platforms import current_platform  # noqa: E402
 
-from kvcopy.vllm_affinity import threads_on, transfer_cpus  # noqa: E402
-from kvcopy.vllm_arena import KvcopyArenaWorker  # noqa: E402
+from kvcopy.vllm.affinity import threads_on, transfer_cpus  # noqa: E402
+from kvcopy.vllm.arena.connector import KvcopyArenaWorker  # noqa: E402
 from vllm_arena_engines import ArenaEngine, decode, prefill, prompts  # noqa: E402
 
 assert vllm_env  # a fixture, used by name

@@ -1,5 +1,5 @@
 """The arena connector against hostile and mistaken peers: P and D are vLLM 0.33 engines
-with the connector (tests/vllm_arena_engines.py), real NIXL over UCX on loopback, the
+with the connector (tests/vllm/vllm_arena_engines.py), real NIXL over UCX on loopback, the
 hostile clients real ZMQ sockets and a bare NIXL agent. After every attack the same P
 serves a genuine D, whose buffer is compared whole (D poisoned first).
 
@@ -20,14 +20,14 @@ pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the v
 
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
-from test_vllm import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
+from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
 from test_vllm_arena import _failed_load, _transfer, engines  # noqa: E402  (a load that must fail, one that must not)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
 
 from kvcopy.nixl._agent import Agent  # noqa: E402
 from kvcopy.testing.nixl.hostile import nixl_part  # noqa: E402
-from kvcopy.vllm_arena_channel import GIVEUP_MSG, HELLO_MSG, RECORDS_MSG  # noqa: E402
-from kvcopy.vllm_arena_meta import GAVE_UP, notify_bytes  # noqa: E402
+from kvcopy.vllm.arena.channel import GIVEUP_MSG, HELLO_MSG, RECORDS_MSG  # noqa: E402
+from kvcopy.vllm.arena.meta import GAVE_UP, notify_bytes  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
     ArenaEngine, ask_side_channel, assert_same, decode, expected_d, fill, prefill, prompts, run,
 )

@@ -21,7 +21,7 @@ copies of its worker change (``kv_buffer_device="cpu"`` on a GPU):
   never copied. Each request-sync is one masked call for all groups (one backend
   launch), each group's ids in its device view's unit (``local_physical_block_ids``):
   kernel pages for attention groups, logical blocks for Mamba/GDN state groups
-  (:mod:`kvcopy.vllm_groups`).
+  (:mod:`kvcopy.vllm.groups`).
 
 Models whose groups overlay one another with different page shapes are copied too:
 different KV heads per group (pages padded to the largest), a doubled block size that
@@ -32,7 +32,7 @@ that these views alias only within one block of the pool and checks per call tha
 block is named by two groups (:func:`kvcopy.copier._shared_rows`). vLLM's host buffer
 for a padded state layer is smaller than the NIXL region vLLM registers for it (NIXL
 refuses the descriptors); the worker allocates the buffer with the padded stride
-(:func:`kvcopy.vllm_groups.state_host_buffers`) before vLLM registers it, and says so
+(:func:`kvcopy.vllm.groups.state_host_buffers`) before vLLM registers it, and says so
 in its registration line. vLLM needs ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` for Mamba NIXL
 transfers.
 
@@ -49,64 +49,40 @@ pages are read by a remote NIXL READ as soon as the request is reported saved.
 
 The arena connector (``KvcopyArenaConnector``: vLLM's scheduler, kvcopy's own
 transport; no host mirror, one READ descriptor per request) lives in
-:mod:`kvcopy.vllm_arena` and is importable from here, so both connectors share
+:mod:`kvcopy.vllm.arena.connector`; :mod:`kvcopy.vllm` exports both, so both connectors share
 ``kv_connector_module_path="kvcopy.vllm"``.
-
-Supported: vLLM 0.33.x (``SUPPORTED_VLLM``). ``import kvcopy`` never imports vLLM;
-``import kvcopy.vllm`` without vLLM 0.33 raises ``ImportError`` naming the version.
 """
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-SUPPORTED_VLLM = "0.33"
+import torch
 
-
-def _require_vllm():
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(
-            f"kvcopy.vllm needs vLLM {SUPPORTED_VLLM}.x (pip install 'vllm=={SUPPORTED_VLLM}.0'); "
-            f"vLLM is not importable: {exc}"
-        ) from exc
-    version = getattr(vllm, "__version__", "unknown")
-    if version.split("+")[0].rsplit(".", 1)[0] != SUPPORTED_VLLM:
-        raise ImportError(
-            f"kvcopy.vllm needs vLLM {SUPPORTED_VLLM}.x, found vLLM {version}"
-        )
-    return version
-
-
-VLLM_VERSION = _require_vllm()
-
-import torch  # noqa: E402
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
-from vllm.logger import init_logger  # noqa: E402
-from vllm.utils.gpu_sync_debug import gpu_sync_allowed  # noqa: E402
+from vllm.logger import init_logger
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from .copier import BlockCopier  # noqa: E402
-from .vllm_checks import MIRROR, check_config  # noqa: E402
-from .vllm_groups import (  # noqa: E402
+from ..copier import BlockCopier
+from .checks import MIRROR, check_config
+from .groups import (
     kernel_block_ids, kv_sharing_layers, pages_per_block, state_host_buffers, transfer_layer_groups,
 )
 
 # Under vLLM's logger tree, so the registration line shows in vLLM's own log output.
 logger = init_logger("vllm.kvcopy")
 
-__all__ = ["KvcopyNixlConnector", "KvcopyNixlScheduler", "KvcopyNixlWorker", "SUPPORTED_VLLM", "transfer_layer_groups"]
+__all__ = ["KvcopyNixlConnector", "KvcopyNixlScheduler", "KvcopyNixlWorker"]
 
 
 class KvcopyNixlWorker(NixlPullConnectorWorker):
@@ -144,7 +120,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
     def initialize_host_xfer_buffer(self, kv_caches) -> None:
         """vLLM's host buffers, with each padded Mamba/GDN state layer's buffer replaced
         by one whose block stride is the page its NIXL region uses (see
-        :func:`kvcopy.vllm_groups.state_host_buffers`); vLLM registers what this leaves."""
+        :func:`kvcopy.vllm.groups.state_host_buffers`); vLLM registers what this leaves."""
         super().initialize_host_xfer_buffer(kv_caches)
         fixed = state_host_buffers(self.kv_cache_config, kv_caches, self.host_xfer_buffers)
         self.host_xfer_buffers.update(fixed)
@@ -322,11 +298,3 @@ class KvcopyNixlConnector(NixlPullConnector):
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
 
-
-# The arena connector (kvcopy's own transport under vLLM's scheduler), in its own module;
-# importable from here so both connectors share one kv_connector_module_path.
-from .vllm_arena import KvcopyArenaConnector  # noqa: E402
-# KV offloading (vLLM's OffloadingConnector with kvcopy's copies), in its own module.
-from .vllm_offload import KvcopyOffloadingConnector, KvcopyOffloadingSpec  # noqa: E402
-
-__all__ += ["KvcopyArenaConnector", "KvcopyOffloadingConnector", "KvcopyOffloadingSpec"]

@@ -3,7 +3,7 @@
     cd vllm-0.33.0 && python -m pytest -p vllm_substitute -m cpu_test \\
         tests/v1/kv_connector/unit/test_nixl_connector.py ...
 
-(with this directory on ``PYTHONPATH``; ``tests/run_vllm_nixl_suite.sh`` does it all).
+(with this directory on ``PYTHONPATH``; ``tests/vllm/run_vllm_nixl_suite.sh`` does it all).
 Before vLLM's test modules import them, every public name of vLLM's pull connector
 and pull worker (``NixlConnector``, ``NixlPullConnector``, ``NixlConnectorWorker``,
 ``NixlPullConnectorWorker``) is pointed at :class:`kvcopy.vllm.KvcopyNixlConnector` /

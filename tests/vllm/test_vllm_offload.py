@@ -1,7 +1,7 @@
-"""kvcopy.vllm_offload against the real vLLM 0.33 package, on the CPU.
+"""kvcopy.vllm.offload against the real vLLM 0.33 package, on the CPU.
 
 Each case builds vLLM's own KV cache config and device caches (the model families of
-tests/test_vllm.py: hybrids with overlaid groups, kernel-page splits, MLA, padded and
+tests/vllm/test_vllm_mirror.py: hybrids with overlaid groups, kernel-page splits, MLA, padded and
 packed pages, attention + GDN), vLLM's ``OffloadingConnector`` worker side
 (``KvcopyOffloadingConnector``, the spec through vLLM's factory) and its
 ``register_kv_caches``, which canonicalizes the caches and hands them to the spec.
@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
-from test_vllm import CASES, _vllm_config, vllm_env  # noqa: E402  (the model families, the fixture)
+from test_vllm_mirror import CASES, _vllm_config, vllm_env  # noqa: E402  (the model families, the fixture)
 from vllm_arena_engines import _worker_step  # noqa: E402  (the model runner's connector calls)
 from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -66,14 +66,14 @@ from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  
 
 import kvcopy.vllm  # noqa: E402
 from kvcopy.testing.vllm_offload import VllmCpuWorker  # noqa: E402
-from kvcopy.vllm_offload import (  # noqa: E402
+from kvcopy.vllm.offload import (  # noqa: E402
     KvcopyOffloadingConnector, KvcopyOffloadingSpec, KvcopyOffloadingWorker, OffloadOptions, drop_chunks,
 )
 
 init_none_hash(sha256)
 assert vllm_env  # a fixture, used by name
 
-# tests/test_vllm.py's model families, and the other block-outermost layouts vLLM
+# tests/vllm/test_vllm_mirror.py's model families, and the other block-outermost layouts vLLM
 # canonicalizes as whole packed rows (BHLNC takes one page size only)
 OFFLOAD_CASES = {**CASES, "heads_packed_blnhc": dict(CASES["heads_packed_blhnc"], layout="BLNHC"),
                  "one_group_bhlnc": dict(CASES["one_group"], layout="BHLNC")}
@@ -390,7 +390,7 @@ def test_dropped_chunks_leave_vllms_manager_as_an_eviction_would(policy):
 
 # ---------------------------------------------------------------- configuration
 def test_the_spec_loads_through_vllms_factory_from_both_module_paths():
-    for path in ("kvcopy.vllm", "kvcopy.vllm_offload"):
+    for path in ("kvcopy.vllm", "kvcopy.vllm.offload"):
         assert OffloadingSpecFactory.get_spec_cls({"spec_name": "KvcopyOffloadingSpec",
                                                    "spec_module_path": path}) is KvcopyOffloadingSpec
     assert kvcopy.vllm.KvcopyOffloadingConnector is KvcopyOffloadingConnector

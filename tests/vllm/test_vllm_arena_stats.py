@@ -1,6 +1,6 @@
-"""kvcopy.vllm_arena_stats: D's pulls reach vLLM as its own NIXL connector stats.
+"""kvcopy.vllm.arena.stats: D's pulls reach vLLM as its own NIXL connector stats.
 
-Real connectors on vLLM-built caches (``tests/vllm_arena_engines.py``): two requests
+Real connectors on vLLM-built caches (``tests/vllm/vllm_arena_engines.py``): two requests
 loaded, then one whose P is gone; the stats D's connector hands vLLM
 (``get_kv_connector_stats``) count each, with the bytes and descriptors of each READ, and
 vLLM's own reduction of them reads as it does for its connector. Run in the vLLM env.
@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
-from test_vllm import CASES, vllm_env  # noqa: E402
+from test_vllm_mirror import CASES, vllm_env  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats  # noqa: E402
 
 from vllm_arena_engines import ArenaEngine, decode, fill, free_port, prefill, prompts  # noqa: E402

@@ -1,4 +1,4 @@
-"""vLLM 0.33 engines with the arena connector, for tests/test_vllm_arena.py (not a test module).
+"""vLLM 0.33 engines with the arena connector, for tests/vllm/test_vllm_arena.py (not a test module).
 
 Each engine is vLLM's own: its config, ``get_kv_cache_config_from_groups`` and
 ``allocate_kv_cache`` (KV-sharing layers aliased as the model runner does), its
@@ -32,7 +32,7 @@ import time
 from types import SimpleNamespace
 
 import torch
-from test_vllm import CASES, _vllm_config
+from test_vllm_mirror import CASES, _vllm_config
 from vllm.config import KVTransferConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -52,8 +52,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
 
 from kvcopy.vllm import KvcopyArenaConnector
-from kvcopy.vllm_arena import KvcopyArenaScheduler
-from kvcopy.vllm_arena_meta import agent_name
+from kvcopy.vllm.arena.connector import KvcopyArenaScheduler
+from kvcopy.vllm.arena.meta import agent_name
 
 init_none_hash(sha256)
 

@@ -1,7 +1,7 @@
 """A real vLLM 0.33 CPU engine with or without kvcopy's KV offloading, for
-tests/test_vllm_offload_engine.py (not a test module; run in a CPU engine environment).
+tests/engine/test_vllm_offload_engine.py (not a test module; run in a CPU engine environment).
 
-    python tests/vllm_offload_engine.py MODE MODEL_DIR OUT.json [FAMILY]
+    python tests/engine/vllm_offload_engine.py MODE MODEL_DIR OUT.json [FAMILY]
 
 ``MODE``: ``baseline`` (no connector), ``offload`` (``KvcopyOffloadingConnector`` with
 ``KvcopyOffloadingSpec``, ``kv_load_failure_policy="recompute"``) or ``stock``
@@ -36,26 +36,6 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 BLOCKS = {"llama": 16, "gemma2": 24}  # a request fits, and four others evict it
 COUNTERS = ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:kv_offload_load_bytes",
             "vllm:kv_offload_store_bytes", "vllm:prefix_cache_hits")
-
-
-def build_model(path: str, family: str) -> None:
-    """A tiny model with random float32 weights (random bf16 models tie their logits)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
-
-    if os.path.exists(os.path.join(path, "config.json")):
-        return
-    shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                 vocab_size=512, max_position_embeddings=2048, initializer_range=0.1)
-    if family == "llama":
-        config = LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, **shape)
-    elif family == "gemma2":
-        config = Gemma2Config(num_hidden_layers=4, sliding_window=64, query_pre_attn_scalar=64, **shape)
-    else:
-        raise ValueError(f"unknown model family {family!r}")
-    config.torch_dtype = torch.float32
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(path)
 
 
 def engine(mode: str, model_dir: str, family: str):
@@ -95,7 +75,10 @@ def main(mode: str, model_dir: str, out_path: str, family: str = "llama") -> Non
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    build_model(model_dir, family)
+    from kvcopy.testing.engine.models import build_model
+
+    if not os.path.exists(os.path.join(model_dir, "config.json")):  # built once per family, reused by each mode
+        build_model(family, model_dir)
     result = {"mode": mode, "tokens": [], "phases": []}
     try:
         llm = engine(mode, model_dir, family)

@@ -1,4 +1,4 @@
-"""kvcopy.vllm_arena_meta: the arena connector's options, notifications and worker reports (vLLM env)."""
+"""kvcopy.vllm.arena.meta: the arena connector's options, notifications and worker reports (vLLM env)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 
 def test_options_are_checked():
-    from kvcopy.vllm_arena_meta import ArenaOptions
+    from kvcopy.vllm.arena.meta import ArenaOptions
 
     def opts(**kw):
         return ArenaOptions.from_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
@@ -41,7 +41,7 @@ def test_options_are_checked():
 def test_the_mirror_connector_refuses_checksum_true():
     """The mirror connector's bytes go by vLLM's own transfers, with no sums to compare:
     checksum=true is refused, not ignored; false (or absent) is what it does."""
-    from kvcopy.vllm import mirror_checksum
+    from kvcopy.vllm.mirror import mirror_checksum
 
     def cfg(extra):
         return KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
@@ -54,7 +54,7 @@ def test_the_mirror_connector_refuses_checksum_true():
 
 
 def test_reader_notifications_are_parsed_strictly():
-    from kvcopy.vllm_arena_meta import GAVE_UP, READ, notify_bytes, parse_notify
+    from kvcopy.vllm.arena.meta import GAVE_UP, READ, notify_bytes, parse_notify
 
     assert parse_notify(notify_bytes("req-1", 4)) == ("req-1", 4, READ)
     assert parse_notify(notify_bytes("req-1", 2, GAVE_UP)) == ("req-1", 2, GAVE_UP)
@@ -67,7 +67,7 @@ def test_reader_notifications_are_parsed_strictly():
 
 
 def test_worker_reports_merge_over_tp_ranks():
-    from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta
+    from kvcopy.vllm.arena.meta import KvcopyArenaWorkerMeta
 
     a = KvcopyArenaWorkerMeta(staged={"r": {0: b"x"}}, released={"q": {0}})
     b = KvcopyArenaWorkerMeta(staged={"r": {1: b"y"}}, failed={"s": {1: "full"}}, released={"q": {1}})
@@ -77,7 +77,7 @@ def test_worker_reports_merge_over_tp_ranks():
 
 
 def test_the_mirror_connector_takes_host_buffer_on_cpu_as_a_flag():
-    from kvcopy.vllm import host_buffer_on_cpu
+    from kvcopy.vllm.mirror import host_buffer_on_cpu
 
     def cfg(extra):
         return KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
@@ -94,8 +94,8 @@ def test_split_pages_and_the_conv_layout_join_the_compatibility_hash():
     handshake and recomputes); the page sizes are readable at the front of the value."""
     from types import SimpleNamespace
 
-    from kvcopy.vllm_arena import split_page_tokens
-    from kvcopy.vllm_arena_meta import compatibility_hash
+    from kvcopy.vllm.arena.connector import split_page_tokens
+    from kvcopy.vllm.arena.meta import compatibility_hash
 
     # what the two functions read of a VllmConfig
     cfg = SimpleNamespace(model_config=SimpleNamespace(model="tiny", dtype="float32"),

@@ -1,7 +1,7 @@
 """D's side-channel client in the arena connector: every question in flight at once, one thread.
 
 Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first. The messages
-are :mod:`kvcopy.vllm_arena_channel`'s.
+are :mod:`kvcopy.vllm.arena.channel`'s.
 
 One thread (``kvcopy-arena-fetch``) runs a ZMQ poller over every exchange in flight, a
 REQ socket each (one request, one reply; a REQ socket that timed out cannot be reused).
@@ -18,7 +18,7 @@ starts then.
   one question in flight per rank whoever waits for it), then, unless only the
   handshakes are wanted, the records, asked again while P says ``pending``, until the
   deadline; the requests due from one P go in one question (up to
-  :data:`~kvcopy.vllm_arena_channel.MAX_BATCH`), one such question in flight per P and
+  :data:`~kvcopy.vllm.arena.channel.MAX_BATCH`), one such question in flight per P and
   at most one per :data:`RECORDS_INTERVAL_S`, so P's listener gets at most 100 questions
   a second from a D, however many requests wait. The caller polls :attr:`Fetch.done`;
   :attr:`Fetch.metadata` fills as the handshakes arrive.
@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
-from .vllm_arena_channel import (
+from .channel import (
     CHALLENGE_TTL_S, GIVEUP_MSG, HELLO_MSG, MAX_BATCH, MAX_METADATA_REPLY, MAX_QUESTION_BYTES, MAX_RECORDS_REPLY,
     RECORDS_MSG, RecordsReply, batch_of, challenge_of, decode_bounded, metadata_of, ok_of, unwrap, wrap,
 )

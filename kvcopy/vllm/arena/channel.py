@@ -1,7 +1,7 @@
 """The side channel of the arena connector: the messages, P's record store and listener.
 
 Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first. D's client
-(every question in flight at once, from one thread) is :mod:`kvcopy.vllm_arena_fetch`.
+(every question in flight at once, from one thread) is :mod:`kvcopy.vllm.arena.record_client`.
 
 vLLM's NIXL scheduler already runs a ZMQ ROUTER socket on P (``VLLM_NIXL_SIDE_CHANNEL_HOST``
 and ``_PORT``, sent to D in every request's ``kv_transfer_params`` as ``remote_host`` and
@@ -29,7 +29,7 @@ request on those P ranks (D could not tell P's workers over NIXL: it refused P's
 handshake, or never got it). P's scheduler keeps it per P rank until that rank's worker
 takes it (its housekeeping thread asks every :data:`GIVEUP_POLL_S`, whether the engine
 steps or not: vLLM's scheduler reaches its workers only in a step); there it counts as
-that reader's notification (:mod:`kvcopy.vllm_arena_stage`).
+that reader's notification (:mod:`kvcopy.vllm.arena.stage`).
 
 **With a key** (``key_env``) every question but ``HELLO_MSG`` is wrapped, and P answers
 nothing else (a handshake, a record, a give-up only to a peer that proved it holds the
@@ -73,10 +73,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path, make_zmq_socket
 
-from .msgpack_shape import check_shape
-from .nixl.record import MAX_RECORD_BYTES, MAX_REQUEST_ID
-from .nixl.regions import MAX_NAME
-from .vllm_arena_meta import MAX_TP, KvcopyArenaWorkerMeta
+from ...msgpack_shape import check_shape
+from ...nixl.record import MAX_RECORD_BYTES, MAX_REQUEST_ID
+from ...nixl.regions import MAX_NAME
+from .meta import MAX_TP, KvcopyArenaWorkerMeta
 
 logger = init_logger("vllm.kvcopy")
 

@@ -9,12 +9,12 @@ vLLM's scheduler side is its own pull connector's (``NixlPullConnectorScheduler`
 and its ``kv_transfer_params``, the proxy conventions, the side channel); the worker side
 is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL worker:
 
-* **P** (``wait_for_save``, :mod:`kvcopy.vllm_arena_stage`): each request whose prefill
+* **P** (``wait_for_save``, :mod:`kvcopy.vllm.arena.stage`): each request whose prefill
   ends this step is staged into P's arena with one masked copy (every group's own
   layers at its own blocks, KV-sharing layers never); the blocks go back to vLLM's pool
   as soon as the arena holds them. No host mirror: the arena (``arena_bytes``) is the
   only pinned host memory, and vLLM's ``initialize_host_xfer_buffer`` never runs.
-* **D** (``start_load_kv`` / ``get_transfer_results``, :mod:`kvcopy.vllm_arena_pull`):
+* **D** (``start_load_kv`` / ``get_transfer_results``, :mod:`kvcopy.vllm.arena.pull`):
   kvcopy's handshake, then ``plan_pull`` / ``pull`` / ``complete`` per request, by token
   position (P and D may use different block and kernel-page sizes, which vLLM's own
   host-buffer path refuses, except on an attention backend that splits its pages into K
@@ -22,7 +22,7 @@ is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL
   prefix-cache hits.
 * Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
   models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
-  both sides. Models: what :mod:`kvcopy.vllm_groups` describes (several groups overlaid
+  both sides. Models: what :mod:`kvcopy.vllm.groups` describes (several groups overlaid
   from byte 0, KV-sharing layers, kernel-page splits, MLA, the six layouts, GDN state).
 
 Decisions, and why:
@@ -42,7 +42,7 @@ Decisions, and why:
   Letting P's scheduler allocate spans instead would need it to know the span layout
   (kvcopy's handshake geometry and pack order) and the arena to allocate at a given
   offset. So P's workers report records (``build_connector_worker_meta``, merged over TP
-  ranks), P's scheduler keeps them (:class:`~kvcopy.vllm_arena_channel.RecordStore`),
+  ranks), P's scheduler keeps them (:class:`~kvcopy.vllm.arena.channel.RecordStore`),
   and D asks for them at ``remote_host:remote_port`` (already in ``kv_transfer_params``):
   a round trip on the control plane (the requests waiting for one P asked together), and
   D also learns there when P could not stage a request or how long its span lives.
@@ -50,28 +50,28 @@ Decisions, and why:
   ``get_handshake_metadata`` is vLLM's ``NixlHandshakePayload`` whose agent bytes are
   ``TransferManager.metadata()`` (kvcopy's checked format: digest, optional shared-key
   HMAC, bounded sizes); vLLM's scheduler publishes it and its listener (extended to
-  answer for records: :func:`~kvcopy.vllm_arena_channel.serve`) serves it. No new port,
+  answer for records: :func:`~kvcopy.vllm.arena.channel.serve`) serves it. No new port,
   and D reaches P exactly where vLLM's own connector would.
 
 * **Spans are freed without the engine stepping.** vLLM steps an engine only while it
   has requests; each worker runs a housekeeping thread (every :data:`HOUSEKEEPING_S`)
   that, under the worker's lock (the ``TransferManager`` is driven by one thread at a
   time), reads D's notifications and frees what D is done with and what outlived its
-  TTL on P (:meth:`~kvcopy.vllm_arena_stage.ArenaStager.tick`), takes the give-ups P's
+  TTL on P (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.tick`), takes the give-ups P's
   side channel got for its rank (asking its own scheduler's listener: vLLM's scheduler
   reaches the workers only in a step), and sends D's give-ups that waited for P's
-  handshake (:meth:`~kvcopy.vllm_arena_pull.ArenaPuller.tick`).
+  handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`).
 
-What each side exchanges: :mod:`kvcopy.vllm_arena_meta`; the side channel's messages,
-with and without a key: :mod:`kvcopy.vllm_arena_channel`. Options
-(``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm_arena_meta.ArenaOptions`.
+What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
+with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
+(``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm.arena.meta.ArenaOptions`.
 Not supported: push, DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
 GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``),
-``bidirectional_kv_xfer`` (refused when the connector is made: :mod:`kvcopy.vllm_checks`,
+``bidirectional_kv_xfer`` (refused when the connector is made: :mod:`kvcopy.vllm.checks`,
 which also runs vLLM's checks keyed on the name "NixlConnector"). Its transfer threads
 start on the cores vLLM's CPU platform reserves for KV transfer
-(:mod:`kvcopy.vllm_affinity`), and its pulls reach vLLM as NIXL connector stats
-(:mod:`kvcopy.vllm_arena_stats`).
+(:mod:`kvcopy.vllm.affinity`), and its pulls reach vLLM as NIXL connector stats
+(:mod:`kvcopy.vllm.arena.stats`).
 """
 from __future__ import annotations
 
@@ -87,20 +87,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHands
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.logger import init_logger
 
-from .nixl.manager import TransferManager
-from .vllm_affinity import threads_on, transfer_cpus
-from .vllm_arena_channel import (
+from ...nixl.manager import TransferManager
+from ..affinity import threads_on, transfer_cpus
+from .channel import (
     GIVEUP_POLL_S, MAX_GIVE_UPS_REPLY, TAKE_GIVEUPS_MSG, RecordStore, give_ups_of, serve,
 )
-from .vllm_arena_fetch import Reply
-from .vllm_checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
-from .vllm_arena_meta import (
+from .record_client import Reply
+from ..checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
+from .meta import (
     MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
     compatibility_hash,
 )
-from .vllm_arena_pull import ArenaPuller
-from .vllm_arena_stage import ArenaStager
-from .vllm_groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
+from .pull import ArenaPuller
+from .stage import ArenaStager
+from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
 
 logger = init_logger("vllm.kvcopy")
 
@@ -237,7 +237,7 @@ def split_page_tokens(vllm_config, layout) -> Optional[Tuple[int, ...]]:
     """Tokens per page of each group when a layer's attention backend splits its pages
     (:data:`SPLIT_PAGE_BACKENDS`), else None. Same-size pages still transfer whole, in
     the backend's own byte order; pages of different sizes do not map token by token, so
-    these sizes join the compatibility hash (:func:`~kvcopy.vllm_arena_meta.compatibility_hash`)."""
+    these sizes join the compatibility hash (:func:`~kvcopy.vllm.arena.meta.compatibility_hash`)."""
     context = vllm_config.compilation_config.static_forward_context
     for names in layout.groups:
         for name in names:
@@ -274,7 +274,7 @@ class KvcopyArenaWorker:
         self.name = agent_name(engine_id, self.tp_rank)
         self.compat = compatibility_hash(vllm_config)
         self.key = options.key()
-        self.thread_cpus = transfer_cpus()  # where the transfer threads run (kvcopy.vllm_affinity)
+        self.thread_cpus = transfer_cpus()  # where the transfer threads run (kvcopy.vllm.affinity)
         self.manager: Optional[TransferManager] = None
         self.stager: Optional[ArenaStager] = None
         self.puller: Optional[ArenaPuller] = None
@@ -298,7 +298,7 @@ class KvcopyArenaWorker:
             else None  # else each rank's heads x TP, per layer
         # The threads these start (NIXL's progress thread, UCX's async thread, the side channel's
         # client thread and ZMQ's I/O thread, the housekeeper) run off the model's cores:
-        # kvcopy.vllm_affinity
+        # kvcopy.vllm.affinity
         with threads_on(self.thread_cpus):
             self.manager = TransferManager(
                 self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
@@ -484,7 +484,7 @@ class KvcopyArenaConnector(NixlBaseConnector):
         return self._worker().report()
 
     def get_kv_connector_stats(self):
-        """D's pull figures as vLLM's NIXL stats (:mod:`kvcopy.vllm_arena_stats`): vLLM logs
+        """D's pull figures as vLLM's NIXL stats (:mod:`kvcopy.vllm.arena.stats`): vLLM logs
         and exports them as it does its own connector's."""
         worker = self.arena_worker
         if worker is None or worker.puller is None:

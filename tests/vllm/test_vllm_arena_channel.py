@@ -1,6 +1,6 @@
-"""kvcopy.vllm_arena_channel and vllm_arena_fetch: P's record store and listener, D's client
+"""kvcopy.vllm.arena.channel and vllm_arena_fetch: P's record store and listener, D's client
 and its checks of P's replies, with and without a key (vLLM env; the listener inside real
-engines, hostile clients included: tests/test_vllm_arena_trust.py)."""
+engines, hostile clients included: tests/vllm/test_vllm_arena_trust.py)."""
 from __future__ import annotations
 
 import os
@@ -18,12 +18,12 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG, NixlHandshakePayload  # noqa: E402
 
-from kvcopy.vllm_arena_channel import (  # noqa: E402
+from kvcopy.vllm.arena.channel import (  # noqa: E402
     AUTH_MSG, GIVEUP_MSG, HELLO_MSG, RECORDS_MSG, TAKE_GIVEUPS_MSG, RecordStore, answer, give_ups_of, question_mac,
     records_of, serve,
 )
-from kvcopy.vllm_arena_fetch import SideChannel  # noqa: E402
-from kvcopy.vllm_arena_meta import KvcopyArenaWorkerMeta  # noqa: E402
+from kvcopy.vllm.arena.record_client import SideChannel  # noqa: E402
+from kvcopy.vllm.arena.meta import KvcopyArenaWorkerMeta  # noqa: E402
 from vllm_arena_engines import ask_side_channel, free_port  # noqa: E402
 
 enc = msgspec.msgpack.encode
@@ -77,7 +77,7 @@ def test_the_shape_bound_takes_what_msgspec_takes_and_refuses_what_kills_it():
     """Every message the two sides send passes the bound; what msgspec cannot decode
     (deep nesting: RecursionError) is refused by it, never handed to msgspec."""
     from kvcopy.msgpack_shape import check_shape
-    from kvcopy.vllm_arena_channel import MAX_DEPTH, MAX_ITEMS
+    from kvcopy.vllm.arena.channel import MAX_DEPTH, MAX_ITEMS
 
     sent = [enc((GET_META_MSG, 0, 3)), enc((RECORDS_MSG, "req", list(range(8)))), enc((HELLO_MSG,)),
             enc((GIVEUP_MSG, "r", [0, 1], "kvcopy-arena-D-tp0", 2)),
@@ -261,7 +261,7 @@ def listener(monkeypatch):
 def test_a_listener_that_dies_anyway_is_restarted_and_logged(listener, monkeypatch, caplog):
     """Nothing a peer sends ends it; if a ZMQ error (or a bug) does, it is started again
     and logged, and answers as before."""
-    import kvcopy.vllm_arena_channel as channel
+    import kvcopy.vllm.arena.channel as channel
 
     real = channel.answer
     broke = []
@@ -285,7 +285,7 @@ def test_a_keyed_listener_answers_only_authenticated_questions_once(listener):
     """With a key: the handshake, records and give-ups only for a question carrying a MAC
     under a challenge P issued; a recorded question replayed, a wrong key, a forged or
     made-up challenge are refused; D checks P's reply MAC over its own nonce."""
-    from kvcopy.vllm_arena_channel import challenge_of, unwrap, wrap
+    from kvcopy.vllm.arena.channel import challenge_of, unwrap, wrap
 
     payload = enc(NixlHandshakePayload(compatibility_hash="compat", agent_metadata_bytes=b"md"))
     port, store = listener(KEY, {(0, 0): payload})

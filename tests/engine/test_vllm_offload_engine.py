@@ -1,4 +1,4 @@
-"""kvcopy's KV offloading in a real vLLM 0.33 engine on the CPU (tests/vllm_offload_engine.py).
+"""kvcopy's KV offloading in a real vLLM 0.33 engine on the CPU (tests/engine/vllm_offload_engine.py).
 
 Engines one after the other, each in its own process, on the same random-weight
 float32 model and prompts: without offloading (the baseline), with
@@ -8,8 +8,8 @@ groups); and vLLM's ``OffloadingConnector`` with its own ``CPUOffloadingSpec``. 
 from the device cache by four others, and run again; then one bit is flipped in every
 stored page on the host and it runs again (evicted first); then once more.
 
-Needs a CPU engine environment (vLLM 0.33 with vLLM's CPU ops: ``bench/engine_env.sh``
-builds one); skipped in the plain vLLM test environment.
+The tiny models are :mod:`kvcopy.testing.engine.models`'. Needs the engine environment
+(``bench/engine_env.sh``); elsewhere ``tests/engine/conftest.py`` skips it, saying why.
 """
 from __future__ import annotations
 
@@ -21,23 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _engine_env() -> str:
-    """Why this interpreter cannot run a vLLM CPU engine, or ''."""
-    try:
-        import vllm
-    except ImportError as exc:
-        return f"vLLM is not installed ({exc})"
-    if not vllm.__version__.startswith("0.33"):
-        return f"vLLM {vllm.__version__} is not 0.33"
-    if not (Path(vllm.__file__).parent / "_C.abi3.so").exists():
-        return "vLLM's CPU ops (vllm/_C.abi3.so) are missing: not a CPU engine environment (bench/engine_env.sh)"
-    return ""
-
-
-pytestmark = pytest.mark.skipif(bool(_engine_env()), reason=_engine_env() or "-")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +32,7 @@ def runs(tmp_path_factory):
     out = {}
     for family, mode in [(f, m) for f in FAMILIES for m in ("baseline", "offload")] + [("llama", "stock")]:
         path = root / f"{family}-{mode}.json"
-        p = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_offload_engine.py"), mode,
+        p = subprocess.run([sys.executable, str(ROOT / "tests" / "engine" / "vllm_offload_engine.py"), mode,
                             str(root / family), str(path), family], env=env, capture_output=True, text=True,
                            timeout=900, cwd=str(root))
         assert p.returncode == 0 and path.exists(), (family, mode, (p.stdout + p.stderr)[-3000:])

@@ -2,11 +2,11 @@
 
 Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
 
-A request to pull (:class:`~kvcopy.vllm_arena_meta.ArenaRecv`) goes through these states,
+A request to pull (:class:`~kvcopy.vllm.arena.meta.ArenaRecv`) goes through these states,
 one :class:`_Job` each, advanced by :meth:`ArenaPuller.step` in the engine thread (the
-``TransferManager`` is driven under the worker's lock, :mod:`kvcopy.vllm_arena`):
+``TransferManager`` is driven under the worker's lock, :mod:`kvcopy.vllm.arena.connector`):
 
-1. **fetch** (:mod:`kvcopy.vllm_arena_fetch`: one thread, every question in flight at
+1. **fetch** (:mod:`kvcopy.vllm.arena.record_client`: one thread, every question in flight at
    once): for each P rank this rank reads (:func:`kvcopy.nixl.remote_ranks`), P's kvcopy
    handshake over P's side channel (once per P rank; again after a failed pull, in case
    P restarted), then P's records for the request, asked again while P says ``pending``
@@ -53,14 +53,14 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from vllm.logger import init_logger
 
-from .nixl import ArenaFull, NO_BLOCK, StaleRegistration, remote_ranks
-from .nixl.manager import TransferManager
-from .nixl.plan import Plan
-from .nixl.pull import Completion, PullHandle
-from .vllm_arena_fetch import Fetch, SideChannel
-from .vllm_arena_meta import GAVE_UP, ArenaOptions, ArenaRecv, agent_name, notify_bytes
-from .vllm_arena_stats import PullStats
-from .vllm_groups import GroupTokens
+from ...nixl import ArenaFull, NO_BLOCK, StaleRegistration, remote_ranks
+from ...nixl.manager import TransferManager
+from ...nixl.plan import Plan
+from ...nixl.pull import Completion, PullHandle
+from .record_client import Fetch, SideChannel
+from .meta import GAVE_UP, ArenaOptions, ArenaRecv, agent_name, notify_bytes
+from .stats import PullStats
+from ..groups import GroupTokens
 
 logger = init_logger("vllm.kvcopy")
 

@@ -22,7 +22,7 @@ it pass:
   (``platforms/cpu.py``; otherwise ``SD`` where AVX-512 BF16 is there) and its NIXL worker
   asserts ``DS`` for Mamba/GDN models. The mirror connector refuses such a model without
   ``DS``; the arena connector puts the layout into its compatibility hash
-  (:func:`kvcopy.vllm_arena_meta.compatibility_hash`): P and D of different layouts
+  (:func:`kvcopy.vllm.arena.meta.compatibility_hash`): P and D of different layouts
   refuse each other and D recomputes.
 
 ``bidirectional_kv_xfer`` (vLLM's turn-2 reads back from D) is vLLM's own code in the

@@ -52,42 +52,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
-SUPPORTED_VLLM = "0.33"
+import torch
 
-
-def _require_vllm() -> str:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(f"kvcopy.vllm_offload needs vLLM {SUPPORTED_VLLM}.x; vLLM is not importable: {exc}") \
-            from exc
-    version = getattr(vllm, "__version__", "unknown")
-    if version.split("+")[0].rsplit(".", 1)[0] != SUPPORTED_VLLM:
-        raise ImportError(f"kvcopy.vllm_offload needs vLLM {SUPPORTED_VLLM}.x, found vLLM {version}")
-    return version
-
-
-VLLM_VERSION = _require_vllm()
-
-import torch  # noqa: E402
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
-from vllm.logger import init_logger  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
-from vllm.utils.torch_utils import PIN_MEMORY  # noqa: E402
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import PIN_MEMORY
+from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec, CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingEvent, OffloadingWorker,
     OffloadKey, TransferResult,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
-from vllm.v1.kv_offload.cpu.spec import _REGION_SEGMENTS, CPUOffloadingSpec, _all_workers_barrier  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.spec import _REGION_SEGMENTS, CPUOffloadingSpec, _all_workers_barrier
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from .offload import JobResult, OffloadCopier, OffloadOptions  # noqa: E402
+from ..offload import JobResult, OffloadCopier, OffloadOptions
 
 logger = init_logger("vllm.kvcopy.offload")
 

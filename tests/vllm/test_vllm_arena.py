@@ -2,7 +2,7 @@
 
 P and D are each vLLM's own engine (config, cache allocation, ``Scheduler`` with the
 connector's scheduler side, the connector's worker side with a real NIXL agent, UCX on
-loopback), the test playing the model runner (``tests/vllm_arena_engines.py`` says how,
+loopback), the test playing the model runner (``tests/vllm/vllm_arena_engines.py`` says how,
 and how the expectation is built from vLLM's block tables alone). D's backing buffer is
 compared whole after every transfer; where a load fails, it must not change at all.
 
@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
-from test_vllm import CASES, Kernel16Backend, _specs, vllm_env  # noqa: E402  (the model families, the fixture)
+from test_vllm_mirror import CASES, Kernel16Backend, _specs, vllm_env  # noqa: E402  (the model families, the fixture)
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Flow control of the arena connector with P and D in two processes: vLLM 0.33's real
 schedulers, the connector's workers with real NIXL over UCX on loopback, P in a spawned
 child driven as vLLM's engine core drives an engine (stepped only while its scheduler
-has requests; otherwise idle, blocked on its pipe: tests/vllm_arena_engines.py,
+has requests; otherwise idle, blocked on its pipe: tests/vllm/vllm_arena_engines.py,
 ``serve_commands``), D in this process.
 
 * D's fetches never hold one another up behind P's back-pressure: a request P staged
@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
 import torch  # noqa: E402
-from test_vllm import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
+from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the model families, the fixture)
 from test_vllm_arena import _failed_load, engines  # noqa: E402  (a load that must fail)
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -45,7 +45,7 @@ GUARD_S = 10.0  # hang guards only (see the module docstring)
 
 
 class Child:
-    """The P process and its pipe (commands: tests/vllm_arena_engines.py, ``serve_commands``)."""
+    """The P process and its pipe (commands: tests/vllm/vllm_arena_engines.py, ``serve_commands``)."""
 
     def __init__(self, proc, pipe):
         self.proc, self.pipe = proc, pipe

@@ -17,9 +17,9 @@ Each step (``wait_for_save``) :meth:`ArenaStager.step`:
    back with the copy (:class:`~kvcopy.nixl.span_sums.PendingRecord`) and finished then.
 
 :meth:`tick` runs at every step and, between steps, from the worker's housekeeping
-thread (:mod:`kvcopy.vllm_arena`): vLLM steps an engine only while it has requests, and
+thread (:mod:`kvcopy.vllm.arena.connector`): vLLM steps an engine only while it has requests, and
 an idle P must still free what D is done with and what outlived its TTL. It reads D's
-notifications (:func:`~kvcopy.vllm_arena_meta.parse_notify`): a reader of a request
+notifications (:func:`~kvcopy.vllm.arena.meta.parse_notify`): a reader of a request
 says it read it or gave it up, and how many D ranks there are; once every D rank that
 reads this P rank (:func:`readers_of`, the same choice D makes with
 :func:`kvcopy.nixl.remote_ranks`) has said either, the span is freed
@@ -43,10 +43,10 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 from vllm.logger import init_logger
 
-from .nixl import ArenaFull, remote_ranks
-from .nixl.manager import TransferManager
-from .nixl.sum_check import finished
-from .vllm_arena_meta import (
+from ...nixl import ArenaFull, remote_ranks
+from ...nixl.manager import TransferManager
+from ...nixl.sum_check import finished
+from .meta import (
     GAVE_UP, ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
 )
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # vLLM 0.33's own NIXL connector unit tests (-m cpu_test) with kvcopy's connector and
-# worker substituted (tests/vllm_substitute.py), on the CPU, in the vLLM environment.
+# worker substituted (tests/vllm/vllm_substitute.py), on the CPU, in the vLLM environment.
 #
-#   tests/run_vllm_nixl_suite.sh VLLM_SDIST [PYTHON] [-- extra pytest args]
+#   tests/vllm/run_vllm_nixl_suite.sh VLLM_SDIST [PYTHON] [-- extra pytest args]
 #
 # VLLM_SDIST: vllm-0.33.0.tar.gz (the wheel ships no tests). `pip download vllm==0.33.0
 # --no-deps --no-binary :all: --no-build-isolation` downloads it, then stops at a version
@@ -13,7 +13,7 @@
 # Many of these tests build a ModelConfig for facebook/opt-125m; offline, they read its
 # config.json from an HF cache this script writes (architecture facts only, no weights).
 set -euo pipefail
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
 sdist="$(realpath "$1")"; shift
 py="${1:-$repo/build/venv-vllm/bin/python}"; [ $# -gt 0 ] && shift
 [ "${1:-}" = "--" ] && shift
@@ -34,7 +34,7 @@ JSON
 plugin=(-p vllm_substitute)
 [ "${KVCOPY_STOCK:-0}" = 1 ] && plugin=()
 cd "$src"
-HF_HOME="$work/hf" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$repo/tests:$repo" \
+HF_HOME="$work/hf" HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH="$repo/tests/vllm:$repo" \
   "$py" -m pytest -q -m cpu_test -p no:cacheprovider "${plugin[@]}" -rfE "$@" \
   tests/v1/kv_connector/unit/test_nixl_connector.py \
   tests/v1/kv_connector/unit/test_nixl_connector_hma.py \
