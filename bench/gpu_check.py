@@ -313,7 +313,7 @@ def probe_library(stem: str, path: Optional[Path]) -> dict:
 def backend_facts() -> dict:
     """Each backend: available or why not, and the launcher it will use."""
     import kvcopy
-    from kvcopy import backends as bk
+    from kvcopy import copy_backends as bk
 
     out: Dict[str, dict] = {}
     for name, why in kvcopy.available_backends().items():
@@ -324,18 +324,18 @@ def backend_facts() -> dict:
     if out.get("cuda", {}).get("available"):
         out["cuda"]["launcher"] = bk.get_backend("cuda").launcher_kind
     if "triton" in out:
-        from kvcopy.backends.triton_backend import interpreting
+        from kvcopy.copy_backends.triton_backend import interpreting
 
         out["triton"]["launcher"] = "interpreter" if interpreting() else "compiled (JIT: cc, Python.h, libcuda)"
     if out.get("ce", {}).get("available"):
-        from kvcopy.backends import cudalib
+        from kvcopy.copy_backends import cudalib
 
         lib, _ = cudalib.library()
         abi = lib.kvcopy_ce_batch_abi() if lib is not None else 0
         out["ce"]["launcher"] = f"cudaMemcpyBatchAsync (ABI {abi})" if abi else "per-segment cudaMemcpyAsync loop"
     if on_gpu():
         try:
-            from kvcopy.backends.calibration import device_key, load_table, table_path
+            from kvcopy.copy_backends.calibration import device_key, load_table, table_path
 
             table = load_table(device_key(0))
             out["auto"] = {"rule": f"calibrated ({table_path()})" if table else "built-in default (uncalibrated)"}
@@ -382,7 +382,7 @@ def step_facts(s: Step) -> str:
         t["driver_cuda"] = _cuda_driver()
     f["torch"] = t
     s.save()
-    from kvcopy.backends import native
+    from kvcopy import native
 
     f["native"] = {stem: probe_library(stem, native.find(stem)) for stem in LIB_SYMBOLS}
     s.save()
@@ -428,7 +428,7 @@ def facts_line(f: dict) -> str:
 
 # ------------------------------------------------------------------------ build
 def step_build(s: Step) -> str:
-    from kvcopy.backends import native
+    from kvcopy import native
 
     need = ["kvcopy_cpu"] + (["kvcopy_cuda"] if on_gpu() else [])
     carried = {stem: probe_library(stem, native.find(stem)) for stem in need}
@@ -676,7 +676,7 @@ def ladder_grid(copier, backend: str, size: int, sms: Optional[int], cap: Option
         return None
     tables = copier.tables("h2d")
     if backend == "cuda":
-        from kvcopy.backends import kernel_inputs
+        from kvcopy.copy_backends import kernel_inputs
 
         return kernel_inputs.grid_size(size, sms, cap)
     st = tables.backend_state.get("triton")

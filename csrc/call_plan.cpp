@@ -1,7 +1,7 @@
 // Per-call planning in one C call: check every group's block ids and pack the call
 // array the kernels read (kernels/block_copy.cuh) -- the host side of every backend.
 //
-// kvcopy/planner.py has the same pass in numpy (~15 numpy calls per group) for
+// kvcopy/core/planner.py has the same pass in numpy (~15 numpy calls per group) for
 // installs without this library; a copy of 48 layers x 6 groups has to cost
 // microseconds in total on the host, so the per-call path is one pass in C.
 //

@@ -198,7 +198,7 @@ const char* kvcopy_ce_error_name(int code) {
 }
 
 // Copy every segment of one call (tables and packed call in host memory, as built by
-// kvcopy/tables.py) on `stream`.
+// kvcopy/core/tables.py) on `stream`.
 //   mode        0: batch when available, else loop; 1: batch or fail; 2: loop
 //   used_batch  out: 1 when one batched call carried the segments
 //   segments    out: number of descriptors

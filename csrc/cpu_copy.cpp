@@ -3,7 +3,7 @@
 // One C call per copy: items are spread over OpenMP threads (dynamic schedule, items
 // differ in size), each item's segments copied with memcpy, or, in calls of at least
 // the caller's stream_min_bytes (KVCOPY_CPU_STREAM_BYTES: by default 2 MiB on Intel
-// CPUs, 16 MiB on others; kvcopy/backends/cpu.py), with non-temporal stores.
+// CPUs, 16 MiB on others; kvcopy/copy_backends/cpu.py), with non-temporal stores.
 // Small calls stay on the calling thread: waking a team costs more than copying a few
 // pages.
 //
@@ -34,7 +34,7 @@
 // (vector_loops); with KVCOPY_SIMD_EMULATION (tests only, CMake option of that name) on
 // SIMDe's portable intrinsics with no target, so a CPU without AVX-512 runs the AVX-512
 // loop's own code: its heads, keys, lanes, steps and reduction, bit for bit against
-// the oracle (tests/test_cpu_simd_emulation.py). Never installed: the loops run there at a
+// the oracle (tests/copy_backends/test_cpu_simd_emulation.py). Never installed: the loops run there at a
 // fraction of their speed.
 #if defined(KVCOPY_SIMD_EMULATION)
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -776,7 +776,7 @@ int64_t fold_values(const uint64_t* sums, const int64_t* gather, const uint64_t*
 
 extern "C" {
 
-// Bumped whenever a C signature of this library changes (kvcopy/backends/native.py
+// Bumped whenever a C signature of this library changes (kvcopy/native.py
 // refuses a library whose version is not the one the Python code was written for).
 // 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
 // 4: kvcopy_cpu_sums_loops and kvcopy_cpu_sums_loop replace kvcopy_cpu_sums_simd;

@@ -1,6 +1,6 @@
 // Backend `cuda`: launcher of the fused block-copy kernel (kernels/block_copy_kernel.cuh).
 //
-// C ABI, loaded with ctypes by kvcopy/backends/cuda.py. Every function returns a CUDA
+// C ABI, loaded with ctypes by kvcopy/copy_backends/cuda.py. Every function returns a CUDA
 // error code (0 = success); kvcopy_cuda_error_name turns it into the CUDA error name
 // the Python side raises with. The caller picks the grid (it knows the SM count and
 // max_ctas) and passes the stream as a raw cudaStream_t (torch's current stream).

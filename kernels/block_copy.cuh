@@ -5,7 +5,7 @@
 // compiler for the `cpu` backend (csrc/cpu_copy.cpp), so every CPU test run exercises
 // the addressing code the GPU runs.
 //
-// Data model (built in kvcopy/tables.py, documented there in full):
+// Data model (built in kvcopy/core/tables.py, documented there in full):
 //
 //   entries[E][20]  int64, static per copier and direction. One row per copied layer
 //                   (deduplicated by storage), bytes throughout: src base address, dst

@@ -1,7 +1,7 @@
 // kvcopy page checksums: the hash the copies compute while they move the bytes.
 //
 // Raw integers only, host and device (the same rules as block_copy.cuh). The
-// definition, what it catches and what it does not, are in kvcopy/checksum.py, whose
+// definition, what it catches and what it does not, are in kvcopy/core/checksum.py, whose
 // numpy code is the oracle the kernels are tested against; in short:
 //
 //   sum[slot] = SUM over the entries k of the group (k = the entry's position in it),
@@ -28,7 +28,7 @@ constexpr uint64_t kOrdinalMul = 0xC2B2AE3D27D4EB4Full;
 constexpr int64_t kHashWordBytes = 8;
 
 // The term of one keyed word x: the product of its 32-bit halves, plus x (mod 2^64). A
-// change confined to one half of x always changes it (kvcopy/checksum.py says why), so
+// change confined to one half of x always changes it (kvcopy/core/checksum.py says why), so
 // every single-bit flip does; one 32 x 32 -> 64-bit multiply (a vpmuludq lane, an
 // IMAD.WIDE) where MurmurHash3's finalizer took two 64-bit ones.
 KVCOPY_HD uint64_t product_term(uint64_t x) {
@@ -44,8 +44,8 @@ KVCOPY_HD uint64_t word_term(uint64_t word, uint64_t base, int64_t pos) {
   return product_term(word ^ (base + kPositionMul * (uint64_t)pos));
 }
 
-// MurmurHash3's 64-bit finalizer (kvcopy.checksum.mix64): one-to-one; seals a page's
-// sum to its request and position once per page (kvcopy.checksum.seal), not per word.
+// MurmurHash3's 64-bit finalizer (kvcopy.core.checksum.mix64): one-to-one; seals a page's
+// sum to its request and position once per page (kvcopy.core.checksum.seal), not per word.
 KVCOPY_HD uint64_t mix64(uint64_t x) {
   x ^= x >> 33;
   x *= 0xFF51AFD7ED558CCDull;

@@ -3,12 +3,12 @@
 This is the Triton twin of ``kernels/block_copy.cuh``: the same tables, the same item
 and segment arithmetic, one ``tl.load``/``tl.store`` pair per tile of integer words.
 
-Data layout (built by :mod:`kvcopy.tables`, uploaded once per copier direction)
+Data layout (built by :mod:`kvcopy.core.tables`, uploaded once per copier direction)
 -----------------------------------------------------------------------------
 ``entries``        int64 ``[E, 20]``: src base, dst base, src/dst block stride, run
                    bytes, runs per page, three page-run dims (count, src stride, dst
                    stride), outermost first, then (columns 16-18) the dims' key strides
-                   for checksums (bytes; see ``kvcopy.tables``). Base addresses
+                   for checksums (bytes; see ``kvcopy.core.tables``). Base addresses
                    are raw ``data_ptr()`` values: device memory, or pinned host memory
                    read and written by the SMs over unified addressing. The kernel
                    casts them with ``.to(tl.pointer_type(...))``.
@@ -95,7 +95,7 @@ MIN_ROW_BYTES = 64
 SCAN = 256
 GROUPS = 8  # group starts resolved with one vector load; more groups take a loop
 NUM_WARPS = 8
-ENTRY_FIELDS = tl.constexpr(20)  # int64 columns of an entry row (kvcopy.tables.ENTRY_FIELDS)
+ENTRY_FIELDS = tl.constexpr(20)  # int64 columns of an entry row (kvcopy.core.tables.ENTRY_FIELDS)
 
 
 # Only builtins and this module's own jit functions are used in kernel code: the
@@ -293,7 +293,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
 
 
 # ---------------------------------------------------------------------- checksums
-# The fused copy that also sums each page's checksum (kvcopy.checksum, the same function
+# The fused copy that also sums each page's checksum (kvcopy.core.checksum, the same function
 # as kernels/page_checksum.cuh). Same work split as fused_copy_kernel; per row, each
 # element's hash term is computed from the words just loaded, the terms of the row's
 # page are summed into its worker's accumulator, and a worker adds its accumulator to

@@ -22,12 +22,12 @@ __version__ = "0.1.0"
 
 # exported name -> the submodule that defines it
 _EXPORTS = {
-    "BACKENDS": ".backends",
-    "available_backends": ".backends",
-    "BlockCopier": ".copier",
-    "copy_blocks": ".copy_op",
-    "PageLayout": ".layout",
-    "describe": ".layout",
+    "BACKENDS": ".copy_backends",
+    "available_backends": ".copy_backends",
+    "BlockCopier": ".core.copier",
+    "copy_blocks": ".core.copy_op",
+    "PageLayout": ".core.layout",
+    "describe": ".core.layout",
 }
 
 __all__ = [
@@ -40,10 +40,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .backends import BACKENDS, available_backends
-    from .copier import BlockCopier
-    from .copy_op import copy_blocks
-    from .layout import PageLayout, describe
+    from .copy_backends import BACKENDS, available_backends
+    from .core.copier import BlockCopier
+    from .core.copy_op import copy_blocks
+    from .core.layout import PageLayout, describe
 
 
 def __getattr__(name: str) -> Any:

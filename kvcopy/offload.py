@@ -17,12 +17,12 @@ Data layout (vLLM 0.33's CPU offloading):
   blocks start at sub-block ``block_index % blocks_per_chunk`` of its first chunk (a
   request's first block need not start a chunk); a group with no block has no chunk.
 
-One :class:`~kvcopy.copier.BlockCopier` is built over "layers" ``(g, j, k)``: the device
+One :class:`~kvcopy.core.copier.BlockCopier` is built over "layers" ``(g, j, k)``: the device
 view ``t[:, :bytes]`` and the host view ``host_t[:, j * page_t:][:, :bytes]`` of layer
 ``k`` of group ``g``, in copier group ``g * blocks_per_chunk + j``. A job is one planned
 call (every group's layers, each group masked to its own) in the direction it names.
 
-Checksums (:mod:`kvcopy.checksum`): with ``checksum`` on, a store's copy returns one sum
+Checksums (:mod:`kvcopy.core.checksum`): with ``checksum`` on, a store's copy returns one sum
 per sub-block page (over its group's layers), kept here per sub-block (8 bytes each,
 host memory); a load's copy returns the sums of the pages it reads, compared when the
 job completes with those of the store that wrote them. A difference, or a sub-block no
@@ -47,8 +47,8 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tup
 import numpy as np
 import torch
 
-from .copier import BlockCopier
-from .tables import CallPlan
+from .core.copier import BlockCopier
+from .core.tables import CallPlan
 
 QUEUES = ("store", "load", "expedited")
 
@@ -63,7 +63,7 @@ class OffloadOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.checksum, bool):
-            raise ValueError(f"kvcopy.checksum must be true or false, got {self.checksum!r}")
+            raise ValueError(f"kvcopy.core.checksum must be true or false, got {self.checksum!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"kvcopy.backend must be a backend name, got {self.backend!r}")
         if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
@@ -169,7 +169,7 @@ class OffloadCopier:
             why = self.copier.checksum_reason("d2h") or self.copier.checksum_reason("h2d")
             if why:
                 self.copier.close()
-                raise ValueError(f"offloading: kvcopy.checksum is on but {why}; set kvcopy.checksum to false "
+                raise ValueError(f"offloading: kvcopy.core.checksum is on but {why}; set kvcopy.core.checksum to false "
                                  "to use this backend")
         self.on_gpu = self.device.type == "cuda"
         self._sums = np.zeros(self.num_chunks * blocks_per_chunk, dtype=np.uint64)  # last store's sum per sub-block

@@ -3,7 +3,7 @@
     kvcopy.ops.copy(copier, "h2d", block_ids_per_group)          # eager or compiled
     torch.compile(step)(...)   # step calls kvcopy.ops.copy: one opaque op, no graph break
 
-``torch.compile`` cannot trace a :class:`~kvcopy.copier.BlockCopier` call (numpy
+``torch.compile`` cannot trace a :class:`~kvcopy.core.copier.BlockCopier` call (numpy
 validation, ctypes launches); the custom op makes the whole call one node that
 declares what it writes (``mutates_args=("dsts",)``: every destination tensor of the
 direction), so the compiler orders it against the model's reads and writes of the KV
@@ -15,7 +15,7 @@ returns nothing and only mutates in place.
 
 CUDA graphs: the op enqueues exactly what an eager call does, on the current stream,
 and never synchronizes, so it can be captured with ``torch.cuda.graph`` (see
-:mod:`kvcopy.backends.cuda` for what a replay reads).
+:mod:`kvcopy.copy_backends.cuda` for what a replay reads).
 """
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ def test_every_row_on_the_same_threads_stated_in_the_header(tmp_path, capsys, mo
     states; the cpu backend's team size is read when its copier is prepared."""
     import torch
 
-    from kvcopy.backends import get_backend
+    from kvcopy.copy_backends import get_backend
 
     get_backend("cpu")  # an instance that existed before the run must still follow --threads
     monkeypatch.delenv("KVCOPY_CPU_THREADS", raising=False)
@@ -376,7 +376,7 @@ def test_cold_cache_runs_flush_the_slabs_before_each_timed_call(cache, tmp_path,
     destination slab (and with cold the source's) is flushed, whole, after the settling
     calls (cold-dst) or with none (cold); the rows still verify bit-exact, and the JSON
     and the header say which."""
-    import kvcopy.backends.cpu as cpu_mod
+    import kvcopy.copy_backends.cpu as cpu_mod
     from kvcopy.bench import run as run_mod
 
     flushed = []
@@ -429,7 +429,7 @@ def test_cold_cache_runs_flush_the_slabs_before_each_timed_call(cache, tmp_path,
 
 def test_cold_cache_is_refused_where_it_cannot_mean_anything(tmp_path, monkeypatch):
     """A GPU run, and a library with no flush for the CPU, are refused before anything runs."""
-    import kvcopy.backends.cpu as cpu_mod
+    import kvcopy.copy_backends.cpu as cpu_mod
     from kvcopy.bench.args import BenchError
     from kvcopy.bench.run import _check_cache
 
@@ -581,7 +581,7 @@ def test_summary_gives_each_checksum_cost():
 def test_checksum_run_names_the_cpu_loop(tmp_path, monkeypatch, capsys, simd, loops):
     """A run with cpu+sum rows says which of the cpu backend's loops timed them (the
     cost differs by 2-5x between them), in the JSON and above the table."""
-    from kvcopy.backends.cpu import CpuBackend
+    from kvcopy.copy_backends.cpu import CpuBackend
     if CpuBackend().unavailable_reason():
         pytest.skip("CPU library not built")
     monkeypatch.setenv("KVCOPY_CPU_SIMD", simd)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from kvcopy.backends import native
+from kvcopy import native
 from kvcopy.bench.cli import main
 
 

@@ -134,10 +134,10 @@ def kvcopy_imports(path: Path, root: Path = ROOT, top_level_only: bool = False) 
 
 # ------------------------------------------------------------------ 1. layers
 CHECKS = {"kvcopy.checks", "kvcopy.msgpack_shape"}
-NATIVE = {"kvcopy.checks", "kvcopy.kernels", "kvcopy.backends.native", "kvcopy.backends.cudalib"}
-CORE_DATA = NATIVE | {"kvcopy.layout", "kvcopy.storages", "kvcopy.tables", "kvcopy.checksum"}
-COPY_BACKENDS = CORE_DATA | {"kvcopy.backends"}
-COPY_CORE = COPY_BACKENDS | {"kvcopy.planner", "kvcopy.copier", "kvcopy.copy_op", "kvcopy.ops"}
+NATIVE = {"kvcopy.checks", "kvcopy.kernels", "kvcopy.native", "kvcopy.copy_backends.cudalib"}
+CORE_DATA = NATIVE | {"kvcopy.core.layout", "kvcopy.core.storages", "kvcopy.core.tables", "kvcopy.core.checksum"}
+COPY_BACKENDS = CORE_DATA | {"kvcopy.copy_backends"}
+COPY_CORE = COPY_BACKENDS | {"kvcopy.core.planner", "kvcopy.core.copier", "kvcopy.core.copy_op", "kvcopy.ops"}
 OFFLOAD = COPY_CORE | {"kvcopy.offload"}
 NIXL = COPY_CORE | {"kvcopy.nixl"}
 LIBRARY = OFFLOAD | NIXL | {"kvcopy", "kvcopy.msgpack_shape", "kvcopy.vllm"}
@@ -149,16 +149,16 @@ LAYERS: Dict[str, Set[str]] = {
     "kvcopy.checks": set(),
     "kvcopy.msgpack_shape": set(),
     "kvcopy.kernels": set(),
-    "kvcopy.backends.native": {"kvcopy.checks", "kvcopy.kernels", "kvcopy.backends.native"},
-    "kvcopy.backends.cudalib": NATIVE,
-    "kvcopy.layout": CORE_DATA,
-    "kvcopy.storages": CORE_DATA,
-    "kvcopy.tables": CORE_DATA,
-    "kvcopy.checksum": CORE_DATA,
-    "kvcopy.backends": COPY_BACKENDS,
-    "kvcopy.planner": COPY_CORE,
-    "kvcopy.copier": COPY_CORE,
-    "kvcopy.copy_op": COPY_CORE,
+    "kvcopy.native": {"kvcopy.checks", "kvcopy.kernels", "kvcopy.native"},
+    "kvcopy.copy_backends.cudalib": NATIVE,
+    "kvcopy.core.layout": CORE_DATA,
+    "kvcopy.core.storages": CORE_DATA,
+    "kvcopy.core.tables": CORE_DATA,
+    "kvcopy.core.checksum": CORE_DATA,
+    "kvcopy.copy_backends": COPY_BACKENDS,
+    "kvcopy.core.planner": COPY_CORE,
+    "kvcopy.core.copier": COPY_CORE,
+    "kvcopy.core.copy_op": COPY_CORE,
     "kvcopy.ops": COPY_CORE,
     "kvcopy.offload": OFFLOAD,
     "kvcopy.nixl": NIXL,
@@ -230,11 +230,12 @@ def test_every_nixl_module_has_a_rank():
 def test_the_layer_check_can_fail(tmp_path):
     pkg = tmp_path / "kvcopy"
     (pkg / "nixl").mkdir(parents=True)
-    for name in ("__init__.py", "nixl/__init__.py", "nixl/plan.py", "nixl/manager.py", "copier.py"):
+    (pkg / "core").mkdir()
+    for name in ("__init__.py", "nixl/__init__.py", "nixl/plan.py", "nixl/manager.py", "core/__init__.py"):
         (pkg / name).write_text("")
-    (pkg / "copier.py").write_text("def f():\n    from .nixl import manager\n")
+    (pkg / "core" / "copier.py").write_text("def f():\n    from ..nixl import manager\n")
     (pkg / "nixl" / "plan.py").write_text("from . import manager\n")
-    assert layer_violations(tmp_path) == {"kvcopy.copier -> kvcopy.nixl.manager",
+    assert layer_violations(tmp_path) == {"kvcopy.core.copier -> kvcopy.nixl.manager",
                                           "kvcopy.nixl.plan -> kvcopy.nixl.manager"}
 
 
@@ -446,23 +447,23 @@ KNOWN_TEST_AGENT = {
 
 def test_the_private_check_can_fail(tmp_path):
     for name in ("kvcopy/__init__.py", "kvcopy/nixl/__init__.py", "kvcopy/nixl/_agent.py", "kvcopy/bench/__init__.py",
-                 "kvcopy/backends/__init__.py", "kvcopy/backends/cpu.py"):
+                 "kvcopy/copy_backends/__init__.py", "kvcopy/copy_backends/cpu.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     (tmp_path / "kvcopy/bench/a.py").write_text(
-        "from ..nixl._agent import make_agent\nfrom ..backends import cpu\nx = cpu._piece_bytes\n")
+        "from ..nixl._agent import make_agent\nfrom ..copy_backends import cpu\nx = cpu._piece_bytes\n")
     (tmp_path / "kvcopy/nixl/b.py").write_text("from ._agent import make_agent\n")
     assert private_imports(sorted((tmp_path / "kvcopy").rglob("*.py")), tmp_path) == {
         "kvcopy/bench/a.py: kvcopy.nixl._agent", "kvcopy/bench/a.py: kvcopy.nixl._agent.make_agent",
-        "kvcopy/bench/a.py: kvcopy.backends.cpu._piece_bytes"}
+        "kvcopy/bench/a.py: kvcopy.copy_backends.cpu._piece_bytes"}
 
 
 # ------------------------------------------------------------------ 3. shims and package APIs
-PUBLIC_PACKAGES = {"kvcopy", "kvcopy.nixl", "kvcopy.vllm", "kvcopy.copy_backends", "kvcopy.backends", "kvcopy.bench",
+PUBLIC_PACKAGES = {"kvcopy", "kvcopy.nixl", "kvcopy.vllm", "kvcopy.copy_backends", "kvcopy.bench",
                    "kvcopy.testing", "kvcopy.kernels"}
 KNOWN_SHIMS = {
     "kvcopy/bench/nixl.py", "kvcopy/bench/scenarios.py", "kvcopy/testing/nixl/engines.py",
-    "kvcopy/testing/nixl/fuzz.py", "kvcopy/backends/triton_backend.py", "kvcopy/bench/plot.py",
+    "kvcopy/testing/nixl/fuzz.py", "kvcopy/copy_backends/triton_backend.py", "kvcopy/bench/plot.py",
 }
 
 
@@ -557,16 +558,31 @@ def ctypes_uses(paths: List[Path], root: Path = ROOT) -> Set[str]:
 
 
 KNOWN_CTYPES = {
-    "bench/gpu_check.py: CDLL", "bench/gpu_check.py: argtypes", "bench/gpu_check.py: restype",
-    "kvcopy/backends/cpu.py: argtypes", "kvcopy/backends/cpu.py: restype", "kvcopy/backends/cudalib.py: argtypes",
-    "kvcopy/backends/cudalib.py: restype", "kvcopy/backends/native.py: CDLL", "kvcopy/backends/native.py: argtypes",
-    "kvcopy/backends/native.py: restype", "kvcopy/backends/nvrtc.py: CDLL", "kvcopy/backends/nvrtc.py: Structure",
-    "kvcopy/backends/nvrtc.py: argtypes", "kvcopy/backends/pinning.py: CDLL", "kvcopy/bench/overhead.py: CFUNCTYPE",
-    "kvcopy/bench/timing.py: CDLL", "kvcopy/nixl/span_sums.py: argtypes", "kvcopy/nixl/span_sums.py: restype",
-    "kvcopy/planner.py: argtypes", "kvcopy/planner.py: restype", "tests/test_checksum.py: argtypes",
-    "tests/test_checksum.py: restype", "tests/test_cpu.py: CDLL", "tests/test_cpu.py: argtypes",
-    "tests/test_cpu.py: restype", "tests/test_cuda_backend.py: CFUNCTYPE", "tests/test_cuda_build.py: CDLL",
-    "tests/test_cuda_build.py: restype",
+    "bench/gpu_check.py: CDLL",
+    "bench/gpu_check.py: argtypes",
+    "bench/gpu_check.py: restype",
+    "kvcopy/bench/overhead.py: CFUNCTYPE",
+    "kvcopy/bench/timing.py: CDLL",
+    "kvcopy/copy_backends/cpu.py: argtypes",
+    "kvcopy/copy_backends/cpu.py: restype",
+    "kvcopy/copy_backends/cudalib.py: argtypes",
+    "kvcopy/copy_backends/cudalib.py: restype",
+    "kvcopy/copy_backends/nvrtc.py: CDLL",
+    "kvcopy/copy_backends/nvrtc.py: Structure",
+    "kvcopy/copy_backends/nvrtc.py: argtypes",
+    "kvcopy/copy_backends/pinning.py: CDLL",
+    "kvcopy/core/planner.py: argtypes",
+    "kvcopy/core/planner.py: restype",
+    "kvcopy/nixl/span_sums.py: argtypes",
+    "kvcopy/nixl/span_sums.py: restype",
+    "tests/copy_backends/test_cpu.py: CDLL",
+    "tests/copy_backends/test_cpu.py: argtypes",
+    "tests/copy_backends/test_cpu.py: restype",
+    "tests/copy_backends/test_cuda_backend.py: CFUNCTYPE",
+    "tests/copy_backends/test_cuda_build.py: CDLL",
+    "tests/copy_backends/test_cuda_build.py: restype",
+    "tests/core/test_checksum.py: argtypes",
+    "tests/core/test_checksum.py: restype",
 }
 
 
@@ -655,8 +671,8 @@ def width_definitions(root: Path = ROOT) -> Tuple[Set[str], Set[str]]:
     return defs, stale
 
 
-KNOWN_WIDTH_DEFS = {"kvcopy/tables.py", "kernels/block_copy.cuh", "kernels/triton_copy.py"}
-KNOWN_STALE_WIDTHS = {"kvcopy/backends/kernel_inputs.py", "kernels/block_copy.cuh", "csrc/cpu_copy.cpp"}
+KNOWN_WIDTH_DEFS = {"kvcopy/core/tables.py", "kernels/block_copy.cuh", "kernels/triton_copy.py"}
+KNOWN_STALE_WIDTHS = {"kvcopy/copy_backends/kernel_inputs.py", "kernels/block_copy.cuh", "csrc/cpu_copy.cpp"}
 
 
 def test_the_entry_width_is_defined_once_and_stated_right():
@@ -736,8 +752,7 @@ def test_the_environment_check_can_fail(tmp_path):
 
 # ------------------------------------------------------------------ 7. shape
 TOP_LEVEL_MAX = 6
-KNOWN_TOP_LEVEL = {"checks", "checksum", "copier", "copy_op", "layout", "msgpack_shape", "offload", "ops", "planner",
-                   "storages", "tables"}
+KNOWN_TOP_LEVEL: Set[str] = set()
 
 
 def test_kvcopy_has_at_most_6_top_level_modules():

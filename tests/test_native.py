@@ -1,7 +1,7 @@
-"""kvcopy.backends.native: finding the native libraries, and refusing stale ones."""
+"""kvcopy.native: finding the native libraries, and refusing stale ones."""
 from pathlib import Path
 
-from kvcopy.backends import native
+from kvcopy import native
 
 
 class _FakeLibrary:

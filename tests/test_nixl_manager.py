@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcopy.nixl import NO_BLOCK
-from kvcopy.layout import as_words
+from kvcopy.core.layout import as_words
 from kvcopy.testing.nixl.engines import (
     allocate_blocks, clone_caches, collect_notifications, first_difference, ManagerPairs,
     one_torch_thread, pull_and_complete, same_bytes, wait,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.backends import Backend
-from kvcopy.backends.cpu import CpuBackend
-from kvcopy.checksum import address_of, seal
+from kvcopy.copy_backends import Backend
+from kvcopy.copy_backends.cpu import CpuBackend
+from kvcopy.core.checksum import address_of, seal
 from kvcopy.nixl import ChecksumRequired, TransferManager
 from kvcopy.nixl.options import ManagerOptions
 from kvcopy.nixl.pull import Completion

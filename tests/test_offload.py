@@ -275,11 +275,11 @@ def test_chunks_past_4_gib_of_a_host_tensor(tmp_path):
 
 
 def test_a_backend_that_cannot_sum_is_refused_at_build_with_checksums_on(monkeypatch):
-    from kvcopy import backends
+    from kvcopy import copy_backends as backends
 
     case = Case("one_group", 1)
     monkeypatch.setattr(type(backends.get_backend("cpu")), "checksum_reason", lambda self, tables: "it cannot")
-    with pytest.raises(ValueError, match="kvcopy.checksum is on but it cannot"):
+    with pytest.raises(ValueError, match="kvcopy.core.checksum is on but it cannot"):
         case.copier(backend="cpu")
     case.copier(backend="cpu", checksum=False).close()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcopy import ops
-from kvcopy.backends import native
+from kvcopy import native
 from kvcopy.testing import CopyCase, prepare_check
 
 cpu_lib, _ = native.load("kvcopy_cpu")

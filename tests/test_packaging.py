@@ -40,7 +40,11 @@ def test_wheel_contains_kernels_and_builds_without_native(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "kvcopy/kernels/block_copy.cuh" in names
     assert "kvcopy/kernels/__init__.py" in names
-    assert "kvcopy/copier.py" in names and "kvcopy/nixl/__init__.py" in names
+    assert "kvcopy/core/copier.py" in names and "kvcopy/nixl/__init__.py" in names
+    # every package of the tree (setup.py finds them): the layers, the connectors, the test tooling
+    for module in ("kvcopy/native.py", "kvcopy/copy_backends/cpu.py", "kvcopy/vllm/arena/connector.py",
+                   "kvcopy/vllm/__init__.py", "kvcopy/testing/engine/models.py", "kvcopy/testing/nixl/fuzz.py"):
+        assert module in names, module
     assert "kvcopy/_lib/build-info.json" in names  # the record of what was (not) built
     # The pure-Python install reports the missing native library instead of failing.
     target = tmp_path / "site"
@@ -68,7 +72,7 @@ SDIST_NEEDS = ["CMakeLists.txt", "csrc/cpu_copy.cpp", "csrc/call_plan.cpp", "csr
 # torch reference over a poisoned destination.
 _CPU_COPY_PROBE = """
 import json, torch, kvcopy
-from kvcopy.backends import native
+from kvcopy import native
 r = kvcopy.available_backends()
 assert r["cpu"] is None, r
 src = {"a": torch.randn(2, 16, 4, 8, 16).to(torch.bfloat16), "b": torch.randn(2, 16, 4, 8, 16).to(torch.bfloat16)}
@@ -127,7 +131,7 @@ def test_sdist_builds_the_cpu_library_offline(tmp_path):
 
 def test_missing_cuda_library_reason_names_the_install_record(tmp_path, monkeypatch):
     """available_backends() tells "not built at install (why)" from "no device here"."""
-    from kvcopy.backends import native
+    from kvcopy import native
 
     (tmp_path / "build-info.json").write_text(json.dumps({"libraries": {
         "kvcopy_cpu": {"built": True, "reason": None},

@@ -89,7 +89,7 @@ def add_scenario_args(p: argparse.ArgumentParser, sweep: bool) -> None:
                         "untimed calls of the same method; cold-dst: the destination's lines flushed "
                         "from every cache level before each timed call (a serving engine's pack into "
                         "staging or scatter into its KV cache: pages other requests have pushed out); "
-                        "cold: the source's too (kvcopy.backends.cpu.flush_caches)")
+                        "cold: the source's too (kvcopy.copy_backends.cpu.flush_caches)")
     if sweep:
         w = p.add_argument_group("sweep")
         w.add_argument("--chunk-sizes", default=DEFAULT_CHUNKS, metavar="SIZE[,SIZE...]",

@@ -1,5 +1,5 @@
 """``kvcopy-bench calibrate``: measure this GPU's backends per descriptor size and store
-the table ``auto`` reads (:mod:`kvcopy.backends.calibration` says how it is used).
+the table ``auto`` reads (:mod:`kvcopy.copy_backends.calibration` says how it is used).
 
 Pages of each size from 2 KiB to 2 MiB, every other page copied (no run merges, so one
 descriptor is one page), both directions, every GPU backend, plus a contiguous pinned
@@ -41,7 +41,7 @@ def measure(device: int = 0, sizes: Optional[Iterable[int]] = None, backends: Op
     import torch
 
     from .. import BlockCopier, available_backends
-    from ..backends.calibration import DEFAULT_SIZES, PREFERENCE
+    from ..copy_backends.calibration import DEFAULT_SIZES, PREFERENCE
 
     sizes = DEFAULT_SIZES if sizes is None else sizes
     backends = PREFERENCE if backends is None else backends
@@ -90,7 +90,7 @@ HELP = "measure this GPU's backends and store the table auto uses"
 def add_args(ap: argparse.ArgumentParser) -> None:
     """The flags of ``kvcopy-bench calibrate`` (kvcopy.bench.cli registers this module)."""
     ap.add_argument("--device", default="cuda", help="cuda or cuda:N, as kvcopy-bench run takes it (a bare N: cuda:N)")
-    # No defaults from kvcopy.backends here: importing it imports torch, and --help should not.
+    # No defaults from kvcopy.copy_backends here: importing it imports torch, and --help should not.
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="descriptor sizes in bytes, comma separated (default: 2 KiB, 4 KiB, .. 2 MiB)")
     ap.add_argument("--backends", type=lambda s: s.split(","), default=None,
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print one line per (direction, size) and auto's picks, store the table."""
     import torch
 
-    from ..backends.calibration import device_key, pick, save
+    from ..copy_backends.calibration import device_key, pick, save
     from .args import BenchError, check_device
 
     if not torch.cuda.is_available():

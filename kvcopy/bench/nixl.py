@@ -308,7 +308,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
 
 def _verified(P, D, d_ids, block_dim: int, device: str) -> Optional[str]:
     """D's KV against P's at the request's blocks, once the work enqueued on D ended."""
-    from ..layout import as_words
+    from ..core.layout import as_words
 
     if device != "cpu":
         torch.cuda.synchronize()

@@ -8,11 +8,11 @@ the device launch **replaced by a no-op**:
     ``BlockCopier.plan``: validation and packing in the native planner, the block
     prefix the ``cuda`` call array needs included.
 ``cuda stubbed``
-    plan + ``kvcopy.backends.cuda.InlineLaunch``: the grid rule, the current device
+    plan + ``kvcopy.copy_backends.cuda.InlineLaunch``: the grid rule, the current device
     and stream getters (stubbed: no device), one ctypes call with
     ``kvcopy_cuda_copy``'s argument types into a C function that does nothing.
 ``triton stubbed``
-    plan + ``kvcopy.backends.triton_backend.SmallCallUpload`` (the call array's upload
+    plan + ``kvcopy.copy_backends.triton_backend.SmallCallUpload`` (the call array's upload
     through ``kvcopy_cuda_store_words``, a no-op here) + the grid rule; Triton's own
     Python launcher is not in it, so this is a floor, not the Triton figure.
 
@@ -51,7 +51,8 @@ def noop_launch(argtypes=None):
     ``argtypes``): ctypes converts the same arguments as for the real launch. (It is
     ``kvcopy_host_noop``, which takes no arguments: extra register/stack arguments are
     ignored by the x86-64 and AArch64 C calling conventions; the caller owns them.)"""
-    from ..backends import cudalib, native
+    from ..copy_backends import cudalib
+    from .. import native
 
     lib, why = native.load("kvcopy_cpu")
     if lib is None or not hasattr(lib, "kvcopy_host_noop"):
@@ -61,7 +62,7 @@ def noop_launch(argtypes=None):
 
 
 def build(layers: int, groups: int, blocks: int, device: str = "cpu", backend: str = "cpu"):
-    from ..copier import BlockCopier
+    from ..core.copier import BlockCopier
     from .scenarios import Scenario
 
     sc = Scenario(name="overhead", num_layers=layers, num_groups=groups, blocks_per_request=blocks, block_size=1)
@@ -74,9 +75,9 @@ def build(layers: int, groups: int, blocks: int, device: str = "cpu", backend: s
 def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
     import torch
 
-    from ..backends import cudalib
-    from ..backends.cuda import InlineLaunch
-    from ..backends.kernel_inputs import INLINE_WORDS
+    from ..copy_backends import cudalib
+    from ..copy_backends.cuda import InlineLaunch
+    from ..copy_backends.kernel_inputs import INLINE_WORDS
 
     ids = copier._bench_ids
     tables = copier.tables("h2d")
@@ -94,7 +95,7 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
         except ImportError as exc:
             print(f"triton stubbed: skipped ({exc})")
             return modes
-        from ..backends.triton_backend import SmallCallUpload
+        from ..copy_backends.triton_backend import SmallCallUpload
 
         cfg = triton_copy.launch_config(tables.word_bytes, 2048)  # the grid rule's cost, any shape
         upload = SmallCallUpload(noop_launch(cudalib.STORE_ARGTYPES), 0, INLINE_WORDS,

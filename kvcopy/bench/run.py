@@ -125,7 +125,7 @@ def _cache_flush(point, direction: str, cache: str) -> Optional[Callable[[], Non
     on that side, the memcpy floor's included."""
     if cache == "warm":
         return None
-    from ..backends.cpu import flush_caches
+    from ..copy_backends.cpu import flush_caches
 
     src_side, dst_side = point._ends(direction)
     slabs = [point.slabs[dst_side]] + ([point.slabs[src_side]] if cache == "cold" else [])
@@ -147,7 +147,7 @@ def _check_cache(args, device: str) -> None:
                          "not through the CPU's caches, and its own L2 is not flushed this way)")
     import torch
 
-    from ..backends.cpu import flush_caches
+    from ..copy_backends.cpu import flush_caches
 
     try:
         flushed = flush_caches(torch.empty(64, dtype=torch.uint8))
@@ -213,7 +213,7 @@ def verify_point(args, scenario) -> bool:
 
 
 SETTLE_CPU = 6  # untimed calls before each timed one on the CPU (kvcopy.bench.timing)
-SUMS = "+sum"  # method suffix: the same copier's copy with checksums (kvcopy.checksum)
+SUMS = "+sum"  # method suffix: the same copier's copy with checksums (kvcopy.core.checksum)
 
 
 def _base_method(method: str) -> str:
@@ -279,7 +279,7 @@ def _result(args, sweep: bool, device: str, scenarios, methods, skipped, threads
                        f"{small.blocks_per_request}), then fewer layers (down to {small.num_layers})")
     loop = None
     if "cpu+sum" in methods:
-        from ..backends.cpu import CpuBackend
+        from ..copy_backends.cpu import CpuBackend
         try:
             loop = CpuBackend().checksum_loop()
         except ValueError as e:  # a KVCOPY_CPU_SIMD the backend refuses
@@ -402,7 +402,7 @@ def cmd_list(args) -> int:
     print("presets:")
     for name, p in PRESETS.items():
         print(f"  {name:<{width}}  {p['help']}")
-    from ..backends.native import BUILD_INFO, build_info, build_note
+    from ..native import BUILD_INFO, build_info, build_note
 
     print(f"native libraries (install record: {BUILD_INFO if build_info() else 'none'}):")
     for stem in ("kvcopy_cpu", "kvcopy_cuda"):

@@ -21,7 +21,7 @@ as a :class:`Point`, and :meth:`Point.methods` returns the callables measured on
     ``kvcopy.BlockCopier`` with that backend (``torch``, ``cpu``, ``triton``, ``cuda``,
     ``ce``, ``auto``).
 ``<backend>+sum``
-    the same copier's copy with checksums (:mod:`kvcopy.checksum`) into an int64
+    the same copier's copy with checksums (:mod:`kvcopy.core.checksum`) into an int64
     tensor on the copy's device: the checksum's cost is this row against the one above.
 
 Layer maps. ``all`` is the model of that pull request's benchmark (the ``seeds2``
@@ -363,7 +363,7 @@ class Point:
 
     def copier(self, backend: str, max_ctas: Optional[int] = None):
         """A ``BlockCopier`` for ``backend`` (cached per backend and cap)."""
-        from ..copier import BlockCopier
+        from ..core.copier import BlockCopier
 
         key = f"{backend}@{max_ctas}"
         if key not in self.copiers:
@@ -428,7 +428,7 @@ def copier_accepts(param: str) -> bool:
     if param not in _ACCEPTS:
         import inspect
 
-        from ..copier import BlockCopier
+        from ..core.copier import BlockCopier
 
         sig = inspect.signature(BlockCopier.__init__)
         _ACCEPTS[param] = param in sig.parameters or any(

@@ -53,7 +53,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 import numpy as np
 import torch
 
-from ..backends.cpu import cpuinfo, default_stream_bytes
+from ..copy_backends.cpu import cpuinfo, default_stream_bytes
 
 # A row whose p90 is more than this fraction above its p10 is too noisy for its ratio
 # to be read as a result (on an idle machine every row of the default run stays under it).

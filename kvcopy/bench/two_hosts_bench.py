@@ -127,7 +127,7 @@ def d_measure(server, sc, raw_info: dict, iters: int, warmup: int, budget: float
     """D: a host-mode pull+complete checked against P's bytes, the timed rows
     (round-robin), then the KV checked again (the arena rows wrote it last)."""
     from .timing import measure
-    from ..layout import as_words
+    from ..core.layout import as_words
 
     s = server.scratch
     n = int(s["plan"].num_bytes)

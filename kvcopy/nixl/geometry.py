@@ -1,7 +1,7 @@
 """In-page geometry for heterogeneous pulls: token and head axes, byte segments, head owners.
 
 A page chunk (the whole page, or K or V of a KV-first page) is a dense array whose
-axes are named here from the region's layout (:mod:`kvcopy.layout`): ``token``,
+axes are named here from the region's layout (:mod:`kvcopy.core.layout`): ``token``,
 ``head`` and the rest (``o0``, ``o1``, ...: head size, a K/V axis inside the chunk,
 MLA's latent) in tensor order. A pull between pages of different token counts or head
 ranges moves a *selection* of a chunk: tokens ``[t, t + n)`` and heads ``[h, h + k)``

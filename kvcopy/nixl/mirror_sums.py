@@ -7,7 +7,7 @@ advertises it in the handshake (:class:`~kvcopy.nixl.handshake.SumsRegion`).
 Layout: int64 slots (pinned when the KV is on a GPU), group after group
 (:func:`~kvcopy.nixl.regions.sum_slots`): slot ``offsets[g] + p`` holds the checksum of
 page ``p`` of group ``g`` (summed over the group's layers, each keyed by its place in
-the group: :mod:`kvcopy.checksum`) as P's last ``save`` of that page computed it, in the
+the group: :mod:`kvcopy.core.checksum`) as P's last ``save`` of that page computed it, in the
 same ``BlockCopier.to_host`` call that copied it (no second pass).
 
 P (:meth:`HostSums.save`): one ``to_host(pages, checksums=out)``, then ``out`` into the
@@ -38,9 +38,9 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..copier import BlockCopier
-from ..layout import MAX_RUN_DIMS
-from ..tables import KEY_STRIDES, RUN_BYTES, RUN_DIMS, RUNS_PER_PAGE, CopyTables
+from ..core.copier import BlockCopier
+from ..core.layout import MAX_RUN_DIMS
+from ..core.tables import KEY_STRIDES, RUN_BYTES, RUN_DIMS, RUNS_PER_PAGE, CopyTables
 from .buffer_mode import Peer, Read
 from .handshake import SumsRegion
 from .plan import PullPlan

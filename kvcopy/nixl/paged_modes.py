@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 import torch
 
-from ..copier import BlockCopier
-from ..layout import as_words
+from ..core.copier import BlockCopier
+from ..core.layout import as_words
 from .buffer_mode import BufferMode, Peer, Read
 from .descriptors import check_pairs, desc_rows, index_rows, same_ref
 from .handshake import EngineInfo

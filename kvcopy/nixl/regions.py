@@ -36,12 +36,12 @@ import numpy as np
 import torch
 
 from ..checks import per_group_counts, shown
-from ..layout import KV_LAYOUTS, PageLayout, byte_extent, chunks_disjoint, describe
+from ..core.layout import KV_LAYOUTS, PageLayout, byte_extent, chunks_disjoint, describe
 from .schema import Record, check_int, check_list, check_str
 
 BUFFER_MODES = ("host", "device")  # the manager adds "arena" (kvcopy.nixl.staging)
 MEM_TYPES = ("DRAM", "VRAM")
-LAYOUT_KINDS = ("kv_first", "blocks_first", "mla", "flat")  # kvcopy.layout's kinds
+LAYOUT_KINDS = ("kv_first", "blocks_first", "mla", "flat")  # kvcopy.core.layout's kinds
 AXIS_NAMES = ("token", "head") + tuple(f"o{i}" for i in range(8))
 # Largest values a peer's region may declare (checked by RegionInfo.from_dict). The
 # engine-relative limits (descriptors, layers) are in kvcopy.nixl.handshake.
@@ -81,7 +81,7 @@ class RegionInfo:
     dtype: str
     itemsize: int
     page_shape: Tuple[Tuple[int, Optional[int]], ...]  # PageLayout.page_geometry: in-page (size, stride)
-    kind: str  # layout kind from kvcopy.layout: kv_first, blocks_first, mla, flat
+    kind: str  # layout kind from kvcopy.core.layout: kv_first, blocks_first, mla, flat
     kv_layout: str  # "NHD" or "HND": which in-page axis is tokens, which heads
     tokens_per_page: int
     total_kv_heads: Optional[int]  # the model's KV heads for these layers (None: MLA/unknown)

@@ -1,6 +1,6 @@
 """The copiers that pack a request into an arena span (P) and scatter it out again (D).
 
-One :class:`~kvcopy.copier.BlockCopier` per distinct block size and in-block geometry
+One :class:`~kvcopy.core.copier.BlockCopier` per distinct block size and in-block geometry
 (one for uniform models). Its "KV cache groups" are the units' (unit, chunk, head slab)
 triples (:mod:`kvcopy.nixl.pack_order`; head 0 only, the whole page chunk, in token
 order): the device view of a triple is that chunk (and head slab) of the unit's
@@ -23,8 +23,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..checksum import SumFold
-from ..copier import BlockCopier, CallPlan
+from ..core.checksum import SumFold
+from ..core.copier import BlockCopier, CallPlan
 from .pack_order import Unit
 
 Ids = List[List[int]]
@@ -97,7 +97,7 @@ class SpanCopiers:
     def run_and_fold(self, direction: str, calls: Sequence[CallPlan], sums: Sequence[torch.Tensor],
                      fold: SumFold) -> Optional[int]:
         """One copier's call with its sums folded by ``fold`` in the same host call where
-        the backend can (:meth:`~kvcopy.copier.BlockCopier.run_and_fold`): the count of
+        the backend can (:meth:`~kvcopy.core.copier.BlockCopier.run_and_fold`): the count of
         values that differ, or None (copied and summed, not folded)."""
         if len(self.copiers) != 1 or len(calls) != 1 or len(sums) != 1:
             raise ValueError(f"run_and_fold: one copier's call, got {len(self.copiers)} copiers, {len(calls)} calls")

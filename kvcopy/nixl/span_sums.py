@@ -1,7 +1,7 @@
 """Page sums of arena spans: what P's pack records and what D's scatter must reproduce.
 
 Both copies of a staged request compute page checksums while they move the bytes
-(:mod:`kvcopy.checksum`): P's pack (one d2h call per span copier) and D's scatter (one
+(:mod:`kvcopy.core.checksum`): P's pack (one d2h call per span copier) and D's scatter (one
 h2d call per span copier). A span copier's groups are (unit, chunk, head slab) triples
 (:mod:`kvcopy.nixl.span_copiers`) with one layer view each, so its sum of block
 ``(triple j, i)`` covers that triple's slab of one page, keyed by the byte positions
@@ -16,7 +16,7 @@ Folded per KV cache group ``g`` and page position ``k`` (uint64, mod 2^64)::
 
     value[g][k] = SUM over triples j of group g of  seal(sum[j, k], position = J(j) * 2^40 + k)
 
-``J`` numbers every triple of the engine (by unit, then slab), and :func:`kvcopy.checksum.seal`
+``J`` numbers every triple of the engine (by unit, then slab), and :func:`kvcopy.core.checksum.seal`
 binds a sum to it and to the page position, so layers, chunks or head slabs that trade
 places, or pages that do, change the values. One value per (group, page position): a
 record carries ``ceil(tokens / tokens per page)`` values per group (8 bytes each, as
@@ -42,7 +42,7 @@ time, so on CPU the path after the copy makes as few as it can: the sums tensors
 call shape are made once and reused (D compares before ``complete`` returns, P folds
 before ``save`` returns), and with one span copier on the ``cpu`` backend the fold (P)
 and the fold and comparison (D) run inside the copy's own C call
-(:class:`~kvcopy.checksum.SumFold`, ``kvcopy_cpu_copy_sums_fold``); otherwise one call
+(:class:`~kvcopy.core.checksum.SumFold`, ``kvcopy_cpu_copy_sums_fold``); otherwise one call
 of the host library's ``kvcopy_fold_page_sums`` after it (numpy without the library).
 """
 from __future__ import annotations
@@ -55,10 +55,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..backends import native
-from ..checksum import POSITION_MUL, SumFold, address_of, fold_segments, mix64
-from ..copier import CallPlan
-from ..tables import RUN_BYTES
+from .. import native
+from ..core.checksum import POSITION_MUL, SumFold, address_of, fold_segments, mix64
+from ..core.copier import CallPlan
+from ..core.tables import RUN_BYTES
 from .record import LAYOUT_HEX, PageSums, StagedRequest
 from .span_copiers import SpanCopiers
 from .sum_check import PendingResult, Readback, SumCheck, SumStats, mismatch_message
@@ -226,7 +226,7 @@ class FoldPlan(NamedTuple):
 
     def numpy_values(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """:meth:`values` in numpy (the oracle of the host library's fold, and its
-        stand-in without it): :func:`kvcopy.checksum.fold_segments` over every
+        stand-in without it): :func:`kvcopy.core.checksum.fold_segments` over every
         copier's sums at once, ~15 numpy calls whatever the copiers and groups."""
         return fold_segments(self._joined(arrays), self.gather, self.bounds, self.starts)
 
@@ -257,7 +257,7 @@ def _joined(parts: List[np.ndarray], dtype) -> np.ndarray:
 
 
 def seal_bounds(positions: np.ndarray) -> np.ndarray:
-    """``mix64(position * POSITION_MUL)``: :func:`kvcopy.checksum.seal`'s bound with seed 0,
+    """``mix64(position * POSITION_MUL)``: :func:`kvcopy.core.checksum.seal`'s bound with seed 0,
     so ``mix64(sum ^ bound)`` is ``seal(sum, 0, position)``."""
     with np.errstate(over="ignore"):
         return mix64(positions.astype(np.uint64) * np.uint64(POSITION_MUL))
@@ -400,7 +400,7 @@ def scatter_check(layout: SumLayout, record: StagedRequest, same_counts: bool,
 
 
 def scatter_fold(plan: FoldPlan, want: Optional[np.ndarray]) -> Optional[SumFold]:
-    """The :class:`~kvcopy.checksum.SumFold` a one-copier scatter's call compares with
+    """The :class:`~kvcopy.core.checksum.SumFold` a one-copier scatter's call compares with
     (``plan``'s gather, bounds and starts, ``want``), or None: several copiers (their
     sums are joined first), or no value can match."""
     if want is None or plan.fold is None:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..checks import integer, per_group_counts
-from ..copier import CallPlan
+from ..core.copier import CallPlan
 from .arena import Arena, ArenaFull, Span
 from .buffer_mode import BufferMode, Peer, Read
 from .descriptors import check_pairs, desc_rows

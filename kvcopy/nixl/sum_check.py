@@ -1,6 +1,6 @@
 """Comparing the page sums of a transfer's two copies, without a hidden host wait.
 
-The copies compute their page checksums as they move the bytes (:mod:`kvcopy.checksum`),
+The copies compute their page checksums as they move the bytes (:mod:`kvcopy.core.checksum`),
 into int64 tensors on the copy's device. Comparing them is host work, so the sums must
 reach host memory first:
 

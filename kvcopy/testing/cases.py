@@ -21,8 +21,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..copier import BlockCopier
-from ..layout import as_words
+from ..core.copier import BlockCopier
+from ..core.layout import as_words
 from .reference import reference_copy_groups
 
 # name -> (logical shape builder (nb, bs, h, d) -> shape, block_dim, kv_layout)
@@ -74,9 +74,9 @@ def physical_shape(layout: str, side: str, nb: int, bs: int, h: int, d: int) -> 
 
 
 def page_pairing(layout: str, bs: int, h: int, d: int, dtype: torch.dtype):
-    """The :class:`~kvcopy.layout.PagePairing` of a layout's device page against its
+    """The :class:`~kvcopy.core.layout.PagePairing` of a layout's device page against its
     host page (run bytes and runs per page), from two-block tensors of each side."""
-    from ..layout import describe, pair_pages
+    from ..core.layout import describe, pair_pages
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     sides = []

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..layout import as_words
+from ..core.layout import as_words
 
 
 def reference_copy(

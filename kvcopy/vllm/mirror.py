@@ -14,7 +14,7 @@ copies of its worker change (``kv_buffer_device="cpu"`` on a GPU):
   layer of each group) or KV-sharing layers (whose host buffers NIXL never fills),
   D's h2d lets unfilled host pages overwrite received KV: vLLM's fix for this (a
   per-group copy) regressed when its transfers moved to per-region geometry.
-* Here one :class:`~kvcopy.copier.BlockCopier` is built when the KV caches are
+* Here one :class:`~kvcopy.core.copier.BlockCopier` is built when the KV caches are
   registered, from vLLM's own ``device_kv_caches``, ``host_xfer_buffers`` and
   ``kv_cache_config.transfer_groups``: each transfer group copies its own layers at its
   own blocks, KV-sharing layers (no transfer group, never registered with NIXL) are
@@ -29,7 +29,7 @@ unifies page sizes, pages packed side by side in block-outermost rows, and atten
 GDN hybrids (``MambaSpec`` state ``[NB, 1, 1, state bytes]`` int8 views whose stride is
 the padded page, next to attention kernel pages). The copier proves at registration
 that these views alias only within one block of the pool and checks per call that no
-block is named by two groups (:func:`kvcopy.copier._shared_rows`). vLLM's host buffer
+block is named by two groups (:func:`kvcopy.core.copier._shared_rows`). vLLM's host buffer
 for a padded state layer is smaller than the NIXL region vLLM registers for it (NIXL
 refuses the descriptors); the worker allocates the buffer with the padded stride
 (:func:`kvcopy.vllm.groups.state_host_buffers`) before vLLM registers it, and says so
@@ -43,7 +43,7 @@ The copier validates both once; a layer whose pages it cannot place raises at
 registration, never mid-request.
 
 Pageable host buffers are pinned once by the copier's GPU backends (see
-:mod:`kvcopy.backends.pinning`). vLLM's copies are synchronous (``.cpu()``, pageable
+:mod:`kvcopy.copy_backends.pinning`). vLLM's copies are synchronous (``.cpu()``, pageable
 ``.to()``); so are these: after the call the stream is synchronized, because P's host
 pages are read by a remote NIXL READ as soon as the request is reported saved.
 
@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from ..copier import BlockCopier
+from ..core.copier import BlockCopier
 from .checks import MIRROR, check_config
 from .groups import (
     kernel_block_ids, kv_sharing_layers, pages_per_block, state_host_buffers, transfer_layer_groups,

@@ -11,7 +11,7 @@ its manager, eviction policies, chunk sizing, ``blocks_per_chunk``/``block_size`
 ratios and host layout) whose worker, :class:`KvcopyOffloadingWorker`, moves the bytes
 with :class:`kvcopy.offload.OffloadCopier` instead of vLLM's per-page descriptors
 (``cuMemcpyBatchAsync`` for stores, a Triton kernel for small loads): one
-:class:`~kvcopy.copier.BlockCopier` call per transfer job for every KV cache group and
+:class:`~kvcopy.core.copier.BlockCopier` call per transfer job for every KV cache group and
 layer, each group masked to its own layers, the backend ``auto`` (or the one named)
 per device and direction. vLLM's connector hands the spec ``CanonicalKVCaches`` (int8
 ``(num_blocks, page)`` device tensors, per group one ``(tensor, page bytes)`` ref per
@@ -180,7 +180,7 @@ class KvcopyOffloadingSpec(CPUOffloadingSpec):
                 raise ValueError(
                     "KvcopyOffloadingSpec: checksums with sync loads (sync_load_budget_bytes > 0) are not supported: "
                     "vLLM 0.33 has no failure path for a load its request already runs on with several KV cache "
-                    "groups. Set sync_load_budget_bytes to 0 or kvcopy.checksum to false")
+                    "groups. Set sync_load_budget_bytes to 0 or kvcopy.core.checksum to false")
             # Each rank keeps the sums of what it stored; a single shared copy would be
             # loaded by ranks that never stored it.
             config = dataclasses.replace(config, replicated_layout=False)

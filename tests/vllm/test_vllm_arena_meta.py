@@ -25,7 +25,7 @@ def test_options_are_checked():
                        ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
                        ({"key_env": ""}, "key_env"), ({"checksum": "yes"}, "checksum"), ({"checksum": 1}, "checksum"),
                        ({"require_checksum": 1}, "require_checksum"),
-                       ({"require_checksum": True, "checksum": False}, "needs kvcopy.checksum"),
+                       ({"require_checksum": True, "checksum": False}, "needs kvcopy.core.checksum"),
                        # a span freed before it could be served (0 and 1e-9 were taken)
                        ({"arena_ttl_s": 0}, "arena_ttl_s"), ({"arena_ttl_s": 1e-9}, "at least 2"),
                        ({"arena_ttl_s": 1.9}, "at least 2")]:

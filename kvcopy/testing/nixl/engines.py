@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ...layout import as_words, describe
+from ...core.layout import as_words, describe
 from ...nixl.plan import NO_BLOCK
 from ..reference import reference_copy
 from .oracle import (  # noqa: F401  (re-exported for the tests)

@@ -32,7 +32,7 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from ...layout import as_words, describe
+from ...core.layout import as_words, describe
 from ...nixl.plan import PullPlan
 from ...nixl.regions import RegionRef
 

@@ -74,7 +74,7 @@ class ArenaOptions:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"kvcopy.{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.require_checksum and not self.checksum:
-            raise ValueError("kvcopy.require_checksum needs kvcopy.checksum true")
+            raise ValueError("kvcopy.require_checksum needs kvcopy.core.checksum true")
         if self.arena_ttl_s < MIN_ARENA_TTL_S:
             raise ValueError(f"kvcopy.arena_ttl_s must be at least {MIN_ARENA_TTL_S:g} s (P serves a record until a "
                              f"margin of max(1 s, 10%) before its span expires), got {self.arena_ttl_s!r}")

@@ -1,0 +1,65 @@
+"""What the fused CUDA kernel reads besides the KV tensors, and how many CTAs it gets.
+
+Two int64 arrays (``kernels/block_copy_kernel.cuh``):
+
+* the **static table** (:func:`static_table`), uploaded once per copier direction:
+  ``entries (E x 16) | group_offsets (G+1) | group_entries | entry byte prefix``, the
+  last one the bytes of one block summed over the group entries before each, so a
+  warp finds its entry with a binary search;
+* the **call array** (:func:`call_words`, :func:`call_array`), per call: the packed call
+  of :mod:`kvcopy.core.tables` followed by its block prefix, as the call planner wrote it
+  in one buffer (``CallPlan.prefix_words``).
+
+The grid rule (:func:`grid_size`): enough CTAs that each warp moves at least
+``MIN_BYTES_PER_WARP`` bytes (below that, finding its first byte costs more than the
+copy), at most one wave of ``CTAS_PER_SM`` CTAs per SM, at most the copier's
+``max_ctas``. Both GPU launchers (the library's and NVRTC's) use these.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ..core.tables import RUN_BYTES, RUNS_PER_PAGE, CallPlan, CopyTables
+
+THREADS = 512  # KVCOPY_THREADS in kernels/block_copy_kernel.cuh
+INLINE_WORDS = 480  # KVCOPY_INLINE_WORDS: call arrays up to this size travel in the kernel parameters
+# A warp gets at least this many bytes: below it the seek costs more than the copy.
+MIN_BYTES_PER_WARP = int(os.environ.get("KVCOPY_MIN_BYTES_PER_WARP", 4096))
+# CTAs per SM when uncapped (the kernel uses 124-128 registers x 512 threads: one fits).
+CTAS_PER_SM = int(os.environ.get("KVCOPY_CTAS_PER_SM", 1))
+
+
+def grid_size(total_bytes: int, sm_count: int, max_ctas: Optional[int]) -> int:
+    """CTAs for a call: enough warps that each has >= MIN_BYTES_PER_WARP, at most one
+    wave (CTAS_PER_SM per SM), at most ``max_ctas``."""
+    warps = THREADS // 32
+    need = -(-total_bytes // (warps * MIN_BYTES_PER_WARP))
+    cap = sm_count * CTAS_PER_SM
+    if max_ctas:
+        cap = min(cap, int(max_ctas))
+    return max(1, min(need, cap))
+
+
+def static_table(tables: CopyTables, entries: Optional[np.ndarray] = None) -> np.ndarray:
+    """entries | group_offsets | group_entries | entry_bytes_prefix, one int64 array
+    (``entries`` replaces the tables' own rows, e.g. with translated host pointers)."""
+    e = tables.entries if entries is None else entries
+    page = (e[:, RUN_BYTES] * e[:, RUNS_PER_PAGE]) if len(e) else np.zeros(0, np.int64)
+    prefix = np.zeros(len(tables.group_entries) + 1, dtype=np.int64)
+    if len(tables.group_entries):
+        np.cumsum(page[tables.group_entries], out=prefix[1:])
+    return np.concatenate([e.ravel(), tables.group_offsets, tables.group_entries, prefix]).astype(np.int64)
+
+
+def call_words(call: CallPlan) -> Tuple[bytes, int]:
+    """(buffer, words) of the call array: the plan's immutable buffer as it is (ctypes
+    passes a ``bytes`` object to a ``c_void_p`` parameter as the address of its data)."""
+    return call.words, call.num_words
+
+
+def call_array(call: CallPlan) -> np.ndarray:
+    """The call array as numpy (read-only: the packed call followed by its block prefix)."""
+    return np.frombuffer(call.words, dtype=np.int64, count=call.num_words)

@@ -1,0 +1,88 @@
+"""kvcopy.copy_backends.cuda: the per-call host path of a call that fits the kernel parameters.
+
+``InlineLaunch`` runs here over CPU tables with the launch replaced by a recording C
+callback: it must hand the launch exactly the static-table arguments, the call array
+(packed call + block prefix, as the numpy reference builds it), the bytes and the
+grid of the kernel's rule, and say None (the staged path) for calls that do not fit.
+"""
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+import kvcopy
+from kvcopy.copy_backends import cudalib, kernel_inputs
+from kvcopy import native
+from kvcopy.copy_backends.cuda import InlineLaunch
+
+pytestmark = pytest.mark.skipif(native.load("kvcopy_cpu")[0] is None, reason="CPU library not built")
+
+
+def _copier(num_blocks=64):
+    t = {f"l{i}": torch.zeros(num_blocks, 4, 16, dtype=torch.uint8) for i in range(3)}
+    h = {k: torch.zeros_like(v) for k, v in t.items()}
+    return kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2"]], backend="cpu")
+
+
+def _recorder(seen):
+    def launch(static, entries, groups, group_entries, call_host, call_device, words, total, word, grid, stream):
+        arr = (ctypes.c_int64 * words).from_address(call_host)
+        seen.append(dict(static=static, entries=entries, groups=groups, group_entries=group_entries,
+                         call=list(arr), call_device=call_device, total=total, word=word, grid=grid, stream=stream))
+        return 0
+    return ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.COPY_ARGTYPES)(launch)
+
+
+def test_inline_launch_passes_the_call_array_and_grid():
+    c = _copier()
+    tables = c.tables("h2d")
+    seen = []
+    fn = _recorder(seen)
+    path = InlineLaunch.stubbed(tables, fn, sm_count=132, max_ctas=16)
+    for ids in ([[1, 2, 3], [9]], [[5, 4], [0, 1, 2, 3]], [[], [7]]):
+        call = c.plan("h2d", ids)
+        assert path(call) == 0
+        got = seen[-1]
+        assert got["call"] == kernel_inputs.call_array(call).tolist()
+        assert (got["entries"], got["groups"], got["group_entries"]) == (3, 2, 3)
+        assert got["total"] == call.total_bytes and got["word"] == tables.word_bytes
+        assert got["grid"] == kernel_inputs.grid_size(call.total_bytes, 132, 16)
+        assert got["call_device"] is None and not got["stream"]
+
+
+def test_inline_launch_declines_calls_that_do_not_fit():
+    c = _copier(num_blocks=400)
+    seen = []
+    path = InlineLaunch.stubbed(c.tables("h2d"), _recorder(seen))
+    scattered = np.random.default_rng(1).permutation(400)[:200].tolist()  # ~200 runs: > 480 words
+    assert path(c.plan("h2d", [scattered, [0]])) is None
+    assert seen == []
+
+
+def test_triton_small_call_upload_stores_the_words_per_stream():
+    """kvcopy.copy_backends.triton_backend.SmallCallUpload (the Triton path's call array upload
+    through kvcopy_cuda_store_words): the words stored are the packed call, one buffer
+    per stream, reused on that stream; calls over 480 words take the staged path."""
+    from kvcopy.copy_backends.triton_backend import SmallCallUpload
+
+    stored = []
+
+    def store(dst, src, count, stream):
+        stored.append((dst, list((ctypes.c_int64 * count).from_address(src)), stream))
+        return 0
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.STORE_ARGTYPES)(store)
+    current = {"stream": 11}
+    up = SmallCallUpload(fn, 0, kernel_inputs.INLINE_WORDS, lambda device: current["stream"],
+                         lambda n: torch.empty(n, dtype=torch.int64))
+    c = _copier(num_blocks=400)
+    call = c.plan("d2h", [[3, 4, 5], [8]])
+    a = up(call)
+    assert stored[-1] == (a.data_ptr(), call.packed.tolist(), 11)
+    assert up(c.plan("d2h", [[1], [2]])) is a  # same stream: same buffer
+    current["stream"] = 12
+    b = up(call)
+    assert b is not a and stored[-1][0] == b.data_ptr() and stored[-1][2] == 12
+    scattered = np.random.default_rng(2).permutation(400)[:200].tolist()
+    n = len(stored)
+    assert up(c.plan("d2h", [scattered, [0]])) is None and len(stored) == n
