@@ -71,8 +71,8 @@ def build(args):
 
 def raw_indices(D, peer: str, plan):
     """The plan's NIXL descriptor indices, computed here from the region layout
-    (chunk-major rows per region, see kvcopy.nixl.regions), not by the manager."""
-    from kvcopy.nixl.regions import descriptor_table
+    (chunk-major rows per region, see kvcopy.nixl.engine.regions), not by the manager."""
+    from kvcopy.nixl.engine.regions import descriptor_table
 
     local_off = descriptor_table(D.info.regions)[1]
     remote_off = descriptor_table(D._peers[peer].peer.info.regions)[1]

@@ -4,7 +4,7 @@
     python bench/nixl_progress_delay.py --delays 0 1000 100000 --idle 0 4 --mib 36
 
 For each (delay, idle agents) setting, in a fresh child process: two agents A and B
-built by :func:`kvcopy.nixl._agent.make_agent` with that progress-thread poll delay,
+built by :func:`kvcopy.nixl.agent.make_agent` with that progress-thread poll delay,
 ``--idle`` more agents with the same delay that do nothing, one ``--mib`` MiB DRAM
 buffer registered on each of A and B. Rows, median of ``--iters`` rounds, the two
 interleaved:
@@ -16,7 +16,7 @@ interleaved:
 and the CPU time the process spends per second while idle for 1 s (the agents'
 progress threads: a spinning one takes a core). NIXL's Python wrapper starts every
 agent with delay 0 (busy polling); kvcopy's managers use 100000 us
-(:data:`kvcopy.nixl._agent.PROGRESS_DELAY_US`). Compare rows of one setting, and
+(:data:`kvcopy.nixl.agent.PROGRESS_DELAY_US`). Compare rows of one setting, and
 settings of one run.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def one_setting(delay_us: int, idle: int, mib: int, iters: int) -> dict:
     import numpy as np
     import torch
 
-    from kvcopy.nixl._agent import load_nixl, make_agent
+    from kvcopy.nixl.agent import load_nixl, make_agent
 
     nixl = load_nixl()
     n = mib << 20

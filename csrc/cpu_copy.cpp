@@ -34,8 +34,8 @@
 // (vector_loops); with KVCOPY_SIMD_EMULATION (tests only, CMake option of that name) on
 // SIMDe's portable intrinsics with no target, so a CPU without AVX-512 runs the AVX-512
 // loop's own code: its heads, keys, lanes, steps and reduction, bit for bit against
-// the oracle (tests/copy_backends/test_cpu_simd_emulation.py). Never installed: the loops run there at a
-// fraction of their speed.
+// the oracle (tests/copy_backends/test_cpu_simd_emulation.py). Never installed: the loops
+// run there at a fraction of their speed.
 #if defined(KVCOPY_SIMD_EMULATION)
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -956,7 +956,7 @@ int kvcopy_cpu_copy_streams(int64_t total_bytes, int64_t stream_min_bytes) {
   return item_copy(total_bytes, stream_min_bytes) != copy_item<copy_memcpy>;
 }
 
-// The arena's fold of page sums (kvcopy/nixl/span_sums.py, FoldPlan.values): value v
+// The arena's fold of page sums (kvcopy/nixl/modes/span_sums.py, FoldPlan.values): value v
 // is the sum over i in [starts[v], starts[v + 1]) (the last value's to num_gather) of
 // mix64(sums[gather[i]] ^ bounds[i]), mod 2^64; stored in values (when not null) and
 // counted where it differs from want (when not null). Returns that count, or -1 (nothing

@@ -26,7 +26,7 @@ by token position into blocks of its own; then, round-robin with the other rows:
 ``save``
     P's ``TransferManager.save`` (one masked d2h into P's host buffers).
 ``arena save``, ``arena pull``, ``arena pull+complete``
-    the same with both managers in ``buffer="arena"`` mode (:mod:`kvcopy.nixl.staging`):
+    the same with both managers in ``buffer="arena"`` mode (:mod:`kvcopy.nixl.modes.arena`):
     P packs the request into one span of its arena (and frees it), D reads P's span
     into a span of its own (plans made before the timing: each timed pull uses a fresh
     one; ``pull`` frees D's span, ``pull+complete`` scatters it into D's KV first).
@@ -35,14 +35,14 @@ by token position into blocks of its own; then, round-robin with the other rows:
 ``arena save+sum``, ``arena pull+sum``, ``arena pull+complete+sum``
     the arena rows with ``checksum=True`` (a second pair of managers): P's pack sums
     every page into the record, D's scatter sums what it copies and compares
-    (:mod:`kvcopy.nixl.span_sums`); ``facts["arena_checksums"]`` counts the pulls
+    (:mod:`kvcopy.nixl.modes.span_sums`); ``facts["arena_checksums"]`` counts the pulls
     compared (all must be ``checked``). ``--no-checksum`` skips them and the host
     ``+sum`` rows below.
 ``save+sum``, ``pull+complete+sum``
     host mode's ``save`` and ``pull+complete`` with ``checksum=True`` (a second pair of
     managers; the plain host rows run with ``checksum=False``): P's save writes each
     page's sum into its page-sums region, D's READ brings the sums of the pages it reads
-    (one more descriptor per page), complete compares (:mod:`kvcopy.nixl.mirror_sums`);
+    (one more descriptor per page), complete compares (:mod:`kvcopy.nixl.modes.mirror_sums`);
     ``facts["host_checksums"]`` counts the pulls compared.
 
 The raw rows use buffers laid out as the plan's regions (same page geometry), so the
@@ -100,7 +100,7 @@ class RawPair:
 
     def __init__(self, plan, backend: str, progress_delay_us: int):
         from ..nixl import load_nixl
-        from ..nixl._agent import make_agent
+        from ..nixl.agent import make_agent
 
         nixl = load_nixl()
         # The managers' progress-thread delay: every row runs beside the same threads.
@@ -229,7 +229,7 @@ def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndar
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     from .timing import measure
     from ..nixl import TransferManager
-    from ..nixl._agent import PROGRESS_DELAY_US
+    from ..nixl.agent import PROGRESS_DELAY_US
 
     P, D = sc.build(device), sc.build(device)
     counts = sc.blocks_per_group()
@@ -373,7 +373,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
     holds a few spans whatever ``--iters`` is (it held one per call, 2.4 GB at 30 calls
     of 36 MiB)."""
     from ..nixl import TransferManager
-    from ..nixl.arena import Arena
+    from ..nixl.modes.spans import Arena
 
     tag, kw = ("+sum", dict(kw, checksum=True)) if checksum else ("", dict(kw, checksum=False))
     probe_bytes = 1 << 26 if sc.call_bytes() < (1 << 24) else 4 * sc.call_bytes() + (1 << 24)

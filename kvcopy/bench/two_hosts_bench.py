@@ -85,7 +85,7 @@ def _raw_agent(server, name: str, nbytes: int, delay_us: int):
     import torch
 
     from ..nixl import load_nixl
-    from ..nixl._agent import make_agent
+    from ..nixl.agent import make_agent
 
     agent = make_agent(load_nixl(), name, ["UCX"], delay_us)
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
@@ -241,7 +241,7 @@ def run(args) -> int:
 
 
 def measure_two_hosts(sc, args):
-    from ..nixl._agent import PROGRESS_DELAY_US
+    from ..nixl.agent import PROGRESS_DELAY_US
 
     delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     rounds = args.iters + args.warmup + 1

@@ -286,7 +286,7 @@ class SumFold:
     segment ``v`` running from ``starts[v]`` to ``starts[v + 1]`` (the last to the end of
     ``gather``). With ``bounds = mix64(position * POSITION_MUL)`` each term is
     :func:`seal`'s with seed 0, so a value is :func:`fold` of the sealed sums it gathers
-    (kvcopy's arena folds its page sums so, :mod:`kvcopy.nixl.span_sums`). ``want``:
+    (kvcopy's arena folds its page sums so, :mod:`kvcopy.nixl.modes.span_sums`). ``want``:
     the values a match gives, one per segment; :meth:`collecting` makes the same fold
     that writes its values out instead of comparing them.
 

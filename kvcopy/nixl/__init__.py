@@ -6,28 +6,28 @@ plans pulls by token position (across different group plans, page sizes and TP s
 one plan may read from several peers), reads with NIXL and completes with one masked
 copy.
 ``buffer="arena"`` stages each request in one span of a fixed-size pinned arena
-instead (:mod:`kvcopy.nixl.staging`: one descriptor per request for equal geometry).
-What differs between the buffer modes is :mod:`kvcopy.nixl.buffer_mode`.
+instead (:mod:`kvcopy.nixl.modes.arena`: one descriptor per request for equal geometry).
+What differs between the buffer modes is :mod:`kvcopy.nixl.modes.base`.
 The byte oracle that applies a plan without NIXL, and the fuzzers that check plans
 against it, are test tooling (:mod:`kvcopy.testing.nixl`). See ``docs/nixl.md``.
 
 Importing this package does not import NIXL; creating a manager does (``nixl``,
 ``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
 """
-from ._agent import NixlError, load_nixl, nixl_available
-from .arena import ArenaFull
-from .geometry import rank_heads, remote_ranks
-from .handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
+from .agent import NixlError, load_nixl, nixl_available
+from .modes.spans import ArenaFull
+from .engine.geometry import rank_heads, remote_ranks
+from .wire.handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
 from .manager import TransferManager
 from .options import ManagerOptions
-from .plan import (
+from .planning.plan import (
     NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
 )
 from .pull import Completion, PagesHeld, PullHandle
-from .record import StagedRequest, StaleRegistration
-from .regions import RegionInfo, RegionSet, build_regions
-from .routes import Routes, plan_routes
-from .staging import ArenaPlan
+from .wire.record import StagedRequest, StaleRegistration
+from .engine.regions import RegionInfo, RegionSet, build_regions
+from .planning.routes import Routes, plan_routes
+from .modes.arena import ArenaPlan
 from .sum_check import ChecksumRequired
 
 __all__ = [

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Tuple
 
-from .buffer_mode import BufferMode
+from .modes.base import BufferMode
 from .ledger import Issued
 from .pull import PROC
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import weakref
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from .buffer_mode import Work
-from .plan import Plan
+from .modes.base import Work
+from .planning.plan import Plan
 from .pull import PROC, PullHandle, PullView
 
 PLANNED, PULLED, COMPLETED, DISCARDED = "planned", "pulled", "completed", "discarded"

@@ -16,15 +16,15 @@
 Data flow in ``"host"`` mode (the default): P's KV -> ``save`` (``BlockCopier.to_host``)
 -> P's host buffers -> NIXL READ posted by D -> D's host buffers -> ``complete``
 (``BlockCopier.to_device``) -> D's KV. ``"device"`` mode reads P's KV into D's KV;
-``"arena"`` mode (:mod:`kvcopy.nixl.staging`) packs a request into one span of a pinned
+``"arena"`` mode (:mod:`kvcopy.nixl.modes.arena`) packs a request into one span of a pinned
 arena and returns a ``StagedRequest`` for D's ``plan_pull``. What differs between the
-modes is a :class:`~kvcopy.nixl.buffer_mode.BufferMode`; this class keeps the
+modes is a :class:`~kvcopy.nixl.modes.base.BufferMode`; this class keeps the
 handshake, the peers, NIXL (registration, READs, handles), deadlines, notifications and
 its records of the plans and pulls it handed out (:mod:`kvcopy.nixl.ledger`).
 
 Block ids are logical, one list per KV cache group (block ``b`` is kernel pages ``b*r
 ... b*r + r - 1``, ``r = tokens_per_block // tokens_per_page``), checked once, on the
-way in (:mod:`kvcopy.checks`, :func:`~kvcopy.nixl.plan.request_block_ids`).
+way in (:mod:`kvcopy.checks`, :func:`~kvcopy.nixl.planning.plan.request_block_ids`).
 
 Synchronization (the only host waits, all documented here):
 
@@ -50,7 +50,7 @@ request, exactly once: when that peer's READ is DONE, or when the pull fails (th
 every peer not told yet). READs carry no NIXL notification: NIXL sends one whenever its
 status check sees the READ complete, also inside the release of a handle given up on.
 ``notify`` sends one outside a pull (a request D gives up before reading). With a
-shared key each carries a tag its receiver checks (:mod:`kvcopy.nixl.notices`).
+shared key each carries a tag its receiver checks (:mod:`kvcopy.nixl.wire.notices`).
 
 Deadlines (``pull(..., timeout_s=)`` or ``pull_timeout_s``): a pull in flight past its
 deadline fails at the next ``poll`` (no timer thread: ``poll`` checks the clock).
@@ -62,10 +62,10 @@ polled (by ``poll``, ``plan_pull``, ``pull``, ``stats``, ``close``), and what th
 write stays held until NIXL reports them ended. ``close`` destroys the NIXL agent (its
 UCX worker) before the memory can be freed, or keeps the memory alive.
 
-Heterogeneous peers (see :mod:`kvcopy.nixl.plan`): a plan may read from several peers,
+Heterogeneous peers (see :mod:`kvcopy.nixl.planning.plan`): a plan may read from several peers,
 one NIXL READ each; the handle is DONE when all are, and fails as a whole if one fails.
 
-Integrity (``checksum=True``, :mod:`kvcopy.nixl.span_sums`): arena mode's records carry the
+Integrity (``checksum=True``, :mod:`kvcopy.nixl.modes.span_sums`): arena mode's records carry the
 page sums of P's pack; D's scatter sums what it copies, and a mismatch fails the request
 (``Completion.ok`` False naming the pages); ``stats()`` counts the outcomes.
 ``require_checksum=True``: ``plan_pull`` refuses a pull it could not compare (``ChecksumRequired``).
@@ -85,21 +85,21 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 import torch
 
 from ..checks import name as checked_name, seconds
-from ._agent import Agent, NixlError
-from .arena import ArenaFull
-from .buffer_mode import BufferMode, Peer, Read
-from .handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
+from .agent import Agent, NixlError
+from .modes.spans import ArenaFull
+from .modes.base import BufferMode, Peer, Read
+from .wire.handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
 from .late_reads import LateReads
-from .notices import Mailbox
+from .wire.notices import Mailbox
 from .peer_load import load_peer
 from .ledger import COMPLETED, DISCARDED, PULLED, Issued, Ledger, PullRecord
 from .options import ManagerOptions
-from .paged_modes import DeviceMode, MirrorMode
-from .plan import Plan
+from .modes.paged import DeviceMode, MirrorMode
+from .planning.plan import Plan
 from .sum_check import NOT_WRITTEN, finished, unchecked_refusal
 from .pull import DONE, ERR, PROC, Completion, PullHandle
-from .regions import MAX_NAME, RegionSet, tokens_per_group
-from .staging import ArenaStaging
+from .engine.regions import MAX_NAME, RegionSet, tokens_per_group
+from .modes.arena import ArenaStaging
 
 MODES: Dict[str, Type[BufferMode]] = {"host": MirrorMode, "device": DeviceMode, "arena": ArenaStaging}
 # Registered memory of closed managers whose READs may still have landed after close()
@@ -148,7 +148,7 @@ class TransferManager:
             mode.close()
             raise
         self._registrations: List[object] = []
-        self._mail = Mailbox(self._agent, self._key, self.name)  # notifications (kvcopy.nixl.notices)
+        self._mail = Mailbox(self._agent, self._key, self.name)  # notifications (kvcopy.nixl.wire.notices)
         self._peers: Dict[str, _Remote] = {}
         self._dlists: Dict[str, object] = {}  # peer -> NIXL's prepared list of its regions (not arena peers)
         self._peer_keys = itertools.count()  # Peer.key: never reused, so caches never serve a re-added peer
@@ -233,7 +233,7 @@ class TransferManager:
         dlist = self._dlists.pop(name, None)
         if dlist is not None:
             Agent.release_dlist(dlist)
-        self._agent.release_remote(name)  # parked, or unloaded if its connection failed: kvcopy.nixl._agent
+        self._agent.release_remote(name)  # parked, or unloaded if its connection failed: kvcopy.nixl.agent
         self._mode.forget(remote.peer)
 
     # ------------------------------------------------------------ P side
@@ -246,9 +246,9 @@ class TransferManager:
         on before advertising the blocks (see the module docstring).
 
         Arena mode: stages the blocks covering ``num_tokens`` in a span of the arena for
-        ``request_id`` and returns the :class:`~kvcopy.nixl.record.StagedRequest` to
+        ``request_id`` and returns the :class:`~kvcopy.nixl.wire.record.StagedRequest` to
         hand to D (``(record, event)`` with ``wait=False`` on CUDA, the record then a
-        :class:`~kvcopy.nixl.span_sums.PendingRecord` with checksums). The span is freed
+        :class:`~kvcopy.nixl.modes.span_sums.PendingRecord` with checksums). The span is freed
         when ``readers`` distinct D agents sent a notification ``request_id``
         (:meth:`notifications`), or after ``arena_ttl_s``. Raises
         :class:`~kvcopy.nixl.ArenaFull` when no span fits, at once, or with
@@ -285,20 +285,20 @@ class TransferManager:
     def notifications(self, keep: bool = False) -> Dict[str, List[bytes]]:
         """New notify messages by peer name: each says that peer is done reading a request
         (arena mode: frees that request's span once all its readers said so). With a
-        key, only messages whose tag matches, tags stripped (:mod:`kvcopy.nixl.notices`)."""
+        key, only messages whose tag matches, tags stripped (:mod:`kvcopy.nixl.wire.notices`)."""
         self._check_open()
         return self._mail.take(self._info.generation, self._mode.on_notifications, keep)  # keep: save() looked
 
     # ------------------------------------------------------------ D side
     def plan_pull(self, peer, remote_block_ids, remote_num_tokens: int, local_block_ids,
                   num_cached_tokens=0, *, request_id=None) -> Plan:
-        """Plan one request's pull by token position (see :mod:`kvcopy.nixl.plan`).
+        """Plan one request's pull by token position (see :mod:`kvcopy.nixl.planning.plan`).
 
         ``peer`` is one peer name, or a sequence of them: the TP ranks of one engine
         this rank reads KV heads from (see :func:`kvcopy.nixl.remote_ranks`).
         ``remote_block_ids`` is one list per remote group, shared by those ranks, or a
         mapping peer name -> such lists; in arena mode, the peers' StagedRequest records
-        (or their wire bytes) of ``request_id`` (required: :mod:`kvcopy.nixl.record`
+        (or their wire bytes) of ``request_id`` (required: :mod:`kvcopy.nixl.wire.record`
         says what they are bound to). One plan, one ``pull``, one ``complete`` (or one
         ``discard``): see :mod:`kvcopy.nixl.ledger`. ``require_checksum``: a pull that
         would read pages it cannot compare raises ``ChecksumRequired`` (:mod:`kvcopy.nixl.sum_check`).

@@ -2,7 +2,7 @@
 
 ``TransferManager(name, caches, groups, tokens_per_block, ..., **options)`` takes these
 by name (or ``options=ManagerOptions(...)``, with keywords overriding it); the buffer
-modes (:mod:`kvcopy.nixl.buffer_mode`) read what they need from the same value.
+modes (:mod:`kvcopy.nixl.modes.base`) read what they need from the same value.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ..checks import integer, seconds
-from ._agent import PROGRESS_DELAY_US
-from .framing import check_key
-from .pack_order import ORDERS
+from .agent import PROGRESS_DELAY_US
+from .wire.framing import check_key
+from .planning.pack_order import ORDERS
 
 # The shortest arena TTL a manager takes. Below it a span is freed before a D can have
 # asked for its record and read it (a side-channel round trip plus a READ on a loaded

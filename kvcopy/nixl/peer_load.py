@@ -1,11 +1,11 @@
 """Loading a peer's checked handshake into NIXL: its agent, under the name it claims, and
 its descriptor list.
 
-``TransferManager.add_peer`` checks everything it can first (:func:`~kvcopy.nixl.handshake.decode`,
+``TransferManager.add_peer`` checks everything it can first (:func:`~kvcopy.nixl.wire.handshake.decode`,
 the limits, the layer pairing); :func:`load_peer` is what follows, where NIXL parses the
 peer's agent metadata. The name in that metadata must be the handshake's (checked before
 loading where the metadata shows it, and again after); a refusal after NIXL loaded the
-agent releases it again (parked or unloaded, :mod:`kvcopy.nixl._agent`), never touching
+agent releases it again (parked or unloaded, :mod:`kvcopy.nixl.agent`), never touching
 an agent in use by another peer or this manager's own, so the name can be added later
 with genuine metadata. An arena-mode peer is read at its staged spans, never at its KV:
 no descriptor list is prepared for it.
@@ -16,8 +16,8 @@ from typing import Container, Optional
 
 import numpy as np
 
-from ._agent import Agent, NixlError, metadata_name
-from .handshake import EngineInfo
+from .agent import Agent, NixlError, metadata_name
+from .wire.handshake import EngineInfo
 
 
 def load_peer(agent: Agent, remote: EngineInfo, descs: np.ndarray, own: str, in_use: Container[str]

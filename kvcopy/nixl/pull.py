@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .planning.plan import Plan
 
 PROC, DONE, ERR = "PROC", "DONE", "ERR"
 

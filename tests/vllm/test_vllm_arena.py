@@ -348,7 +348,7 @@ def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, pr
     before D posts its READ and killed right after: that request ends as a load error
     (its blocks reported, nothing written), D's other requests complete exactly. UCX on
     TCP over loopback: with shared memory D could read a stopped P2 once its endpoint
-    is wired up (tests/test_nixl_failures.py, stopped_prefill)."""
+    is wired up (tests/nixl/test_nixl_failures.py, stopped_prefill)."""
     for k, v in TCP_LOOPBACK.items():
         monkeypatch.setenv(k, v)
     case = CASES["one_group"]

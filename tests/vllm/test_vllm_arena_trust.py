@@ -24,7 +24,7 @@ from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the model families,
 from test_vllm_arena import _failed_load, _transfer, engines  # noqa: E402  (a load that must fail, one that must not)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
 
-from kvcopy.nixl._agent import Agent  # noqa: E402
+from kvcopy.nixl.agent import Agent  # noqa: E402
 from kvcopy.testing.nixl.hostile import nixl_part  # noqa: E402
 from kvcopy.vllm.arena.channel import GIVEUP_MSG, HELLO_MSG, RECORDS_MSG  # noqa: E402
 from kvcopy.vllm.arena.meta import GAVE_UP, notify_bytes  # noqa: E402

@@ -6,7 +6,7 @@ layer at every group's blocks overwrote received KV with unfilled host pages; an
 D with different tokens per block, where "the last N pages" selected the wrong ones),
 fills and clones them preserving aliasing, computes
 what D's caches must hold after a pull with a plain per-page loop written from the
-token-position rule (not from :mod:`kvcopy.nixl.plan`), and runs a prefill engine in
+token-position rule (not from :mod:`kvcopy.nixl.planning.plan`), and runs a prefill engine in
 a child process driven over a pipe.
 
 Cases (``build_case``):
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ...core.layout import as_words, describe
-from ...nixl.plan import NO_BLOCK
+from ...nixl.planning.plan import NO_BLOCK
 from ..reference import reference_copy
 from .oracle import (  # noqa: F401  (re-exported for the tests)
     clone_caches, fill_random, first_difference, replay, same_bytes, storage_bytes, unique_storages,
@@ -309,8 +309,8 @@ def collect_notifications(manager, count: int, timeout: float = 60.0) -> List[tu
 
 def engine_info(engine: ToyEngine, name: str, buffer: str = "host"):
     """The handshake record of an engine without creating a NIXL agent (plan tests)."""
-    from ...nixl.handshake import EngineInfo
-    from ...nixl.regions import build_regions
+    from ...nixl.wire.handshake import EngineInfo
+    from ...nixl.engine.regions import build_regions
 
     tpp = [engine.tokens_per_page] * len(engine.layer_groups)
     regions = build_regions(engine.device_caches, engine.layer_groups, tpp, buffer)

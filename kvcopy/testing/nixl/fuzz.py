@@ -19,14 +19,14 @@ head semantics with torch views per layout, no byte offsets). A case is **exact*
 reason; "raised although feasible" counts those the expectation could serve) or
 **wrong** (anything else: a bug).
 
-``--arena``: the same cases in arena mode (:mod:`kvcopy.nixl.staging`): each P rank
+``--arena``: the same cases in arena mode (:mod:`kvcopy.nixl.modes.arena`): each P rank
 packs its request into its own arena with the real copier, D plans the read of P's
 spans, the byte oracle applies the READ rows (:func:`~kvcopy.testing.nixl.oracle.replay_rows`)
 and D's real copier scatters its span into D's caches; the result must equal the
 same expectation. Cases with an odd seed whose P pages are HND (with a GQA layer) stage in head order
 (``arena_order="head"``), the others in token order; the report counts both. D plans
 each request twice and replays the second plan, made from D's caches (the shape's
-virtual engines and plan, :class:`~kvcopy.nixl.keyed_cache.KeyedCache`) at another span
+virtual engines and plan, :class:`~kvcopy.nixl.modes.keyed_cache.KeyedCache`) at another span
 of D's arena, so the cached path is what the oracle checks.
 """
 from __future__ import annotations
@@ -42,9 +42,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ...nixl.handshake import pair_layers
-from ...nixl.plan import build_multi_pull_plan
-from ...nixl.buffer_mode import Peer
+from ...nixl.wire.handshake import pair_layers
+from ...nixl.planning.plan import build_multi_pull_plan
+from ...nixl.modes.base import Peer
 # The geometries' names callers reach through this module (fuzz.Spec, fuzz.side, ...).
 from .geometries import (  # noqa: F401
     DTYPES, LAYOUTS, SideSpec, Spec, allocate, arena_order, arena_staging, build_caches, engine_info, expected,

@@ -27,12 +27,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ...nixl.geometry import rank_heads, remote_ranks
-from ...nixl.handshake import EngineInfo
-from ...nixl.pack_order import granule_for, span_layout, stage_units
-from ...nixl.plan import NO_BLOCK, expand_blocks
-from ...nixl.regions import build_regions
-from ...nixl.staging import ArenaStaging
+from ...nixl.engine.geometry import rank_heads, remote_ranks
+from ...nixl.wire.handshake import EngineInfo
+from ...nixl.planning.pack_order import granule_for, span_layout, stage_units
+from ...nixl.planning.plan import NO_BLOCK, expand_blocks
+from ...nixl.engine.regions import build_regions
+from ...nixl.modes.arena import ArenaStaging
 from .oracle import clone_caches
 
 DTYPES = {

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ...nixl.handshake import MAGIC
-from ...nixl.record import RECORD, canonical
+from ...nixl.wire.handshake import MAGIC
+from ...nixl.wire.record import RECORD, canonical
 
 Edit = Tuple[str, Callable[[Any, Any], None]]
 

@@ -5,7 +5,7 @@
 Each case draws a geometry as the fuzzer does (:func:`~kvcopy.testing.nixl.geometries.random_spec`),
 then gives D P's geometry (TP size, group plan, tokens per block and page, layout,
 aliasing) with D's own block ids, spare capacity and prefix hit, so the staged pages
-are the same bytes on both sides and D compares their sums (:mod:`kvcopy.nixl.span_sums`).
+are the same bytes on both sides and D compares their sums (:mod:`kvcopy.nixl.modes.span_sums`).
 P's rank stages an earlier request (its KV first overwritten with other bytes), then
 the request itself; D plans it. Without NIXL: the READ is the byte oracle's
 :func:`~kvcopy.testing.nixl.oracle.replay_rows`, the copies are the real copiers.
@@ -40,9 +40,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import numpy as np
 import torch
 
-from ...nixl.buffer_mode import Peer
-from ...nixl.geometry import remote_ranks
-from ...nixl.handshake import pair_layers
+from ...nixl.modes.base import Peer
+from ...nixl.engine.geometry import remote_ranks
+from ...nixl.wire.handshake import pair_layers
 from .geometries import Spec, allocate, arena_staging, build_caches, expected, logical_kv, random_spec
 from .oracle import first_difference, replay_rows, same_bytes, unique_storages
 

@@ -1,6 +1,6 @@
 """Requests used out of turn, over real NIXL in one process, as cases that return what
-went wrong instead of asserting (``tests/test_nixl_ledger.py`` and
-``tests/test_nixl_staging.py`` assert; ``bench/hardening_probe.py`` counts).
+went wrong instead of asserting (``tests/nixl/test_nixl_ledger.py`` and
+``tests/nixl/modes/test_nixl_arena_mode.py`` assert; ``bench/hardening_probe.py`` counts).
 
 :class:`Requests`: P and D in one buffer mode, P holding requests A, B and C (host
 mode: saved blocks; arena mode: staged records), D's caches poisoned (random bytes

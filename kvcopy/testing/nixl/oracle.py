@@ -21,7 +21,7 @@ outside raises ``ValueError``.
 ``replay_rows(reads, local, remote)`` is the arena mode's READ without NIXL: each
 descriptor row pair ``(local address, bytes)``, ``(remote address, bytes)`` copies
 those bytes from the peer's arena buffer to the local one, bounds-checked against both
-(D's span is then scattered by the real copier: :mod:`kvcopy.nixl.staging`).
+(D's span is then scattered by the real copier: :mod:`kvcopy.nixl.modes.arena`).
 
 Beside them, the byte comparisons of whole cache sets the tests and the fuzzer use
 (:func:`clone_caches` keeps aliasing, :func:`same_bytes` compares every storage).
@@ -33,8 +33,8 @@ from typing import Dict, List, Mapping, Optional
 import torch
 
 from ...core.layout import as_words, describe
-from ...nixl.plan import PullPlan
-from ...nixl.regions import RegionRef
+from ...nixl.planning.plan import PullPlan
+from ...nixl.engine.regions import RegionRef
 
 
 def _bytes_of(t: torch.Tensor, name: str):

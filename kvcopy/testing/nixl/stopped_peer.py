@@ -10,7 +10,7 @@ promises: arena mode never hands A's held span to B, host and device mode refuse
 pull into A's pages (``PagesHeld``) until NIXL reported A's READ ended, and D's KV is
 compared whole, bit for bit, against the expectation. Each case returns an
 :class:`Outcome` (what went wrong, and how many completions said ``ok=True`` with
-wrong bytes) rather than asserting, so ``tests/test_nixl_late_reads.py`` asserts and
+wrong bytes) rather than asserting, so ``tests/nixl/test_nixl_late_reads.py`` asserts and
 ``bench/hardening_probe.py`` counts.
 """
 from __future__ import annotations

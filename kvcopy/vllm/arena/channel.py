@@ -52,7 +52,7 @@ decoded (:mod:`kvcopy.msgpack_shape`: a 1 KB message nested 1,000 deep killed th
 listener by ``RecursionError``), every field is checked, every handler catches whatever
 it raises and answers with an error, and a listener that dies anyway is restarted and
 logged (:func:`serve`). D hands record bytes to kvcopy's ``plan_pull``, which checks them
-again (:mod:`kvcopy.nixl.record`).
+again (:mod:`kvcopy.nixl.wire.record`).
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path, make_zmq_socket
 
 from ...msgpack_shape import check_shape
-from ...nixl.record import MAX_RECORD_BYTES, MAX_REQUEST_ID
-from ...nixl.regions import MAX_NAME
+from ...nixl.wire.record import MAX_RECORD_BYTES, MAX_REQUEST_ID
+from ...nixl.engine.regions import MAX_NAME
 from .meta import MAX_TP, KvcopyArenaWorkerMeta
 
 logger = init_logger("vllm.kvcopy")

@@ -15,7 +15,7 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
 * D -> P over NIXL: a reader's notification (:func:`notify_bytes`, :func:`parse_notify`)
   names the request, D's TP size (so each P rank knows how many D ranks read it) and
   whether D read the span or gave the request up without reading it; either way that
-  reader is done with it. With a key it carries a tag P checks (:mod:`kvcopy.nixl.notices`).
+  reader is done with it. With a key it carries a tag P checks (:mod:`kvcopy.nixl.wire.notices`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Dict, Mapping, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from ...nixl.pack_order import ORDERS
+from ...nixl.planning.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
 ARENA_PROTOCOL = 2  # 2: records bound to request/rank/registration, give-ups, keyed side channel

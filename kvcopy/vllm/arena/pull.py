@@ -55,7 +55,7 @@ from vllm.logger import init_logger
 
 from ...nixl import ArenaFull, NO_BLOCK, StaleRegistration, remote_ranks
 from ...nixl.manager import TransferManager
-from ...nixl.plan import Plan
+from ...nixl.planning.plan import Plan
 from ...nixl.pull import Completion, PullHandle
 from .record_client import Fetch, SideChannel
 from .meta import GAVE_UP, ArenaOptions, ArenaRecv, agent_name, notify_bytes

@@ -14,7 +14,7 @@ Each step (``wait_for_save``) :meth:`ArenaStager.step`:
    enqueued (``save(wait=False)``) and the record is reported only once its event has
    completed, so no READ can be posted before the bytes are in the arena, and P's step
    never waits for it. With ``checksum`` the record carries the pack's page sums, read
-   back with the copy (:class:`~kvcopy.nixl.span_sums.PendingRecord`) and finished then.
+   back with the copy (:class:`~kvcopy.nixl.modes.span_sums.PendingRecord`) and finished then.
 
 :meth:`tick` runs at every step and, between steps, from the worker's housekeeping
 thread (:mod:`kvcopy.vllm.arena.connector`): vLLM steps an engine only while it has requests, and
