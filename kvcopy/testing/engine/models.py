@@ -41,10 +41,10 @@ def _gemma3_config():
 def _gemma2_config():
     from transformers import Gemma2Config
 
+    # tied embeddings (Gemma 2's default): vLLM's Gemma2ForCausalLM has no lm_head to load
     return Gemma2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048,
-                        sliding_window=64, query_pre_attn_scalar=64, initializer_range=0.1,
-                        tie_word_embeddings=False)
+                        sliding_window=64, query_pre_attn_scalar=64, initializer_range=0.1)
 
 
 def _qwen3_next_config():
