@@ -5,7 +5,7 @@
     python bench/arena_plan_cost.py --profile        # cProfile of plan_pull + discard
 
 The scenario is built as ``kvcopy-bench nixl``'s arena rows build it
-(:mod:`kvcopy.bench.nixl`, ``_arena_rows``): the KV caches of the ``seeds2`` preset
+(:mod:`kvcopy.bench.nixl.measure`, ``_arena_rows``): the KV caches of the ``seeds2`` preset
 (the model of the vLLM pull request that coalesced host-buffer copies; CPU tensors,
 bf16 KV-first, 16-token blocks, 8 KV heads x 128) for P and D, two
 ``TransferManager(..., buffer="arena")`` over NIXL UCX in this process, ``add_peer``,
@@ -43,7 +43,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    from kvcopy.bench.nixl import _d_ids, _padded
+    from kvcopy.bench.nixl.request import d_block_ids, padded
     from kvcopy.bench.scenarios import PRESETS
     from kvcopy.bench.timing import measure
     from kvcopy.nixl import TransferManager
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     P, D = sc.build("cpu"), sc.build("cpu")
     counts = sc.blocks_per_group()
     num_blocks, _ = sc.block_ids()
-    d_ids = _padded(_d_ids(sc, num_blocks, sc.seed), counts)
+    d_ids = padded(d_block_ids(sc, num_blocks, sc.seed), counts)
     tokens = max(counts) * sc.block_size
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout())
     mp = TransferManager("arena-cost-P", P.dev, P.layer_groups, sc.block_size, sc.block_size, buffer="arena",
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                          arena_bytes=1 << 28, **kw)
     try:
         peer = md.add_peer(mp.metadata())
-        record = mp.save(_padded(P.ids, counts), num_tokens=tokens, request_id="cost", readers=1 << 62)
+        record = mp.save(padded(P.ids, counts), num_tokens=tokens, request_id="cost", readers=1 << 62)
 
         def plan_pull():
             md.discard(md.plan_pull(peer, record, tokens, d_ids, request_id="cost"))
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             return 1
         for g, names in enumerate(P.layer_groups):
             src = torch.tensor(P.ids[g], dtype=torch.int64)
-            dst = torch.tensor(_d_ids(sc, num_blocks, sc.seed)[g], dtype=torch.int64)
+            dst = torch.tensor(d_block_ids(sc, num_blocks, sc.seed)[g], dtype=torch.int64)
             for n in names:
                 a = P.dev[n].view(torch.int16).index_select(sc.block_dim(), src)
                 b = D.dev[n].view(torch.int16).index_select(sc.block_dim(), dst)

@@ -46,7 +46,7 @@ and the seeds2 and overhead parts of the scenario's, are ``kvcopy-bench`` result
 Scratch (build tree, partial sub-results, pytest's XML) goes to ``GPU_CHECK_WORK``.
 
 ``KVCOPY_DEVICE=cpu`` runs every step with tiny sizes on the CPU (``cpu``, ``torch``
-and Triton's interpreter): the rehearsal ``tests/test_gpu_check.py`` runs in CI.
+and Triton's interpreter): the rehearsal ``tests/bench/test_gpu_check.py`` runs in CI.
 """
 from __future__ import annotations
 
@@ -377,9 +377,9 @@ def step_facts(s: Step) -> str:
         p = torch.cuda.get_device_properties(0)
         t.update(name=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
                  memory_gib=round(p.total_memory / 2**30, 1), device_count=torch.cuda.device_count())
-        from kvcopy.bench.timing import _cuda_driver
+        from kvcopy.bench.timing import cuda_driver_version
 
-        t["driver_cuda"] = _cuda_driver()
+        t["driver_cuda"] = cuda_driver_version()
     f["torch"] = t
     s.save()
     from kvcopy import native

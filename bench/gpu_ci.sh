@@ -3,7 +3,7 @@
 # install, in one script so that they can be rehearsed on the CPU:
 #
 #   bash bench/gpu_ci.sh                           # on a GPU runner (the workflow)
-#   KVCOPY_DEVICE=cpu OUT=/tmp/r bash bench/gpu_ci.sh   # the CPU rehearsal (tests/test_gpu_check.py)
+#   KVCOPY_DEVICE=cpu OUT=/tmp/r bash bench/gpu_ci.sh   # the CPU rehearsal (tests/bench/test_gpu_check.py)
 #
 # 1. torch must see a CUDA device (skipped in the CPU rehearsal);
 # 2. every `gpu`-marked test, with --require-gpu on a GPU (a skipped GPU test fails):

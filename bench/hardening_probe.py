@@ -57,7 +57,8 @@ def _tally(outcomes, unexpected=0, errors=()) -> Dict[str, object]:
 # ---------------------------------------------------------------------- classes (child side)
 def records(args) -> Dict[str, object]:
     from kvcopy.nixl import StagedRequest
-    from kvcopy.testing.nixl.engines import ManagerPairs, clone_caches, expected_pull, same_bytes, wait
+    from kvcopy.testing.nixl.engines import ManagerPairs, expected_pull, wait
+    from kvcopy.testing.nixl.oracle import clone_caches, same_bytes
     from kvcopy.testing.nixl.hostile import record_mutations
 
     cases = wrong = unexpected = accepted = 0

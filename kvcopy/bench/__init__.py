@@ -4,7 +4,8 @@ Nothing in the library imports it. Modules, one per subcommand plus what they sh
 
 * :mod:`.cli` dispatches ``kvcopy-bench SUBCOMMAND`` (imports a subcommand's module
   only when it is chosen; ``--help`` needs no torch);
-* :mod:`.run` ``run`` (the default), ``sweep`` and ``list``; :mod:`.nixl` ``nixl``;
+* :mod:`.run` ``run`` (the default), ``sweep`` and ``list``; :mod:`.nixl` ``nixl``
+  (its rows, and the request the two-host variant shares);
   :mod:`.calibrate` ``calibrate``; :mod:`.overhead` ``overhead``; :mod:`.fuzzing`
   ``fuzz`` (:mod:`kvcopy.testing.nixl.fuzz` with a progress bar);
 * :mod:`.args` the scenario and measurement flags; :mod:`.presets` the presets and

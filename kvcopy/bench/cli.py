@@ -10,7 +10,7 @@
     kvcopy-bench list                     # presets and which backends run here
 
 This module only dispatches: each subcommand is ``(add_args, run)`` in its own module
-(:mod:`.run` for run/sweep/list, :mod:`.nixl`, :mod:`.calibrate`, :mod:`.overhead`,
+(:mod:`.run` for run/sweep/list, :mod:`.nixl.measure`, :mod:`.calibrate`, :mod:`.overhead`,
 :mod:`.fuzzing` around :mod:`kvcopy.testing.nixl.fuzz`), imported when it is chosen.
 :func:`register` adds one.
 """
@@ -97,7 +97,7 @@ register("run", "measure one scenario (default command)", *_lazy(".run", "add_ru
 register("sweep", "chunk sizes x group counts x directions x methods (GB/s against chunk size)",
          *_lazy(".run", "add_sweep_args", "cmd_sweep"))
 register("nixl", "NIXL pull over UCX: PullPlan / per-page / merged descriptors vs one bulk READ",
-         *_lazy(".nixl", "add_args", "run"))
+         *_lazy(".nixl.measure", "add_args", "run"))
 register("list", "presets and the backends this install can run", lambda p: None,
          _lazy(".run", "add_run_args", "cmd_list")[1])
 register("fuzz", "byte-oracle fuzzer of heterogeneous P/D pull plans, progress on stderr",

@@ -10,6 +10,7 @@ scenario and the machine, so a PNG read on its own says what it shows.
 """
 from __future__ import annotations
 
+import importlib
 import textwrap
 from typing import Dict, Optional
 
@@ -17,7 +18,7 @@ from typing import Dict, Optional
 def matplotlib_missing() -> Optional[str]:
     """None when matplotlib imports, else why not."""
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError as exc:
         return str(exc)
     return None

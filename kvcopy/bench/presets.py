@@ -3,7 +3,7 @@ names the flags accept (no torch here: ``--help`` lists them without importing i
 
 :mod:`.scenarios` turns each preset into a :class:`~kvcopy.bench.scenarios.Scenario`;
 the names below are those of :data:`kvcopy.testing.DTYPES` and
-:data:`kvcopy.testing.LAYOUTS` (``tests/test_bench_cli.py`` checks they agree).
+:data:`kvcopy.testing.LAYOUTS` (``tests/bench/test_bench_cli.py`` checks they agree).
 """
 from __future__ import annotations
 

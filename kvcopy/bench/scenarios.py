@@ -44,7 +44,7 @@ import torch
 
 from ..testing import DTYPES, LAYOUTS, POISON_BYTE, page_pairing, physical_shape, shaped
 from .presets import PRESETS as PRESET_DATA
-from .units import fmt_bytes, parse_size, plural  # noqa: F401  (re-exported)
+from .units import fmt_bytes, plural
 
 BASELINES = ("vllm", "coalesced")
 KVCOPY_BACKENDS = ("torch", "cpu", "triton", "cuda", "ce", "auto")

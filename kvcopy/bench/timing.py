@@ -250,7 +250,7 @@ def git_commit() -> str:
     return "unknown"
 
 
-def _cuda_driver() -> Optional[str]:
+def cuda_driver_version() -> Optional[str]:
     try:
         import ctypes
 
@@ -322,5 +322,5 @@ def env_info(device: str) -> dict:
         props = torch.cuda.get_device_properties(torch.device(device))
         info.update(gpu=props.name, gpu_sms=props.multi_processor_count,
                     gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda_runtime=torch.version.cuda, cuda_driver=_cuda_driver())
+                    cuda_runtime=torch.version.cuda, cuda_driver=cuda_driver_version())
     return info

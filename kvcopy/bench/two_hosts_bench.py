@@ -35,7 +35,7 @@ from typing import List
 
 import numpy as np
 
-from .nixl_request import check_kv, d_block_ids, padded
+from .nixl.request import check_kv, d_block_ids, padded
 from .two_hosts import TwoHosts, parse_rate, unavailable
 
 SIDE_P, SIDE_D = "kvcopy-2h-P", "kvcopy-2h-D"
@@ -279,7 +279,7 @@ def measure_faults(args) -> List[dict]:
 
 
 def format_two_hosts(out: dict) -> str:
-    from .scenarios import fmt_bytes
+    from .units import fmt_bytes
 
     lines = [f"kvcopy-bench nixl --two-hosts  link cap {out['rate']} (veth between two network namespaces, "
              f"UCX on TCP), NIXL {out['env'].get('nixl')}, load {out['env'].get('load_average')}",

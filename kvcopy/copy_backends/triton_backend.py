@@ -114,9 +114,7 @@ class TritonBackend(Backend):
         self._module: Optional[ModuleType] = None
         self._why: Optional[str] = None
         try:
-            import triton  # noqa: F401
-
-            from ..kernels import triton_copy
+            from ..kernels import triton_copy  # imports triton
         except ImportError as exc:
             self._why = f"triton is not installed ({exc})"
         else:

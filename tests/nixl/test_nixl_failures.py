@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kvcopy.testing.nixl.engines import (
-    allocate_blocks, build_case, clone_caches, expected_pull, fill_random, first_difference,
-    ManagerPairs, one_torch_thread, PrefillProcess, same_bytes, wait,
+    allocate_blocks, build_case, expected_pull, ManagerPairs, one_torch_thread, PrefillProcess, wait,
 )
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
 from kvcopy.testing.nixl.stopped_peer import stop_process, tcp_loopback
 
 NP = 192

@@ -22,7 +22,8 @@ import weakref
 
 import pytest
 
-from kvcopy.testing.nixl.engines import ManagerPairs, clone_caches, collect_notifications, one_torch_thread, same_bytes
+from kvcopy.testing.nixl.engines import ManagerPairs, collect_notifications, one_torch_thread
+from kvcopy.testing.nixl.oracle import clone_caches, same_bytes
 from kvcopy.testing.nixl.misuse import reader_gives_up_case
 from kvcopy.testing.nixl.stopped_peer import N, Outcome, StoppedPeer, arena_case, paged_case, tcp_loopback
 

@@ -16,9 +16,9 @@ import torch
 from kvcopy.nixl import NO_BLOCK
 from kvcopy.core.layout import as_words
 from kvcopy.testing.nixl.engines import (
-    allocate_blocks, clone_caches, collect_notifications, first_difference, ManagerPairs,
-    one_torch_thread, pull_and_complete, same_bytes, wait,
+    allocate_blocks, collect_notifications, ManagerPairs, one_torch_thread, pull_and_complete, wait,
 )
+from kvcopy.testing.nixl.oracle import clone_caches, first_difference, same_bytes
 
 NP = 48
 

@@ -5,10 +5,8 @@ import itertools
 import numpy as np
 
 from kvcopy.nixl import NO_BLOCK
-from kvcopy.testing.nixl.engines import (
-    build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire,
-    pull_and_complete, same_bytes, wait,
-)
+from kvcopy.testing.nixl.engines import build_case, expected_pull, from_wire, pull_and_complete, wait
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
 
 NP = 64
 _names = itertools.count()
@@ -93,16 +91,16 @@ def test_p_tp2_to_d_tp4_different_group_plans_and_page_sizes_across_processes(pr
     32-token blocks; D (TP4, four managers here) groups them 1+3 with 8-token pages in
     HND; D has a prefix hit. Each D rank reads its KV head from the P rank holding it."""
     from kvcopy.nixl import TransferManager, remote_ranks
-    from kvcopy.testing.nixl import fuzz
+    from kvcopy.testing.nixl import geometries
     from kvcopy.testing.nixl.engines import pull_spec
 
     layers = [f"model.layers.{i}.attn" for i in range(4)]
     n = 71
-    p = fuzz.side(2, "kvf_nhd", [layers[:2], layers[2:]], [32, 32], [16, 16], n, seed=21)
-    d = fuzz.side(4, "kvf_hnd", [[layers[3]], layers[:3]], [8, 16], [8, 8], n, seed=22)
-    spec = fuzz.Spec(seed=23, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
-                     layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=16,
-                     p=p, d=d, d_rank=0, p_ranks=[])
+    p = geometries.side(2, "kvf_nhd", [layers[:2], layers[2:]], [32, 32], [16, 16], n, seed=21)
+    d = geometries.side(4, "kvf_hnd", [[layers[3]], layers[:3]], [8, 16], [8, 8], n, seed=22)
+    spec = geometries.Spec(seed=23, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
+                           layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=16,
+                           p=p, d=d, d_rank=0, p_ranks=[])
     tag = next(_names)
     p_names = [f"Pmp{tag}.{r}" for r in range(2)]
     (metadata,) = prefill.call("start_spec", spec, [0, 1], p_names)
@@ -112,15 +110,15 @@ def test_p_tp2_to_d_tp4_different_group_plans_and_page_sizes_across_processes(pr
         for dr in range(4):
             ranks = remote_ranks(dr, 4, 2, 4)
             assert ranks == [dr // 2]
-            s = fuzz.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
-            d_caches = fuzz.build_caches(s, "d", dr)
-            dm = TransferManager(f"Dmp{tag}.{dr}", d_caches, **fuzz.manager_kwargs(s, "d", dr))
+            s = geometries.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
+            d_caches = geometries.build_caches(s, "d", dr)
+            dm = TransferManager(f"Dmp{tag}.{dr}", d_caches, **geometries.manager_kwargs(s, "d", dr))
             managers.append(dm)
             peers = [dm.add_peer(metadata[r]) for r in ranks]
             plan, done, want, _ = pull_spec(dm, peers, s, d_caches, notify=f"d{dr}".encode())
             assert done.ok, done.error
             assert any(pair.segments for pair in plan.pairs)  # head ranges and token slices
-            assert not same_bytes(want, fuzz.build_caches(s, "d", dr))
+            assert not same_bytes(want, geometries.build_caches(s, "d", dr))
             assert same_bytes(d_caches, want), first_difference(d_caches, want)
         (got,) = prefill.call("notifications", 2)
         assert [sorted(m for _, m in g) for g in got] == [[b"d0", b"d1"], [b"d2", b"d3"]]

@@ -15,7 +15,8 @@ import pytest
 
 from kvcopy.nixl import decode, encode, nixl_available
 from kvcopy.testing.nixl.handshake_fuzz import misplaced
-from kvcopy.testing.nixl.engines import build_case, fill_random, pull_and_complete, same_bytes
+from kvcopy.testing.nixl.engines import build_case, pull_and_complete
+from kvcopy.testing.nixl.oracle import fill_random, same_bytes
 
 pytestmark = pytest.mark.skipif(nixl_available() is not None, reason="needs NIXL")
 

@@ -9,7 +9,7 @@ import pytest
 from kvcopy.nixl.modes import span_sums
 from kvcopy.testing.nixl import inject
 from kvcopy.testing.nixl.engines import one_torch_thread
-from kvcopy.testing.nixl.fuzz import arena_order
+from kvcopy.testing.nixl.geometries import arena_order
 
 
 @pytest.fixture(autouse=True)

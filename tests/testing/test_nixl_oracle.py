@@ -7,10 +7,8 @@ import torch
 from kvcopy.nixl import NO_BLOCK, build_pull_plan, pair_layers
 from kvcopy.testing.nixl.oracle import replay
 from kvcopy.core.layout import as_words
-from kvcopy.testing.nixl.engines import (
-    build_case, clone_caches, engine_info, expected_pull, fill_random, first_difference, one_torch_thread,
-    same_bytes,
-)
+from kvcopy.testing.nixl.engines import build_case, engine_info, expected_pull, one_torch_thread
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
 
 NP = 40
 

@@ -35,8 +35,8 @@ import torch
 from ...core.layout import as_words, describe
 from ...nixl.planning.plan import NO_BLOCK
 from ..reference import reference_copy
-from .oracle import (  # noqa: F401  (re-exported for the tests)
-    clone_caches, fill_random, first_difference, replay, same_bytes, storage_bytes, unique_storages,
+from .oracle import (
+    clone_caches, fill_random, replay,
 )
 
 
@@ -197,7 +197,7 @@ def from_wire(wire: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
 def serve_prefill(conn) -> None:
     """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
     ("start_spec", fuzz spec, P ranks, names): one manager per P rank of a
-    :class:`kvcopy.testing.nixl.fuzz.Spec`, ("save", block_ids) on every manager,
+    :class:`kvcopy.testing.nixl.geometries.Spec`, ("save", block_ids) on every manager,
     ("notifications", count), ("close",), ("exit",). Both starts take an optional last
     element: manager keyword arguments (``buffer="arena"``, ``arena_bytes``); then
     ("save_arena", block_ids, num_tokens, request_id) stages the request on every
@@ -216,14 +216,14 @@ def serve_prefill(conn) -> None:
                 managers = [engine.manager(name, **(kw[0] if kw else {}))]
                 conn.send(("ok", managers[0].metadata(), _to_wire(caches)))
             elif cmd == "start_spec":
-                from . import fuzz
+                from . import geometries
                 from ...nixl.manager import TransferManager
 
                 _, spec, ranks, names, *kw = msg
-                logical = fuzz.logical_kv(spec)
+                logical = geometries.logical_kv(spec)
                 for rank, name in zip(ranks, names):
-                    caches = fuzz.build_caches(spec, "p", rank, logical)
-                    managers.append(TransferManager(name, caches, **fuzz.manager_kwargs(spec, "p", rank),
+                    caches = geometries.build_caches(spec, "p", rank, logical)
+                    managers.append(TransferManager(name, caches, **geometries.manager_kwargs(spec, "p", rank),
                                                     **(kw[0] if kw else {})))
                 conn.send(("ok", [m.metadata() for m in managers]))
             elif cmd == "save":
@@ -350,11 +350,11 @@ def pull_and_complete(
 
 def pull_spec(d_manager, peers: Sequence[str], spec, d_caches: Dict[str, torch.Tensor],
               p_caches: Optional[Dict[str, Dict[str, torch.Tensor]]] = None, notify: bytes = b""):
-    """One heterogeneous pull of a :class:`kvcopy.testing.nixl.fuzz.Spec` with real NIXL: plan
+    """One heterogeneous pull of a :class:`kvcopy.testing.nixl.geometries.Spec` with real NIXL: plan
     (several peers), pull, poll, complete on D. Returns (plan, completion, expected,
     replayed): the fuzzer's independent expectation of D's caches and, given P's
     caches by peer name, the byte oracle's replay of the plan."""
-    from . import fuzz
+    from . import geometries
 
     before = clone_caches(d_caches)
     plan = d_manager.plan_pull(list(peers), spec.p.block_ids, spec.num_tokens, spec.d.block_ids,
@@ -362,7 +362,7 @@ def pull_spec(d_manager, peers: Sequence[str], spec, d_caches: Dict[str, torch.T
     handle = d_manager.pull(plan, notify=notify)
     wait(d_manager, handle)
     completion = d_manager.complete(handle)
-    want, why = fuzz.expected(spec, before, fuzz.logical_kv(spec))
+    want, why = geometries.expected(spec, before, geometries.logical_kv(spec))
     assert want is not None, why
     replayed = None
     if p_caches is not None:

@@ -45,10 +45,9 @@ import torch
 from ...nixl.wire.handshake import pair_layers
 from ...nixl.planning.plan import build_multi_pull_plan
 from ...nixl.modes.base import Peer
-# The geometries' names callers reach through this module (fuzz.Spec, fuzz.side, ...).
-from .geometries import (  # noqa: F401
-    DTYPES, LAYOUTS, SideSpec, Spec, allocate, arena_order, arena_staging, build_caches, engine_info, expected,
-    kv_slots, logical_kv, manager_kwargs, page_view, random_spec, side,
+from .geometries import (
+    Spec, arena_order, arena_staging, build_caches, engine_info, expected,
+    logical_kv, random_spec,
 )
 from .inject import InjectReport, homogeneous, inject, run_inject_case
 from .oracle import clone_caches, first_difference, replay, replay_rows, same_bytes

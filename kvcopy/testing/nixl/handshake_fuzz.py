@@ -198,7 +198,8 @@ def variants(batch: str, genuine: bytes, agent: bytes, rng: np.random.Generator)
 
 def run_batch(batch: str, seed: int = 0) -> Dict[str, object]:
     """Run one batch against real managers in this process; the report as a dict."""
-    from .engines import build_case, fill_random, one_torch_thread
+    from .engines import build_case, one_torch_thread
+    from .oracle import fill_random
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # NIXL traffic on loopback only
     rng = np.random.default_rng(seed)

@@ -23,10 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import List
 
-from .engines import (
-    ManagerPairs, build_case, clone_caches, collect_notifications, expected_pull, fill_random, first_difference,
-    same_bytes, wait,
-)
+from .engines import ManagerPairs, build_case, collect_notifications, expected_pull, wait
+from .oracle import clone_caches, fill_random, first_difference, same_bytes
 
 NP = 48
 N = 40  # tokens: 3 blocks of 16, and D's fourth block is zeroed

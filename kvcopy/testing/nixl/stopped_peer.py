@@ -21,10 +21,8 @@ import signal
 import time
 from typing import Dict, Iterator
 
-from .engines import (
-    PrefillProcess, build_case, clone_caches, expected_pull, fill_random, first_difference, from_wire, same_bytes,
-    wait,
-)
+from .engines import PrefillProcess, build_case, expected_pull, from_wire, wait
+from .oracle import clone_caches, fill_random, first_difference, same_bytes
 from .misuse import Outcome
 
 TCP_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}

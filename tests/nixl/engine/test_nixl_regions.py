@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcopy.nixl.engine.regions import build_regions, tokens_per_group
-from kvcopy.testing.nixl.engines import build_case, fill_random
+from kvcopy.testing.nixl.engines import build_case
+from kvcopy.testing.nixl.oracle import fill_random
 
 NP = 12
 

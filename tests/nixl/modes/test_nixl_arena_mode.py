@@ -19,9 +19,10 @@ from kvcopy.nixl.modes.spans import ArenaFull
 from kvcopy.nixl.wire.record import StagedRequest
 from kvcopy.nixl.modes.arena import ArenaPlan
 from kvcopy.testing.nixl.engines import (
-    ManagerPairs, allocate_blocks, build_case, clone_caches, collect_notifications,
-    expected_pull, fill_random, first_difference, from_wire, one_torch_thread, same_bytes, wait,
+    ManagerPairs, allocate_blocks, build_case, collect_notifications, expected_pull, from_wire, one_torch_thread,
+    wait,
 )
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
 
 NP = 48
 KB = 1 << 20  # test arenas: 1 MiB
@@ -421,19 +422,19 @@ def hnd_pull(p_tp, d_tp, order, cached=0, p_tpp=16, d_tpp=16, n=71, heads=4):
     staging in ``order``; every D rank's caches are checked bit-exact against the
     fuzzer's expectation. Returns the descriptors per D rank and peer."""
     layers = [f"model.layers.{i}.attn" for i in range(3)]
-    p = fuzz.side(p_tp, "kvf_hnd", [layers], [32], [p_tpp], n, seed=41)
-    dside = fuzz.side(d_tp, "kvf_hnd", [layers], [max(16, d_tpp)], [d_tpp], n, seed=42)
-    spec = fuzz.Spec(seed=43, dtype="bfloat16", total_kv_heads=heads, head_size=8, latent=16,
-                     layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=cached,
-                     p=p, d=dside, d_rank=0, p_ranks=list(range(p_tp)))
-    logical = fuzz.logical_kv(spec)
+    p = geometries.side(p_tp, "kvf_hnd", [layers], [32], [p_tpp], n, seed=41)
+    dside = geometries.side(d_tp, "kvf_hnd", [layers], [max(16, d_tpp)], [d_tpp], n, seed=42)
+    spec = geometries.Spec(seed=43, dtype="bfloat16", total_kv_heads=heads, head_size=8, latent=16,
+                           layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=cached,
+                           p=p, d=dside, d_rank=0, p_ranks=list(range(p_tp)))
+    logical = geometries.logical_kv(spec)
     tag = next(_hnd)
     made, counts = [], []
     try:
         pms, records = [], []
         for r in range(p_tp):
-            pm = TransferManager(f"Phnd{tag}.{r}", fuzz.build_caches(spec, "p", r, logical),
-                                 **fuzz.manager_kwargs(spec, "p", r), buffer="arena", arena_bytes=KB,
+            pm = TransferManager(f"Phnd{tag}.{r}", geometries.build_caches(spec, "p", r, logical),
+                                 **geometries.manager_kwargs(spec, "p", r), buffer="arena", arena_bytes=KB,
                                  arena_order=order)
             made.append(pm)
             pms.append(pm)
@@ -441,9 +442,9 @@ def hnd_pull(p_tp, d_tp, order, cached=0, p_tpp=16, d_tpp=16, n=71, heads=4):
             assert records[-1].order == ("unit/head/chunk/page:v1" if order == "head" else "unit/chunk/page:v1")
         for dr in range(d_tp):
             ranks = remote_ranks(dr, d_tp, p_tp, heads)
-            s = fuzz.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
-            d_caches = fuzz.build_caches(s, "d", dr)
-            dm = TransferManager(f"Dhnd{tag}.{dr}", d_caches, **fuzz.manager_kwargs(s, "d", dr),
+            s = geometries.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
+            d_caches = geometries.build_caches(s, "d", dr)
+            dm = TransferManager(f"Dhnd{tag}.{dr}", d_caches, **geometries.manager_kwargs(s, "d", dr),
                                  buffer="arena", arena_bytes=KB)
             made.append(dm)
             peers = [dm.add_peer(pms[r].metadata()) for r in ranks]
@@ -453,7 +454,7 @@ def hnd_pull(p_tp, d_tp, order, cached=0, p_tpp=16, d_tpp=16, n=71, heads=4):
             h = dm.pull(plan, notify=b"hnd")
             assert wait(dm, h) == "DONE", h.error
             assert dm.complete(h).ok
-            want, why = fuzz.expected(s, before, logical)
+            want, why = geometries.expected(s, before, logical)
             assert want is not None, why
             assert not same_bytes(want, before)
             assert same_bytes(d_caches, want), first_difference(d_caches, want)
@@ -502,11 +503,11 @@ def test_head_order_shares_the_token_copiers_where_no_unit_splits():
 
     layers = [f"model.layers.{i}.attn" for i in range(2)]
     for layout, shared in (("nhd", True), ("kvf_hnd", False)):
-        side = fuzz.side(1, layout, [layers], [16], [16], 40, seed=3)
-        spec = fuzz.Spec(seed=3, dtype="float16", total_kv_heads=2, head_size=8, latent=8,
-                         layers=[(n, "gqa", "full") for n in layers], num_tokens=40, num_cached=0,
-                         p=side, d=side, d_rank=0, p_ranks=[0])
-        st, _ = fuzz.arena_staging(spec, "d", 0, fuzz.build_caches(spec, "d", 0), "D")
+        side = geometries.side(1, layout, [layers], [16], [16], 40, seed=3)
+        spec = geometries.Spec(seed=3, dtype="float16", total_kv_heads=2, head_size=8, latent=8,
+                               layers=[(n, "gqa", "full") for n in layers], num_tokens=40, num_cached=0,
+                               p=side, d=side, d_rank=0, p_ranks=[0])
+        st, _ = geometries.arena_staging(spec, "d", 0, geometries.build_caches(spec, "d", 0), "D")
         try:
             assert (st.span_copiers(HEAD_ORDER) is st.span_copiers(ORDER)) == shared
         finally:
@@ -634,11 +635,11 @@ def test_two_processes_p_tp2_to_d_tp4(prefill, order):
     Token order: one descriptor per (layer, chunk, page); head order: one per layer."""
     layers = [f"model.layers.{i}.attn" for i in range(4)]
     n = 71
-    p = fuzz.side(2, "kvf_hnd", [layers[:2], layers[2:]], [32, 32], [16, 16], n, seed=31)
-    dside = fuzz.side(4, "kvf_hnd", [[layers[3]], layers[:3]], [16, 16], [16, 16], n, seed=32)
-    spec = fuzz.Spec(seed=33, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
-                     layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=0,
-                     p=p, d=dside, d_rank=0, p_ranks=[])
+    p = geometries.side(2, "kvf_hnd", [layers[:2], layers[2:]], [32, 32], [16, 16], n, seed=31)
+    dside = geometries.side(4, "kvf_hnd", [[layers[3]], layers[:3]], [16, 16], [16, 16], n, seed=32)
+    spec = geometries.Spec(seed=33, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
+                           layers=[(name, "gqa", "full") for name in layers], num_tokens=n, num_cached=0,
+                           p=p, d=dside, d_rank=0, p_ranks=[])
     tag = next(_names)
     p_names = [f"Pst{tag}.{r}" for r in range(2)]
     kw = {"buffer": "arena", "arena_bytes": KB, "arena_order": order}
@@ -649,9 +650,9 @@ def test_two_processes_p_tp2_to_d_tp4(prefill, order):
     try:
         for dr in range(4):
             ranks = remote_ranks(dr, 4, 2, 4)
-            s = fuzz.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
-            d_caches = fuzz.build_caches(s, "d", dr)
-            dm = TransferManager(f"Dst{tag}.{dr}", d_caches, **fuzz.manager_kwargs(s, "d", dr), **kw)
+            s = geometries.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})
+            d_caches = geometries.build_caches(s, "d", dr)
+            dm = TransferManager(f"Dst{tag}.{dr}", d_caches, **geometries.manager_kwargs(s, "d", dr), **kw)
             managers.append(dm)
             peers = [dm.add_peer(metadata[r]) for r in ranks]
             before = clone_caches(d_caches)
@@ -659,7 +660,7 @@ def test_two_processes_p_tp2_to_d_tp4(prefill, order):
             h = dm.pull(plan, notify=b"tp")
             assert wait(dm, h) == "DONE", h.error
             assert dm.complete(h).ok
-            want, why = fuzz.expected(s, before, fuzz.logical_kv(s))
+            want, why = geometries.expected(s, before, geometries.logical_kv(s))
             assert want is not None, why
             assert not same_bytes(want, before)
             assert same_bytes(d_caches, want), first_difference(d_caches, want)
@@ -722,30 +723,34 @@ def test_head_order_on_blocks_first_hnd_pages(monkeypatch, p_tp, d_tp):
     from kvcopy.nixl.modes.base import Peer
     from kvcopy.nixl.planning.pack_order import HEAD_ORDER, stage_units
 
-    build = fuzz.build_caches
-    monkeypatch.setattr(fuzz, "build_caches", lambda spec, which, rank, logical=None: {
-        n: _blocks_first_hnd(t) for n, t in build(spec, which, rank, logical).items()})
+    build = geometries.build_caches
+
+    def build_blocks_first(spec, which, rank, logical=None):
+        return {n: _blocks_first_hnd(t) for n, t in build(spec, which, rank, logical).items()}
+
+    monkeypatch.setattr(fuzz, "build_caches", build_blocks_first)
     monkeypatch.setattr(fuzz, "arena_order", lambda spec: "head")
     monkeypatch.setattr(geometries, "arena_order", lambda spec: "head")  # what arena_staging reads
     layers = [f"model.layers.{i}.attn" for i in range(3)]
     n = 45
-    p = fuzz.side(p_tp, "bf_kv", [layers[:2], layers[2:]], [16, 16], [16, 16], n, seed=5)
-    d = fuzz.side(d_tp, "bf_kv", [layers], [32], [16], n, seed=6)
+    p = geometries.side(p_tp, "bf_kv", [layers[:2], layers[2:]], [16, 16], [16, 16], n, seed=5)
+    d = geometries.side(d_tp, "bf_kv", [layers], [32], [16], n, seed=6)
     for d_rank in range(d_tp):
-        spec = fuzz.Spec(seed=7, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=8,
-                         layers=[(x, "gqa", "full") for x in layers], num_tokens=n, num_cached=0,
-                         p=p, d=d, d_rank=d_rank, p_ranks=remote_ranks(d_rank, d_tp, p_tp, 4))
+        spec = geometries.Spec(seed=7, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=8,
+                               layers=[(x, "gqa", "full") for x in layers], num_tokens=n, num_cached=0,
+                               p=p, d=d, d_rank=d_rank, p_ranks=remote_ranks(d_rank, d_tp, p_tp, 4))
         with one_torch_thread():
             out = fuzz.run_arena_case(spec)
         assert out.status == "exact", (out.reason, out.detail)
-    logical = fuzz.logical_kv(spec)
+    logical = geometries.logical_kv(spec)
     made = []
     try:
-        d_st, d_info = fuzz.arena_staging(spec, "d", spec.d_rank, fuzz.build_caches(spec, "d", spec.d_rank), "D")
+        d_caches = build_blocks_first(spec, "d", spec.d_rank)
+        d_st, d_info = geometries.arena_staging(spec, "d", spec.d_rank, d_caches, "D")
         made.append(d_st)
         peers, records = [], {}
         for r in spec.p_ranks:
-            st, info = fuzz.arena_staging(spec, "p", r, fuzz.build_caches(spec, "p", r, logical), f"P{r}")
+            st, info = geometries.arena_staging(spec, "p", r, build_blocks_first(spec, "p", r, logical), f"P{r}")
             made.append(st)
             assert {(u.heads, u.outer) for u in stage_units(info.regions, HEAD_ORDER)} == {(4 // p_tp, 2)}
             records[info.name] = st.stage(info, p.block_ids, n, b"q", 1)

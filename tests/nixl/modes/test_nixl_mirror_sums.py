@@ -16,11 +16,9 @@ import torch
 
 from kvcopy.nixl import decode, encode
 from kvcopy.nixl.wire.handshake import MAGIC, SumsRegion, frame
-from kvcopy.testing.nixl import fuzz
-from kvcopy.testing.nixl.engines import (
-    ManagerPairs, allocate_blocks, build_case, clone_caches, expected_pull, fill_random, first_difference,
-    one_torch_thread, same_bytes, wait,
-)
+from kvcopy.testing.nixl import geometries
+from kvcopy.testing.nixl.engines import ManagerPairs, allocate_blocks, build_case, expected_pull, one_torch_thread, wait
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
 from test_nixl_span_sums import hnd_spec, only_pages
 
 NP = 64
@@ -165,19 +163,19 @@ def test_pages_that_differ_between_p_and_d_are_unchecked(p_tp, d_tp, p_tpp, d_tp
     from kvcopy.nixl import TransferManager
 
     spec = hnd_spec(p_tp, d_tp, p_tpp, d_tpp)
-    logical = fuzz.logical_kv(spec)
+    logical = geometries.logical_kv(spec)
     made = []
     with one_torch_thread():
         try:
             pms = []
             for r in range(p_tp):
-                pm = TransferManager(f"Phs{p_tp}{d_tp}{p_tpp}.{r}", fuzz.build_caches(spec, "p", r, logical),
-                                     **fuzz.manager_kwargs(spec, "p", r))
+                pm = TransferManager(f"Phs{p_tp}{d_tp}{p_tpp}.{r}", geometries.build_caches(spec, "p", r, logical),
+                                     **geometries.manager_kwargs(spec, "p", r))
                 made.append(pm)
                 pms.append(pm)
                 pm.save(spec.p.block_ids)
-            d_caches = fuzz.build_caches(spec, "d", 0)
-            dm = TransferManager(f"Dhs{p_tp}{d_tp}{p_tpp}", d_caches, **fuzz.manager_kwargs(spec, "d", 0))
+            d_caches = geometries.build_caches(spec, "d", 0)
+            dm = TransferManager(f"Dhs{p_tp}{d_tp}{p_tpp}", d_caches, **geometries.manager_kwargs(spec, "d", 0))
             made.append(dm)
             ranks = list(range(p_tp)) if p_tp > d_tp else [0]
             peers = [dm.add_peer(pms[r].metadata()) for r in ranks]
@@ -186,7 +184,7 @@ def test_pages_that_differ_between_p_and_d_are_unchecked(p_tp, d_tp, p_tpp, d_tp
             assert wait(dm, h) == "DONE"
             done = dm.complete(h)
             assert done.ok and not done.checked and why in done.unchecked, done
-            want, _ = fuzz.expected(fuzz.Spec(**{**spec.__dict__, "p_ranks": ranks}), before, logical)
+            want, _ = geometries.expected(geometries.Spec(**{**spec.__dict__, "p_ranks": ranks}), before, logical)
             assert same_bytes(d_caches, want), first_difference(d_caches, want)
         finally:
             for m in made:

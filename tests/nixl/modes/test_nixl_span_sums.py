@@ -21,11 +21,9 @@ from kvcopy.nixl.pull import Completion
 from kvcopy.nixl.modes import span_sums
 from kvcopy.nixl.wire.record import PageSums, StagedRequest
 from kvcopy.nixl.sum_check import SumCheck, SumStats
-from kvcopy.testing.nixl import fuzz
-from kvcopy.testing.nixl.engines import (
-    ToyEngine, allocate_blocks, build_case, clone_caches, expected_pull, fill_random, first_difference,
-    one_torch_thread, same_bytes, wait,
-)
+from kvcopy.testing.nixl import geometries
+from kvcopy.testing.nixl.engines import ToyEngine, allocate_blocks, build_case, expected_pull, one_torch_thread, wait
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
 
 NP = 64
 KB = 1 << 20
@@ -287,11 +285,11 @@ def test_the_switch_off_on_either_side_leaves_requests_unchecked(pair, off):
 
 def hnd_spec(p_tp, d_tp, p_tpp, d_tpp):
     layers = [f"model.layers.{i}.attn" for i in range(3)]
-    p = fuzz.side(p_tp, "kvf_hnd", [layers], [32], [p_tpp], 71, seed=41)
-    dside = fuzz.side(d_tp, "kvf_hnd", [layers], [max(16, d_tpp)], [d_tpp], 71, seed=42)
-    return fuzz.Spec(seed=43, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
-                     layers=[(name, "gqa", "full") for name in layers], num_tokens=71, num_cached=0,
-                     p=p, d=dside, d_rank=0, p_ranks=list(range(p_tp)))
+    p = geometries.side(p_tp, "kvf_hnd", [layers], [32], [p_tpp], 71, seed=41)
+    dside = geometries.side(d_tp, "kvf_hnd", [layers], [max(16, d_tpp)], [d_tpp], 71, seed=42)
+    return geometries.Spec(seed=43, dtype="bfloat16", total_kv_heads=4, head_size=8, latent=16,
+                           layers=[(name, "gqa", "full") for name in layers], num_tokens=71, num_cached=0,
+                           p=p, d=dside, d_rank=0, p_ranks=list(range(p_tp)))
 
 
 @pytest.mark.parametrize("p_tp,d_tp,p_tpp,d_tpp,why", [
@@ -301,21 +299,21 @@ def hnd_spec(p_tp, d_tp, p_tpp, d_tpp):
 ])
 def test_pages_that_differ_between_p_and_d_are_unchecked_not_checked(p_tp, d_tp, p_tpp, d_tpp, why):
     spec = hnd_spec(p_tp, d_tp, p_tpp, d_tpp)
-    logical = fuzz.logical_kv(spec)
+    logical = geometries.logical_kv(spec)
     tag = next(_names)
     made = []
     with one_torch_thread():
         try:
             pms, records = [], []
             for r in range(p_tp):
-                pm = TransferManager(f"Pu{tag}.{r}", fuzz.build_caches(spec, "p", r, logical),
-                                     **fuzz.manager_kwargs(spec, "p", r), buffer="arena", arena_bytes=KB,
+                pm = TransferManager(f"Pu{tag}.{r}", geometries.build_caches(spec, "p", r, logical),
+                                     **geometries.manager_kwargs(spec, "p", r), buffer="arena", arena_bytes=KB,
                                      arena_order="head")
                 made.append(pm)
                 pms.append(pm)
                 records.append(pm.save(spec.p.block_ids, num_tokens=71, request_id="u"))
-            d_caches = fuzz.build_caches(spec, "d", 0)
-            dm = TransferManager(f"Du{tag}", d_caches, **fuzz.manager_kwargs(spec, "d", 0), buffer="arena",
+            d_caches = geometries.build_caches(spec, "d", 0)
+            dm = TransferManager(f"Du{tag}", d_caches, **geometries.manager_kwargs(spec, "d", 0), buffer="arena",
                                  arena_bytes=KB)
             made.append(dm)
             ranks = list(range(p_tp)) if p_tp > d_tp else [0]
@@ -327,7 +325,7 @@ def test_pages_that_differ_between_p_and_d_are_unchecked_not_checked(p_tp, d_tp,
             assert wait(dm, h) == "DONE"
             done = dm.complete(h)
             assert done.ok and not done.checked and why in done.unchecked, done
-            want, _ = fuzz.expected(fuzz.Spec(**{**spec.__dict__, "p_ranks": ranks}), before, logical)
+            want, _ = geometries.expected(geometries.Spec(**{**spec.__dict__, "p_ranks": ranks}), before, logical)
             assert same_bytes(d_caches, want), first_difference(d_caches, want)
             stats = dm.stats()
             assert (stats["checksum_checked"], stats["checksum_failed"], stats["checksum_unchecked"]) == (0, 0, 1)

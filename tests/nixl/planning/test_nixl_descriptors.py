@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvcopy.testing.nixl import fuzz
+from kvcopy.testing.nixl import fuzz, geometries
 from kvcopy.nixl.planning.descriptors import Pieces, check_pairs, desc_rows, index_rows
 from kvcopy.nixl.wire.handshake import pair_layers
 from kvcopy.nixl.planning.plan import build_multi_pull_plan
@@ -47,11 +47,11 @@ def loop_descs(pairs, local, remote):
 
 def planned(seed):
     spec = fuzz.case(seed)
-    d_info = fuzz.engine_info(spec, "d", spec.d_rank, fuzz.build_caches(spec, "d", spec.d_rank), "D")
-    logical = fuzz.logical_kv(spec)
+    d_info = geometries.engine_info(spec, "d", spec.d_rank, geometries.build_caches(spec, "d", spec.d_rank), "D")
+    logical = geometries.logical_kv(spec)
     peers = []
     for r in spec.p_ranks:
-        info = fuzz.engine_info(spec, "p", r, fuzz.build_caches(spec, "p", r, logical), f"P{r}")
+        info = geometries.engine_info(spec, "p", r, geometries.build_caches(spec, "p", r, logical), f"P{r}")
         try:
             peers.append((info, pair_layers(d_info, info)))
         except ValueError:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "bench", "engine_env.sh")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "engine_env.sh")
 
 
 def run(*args):

@@ -1,8 +1,8 @@
 """One request of a benchmark scenario, as the NIXL rows pull it: D's block ids, block
 lists anchored at token 0, and D's KV checked against P's afterwards.
 
-Shared by ``kvcopy-bench nixl`` (:mod:`.nixl`), its two-host variant
-(:mod:`.two_hosts_bench`) and ``bench/arena_plan_cost.py``. P's blocks are the
+Shared by ``kvcopy-bench nixl`` (:mod:`.measure`), its two-host variant
+(:mod:`kvcopy.bench.two_hosts_bench`) and ``bench/arena_plan_cost.py``. P's blocks are the
 scenario's (:meth:`Scenario.block_ids`); D's are another permutation of the same pool
 (or the pool's last runs for ``ids="contiguous"``), so D's destination never coincides
 with P's source and a check of D's blocks against P's is not satisfied by chance.
@@ -17,7 +17,7 @@ import torch
 
 def padded(ids: List[List[int]], counts: List[int]) -> List[List[int]]:
     """Block lists anchored at token 0: a shorter (sliding-window) list is the suffix."""
-    from ..nixl import NO_BLOCK
+    from ...nixl import NO_BLOCK
 
     n = max(counts)
     return [[NO_BLOCK] * (n - len(g)) + list(g) for g in ids]

@@ -9,7 +9,7 @@ import pytest
 
 from kvcopy.nixl import nixl_available
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(bool(nixl_available()), reason=f"NIXL: {nixl_available()}")
 
 

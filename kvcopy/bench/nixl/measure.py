@@ -58,13 +58,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .nixl_request import check_kv as _check, d_block_ids as _d_ids, padded as _padded  # noqa: F401 (bench/)
+from .request import check_kv, d_block_ids, padded
 
 SIDE_P, SIDE_D = "kvcopy-bench-P", "kvcopy-bench-D"
 
 
 def add_args(p) -> None:
-    from .args import add_scenario_group
+    from ..args import add_scenario_group
 
     add_scenario_group(p)
     m = p.add_argument_group("measurement")
@@ -86,7 +86,7 @@ def add_args(p) -> None:
                    help="skip the '+sum' rows (host save+sum and pull+complete+sum, arena save+sum, pull+sum "
                         "and pull+complete+sum: the rows again with managers whose page sums are computed "
                         "by the copies and compared; the plain rows run with checksum=False)")
-    from .two_hosts_bench import add_args as add_two_hosts_args
+    from ..two_hosts_bench import add_args as add_two_hosts_args
 
     add_two_hosts_args(p)
     o = p.add_argument_group("output")
@@ -99,8 +99,8 @@ class RawPair:
     """Two raw NIXL agents with buffers laid out like the plan's regions."""
 
     def __init__(self, plan, backend: str, progress_delay_us: int):
-        from ..nixl import load_nixl
-        from ..nixl.agent import make_agent
+        from ...nixl import load_nixl
+        from ...nixl.agent import make_agent
 
         nixl = load_nixl()
         # The managers' progress-thread delay: every row runs beside the same threads.
@@ -227,14 +227,14 @@ def merge_descriptors(d: np.ndarray, s: np.ndarray) -> Tuple[np.ndarray, np.ndar
 
 # ---------------------------------------------------------------------- the pull
 def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
-    from .timing import measure
-    from ..nixl import TransferManager
-    from ..nixl.agent import PROGRESS_DELAY_US
+    from ..timing import measure
+    from ...nixl import TransferManager
+    from ...nixl.agent import PROGRESS_DELAY_US
 
     P, D = sc.build(device), sc.build(device)
     counts = sc.blocks_per_group()
     num_blocks, _ = sc.block_ids()
-    d_ids = _d_ids(sc, num_blocks, sc.seed)
+    d_ids = d_block_ids(sc, num_blocks, sc.seed)
     delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
               backends=(args.nixl_backend,), progress_delay_us=delay)
@@ -249,7 +249,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
         tokens = max(counts) * sc.block_size
 
         def page_plan(d=md, peer=peer):
-            return _page_plan(d.plan_pull(peer, _padded(P.ids, counts), tokens, _padded(d_ids, counts)))
+            return _page_plan(d.plan_pull(peer, padded(P.ids, counts), tokens, padded(d_ids, counts)))
 
         plan = page_plan()  # the raw rows' descriptors; each pull gets a plan of its own (one pull per plan)
         raw = RawPair(plan, args.nixl_backend, delay)
@@ -308,11 +308,11 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
 
 def _verified(P, D, d_ids, block_dim: int, device: str) -> Optional[str]:
     """D's KV against P's at the request's blocks, once the work enqueued on D ended."""
-    from ..core.layout import as_words
+    from ...core.layout import as_words
 
     if device != "cpu":
         torch.cuda.synchronize()
-    return _check(P, D, d_ids, block_dim, as_words)
+    return check_kv(P, D, d_ids, block_dim, as_words)
 
 
 def _arena_verified(P, D, d_ids, block_dim: int, device: str, methods, before) -> Optional[str]:
@@ -372,15 +372,15 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
     :func:`kvcopy.bench.timing.measure` runs), and each call frees its span, so D's arena
     holds a few spans whatever ``--iters`` is (it held one per call, 2.4 GB at 30 calls
     of 36 MiB)."""
-    from ..nixl import TransferManager
-    from ..nixl.modes.spans import Arena
+    from ...nixl import TransferManager
+    from ...nixl.modes.spans import Arena
 
     tag, kw = ("+sum", dict(kw, checksum=True)) if checksum else ("", dict(kw, checksum=False))
     probe_bytes = 1 << 26 if sc.call_bytes() < (1 << 24) else 4 * sc.call_bytes() + (1 << 24)
     probe = TransferManager(SIDE_P + "-probe" + tag, P.dev, P.layer_groups, sc.block_size, sc.block_size,
                             buffer="arena", arena_order=args.arena_order, arena_bytes=probe_bytes, **kw)
     try:
-        span = probe.save(_padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
+        span = probe.save(padded(P.ids, counts), num_tokens=tokens, request_id="probe").nbytes
         assert probe.arena is not None
         granule = probe.arena.arena.granule
     finally:
@@ -400,8 +400,8 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
     mda = TransferManager(SIDE_D + "-arena" + tag, D.dev, D.layer_groups, sc.block_size, sc.block_size,
                           buffer="arena", arena_bytes=4 * span + 4 * granule, **kw)
     peer = mda.add_peer(mpa.metadata())
-    record = mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id="bench", readers=1 << 62)
-    d_padded = _padded(d_ids, counts)
+    record = mpa.save(padded(P.ids, counts), num_tokens=tokens, request_id="bench", readers=1 << 62)
+    d_padded = padded(d_ids, counts)
     pending: Dict[str, Any] = {}  # row -> the plan its next call pulls (an ArenaPlan)
 
     def make_plan(row: str) -> None:
@@ -412,7 +412,7 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
 
     def arena_save():
         rid = f"s{next(saves)}"
-        mpa.save(_padded(P.ids, counts), num_tokens=tokens, request_id=rid)
+        mpa.save(padded(P.ids, counts), num_tokens=tokens, request_id=rid)
         mpa.arena.release(rid)
 
     def arena_pull(complete: bool):
@@ -446,14 +446,14 @@ def _arena_rows(sc, args, P, D, d_ids, counts, tokens, kw, checksum: bool = Fals
 def run(args) -> int:
     import json
 
-    from .timing import env_info
-    from .args import BenchError, device as _device, scenarios as _scenarios
-    from .output import Progress, write_file as _write
-    from .scenarios import plural
-    from ..nixl import nixl_available
+    from ..timing import env_info
+    from ..args import BenchError, device as _device, scenarios as _scenarios
+    from ..output import Progress, write_file as _write
+    from ..units import plural
+    from ...nixl import nixl_available
 
     if args.two_hosts or args.faults:  # P and D over a real link: kvcopy.bench.two_hosts_bench
-        from .two_hosts_bench import run as run_two_hosts
+        from ..two_hosts_bench import run as run_two_hosts
 
         if not args.two_hosts:
             raise BenchError("--faults is a --two-hosts measurement: pass both")
@@ -486,7 +486,7 @@ def run(args) -> int:
 
 
 def format_nixl(out: dict) -> str:
-    from .scenarios import fmt_bytes
+    from ..units import fmt_bytes
 
     lines = [f"kvcopy-bench nixl  on {out['env']['device']}, NIXL {out['env'].get('nixl')}",
              f"scenario {out['description']}"]
@@ -521,7 +521,7 @@ class _HostSumRows:
     page read brings its 8-byte sum, one more descriptor per page (``descriptors``)."""
 
     def __init__(self, sc, P, D, kw, page_plan, descriptors: int):
-        from ..nixl import TransferManager
+        from ...nixl import TransferManager
 
         self.p = TransferManager(SIDE_P + "-sum", P.dev, P.layer_groups, sc.block_size, sc.block_size, **kw,
                                   checksum=True)
@@ -586,7 +586,7 @@ class _HostPulls:
 
 def _page_plan(plan):
     """A host-mode plan (a PullPlan: pages, region pairs)."""
-    from ..nixl import PullPlan
+    from ...nixl import PullPlan
 
     if not isinstance(plan, PullPlan):
         raise TypeError(f"host mode planned a {type(plan).__name__}")
