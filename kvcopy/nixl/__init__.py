@@ -17,7 +17,8 @@ Importing this package does not import NIXL; creating a manager does (``nixl``,
 from .agent import NixlError, load_nixl, nixl_available
 from .modes.spans import ArenaFull
 from .engine.geometry import rank_heads, remote_ranks
-from .wire.handshake import HANDSHAKE_VERSION, EngineInfo, LayerPair, decode, encode, pair_layers
+from .wire.handshake import HANDSHAKE_VERSION, decode, encode
+from .engine.info import EngineInfo, LayerPair, pair_layers
 from .manager import TransferManager
 from .options import ManagerOptions
 from .planning.plan import (

@@ -88,7 +88,8 @@ from ..checks import name as checked_name, seconds
 from .agent import Agent, NixlError
 from .modes.spans import ArenaFull
 from .modes.base import BufferMode, Peer, Read
-from .wire.handshake import EngineInfo, check_peer_limits, decode, encode, engine_descriptors, layer_limit, pair_layers
+from .wire.handshake import decode, encode
+from .engine.info import EngineInfo, check_peer_limits, engine_descriptors, layer_limit, pair_layers
 from .late_reads import LateReads
 from .wire.notices import Mailbox
 from .peer_load import load_peer

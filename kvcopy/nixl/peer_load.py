@@ -17,7 +17,7 @@ from typing import Container, Optional
 import numpy as np
 
 from .agent import Agent, NixlError, metadata_name
-from .wire.handshake import EngineInfo
+from .engine.info import EngineInfo
 
 
 def load_peer(agent: Agent, remote: EngineInfo, descs: np.ndarray, own: str, in_use: Container[str]

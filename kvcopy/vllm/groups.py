@@ -53,7 +53,7 @@ from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 from ..nixl.planning.plan import NO_BLOCK
 
 # Tokens per block and per page of a state group in kvcopy's plans: the largest a
-# handshake allows (kvcopy.nixl.wire.handshake.MAX_TOKENS_PER_BLOCK). A prompt of at most
+# handshake allows (kvcopy.nixl.engine.info.MAX_TOKENS_PER_BLOCK). A prompt of at most
 # this many tokens is one page position, the state after the prompt.
 STATE_TOKENS = 1 << 20
 

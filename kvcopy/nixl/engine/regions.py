@@ -29,22 +29,21 @@ local side keeps the tensors in :class:`RegionSet`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ...checks import per_group_counts, shown
-from ...core.layout import KV_LAYOUTS, PageLayout, byte_extent, chunks_disjoint, describe
-from ..wire.schema import Record, check_int, check_list, check_str
+from ...checks import per_group_counts
+from ...core.layout import PageLayout, byte_extent, chunks_disjoint, describe
 
 BUFFER_MODES = ("host", "device")  # the manager adds "arena" (kvcopy.nixl.modes.arena)
 MEM_TYPES = ("DRAM", "VRAM")
 LAYOUT_KINDS = ("kv_first", "blocks_first", "mla", "flat")  # kvcopy.core.layout's kinds
 AXIS_NAMES = ("token", "head") + tuple(f"o{i}" for i in range(8))
-# Largest values a peer's region may declare (checked by RegionInfo.from_dict). The
-# engine-relative limits (descriptors, layers) are in kvcopy.nixl.wire.handshake.
+# Largest values a peer's region may declare (checked by kvcopy.nixl.wire.region_record).
+# The engine-relative limits (descriptors, layers) are in kvcopy.nixl.engine.info.
 MAX_PAGES = 1 << 31
 MAX_CHUNKS = 64
 MAX_BYTES = 1 << 48  # strides, chunk bytes, sizes
@@ -110,45 +109,7 @@ class RegionInfo:
         rows[:, :, 2] = self.device_id
         return rows.reshape(-1, 3)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d) -> "RegionInfo":
-        """A region from a peer's handshake header: every field type- and range-checked,
-        and the fields checked against each other (see :mod:`kvcopy.nixl.wire.schema`);
-        ``ValueError`` on anything else. ``index`` and group numbers are checked
-        against the engine record by :func:`kvcopy.nixl.wire.handshake.decode`."""
-        r = Record(d, "region " + (shown(d.get("index")) if isinstance(d, Mapping) else "?"))
-        members = tuple(_member(m, r.at(f"members[{i}]")) for i, m in enumerate(r.entries("members", 1, MAX_LAYERS)))
-        dtype = r.name("dtype", 32)
-        itemsize = r.integer("itemsize", 1, 16)
-        if DTYPE_SIZES.get(dtype) != itemsize:
-            raise ValueError(f"{r.where}: dtype {shown(dtype)} with itemsize {itemsize} is not a known "
-                             f"dtype (known: {sorted(DTYPE_SIZES)})")
-        page_shape = tuple(_size_stride(p, r.at(f"page_shape[{i}]"))
-                           for i, p in enumerate(r.entries("page_shape", 0, MAX_DIMS)))
-        total = r.integer_or_none("total_kv_heads", 1, MAX_HEADS)
-        raw_heads = r.entries_or_none("heads", 2, 2)
-        heads = None if raw_heads is None else (check_int(raw_heads[0], 0, MAX_HEADS - 1, r.at("heads[0]")),
-                                                check_int(raw_heads[1], 1, MAX_HEADS, r.at("heads[1]")))
-        raw_axes = r.entries_or_none("axes", 1, MAX_DIMS)
-        axes = None if raw_axes is None else tuple(_axis(a, r.at(f"axes[{i}]")) for i, a in enumerate(raw_axes))
-        info = cls(
-            index=r.integer("index", 0, MAX_LAYERS - 1), members=members,
-            address=r.integer("address", 0, (1 << 64) - 1), device_id=r.integer("device_id", 0, MAX_DEVICE_ID),
-            num_pages=r.integer("num_pages", 1, MAX_PAGES), num_chunks=r.integer("num_chunks", 1, MAX_CHUNKS),
-            chunk_bytes=r.integer("chunk_bytes", 1, MAX_BYTES), page_stride=r.integer("page_stride", 0, MAX_BYTES),
-            chunk_stride=r.integer("chunk_stride", 0, MAX_BYTES), dtype=dtype, itemsize=itemsize,
-            page_shape=page_shape, kind=r.choice("kind", LAYOUT_KINDS), kv_layout=r.choice("kv_layout", KV_LAYOUTS),
-            tokens_per_page=r.integer("tokens_per_page", 1, MAX_TOKENS_PER_PAGE), total_kv_heads=total,
-            heads=heads, head_size=r.integer_or_none("head_size", 1, MAX_BYTES), axes=axes,
-        )
-        r.done()
-        info._check_consistent(r.where)
-        return info
-
-    def _check_consistent(self, where: str) -> None:
+    def check_consistent(self, where: str) -> None:
         """The fields of one region agree with each other, as :func:`build_regions` makes them."""
         problems = self._extent_problems() + self._shape_problems()
         if problems:
@@ -198,25 +159,6 @@ class RegionInfo:
         if "head" in sizes and (self.heads is None or sizes["head"] != self.heads[1]):
             problems.append(f"head axis of {sizes['head']} vs KV heads held {self.heads}")
         return problems
-
-
-def _member(value, where: str) -> Tuple[str, int]:
-    check_list(value, 2, 2, where)
-    return check_str(value[0], MAX_NAME, f"{where} layer"), check_int(value[1], 0, MAX_GROUPS - 1, f"{where} group")
-
-
-def _size_stride(value, where: str) -> Tuple[int, Optional[int]]:
-    check_list(value, 2, 2, where)
-    stride = None if value[1] is None else check_int(value[1], 0, MAX_BYTES, f"{where} stride")
-    return check_int(value[0], 1, MAX_BYTES, f"{where} size"), stride
-
-
-def _axis(value, where: str) -> Tuple[str, int, int]:
-    check_list(value, 3, 3, where)
-    if value[0] not in AXIS_NAMES:
-        raise ValueError(f"{where}: axis name {shown(value[0])} is not one of {list(AXIS_NAMES)}")
-    return value[0], check_int(value[1], 1, MAX_BYTES, f"{where} size"), check_int(value[2], 0, MAX_BYTES,
-                                                                                    f"{where} stride")
 
 
 class RegionRef(NamedTuple):

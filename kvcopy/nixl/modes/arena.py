@@ -50,7 +50,7 @@ from ...core.copier import CallPlan
 from .spans import Arena, ArenaFull, Span
 from .base import BufferMode, Peer, Read
 from ..planning.descriptors import check_pairs, desc_rows
-from ..wire.handshake import EngineInfo, LayerPair, pair_layers
+from ..engine.info import EngineInfo, LayerPair, pair_layers
 from .keyed_cache import KeyedCache
 from ..options import ManagerOptions
 from ..planning.pack_order import ORDER, ORDERS, chunk_extents, granule_for, head_slabs, span_layout, stage_units, \

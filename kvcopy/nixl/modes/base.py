@@ -21,7 +21,7 @@ a failed pull wrote    the request's mirror pages   its KV pages                
 =====================  ===========================  ==========================  ==================================
 
 A mode is made by ``build`` from the manager's caches, groups and options, never sees
-NIXL, and gets the manager's one :class:`~kvcopy.nixl.wire.handshake.EngineInfo` (``info``)
+NIXL, and gets the manager's one :class:`~kvcopy.nixl.engine.info.EngineInfo` (``info``)
 and its peers (:class:`Peer`) with each call.
 
 ``plan`` returns two things: the plan the caller gets (a description) and the mode's
@@ -42,7 +42,7 @@ from typing import ClassVar, Dict, List, Mapping, NamedTuple, Optional, Protocol
 
 import numpy as np
 
-from ..wire.handshake import EngineInfo, LayerPair, SumsRegion
+from ..engine.info import EngineInfo, LayerPair, SumsRegion
 from ..options import ManagerOptions
 from ..planning.plan import Plan
 from ..engine.regions import RegionInfo, RegionSet

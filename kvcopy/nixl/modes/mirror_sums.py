@@ -2,7 +2,7 @@
 
 Host mode reads P's mirror pages by block id, with no record per request, so P's sums
 travel the way the pages do: each engine registers a **page-sums region** with NIXL and
-advertises it in the handshake (:class:`~kvcopy.nixl.wire.handshake.SumsRegion`).
+advertises it in the handshake (:class:`~kvcopy.nixl.engine.info.SumsRegion`).
 
 Layout: int64 slots (pinned when the KV is on a GPU), group after group
 (:func:`~kvcopy.nixl.engine.regions.sum_slots`): slot ``offsets[g] + p`` holds the checksum of
@@ -42,7 +42,7 @@ from ...core.copier import BlockCopier
 from ...core.layout import MAX_RUN_DIMS
 from ...core.tables import KEY_STRIDES, RUN_BYTES, RUN_DIMS, RUNS_PER_PAGE, CopyTables
 from .base import Peer, Read
-from ..wire.handshake import SumsRegion
+from ..engine.info import SumsRegion
 from ..planning.plan import PullPlan
 from ..wire.record import LAYOUT_HEX
 from ..engine.regions import RegionSet, sum_slots

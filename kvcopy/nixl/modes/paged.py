@@ -35,7 +35,7 @@ from ...core.copier import BlockCopier
 from ...core.layout import as_words
 from .base import BufferMode, Peer, Read
 from ..planning.descriptors import check_pairs, desc_rows, index_rows, same_ref
-from ..wire.handshake import EngineInfo
+from ..engine.info import EngineInfo
 from .keyed_cache import KeyedCache
 from ..options import ManagerOptions
 from ..planning.plan import NO_BLOCK, PullPlan, build_multi_pull_plan, expand_blocks, request_block_ids
@@ -43,7 +43,7 @@ from ..pull import PagesHeld
 from ..engine.regions import RegionSet, build_regions
 from ..planning.routes import plan_routes
 from .rows import byte_index, merged, overlaps, zero_runs
-from ..wire.handshake import SumsRegion
+from ..engine.info import SumsRegion
 from .mirror_sums import HostCheck, HostSums, PendingSums
 from ..sum_check import SumCheck, SumStats
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..wire.handshake import EngineInfo
+from ..engine.info import EngineInfo
 from .plan import RegionPair, RegionRef
 
 

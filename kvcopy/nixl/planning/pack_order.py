@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Dict, List, Sequence, Tuple
 
-from ..wire.handshake import EngineInfo
+from ..engine.info import EngineInfo
 from ..engine.regions import RegionInfo
 
 ORDER = "unit/chunk/page:v1"  # the token order (the default)

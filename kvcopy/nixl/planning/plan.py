@@ -60,7 +60,7 @@ import numpy as np
 
 from ...checks import block_id_lists, integer, per_group_counts
 from ..engine.geometry import local_segments, token_pieces
-from ..wire.handshake import EngineInfo, LayerPair
+from ..engine.info import EngineInfo, LayerPair
 from ..engine.regions import RegionRef
 from .routes import Route, Routes, Sources, plan_routes
 

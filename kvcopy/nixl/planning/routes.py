@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from ..engine.geometry import head_owners, segments
-from ..wire.handshake import EngineInfo, LayerPair
+from ..engine.info import EngineInfo, LayerPair
 
 Sources = Sequence[Tuple[EngineInfo, Sequence[LayerPair]]]  # per peer: its record and the layer pairing
 

@@ -50,7 +50,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .framing import Framing
-from .handshake import GENERATION_HEX, NO_GENERATION, EngineInfo, MAX_TP, check_generation
+from ..engine.info import GENERATION_HEX, NO_GENERATION, EngineInfo, MAX_TP, check_generation
 from ..planning.pack_order import ORDER, ORDERS
 from ..planning.plan import NO_BLOCK
 from ..engine.regions import MAX_GROUPS, MAX_NAME

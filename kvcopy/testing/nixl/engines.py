@@ -309,7 +309,7 @@ def collect_notifications(manager, count: int, timeout: float = 60.0) -> List[tu
 
 def engine_info(engine: ToyEngine, name: str, buffer: str = "host"):
     """The handshake record of an engine without creating a NIXL agent (plan tests)."""
-    from ...nixl.wire.handshake import EngineInfo
+    from ...nixl.engine.info import EngineInfo
     from ...nixl.engine.regions import build_regions
 
     tpp = [engine.tokens_per_page] * len(engine.layer_groups)

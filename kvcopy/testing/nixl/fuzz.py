@@ -42,7 +42,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ...nixl.wire.handshake import pair_layers
+from ...nixl.engine.info import pair_layers
 from ...nixl.planning.plan import build_multi_pull_plan
 from ...nixl.modes.base import Peer
 from .geometries import (

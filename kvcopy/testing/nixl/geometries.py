@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ...nixl.engine.geometry import rank_heads, remote_ranks
-from ...nixl.wire.handshake import EngineInfo
+from ...nixl.engine.info import EngineInfo
 from ...nixl.planning.pack_order import granule_for, span_layout, stage_units
 from ...nixl.planning.plan import NO_BLOCK, expand_blocks
 from ...nixl.engine.regions import build_regions

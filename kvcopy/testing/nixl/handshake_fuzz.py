@@ -40,7 +40,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...nixl.wire.handshake import MAGIC, HANDSHAKE_VERSION, EngineInfo, decode, frame
+from ...nixl.wire.handshake import MAGIC, HANDSHAKE_VERSION, decode, frame
+from ...nixl.engine.info import EngineInfo
 
 BATCHES = ("random", "truncations", "flips", "counts", "types", "keys")
 _FIELD_VALUES: Tuple[object, ...] = (None, True, False, 1.5, -1, 2 ** 70, -(2 ** 70), "1", "", [], [1], {}, {"a": 1})

@@ -42,7 +42,7 @@ import torch
 
 from ...nixl.modes.base import Peer
 from ...nixl.engine.geometry import remote_ranks
-from ...nixl.wire.handshake import pair_layers
+from ...nixl.engine.info import pair_layers
 from .geometries import Spec, allocate, arena_staging, build_caches, expected, logical_kv, random_spec
 from .oracle import first_difference, replay_rows, same_bytes, unique_storages
 

@@ -28,13 +28,13 @@ from typing import Dict, Mapping, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from ...nixl.engine.info import MAX_TP
 from ...nixl.planning.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
 ARENA_PROTOCOL = 2  # 2: records bound to request/rank/registration, give-ups, keyed side channel
 NOTIFY_PREFIX = b"kvcopy-arena\0"
 READ, GAVE_UP = b"r", b"g"  # what a reader's notification says
-MAX_TP = 1024
 # The shortest arena TTL the connector takes: P's side channel stops serving a record a
 # margin of max(1 s, 10% of the TTL) before its span expires, so below 2 s nothing would
 # be served for long enough to be read.

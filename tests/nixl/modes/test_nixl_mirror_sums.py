@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvcopy.nixl import decode, encode
-from kvcopy.nixl.wire.handshake import MAGIC, SumsRegion, frame
+from kvcopy.nixl.wire.handshake import MAGIC, frame
+from kvcopy.nixl.engine.info import SumsRegion
 from kvcopy.testing.nixl import geometries
 from kvcopy.testing.nixl.engines import ManagerPairs, allocate_blocks, build_case, expected_pull, one_torch_thread, wait
 from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes

@@ -9,7 +9,7 @@ import pytest
 
 from kvcopy.testing.nixl import fuzz, geometries
 from kvcopy.nixl.planning.descriptors import Pieces, check_pairs, desc_rows, index_rows
-from kvcopy.nixl.wire.handshake import pair_layers
+from kvcopy.nixl.engine.info import pair_layers
 from kvcopy.nixl.planning.plan import build_multi_pull_plan
 from kvcopy.nixl.engine.regions import descriptor_table
 from kvcopy.testing.nixl.engines import one_torch_thread
