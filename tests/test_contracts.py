@@ -137,7 +137,8 @@ CHECKS = {"kvcopy.checks", "kvcopy.msgpack_shape"}
 NATIVE = {"kvcopy.checks", "kvcopy.kernels", "kvcopy.native", "kvcopy.copy_backends.cudalib"}
 CORE_DATA = NATIVE | {"kvcopy.core.layout", "kvcopy.core.storages", "kvcopy.core.tables", "kvcopy.core.checksum"}
 COPY_BACKENDS = CORE_DATA | {"kvcopy.copy_backends"}
-COPY_CORE = COPY_BACKENDS | {"kvcopy.core.planner", "kvcopy.core.copier", "kvcopy.core.copy_op", "kvcopy.ops"}
+COPY_CORE = COPY_BACKENDS | {"kvcopy.core.planner", "kvcopy.core.aliasing", "kvcopy.core.copier", "kvcopy.core.copy_op",
+                             "kvcopy.ops"}
 OFFLOAD = COPY_CORE | {"kvcopy.offload"}
 NIXL = COPY_CORE | {"kvcopy.nixl"}
 LIBRARY = OFFLOAD | NIXL | {"kvcopy", "kvcopy.msgpack_shape", "kvcopy.vllm"}
@@ -157,6 +158,7 @@ LAYERS: Dict[str, Set[str]] = {
     "kvcopy.core.checksum": CORE_DATA,
     "kvcopy.copy_backends": COPY_BACKENDS,
     "kvcopy.core.planner": COPY_CORE,
+    "kvcopy.core.aliasing": COPY_CORE,
     "kvcopy.core.copier": COPY_CORE,
     "kvcopy.core.copy_op": COPY_CORE,
     "kvcopy.ops": COPY_CORE,

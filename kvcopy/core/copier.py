@@ -10,7 +10,8 @@ The contract: for each group ``g``, each layer ``l`` in ``g`` and
 each ``i``, block ``src_ids[g][i]`` of ``src[l]`` is written to block ``dst_ids[g][i]``
 of ``dst[l]``, and no other destination byte changes. A layer in no group (a
 KV-sharing layer) is never read or written. Layers of different groups that are views
-of one storage (hybrid models) are copied at their own group's blocks only; two names
+of one storage (hybrid models) are copied at their own group's blocks only
+(:mod:`kvcopy.core.aliasing` decides at build where their writes may meet); two names
 for the same bytes within a group are copied once. Bad input raises ``ValueError`` or
 ``TypeError`` naming the group, layer and id before any byte moves (ids are checked by
 :mod:`kvcopy.core.planner`). Device and host tensors that share bytes are refused at build,
@@ -19,16 +20,16 @@ and a storage replaced or freed after build is refused at the call
 """
 from __future__ import annotations
 
-import itertools
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..copy_backends import Backend, choose_backend, get_backend
+from .aliasing import check_destinations, check_shared_rows, planner_limits, region_key
 from .checksum import SumFold
 from .checksum import check_output as check_checksum_output
 from .checksum import copy_device as checksum_device
-from .layout import PageLayout, byte_extent, describe, pair_pages
+from .layout import PageLayout, describe, pair_pages
 from ..checks import shown
 from .planner import CallPlanner
 from .storages import StorageGuard, check_disjoint
@@ -45,7 +46,7 @@ class _Direction:
         self.backend = backend
         self.planner = planner
         self.dst_side = dst_side
-        self.row_pairs = tuple(row_pairs)  # overlaid groups of different block strides (_check_shared_rows)
+        self.row_pairs = tuple(row_pairs)  # overlaid groups of different block strides (check_shared_rows)
         self._sums_check: Optional[tuple] = None
 
     def sums_check(self) -> tuple:
@@ -192,14 +193,14 @@ class BlockCopier:
         for layers in self.layer_groups:
             mine: List[int] = []
             for name in layers:
-                key = (_region_key(src_t[name], src_l[name]), _region_key(dst_t[name], dst_l[name]))
+                key = (region_key(src_t[name], src_l[name]), region_key(dst_t[name], dst_l[name]))
                 if key not in entry_of:
                     entry_of[key] = len(entries)
                     entries.append(name)
                 if entry_of[key] not in mine:
                     mine.append(entry_of[key])
             group_entries.append(mine)
-        alias_classes, row_pairs = _check_destinations(entries, group_entries, dst_t, dst_l, dst_side)
+        alias_classes, row_pairs = check_destinations(entries, group_entries, dst_t, dst_l, dst_side)
         tables = build_tables(
             group_entries,
             [(src_t[n], src_l[n]) for n in entries],
@@ -214,9 +215,10 @@ class BlockCopier:
         if reason:
             raise ValueError(f"backend {chosen.name!r} cannot copy {src_side}->{dst_side}: {reason}")
         chosen.prepare(tables)
-        planner = CallPlanner(tables, _limits(self.layer_groups, src_l), _limits(self.layer_groups, dst_l),
-                              alias_classes, (src_side, dst_side),
-                              [layers[0] if layers else "-" for layers in self.layer_groups], origin=object())
+        groups = self.layer_groups
+        planner = CallPlanner(tables, planner_limits(groups, src_l), planner_limits(groups, dst_l), alias_classes,
+                              (src_side, dst_side), [layers[0] if layers else "-" for layers in groups],
+                              origin=object())
         return _Direction(tables, chosen, planner, dst_side, row_pairs)
 
     # ------------------------------------------------------------------ calls
@@ -333,7 +335,7 @@ class BlockCopier:
             raise ValueError("BlockCopier is closed")
         call = d.planner.plan(src_ids, dst_ids)
         if d.row_pairs:
-            _check_shared_rows(d.row_pairs, call, d.dst_side)
+            check_shared_rows(d.row_pairs, call, d.dst_side)
         return call
 
     def close(self) -> None:
@@ -361,239 +363,3 @@ class BlockCopier:
 def _raw_bits(dtype: torch.dtype) -> bool:
     """An integer type: a container of another type's bits rather than a number format."""
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
-def _region_key(t: torch.Tensor, l: PageLayout) -> tuple:
-    # The element order is part of the region: two views of the same bytes in different
-    # orders (an LBNHC view and a contiguous view of one allocation) place a page's
-    # elements differently, so they are not one region to copy once.
-    return (t.device, t.data_ptr(), l.block_stride, l.chunk_stride, l.chunk_bytes, l.num_chunks, l.num_blocks,
-            l.itemsize, l.page_dims)
-
-
-def _limits(groups, layouts) -> List[Tuple[int, str]]:
-    out = []
-    for layers in groups:
-        if layers:
-            name = min(layers, key=lambda n: layouts[n].num_blocks)
-            out.append((layouts[name].num_blocks, name))
-        else:
-            out.append((0, "-"))
-    return out
-
-
-def _check_destinations(entries, group_entries, tensors, layouts, side) -> Tuple[List[List[int]], List[tuple]]:
-    """Which groups' destination writes may meet, and how to keep them apart per call.
-
-    Every pair of destination entries whose byte extents intersect must be one of:
-
-    * **the same region** (same base, geometry and element order): groups writing it
-      must use different ids in one call; a group with two such entries would write
-      the same bytes from two sources and is refused;
-    * **interleaved** (:func:`_interleaved`): no byte in common at any ids;
-    * **overlaid on shared rows** (:func:`_shared_rows`): pages alias only within one
-      row of a common row grid, page ``i`` of a view in row ``i // r``; pages in
-      different rows never share a byte. A group overlaid with itself is refused (it
-      writes the same ids to both views); groups with the same block stride
-      (``r = 1`` on both sides) must use different ids in one call, and groups with
-      different strides (``r`` of 1 and of n: a kernel-page view over a logical-block
-      view) different rows;
-
-    anything else can collide at different ids and raises.
-
-    Returns ``(alias_classes, row_pairs)``: classes of groups whose ids must be
-    disjoint within a call (merged transitively, each group in at most one class, as
-    the native planner wants one class per group), and ``(g_pages, r, g_rows)`` triples
-    (one side of a pair with different strides has ``r = 1``, its ids are rows) whose
-    rows must be disjoint, checked by :func:`_check_shared_rows`.
-    Both are empty for models without overlays, so a call costs nothing more then.
-    """
-    key = [_region_key(tensors[n], layouts[n]) for n in entries]
-    groups_of_entry: Dict[int, set] = {}
-    for g, es in enumerate(group_entries):
-        for e in es:
-            groups_of_entry.setdefault(e, set()).add(g)
-    classes = _same_region_classes(entries, group_entries, groups_of_entry, key, side)
-    row_pairs: Dict[Tuple[int, int], tuple] = {}
-    for a, b in _overlapping_extents(entries, tensors):
-        if key[a] == key[b]:
-            continue  # the same region: classes above
-        la, lb = layouts[entries[a]], layouts[entries[b]]
-        base_a, base_b = tensors[entries[a]].data_ptr(), tensors[entries[b]].data_ptr()
-        if _interleaved(la, lb, base_a, base_b):
-            continue
-        rows = _shared_rows(la, lb, base_a, base_b)
-        if rows is None:
-            raise ValueError(
-                f"layers {entries[a]!r} and {entries[b]!r}: {side} tensors overlap without being the "
-                "same region or aliasing only at the same block; kvcopy cannot order their writes"
-            )
-        if rows != _DISJOINT:
-            _add_overlay(entries[a], entries[b], groups_of_entry.get(a, set()), groups_of_entry.get(b, set()),
-                         rows, side, classes, row_pairs)
-    return _merge_classes(classes, len(group_entries)), sorted(row_pairs.values())
-
-
-def _overlapping_extents(entries, tensors):
-    """Pairs of entries whose byte extents intersect (one sort, a sweep per device)."""
-    spans = []
-    for e, name in enumerate(entries):
-        t = tensors[name]
-        start, end = byte_extent(t)
-        spans.append((str(t.device), start, end, e))
-    spans.sort()
-    for i in range(len(spans)):
-        dev_i, _, e_i, a = spans[i]
-        for j in range(i + 1, len(spans)):
-            dev_j, s_j, _, b = spans[j]
-            if dev_j != dev_i or s_j >= e_i:
-                break
-            yield a, b
-
-
-def _same_region_classes(entries, group_entries, groups_of_entry, key, side) -> List[set]:
-    """Groups writing one identical destination region (each from its own source)."""
-    by_key: Dict[tuple, List[int]] = {}
-    for e in range(len(entries)):
-        by_key.setdefault(key[e], []).append(e)
-    classes = []
-    for es in by_key.values():
-        gs = set().union(*(groups_of_entry.get(e, set()) for e in es))
-        for g in range(len(group_entries)):
-            if len([e for e in es if e in group_entries[g]]) > 1:
-                raise ValueError(
-                    f"group {g}: layers {[entries[e] for e in es]} write the same {side} "
-                    "bytes from different sources"
-                )
-        if len(gs) > 1:
-            classes.append(gs)
-    return classes
-
-
-def _add_overlay(name_a, name_b, groups_a, groups_b, rows, side, classes, row_pairs) -> None:
-    """Record what a call must check for two entries overlaid on shared rows."""
-    r_a, r_b = rows
-    for g_a in groups_a:
-        for g_b in groups_b:
-            if g_a == g_b:
-                raise ValueError(
-                    f"group {g_a}: layers {min(name_a, name_b)!r} and {max(name_a, name_b)!r} overlap in {side} "
-                    "bytes with different page shapes; one group writes the same block ids to both"
-                )
-            if r_a == r_b:
-                classes.append({g_a, g_b})
-            else:  # (group of kernel pages, pages per row, group of rows)
-                row_pairs[min(g_a, g_b), max(g_a, g_b)] = (g_a, r_a, g_b) if r_a > 1 else (g_b, r_b, g_a)
-
-
-def _merge_classes(classes: List[set], num_groups: int) -> List[List[int]]:
-    """Classes that share a group merged, transitively (union-find): each group ends up
-    in at most one class, which the native planner needs (one stamp row per group).
-    Stricter than pairwise, and free in practice: vLLM's block ids are unique across
-    groups (one pool)."""
-    parent = list(range(num_groups))
-
-    def root(g: int) -> int:
-        while parent[g] != g:
-            parent[g] = parent[parent[g]]
-            g = parent[g]
-        return g
-
-    for c in classes:
-        first, *rest = sorted(c)
-        for g in rest:
-            parent[root(g)] = root(first)
-    merged: Dict[int, List[int]] = {}
-    for g in sorted(set().union(*classes)) if classes else []:
-        merged.setdefault(root(g), []).append(g)
-    return sorted(merged.values())
-
-
-def _interleaved(la: PageLayout, lb: PageLayout, base_a: int, base_b: int) -> bool:
-    """Whether two views whose extents overlap never share a byte: per-layer views of
-    one cross-layer allocation (vLLM's ``[B, L, ...]``, ``[B, H, L, ...]``,
-    ``[L, H, B, ...]`` layer views) have the same shape and strides and sit a multiple
-    of some layer stride apart. Sufficient test: the views' dims plus a dim of two
-    with their distance as stride, sorted by stride, nest (each stride at least the
-    extent of the dims inside it), so no two elements of the pair share a byte."""
-    dims_a = sorted([(n, st * la.itemsize) for n, st in la.page_dims] + [(la.num_blocks, la.block_stride)])
-    dims_b = sorted([(n, st * lb.itemsize) for n, st in lb.page_dims] + [(lb.num_blocks, lb.block_stride)])
-    if dims_a != dims_b or la.itemsize != lb.itemsize or base_a == base_b:
-        return False
-    extent = la.itemsize
-    for n, stride in sorted([(2, abs(base_a - base_b))] + [d for d in dims_a if d[0] > 1], key=lambda d: d[1]):
-        if stride < extent:
-            return False
-        extent += (n - 1) * stride
-    return True
-
-
-_DISJOINT = "disjoint"
-
-
-def _shared_rows(la: PageLayout, lb: PageLayout, base_a: int, base_b: int):
-    """How two overlapping views of one allocation with different page geometry alias:
-    ``(r_a, r_b)``, :data:`_DISJOINT`, or None when kvcopy cannot tell.
-
-    The rule: let ``s_a``, ``s_b`` be the block strides with one a multiple of the
-    other, ``S = max(s_a, s_b)``, ``r_v = S / s_v``, ``o = min(base_a, base_b)``, and
-    ``span_v`` the bytes from a page's first byte to its last. If each view has
-    ``(base_v - o) + span_v <= s_v``, page ``i`` of view ``v`` lies inside row
-    ``i // r_v`` of the grid ``[o + k S, o + (k+1) S)``. Proof: page ``i`` starts at
-    ``o + (base_v - o) + (i mod r_v) s_v + (i // r_v) S`` and ends by
-    ``o + (i // r_v) S + (r_v - 1) s_v + (base_v - o) + span_v <= o + (i // r_v + 1) S``.
-    Rows do not intersect, so pages of the two views can share a byte only when
-    ``i // r_a == j // r_b``: ids in different rows give disjoint writes.
-
-    vLLM 0.33's overlays meet it: groups viewed from byte 0 with pages padded to the
-    largest (same stride, ``r = 1``), unified block sizes (same page bytes, another
-    shape), packed pages side by side in a block-outermost row, and a block split into
-    kernel pages next to a group that is not split (GDN state: ``r`` of 1 against
-    ``r = block / kernel page`` for attention), where ``i // r`` is the logical block
-    and logical ids are unique across groups. When the two views' footprints within
-    a row (the hull of a row's ``r_v`` pages) do not meet, they never share a byte.
-    """
-    s_a, s_b = la.block_stride, lb.block_stride
-    if s_a <= 0 or s_b <= 0 or max(s_a, s_b) % min(s_a, s_b):
-        return None
-    row = max(s_a, s_b)
-    r_a, r_b = row // s_a, row // s_b
-    origin = min(base_a, base_b)
-    off_a, off_b = base_a - origin, base_b - origin
-    end_a, end_b = off_a + _page_span(la), off_b + _page_span(lb)
-    if end_a > s_a or end_b > s_b:
-        return None
-    if (r_a - 1) * s_a + end_a <= off_b or (r_b - 1) * s_b + end_b <= off_a:
-        return _DISJOINT
-    return r_a, r_b
-
-
-def _page_span(l: PageLayout) -> int:
-    """Bytes from the first byte of a page to its last, inclusive."""
-    return (l.num_chunks - 1) * l.chunk_stride + l.chunk_bytes
-
-
-def _check_shared_rows(row_pairs, call: CallPlan, side: str) -> None:
-    """Per call, for views overlaid with different block strides: no row is written by
-    both groups of a pair. One side of a pair has ``r = 1`` (its ids are rows: logical
-    blocks), the other ``r > 1`` (kernel pages, ``r`` to a row): row ``j`` is taken
-    when any of pages ``j r .. j r + r - 1`` is. One set of page ids per group and one
-    C-level ``isdisjoint`` per row id (state groups name one or two blocks per request);
-    nothing has been written when it raises."""
-    flat = call.dst_flat
-    starts = [0, *itertools.accumulate(call.group_lens)]
-    pages: Dict[int, set] = {}
-    for g_page, r, g_row in row_pairs:
-        if g_page not in pages:
-            pages[g_page] = set(flat[starts[g_page]:starts[g_page + 1]])
-        taken = pages[g_page]
-        for j in flat[starts[g_row]:starts[g_row + 1]]:
-            first = j * r
-            if not taken.isdisjoint(range(first, first + r)):
-                i = min(taken.intersection(range(first, first + r)))
-                raise ValueError(
-                    f"groups {g_page} and {g_row} overlay {side} bytes: group {g_page}'s block id {i} and group "
-                    f"{g_row}'s block id {j} are the same block (ids // {r} and // 1: {j}); block ids must be "
-                    "unique across groups"
-                )
-

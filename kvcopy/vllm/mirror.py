@@ -29,7 +29,7 @@ unifies page sizes, pages packed side by side in block-outermost rows, and atten
 GDN hybrids (``MambaSpec`` state ``[NB, 1, 1, state bytes]`` int8 views whose stride is
 the padded page, next to attention kernel pages). The copier proves at registration
 that these views alias only within one block of the pool and checks per call that no
-block is named by two groups (:func:`kvcopy.core.copier._shared_rows`). vLLM's host buffer
+block is named by two groups (:func:`kvcopy.core.aliasing.shared_rows`). vLLM's host buffer
 for a padded state layer is smaller than the NIXL region vLLM registers for it (NIXL
 refuses the descriptors); the worker allocates the buffer with the padded stride
 (:func:`kvcopy.vllm.groups.state_host_buffers`) before vLLM registers it, and says so
