@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import io
 import json
@@ -291,8 +290,10 @@ def probe_library(stem: str, path: Optional[Path]) -> dict:
     if path is None or not path.is_file():
         return {"path": str(path) if path else None, "loads": False, "error": "not found"}
     info: Dict[str, object] = {"path": str(path), "bytes": path.stat().st_size, "glibc_needed": glibc_needed(path)}
+    from kvcopy import native
+
     try:
-        lib = ctypes.CDLL(str(path))
+        lib, _ = native.probe(stem, path)  # every signature declared that the library has
     except OSError as exc:
         info.update(loads=False, error=str(exc))
         return info
@@ -304,9 +305,7 @@ def probe_library(stem: str, path: Optional[Path]) -> dict:
                "kvcopy_cuda_runtime_version", "kvcopy_cuda_threads", "kvcopy_cuda_inline_words",
                "kvcopy_cuda_params_bytes") + (("kvcopy_ce_batch_abi",) if on_gpu() else ()):
         if hasattr(lib, fn):  # constants compiled in (the batch ABI asks the driver: GPU only)
-            f = getattr(lib, fn)
-            f.restype, f.argtypes = ctypes.c_int, []
-            info[fn.replace("kvcopy_", "")] = f()
+            info[fn.replace("kvcopy_", "")] = getattr(lib, fn)()
     return info
 
 
@@ -328,9 +327,9 @@ def backend_facts() -> dict:
 
         out["triton"]["launcher"] = "interpreter" if interpreting() else "compiled (JIT: cc, Python.h, libcuda)"
     if out.get("ce", {}).get("available"):
-        from kvcopy.copy_backends import cudalib
+        from kvcopy import native
 
-        lib, _ = cudalib.library()
+        lib, _ = native.load("kvcopy_cuda")
         abi = lib.kvcopy_ce_batch_abi() if lib is not None else 0
         out["ce"]["launcher"] = f"cudaMemcpyBatchAsync (ABI {abi})" if abi else "per-segment cudaMemcpyAsync loop"
     if on_gpu():

@@ -1,4 +1,4 @@
-"""Finding and loading kvcopy's native libraries (ctypes, C ABI).
+"""kvcopy's native boundary: finding and loading its libraries, and every ctypes signature.
 
 ``setup.py`` builds them with CMake into ``kvcopy/_lib/``, beside a record of what
 it built and why not (``build-info.json``, read by :func:`build_info`); a source
@@ -11,6 +11,13 @@ a library built from other sources than this Python code: each exports
 do (a new checksum term), and a library whose version is not :data:`ABI_VERSIONS`' is
 refused (calling it with the new signatures would pass the wrong arguments, or trust
 sums computed another way).
+
+Every C function kvcopy calls through ctypes is declared here, and only here:
+:data:`SIGNATURES` for kvcopy's two libraries (declared when :func:`load` loads one; a
+library missing a symbol is out of date: rebuild), :func:`driver` for the CUDA driver
+calls (``libcuda.so.1``), :func:`cudart` for the runtime torch loaded, the NVRTC
+launcher's parameter structs, and :func:`noop_function` (the overhead benchmark's stub).
+:class:`CudaError` / :func:`check` turn a CUDA error code into an exception.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import ctypes
 import json
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 BUILD_INFO = LIB_DIR / "build-info.json"
@@ -27,6 +34,65 @@ BUILD_INFO = LIB_DIR / "build-info.json"
 ABI_VERSIONS = {"kvcopy_cpu": 12, "kvcopy_cuda": 3}
 
 _loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
+
+_vp, _i64, _int, _str = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+_P = ctypes.POINTER
+
+# kvcopy_cpu_copy(entries, group_offsets, group_entries, num_groups, packed, total_bytes,
+# num_threads, stream_min_bytes)
+CPU_COPY_ARGS = [_vp, _vp, _vp, _i64, _vp, _i64, _int, _i64]
+# kvcopy_cpu_copy_sums(the same but stream_min_bytes, then sums, num_sums, simd,
+# stream_min_bytes, piece_bytes, piece_min_bytes); _fold adds the fold's address array
+CPU_SUMS_ARGS = CPU_COPY_ARGS[:-1] + [_vp, _i64, _int, _i64, _i64, _i64]
+# kvcopy_cpu_copy_ranges(entries, group_offsets, group_entries, entry_bytes_prefix,
+# num_groups, call_ext, total_bytes, num_ranges, word_bytes): test helper
+CPU_RANGES_ARGS = [_vp] * 4 + [_i64, _vp] + [_i64] * 3
+# kvcopy_cuda_copy(tables, entries, groups, group_entries, call_host, call_device,
+# call_words, total_bytes, word_bytes, grid, stream)
+CUDA_COPY_ARGS = [_vp, _i64, _i64, _i64, _vp, _vp, _i64, _i64, _int, _int, _vp]
+# kvcopy_cuda_store_words(dst, src, count, stream)
+CUDA_STORE_ARGS = [_vp, _vp, _i64, _vp]
+
+# library stem -> symbol -> (restype, argtypes): every function of kvcopy's C ABI.
+SIGNATURES: Dict[str, Dict[str, Tuple[Any, List[Any]]]] = {
+    "kvcopy_cpu": {
+        "kvcopy_cpu_abi_version": (_int, []),
+        "kvcopy_cpu_has_openmp": (_int, []),
+        "kvcopy_cpu_sums_loops": (_int, []),
+        "kvcopy_cpu_sums_loop": (_int, [_int]),
+        "kvcopy_cpu_copy": (_int, CPU_COPY_ARGS),
+        "kvcopy_cpu_copy_sums": (_int, CPU_SUMS_ARGS),
+        "kvcopy_cpu_copy_sums_fold": (_i64, CPU_SUMS_ARGS + [_vp]),
+        "kvcopy_cpu_flush": (_int, [_vp, _i64]),
+        "kvcopy_fold_page_sums": (_i64, [_vp, _i64, _vp, _vp, _i64, _vp, _i64, _vp, _vp]),
+        "kvcopy_plan_call": (_i64, [_i64] + [_vp] * 6 + [_i64, _vp, _i64, _vp]),
+        "kvcopy_host_noop": (_int, []),
+        # test helpers
+        "kvcopy_cpu_copy_ranges": (_int, CPU_RANGES_ARGS),
+        "kvcopy_cpu_copy_ranges_sums": (_int, CPU_RANGES_ARGS + [_vp, _i64]),
+        "kvcopy_cpu_copy_streams": (_int, [_i64, _i64]),
+        "kvcopy_cpu_sums_pieces": (_int, [_i64, _i64, _int, _i64, _i64, _i64]),
+    },
+    "kvcopy_cuda": {
+        "kvcopy_cuda_abi_version": (_int, []),
+        "kvcopy_cuda_threads": (_int, []),
+        "kvcopy_cuda_inline_words": (_int, []),
+        "kvcopy_cuda_params_bytes": (_int, []),
+        "kvcopy_cuda_runtime_version": (_int, []),
+        "kvcopy_cuda_error_name": (_str, [_int]),
+        "kvcopy_cuda_error_string": (_str, [_int]),
+        "kvcopy_cuda_device_count": (_int, [_P(_int)]),
+        "kvcopy_cuda_device_info": (_int, [_int, _P(_int), _P(_int)]),
+        "kvcopy_cuda_host_device_pointer": (_int, [_vp, _P(_vp)]),
+        "kvcopy_cuda_copy": (_int, CUDA_COPY_ARGS),
+        "kvcopy_cuda_copy_sums": (_int, CUDA_COPY_ARGS + [_vp, _i64]),
+        "kvcopy_cuda_stream_capturing": (_int, [_vp, _P(_int)]),
+        "kvcopy_cuda_store_words": (_int, CUDA_STORE_ARGS),
+        "kvcopy_ce_batch_abi": (_int, []),
+        "kvcopy_ce_error_name": (_str, [_int]),
+        "kvcopy_ce_copy": (_int, [_vp, _vp, _vp, _i64, _vp, _int, _int, _int, _int, _vp, _P(_int), _P(_i64)]),
+    },
+}
 
 
 def _candidates(stem: str) -> List[Path]:
@@ -56,7 +122,8 @@ def load(stem: str) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
 
 
 def _checked(lib: ctypes.CDLL, stem: str, path: Path) -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
-    """``(lib, None)`` when its ABI version is the one expected, else ``(None, why)``."""
+    """``(lib, None)`` when its ABI version is the one expected and it exports every
+    function of :data:`SIGNATURES` (each then declared), else ``(None, why)``."""
     want = ABI_VERSIONS.get(stem)
     if want is None:
         return lib, None
@@ -68,7 +135,27 @@ def _checked(lib: ctypes.CDLL, stem: str, path: Path) -> Tuple[Optional[ctypes.C
     if got != want:
         return None, (f"{path} has ABI version {got}, this kvcopy needs {want}: built from other sources; "
                       "rebuild with `pip install -e .` (or `python setup.py build_ext --inplace`)")
+    for name, (res, args) in SIGNATURES.get(stem, {}).items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None, f"{path} is out of date (no {name}); rebuild with `pip install -e .`"
+        fn.restype, fn.argtypes = res, args
     return lib, None
+
+
+def probe(stem: str, path: Path) -> Tuple[ctypes.CDLL, List[str]]:
+    """The library at ``path`` whatever its ABI version (diagnostics: the GPU check,
+    build tests), every signature of :data:`SIGNATURES` it has declared, and the names
+    of those it lacks. ``OSError`` where it does not load."""
+    lib = ctypes.CDLL(str(path))
+    missing = []
+    for name, (res, args) in SIGNATURES.get(stem, {}).items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            missing.append(name)
+        else:
+            fn.restype, fn.argtypes = res, args
+    return lib, missing
 
 
 def build_info() -> Optional[dict]:
@@ -101,3 +188,105 @@ def missing_reason(stem: str, tried: List[Path]) -> str:
     return (f"{build_note(stem)}; looked in {', '.join(str(p.parent) for p in tried)}; build it with "
             "`pip install -v -e .` (CMake and a C++ compiler; nvcc for the CUDA library)")
 
+
+
+# ------------------------------------------------------------------ CUDA errors
+class CudaError(RuntimeError):
+    """A CUDA call made by kvcopy failed; ``name`` is the CUDA error name."""
+
+    def __init__(self, what: str, code: int, name: str):
+        super().__init__(f"{what} failed: {name} ({code})")
+        self.code = code
+        self.name = name
+
+
+def error_name(code: int) -> str:
+    lib, _ = load("kvcopy_cuda")
+    if lib is None:
+        return f"CUDA error {code}"
+    return lib.kvcopy_ce_error_name(code).decode()
+
+
+def check(code: int, what: str) -> None:
+    if code != 0:
+        raise CudaError(what, code, error_name(code))
+
+
+# ------------------------------------------------------------------ CUDA driver and runtime
+DRIVER_SIGNATURES: Dict[str, Tuple[Any, List[Any]]] = {
+    "cuModuleLoadData": (_int, [_P(_vp), _str]),
+    "cuModuleGetFunction": (_int, [_P(_vp), _vp, _str]),
+    "cuLaunchKernel": (_int, [_vp] + [ctypes.c_uint] * 7 + [_vp, _P(_vp), _vp]),
+    "cuGetErrorName": (_int, [_int, _P(_str)]),
+    "cuMemsetD8Async": (_int, [_vp, ctypes.c_ubyte, ctypes.c_size_t, _vp]),
+    "cuDeviceGetAttribute": (_int, [_P(_int), _int, _int]),
+    "cuDriverGetVersion": (_int, [_P(_int)]),
+}
+_driver: List[ctypes.CDLL] = []
+
+
+def driver() -> ctypes.CDLL:
+    """``libcuda.so.1`` with :data:`DRIVER_SIGNATURES` declared, loaded once; ``OSError``
+    where there is no CUDA driver."""
+    if not _driver:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name, (res, args) in DRIVER_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _driver.append(lib)
+    return _driver[0]
+
+
+_cudart: List[Optional[ctypes.CDLL]] = []
+
+
+def cudart() -> Optional[ctypes.CDLL]:
+    """The CUDA runtime this process loaded (torch's; found in ``/proc/self/maps``), or
+    None: ``cudaGetLastError``, which torch's binding does not expose."""
+    if not _cudart:
+        lib = None
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+            for path in sorted(paths):
+                lib = ctypes.CDLL(path)
+                lib.cudaGetLastError.restype, lib.cudaGetLastError.argtypes = _int, []
+                break
+        except OSError:
+            lib = None
+        _cudart.append(lib)
+    return _cudart[0]
+
+
+class KernelParams(ctypes.Structure):
+    """Mirror of kvcopy::KernelParams (kernels/block_copy_kernel.cuh), for the NVRTC launch."""
+
+    _fields_ = [
+        ("tables", _vp),
+        ("call", _vp),
+        ("num_entries", _i64),
+        ("num_groups", _i64),
+        ("num_group_entries", _i64),
+        ("total_bytes", _i64),
+        ("sums", _vp),
+        ("inline_call", _i64 * 480),
+    ]
+
+
+class StoreParams(ctypes.Structure):
+    """Mirror of kvcopy::StoreParams."""
+
+    _fields_ = [("dst", _vp), ("count", _i64), ("words", _i64 * 480)]
+
+
+def noop_function(argtypes: List[Any]) -> Any:
+    """``kvcopy_host_noop`` (does nothing, returns 0) typed with ``argtypes``, so a call
+    converts the same arguments as the real function's: the overhead benchmark's launch
+    stub. Extra register/stack arguments are ignored by the x86-64 and AArch64 C calling
+    conventions (the caller owns them). RuntimeError without a current host library."""
+    lib, why = load("kvcopy_cpu")
+    if lib is None:
+        raise RuntimeError(f"the stub needs a current libkvcopy_cpu (kvcopy_host_noop): {why}")
+    address = ctypes.cast(lib.kvcopy_host_noop, _vp).value
+    assert address is not None
+    return ctypes.CFUNCTYPE(_int, *argtypes)(address)

@@ -5,8 +5,14 @@ from kvcopy import native
 
 
 class _FakeLibrary:
+    """Every function of the host library's C ABI (doing nothing), at ABI ``version``."""
+
     def __init__(self, version=None):
-        if version is not None:
+        for name in native.SIGNATURES["kvcopy_cpu"]:
+            setattr(self, name, lambda *args: 0)
+        if version is None:
+            del self.kvcopy_cpu_abi_version
+        else:
             self.kvcopy_cpu_abi_version = lambda: version
 
 
@@ -29,3 +35,14 @@ def test_the_built_libraries_load_with_their_abi_version():
         return
     assert lib.kvcopy_cpu_abi_version() == native.ABI_VERSIONS["kvcopy_cpu"]
     assert native.find("kvcopy_cpu") is not None
+
+
+def test_load_declares_every_signature_and_refuses_a_library_missing_one():
+    lib = _FakeLibrary(native.ABI_VERSIONS["kvcopy_cpu"])
+    path = Path("/nowhere/libkvcopy_cpu.so")
+    assert native._checked(lib, "kvcopy_cpu", path) == (lib, None)
+    restype, argtypes = native.SIGNATURES["kvcopy_cpu"]["kvcopy_plan_call"]
+    assert (lib.kvcopy_plan_call.restype, lib.kvcopy_plan_call.argtypes) == (restype, argtypes)
+    del lib.kvcopy_fold_page_sums
+    got, why = native._checked(lib, "kvcopy_cpu", path)
+    assert got is None and "kvcopy_fold_page_sums" in why and "rebuild" in why

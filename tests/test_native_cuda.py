@@ -1,10 +1,9 @@
-"""kvcopy.copy_backends.cudalib: libkvcopy_cuda through ctypes, and CUDA error names."""
+"""kvcopy.native for libkvcopy_cuda: its signatures declared at load, and CUDA error names."""
 import os
 import shutil
 
 import pytest
 
-from kvcopy.copy_backends import cudalib
 from kvcopy import native
 
 NVCC = next((p for p in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
@@ -14,42 +13,41 @@ NVCC = next((p for p in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
 
 @pytest.fixture
 def fresh_library(monkeypatch):
-    """cudalib.library() resolves again (it loads once per process)."""
-    monkeypatch.setattr(cudalib, "_loaded", False)
-    monkeypatch.setattr(cudalib, "_lib", None)
-    monkeypatch.setattr(cudalib, "_lib_reason", None)
+    """native.load resolves again (it loads once per process)."""
+    monkeypatch.setattr(native, "_loaded", {})
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc here: the CUDA library is not built")
 def test_error_names_without_a_gpu():
     """The library's error table works without a device (CI builds it with nvcc)."""
-    lib, why = cudalib.library()
+    lib, why = native.load("kvcopy_cuda")
     assert lib is not None, why
-    assert cudalib.error_name(1) == "cudaErrorInvalidValue"
-    assert cudalib.error_name(100000 + 1) in ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_UNKNOWN")
-    with pytest.raises(cudalib.CudaError, match="cudaErrorInvalidValue") as info:
-        cudalib.check(1, "a test call")
+    assert native.error_name(1) == "cudaErrorInvalidValue"
+    assert native.error_name(100000 + 1) in ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_UNKNOWN")
+    with pytest.raises(native.CudaError, match="cudaErrorInvalidValue") as info:
+        native.check(1, "a test call")
     assert (info.value.code, info.value.name) == (1, "cudaErrorInvalidValue")
     assert str(info.value) == "a test call failed: cudaErrorInvalidValue (1)"
-    cudalib.check(0, "a call that worked")
+    native.check(0, "a call that worked")
 
 
 class _Partial:
-    """A library that has some of the C ABI's functions, not all."""
+    """A library of the right ABI version that has some of the C ABI's functions, not all."""
 
     def __init__(self):
-        self.kvcopy_cuda_abi_version = lambda: 1
+        self.kvcopy_cuda_abi_version = lambda: native.ABI_VERSIONS["kvcopy_cuda"]
+        self.kvcopy_cuda_threads = lambda: 256
 
 
-def test_a_library_missing_a_function_is_out_of_date(fresh_library, monkeypatch):
-    monkeypatch.setattr(native, "load", lambda stem: (_Partial(), None))
-    lib, why = cudalib.library()
-    assert lib is None and "out of date" in why and "rebuild" in why
+def test_a_library_missing_a_function_is_out_of_date():
+    lib, why = native._checked(_Partial(), "kvcopy_cuda", native.LIB_DIR / "libkvcopy_cuda.so")
+    assert lib is None and "out of date" in why and "rebuild" in why and "kvcopy_cuda_inline_words" in why
 
 
 def test_no_library_gives_its_reason_and_numbered_errors(fresh_library, monkeypatch):
-    monkeypatch.setattr(native, "load", lambda stem: (None, "libkvcopy_cuda.so is not built (no nvcc)"))
-    assert cudalib.library() == (None, "libkvcopy_cuda.so is not built (no nvcc)")
-    assert cudalib.error_name(700) == "CUDA error 700"
-    with pytest.raises(cudalib.CudaError, match=r"launch failed: CUDA error 700 \(700\)"):
-        cudalib.check(700, "launch")
+    monkeypatch.setattr(native, "find", lambda stem: None)
+    monkeypatch.setattr(native, "missing_reason", lambda stem, tried: "libkvcopy_cuda.so is not built (no nvcc)")
+    assert native.load("kvcopy_cuda") == (None, "libkvcopy_cuda.so is not built (no nvcc)")
+    assert native.error_name(700) == "CUDA error 700"
+    with pytest.raises(native.CudaError, match=r"launch failed: CUDA error 700 \(700\)"):
+        native.check(700, "launch")

@@ -26,7 +26,6 @@ comes from the same seconds.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
@@ -48,17 +47,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def noop_launch(argtypes=None):
     """A C function that does nothing and returns 0, typed as ``kvcopy_cuda_copy`` (or
-    ``argtypes``): ctypes converts the same arguments as for the real launch. (It is
-    ``kvcopy_host_noop``, which takes no arguments: extra register/stack arguments are
-    ignored by the x86-64 and AArch64 C calling conventions; the caller owns them.)"""
-    from ..copy_backends import cudalib
+    ``argtypes``): ctypes converts the same arguments as for the real launch
+    (:func:`kvcopy.native.noop_function`)."""
     from .. import native
 
-    lib, why = native.load("kvcopy_cpu")
-    if lib is None or not hasattr(lib, "kvcopy_host_noop"):
-        raise RuntimeError(f"the stub needs a current libkvcopy_cpu (kvcopy_host_noop): {why or 'out of date'}")
-    address = ctypes.cast(lib.kvcopy_host_noop, ctypes.c_void_p).value
-    return ctypes.CFUNCTYPE(ctypes.c_int, *(argtypes or cudalib.COPY_ARGTYPES))(address)
+    return native.noop_function(argtypes or native.CUDA_COPY_ARGS)
 
 
 def build(layers: int, groups: int, blocks: int, device: str = "cpu", backend: str = "cpu"):
@@ -75,7 +68,7 @@ def build(layers: int, groups: int, blocks: int, device: str = "cpu", backend: s
 def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
     import torch
 
-    from ..copy_backends import cudalib
+    from .. import native
     from ..copy_backends.cuda import InlineLaunch
     from ..copy_backends.kernel_inputs import INLINE_WORDS
 
@@ -98,7 +91,7 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
         from ..copy_backends.triton_backend import SmallCallUpload
 
         cfg = triton_copy.launch_config(tables.word_bytes, 2048)  # the grid rule's cost, any shape
-        upload = SmallCallUpload(noop_launch(cudalib.STORE_ARGTYPES), 0, INLINE_WORDS,
+        upload = SmallCallUpload(noop_launch(native.CUDA_STORE_ARGS), 0, INLINE_WORDS,
                                  lambda device: 0, lambda n: torch.empty(n, dtype=torch.int64))
 
         def triton():

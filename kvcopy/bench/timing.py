@@ -254,9 +254,10 @@ def cuda_driver_version() -> Optional[str]:
     try:
         import ctypes
 
-        lib = ctypes.CDLL("libcuda.so.1")
+        from .. import native
+
         v = ctypes.c_int()
-        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+        if native.driver().cuDriverGetVersion(ctypes.byref(v)) == 0:
             return f"{v.value // 1000}.{(v.value % 1000) // 10}"
     except OSError:
         pass

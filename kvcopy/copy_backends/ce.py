@@ -27,7 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import Backend, cudalib
+from .. import native
+from . import Backend
 from .gpu import GpuBackendBase, call_on_device, require_gpu
 from .pinning import pin_host_side
 from ..core.tables import CallPlan, CopyTables
@@ -37,7 +38,7 @@ _MODES = {"auto": 0, "batch": 1, "loop": 2}
 
 @dataclass
 class _State:
-    copy: Any  # kvcopy_ce_copy, typed (cudalib)
+    copy: Any  # kvcopy_ce_copy, typed (kvcopy.native)
     device: int
     pinning: Any
     src_host: int
@@ -56,7 +57,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
     _lib: Any = None
 
     def _find(self) -> Optional[str]:
-        self._lib, why = cudalib.library()
+        self._lib, why = native.load("kvcopy_cuda")
         return why
 
     def batch_abi(self) -> int:
@@ -96,5 +97,5 @@ class CopyEngineBackend(GpuBackendBase, Backend):
                             tables.num_groups, call.words, st.src_host, st.dst_host, host_any,
                             mode, stream, ctypes.byref(used), ctypes.byref(segs))
         st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)
-        cudalib.check(rc, f"copy-engine copy of {segs.value} segments "
+        native.check(rc, f"copy-engine copy of {segs.value} segments "
                           f"({'cuMemcpyBatchAsync' if mode != 2 else 'cudaMemcpyAsync loop'})")

@@ -209,10 +209,7 @@ def _flush_function() -> Any:
     lib, why = native.load("kvcopy_cpu")
     if lib is None:
         raise RuntimeError(f"flush_caches needs the kvcopy_cpu library: {why}")
-    fn = lib.kvcopy_cpu_flush
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    return fn
+    return lib.kvcopy_cpu_flush
 
 
 def flush_caches(tensor: torch.Tensor) -> bool:
@@ -245,18 +242,8 @@ class CpuBackend(Backend):
         self._loops = 0
         if lib is not None:
             self._loops = int(lib.kvcopy_cpu_sums_loops())
-            lib.kvcopy_cpu_copy.restype = ctypes.c_int
-            lib.kvcopy_cpu_copy.argtypes = [
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-            ]
-            self._sums = lib.kvcopy_cpu_copy_sums
-            self._sums.restype = ctypes.c_int
-            self._sums.argtypes = lib.kvcopy_cpu_copy.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+            self._sums = lib.kvcopy_cpu_copy_sums  # every signature declared by kvcopy.native
             self._sums_fold = lib.kvcopy_cpu_copy_sums_fold
-            self._sums_fold.restype = ctypes.c_int64
-            self._sums_fold.argtypes = self._sums.argtypes + [ctypes.c_void_p]
 
     def unavailable_reason(self) -> Optional[str]:
         return self._why

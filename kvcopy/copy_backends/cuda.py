@@ -44,7 +44,8 @@ from typing import Any, List, Optional, Union
 import numpy as np
 import torch
 
-from . import Backend, cudalib
+from .. import native
+from . import Backend
 from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, raw_stream_getter, require_gpu
 from .kernel_inputs import INLINE_WORDS, THREADS, call_array, call_words, grid_size, static_table
 from .pinning import pin_host_side
@@ -125,7 +126,7 @@ class _LibLauncher:
         self.inline_words = lib.kvcopy_cuda_inline_words()
         self.threads = lib.kvcopy_cuda_threads()
         self.kind = "library"
-        self.copy_function = lib.kvcopy_cuda_copy  # ctypes, argtypes declared (cudalib)
+        self.copy_function = lib.kvcopy_cuda_copy  # ctypes, argtypes declared (kvcopy.native)
 
     def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
         return self._lib.kvcopy_cuda_copy(tables, e, g, ge, call_host, call_device, call_words, total,
@@ -140,7 +141,7 @@ class _LibLauncher:
         return self._lib.kvcopy_cuda_store_words(dst, src, count, stream)
 
     def error_name(self, code: int) -> str:
-        return cudalib.error_name(code)
+        return native.error_name(code)
 
 
 class _NvrtcLauncher:
@@ -176,7 +177,7 @@ class CudaBackend(GpuBackendBase, Backend):
     _launcher: Optional[Launcher] = None
 
     def _find(self) -> Optional[str]:
-        lib, why = cudalib.library()
+        lib, why = native.load("kvcopy_cuda")
         if lib is not None and not os.environ.get("KVCOPY_CUDA_NVRTC"):
             self._launcher = _LibLauncher(lib)
             return None
@@ -235,7 +236,7 @@ class CudaBackend(GpuBackendBase, Backend):
             rc = st.inline(call)
             if rc is not None:
                 if rc != 0:
-                    raise cudalib.CudaError(f"kvcopy_block_copy_w{st.word_bytes} launch (library)", rc,
+                    raise native.CudaError(f"kvcopy_block_copy_w{st.word_bytes} launch (library)", rc,
                                             st.launcher.error_name(rc))
                 st.launches += 1
                 return
@@ -266,7 +267,7 @@ class CudaBackend(GpuBackendBase, Backend):
             rc = call_on_device(st.device, launcher.launch_sums, *args, sums.data_ptr(), sums.numel())
         if rc != 0:
             kind = "sums_" if sums is not None else ""
-            raise cudalib.CudaError(
+            raise native.CudaError(
                 f"kvcopy_block_copy_{kind}w{st.word_bytes} launch ({grid} CTAs, {launcher.kind})", rc,
                 launcher.error_name(rc))
         st.launches += 1
@@ -281,7 +282,7 @@ def _call_on_device(st: _State, arr: np.ndarray, stream) -> int:
         rc = call_on_device(st.device, st.launcher.store_words, st.device, dev.data_ptr(), arr.ctypes.data,
                             len(arr), stream.cuda_stream)
         if rc != 0:
-            raise cudalib.CudaError("kvcopy_store_words launch", rc, st.launcher.error_name(rc))
+            raise native.CudaError("kvcopy_store_words launch", rc, st.launcher.error_name(rc))
         st.graph_buffers.append(dev)
     else:
         # A pinned block of torch's caching host allocator, not reused before the copy ran.
@@ -291,7 +292,7 @@ def _call_on_device(st: _State, arr: np.ndarray, stream) -> int:
 
 def _translate_host_pointers(entries: np.ndarray, tables: CopyTables) -> None:
     """Replace host base addresses by cudaHostGetDevicePointer's, in place."""
-    lib, why = cudalib.library()
+    lib, why = native.load("kvcopy_cuda")
     if lib is None:
         raise ValueError(
             "this GPU cannot use host pointers directly (cudaDevAttrCanUseHostPointerForRegisteredMem = 0) "
@@ -301,7 +302,7 @@ def _translate_host_pointers(entries: np.ndarray, tables: CopyTables) -> None:
             continue
         for row in range(len(entries)):
             out = ctypes.c_void_p()
-            cudalib.check(lib.kvcopy_cuda_host_device_pointer(ctypes.c_void_p(int(entries[row, col])),
+            native.check(lib.kvcopy_cuda_host_device_pointer(ctypes.c_void_p(int(entries[row, col])),
                                                               ctypes.byref(out)),
                           f"cudaHostGetDevicePointer for layer {tables.entry_names[row]!r}")
             entries[row, col] = out.value or 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 from typing import Callable, Dict, Optional, Tuple
 
-from . import cudalib
 from .. import native
 from ..core.tables import CopyTables
 
@@ -26,10 +25,10 @@ def device_info(device: int) -> Tuple[int, bool]:
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         usable = True
-        lib, _ = cudalib.library()
+        lib, _ = native.load("kvcopy_cuda")
         if lib is not None:
             sm, ok = ctypes.c_int(0), ctypes.c_int(1)
-            cudalib.check(lib.kvcopy_cuda_device_info(device, ctypes.byref(sm), ctypes.byref(ok)),
+            native.check(lib.kvcopy_cuda_device_info(device, ctypes.byref(sm), ctypes.byref(ok)),
                           "cudaDeviceGetAttribute")
             usable = bool(ok.value)
         else:

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+from .. import native
 from ..kernels import include_dir
 
 HEADERS = ("block_copy.cuh", "page_checksum.cuh", "block_copy_kernel.cuh")
@@ -97,27 +98,6 @@ def cached_cubin(arch: str) -> bytes:
 
 
 # ------------------------------------------------------------------ launching
-class KernelParams(ctypes.Structure):
-    """Mirror of kvcopy::KernelParams (kernels/block_copy_kernel.cuh)."""
-
-    _fields_ = [
-        ("tables", ctypes.c_void_p),
-        ("call", ctypes.c_void_p),
-        ("num_entries", ctypes.c_int64),
-        ("num_groups", ctypes.c_int64),
-        ("num_group_entries", ctypes.c_int64),
-        ("total_bytes", ctypes.c_int64),
-        ("sums", ctypes.c_void_p),
-        ("inline_call", ctypes.c_int64 * 480),
-    ]
-
-
-class StoreParams(ctypes.Structure):
-    """Mirror of kvcopy::StoreParams."""
-
-    _fields_ = [("dst", ctypes.c_void_p), ("count", ctypes.c_int64), ("words", ctypes.c_int64 * 480)]
-
-
 _CUDA_ERROR_INVALID_VALUE = 1
 
 
@@ -127,14 +107,7 @@ class NvrtcLauncher:
     inline_words = 480
 
     def __init__(self) -> None:
-        self._cuda = ctypes.CDLL("libcuda.so.1")
-        self._cuda.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-        self._cuda.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                                   ctypes.c_char_p]
-        self._cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-            ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        self._cuda.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self._cuda.cuMemsetD8Async.argtypes = [ctypes.c_void_p, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+        self._cuda = native.driver()
         self._functions: Dict[int, Dict[int, ctypes.c_void_p]] = {}
         self._lock = threading.Lock()
 
@@ -183,7 +156,7 @@ class NvrtcLauncher:
                 return rc
         if sums is not None and total_bytes <= 0:
             return 0
-        p = KernelParams()
+        p = native.KernelParams()
         p.sums = sums
         p.tables = tables
         p.num_entries, p.num_groups, p.num_group_entries = num_entries, num_groups, num_group_entries
@@ -202,7 +175,7 @@ class NvrtcLauncher:
     def store_words(self, device: int, dst: int, src: int, count: int, stream: int) -> int:
         """As kvcopy_cuda_store_words: words carried into device memory by value."""
         fn = self._load(device)[0]
-        p = StoreParams()
+        p = native.StoreParams()
         for done in range(0, count, self.inline_words):
             n = min(self.inline_words, count - done)
             p.dst, p.count = dst + 8 * done, n

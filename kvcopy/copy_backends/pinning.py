@@ -32,6 +32,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from .. import native
+
 logger = logging.getLogger("kvcopy.copy_backends.pinning")
 
 _HOST_REGISTER_PORTABLE = 0x01
@@ -253,25 +255,14 @@ def _log_pinned(p: HostPinning) -> None:
     (logger.info if first else logger.debug)(msg, p.registered, p.registered_bytes / 2**20)
 
 
-_cudart_lib: list = []
 
 
 def _clear_last_error() -> None:
     """``cudaGetLastError()`` in the CUDA runtime this process loaded (torch's binding
     does not expose it); a failed ``cudaHostRegister`` leaves its error there."""
-    if not _cudart_lib:
-        lib = None
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-            for path in sorted(paths):
-                lib = ctypes.CDLL(path)
-                break
-        except OSError:
-            lib = None
-        _cudart_lib.append(lib)
-    if _cudart_lib[0] is not None:
-        _cudart_lib[0].cudaGetLastError()
+    lib = native.cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
 
 
 def _error_name(err) -> str:
@@ -294,8 +285,7 @@ def host_pointer_usable(device: Optional[int] = None) -> bool:
     if dev not in _usable:
         value = ctypes.c_int(1)
         try:
-            libcuda = ctypes.CDLL("libcuda.so.1")
-            rc = libcuda.cuDeviceGetAttribute(
+            rc = native.driver().cuDeviceGetAttribute(
                 ctypes.byref(value), _CU_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, dev)
             _usable[dev] = bool(value.value) if rc == 0 else True
         except OSError:

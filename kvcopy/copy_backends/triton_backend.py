@@ -89,18 +89,18 @@ class SmallCallUpload:
             buf = self._buffers[stream] = self._allocate(self.max_words)
         rc = self._store(buf.data_ptr(), call.words, words, stream)
         if rc != 0:
-            from .cudalib import CudaError, error_name
+            from ..native import CudaError, error_name
 
             raise CudaError("kvcopy_cuda_store_words (triton call array)", rc, error_name(rc))
         return buf
 
 
 def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
-    from . import cudalib
+    from .. import native
     from .gpu import raw_stream_getter
     from .kernel_inputs import INLINE_WORDS
 
-    lib, _ = cudalib.library()
+    lib, _ = native.load("kvcopy_cuda")
     if lib is None:
         return None
     return SmallCallUpload(lib.kvcopy_cuda_store_words, device.index, INLINE_WORDS, raw_stream_getter(),

@@ -234,11 +234,7 @@ def plan_call_function():
     if _function is None:
         lib, _ = native.load("kvcopy_cpu")
         if lib is not None:
-            fn = lib.kvcopy_plan_call
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.restype = i64
-            fn.argtypes = [i64] + [ptr] * 6 + [i64, ptr, i64, ptr]
-            _function = fn
+            _function = lib.kvcopy_plan_call
     return _function
 
 

@@ -34,9 +34,6 @@ class RangesBackend(Backend):
     def __init__(self, num_ranges, word_bytes=None):
         self.num_ranges = num_ranges
         self.word_bytes = word_bytes
-        fn = lib.kvcopy_cpu_copy_ranges
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3
 
     def copy(self, tables, call):
         static = kernel_inputs.static_table(tables)
@@ -127,8 +124,6 @@ def test_flush_caches_leaves_the_bytes_and_checks_its_arguments():
     from kvcopy.copy_backends.cpu import flush_caches
 
     flush = lib.kvcopy_cpu_flush
-    flush.restype = ctypes.c_int
-    flush.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     g = torch.Generator().manual_seed(7)
     t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
     want = t.clone()
@@ -203,7 +198,6 @@ def test_the_plain_copy_streams_from_the_threshold(monkeypatch):
     from kvcopy.copy_backends.cpu import CpuBackend
 
     streams = lib.kvcopy_cpu_copy_streams
-    streams.restype, streams.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64]
     big = 1 << 40
     want = [1, 0, 0, 1, 0] if platform.machine() in ("x86_64", "AMD64") else [0] * 5  # SSE2's loop
     assert [streams(b, m) for b, m in ((big, big), (big - 1, big), (big, 0), (1, 1), (0, 1))] == want

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.copy_backends import cudalib, kernel_inputs
 from kvcopy import native
+from kvcopy.copy_backends import kernel_inputs
 from kvcopy.copy_backends.cuda import InlineLaunch
 
 pytestmark = pytest.mark.skipif(native.load("kvcopy_cpu")[0] is None, reason="CPU library not built")
@@ -31,7 +31,7 @@ def _recorder(seen):
         seen.append(dict(static=static, entries=entries, groups=groups, group_entries=group_entries,
                          call=list(arr), call_device=call_device, total=total, word=word, grid=grid, stream=stream))
         return 0
-    return ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.COPY_ARGTYPES)(launch)
+    return ctypes.CFUNCTYPE(ctypes.c_int, *native.CUDA_COPY_ARGS)(launch)
 
 
 def test_inline_launch_passes_the_call_array_and_grid():
@@ -71,7 +71,7 @@ def test_triton_small_call_upload_stores_the_words_per_stream():
     def store(dst, src, count, stream):
         stored.append((dst, list((ctypes.c_int64 * count).from_address(src)), stream))
         return 0
-    fn = ctypes.CFUNCTYPE(ctypes.c_int, *cudalib.STORE_ARGTYPES)(store)
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, *native.CUDA_STORE_ARGS)(store)
     current = {"stream": 11}
     up = SmallCallUpload(fn, 0, kernel_inputs.INLINE_WORDS, lambda device: current["stream"],
                          lambda n: torch.empty(n, dtype=torch.int64))

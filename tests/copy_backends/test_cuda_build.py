@@ -66,15 +66,14 @@ def fatbin_entries(data: bytes):
 
 
 def test_library_built_with_c_abi():
-    lib = ctypes.CDLL(str(_library()))
+    lib, missing = native.probe("kvcopy_cuda", _library())
+    assert missing == []
     for sym in ABI:
         assert hasattr(lib, sym), sym
-    lib.kvcopy_cuda_params_bytes.restype = ctypes.c_int
-    lib.kvcopy_cuda_inline_words.restype = ctypes.c_int
     from kvcopy.copy_backends import kernel_inputs, nvrtc
 
     # the ctypes mirror used by the NVRTC launcher has the C++ layout
-    assert lib.kvcopy_cuda_params_bytes() == ctypes.sizeof(nvrtc.KernelParams)
+    assert lib.kvcopy_cuda_params_bytes() == ctypes.sizeof(native.KernelParams)
     assert lib.kvcopy_cuda_params_bytes() <= 4096  # kernel parameter limit of every CUDA version
     assert lib.kvcopy_cuda_inline_words() == kernel_inputs.INLINE_WORDS == nvrtc.NvrtcLauncher.inline_words
 

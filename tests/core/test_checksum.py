@@ -11,7 +11,6 @@ nothing of the kernels' tables beyond which layers a group copies.
 """
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 import pytest
@@ -80,11 +79,7 @@ class RangesSumsBackend(Backend):
 
     def __init__(self, num_ranges: int, word_bytes=None):
         self.num_ranges, self.word_bytes = num_ranges, word_bytes
-        fn = lib.kvcopy_cpu_copy_ranges_sums
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
-            ctypes.c_void_p, ctypes.c_int64]
-        self._fn = fn
+        self._fn = lib.kvcopy_cpu_copy_ranges_sums
 
     def checksum_reason(self, tables):
         return None
@@ -467,8 +462,6 @@ def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch
         pytest.skip("the scalar loop never pieces")
     backend = get_backend("cpu")
     pieces = lib.kvcopy_cpu_sums_pieces
-    pieces.restype, pieces.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                                                     ctypes.c_int64, ctypes.c_int64]
     seen = []
     for attr in ("_sums", "_sums_fold"):
         real = getattr(backend, attr)
@@ -580,8 +573,6 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
     ids = [sorted(rng.permutation(num_blocks)[:num_blocks - 10].tolist()), rng.permutation(num_blocks)[:40].tolist(),
            rng.permutation(num_blocks)[:40].tolist()]
     pieces = lib.kvcopy_cpu_sums_pieces
-    pieces.restype, pieces.argtypes = ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                                                     ctypes.c_int64, ctypes.c_int64]
     results = []
     for backend in ("torch", "cpu"):
         dev, host, groups = _three_shapes("host" if direction == "d2h" else "device", num_blocks)

@@ -47,7 +47,6 @@ of the host library's ``kvcopy_fold_page_sums`` after it (numpy without the libr
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -245,9 +244,6 @@ def _fold_function():
         fn = None
         if lib is not None:
             fn = lib.kvcopy_fold_page_sums
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         _FOLD.append(fn)
     return _FOLD[0]
 
