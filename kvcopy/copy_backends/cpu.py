@@ -116,7 +116,7 @@ def default_stream_bytes() -> int:
     ``/proc/cpuinfo`` cannot be read.
 
     On a 2-core Xeon with AVX-512 (Sapphire Rapids class: AMX, AVX-512 FP16; 2 MiB of
-    L2 per core; one thread; docs/backends.md, "Streaming from 2 MiB on Intel"): in
+    L2 per core; one thread; docs/backends.md, "Where the loop streams"): in
     scratch sweeps the plain copy took 0.78-1.08x the time with streaming stores at
     1-12 MiB (median 0.93x over 40 rows) but 0.93-1.95x at 0.25-0.5 MiB, where the caches
     hold the call. Three saved pairs per preset (``bench/results/cpu-xeon-stream2m-*``):
