@@ -23,3 +23,9 @@ def test_api_example_runs_and_copies_each_group_at_its_blocks():
     assert not host["model.layers.4.attn"].view(torch.int16).any()  # KV-sharing: untouched
     assert torch.equal(ns["packed"], ns["scattered"]) and ns["packed"].unique().numel() == 4  # one sum per page
 
+
+
+def test_readme_stays_a_manual():
+    """Under 200 lines; detail belongs in docs/*.md, history in CHANGELOG.md."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < 200, len(lines)
