@@ -217,7 +217,7 @@ def _print_summary(info, out_dir):
     sys.stderr.write("\n".join(lines) + "\n")
 
 
-# What to install beside torch and numpy (the README's "Set up" section gives sizes):
+# What to install beside torch and numpy (docs/development.md, "Extras", gives sizes):
 #   cpu  every CPU test and the examples: NIXL over UCX, Triton's interpreter, pytest
 #   gpu  the GPU extras: the NVRTC fallback for the cuda backend (cupy + libnvrtc)
 _TEST = ["pytest", "pytest-benchmark", "pyyaml"]  # pyyaml: the GPU workflow test reads gpu.yml

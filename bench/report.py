@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tables from ``kvcopy-bench`` JSON results (``bench/results/*.json``).
 
-    python bench/report.py                      # markdown for the README's results section
+    python bench/report.py                      # markdown tables of bench/results/ (docs/bench.md, "Figures")
     python bench/report.py --text FILE...       # the short plain table gpu_check.sh prints last
     python bench/report.py --runs A.json B.json C.json   # repeated runs of one command: one table,
                                                 # each cell the median of the runs and their range

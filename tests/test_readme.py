@@ -24,11 +24,8 @@ def test_api_example_runs_and_copies_each_group_at_its_blocks():
     assert torch.equal(ns["packed"], ns["scattered"]) and ns["packed"].unique().numel() == 4  # one sum per page
 
 
-def test_nixl_example_runs():
-    """The README's P/D example: real NIXL agents over UCX, two managers, one process."""
-    from kvcopy.nixl import nixl_available
 
-    assert nixl_available() is None, nixl_available()  # CI installs nixl-cu12
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    example = next(b for b in blocks if "TransferManager(" in b and "import torch" in b)
-    exec(compile(example, "README.md", "exec"), {})
+def test_readme_stays_a_manual():
+    """Under 200 lines; detail belongs in docs/*.md, history in CHANGELOG.md."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < 200, len(lines)

@@ -21,8 +21,7 @@ the next piece's source is prefetched, whole in calls under 8 MiB, else its firs
 (:data:`PIECE_MIN_CALL_BYTES`).
 On one core of an AMD EPYC Zen 3 (AVX2) the copy with
 sums took 0.97-1.43x the time of the plain copy, most rows 1.0-1.2x, with the fused
-AVX2 loop, the default then (medians of the saved runs; see docs/backends.md, "Cost";
-the pieces have not run there).
+AVX2 loop (medians; CHANGELOG.md, 2026-12-02; the pieces have not run there).
 
 Both copies write calls of at least ``KVCOPY_CPU_STREAM_BYTES`` (2 MiB on Intel, else
 16 MiB) with non-temporal stores. A run of a few KiB copied by memcpy never reaches
@@ -116,10 +115,10 @@ def default_stream_bytes() -> int:
     ``/proc/cpuinfo`` cannot be read.
 
     On a 2-core Xeon with AVX-512 (Sapphire Rapids class: AMX, AVX-512 FP16; 2 MiB of
-    L2 per core; one thread; docs/backends.md, "Streaming from 2 MiB on Intel"): in
+    L2 per core; one thread; docs/backends.md, "Where the loop streams"): in
     scratch sweeps the plain copy took 0.78-1.08x the time with streaming stores at
     1-12 MiB (median 0.93x over 40 rows) but 0.93-1.95x at 0.25-0.5 MiB, where the caches
-    hold the call. Three saved pairs per preset (``bench/results/cpu-xeon-stream2m-*``):
+    hold the call. Three interleaved pairs per preset (CHANGELOG.md, 2026-12-03):
     ``cpu+sum`` / ``cpu`` 0.93-1.04x at 2-15 MiB against 0.98-1.13x with the 16 MiB
     threshold, and the plain copy itself 0.60-0.98x the time at 6-15 MiB. The 16 MiB
     default was set on AMD EPYCs, where streaming cost at 6-12 MiB
@@ -172,9 +171,9 @@ def _piece_bytes(loop: int) -> int:
     for both vector loops, 0 for the scalar one (far slower than memcpy: pieces would
     not pay). memcpy's string moves write lines without reading them first, which
     vector stores cannot, and the prefetch lets the hash's arithmetic run while the next
-    piece is fetched. On a Xeon with AVX-512, with the 16 MiB threshold of the time (one
+    piece is fetched. On a Xeon with AVX-512, with a 16 MiB streaming threshold (one
     thread, ``cpu+sum`` / ``cpu`` at ``seeds2`` 6 MiB, runs interleaved;
-    docs/backends.md, "Cost"): AVX-512 loop pieced with the prefetch 1.00-1.07x in 14
+    CHANGELOG.md, 2026-12-03): AVX-512 loop pieced with the prefetch 1.00-1.07x in 14
     of 16 rows (1.16x in both of one run's), pieced without it 1.02-1.33x, fused
     1.14-1.22x; AVX2 loop pieced with the prefetch 1.01-1.07x, fused 1.07x. With the
     next piece's first half prefetched from 8 MiB up: ``seeds2`` 12 MiB 1.02-1.14x and

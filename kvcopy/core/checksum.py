@@ -2,19 +2,12 @@
 
 ``BlockCopier.to_host(ids, checksums=out)`` (and ``to_device``, ``run``) fills ``out``
 with one 64-bit sum per block of the call (per ``(group, i)``, summed over the group's
-layers), computed by the copy from the words it moves: no second pass over memory.
-The ``cpu`` backend hashes in the loop that copies (``csrc/cpu_copy.cpp``; below the
-streaming threshold, 2 MiB on Intel CPUs and 16 MiB on others, its vector loops hash
-runs of 16 KiB and more piece by piece, each piece in the destination after memcpy
-wrote it, still in cache, while the next piece's source is prefetched, whole in calls
-under 8 MiB, else its first half), the ``cuda`` kernel in registers on the way from
-load to store with one atomic add per warp and page
-(``kernels/block_copy_kernel.cuh``), the ``triton`` kernel per row of its tile
-(``kernels/triton_copy.py``); ``torch`` computes it here after its copy
-(:func:`table_checksums`: a second pass, and a host wait on a GPU copy), which is also
-the oracle the tests hold every backend to, bit for bit. ``ce`` cannot
-(copy engines never bring the bytes into an SM): a ``ce`` copier asked for checksums
-raises, and ``auto`` hands such a call to its SM kernel.
+layers), computed by the copy from the words it moves: no second pass over memory
+(``csrc/cpu_copy.cpp``, ``kernels/block_copy_kernel.cuh``, ``kernels/triton_copy.py``).
+``torch`` computes it here after its copy (:func:`table_checksums`: a second pass, and a
+host wait on a GPU copy), which is also the oracle every backend is held to, bit for
+bit. ``ce`` cannot (copy engines never bring the bytes into an SM): it raises, and
+``auto`` hands such a call to its SM kernel.
 
 Definition (``kernels/page_checksum.cuh`` is the same in C++)
 ---------------------------------------------------------------
@@ -38,81 +31,29 @@ For block ``i`` of group ``g``::
   buffer's block count. Runs are contiguous in that order and tile it, so run ``r``
   starts at ``r * run bytes`` there.
 
-Why this function. A sum is independent of the order of its terms, so every backend's
-work split (items on CPU threads, equal word ranges per GPU warp, Triton rows,
-segments merged across adjacent pages) adds the same value, partial sums combine with
-atomics, and a page's sum does not depend on which call, run or neighbours it was
-copied with. The position and layer in the key make the same bytes at another place
-sum differently. The term costs one 32 x 32 -> 64-bit multiply per 8 bytes: one
-``vpmuludq`` per vector of words on AVX2 and AVX-512, one ``IMAD.WIDE.U32`` per word on
-NVIDIA GPUs: on one AVX2 core the copy with sums takes 1.0-1.2x the time of the copy
-without at 6-64 MiB per call for most presets (up to 1.43x in one noisy run of a
-converting copy), on one AVX-512 Xeon core 0.93-1.04x at 2-36 MiB (docs/backends.md,
-"Cost"; GPUs not measured yet). Until 2026-12
-the term was MurmurHash3's 64-bit finalizer (``mix64``: one-to-one, two 64-bit
-multiplies per word; it still binds page sums to requests and positions, :func:`seal`,
-once per page); AVX2 has no 64-bit multiply, and on one Zen 3 core a copy with
-those sums took 1.8-2.8x the plain copy of a call the caches serve (6 MiB), against
-0.9-1.2x with this term (same machine and command, ``bench/results/cpu-avx2-sums-*``
-and ``cpu-avx2-product-sums-*``). What was given up is below: ``mix64`` caught every
-change within one word and missed two-word changes with probability ~2^-64; this term
-catches every change within one half of a word, and misses structured two-bit changes
-(bits 31 and 63 of one word; the same bit of two words) with probability up to ~2^-32.
-Against other functions: CRC32C (the CPU's
-instruction) has no warp-parallel form that combines out of order without per-segment
-shift tables; Adler-32 (SGLang's P/D check) is weak on short changes and
-position-blind across pages; BLAKE3/xxh3 are order-dependent streams, so each would
-need a second, ordered pass. Words of 8 bytes: every aligned KV page divides into them.
+Why a sum of this term (order-free, so any work split adds the same value; one 32 x
+32 -> 64-bit multiply per 8 bytes, which AVX2 and GPUs do in one instruction), the
+functions it was weighed against, the proofs of what follows and its measured cost:
+docs/backends.md, "Checksums".
 
-What it catches (comparing the sums of two copies of the same pages: P's pack and
-D's scatter)
+What it catches, comparing the sums of two copies of the same pages (P's pack and D's
+scatter):
 
-* any change confined to one 32-bit half of one word of a page: every single-bit
-  flip, any burst of up to 4 bytes inside an aligned half: always. Write
-  ``x = a + 2^32 b``; changing ``a`` to ``a'`` changes the term by
-  ``(a' - a)(b + 1)``, and ``b`` to ``b'`` by ``(b' - b)(a + 2^32)``: non-zero
-  integers whose magnitude stays below ``2^64`` in the first case, and below
-  ``2^65`` but never ``2^64`` in the second (that needs ``a + 2^32`` to be a power of
-  two, so ``a = 0``, and then ``|b' - b| = 2^32``), so never ``0 mod 2^64``;
-* a torn page (part old bytes), a page swapped with another page of the request, a
-  page from another request or an earlier use of the slot, words or layers swapped
-  inside a page, a READ truncated or shifted by any number of bytes: unless the
-  bytes happen to be equal, missed with probability of the order of ``2^-64`` to
-  ``2^-61`` for changes that look random to the term. The term is not one-to-one:
-  ``(a + 2^32)(b + 1) - 2^32`` takes fewer than half the 64-bit values (44.7% with
-  12-bit halves, exhaustive, falling with the width), each word sharing its term with
-  ~8 others (3.1 at 12 bits, +0.26 per bit), so a random change of one word is missed
-  with probability ~2^-61; its low
-  32 bits, ``a(b + 1) mod 2^32``, are a product, biased toward multiples of powers of
-  two (odd 1 time in 4), which moves these figures by small factors;
-* a change spread over both halves of one word: ~2^-61 when random, but up to ~2^-32
-  for structured ones. Flipping bits 31 and 63 together is missed exactly when the
-  halves of the word with both bits clear add up to ``2^31 - 1`` (``x = 0x7FFFFFFF``
-  and ``0x80000000FFFFFFFF`` have the same term); other pairs of high bits, about
-  half as often. Other collisions exist (``a, b = 2, 2`` and ``2^31 + 3, 1``);
-* two words changed together: their term changes cancel with probability of the order
-  of ``2^-64`` when the changes look random, and up to ~2^-32 for the most structured
-  ones: one bit flipped at the same position in the same half of two words, in
-  opposite directions, cancels when their other halves (after the key) are equal;
-  at bit 31 of a half, flips in the same direction cancel when those other halves are
-  both all-ones (low half flipped) or both zero (high half flipped); flips at
-  different positions cancel less often;
-* two pages swapped between positions, or a whole stale request, once the per-page
-  sums are compared position by position, or bound to the request and the position
-  with :func:`seal` before they are folded into one value (:func:`fold`): a plain
-  sum of page sums would not see two pages trade places.
+* any change confined to one 32-bit half of one word (every single-bit flip, any burst
+  of up to 4 bytes inside an aligned half): always;
+* torn pages, pages swapped or replaced by another request's (or a stale) page, words
+  or layers swapped inside a page, a READ truncated or shifted: missed with probability
+  of the order of 2^-64 to 2^-61 when the changed bytes look random to the term (it is
+  not one-to-one: a word shares its term with ~8 others);
+* structured two-bit changes only with probability up to ~2^-32: bits 31 and 63 of one
+  word flipped together, or the same bit flipped in the same half of two words;
+* pages that trade places, once per-page sums are compared position by position, or
+  bound to the request and position with :func:`seal` before :func:`fold` adds them.
 
-What it does not do
-* it is not a MAC: the function and keys are public, so anyone who can write the
-  bytes can write matching sums. Authenticity is the handshake's HMAC; this catches
-  accidents (DMA, RDMA completion ordering, stale buffers, kernel bugs);
-* it says nothing about bytes the copy does not move (a destination page written
-  later by someone else), nor about pages both sides read wrong the same way;
-* two copies agree only when they see the same staging pages cut into the same
-  8-byte words: the same staging page geometry, and runs that are multiples of
-  8 bytes on both sides (always true for 8-byte aligned KV pages) or the same run
-  length. A layout-converting copy with odd run sizes (e.g. 14-byte runs) zero-pads
-  each run, which a whole-page copy of the same bytes does not.
+What it does not: it is not a MAC (public function, public keys: authenticity is the
+handshake's HMAC); it says nothing about bytes the copy does not move; two copies agree
+only over the same staging pages cut into the same 8-byte words (a layout-converting
+copy with odd run sizes zero-pads each run, which a whole-page copy does not).
 
 Output: ``out`` is a caller-owned int64 tensor of ``sum(len(ids[g]))`` elements on the
 copy's device (the GPU for a GPU copier, else the CPU), group after group in call

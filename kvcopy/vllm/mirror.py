@@ -6,7 +6,8 @@
 
 Everything of vLLM's pull connector (scheduler, handshake, NIXL registration and
 transfers, heartbeats, failure handling) is vLLM's own code; only the two host-buffer
-copies of its worker change (``kv_buffer_device="cpu"`` on a GPU):
+copies of its worker change (``kv_buffer_device="cpu"`` on a GPU), and D asks for P's
+handshake again when vLLM's single 5 s wait runs out (``KvcopyNixlWorker._nixl_handshake``):
 
 * ``save_kv_to_host`` (P) and ``sync_recved_kv_to_device`` (D) in vLLM 0.33 flatten
   every transfer group's ids into one list and copy every host buffer at all of them.
@@ -54,9 +55,11 @@ transport; no host mirror, one READ descriptor per request) lives in
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional, Sequence
 
 import torch
+import zmq  # a vLLM dependency
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -96,12 +99,38 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
     # for them (padded Mamba/GDN state pages), replaced by kvcopy: name -> page stride.
     kvcopy_state_buffers: Dict[str, int] = {}
 
+    # How long D asks P's side channel for its handshake before the request is recomputed
+    # (vLLM gives up after one 5 s wait: see _nixl_handshake).
+    kvcopy_handshake_wait_s = 30.0
+
     def __init__(self, vllm_config, engine_id, kv_cache_config):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         # host_buffer_on_cpu: vLLM turned host buffers off for the CPU platform; turn them on
         self.kvcopy_forced_host_buffer = _forced_host_buffer(vllm_config)
         if self.kvcopy_forced_host_buffer:
             self.use_host_buffer = True
+
+    def _nixl_handshake(self, host, port, remote_tp_size, expected_engine_id, *args, **kwargs):
+        """vLLM's handshake, asked again until :attr:`kvcopy_handshake_wait_s` has passed.
+
+        vLLM waits once, 5 s, for P's answer, then fails every request waiting on that P
+        (recomputed). P's answer comes from a thread of P's engine-core process, which spins
+        while P holds requests for D; on a busy 2-core host (two CPU engines, tests/engine)
+        that thread answered after up to 8.4 s, and a whole batch was recomputed. Asked
+        again only when the failed attempt registered no rank of P (it timed out before
+        the first answer), so nothing is added twice."""
+        deadline = time.monotonic() + self.kvcopy_handshake_wait_s
+        while True:
+            before = dict(self.kv_caches_base_addr.get(expected_engine_id, {}))  # ranks registered
+            start = time.monotonic()
+            try:
+                return super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs)
+            except zmq.Again:
+                if time.monotonic() >= deadline or self.kv_caches_base_addr.get(expected_engine_id, {}) != before:
+                    raise
+                logger.warning("kvcopy: P %s at %s:%s did not answer the NIXL handshake in %.1f s; asking again "
+                               "(until %.0f s)", expected_engine_id, host, port, time.monotonic() - start,
+                               self.kvcopy_handshake_wait_s)
 
     def set_host_xfer_buffer_ops(self, copy_operation) -> None:
         """vLLM's: keeps the op only off the CPU platform; with ``host_buffer_on_cpu`` on

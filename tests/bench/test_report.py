@@ -1,4 +1,4 @@
-"""bench/report.py: the README's results tables come from the recorded JSON."""
+"""bench/report.py: the tables of docs/bench.md's figures come from the recorded JSON."""
 import json
 import subprocess
 import sys

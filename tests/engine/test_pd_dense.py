@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from kvcopy.testing.engine.pd import (
-    PROMPT_SOURCES, counter_delta, engine_config, kv_transfer_config, random_prompts, run_pd,
+    PROMPT_SOURCES, counter_delta, engine_config, kv_transfer_config, load_failures, random_prompts, run_pd,
     start_pair,
 )
 
@@ -93,7 +93,7 @@ def test_a_batch_at_block_boundaries_and_near_max_model_len(pair, reference):
     before_m, before_s = pair.d.metrics(), _stats_before(pair)
     batch = run_pd(pair, prompts, NEW_TOKENS)
     assert batch.tokens == [o["token_ids"] for o in want]
-    assert batch.cached == [loaded(n) for n in LENGTHS]
+    assert batch.cached == [loaded(n) for n in LENGTHS], load_failures(pair.d)
     _proof(pair, before_m, before_s, prompts, batch)
     if pair.connector == "mirror":  # P saved through kvcopy's copier, D synced through it
         p_copies = pair.p.rpc("kvcopy_mirror_copies")[0]
@@ -109,5 +109,5 @@ def test_a_prefix_d_holds_is_not_loaded_again(pair, reference):
     before_m, before_s = pair.d.metrics(), _stats_before(pair)
     b2 = run_pd(pair, [second], NEW_TOKENS)
     assert [b1.tokens[0], b2.tokens[0]] == [o["token_ids"] for o in want]
-    assert b2.cached == [len(second)]
+    assert b2.cached == [len(second)], load_failures(pair.d)
     _proof(pair, before_m, before_s, [second], b2, local_hits=len(prefix))

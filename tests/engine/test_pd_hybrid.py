@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from kvcopy.testing.engine.pd import (
-    PROMPT_SOURCES, counter_delta, engine_config, kv_transfer_config, random_prompts, run_pd, start_pair,
+    PROMPT_SOURCES, counter_delta, engine_config, kv_transfer_config, load_failures, random_prompts, run_pd, start_pair,
 )
 
 MAX_LEN = 1024
@@ -78,7 +78,7 @@ def test_a_batch_around_block_and_window(pair, single):
     else:
         assert batch.tokens == want
     expect = [loaded(pair.family, n) for n in LENGTHS]
-    assert batch.cached == expect
+    assert batch.cached == expect, load_failures(pair.d)
     assert counter_delta(before, after, PROMPT_SOURCES[2]) == sum(expect)
     if pair.connector == "arena":
         stats = pair.d.rpc("kvcopy_arena_stats")[0]

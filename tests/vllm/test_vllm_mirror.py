@@ -572,3 +572,87 @@ def test_the_mirror_worker_copies_neither_the_null_block_nor_an_id_twice():
     assert KvcopyNixlWorker._group_ids(w, ids) == [[8, 9, 10, 11], [5]]
     assert KvcopyNixlWorker._group_ids(w, [[0, 1, 2, 3], [0, 0]]) is None
     assert KvcopyNixlWorker._group_ids(w, [[], []]) is None
+
+
+def _side_channel(payload: bytes, ignore_first: int):
+    """P's handshake listener as vLLM runs it (ROUTER; answers ``(payload, P's clock)``),
+    except that it leaves the first ``ignore_first`` questions unanswered, as a P whose
+    listener thread gets no CPU does. Returns (port, questions seen, stop)."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.setsockopt(zmq.RCVTIMEO, 100)
+    seen, done = [], threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                identity, _, msg = sock.recv_multipart()
+            except zmq.Again:
+                continue
+            seen.append(msgspec.msgpack.decode(msg))
+            if len(seen) > ignore_first:
+                sock.send_multipart((identity, b"", payload, msgspec.msgpack.encode(time.perf_counter())))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    def stop():
+        done.set()
+        t.join()
+        sock.close(linger=0)
+        ctx.term()
+
+    return port, seen, stop
+
+
+@pytest.mark.parametrize("connector_cls", [KvcopyNixlConnector, NixlConnector])
+def test_d_asks_again_when_ps_handshake_listener_misses_vllms_5s(vllm_env, connector_cls, monkeypatch):
+    """P's listener shares P's engine-core process with a loop that spins while P holds
+    requests for D; on a busy host its answer came after vLLM's one 5 s wait, and D
+    recomputed the whole batch (tests/engine). kvcopy's D asks again; vLLM's gives up."""
+    import zmq
+
+    case = CASES["one_group"]
+    p = Engine(vllm_env, case, connector_cls, "kv_producer", 8, monkeypatch)
+    d = Engine(vllm_env, case, connector_cls, "kv_consumer", 8, monkeypatch)
+    port, seen, stop = _side_channel(msgspec.msgpack.encode(p.worker.xfer_handshake_metadata), ignore_first=1)
+    try:
+        with set_current_vllm_config(d.config):
+            if connector_cls is NixlConnector:
+                with pytest.raises(zmq.Again):
+                    d.worker._nixl_handshake("127.0.0.1", port, 1, p.worker.engine_id)
+                assert len(seen) == 1
+                return
+            agents, _ = d.worker._nixl_handshake("127.0.0.1", port, 1, p.worker.engine_id)
+        assert len(seen) == 2 and all(q[0] == b"get_meta_msg" for q in seen)
+        assert list(agents) == [(0, 0)] and list(d.worker.kv_caches_base_addr[p.worker.engine_id]) == [0]
+    finally:
+        stop()
+        d.close()
+        p.close()
+
+
+def test_d_gives_up_on_a_silent_p_at_its_handshake_wait(vllm_env, monkeypatch):
+    """A P that never answers: D stops asking once ``kvcopy_handshake_wait_s`` has passed
+    (then vLLM's failure path recomputes the request) and registered nothing of P."""
+    import zmq
+
+    case = CASES["one_group"]
+    p = Engine(vllm_env, case, KvcopyNixlConnector, "kv_producer", 8, monkeypatch)
+    d = Engine(vllm_env, case, KvcopyNixlConnector, "kv_consumer", 8, monkeypatch)
+    port, seen, stop = _side_channel(b"", ignore_first=10**9)
+    d.worker.kvcopy_handshake_wait_s = 6.0
+    try:
+        with set_current_vllm_config(d.config), pytest.raises(zmq.Again):
+            d.worker._nixl_handshake("127.0.0.1", port, 1, p.worker.engine_id)
+        assert len(seen) == 2  # two of vLLM's 5 s waits: the second ends past the 6 s
+        assert p.worker.engine_id not in d.worker.kv_caches_base_addr
+    finally:
+        stop()
+        d.close()
+        p.close()

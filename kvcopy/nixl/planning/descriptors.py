@@ -3,13 +3,13 @@
 ``TransferManager.pull`` turns a :class:`~kvcopy.nixl.planning.plan.PullPlan`'s region pairs
 into what NIXL reads: indices into the prepared descriptor lists (pairs that move whole
 chunks) or explicit ``(address, bytes, device)`` rows (pairs with byte segments). The
-rows are in (pair, chunk, segment, page) order, as before this module existed, so
-adjacent pages stay adjacent rows and NIXL merges them the same way.
+rows are in (pair, chunk, segment, page) order, so adjacent pages stay adjacent rows
+and NIXL merges them.
 
-Why a module: the per-pull work used to be numpy calls per pair and per chunk (two
-``asarray`` of the page tuples, range checks, one add per chunk and side), tens of
-milliseconds per pull for 64 layers x 500 pages (``docs/nixl.md``, "Host cost per
-request"), and ``RegionRef.of`` per pair for the region checks. Here:
+Why a module: numpy calls per pair and per chunk (two ``asarray`` of the page tuples,
+range checks, one add per chunk and side) cost tens of milliseconds per pull for 64
+layers x 500 pages (``docs/nixl.md``, "Host cost per request"), as did ``RegionRef.of``
+per pair for the region checks. Here:
 
 * the plan's page tuples are converted once per distinct tuple object (the planner
   shares one tuple per token piece between all the layers it serves, so a homogeneous

@@ -126,6 +126,14 @@ def run_pd(pair: Pair, prompts: Sequence[Sequence[int]], max_tokens: int) -> Bat
     return Batch(outs, t1 - t0, time.monotonic() - t1)
 
 
+def load_failures(engine: Engine, limit: int = 20) -> str:
+    """The lines of ``engine``'s log that say why a load failed (vLLM's NIXL failure
+    reports, the arena connector's failed pulls): what a failed ``cached`` check shows."""
+    keys = ("NIXL transfer failure", "pull failed", "did not answer the NIXL handshake", "recomput")
+    lines = [line for line in engine.log().splitlines() if any(k in line for k in keys)]
+    return f"{engine.name}: {len(lines)} load-failure lines" + "".join("\n" + line for line in lines[:limit])
+
+
 def random_prompts(lengths: Sequence[int], seed: int, vocab: int = 512) -> List[List[int]]:
     """Token-id prompts of the given lengths (ids 1 .. vocab-1), reproducible from ``seed``."""
     rng = random.Random(seed)
