@@ -31,7 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ...nixl.planning.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
-ARENA_PROTOCOL = 2  # 2: records bound to request/rank/registration, give-ups, keyed side channel
+# 2: records bound to request/rank/registration, give-ups, keyed side channel; 3: pack order v2
+ARENA_PROTOCOL = 3
 NOTIFY_PREFIX = b"kvcopy-arena\0"
 READ, GAVE_UP = b"r", b"g"  # what a reader's notification says
 MAX_TP = 1024
