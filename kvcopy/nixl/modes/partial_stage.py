@@ -83,6 +83,10 @@ class StepCopies:
         """The units this step copies (those of groups with settling pages)."""
         return sorted(self._calls)
 
+    def has(self, unit: int) -> bool:
+        """Whether this step copies pages of ``unit``."""
+        return unit in self._calls
+
     def left(self) -> List[int]:
         """Units not run yet (in span order)."""
         return [u for u in sorted(self._calls) if u not in self.done]
