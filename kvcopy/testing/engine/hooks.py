@@ -33,6 +33,15 @@ class KvcopyHooks:
         """The arena connector's ``TransferManager.stats()`` (pulls, spans, checksum outcomes)."""
         return dict(_arena_manager().stats())
 
+    def kvcopy_layerwise_stats(self) -> Dict[str, int]:
+        """P, ``layerwise``: unit copies queued by ``save_kv_layer``, made by the sweep,
+        and requests with no span at their first step (kvcopy.vllm.arena.layerwise)."""
+        stager = getattr(getattr(_connector(), "arena_worker", None), "stager", None)
+        layers = getattr(stager, "layers", None)
+        if layers is None:
+            return {"at_layer": 0, "swept": 0, "no_span": 0}
+        return {"at_layer": layers.at_layer, "swept": layers.swept, "no_span": layers.no_span}
+
     def kvcopy_staging_bytes(self) -> Dict[str, int]:
         """Host memory the connector stages KV through (pinned on a GPU): the arena's
         ``arena_bytes``, or vLLM's host buffers (none where NIXL reads the KV in place)."""
