@@ -3,6 +3,7 @@
     python bench/arena_plan_cost.py                  # seeds2 preset, 6 groups (16 layers x 6, 36 MiB)
     python bench/arena_plan_cost.py --groups 1 --iters 100
     python bench/arena_plan_cost.py --profile        # cProfile of plan_pull + discard
+    python bench/arena_plan_cost.py --per-step       # P's layer-wise plans per step (below)
 
 The scenario is built as ``kvcopy-bench nixl``'s arena rows build it
 (:mod:`kvcopy.bench.nixl.measure`, ``_arena_rows``): the KV caches of the ``seeds2`` preset
@@ -21,6 +22,14 @@ one ``save`` of the request on P. Then, interleaved per round:
 ``memcpy``      one contiguous ``copy_`` of the request's bytes (the span size) between
                 two touched CPU buffers: the scale of a request's bytes on the host that runs it
 
+``--per-step``: P's host cost of layer-wise staging per engine step (``--layers`` layers,
+default 48, one group; ``--blocks`` blocks of 16 tokens per request): for 1, 2, 4, 8, 16
+requests whose prefill ends in the step, ``settle`` = ``ArenaStaging.settle`` of each
+(what P's ``bind_connector_metadata`` runs before the forward: one planned call per
+unit and request, checked), against ``copies`` = running every unit of those plans (the
+bytes the step stages, on this CPU) and ``memcpy`` = one contiguous copy of the same
+bytes. Spans are allocated (``begin``) untimed before each ``settle`` and freed after.
+
 Minimum, median and 90th percentile of ``--iters`` round-robin rounds
 (:func:`kvcopy.bench.timing.measure`). The script checks once that
 a pull + complete of a plan leaves D's KV equal to P's at the request's blocks. Compare
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 from dataclasses import replace
@@ -53,8 +63,14 @@ def main(argv=None) -> int:
     ap.add_argument("--order", choices=("token", "head"), default="token", help="P's arena_order")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="print cProfile of 10 plan_pull + discard")
+    ap.add_argument("--per-step", action="store_true", help="P's layer-wise plans per step (module docstring)")
+    ap.add_argument("--layers", type=int, default=48, help="--per-step: layers")
+    ap.add_argument("--blocks", type=int, default=16, help="--per-step: blocks of 16 tokens per request")
+    ap.add_argument("--json", help="--per-step: also write the medians to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.per_step:
+        return per_step(args)
 
     sc = replace(PRESETS["seeds2"]["scenario"], num_groups=args.groups)
     if args.order == "head":
@@ -127,6 +143,77 @@ def main(argv=None) -> int:
     finally:
         md.close()
         mp.close()
+
+
+def per_step(args) -> int:
+    """``--per-step`` (module docstring)."""
+    from kvcopy.bench.nixl.request import padded
+    from kvcopy.bench.scenarios import PRESETS
+    from kvcopy.bench.timing import measure
+    from kvcopy.nixl import TransferManager
+
+    sc = replace(PRESETS["seeds2"]["scenario"], num_layers=args.layers, num_groups=1,
+                 blocks_per_request=args.blocks)
+    P = sc.build("cpu")
+    counts = sc.blocks_per_group()
+    tokens = counts[0] * sc.block_size
+    ids = padded(P.ids, counts)
+    sizes = (1, 2, 4, 8, 16)
+    span_guess = tokens * args.layers * 2 * sc.num_kv_heads * sc.head_size * 2  # K and V, bf16
+    mp = TransferManager("layerwise-cost-P", P.dev, P.layer_groups, sc.block_size, sc.block_size, buffer="arena",
+                         arena_bytes=max(sizes) * span_guess * 5 // 4 + (64 << 20), arena_ttl_s=3600.0,
+                         block_dim=sc.block_dim(), kv_layout=sc.kv_layout())
+    arena, info = mp.arena, mp.info
+    parts: list = []
+    steps: list = []
+
+    def fresh(n: int, planned: bool):
+        def make():
+            for part in parts:
+                arena.abandon(part)
+            parts[:] = [arena.begin(info, tokens, f"r{i}", 1) for i in range(n)]
+            steps[:] = [arena.settle(part, ids, tokens) for part in parts] if planned else []
+        return make
+
+    def settle():
+        steps[:] = [arena.settle(part, ids, tokens) for part in parts]
+
+    def copies():
+        for step in steps:
+            for u in step.units:
+                step.run(u)
+
+    rows, before = {}, {}
+    units = 0
+    try:
+        fresh(1, True)()
+        units, span = len(steps[0].units), parts[0].span.nbytes
+        for n in sizes:
+            src = torch.randint(0, 256, (n * span,), dtype=torch.uint8)
+            dst = torch.zeros(n * span, dtype=torch.uint8)
+            rows[f"settle {n}"], before[f"settle {n}"] = settle, fresh(n, False)
+            rows[f"copies {n}"], before[f"copies {n}"] = copies, fresh(n, True)
+            rows[f"memcpy {n}"] = lambda dst=dst, src=src: dst.copy_(src)
+        timings = measure(rows, "cpu", args.iters, warmup=1, budget_s=120.0, before=before)
+    finally:
+        for part in parts:
+            arena.abandon(part)
+        mp.close()
+    print(f"arena_plan_cost --per-step: seeds2 geometry, {args.layers} layers ({units} units), {tokens} tokens "
+          f"per request ({span / 2**20:.1f} MiB span); median of {args.iters} rounds, ms")
+    print(f"{'requests':>8}{'settle':>9}{'per unit+req us':>17}{'copies':>9}{'memcpy':>9}{'settle/copies':>15}")
+    out = {}
+    for n in sizes:
+        med = {k: timings[f"{k} {n}"].stats()["median_us"] / 1e3 for k in ("settle", "copies", "memcpy")}
+        out[n] = med
+        print(f"{n:>8}{med['settle']:>9.2f}{med['settle'] * 1e3 / (n * units):>17.1f}{med['copies']:>9.2f}"
+              f"{med['memcpy']:>9.2f}{med['settle'] / med['copies']:>15.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "arena_plan_cost --per-step", "layers": args.layers, "units": units,
+                       "tokens_per_request": tokens, "span_bytes": span, "iters": args.iters,
+                       "median_ms": out}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""The serving benchmark: ``vllm serve`` P and D on the CPU, the three connectors side by side.
+"""The serving benchmark: ``vllm serve`` P and D on the CPU, the connectors side by side.
 
     VLLM_TARGET_DEVICE=cpu build/engine-env/bin/python bench/serve_pd.py \\
-        [--connectors stock,mirror,arena] [--requests 16] [--lengths 256,1024] [--new-tokens 8] \\
-        [--concurrency 4] [--bind auto|nobind] [--out bench/out/serve]
+        [--connectors stock,mirror,arena,arena-layerwise] [--requests 16] [--lengths 256,1024] \\
+        [--new-tokens 8] [--concurrency 4] [--bind auto|nobind] [--layers 2] [--repeats 1] \\
+        [--out bench/out/serve]
 
 (the environment: ``bench/engine_env.sh``). For each connector in turn (one P/D pair on the
 machine at a time), one ``vllm serve`` P and one D (``kvcopy.testing.engine.serve``, a
-2-layer float32 Llama with random weights, 2 KV heads), then what a proxy does per
+float32 Llama with random weights, ``--layers`` layers, 2 KV heads), then what a proxy does per
 request: P runs it with ``do_remote_decode`` and ``max_tokens=1``, D streams it with P's
 ``kv_transfer_params``. The same requests (token-id prompts of the given lengths, in turn,
 from one seed) go through every connector, ``--concurrency`` at a time; one warm-up request
@@ -19,13 +20,24 @@ first (the handshake), reported apart. Printed per connector, and written to
   arena, or none where NIXL reads the KV in place (vLLM's stock connector on a CPU);
 * NIXL descriptors and bytes per READ (vLLM's ``vllm:nixl_*`` metrics on D, which the
   arena connector reports too) and D's prompt tokens by source (loaded, computed);
-* whether D's tokens equal those of the first connector run, request by request.
+* whether D's tokens equal those of the first connector run, request by request;
+* arena connectors, per request (the hooks' ``kvcopy_timeline``: ``time.monotonic()`` in
+  P's and D's workers and here, one clock on one host): P's forward of the step where the
+  prefill ended (``bind_connector_metadata`` to ``wait_for_save``), **prefill end**
+  (``wait_for_save`` entered: the forward is done) to ``wait_for_save``'s return (the
+  staging P does after its forward), prefill end to D's **KV ready** (D's READ and
+  scatter completed), and, layer-wise, each layer's ``save_kv_layer`` time and unit
+  copy start and end. ``OUT/serve_timeline.svg`` draws one request of each arena
+  connector (:mod:`serve_timeline`).
+
+``--repeats R`` runs the connector list R times in turn (a fresh pair each time: A B A B
+...), so that load changes on a shared machine fall on every connector alike.
 
 The connectors: ``stock`` (vLLM's ``NixlConnector``), ``mirror`` (``KvcopyNixlConnector``
 with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena``
-(``KvcopyArenaConnector``). ``--bind nobind`` runs every engine with
-``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
-"With a real engine", says why the two differ for vLLM's NIXL worker).
+(``KvcopyArenaConnector``), ``arena-layerwise`` (the same, P with ``layerwise``).
+``--bind nobind`` runs every engine with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of
+vLLM's default binding (docs/vllm.md, "With a real engine", says why the two differ for vLLM's NIXL worker).
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, rand
 from kvcopy.testing.engine.serve import (  # noqa: E402
     Server, metric_sum, metrics, post_json, rpc, stream_first_token,
 )
+from serve_timeline import PHASES, attach_events, phase_summary, write_svg  # noqa: E402
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -52,13 +65,15 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated: stock, mirror, arena")
+    ap.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated: " + ", ".join(CONNECTORS))
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--lengths", default="256,1024", help="prompt lengths in tokens, used in turn")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--bind", choices=("auto", "nobind"), default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2, help="the Llama's layers")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of the connector list, in turn")
     ap.add_argument("--out", default="bench/out/serve")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -67,8 +82,10 @@ def parse_args(argv=None):
     if bad or not args.connectors:
         ap.error(f"unknown connector(s) {bad}; known: {', '.join(CONNECTORS)}")
     args.lengths = [int(x) for x in args.lengths.split(",")]
-    if any(n < 1 or n + args.new_tokens >= args.max_model_len for n in args.lengths) or args.requests < 1:
-        ap.error("each length must be >= 1 and leave room for --new-tokens below --max-model-len")
+    if any(n < 1 or n + args.new_tokens >= args.max_model_len for n in args.lengths) or args.requests < 1 \
+            or args.layers < 1 or args.repeats < 1:
+        ap.error("each length must be >= 1 and leave room for --new-tokens below --max-model-len; "
+                 "--requests, --layers, --repeats >= 1")
     return args
 
 
@@ -80,9 +97,11 @@ def one_request(p_url, d_url, prompt, new_tokens):
     with post_json(p_url + "/v1/completions", body, 300) as r:
         params = dict(json.loads(r.read())["kv_transfer_params"])
     params.pop("remote_prefill_cached_tokens", None)
-    p_s = time.monotonic() - t0
+    t1 = time.monotonic()
     d = stream_first_token(d_url, prompt, new_tokens, kv_transfer_params=params)
-    return {"p_s": p_s, "ttft_d_s": d["ttft_s"], "d_s": d["total_s"], "token_ids": d["token_ids"]}
+    return {"p_s": t1 - t0, "ttft_d_s": d["ttft_s"], "d_s": d["total_s"], "token_ids": d["token_ids"],
+            "tokens": len(prompt), "p_request": params.get("remote_request_id"), "d_sent": t1,
+            "d_first": t1 + d["ttft_s"] if d["ttft_s"] is not None else None}
 
 
 def run_connector(args, connector, model, prompts, progress):
@@ -101,6 +120,10 @@ def run_connector(args, connector, model, prompts, progress):
         p.wait_ready()
         d.wait_ready()
         warm = one_request(p.url, d.url, random_prompts([64], seed=99)[0], args.new_tokens)
+        timed = connector.startswith("arena")
+        if timed:  # the first call starts recording
+            rpc(p.url, "kvcopy_timeline")
+            rpc(d.url, "kvcopy_timeline")
         before = metrics(d.url)
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:
@@ -112,10 +135,16 @@ def run_connector(args, connector, model, prompts, progress):
         wall = time.monotonic() - t0
         after = metrics(d.url)
         staging = rpc(d.url, "kvcopy_staging_bytes")[0]
+        if timed:
+            attach_events(results, rpc(p.url, "kvcopy_timeline")[0], rpc(d.url, "kvcopy_timeline")[0])
+            layerwise = rpc(p.url, "kvcopy_layerwise_stats")[0]
     finally:
         d.kill()
         p.kill()
-    return summarize(connector, results, warm, wall, before, after, staging)
+    row = summarize(connector, results, warm, wall, before, after, staging)
+    if timed:
+        row.update(phase_summary(results), layerwise=layerwise)
+    return row
 
 
 def _delta(before, after, name, **labels):
@@ -136,6 +165,7 @@ def summarize(connector, results, warm, wall, before, after, staging):
         "failed_transfers": _delta(before, after, "vllm:nixl_num_failed_transfers_total"),
         "prompt_tokens": {s: _delta(before, after, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES},
         "ttft_d_s": [r["ttft_d_s"] for r in results], "token_ids": [r["token_ids"] for r in results],
+        "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
     }
 
 
@@ -162,6 +192,24 @@ def print_table(rows):
         print("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)))
 
 
+def print_phases(rows):
+    """The arena connectors' phases (:mod:`serve_timeline`), median per prompt length, per run."""
+    timed = [r for r in rows if "phases" in r]
+    if not timed:
+        return
+    print("\nper request, median per prompt length (ms); runs in the order they ran")
+    head = ("run", "connector", "tokens", "timed") + tuple(label for _, label in PHASES) + ("last layer copy",)
+    lines = [head]
+    for r in timed:
+        for n, ph in r["phases"].items():
+            lines.append((str(r["repeat"]), r["connector"], n, str(r["timed"]))
+                         + tuple(f"{ph[k] * 1e3:.2f}" if k in ph else "-" for k, _ in PHASES)
+                         + (f"{ph['last_copy_s'] * 1e3:.2f}" if "last_copy_s" in ph else "-",))
+    widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    for ln in lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)))
+
+
 def plot(rows, args, path):
     try:
         import matplotlib
@@ -177,7 +225,7 @@ def plot(rows, args, path):
     ax2.bar([r["connector"] for r in rows], [r["staging_bytes"] / 2**20 for r in rows])
     ax2.set_ylabel("host staging memory (MiB)")
     ax2.set_title("host memory KV is staged through")
-    fig.suptitle(f"vLLM 0.33 P/D on the CPU (2-layer Llama, bind={args.bind})")
+    fig.suptitle(f"vLLM 0.33 P/D on the CPU ({args.layers}-layer Llama, bind={args.bind})")
     fig.tight_layout()
     fig.savefig(path)
     return f"plot: {path}"
@@ -186,14 +234,21 @@ def plot(rows, args, path):
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    model = build_model("llama", os.path.join(args.out, "model"), seed=0).path
+    model = build_model("llama", os.path.join(args.out, "model"), seed=0, num_layers=args.layers).path
     prompts = random_prompts([args.lengths[i % len(args.lengths)] for i in range(args.requests)], seed=7)
-    progress = Progress(len(prompts) * len(args.connectors), args.quiet)
-    rows = [run_connector(args, c, model, prompts, progress) for c in args.connectors]
+    progress = Progress(len(prompts) * len(args.connectors) * args.repeats, args.quiet)
+    rows = []
+    for rep in range(args.repeats):
+        for c in args.connectors:
+            rows.append(dict(run_connector(args, c, model, prompts, progress), repeat=rep))
     print_table(rows)
+    print_phases(rows)
     with open(os.path.join(args.out, "serve.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print(plot(rows, args, os.path.join(args.out, "serve.png")))
+    first = [r for r in rows if r["repeat"] == 0 and "phases" in r]
+    print(write_svg(first, os.path.join(args.out, "serve_timeline.svg"),
+                    f"vLLM 0.33 P/D on the CPU, {args.layers}-layer Llama: one request per arena connector"))
     print(f"results: {os.path.join(args.out, 'serve.json')} (logs beside it)")
 
 

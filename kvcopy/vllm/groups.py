@@ -50,12 +50,14 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import clip_ssm_state_blocks
 from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 
+from ..nixl.planning.pack_order import STATE_PAGE_TOKENS
 from ..nixl.planning.plan import NO_BLOCK
 
 # Tokens per block and per page of a state group in kvcopy's plans: the largest a
 # handshake allows (kvcopy.nixl.engine.info.MAX_TOKENS_PER_BLOCK). A prompt of at most
-# this many tokens is one page position, the state after the prompt.
-STATE_TOKENS = 1 << 20
+# this many tokens is one page position, the state after the prompt; the pack order
+# stages regions of this many tokens per page after every attention layer.
+STATE_TOKENS = STATE_PAGE_TOKENS
 
 
 def transfer_layer_groups(kv_cache_config, host_buffers, kv_sharing_layers=()) -> List[List[str]]:

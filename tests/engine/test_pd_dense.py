@@ -39,17 +39,17 @@ def loaded(n: int) -> int:
 SLOW = pytest.mark.slow
 # CI runs the kvcopy connectors' cases; vLLM's stock connector (the control) and the
 # mirror connector's prefix case are slow (-m slow): its D decodes at 1-2 tokens/s here.
-BATCH = ["arena", "mirror", pytest.param("stock", marks=SLOW)]
+BATCH = ["arena", "arena-layerwise", "mirror", pytest.param("stock", marks=SLOW)]
 PREFIX = ["arena", pytest.param("mirror", marks=SLOW), pytest.param("stock", marks=SLOW)]
 
 
 @pytest.fixture(scope="module")
 def pair(request, engine_dir, model):
-    connector = request.param
+    connector, _, mode = request.param.partition("-")  # "arena-layerwise": P stages layer by layer
     path = model("llama")
-    cfg = engine_config(path, BLOCK, MAX_LEN, kv=kv_transfer_config(connector))
-    pr = start_pair(engine_dir, f"dense-{connector}", cfg, cfg, env=None if connector == "arena" else UNBOUND)
-    pr.connector = connector
+    cfg = engine_config(path, BLOCK, MAX_LEN, kv=kv_transfer_config(connector, **({"layerwise": True} if mode else {})))
+    pr = start_pair(engine_dir, f"dense-{request.param}", cfg, cfg, env=None if connector == "arena" else UNBOUND)
+    pr.connector, pr.layerwise = connector, bool(mode)
     yield pr
     pr.close()
 
@@ -95,6 +95,9 @@ def test_a_batch_at_block_boundaries_and_near_max_model_len(pair, reference):
     assert batch.tokens == [o["token_ids"] for o in want]
     assert batch.cached == [loaded(n) for n in LENGTHS], load_failures(pair.d)
     _proof(pair, before_m, before_s, prompts, batch)
+    if pair.layerwise:  # P copied its layers from save_kv_layer, none left to the sweep (dense: no state)
+        lw = pair.p.rpc("kvcopy_layerwise_stats")[0]
+        assert lw["at_layer"] > 0 and lw["swept"] == 0 and lw["no_span"] == 0, lw
     if pair.connector == "mirror":  # P saved through kvcopy's copier, D synced through it
         p_copies = pair.p.rpc("kvcopy_mirror_copies")[0]
         assert p_copies["to_host"] >= 1, p_copies

@@ -51,6 +51,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
 
+from kvcopy.nixl.planning.pack_order import natural_key
 from kvcopy.vllm import KvcopyArenaConnector
 from kvcopy.vllm.arena.connector import KvcopyArenaScheduler
 from kvcopy.vllm.arena.meta import agent_name
@@ -81,10 +82,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_step(conn, out) -> KVConnectorOutput:
-    """One worker's part of a step (vLLM's KVConnectorModelRunnerMixin, the forward aside)."""
+def _worker_step(conn, out, forward=None) -> KVConnectorOutput:
+    """One worker's part of a step (vLLM's KVConnectorModelRunnerMixin; ``forward(conn)``
+    plays the model's layers where given, else the forward is nothing)."""
     conn.bind_connector_metadata(out.kv_connector_metadata)
     conn.start_load_kv(None)
+    if forward is not None:
+        forward(conn)
     conn.wait_for_save()
     res = conn.get_transfer_results(out.finished_req_ids)
     kv_out = KVConnectorOutput(
@@ -126,6 +130,21 @@ class _Rank:
             w.use_mla, w.total_kv_heads = True, None
         storage = next(iter(self.caches.values())).untyped_storage()
         self.raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        self.truth = None  # layer-wise tests: the KV the forward writes, layer by layer (fill_layerwise)
+        self.saves = True  # the forward calls save_kv_layer (False: as under a FULL CUDA graph's replay)
+        state = {n for g in range(len(self.kcc.transfer_groups)) if _state_group(self.kcc, g)
+                 for n in self.kcc.transfer_groups[g].layer_names}
+        # (layer, whether vLLM calls save_kv_layer for it: attention yes, GDN/Mamba no) in forward order
+        self.layers = [(n, n not in state) for n in sorted(self.caches, key=natural_key)]
+
+    def forward(self, conn):
+        """The model's layers, in order: each writes its KV (``truth``'s bytes of its
+        tensor), then vLLM's decorator calls ``save_kv_layer`` (attention layers only)."""
+        storage, truth = self.raw.untyped_storage(), self.truth.untyped_storage()
+        for name, attention in self.layers:
+            _view(self.caches, storage, name).copy_(_view(self.caches, truth, name))
+            if attention and self.saves:
+                conn.save_kv_layer(name, self.caches[name], None)
 
 
 class ArenaEngine:
@@ -215,7 +234,8 @@ class ArenaEngine:
                 sampled.append([7] if done else [])
             outputs = [ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                          sampled_token_ids=sampled,
-                                         kv_connector_output=_worker_step(x.worker, out))
+                                         kv_connector_output=_worker_step(
+                                             x.worker, out, x.forward if x.truth is not None else None))
                        for x in self.ranks]
             mro = self.aggregator.aggregate(outputs) if len(self.ranks) > 1 else outputs[0]
             for outs in sched.update_from_output(out, mro).values():
@@ -353,6 +373,17 @@ def fill(p, d, seed):
     g = torch.Generator().manual_seed(seed)
     for rank in p.ranks:
         rank.raw.copy_(torch.randint(0, 256, rank.raw.shape, dtype=torch.uint8, generator=g))
+    for rank in d.ranks:
+        rank.raw.fill_(0x5A)
+
+
+def fill_layerwise(p, d, seed):
+    """P's KV poisoned, the bytes its forward writes layer by layer random (every rank);
+    D's poisoned. A copy made before its layer ran would carry P's poison to D."""
+    g = torch.Generator().manual_seed(seed)
+    for rank in p.ranks:
+        rank.truth = torch.randint(0, 256, rank.raw.shape, dtype=torch.uint8, generator=g)
+        rank.raw.fill_(0xC3)
     for rank in d.ranks:
         rank.raw.fill_(0x5A)
 

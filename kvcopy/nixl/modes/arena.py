@@ -56,10 +56,11 @@ from ..options import ManagerOptions
 from ..planning.pack_order import ORDER, ORDERS, chunk_extents, granule_for, head_slabs, span_layout, stage_units, \
     virtual_engine
 from ..planning.plan import NO_BLOCK, Plan, PullPlan, build_multi_pull_plan, expand_blocks, request_block_ids
-from ..wire.record import StagedRequest, check_record, request_key
+from ..wire.record import PageSums, StagedRequest, check_record, request_key
 from ..engine.regions import RegionSet, build_regions
 from ..planning.routes import Routes, plan_routes
 from .rows import BRIDGE_BYTES, byte_index, check_inside, merge_rows, zero_runs
+from .partial_stage import PartialStage, StepCopies, plan_step
 from .span_copiers import SpanCopiers
 from .span_sums import ArenaSums, ScatterCheck
 from ..sum_check import SumCheck
@@ -211,6 +212,7 @@ class ArenaStaging(BufferMode):
         self._freeing: Dict[int, Tuple[torch.cuda.Event, int]] = {}  # spans finished while their scatter runs
         self.span_copiers(self.order)
         self._staged: Dict[bytes, _Staged] = {}  # P: request id -> its span and readers
+        self._partial: Dict[bytes, PartialStage] = {}  # P: requests staged unit by unit, not finished
         self._held: Dict[int, int] = {}  # D: works with a READ given up on that may still land -> span bytes
         self.shapes = KeyedCache(SHAPE_CACHE_SIZE)  # D: the virtual engines per request shape
         self.pairings = KeyedCache(SHAPE_CACHE_SIZE)  # D: layer pairs per (peer, order), whatever the shape
@@ -287,6 +289,65 @@ class ArenaStaging(BufferMode):
         record = StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
                                self.order, tp_rank=info.tp_rank, generation=info.generation)
         return self.sums.record(record, layout, sums, positions, counts)
+
+    # ------------------------------------------------------------ P side, unit by unit
+    def begin(self, info, num_tokens, request_id, readers, count_failure=True) -> PartialStage:
+        """Allocate a request's span for staging unit by unit over steps
+        (:mod:`kvcopy.nixl.modes.partial_stage`); :class:`ArenaFull` as :meth:`stage`."""
+        self._check_engine(info)
+        rid = request_key(request_id)
+        n_tok = integer(num_tokens, "num_tokens", minimum=0)
+        readers = integer(readers, "readers", minimum=1)
+        if rid in self._staged or rid in self._partial:
+            raise ValueError(f"request {request_id!r} is already staged")
+        self.expire()
+        counts = [-(-n_tok // t) for t in info.tokens_per_page]
+        segs, total = span_layout(self.units, counts)
+        span = self.arena.allocate(total, count_failure)
+        part = PartialStage(info, rid, span, segs, counts, n_tok, readers, self.order)
+        part.restart()
+        self._partial[rid] = part
+        return part
+
+    def settle(self, part: PartialStage, block_ids, done_tokens) -> StepCopies:
+        """Plan the copies of the page positions of ``part`` that settled now that
+        ``done_tokens`` of its prompt are computed, ``block_ids`` its table this step
+        (token-anchored, as for :meth:`stage`). Every call is checked here; nothing is
+        copied until the caller runs the units."""
+        if self._partial.get(part.rid) is not part:
+            raise ValueError("not a request this arena is staging unit by unit")
+        ids = request_block_ids(part.info, block_ids, "block_ids")
+        done = integer(done_tokens, "done_tokens", minimum=0)
+        if done < part.done_tokens:
+            raise ValueError(f"done_tokens {done} went back from {part.done_tokens}: restart() the request")
+        cps = self.span_copiers(part.order)
+        layout = self.sums.layout(cps, part.order, part.info.tokens_per_page, "d2h")
+        return plan_step(part, cps, layout if self.sums.on else None, ids, done, self.sums.device)
+
+    def finish(self, part: PartialStage) -> StagedRequest:
+        """The record of a request staged unit by unit, once every position settled and
+        every unit of every step was copied (on a GPU: after those copies ended; its
+        sums are read back here). The span is then staged as :meth:`stage`'s are."""
+        if self._partial.get(part.rid) is not part:
+            raise ValueError("not a request this arena is staging unit by unit")
+        if not part.complete:
+            raise ValueError(f"request {part.rid!r}: {part.done_tokens} of {part.num_tokens} tokens settled, "
+                             f"units {[s.left() for s in part.steps if s.left()]} not copied")
+        info = part.info
+        record = StagedRequest(info.name, part.rid.decode("latin-1"), part.span.offset, part.span.nbytes,
+                               part.num_tokens, part.held(info.tokens_per_block, info.tokens_per_page), part.order,
+                               tp_rank=info.tp_rank, generation=info.generation)
+        if self.sums.on:
+            layout = self.sums.layout(self.span_copiers(part.order), part.order, info.tokens_per_page, "d2h")
+            record = record.with_sums(PageSums.of(layout.fingerprint, part.values(layout)))
+        del self._partial[part.rid]
+        self._staged[part.rid] = _Staged(part.span, time.monotonic() + self.ttl_s, part.readers)
+        return record
+
+    def abandon(self, part: PartialStage) -> None:
+        """Free the span of a request staged unit by unit (no copy of it may still run)."""
+        if self._partial.pop(part.rid, None) is part:
+            self.arena.free(part.span)
 
     def on_notifications(self, new: Mapping[str, List[bytes]]) -> None:
         """P: a notification naming a staged request says its sender (a D agent, by
@@ -524,6 +585,7 @@ class ArenaStaging(BufferMode):
         self._free_scattered()
         out = self.arena.stats()
         out["staged_requests"] = len(self._staged)
+        out["partial_requests"] = len(self._partial)
         out["held_spans"] = len(self._held)
         out["held_bytes"] = sum(self._held.values())
         out.update(self.sums.stats.as_dict())

@@ -3,16 +3,22 @@
 Both sides compute a span's layout from a handshake and the record's ``order`` alone:
 
 * a **unit** is one (KV cache group, region) pair: the layers of one group that view one
-  tensor the same way (they are staged once). Units are sorted by their first layer
-  name, so two engines with the same layers order them the same way whatever their
-  group plans. Each unit's segment starts at a multiple of its chunk bytes (padding
-  only between units of different chunk sizes). Page positions are the request's:
+  tensor the same way (they are staged once). Units are in **forward order**: by their
+  first layer name in natural order (digit runs compared as integers, so
+  ``model.layers.2`` comes before ``model.layers.10``), then every *state* unit
+  (Mamba/GDN: a region of :data:`STATE_PAGE_TOKENS` tokens per page, one page position
+  per request) after every attention unit. So two engines with the same layers order
+  them the same way whatever their group plans, and the units of consecutive layers
+  are one contiguous byte range of the span: a layer-wise stage fills it front to back,
+  and the state, written by every step until the prefill ends, comes last. Each unit's
+  segment starts at a multiple of its chunk bytes (padding only between units of
+  different chunk sizes). Page positions are the request's:
   position ``k`` holds tokens ``[k * T, (k + 1) * T)``; P stages the blocks covering
   its ``num_tokens`` (``NO_BLOCK`` positions are holes nobody reads).
 * **token order** (``arena_order="token"``, the default, record order
-  ``unit/chunk/page:v1``): a segment is ``[chunk][page position][page chunk]``. One
+  ``unit/chunk/page:v2``): a segment is ``[chunk][page position][page chunk]``. One
   layer's K (or V) for the whole request is one contiguous run, tokens in order.
-* **head order** (``arena_order="head"``, ``unit/head/chunk/page:v1``, HND pages
+* **head order** (``arena_order="head"``, ``unit/head/chunk/page:v2``, HND pages
   only): a segment is ``[head][chunk][page position][head slab]``, where a head slab
   is one head's ``[token][head size]`` of a page chunk. A run of KV heads of one layer,
   K and V and all pages, is one contiguous run: a TP head slice per layer. A page
@@ -33,16 +39,36 @@ the axes' reach (:func:`chunk_extents`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Dict, List, Sequence, Tuple
 
 from ..engine.info import EngineInfo
 from ..engine.regions import RegionInfo
 
-ORDER = "unit/chunk/page:v1"  # the token order (the default)
-HEAD_ORDER = "unit/head/chunk/page:v1"
+# v2: units in forward order (natural layer-name order, state units last); v1 sorted names as strings
+ORDER = "unit/chunk/page:v2"  # the token order (the default)
+HEAD_ORDER = "unit/head/chunk/page:v2"
 ORDERS = {"token": ORDER, "head": HEAD_ORDER}  # the manager's arena_order -> the record's name
 MAX_GRANULE = 1 << 26  # an arena granule above 64 MiB (lcm of odd chunk sizes) is refused
+# Tokens per page of a state group (Mamba/GDN: no token axis; kvcopy.vllm.groups declares
+# it so): one page position holds any prompt's state. A region with at least this many
+# tokens per page is a state region, from the handshake alone.
+STATE_PAGE_TOKENS = 1 << 20
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> Tuple[object, ...]:
+    """``name`` cut into text and integers (``"model.layers.10"`` -> ``("model.layers.", 10, "")``):
+    sorting by it puts layer 2 before layer 10. Text and integers alternate from a text
+    part, so two keys compare part by part without mixing types."""
+    parts = _DIGITS.split(name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
+
+
+def is_state_region(r: RegionInfo) -> bool:
+    """Whether a region holds per-request state (see :data:`STATE_PAGE_TOKENS`)."""
+    return r.tokens_per_page >= STATE_PAGE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class Unit:
     head_stride: int = 0  # elements between heads in the page chunk (the head axis' stride)
     outer: int = 1  # head order: slabs per head (2: K and V of a [2][head][token][size] page chunk)
     outer_stride: int = 0  # elements between those slabs of one head in the page chunk (0: one)
+    state: bool = False  # a state unit (Mamba/GDN, is_state_region): staged after every attention unit
 
     @property
     def block_bytes(self) -> int:
@@ -98,8 +125,8 @@ def head_slabs(r: RegionInfo) -> Tuple[int, int, int, int, int]:
 
 
 def stage_units(regions: Sequence[RegionInfo], order: str = ORDER) -> List[Unit]:
-    """The units of an engine's regions in canonical order (sorted by first layer name);
-    in head order, HND units are split into head slabs."""
+    """The units of an engine's regions in forward order (see the module docstring); in
+    head order, HND units are split into head slabs."""
     if order not in ORDERS.values():
         raise ValueError(f"unknown staging order {order!r}; known: {sorted(ORDERS.values())}")
     out = []
@@ -112,9 +139,9 @@ def stage_units(regions: Sequence[RegionInfo], order: str = ORDER) -> List[Unit]
         if heads == 0 or heads * outer == 1:  # no head axis, or one head slab: as in token order
             heads, head_bytes, head_stride, outer, outer_stride = 1, 0, 0, 1, 0
         for g, names in by_group.items():
-            out.append(Unit(g, r.index, tuple(sorted(names)), r.num_chunks, r.chunk_bytes,
-                            heads, head_bytes, head_stride, outer, outer_stride))
-    out.sort(key=lambda u: u.layers[0])
+            out.append(Unit(g, r.index, tuple(sorted(names, key=natural_key)), r.num_chunks, r.chunk_bytes,
+                            heads, head_bytes, head_stride, outer, outer_stride, is_state_region(r)))
+    out.sort(key=lambda u: (u.state, natural_key(u.layers[0])))
     return out
 
 

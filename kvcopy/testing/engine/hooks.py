@@ -8,7 +8,9 @@ Only the tests load it: nothing in the connectors knows of it.
 """
 from __future__ import annotations
 
-from typing import Dict
+import time
+from collections import deque
+from typing import Any, Dict, List
 
 
 def _connector():
@@ -26,12 +28,115 @@ def _arena_manager():
     return worker.manager
 
 
+TIMELINE_KEPT = 512  # steps (P) and requests (D) the timeline keeps, oldest dropped
+
+
+class _Timeline:
+    """``time.monotonic()`` events of one worker's arena connector (one clock for every
+    process of the host, so P's and D's events compare): P's steps and D's pulls."""
+
+    def __init__(self, conn) -> None:
+        self.steps: "deque[Dict[str, Any]]" = deque(maxlen=TIMELINE_KEPT)  # P: one per step with a save
+        self.pulls: "deque[Dict[str, Any]]" = deque(maxlen=TIMELINE_KEPT)  # D: one per request pulled
+        self._step: Dict[str, Any] = {}
+        self._started: Dict[str, float] = {}  # D: P's request id -> when D's puller took it
+        worker = conn.arena_worker
+        if worker is None or worker.stager is None or worker.puller is None:
+            raise RuntimeError("this engine's connector is not a registered KvcopyArenaConnector")
+        self._wrap(conn, "bind_connector_metadata", self._bind)
+        self._wrap(conn, "save_kv_layer", self._layer)
+        self._wrap(conn, "wait_for_save", None, self._saved)
+        layers = worker.stager.layers
+        if layers is not None:
+            arena = worker.manager.arena
+            units = arena.span_copiers(arena.order).units
+            self._unit_layers = [sorted(u.layers) for u in units]
+            self._wrap(layers, "_copy", self._copy_start, self._copy_end)
+        self._wrap(worker.puller, "start", self._pull_start)
+        self._wrap(worker.puller, "_finish", None, self._pulled)
+
+    @staticmethod
+    def _wrap(obj, name: str, before=None, after=None) -> None:
+        real = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            t0 = time.monotonic()
+            if before is not None:
+                before(t0, *args, **kwargs)
+            out = real(*args, **kwargs)
+            if after is not None:
+                after(t0, time.monotonic(), *args, **kwargs)
+            return out
+        setattr(obj, name, wrapped)
+
+    # P: the step's forward (bind .. wait_for_save), its layers and copies
+    def _bind(self, t: float, meta, *_args) -> None:
+        self._step = {"bind": t, "layers": [], "copies": [], "final": sorted(getattr(meta, "stage", {}) or {})}
+
+    def _layer(self, t: float, name: str, *_args, **_kwargs) -> None:
+        self._step.setdefault("layers", []).append((name, t))
+
+    def _copy_start(self, t: float, units: List[int], steps) -> None:
+        self._step.setdefault("copies", []).append({"units": list(units), "start": t,
+                                                    "requests": [rid for rid, _ in steps]})
+
+    def _copy_end(self, t0: float, t1: float, units: List[int], steps) -> None:
+        for c in reversed(self._step.get("copies", [])):
+            if c["start"] == t0:
+                c["end"] = t1
+                break
+
+    def _saved(self, t0: float, t1: float) -> None:
+        if self._step.get("final") or self._step.get("copies"):
+            self.steps.append(dict(self._step, fwd_end=t0, saved=t1))
+        self._step = {}
+
+    # D: a request taken for pulling, and its KV in D's cache
+    def _pull_start(self, t: float, recv) -> None:
+        for r in recv.values():
+            self._started[r.remote_request_id] = t
+
+    def _pulled(self, t0: float, t1: float, job) -> None:
+        rid = job.recv.remote_request_id
+        self.pulls.append({"p_request": rid, "taken": self._started.pop(rid, None), "posted": job.posted[0],
+                           "post_done": job.posted[1], "kv_ready": t0})
+
+    def take(self) -> Dict[str, Any]:
+        out = {"steps": list(self.steps), "pulls": list(self.pulls),
+               "unit_layers": getattr(self, "_unit_layers", None)}
+        self.steps.clear()
+        self.pulls.clear()
+        return out
+
+
 class KvcopyHooks:
     """Methods vLLM adds to its worker (see the module docstring)."""
+
+    def kvcopy_timeline(self) -> Dict[str, Any]:
+        """The arena connector's event times since the last call (the first call starts
+        recording and returns nothing): P's steps (``bind``, each ``save_kv_layer``, each
+        layer-wise unit copy's start and end, ``fwd_end``: ``wait_for_save`` entered,
+        ``saved``: it returned, ``final``: the requests whose prefill ended), D's pulls
+        (by P's request id: ``taken`` by the puller, READ ``posted``, ``kv_ready``: the
+        READ and scatter completed). For ``bench/serve_pd.py``."""
+        timeline = getattr(self, "_kvcopy_timeline", None)
+        if timeline is None:
+            self._kvcopy_timeline = _Timeline(_connector())
+            return {"steps": [], "pulls": [], "unit_layers": None}
+        return timeline.take()
 
     def kvcopy_arena_stats(self) -> Dict[str, int]:
         """The arena connector's ``TransferManager.stats()`` (pulls, spans, checksum outcomes)."""
         return dict(_arena_manager().stats())
+
+    def kvcopy_layerwise_stats(self) -> Dict[str, int]:
+        """P, ``layerwise``: unit copies queued by ``save_kv_layer``, made by the sweep,
+        and requests with no span at their first step (kvcopy.vllm.arena.layerwise)."""
+        stager = getattr(getattr(_connector(), "arena_worker", None), "stager", None)
+        layers = getattr(stager, "layers", None)
+        if layers is None:
+            return {"at_layer": 0, "swept": 0, "no_span": 0}
+        return {"at_layer": layers.at_layer, "swept": layers.swept, "no_span": layers.no_span}
 
     def kvcopy_staging_bytes(self) -> Dict[str, int]:
         """Host memory the connector stages KV through (pinned on a GPU): the arena's

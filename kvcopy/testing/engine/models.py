@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +64,19 @@ FAMILIES = {"llama": _llama_config, "gemma2": _gemma2_config, "gemma3": _gemma3_
             "qwen3_next": _qwen3_next_config}
 
 
-def build_model(family: str, path: str, seed: int = 0) -> ModelSpec:
-    """Save ``family``'s tiny model with weights drawn from ``seed`` into ``path``."""
+def build_model(family: str, path: str, seed: int = 0, num_layers: Optional[int] = None) -> ModelSpec:
+    """Save ``family``'s tiny model with weights drawn from ``seed`` into ``path``
+    (``num_layers``: llama with that many layers instead of 2)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
     config = FAMILIES[family]()
+    if num_layers is not None:
+        if family != "llama":
+            raise ValueError(f"num_layers is for the dense llama only ({family} has per-layer types)")
+        config.num_hidden_layers = num_layers
     config.torch_dtype = torch.float32
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)

@@ -6,7 +6,8 @@ The three connectors compared (:data:`CONNECTORS`):
   place: vLLM turns host buffers off there);
 * ``mirror``: ``KvcopyNixlConnector`` with ``host_buffer_on_cpu``: vLLM's host-buffer path
   (``kv_buffer_device="cpu"``), P's save and D's sync through kvcopy's copier;
-* ``arena``: ``KvcopyArenaConnector``.
+* ``arena``: ``KvcopyArenaConnector``; ``arena-layerwise`` the same with P staging layer
+  by layer (``layerwise``).
 
 A batch (:func:`run_pd`) is what a proxy does: P runs every prompt with
 ``do_remote_decode`` and ``max_tokens=1`` in one ``generate``, then D runs every prompt
@@ -24,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .process import Engine, free_port
 
-CONNECTORS = ("stock", "mirror", "arena")
+CONNECTORS = ("stock", "mirror", "arena", "arena-layerwise")
 HOOKS = "kvcopy.testing.engine.hooks.KvcopyHooks"
 
 
@@ -40,6 +41,8 @@ def kv_transfer_config(connector: str, role: str = "kv_both", **kvcopy: Any) -> 
         return {"kv_connector": "KvcopyNixlConnector", "kv_connector_module_path": "kvcopy.vllm", "kv_role": role,
                 "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"kvcopy": {"host_buffer_on_cpu": True, **kvcopy}}}
+    if connector == "arena-layerwise":
+        return kv_transfer_config("arena", role, **{"layerwise": True, **kvcopy})
     if connector == "arena":
         return {"kv_connector": "KvcopyArenaConnector", "kv_connector_module_path": "kvcopy.vllm", "kv_role": role,
                 "kv_load_failure_policy": "recompute",

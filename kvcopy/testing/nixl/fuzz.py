@@ -45,6 +45,7 @@ import torch
 from ...nixl.engine.info import pair_layers
 from ...nixl.planning.plan import build_multi_pull_plan
 from ...nixl.modes.base import Peer
+from ...nixl.wire.record import StagedRequest
 from .geometries import (
     Spec, arena_order, arena_staging, build_caches, engine_info, expected,
     logical_kv, random_spec,
@@ -111,8 +112,10 @@ def run_case(spec: Spec) -> Outcome:
     return Outcome("exact")
 
 
-def run_arena_case(spec: Spec) -> Outcome:
-    """One case in arena mode (see the module docstring)."""
+def run_arena_case(spec: Spec, stage: Optional[Callable[..., StagedRequest]] = None) -> Outcome:
+    """One case in arena mode (see the module docstring); ``stage(p_staging, info,
+    block_ids, num_tokens, request_id)`` stages on P instead of ``ArenaStaging.stage``
+    (the layer-wise tests stage unit by unit with it)."""
     logical = logical_kv(spec)
     d_caches = build_caches(spec, "d", spec.d_rank)
     p_caches = {r: build_caches(spec, "p", r, logical) for r in spec.p_ranks}
@@ -132,7 +135,8 @@ def run_arena_case(spec: Spec) -> Outcome:
                 if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
                     continue
                 raise
-            records[info.name] = p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
+            records[info.name] = (stage(p_st, info, spec.p.block_ids, spec.num_tokens, b"req") if stage else
+                                  p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1))
             peers.append(Peer(len(peers), info, (), ()))
             buffers[info.name] = p_st.buffer
         _, first = d_st.plan(d_info, peers, records, spec.num_tokens, spec.d.block_ids, spec.num_cached,

@@ -94,9 +94,10 @@ from .channel import (
 )
 from .record_client import Reply
 from ..checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
+from .layerwise import LayerwiseStage
 from .meta import (
-    MAX_TP, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, agent_name,
-    compatibility_hash,
+    MAX_TP, ArenaLayerStep, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta,
+    agent_name, compatibility_hash,
 )
 from .pull import ArenaPuller
 from .stage import ArenaStager
@@ -122,6 +123,7 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
         self.key = options.key()
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
         self._stage: Dict[str, ArenaStage] = {}
+        self._layers: Dict[str, ArenaLayerStep] = {}  # layer-wise: this step's prefill requests
         self._recv: Dict[str, ArenaRecv] = {}
         # P: requests sent to the workers for staging, not yet reported by every rank
         self._awaiting: Dict[str, Tuple[float, Set[int]]] = {}
@@ -132,17 +134,27 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
 
     # ------------------------------------------------------------ P
     def _build_save_meta(self, meta, scheduler_output) -> None:
-        """Requests whose prefill ends this step, with their whole block table."""
+        """Requests whose prefill ends this step, with their whole block table; with
+        ``layerwise`` every request computing prompt tokens this step, with its table now."""
         for rid, n in (scheduler_output.num_scheduled_tokens or {}).items():
             req = self._reqs_need_save.get(rid)
-            if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+            if req is None:
                 continue
-            del self._reqs_need_save[rid]
+            final = req.num_computed_tokens + n >= req.num_prompt_tokens
+            if not (final or self.options.layerwise):
+                continue
             if self.kv_cache_manager is None:
                 raise RuntimeError("KvcopyArenaConnector: no KV cache manager bound to the scheduler side")
             table = self.kv_cache_config.select_transfer_block_ids(self.kv_cache_manager.get_block_ids(rid))
-            ids = positions(self.tokens, table, req.num_prompt_tokens)
-            self._stage[rid] = ArenaStage(tuple(tuple(g) for g in ids), int(req.num_prompt_tokens))
+            ids = tuple(tuple(g) for g in positions(self.tokens, table, req.num_prompt_tokens))
+            prompt = int(req.num_prompt_tokens)
+            if self.options.layerwise:
+                self._layers[rid] = ArenaLayerStep(ids, prompt, int(req.num_computed_tokens),
+                                                   min(prompt, int(req.num_computed_tokens + n)))
+            if not final:
+                continue
+            del self._reqs_need_save[rid]
+            self._stage[rid] = ArenaStage(ids, prompt)
             self._awaiting[rid] = (time.monotonic() + self.options.stage_timeout_s + self.store.margin_s, set())
 
     def request_finished(self, request, block_ids):
@@ -224,7 +236,8 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
                 r = self._recv_meta(params, int(params.get("remote_num_tokens") or 0), None)
             recv[rid] = r
         stage, self._stage = self._stage, {}
-        return KvcopyArenaMetadata(nixl, stage, recv)
+        layers, self._layers = self._layers, {}
+        return KvcopyArenaMetadata(nixl, stage, recv, layers)
 
 
 # Attention backends whose page holds every K row before every V row (vLLM 0.33's CPU
@@ -310,6 +323,8 @@ class KvcopyArenaWorker:
                                       self.compat, len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
+        if o.layerwise and self.producer:
+            self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.arena_ttl_s)
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(
@@ -364,6 +379,19 @@ class KvcopyArenaWorker:
             puller.start(meta.recv)
             puller.step()  # post READs whose records are in, before the forward
 
+    def bind(self, meta: KvcopyArenaMetadata) -> None:
+        """P, layer-wise: plan this step's copies before the forward (kvcopy.vllm.arena.layerwise)."""
+        stager, _ = self._require()
+        if stager.layers is not None:
+            with self.lock:
+                stager.layers.bind(meta.layers)
+
+    def layer_done(self, name: str) -> None:
+        """P, layer-wise: ``name``'s attention ran; queue the copies it completes (no lock)."""
+        layers = self.stager.layers if self.stager is not None else None
+        if layers is not None:
+            layers.layer_done(name)
+
     def save(self, meta: KvcopyArenaMetadata) -> None:
         stager, _ = self._require()
         with self.lock:
@@ -389,6 +417,8 @@ class KvcopyArenaWorker:
         if self.housekeeper is not None:
             self.housekeeper.stop()
             self.housekeeper = None
+        if self.stager is not None and self.stager.layers is not None:
+            self.stager.layers.close()
         if self.puller is not None:
             self.puller.close()
         if self.manager is not None:
@@ -456,6 +486,17 @@ class KvcopyArenaConnector(NixlBaseConnector):
 
     def set_host_xfer_buffer_ops(self, copy_operation) -> None:
         """Not used: the arena's own copies move the bytes."""
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.arena_worker is not None and isinstance(connector_metadata, KvcopyArenaMetadata) \
+                and connector_metadata.layers:
+            self.arena_worker.bind(connector_metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Layer-wise P: the layer's KV is written; its settled pages are copied now."""
+        if self.arena_worker is not None:
+            self.arena_worker.layer_done(layer_name)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()

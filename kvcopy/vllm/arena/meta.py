@@ -6,7 +6,8 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
   ``kv_connector_extra_config["kvcopy"]`` (every key checked; unknown keys refused).
 * Scheduler -> workers, once per step (:class:`KvcopyArenaMetadata`): vLLM's own NIXL
   metadata (which requests P's scheduler finished or dropped) plus, on P, the requests
-  whose prefill ends this step (:class:`ArenaStage`: their block table and token count)
+  whose prefill ends this step (:class:`ArenaStage`: their block table and token count),
+  with ``layerwise`` every request computing prompt tokens this step (:class:`ArenaLayerStep`)
   and, on D, the requests to pull (:class:`ArenaRecv`: where P is, and D's blocks as
   token-anchored lists).
 * Workers -> scheduler (:class:`KvcopyArenaWorkerMeta`, merged over TP ranks by vLLM's
@@ -32,7 +33,8 @@ from ...nixl.engine.info import MAX_TP
 from ...nixl.planning.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
-ARENA_PROTOCOL = 2  # 2: records bound to request/rank/registration, give-ups, keyed side channel
+# 2: records bound to request/rank/registration, give-ups, keyed side channel; 3: pack order v2
+ARENA_PROTOCOL = 3
 NOTIFY_PREFIX = b"kvcopy-arena\0"
 READ, GAVE_UP = b"r", b"g"  # what a reader's notification says
 # The shortest arena TTL the connector takes: P's side channel stops serving a record a
@@ -55,6 +57,7 @@ class ArenaOptions:
     key_env: Optional[str] = None  # environment variable holding the shared key (hex): side channel, records, notes
     checksum: bool = True  # page sums: P's pack into the record, D's scatter compared (docs/nixl.md, "Checksums")
     require_checksum: bool = False  # D: a pull whose pages cannot be compared fails its load (docs/vllm.md)
+    layerwise: bool = False  # P: stage each layer's settled pages as the forward runs (docs/vllm.md, "Layer-wise")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,7 +73,7 @@ class ArenaOptions:
             raise ValueError(f"kvcopy.arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         if not isinstance(self.copy_backend, str):
             raise ValueError(f"kvcopy.copy_backend must be a backend name, got {self.copy_backend!r}")
-        for flag in ("checksum", "require_checksum"):
+        for flag in ("checksum", "require_checksum", "layerwise"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"kvcopy.{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.require_checksum and not self.checksum:
@@ -114,6 +117,17 @@ class ArenaStage:
 
 
 @dataclass(frozen=True)
+class ArenaLayerStep:
+    """P, layer-wise: a request with prompt tokens computed this step (every step of its
+    prefill, chunked or not): its table now and how far its prompt is computed."""
+
+    block_ids: Tuple[Tuple[int, ...], ...]  # per transfer group, token-anchored (NO_BLOCK: a hole)
+    num_tokens: int  # the prompt's
+    computed_tokens: int  # computed before this step (went back: preempted, staged again)
+    done_tokens: int  # computed by the end of this step
+
+
+@dataclass(frozen=True)
 class ArenaRecv:
     """D: pull this request from P (``positions`` None: D needs nothing, only tells P so)."""
 
@@ -132,10 +146,12 @@ class ArenaRecv:
 class KvcopyArenaMetadata(KVConnectorMetadata):
     """One step's scheduler -> worker metadata (see the module docstring)."""
 
-    def __init__(self, nixl, stage: Dict[str, ArenaStage], recv: Dict[str, ArenaRecv]):
+    def __init__(self, nixl, stage: Dict[str, ArenaStage], recv: Dict[str, ArenaRecv],
+                 layers: Optional[Dict[str, ArenaLayerStep]] = None):
         self.nixl = nixl  # vLLM's NixlConnectorMetadata: reqs_to_send, reqs_not_processed
         self.stage = stage
         self.recv = recv
+        self.layers = layers or {}  # P, layer-wise: this step's prefill requests
 
 
 @dataclass

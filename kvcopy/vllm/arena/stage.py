@@ -46,6 +46,7 @@ from vllm.logger import init_logger
 from ...nixl import ArenaFull, remote_ranks
 from ...nixl.manager import TransferManager
 from ...nixl.sum_check import finished
+from .layerwise import LayerwiseStage, FinishingRecord
 from .meta import (
     GAVE_UP, ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
 )
@@ -81,14 +82,22 @@ class ArenaStager:
         self.early: "OrderedDict[str, Tuple[int, Set[str], float]]" = OrderedDict()
         self.gave_up = 0  # spans freed (or stagings skipped) because every reader gave up
         self.report = KvcopyArenaWorkerMeta()
+        self.layers: Optional[LayerwiseStage] = None  # with ``layerwise`` (kvcopy.vllm.arena.layerwise)
 
     def step(self, meta: KvcopyArenaMetadata) -> None:
         now = time.monotonic()
+        if self.layers is not None:  # this step's layer-wise copies end first (aborts below free spans)
+            for rid, record, event in self.layers.close_step():
+                self.live.add(rid)
+                self.syncing[rid] = (record, event)
+            self.layers.expire(now)
         self.tick(now)
         for rid in meta.nixl.reqs_not_processed:
             self._abort(rid)
         self.held.update(meta.nixl.reqs_to_send)
         for rid, stage in meta.stage.items():
+            if self.layers is not None and self.layers.takes(rid):
+                continue  # staged layer by layer
             self.pending[rid] = (stage, now + self.opts.stage_timeout_s)
         self._stage_pending(now)
         self._check_copies(now)
@@ -184,7 +193,11 @@ class ArenaStager:
         """P's scheduler dropped the request (aborted before it finished): its blocks are
         not held for us; a span staged for it goes now, and D is told it never will be."""
         self.pending.pop(rid, None)
-        self.syncing.pop(rid, None)
+        record, _ = self.syncing.pop(rid, (None, None))
+        if isinstance(record, FinishingRecord):
+            record.abandon()
+        if self.layers is not None:
+            self.layers.drop(rid)
         if rid in self.live:
             self._release(rid)
         self.report.failed.setdefault(rid, {})[self.rank] = "aborted on P"

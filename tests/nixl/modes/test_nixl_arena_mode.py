@@ -439,7 +439,7 @@ def hnd_pull(p_tp, d_tp, order, cached=0, p_tpp=16, d_tpp=16, n=71, heads=4):
             made.append(pm)
             pms.append(pm)
             records.append(pm.save(p.block_ids, num_tokens=n, request_id="hnd"))
-            assert records[-1].order == ("unit/head/chunk/page:v1" if order == "head" else "unit/chunk/page:v1")
+            assert records[-1].order == ("unit/head/chunk/page:v2" if order == "head" else "unit/chunk/page:v2")
         for dr in range(d_tp):
             ranks = remote_ranks(dr, d_tp, p_tp, heads)
             s = geometries.Spec(**{**spec.__dict__, "d_rank": dr, "p_ranks": ranks})

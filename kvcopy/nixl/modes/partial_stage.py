@@ -1,0 +1,199 @@
+"""P: one request staged into its span unit by unit, over one or several steps (layer-wise staging).
+
+:meth:`ArenaStaging.begin <kvcopy.nixl.modes.arena.ArenaStaging.begin>` allocates the
+request's span exactly as ``stage`` does (from the token count and the handshake alone;
+:class:`~kvcopy.nixl.modes.spans.ArenaFull` before anything is copied) and returns a
+:class:`PartialStage`. Then, once per engine step:
+
+* ``settle(part, block_ids, done_tokens)`` plans the copies of the page positions that
+  *settled* since the last step (:func:`settled_pages`: every token of the page
+  computed, or the prompt's last page once the prefill ends; a state group's one
+  position only then) into a :class:`StepCopies`: per unit, one planned call per span
+  copier holding it (the copier's own planner with every other triple's id lists
+  empty), all checked before any runs. A settling position P holds no page for (a
+  sliding window's null block) stays a hole.
+* :meth:`StepCopies.run` copies one unit (any thread: it touches its planned calls,
+  the span and the device pages, nothing shared); :meth:`StepCopies.left` names the
+  units not run yet (the caller's sweep).
+* ``finish(part)`` (every position settled, every step's units run) makes the record.
+
+Sums: each unit's call sums its own pages inside the copy, as the whole-request pack
+does; a page's sum depends on its bytes and on where they sit in the staged block only,
+not on the call, and the fold (:mod:`kvcopy.nixl.modes.span_sums`) is a sum over
+triples, so the values folded unit by unit and step by step add up to the
+whole-request values: **the record is byte-identical to** ``stage``'s for the same
+block table (``tests/nixl/modes/test_nixl_partial_stage.py``). A block is *held* when
+every page position of it that holds prompt tokens was copied.
+
+Host cost per step: one ``SpanCopiers.ids`` and one plan per (unit, copier) per request;
+the sums are folded at ``finish`` (after the last copy: on a GPU the sums tensors are
+read back then).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+
+from ...core.checksum import mix64
+from ...core.copier import CallPlan
+from ..planning.plan import NO_BLOCK, expand_blocks
+from ..wire.handshake import EngineInfo
+from .span_copiers import SpanCopiers
+from .span_sums import POSITION_BITS, SumLayout, seal_bounds
+from .spans import Span
+
+
+def settled_pages(num_tokens: int, done_tokens: int, tokens_per_page: int) -> int:
+    """How many leading page positions of a ``num_tokens`` prompt are settled once
+    ``done_tokens`` of it are computed: whole pages, and the last (partial) page once
+    the prompt is done. A state group (one page for any prompt) settles at the end."""
+    if done_tokens >= num_tokens:
+        return -(-num_tokens // tokens_per_page)
+    return done_tokens // tokens_per_page
+
+
+class _UnitCall:
+    """One planned copier call of one unit: which copier, the plan, and for the fold
+    the triples' numbers ``J`` (in the call's order) and the unit's page positions."""
+
+    __slots__ = ("copier", "call", "js", "group", "positions")
+
+    def __init__(self, copier: int, call: CallPlan, js: np.ndarray, group: int, positions: np.ndarray):
+        self.copier, self.call, self.js, self.group, self.positions = copier, call, js, group, positions
+
+
+class StepCopies:
+    """One step's planned copies of one request, per unit (see the module docstring).
+    :meth:`run` may be called from another thread than the one that planned it; each
+    unit is run at most once (a second run raises)."""
+
+    def __init__(self, cps: SpanCopiers, calls: Dict[int, List[_UnitCall]], summed: bool, device: torch.device):
+        self._cps = cps
+        self._calls = calls
+        self._summed = summed
+        self._device = device
+        self.done: Set[int] = set()
+        self.sums: List[Tuple[_UnitCall, torch.Tensor]] = []  # (call, its sums), folded at finish
+
+    @property
+    def units(self) -> List[int]:
+        """The units this step copies (those of groups with settling pages)."""
+        return sorted(self._calls)
+
+    def has(self, unit: int) -> bool:
+        """Whether this step copies pages of ``unit``."""
+        return unit in self._calls
+
+    def left(self) -> List[int]:
+        """Units not run yet (in span order)."""
+        return [u for u in sorted(self._calls) if u not in self.done]
+
+    def run(self, unit: int) -> None:
+        """Copy unit ``unit``'s settling pages into the span (no-op for a unit with none)."""
+        if unit in self.done:
+            raise RuntimeError(f"unit {unit} was copied already this step")
+        self.done.add(unit)
+        for uc in self._calls.get(unit, ()):
+            copier = self._cps.copiers[uc.copier]
+            if self._summed:
+                out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=self._device)
+                copier.run("d2h", uc.call, out)
+                self.sums.append((uc, out))
+            else:
+                copier.run("d2h", uc.call)
+
+
+@dataclass
+class PartialStage:
+    """P: a request staged unit by unit (made by ``ArenaStaging.begin``; the staging's
+    caller drives it: one thread at a time, as the manager)."""
+
+    info: EngineInfo
+    rid: bytes
+    span: Span
+    segs: List[int]
+    counts: List[int]  # page positions per group holding prompt tokens
+    num_tokens: int
+    readers: int
+    order: str
+    done_tokens: int = 0  # computed prompt tokens so far (the last settle's)
+    copied: List[np.ndarray] = field(default_factory=list)  # per group: bool per page position
+    steps: List[StepCopies] = field(default_factory=list)
+
+    def restart(self) -> None:
+        """The request's computed tokens went back (preempted on P): every position settles again."""
+        self.done_tokens = 0
+        self.copied = [np.zeros(n, bool) for n in self.counts]
+        self.steps = []
+
+    @property
+    def complete(self) -> bool:
+        """Every position settled and every step's units copied."""
+        return self.done_tokens >= self.num_tokens and all(not s.left() for s in self.steps)
+
+    def held(self, tokens_per_block: Sequence[int], tokens_per_page: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
+        """Per group, per block covering the prompt: 1 when every page position of it
+        holding prompt tokens was copied."""
+        out = []
+        for g, copied in enumerate(self.copied):
+            r = tokens_per_block[g] // tokens_per_page[g]
+            n_blocks = -(-self.num_tokens // tokens_per_block[g])
+            padded = np.concatenate([copied, np.ones(n_blocks * r - len(copied), bool)])
+            out.append(tuple(padded.reshape(n_blocks, r).all(axis=1).astype(int).tolist()))
+        return tuple(out)
+
+    def values(self, layout: SumLayout) -> List[np.ndarray]:
+        """Per group, the folded page sums of every copied position (0 for a hole):
+        the sum over every step's unit calls (module docstring)."""
+        values = [np.zeros(n, np.uint64) for n in self.counts]
+        with np.errstate(over="ignore"):
+            for step in self.steps:
+                for uc, out in step.sums:
+                    n = len(uc.positions)
+                    sums = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n)
+                    sealed_at = (uc.js[:, None].astype(np.int64) << POSITION_BITS) + uc.positions[None, :]
+                    sealed = mix64(sums ^ seal_bounds(sealed_at.ravel()).reshape(sums.shape))
+                    values[uc.group][uc.positions] += sealed.sum(axis=0, dtype=np.uint64)
+        return values
+
+
+def plan_step(part: PartialStage, cps: SpanCopiers, layout: Optional[SumLayout], block_ids: List[np.ndarray],
+              done_tokens: int, device: torch.device) -> StepCopies:
+    """The copies of the positions settling between ``part.done_tokens`` and
+    ``done_tokens`` (checked ids ``block_ids`` per group, this step's table), planned
+    per unit (see the module docstring); marks them copied in ``part``."""
+    info = part.info
+    new_pos, new_pages = [], []
+    for g, arr in enumerate(block_ids):
+        tpp = info.tokens_per_page[g]
+        lo = settled_pages(part.num_tokens, part.done_tokens, tpp)
+        hi = settled_pages(part.num_tokens, done_tokens, tpp)
+        pages = expand_blocks(arr, info.tokens_per_block[g] // tpp)[:hi]
+        pages = np.concatenate([pages, np.full(max(0, hi - len(pages)), NO_BLOCK, np.int64)])
+        pos = np.arange(lo, hi, dtype=np.int64)
+        pos = pos[pages[lo:hi] != NO_BLOCK]  # a position P holds no page for stays a hole
+        new_pos.append(pos)
+        new_pages.append(pages[pos])
+    ids = cps.ids(part.span.offset, part.segs, part.counts, new_pages, new_pos)
+    calls: Dict[int, List[_UnitCall]] = {}
+    for k, ((dev, host), (_, unit, _, _, _)) in enumerate(zip(ids, cps.index)):
+        unit_of = unit.tolist()
+        for u in sorted(set(unit_of)):
+            g = cps.units[u].group
+            if not len(new_pos[g]):
+                continue
+            mine = [j for j, x in enumerate(unit_of) if x == u]
+            keep = set(mine)
+            call = cps.copiers[k].plan("d2h", [d if j in keep else [] for j, d in enumerate(dev)],
+                                       [h if j in keep else [] for j, h in enumerate(host)])
+            js = layout.numbers[k][mine] if layout is not None else np.zeros(0, np.int64)
+            calls.setdefault(u, []).append(_UnitCall(k, call, js, g, new_pos[g]))
+    for g, pos in enumerate(new_pos):
+        part.copied[g][pos] = True
+    part.done_tokens = max(part.done_tokens, min(done_tokens, part.num_tokens))
+    step = StepCopies(cps, calls, layout is not None, device)
+    part.steps.append(step)
+    return step

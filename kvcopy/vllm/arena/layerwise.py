@@ -1,0 +1,241 @@
+"""P's layer-wise staging in the arena connector (``layerwise``): pages copied as their layers finish.
+
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
+
+P's scheduler sends, every step, each request computing prompt tokens
+(:class:`~kvcopy.vllm.arena.meta.ArenaLayerStep`: its table, tokens computed before and
+after the step). Per step, on P's worker:
+
+* ``bind_connector_metadata`` (before the forward, under the worker's lock):
+  :meth:`LayerwiseStage.bind` allocates the span of a request at its first step
+  (``ArenaStaging.begin``; a full arena leaves the request to the whole-request staging
+  at its last step: layer-wise is an optimisation, never a requirement), and plans the
+  copies of the page positions that settle this step (``ArenaStaging.settle``, one
+  planned call per unit, checked before any runs). A request whose computed tokens went
+  back (preempted) is staged again from its first position.
+* ``save_kv_layer(name)`` (vLLM calls it after the layer's attention wrote its KV):
+  :meth:`LayerwiseStage.layer_done` hands the units whose last layer is ``name`` to the
+  copy thread (one thread, on vLLM's KV-transfer cores, :mod:`kvcopy.vllm.affinity`).
+  The copy is a native call that releases the GIL, so the copy of layer ``l`` runs
+  while the forward computes layer ``l + 1``. It takes no lock: everything it touches
+  was built at bind and belongs to this step.
+* ``wait_for_save``: :meth:`LayerwiseStage.close_step` waits for the copy thread, then
+  the completeness sweep copies every unit that got no ``save_kv_layer`` (state units:
+  GDN/Mamba layers never call it; FULL CUDA graphs replay without it; an attention path
+  without vLLM's decorator), and requests whose prefill ended are finished into their
+  records, which the stager reports as it reports whole-request ones.
+
+Correctness never depends on ``save_kv_layer`` being called: the sweep covers what it
+did not. A copy never starts before its layer ran: it is queued by that layer's own
+``save_kv_layer``, or by the sweep after the forward. On a GPU the copies run on the
+current stream, in order after the layer's compute (no side stream yet: correct, no
+overlap), and a request's record is finished once an event after its sweep completed.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+
+import torch
+from vllm.logger import init_logger
+
+from ...nixl import ArenaFull
+from ...nixl.manager import TransferManager
+from ...nixl.modes.partial_stage import PartialStage, StepCopies
+from ...nixl.planning.pack_order import natural_key
+from ...nixl.sum_check import PendingResult
+from ..affinity import threads_on
+from .meta import ArenaLayerStep
+
+logger = init_logger("vllm.kvcopy")
+
+
+class FinishingRecord(PendingResult):
+    """A request's record once its copies ended (GPU: after its event), made under the
+    worker's lock by the stager's ``_check_copies``."""
+
+    def __init__(self, manager: TransferManager, part: PartialStage):
+        self._m, self._part = manager, part
+        self._record = None
+
+    @property
+    def request_id(self) -> str:
+        return self._part.rid.decode("latin-1")
+
+    def ready(self) -> bool:
+        return True
+
+    def abandon(self) -> None:
+        """The request was aborted before its record was made: its span goes."""
+        arena = self._m.arena
+        if self._record is None and arena is not None:
+            arena.abandon(self._part)
+
+    def result(self):
+        if self._record is None:
+            arena = self._m.arena
+            assert arena is not None
+            self._record = arena.finish(self._part)
+        return self._record
+
+
+class LayerwiseStage:
+    """One P rank's layer-wise staging (see the module docstring); driven by the stager
+    under the worker's lock, except :meth:`layer_done` (the forward's thread, no lock)."""
+
+    def __init__(self, manager: TransferManager, cpus: Optional[FrozenSet[int]], name: str, keep_s: float):
+        self.m = manager
+        self.keep_s = keep_s  # a request with no step for this long is dropped (its span freed)
+        self.parts: Dict[str, Tuple[PartialStage, float]] = {}  # request -> (its stage, last step)
+        self.whole: Set[str] = set()  # no span at their first step, or a copy failed: staged whole at their last
+        self.taken: Set[str] = set()  # finished layer-wise this step: the stager does not stage them whole
+        self._step: List[Tuple[str, StepCopies]] = []  # this step's copies
+        self._final: List[str] = []  # requests whose prefill ends this step
+        self._futures: List[Future] = []
+        self._copy_failed: Dict[str, str] = {}  # written by the copy thread, read after it was waited for
+        self._last_layer = self._last_layers()
+        self.at_layer = 0  # unit copies queued by save_kv_layer
+        self.swept = 0  # unit copies made by the sweep
+        self.no_span = 0  # requests with no span at their first step (staged whole at their last)
+        # The copy thread, started here so it inherits the transfer CPUs (an executor
+        # starts its thread on the first submit, from whichever thread submits).
+        with threads_on(cpus):
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-layers-{name}")
+            self._pool.submit(lambda: None).result()
+
+    def _last_layers(self) -> Dict[str, List[int]]:
+        """layer name -> the units whose last layer (in forward order) it is."""
+        arena = self.m.arena
+        assert arena is not None
+        out: Dict[str, List[int]] = {}
+        for u, unit in enumerate(arena.span_copiers(arena.order).units):
+            out.setdefault(max(unit.layers, key=natural_key), []).append(u)
+        return out
+
+    # ------------------------------------------------------------ before the forward
+    def bind(self, layers: Dict[str, ArenaLayerStep]) -> None:
+        arena = self.m.arena
+        assert arena is not None
+        now = time.monotonic()
+        self._step, self._final = [], []
+        for rid, ls in layers.items():
+            if rid in self.whole:
+                continue
+            entry = self.parts.get(rid)
+            try:
+                if entry is None:
+                    part = arena.begin(self.m.info, ls.num_tokens, rid, 1, count_failure=False)
+                else:
+                    part = entry[0]
+                    if ls.computed_tokens < part.done_tokens:  # preempted: computed again from the start
+                        part.restart()
+                self.parts[rid] = (part, now)
+                self._step.append((rid, arena.settle(part, ls.block_ids, ls.done_tokens)))
+            except ArenaFull:
+                self.whole.add(rid)
+                self.no_span += 1
+                continue
+            except (ValueError, TypeError) as exc:
+                self._fail(rid, f"layer-wise staging: {exc}")
+                continue
+            if ls.done_tokens >= ls.num_tokens:
+                self._final.append(rid)
+
+    # ------------------------------------------------------------ in the forward
+    def layer_done(self, name: str) -> None:
+        """vLLM's ``save_kv_layer``: queue the copies of the units ``name`` completes."""
+        units = self._last_layer.get(name)
+        if not units or not self._step:
+            return
+        steps = [(rid, s) for rid, s in self._step if any(s.has(u) for u in units)]
+        if steps:
+            self.at_layer += len(units)
+            self._futures.append(self._pool.submit(self._copy, units, steps))
+
+    def _copy(self, units: List[int], steps: List[Tuple[str, StepCopies]]) -> None:
+        for rid, step in steps:
+            try:
+                for u in units:
+                    if step.has(u):
+                        step.run(u)
+            except Exception as exc:  # noqa: BLE001 -- planned calls; reported as the request's failure
+                self._copy_failed.setdefault(rid, f"layer-wise copy failed: {exc}")
+
+    # ------------------------------------------------------------ after the forward
+    def close_step(self) -> List[Tuple[str, object, Optional[torch.cuda.Event]]]:
+        """Wait for the copy thread, sweep what no ``save_kv_layer`` copied, and return
+        the requests whose prefill ended: (request, its record or a pending one, the
+        GPU event after its copies or None)."""
+        for f in self._futures:
+            f.result()
+        self._futures = []
+        for rid, why in self._copy_failed.items():
+            self._fail(rid, why)
+        self._copy_failed = {}
+        for rid, step in self._step:
+            if rid in self.whole:
+                continue
+            try:
+                for u in step.left():
+                    step.run(u)
+                    self.swept += 1
+            except Exception as exc:  # noqa: BLE001
+                self._fail(rid, f"layer-wise copy failed: {exc}")
+        self._step = []
+        out: List[Tuple[str, object, Optional[torch.cuda.Event]]] = []
+        arena = self.m.arena
+        assert arena is not None
+        on_cuda = arena.on_cuda
+        for rid in self._final:
+            entry = self.parts.pop(rid, None)
+            if entry is None:
+                continue
+            pending = FinishingRecord(self.m, entry[0])
+            self.taken.add(rid)
+            if on_cuda:
+                event = torch.cuda.Event()
+                event.record()
+                out.append((rid, pending, event))
+            else:
+                out.append((rid, pending.result(), None))
+        self._final = []
+        return out
+
+    def takes(self, rid: str) -> bool:
+        """Whether ``rid``, whose prefill ended this step, was staged layer by layer (else
+        the stager stages it whole); forgets it."""
+        self.whole.discard(rid)
+        if rid in self.taken:
+            self.taken.discard(rid)
+            return True
+        return False
+
+    def drop(self, rid: str) -> None:
+        """The request ended before its prefill did (aborted): its span goes (no copy of
+        it runs: called between steps)."""
+        self._abandon(rid)
+        self.whole.discard(rid)
+        self.taken.discard(rid)
+
+    def expire(self, now: float) -> None:
+        """Drop requests with no step for ``keep_s`` (P's scheduler lost them)."""
+        for rid in [r for r, (_, seen) in self.parts.items() if now - seen > self.keep_s]:
+            logger.warning("kvcopy arena: layer-wise staging of %s had no step for %.0f s; dropped", rid, self.keep_s)
+            self.drop(rid)
+
+    def _fail(self, rid: str, why: str) -> None:
+        """Layer-wise staging of ``rid`` failed: its span goes, and its last step stages it whole."""
+        logger.warning("kvcopy arena: %s; staged whole at the end of its prefill", why)
+        self._abandon(rid)
+        self.whole.add(rid)
+
+    def _abandon(self, rid: str) -> None:
+        entry = self.parts.pop(rid, None)
+        if entry is not None:
+            arena = self.m.arena
+            assert arena is not None
+            arena.abandon(entry[0])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
