@@ -248,3 +248,21 @@ def test_two_processes_p_killed_after_posting():
             d.close()
         finally:
             child.stop()
+
+
+def test_push_oracle_fuzz_agrees_with_pull():
+    """Random geometries (TP pairs, both orders, MLA, hybrid and GDN groups, layouts):
+    a push is exact wherever the pull of the same case is, and refused where it is."""
+    from kvcopy.testing.nixl import fuzz
+    from kvcopy.testing.nixl.push_fuzz import run_push_case
+
+    counts = {"exact": 0, "checked": 0}
+    with one_torch_thread():
+        for seed in range(7_000_000, 7_000_150):
+            spec = fuzz.case(seed)
+            pull, push = fuzz.run_arena_case(spec), run_push_case(spec)
+            assert push.status != "wrong", (seed, push.reason, push.detail, spec.summary())
+            assert push.status == pull.status, (seed, pull.status, push.status, push.reason, spec.summary())
+            counts["exact"] += push.status == "exact"
+            counts["checked"] += push.status == "exact" and push.checked
+    assert counts["exact"] >= 100 and counts["checked"] >= 1, counts

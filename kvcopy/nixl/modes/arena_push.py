@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Any, Dict, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,16 +50,17 @@ class ReservedWork(NamedTuple):
 
 
 def reserve(staging: ArenaStaging, info, peers: Sequence[Peer], num_tokens: int, local_block_ids, cached,
-            request_id) -> ReservedWork:
-    """Plan a pushed request (module docstring); allocates D's span (``ArenaFull`` if it
-    does not fit: nothing held)."""
+            request_id, order: Optional[str] = None) -> ReservedWork:
+    """Plan a pushed request (module docstring) in ``order`` (a record's order name;
+    default: the one D stages in, which P must stage in too); allocates D's span
+    (``ArenaFull`` if it does not fit: nothing held)."""
     rid = request_key(request_id)
     text = rid.decode("latin-1")
     n_tok = int(num_tokens)
     assumed = {}
     for p in peers:
         blocks = tuple((1,) * -(-n_tok // tpb) for tpb in p.info.tokens_per_block)
-        assumed[p.name] = StagedRequest(p.name, text, 0, p.info.arena[1], n_tok, blocks, staging.order,
+        assumed[p.name] = StagedRequest(p.name, text, 0, p.info.arena[1], n_tok, blocks, order or staging.order,
                                         tp_rank=p.info.tp_rank, generation=p.info.generation)
     req = staging._request(info, peers, assumed, n_tok, local_block_ids, cached, request_id)
     keys = req.peer_keys

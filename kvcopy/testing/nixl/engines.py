@@ -28,7 +28,7 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -268,8 +268,8 @@ def _push_unpolled(m, d_metadata, generation, item, block_ids, num_tokens, reque
     return os.getpid()
 
 
-_QUERIES = {"push_arena": lambda managers, *args: _push_unpolled(managers[0], *args),
-            "stats": lambda managers: [m.stats() for m in managers]}
+_QUERIES: Dict[str, Callable[..., Any]] = {"push_arena": lambda managers, *args: _push_unpolled(managers[0], *args),
+                                           "stats": lambda managers: [m.stats() for m in managers]}
 
 
 class PrefillProcess:

@@ -111,6 +111,18 @@ def run_case(spec: Spec) -> Outcome:
     return Outcome("exact")
 
 
+def reads_rank(spec: Spec, d_info, info) -> bool:
+    """Whether D reads P rank ``info`` at all (False: it holds none of D's heads, one of
+    several P ranks); raises what the layer pairing refuses otherwise."""
+    try:
+        pair_layers(d_info, info)
+    except ValueError as exc:
+        if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
+            return False
+        raise
+    return True
+
+
 def run_arena_case(spec: Spec) -> Outcome:
     """One case in arena mode (see the module docstring)."""
     logical = logical_kv(spec)
@@ -126,12 +138,8 @@ def run_arena_case(spec: Spec) -> Outcome:
         for r in spec.p_ranks:
             p_st, info = arena_staging(spec, "p", r, p_caches[r], f"P{r}")
             made.append(p_st)
-            try:
-                pair_layers(d_info, info)
-            except ValueError as exc:
-                if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
-                    continue
-                raise
+            if not reads_rank(spec, d_info, info):
+                continue
             records[info.name] = p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
             peers.append(Peer(len(peers), info, (), ()))
             buffers[info.name] = p_st.buffer
