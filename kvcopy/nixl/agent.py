@@ -362,13 +362,17 @@ class Agent:
             "READ", local_dlist, local_idx, remote.dlist, remote_idx, notify))
 
     def post_read_descs(self, local_descs: np.ndarray, local_mem: str, peer: str, remote_descs: np.ndarray,
-                        remote_mem: str, notify: bytes):
-        """Create and post a READ from explicit (address, bytes, device) rows on both
-        sides (sub-page pieces); returns (:class:`Transfer` or None, state, reason)."""
+                        remote_mem: str, notify: bytes, op: str = "READ"):
+        """Create and post a READ (or, ``op="WRITE"``, a WRITE of the local rows into the
+        remote ones) from explicit (address, bytes, device) rows on both sides (sub-page
+        pieces); returns (:class:`Transfer` or None, state, reason)."""
+        if op not in ("READ", "WRITE"):
+            raise ValueError(f"op must be READ or WRITE, got {op!r}")
+
         def make():
             local = self._agent.get_xfer_descs(np.ascontiguousarray(local_descs, dtype=np.uint64), local_mem)
             remote = self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs, dtype=np.uint64), remote_mem)
-            return self._agent.initialize_xfer("READ", local, remote, peer, notify)
+            return self._agent.initialize_xfer(op, local, remote, peer, notify)
         return self._post(peer, self._load_of.get(peer), make)
 
     def _post(self, peer: Optional[str], load: Optional[int], make):

@@ -56,7 +56,7 @@ from ..options import ManagerOptions
 from ..planning.pack_order import ORDER, ORDERS, chunk_extents, granule_for, head_slabs, span_layout, stage_units, \
     virtual_engine
 from ..planning.plan import NO_BLOCK, Plan, PullPlan, build_multi_pull_plan, expand_blocks, request_block_ids
-from ..wire.record import PageSums, StagedRequest, check_record, request_key
+from ..wire.record import PageSums, StagedRequest, check_record, record_capacity, request_key
 from ..engine.regions import RegionSet, build_regions
 from ..planning.routes import Routes, plan_routes
 from .rows import BRIDGE_BYTES, byte_index, check_inside, merge_rows, zero_runs
@@ -155,6 +155,10 @@ class _Staged:
     deadline: float
     readers: int
     done: Set[str] = field(default_factory=set)
+    payload: int = 0  # the packed bytes at the span's start; the record slot follows (push)
+    slot: int = 0
+    writing: int = 0  # push WRITEs of it in flight (kvcopy.nixl.push): never freed while > 0
+    dropped: bool = False  # freed once the WRITEs in flight ended
 
 
 @dataclass(frozen=True)
@@ -266,7 +270,9 @@ class ArenaStaging(BufferMode):
         self.expire()
         counts = [-(-n_tok // t) for t in info.tokens_per_page]  # the page positions holding prompt tokens
         segs, total = span_layout(self.units, counts)
-        span = self.arena.allocate(total, count_failure)  # before anything proportional to the request
+        # A record slot follows the payload: a push WRITEs both in one descriptor (kvcopy.nixl.push)
+        slot = record_capacity(info, n_tok, rid)
+        span = self.arena.allocate(total + slot, count_failure)  # before anything proportional to the request
         try:
             held, positions, pages = [], [], []
             for g, arr in enumerate(ids):
@@ -285,7 +291,7 @@ class ArenaStaging(BufferMode):
         except Exception:
             self.arena.free(span)
             raise
-        self._staged[rid] = _Staged(span, time.monotonic() + self.ttl_s, readers)
+        self._staged[rid] = _Staged(span, time.monotonic() + self.ttl_s, readers, payload=total, slot=slot)
         record = StagedRequest(info.name, rid.decode("latin-1"), span.offset, span.nbytes, n_tok, tuple(held),
                                self.order, tp_rank=info.tp_rank, generation=info.generation)
         return self.sums.record(record, layout, sums, positions, counts)
@@ -303,7 +309,7 @@ class ArenaStaging(BufferMode):
         self.expire()
         counts = [-(-n_tok // t) for t in info.tokens_per_page]
         segs, total = span_layout(self.units, counts)
-        span = self.arena.allocate(total, count_failure)
+        span = self.arena.allocate(total + record_capacity(info, n_tok, rid), count_failure)  # as stage()
         part = PartialStage(info, rid, span, segs, counts, n_tok, readers, self.order)
         part.restart()
         self._partial[rid] = part
@@ -341,7 +347,9 @@ class ArenaStaging(BufferMode):
             layout = self.sums.layout(self.span_copiers(part.order), part.order, info.tokens_per_page, "d2h")
             record = record.with_sums(PageSums.of(layout.fingerprint, part.values(layout)))
         del self._partial[part.rid]
-        self._staged[part.rid] = _Staged(part.span, time.monotonic() + self.ttl_s, part.readers)
+        slot = record_capacity(info, part.num_tokens, part.rid)
+        self._staged[part.rid] = _Staged(part.span, time.monotonic() + self.ttl_s, part.readers,
+                                         payload=part.span.nbytes - slot, slot=slot)
         return record
 
     def abandon(self, part: PartialStage) -> None:
@@ -357,7 +365,7 @@ class ArenaStaging(BufferMode):
         for sender, msgs in new.items():
             for m in msgs:
                 entry = self._staged.get(bytes(m))
-                if entry is None:
+                if entry is None or entry.dropped:
                     continue
                 entry.done.add(sender)
                 if len(entry.done) >= entry.readers:
@@ -367,7 +375,7 @@ class ArenaStaging(BufferMode):
     def expire(self, now: Optional[float] = None) -> int:
         """Free P's spans past their time to live; returns how many."""
         now = time.monotonic() if now is None else now
-        old = [rid for rid, entry in self._staged.items() if entry.deadline <= now]
+        old = [rid for rid, entry in self._staged.items() if entry.deadline <= now and not entry.dropped]
         for rid in old:
             self._drop(rid)
         return len(old)
@@ -375,16 +383,36 @@ class ArenaStaging(BufferMode):
     def release(self, request_id) -> None:
         """P: free a staged request's span now (the caller knows no READ will touch it)."""
         rid = request_key(request_id)
-        if rid not in self._staged:
+        if rid not in self._staged or self._staged[rid].dropped:
             raise ValueError(f"request {request_id!r} is not staged")
         self._drop(rid)
 
     def _drop(self, rid: bytes) -> None:
-        self.arena.free(self._staged.pop(rid).span)
+        entry = self._staged[rid]
+        if entry.writing:  # a push WRITE reads it: freed when the last one ended (end_write)
+            entry.dropped = True
+            return
+        del self._staged[rid]
+        self.arena.free(entry.span)
+
+    def begin_write(self, request_id) -> _Staged:
+        """P: a push WRITE of this staged request is posted; its span stays until :meth:`end_write`."""
+        entry = self._staged.get(request_key(request_id))
+        if entry is None or entry.dropped:
+            raise ValueError(f"request {request_id!r} is not staged")
+        entry.writing += 1
+        return entry
+
+    def end_write(self, request_id) -> None:
+        rid = request_key(request_id)
+        entry = self._staged[rid]
+        entry.writing -= 1
+        if entry.dropped and not entry.writing:
+            self._drop(rid)
 
     @property
     def staged(self) -> List[str]:
-        return [r.decode("latin-1") for r in self._staged]
+        return [r.decode("latin-1") for r, e in self._staged.items() if not e.dropped]
 
     # ------------------------------------------------------------ D side
     def plan(self, info, peers, records, num_tokens, local_block_ids, num_cached_tokens=0, request_id=None):
@@ -584,7 +612,7 @@ class ArenaStaging(BufferMode):
     def stats(self) -> Dict[str, int]:
         self._free_scattered()
         out = self.arena.stats()
-        out["staged_requests"] = len(self._staged)
+        out["staged_requests"] = len(self.staged)
         out["partial_requests"] = len(self._partial)
         out["held_spans"] = len(self._held)
         out["held_bytes"] = sum(self._held.values())

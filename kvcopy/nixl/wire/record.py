@@ -243,6 +243,19 @@ def check_record(p: EngineInfo, rec: StagedRequest, n_tok: int, request_id: str
     return tuple(counts), vpages
 
 
+def record_capacity(p: EngineInfo, n_tok: int, request_id: bytes) -> int:
+    """Bytes that hold any record P can make of ``request_id`` (its id as
+    :func:`request_key` bytes) over ``n_tok`` tokens, as a u32 length and the wire form
+    (sums and a key's HMAC included): from the handshake and the request alone, so both
+    sides size a push's record slot alike (:mod:`kvcopy.nixl.push`). Escapes count six
+    characters per byte of a name; integers twenty digits."""
+    fixed = 4 + 256 + 2 * 32 + 512 + 6 * (len(p.name) + len(request_id))
+    groups = 0
+    for tpb, tpp in zip(p.tokens_per_block, p.tokens_per_page):
+        groups += 48 + 2 * -(-n_tok // tpb) + SUM_HEX * -(-n_tok // tpp)
+    return -(-(fixed + groups) // 64) * 64
+
+
 def request_key(request_id) -> bytes:
     """A request id as the notification bytes that name it: a non-empty str (latin-1)
     or bytes, at most :data:`~kvcopy.nixl.wire.record.MAX_REQUEST_ID` long."""

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -198,7 +199,9 @@ def serve_prefill(conn) -> None:
     """A prefill engine driven over a pipe: ("start", case, num_pages, tpb, seed, name),
     ("start_spec", fuzz spec, P ranks, names): one manager per P rank of a
     :class:`kvcopy.testing.nixl.geometries.Spec`, ("save", block_ids) on every manager,
-    ("notifications", count), ("close",), ("exit",). Both starts take an optional last
+    ("notifications", count), ("close",), ("exit",), ("push_arena", D's handshake, its
+    generation, a reservation item, block_ids, num_tokens, request_id): stage and post a
+    push WRITE, never polled (so never notified). Both starts take an optional last
     element: manager keyword arguments (``buffer="arena"``, ``arena_bytes``); then
     ("save_arena", block_ids, num_tokens, request_id) stages the request on every
     manager and answers their records' bytes, ("stats",) every manager's ``stats()``."""
@@ -234,8 +237,8 @@ def serve_prefill(conn) -> None:
                 _, block_ids, num_tokens, request_id = msg
                 conn.send(("ok", [m.save(block_ids, num_tokens=num_tokens, request_id=request_id).to_bytes()
                                   for m in managers]))
-            elif cmd == "stats":
-                conn.send(("ok", [m.stats() for m in managers]))
+            elif cmd in _QUERIES:
+                conn.send(("ok", _QUERIES[cmd](managers, *msg[1:])))
             elif cmd == "notifications":
                 if len(managers) == 1:
                     conn.send(("ok", collect_notifications(managers[0], msg[1])))
@@ -252,6 +255,21 @@ def serve_prefill(conn) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception as exc:  # report, keep serving
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _push_unpolled(m, d_metadata, generation, item, block_ids, num_tokens, request_id) -> int:
+    """Stage a request and post its push WRITE into D; D is never told (P's notifications
+    are dropped: a WRITE that ends at once is otherwise reported from ``post``), as if P
+    died right after posting."""
+    m._mail.send = lambda *args: None
+    target = m.add_target(d_metadata)
+    token = m.push.accept(target, generation, item)
+    m.push.post(token, m.save(block_ids, num_tokens=num_tokens, request_id=request_id))
+    return os.getpid()
+
+
+_QUERIES: Dict[str, Callable[..., Any]] = {"push_arena": lambda managers, *args: _push_unpolled(managers[0], *args),
+                                           "stats": lambda managers: [m.stats() for m in managers]}
 
 
 class PrefillProcess:

@@ -112,6 +112,18 @@ def run_case(spec: Spec) -> Outcome:
     return Outcome("exact")
 
 
+def reads_rank(spec: Spec, d_info, info) -> bool:
+    """Whether D reads P rank ``info`` at all (False: it holds none of D's heads, one of
+    several P ranks); raises what the layer pairing refuses otherwise."""
+    try:
+        pair_layers(d_info, info)
+    except ValueError as exc:
+        if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
+            return False
+        raise
+    return True
+
+
 def run_arena_case(spec: Spec, stage: Optional[Callable[..., StagedRequest]] = None) -> Outcome:
     """One case in arena mode (see the module docstring); ``stage(p_staging, info,
     block_ids, num_tokens, request_id)`` stages on P instead of ``ArenaStaging.stage``
@@ -129,12 +141,8 @@ def run_arena_case(spec: Spec, stage: Optional[Callable[..., StagedRequest]] = N
         for r in spec.p_ranks:
             p_st, info = arena_staging(spec, "p", r, p_caches[r], f"P{r}")
             made.append(p_st)
-            try:
-                pair_layers(d_info, info)
-            except ValueError as exc:
-                if "holds none of the KV heads" in str(exc) and len(spec.p_ranks) > 1:
-                    continue
-                raise
+            if not reads_rank(spec, d_info, info):
+                continue
             records[info.name] = (stage(p_st, info, spec.p.block_ids, spec.num_tokens, b"req") if stage else
                                   p_st.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1))
             peers.append(Peer(len(peers), info, (), ()))

@@ -29,6 +29,7 @@ import torch
 
 from ...nixl.engine.geometry import rank_heads, remote_ranks
 from ...nixl.engine.info import EngineInfo
+from ...nixl.wire.record import record_capacity
 from ...nixl.planning.pack_order import granule_for, span_layout, stage_units
 from ...nixl.planning.plan import NO_BLOCK, expand_blocks
 from ...nixl.engine.regions import build_regions
@@ -391,8 +392,13 @@ def arena_staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Ten
                       regions=tuple(regions.regions), agent_metadata=b"")
     units = stage_units(info.regions)
     pages = [-(-spec.num_tokens // t) for t in one.tokens_per_page]
-    # the spans, the zero granule, slack
-    need = (spans or (2 if which == "d" else 1)) * span_layout(units, pages)[1] + 3 * granule_for(units)
+    # the spans (P's with its record slot, for request ids up to 64 bytes), the zero granule, slack
+    slot = record_capacity(info, spec.num_tokens, b"r" * 64) if which == "p" else 0
+    need = (spans or (2 if which == "d" else 1)) * (span_layout(units, pages)[1] + slot) + 3 * granule_for(units)
+    if which == "d":  # a push's record slots (one per P rank)
+        p_info = replace(info, name="P" + "9" * 8, tokens_per_block=tuple(spec.p.tokens_per_block),
+                         tokens_per_page=tuple(spec.p.tokens_per_page))
+        need += len(spec.p_ranks) * record_capacity(p_info, spec.num_tokens, b"req")
     grouped = {n: caches[n] for g in one.groups for n in g}
     order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
     st = ArenaStaging(regions, grouped, need, 60.0, "auto", False, order, checksum=True)

@@ -1,0 +1,268 @@
+"""Push in arena mode over real NIXL (UCX, DRAM): D reserves, P WRITEs its staged span and
+record into D's span, D lands it. Every byte of D's caches must equal the token-position
+expectation (D poisoned first). Reservations are checked on P before NIXL; D's span is
+never reused while a WRITE may land; a failed push writes nothing to D's KV. The last
+test runs P in a child process and kills it after its WRITE was posted."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvcopy.nixl import NO_BLOCK
+from kvcopy.nixl.push import MAX_ROWS, NEVER, PREFIX, notice, parse_notice
+from kvcopy.testing.nixl.engines import (
+    ManagerPairs, PrefillProcess, allocate_blocks, build_case, expected_pull, one_torch_thread,
+)
+from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
+
+NP = 48
+MB = 1 << 20
+
+
+@pytest.fixture
+def pd():
+    with one_torch_thread(), ManagerPairs() as pairs:
+        def make(case, p_tpb=None, d_tpb=None, **kw):
+            p, d, peer, pe, de = pairs.make(case, NP, p_tpb, d_tpb, "arena", **{"arena_bytes": MB, **kw})
+            target = p.add_target(d.metadata())
+            return p, d, peer, pe, de, target
+        yield make
+
+
+def settle(p, d, token, guard_s=30.0):
+    """P polls its WRITEs, D its reservation, until D's state is not PROC (hang guard only)."""
+    end = time.monotonic() + guard_s
+    while (state := d.push.state(token)) == "PROC":
+        p.push.poll()
+        assert time.monotonic() < end, "push still in flight"
+        time.sleep(0.001)
+    return state
+
+
+def push_once(p, d, peer, target, p_ids, d_ids, n, rid, cached=0, timeout_s=30.0):
+    res = d.push.reserve([peer], n, d_ids, cached, rid, timeout_s)
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    p.push.post(tok, p.save(p_ids, num_tokens=n, request_id=rid))
+    return res
+
+
+@pytest.mark.parametrize("case,counts,n", [("one_group", [3], 40), ("hybrid", [3, 6], 90), ("seeds3", [3], 300)])
+def test_equal_geometry_is_one_descriptor_and_byte_exact(pd, case, counts, n):
+    p, d, peer, pe, de, target = pd(case)
+    rng = np.random.default_rng(1)
+    p_ids = allocate_blocks(rng, pe, counts, set(), NP)
+    d_ids = allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP)
+    before = clone_caches(de.device_caches)
+    res = push_once(p, d, peer, target, p_ids, d_ids, n, "req-1")
+    assert res.num_descriptors == 1  # payload and record slot merged into one row
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert done.ok and done.checked, done.error
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, n)
+    assert not same_bytes(before, want)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0
+    assert p.stats()["push_writes_in_flight"] == 0
+    p.arena.release("req-1")  # the connector frees P's span once every reservation ended
+    assert p.stats()["bytes_in_use"] == 0
+
+
+def test_page_sizes_differ_and_prefix_hit_with_window_holes(pd):
+    p, d, peer, pe, de, target = pd("seeds3", p_tpb=[128], d_tpb=[64])
+    before = clone_caches(de.device_caches)
+    res = push_once(p, d, peer, target, [[5, 9]], [[20, 21, 22]], 160, "s3")
+    assert settle(p, d, res.token) == "DONE"
+    assert d.push.complete(res.token).ok
+    want = expected_pull(before, de, [[20, 21, 22]], pe.device_caches, pe, [[5, 9]], 160)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+
+    p, d, peer, pe, de, target = pd("hybrid")
+    rng = np.random.default_rng(2)
+    p_ids = allocate_blocks(rng, pe, [3, 6], set(), NP)
+    d_ids = allocate_blocks(rng, de, [3, 6], set(), NP)
+    p_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    d_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    before = clone_caches(de.device_caches)
+    res = push_once(p, d, peer, target, p_ids, d_ids, 90, "swa", cached=32)
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert done.ok, done.error
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, 90, 32)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+
+
+def test_a_hole_on_p_under_a_page_d_reads_fails_the_load_and_writes_nothing(pd):
+    p, d, peer, pe, de, target = pd("hybrid")
+    rng = np.random.default_rng(3)
+    p_ids = allocate_blocks(rng, pe, [3, 6], set(), NP)
+    d_ids = allocate_blocks(rng, de, [3, 6], set(), NP)
+    p_ids[1][:2] = [NO_BLOCK, NO_BLOCK]  # P dropped pages D wants
+    before = clone_caches(de.device_caches)
+    res = push_once(p, d, peer, target, p_ids, d_ids, 90, "hole")
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert not done.ok and "P holds no page" in done.error
+    assert same_bytes(de.device_caches, before)
+    assert d.stats()["bytes_in_use"] == 0
+
+
+def test_a_byte_flipped_in_p_span_fails_the_sums(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "flip", 30.0)
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    record = p.save([[0, 1, 2]], num_tokens=40, request_id="flip")
+    p.arena.buffer[record.offset + 100] ^= 0x40
+    p.push.post(tok, record)
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert not done.ok and "sum" in done.error.lower()
+
+
+def test_reservations_are_checked_before_nixl(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "chk", 30.0)
+    item = list(res.items[peer])
+    (tok, rid, n, order, off, nbytes, rows, slot, timeout) = item
+    arena = d.info.arena[1]
+
+    def refused(match, **change):
+        bad = dict(zip(["token", "rid", "n", "order", "off", "nbytes", "rows", "slot", "timeout"], item))
+        bad.update(change)
+        with pytest.raises(ValueError, match=match):
+            p.push.accept(target, d.info.generation, tuple(bad.values()))
+
+    refused("token", token=b"short")
+    refused("not inside", off=arena - 10)
+    refused("not inside", nbytes=arena)
+    refused("row", rows=[[0, nbytes - 8, 64]])
+    refused("row", rows=[[0, 0, 0]])
+    refused("1 to", rows=[[0, 0, 64]] * (MAX_ROWS + 1))
+    refused("slot", slot=[nbytes - 8, 64])
+    refused("cannot hold", slot=[slot[0], 64])
+    refused("tokens or order", order="nope")
+    refused("tokens or order", n=True)
+    refused("timeout", timeout=float("nan"))
+    with pytest.raises(ValueError, match="9 fields"):
+        p.push.accept(target, d.info.generation, tuple(item[:8]))
+    with pytest.raises(ValueError, match="registration"):
+        p.push.accept(target, "0" * 16, tuple(item))
+    with pytest.raises(ValueError, match="unknown push target"):
+        p.push.accept("nobody", d.info.generation, tuple(item))
+    got = p.push.accept(target, d.info.generation, tuple(item))
+    with pytest.raises(ValueError, match="used already"):
+        p.push.accept(target, d.info.generation, tuple(item))
+    # a staged request other than the reserved one: refused at post, D told never
+    with pytest.raises(ValueError, match="reservation is for"):
+        p.push.post(got, p.save([[0, 1, 2]], num_tokens=41, request_id="chk"))
+    assert p.push.cancel(got) == "never"
+    assert settle(p, d, res.token) == "ERR"
+    assert not d.push.complete(res.token).ok
+    assert d.stats()["bytes_in_use"] == 0  # "x" said nothing lands: the span is free
+    assert p.stats()["push_writes_in_flight"] == 0 and p.stats()["bytes_in_use"] > 0
+
+
+def test_write_after_d_gave_up_lands_in_the_held_span_only(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    before = clone_caches(de.device_caches)
+    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "late", 0.05)
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    time.sleep(0.1)
+    assert d.push.state(res.token) == "ERR"  # D's deadline: the request fails ...
+    done = d.push.complete(res.token)
+    assert not done.ok and "deadline" in done.error and done.read_pending
+    assert d.stats()["push_held_spans"] == 1  # ... its span stays held
+    span = res.plan.span
+    # twenty allocations meanwhile never overlap the held span
+    others = [d.push.reserve([peer], 40, [[1, 2, 3]], 0, f"o{i}", 30.0) for i in range(20)]
+    for o in others:
+        s = o.plan.span
+        assert s.offset + s.nbytes <= span.offset or s.offset >= span.offset + span.nbytes
+    other_bytes = [d.arena.buffer[o.plan.span.offset: o.plan.span.offset + o.plan.span.nbytes].clone()
+                   for o in others]
+    p.push.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="late"))  # the late WRITE
+    end = time.monotonic() + 30
+    while d.stats()["push_held_spans"]:
+        p.push.poll()
+        d.notifications()
+        assert time.monotonic() < end
+    assert same_bytes(de.device_caches, before)  # D's KV untouched by the late bytes
+    for o, b in zip(others, other_bytes):
+        assert torch.equal(d.arena.buffer[o.plan.span.offset: o.plan.span.offset + o.plan.span.nbytes], b)
+
+
+def test_cancel_answers_never_ended_in_flight(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    r1 = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "c1", 30.0)
+    t1 = p.push.accept(target, d.info.generation, r1.items[peer])
+    assert p.push.cancel(t1) == "never" and p.push.cancel(t1) == "never"
+    r2 = d.push.reserve([peer], 40, [[10, 11, 12]], 0, "c2", 30.0)
+    t2 = p.push.accept(target, d.info.generation, r2.items[peer])
+    p.push.post(t2, p.save([[0, 1, 2]], num_tokens=40, request_id="c2"))
+    first = p.push.cancel(t2)
+    assert first in ("in_flight", "ended")
+    settle(p, d, r2.token)
+    assert p.push.cancel(t2) == "ended"
+    assert d.push.complete(r2.token).ok
+    assert settle(p, d, r1.token) == "ERR"
+    d.push.complete(r1.token)
+    assert d.stats()["bytes_in_use"] == 0
+
+
+def test_notices_are_parsed_strictly():
+    tok = bytes(range(16))
+    assert parse_notice(notice(tok, NEVER)) == (tok, NEVER)
+    for bad in (PREFIX, PREFIX + b"zz" * 16 + b"\0f", notice(tok, NEVER)[:-1] + b"q", notice(tok, NEVER) + b"x"):
+        assert parse_notice(bad) is None
+
+
+def test_two_processes_p_killed_after_posting():
+    """P (a child) stages and posts its WRITE, then is SIGKILLed before it could say
+    so: D's request fails at its deadline with its KV untouched, the span stays held
+    until D learns P restarted; a second request D pulls meanwhile is byte-exact."""
+    child = PrefillProcess()
+    with one_torch_thread():
+        try:
+            de = build_case("one_group", NP)
+            fill_random(de.device_caches, 2)
+            d = de.manager("Dkill", buffer="arena", arena_bytes=MB)
+            (p_md, _) = child.call("start", "one_group", NP, None, 1, "Pkill", {"buffer": "arena", "arena_bytes": MB})
+            peer = d.add_peer(p_md)
+            before = clone_caches(de.device_caches)
+            res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "k1", 1.0)
+            (pid,) = child.call("push_arena", d.metadata(), d.info.generation, res.items[peer], [[0, 1, 2]], 40, "k1")
+            os.kill(pid, signal.SIGKILL)
+            child.process.join(30)
+            end = time.monotonic() + 30
+            while d.push.state(res.token) == "PROC":
+                assert time.monotonic() < end
+                time.sleep(0.01)
+            done = d.push.complete(res.token)
+            assert not done.ok and "deadline" in done.error
+            assert same_bytes(de.device_caches, before)
+            assert d.stats()["push_held_spans"] == 1
+            d.push.peer_restarted(peer)
+            assert d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0
+            d.close()
+        finally:
+            child.stop()
+
+
+def test_push_oracle_fuzz_agrees_with_pull():
+    """Random geometries (TP pairs, both orders, MLA, hybrid and GDN groups, layouts):
+    a push is exact wherever the pull of the same case is, and refused where it is."""
+    from kvcopy.testing.nixl import fuzz
+    from kvcopy.testing.nixl.push_fuzz import run_push_case
+
+    counts = {"exact": 0, "checked": 0}
+    with one_torch_thread():
+        for seed in range(7_000_000, 7_000_150):
+            spec = fuzz.case(seed)
+            pull, push = fuzz.run_arena_case(spec), run_push_case(spec)
+            assert push.status != "wrong", (seed, push.reason, push.detail, spec.summary())
+            assert push.status == pull.status, (seed, pull.status, push.status, push.reason, spec.summary())
+            counts["exact"] += push.status == "exact"
+            counts["checked"] += push.status == "exact" and push.checked
+    assert counts["exact"] >= 100 and counts["checked"] >= 1, counts
