@@ -279,8 +279,9 @@ def glibc_needed(path: Path) -> Optional[str]:
 
 
 LIB_SYMBOLS = {
-    "kvcopy_cpu": ("kvcopy_cpu_abi_version", "kvcopy_cpu_copy", "kvcopy_plan_call"),
-    "kvcopy_cuda": ("kvcopy_cuda_abi_version", "kvcopy_cuda_runtime_version", "kvcopy_cuda_copy",
+    "kvcopy_cpu": ("kvcopy_cpu_abi_version", "kvcopy_cpu_entry_fields", "kvcopy_cpu_copy", "kvcopy_plan_call"),
+    "kvcopy_cuda": ("kvcopy_cuda_abi_version", "kvcopy_cuda_entry_fields", "kvcopy_cuda_runtime_version",
+                    "kvcopy_cuda_copy",
                     "kvcopy_cuda_store_words", "kvcopy_ce_copy", "kvcopy_ce_batch_abi"),
 }
 
@@ -301,7 +302,8 @@ def probe_library(stem: str, path: Optional[Path]) -> dict:
     info.update(loads=not missing, missing_symbols=missing)
     if missing:
         info["error"] = f"out of date: no {', '.join(missing)}"
-    for fn in ("kvcopy_cpu_abi_version", "kvcopy_cpu_has_openmp", "kvcopy_cuda_abi_version",
+    for fn in ("kvcopy_cpu_abi_version", "kvcopy_cpu_entry_fields", "kvcopy_cpu_has_openmp",
+               "kvcopy_cuda_abi_version", "kvcopy_cuda_entry_fields",
                "kvcopy_cuda_runtime_version", "kvcopy_cuda_threads", "kvcopy_cuda_inline_words",
                "kvcopy_cuda_params_bytes") + (("kvcopy_ce_batch_abi",) if on_gpu() else ()):
         if hasattr(lib, fn):  # constants compiled in (the batch ABI asks the driver: GPU only)

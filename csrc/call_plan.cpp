@@ -17,6 +17,8 @@
 #include <new>
 #include <vector>
 
+#include "kvcopy_abi.h"
+
 namespace {
 
 enum PlanError : int64_t {
@@ -42,24 +44,24 @@ int64_t plan_call(int64_t num_groups, const int64_t* src_ids, const int64_t* dst
 
 extern "C" {
 
+// plan (kvcopy_plan_static, kvcopy_abi.h), per group: src_limit, dst_limit (ids must lie
+//   in [0, limit)); dst_class (groups of one class share destination bytes, so their ids
+//   must be disjoint; a group alone in its class checks only against itself; classes
+//   numbered from 0 to num_classes - 1); entries_per_group (layers each group copies);
+//   dst_capacity: at least every dst_limit (the stamp row length).
 // src_ids, dst_ids: all groups' ids concatenated; group_lens[G].
-// src_limit[G], dst_limit[G]: ids must lie in [0, limit).
-// dst_class[G]: groups of one class share destination bytes (their ids must be
-//   disjoint); a group alone in its class checks only against itself. Classes are
-//   numbered from 0 to num_classes - 1.
-// entries_per_group[G]: layers (entries) each group copies.
-// dst_capacity: at least every dst_limit (the stamp row length).
 // packed: out, room for 2 * (G + 1) + 4 * total ids + 1 words: the packed call, then
 //   the fused CUDA kernel's block prefix (R + 1 words right after the runs:
 //   prefix[r] = blocks in the runs before r), so the `cuda` call array is
 //   packed[0 : n + R + 1] as written.
 // Returns n, the words of the packed call (without the prefix); -1 on the first bad
-// id, with packed[0..2] = (PlanError, group, id); -2 when the stamp array cannot grow.
-int64_t kvcopy_plan_call(int64_t num_groups, const int64_t* src_ids, const int64_t* dst_ids,
-                         const int64_t* group_lens, const int64_t* src_limit,
-                         const int64_t* dst_limit, const int64_t* dst_class, int64_t num_classes,
-                         const int64_t* entries_per_group, int64_t dst_capacity, int64_t* packed) {
+// id, with packed[0..2] = (PlanError, group, id); -2 when the stamp array cannot grow;
+// -3 for a plan struct shorter than this build's.
+int64_t kvcopy_plan_call(const kvcopy_plan_static* plan, const int64_t* src_ids,
+                         const int64_t* dst_ids, const int64_t* group_lens, int64_t* packed) {
+  if (!KVCOPY_STRUCT_OK(plan)) return -3;
   Stamps& st = t_stamps;
+  const int64_t num_classes = plan->num_classes, dst_capacity = plan->dst_capacity;
   const uint64_t need = (uint64_t)(num_classes > 0 ? num_classes : 0) *
                         (uint64_t)(dst_capacity > 0 ? dst_capacity : 0);
   if (st.seen.size() < need) {
@@ -70,8 +72,9 @@ int64_t kvcopy_plan_call(int64_t num_groups, const int64_t* src_ids, const int64
     }
   }
   st.stamp += 1;
-  return plan_call(num_groups, src_ids, dst_ids, group_lens, src_limit, dst_limit, dst_class,
-                   entries_per_group, st.seen.data(), dst_capacity, st.stamp, packed);
+  return plan_call(plan->num_groups, src_ids, dst_ids, group_lens, plan->src_limit, plan->dst_limit,
+                   plan->dst_class, plan->entries_per_group, st.seen.data(), dst_capacity, st.stamp,
+                   packed);
 }
 
 // Does nothing and returns 0 (success): `kvcopy-bench overhead` calls it through ctypes

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "block_copy.cuh"
+#include "kvcopy_abi.h"
 
 namespace {
 
@@ -198,16 +199,22 @@ const char* kvcopy_ce_error_name(int code) {
 }
 
 // Copy every segment of one call (tables and packed call in host memory, as built by
-// kvcopy/core/tables.py) on `stream`.
-//   mode        0: batch when available, else loop; 1: batch or fail; 2: loop
+// kvcopy/core/tables.py) on `stream`. options (kvcopy_abi.h): which sides are host memory,
+// whether the device reads any host memory, and mode 0: batch when available, else loop;
+// 1: batch or fail; 2: loop.
 //   used_batch  out: 1 when one batched call carried the segments
 //   segments    out: number of descriptors
-int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets,
-                   const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
-                   int src_is_host, int dst_is_host, int host_access_any, int mode,
-                   void* stream_ptr, int* used_batch, int64_t* segments) {
+int kvcopy_ce_copy(const kvcopy_tables* tables, const int64_t* packed,
+                   const kvcopy_ce_options* options, void* stream_ptr, int* used_batch,
+                   int64_t* segments) {
   *used_batch = 0;
-  collect_segments(entries, group_offsets, group_entries, num_groups, packed);
+  *segments = 0;
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(options)) return cudaErrorInvalidValue;
+  const bool src_is_host = options->src_is_host != 0, dst_is_host = options->dst_is_host != 0;
+  const bool host_access_any = options->host_access_any != 0;
+  const int64_t mode = options->mode;
+  collect_segments(tables->entries, tables->group_offsets, tables->group_entries,
+                   tables->num_groups, packed);
   *segments = static_cast<int64_t>(scratch.sizes.size());
   if (scratch.sizes.empty()) return cudaSuccess;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -227,8 +234,7 @@ int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets,
   err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (!is_legacy(stream)) {
-    int rc =
-        copy_batch(drv, stream, src_is_host != 0, dst_is_host != 0, device, host_access_any != 0);
+    int rc = copy_batch(drv, stream, src_is_host, dst_is_host, device, host_access_any);
     if (rc == 0) *used_batch = 1;
     return rc;
   }
@@ -237,8 +243,7 @@ int kvcopy_ce_copy(const int64_t* entries, const int64_t* group_offsets,
   if (err == cudaSuccess) err = cudaEventRecord(side->before, stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(side->stream, side->before, 0);
   if (err != cudaSuccess) return err;
-  int rc = copy_batch(drv, side->stream, src_is_host != 0, dst_is_host != 0, device,
-                      host_access_any != 0);
+  int rc = copy_batch(drv, side->stream, src_is_host, dst_is_host, device, host_access_any);
   if (rc == 0) *used_batch = 1;
   // Order the caller's stream after the side stream even when the batch failed.
   err = cudaEventRecord(side->after, side->stream);

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "block_copy.cuh"
+#include "kvcopy_abi.h"
 #include "page_checksum.cuh"
 
 #ifdef _OPENMP
@@ -776,23 +777,13 @@ int64_t fold_values(const uint64_t* sums, const int64_t* gather, const uint64_t*
 
 extern "C" {
 
-// Bumped whenever a C signature of this library changes (kvcopy/native.py
-// refuses a library whose version is not the one the Python code was written for).
-// 2: kvcopy_plan_call with per-thread stamps and its error report in `packed`.
-// 4: kvcopy_cpu_sums_loops and kvcopy_cpu_sums_loop replace kvcopy_cpu_sums_simd;
-//    simd = 2 picks the AVX2 loop.
-// 5: the checksum's word term is product_term (was MurmurHash3's finalizer): same
-//    signatures, other sums, so a library built before it is refused, not trusted.
-// 6: kvcopy_cpu_copy takes stream_min_bytes (the plain copy streams large calls too).
-// 7: kvcopy_cpu_copy_sums takes piece_bytes.
-// 8: kvcopy_fold_page_sums.
-// 9: kvcopy_cpu_copy_sums_fold.
-// 10: kvcopy_cpu_sums_pieces.
-// 11: kvcopy_cpu_sums_pieces' bit 1 is a whole next piece prefetched (else its first
-//     half; was: any prefetch).
-// 12: kvcopy_cpu_flush; kvcopy_cpu_copy_sums, kvcopy_cpu_copy_sums_fold and
-//     kvcopy_cpu_sums_pieces take piece_min_bytes after piece_bytes.
-int kvcopy_cpu_abi_version() { return 12; }
+// The ABI version kvcopy/native.py checks (its rule: csrc/kvcopy_abi.h; history:
+// CHANGELOG.md). 13: option structs by pointer, kvcopy_cpu_entry_fields.
+int kvcopy_cpu_abi_version() { return 13; }
+
+// The entry-table width this library was compiled with (kernels/entry_layout.cuh):
+// kvcopy/native.py refuses a library whose width is not the header's.
+int kvcopy_cpu_entry_fields() { return KVCOPY_ENTRY_FIELDS; }
 
 // Writes back and evicts the cache lines of [p, p + n) from every level of this CPU's
 // caches (kvcopy-bench --cache cold: each timed call then starts with its bytes in
@@ -832,26 +823,28 @@ int kvcopy_cpu_has_openmp() {
 #endif
 }
 
-// entries [E][8], group_offsets [G+1], group_entries, packed call (see block_copy.cuh).
-// total_bytes decides whether to use threads and (stream_min_bytes > 0) whether to
-// store with non-temporal stores; num_threads <= 0: OpenMP's default.
-int kvcopy_cpu_copy(const int64_t* entries, const int64_t* group_offsets,
-                    const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
-                    int64_t total_bytes, int num_threads, int64_t stream_min_bytes) {
-  const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
+// The tables (kvcopy_abi.h; entries [E][KVCOPY_ENTRY_FIELDS], see block_copy.cuh) and the
+// packed call. total_bytes decides whether to use threads and (tuning's stream_min_bytes
+// > 0) whether to store with non-temporal stores. Returns 0, or 3 (nothing done) for a
+// struct shorter than this build's.
+int kvcopy_cpu_copy(const kvcopy_tables* tables, const kvcopy_cpu_tuning* tuning,
+                    const int64_t* packed, int64_t total_bytes) {
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(tuning)) return 3;
+  const int64_t* entries = tables->entries;
+  const int64_t* group_offsets = tables->group_offsets;
+  const int64_t* group_entries = tables->group_entries;
+  const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, tables->num_groups);
   const int64_t items = call.num_items();
-  const ItemCopy copy = item_copy(total_bytes, stream_min_bytes);
+  const ItemCopy copy = item_copy(total_bytes, tuning->stream_min_bytes);
 #ifdef _OPENMP
   if (total_bytes >= kParallelMinBytes && items > 1) {
-    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    const int threads = tuning->num_threads > 0 ? (int)tuning->num_threads : omp_get_max_threads();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < items; ++i) {
       copy(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
     }
     return 0;
   }
-#else
-  (void)num_threads;
 #endif
   for (int64_t i = 0; i < items; ++i) {
     copy(kvcopy::locate_item(i, call, entries, group_offsets, group_entries));
@@ -864,14 +857,15 @@ int kvcopy_cpu_copy(const int64_t* entries, const int64_t* group_offsets,
 // block_copy.cuh exactly as one warp of csrc/cuda_copy.cu walks it. Tests run it over
 // the shared cases with many range counts, so the addressing the GPU kernel uses is
 // checked bit-exact on every CPU run. `call_ext` is the packed call followed by the
-// block prefix (R+1 values); `entry_bytes_prefix` has GE+1 values.
-int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
-                           const int64_t* group_entries, const int64_t* entry_bytes_prefix,
-                           int64_t num_groups, const int64_t* call_ext, int64_t total_bytes,
-                           int64_t num_ranges, int64_t word_bytes) {
+// block prefix (R+1 values); the tables' `entry_bytes_prefix` has GE+1 values.
+int kvcopy_cpu_copy_ranges(const kvcopy_tables* tables, const int64_t* call_ext,
+                           int64_t total_bytes, const kvcopy_ranges* ranges) {
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(ranges)) return 3;
+  const int64_t num_ranges = ranges->num_ranges, word_bytes = ranges->word_bytes;
   if (num_ranges < 1 || word_bytes < 1 || total_bytes % word_bytes) return 1;
-  const kvcopy::CursorTables t = cursor_tables(entries, group_offsets, group_entries,
-                                               entry_bytes_prefix, num_groups, call_ext);
+  const kvcopy::CursorTables t =
+      cursor_tables(tables->entries, tables->group_offsets, tables->group_entries,
+                    tables->entry_bytes_prefix, tables->num_groups, call_ext);
   RangeItemCopy fn{word_bytes};
   walk_ranges(t, total_bytes, num_ranges, word_bytes, fn);
   return 0;
@@ -885,13 +879,21 @@ int kvcopy_cpu_copy_ranges(const int64_t* entries, const int64_t* group_offsets,
 // (> 0, a multiple of 64) with memcpy, piece by piece, each piece hashed one piece later
 // (PieceStream; the next piece's source prefetched under it, whole in calls under
 // kWholePrefetchMaxBytes, else its first half); 0: never.
-// Returns 2, having written nothing, if the threads' rows cannot be allocated.
-int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
-                         const int64_t* group_entries, int64_t num_groups, const int64_t* packed,
-                         int64_t total_bytes, int num_threads, uint64_t* sums, int64_t num_sums,
-                         int simd, int64_t stream_min_bytes, int64_t piece_bytes,
-                         int64_t piece_min_bytes) {
-  const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, num_groups);
+// Returns 2, having written nothing, if the threads' rows cannot be allocated (3 for a
+// struct shorter than this build's).
+int kvcopy_cpu_copy_sums(const kvcopy_tables* tables, const kvcopy_cpu_tuning* tuning,
+                         const int64_t* packed, int64_t total_bytes, uint64_t* sums,
+                         int64_t num_sums) {
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(tuning)) return 3;
+  const int64_t* entries = tables->entries;
+  const int64_t* group_offsets = tables->group_offsets;
+  const int64_t* group_entries = tables->group_entries;
+  const int num_threads = (int)tuning->num_threads;
+  const int simd = (int)tuning->simd;
+  const int64_t stream_min_bytes = tuning->stream_min_bytes;
+  const int64_t piece_bytes = tuning->piece_bytes;
+  const int64_t piece_min_bytes = tuning->piece_min_bytes;
+  const kvcopy::CallView call = kvcopy::CallView::from_packed(packed, tables->num_groups);
   const int64_t items = call.num_items();
   const bool stream = streams(total_bytes, stream_min_bytes);
   const SumsCopy copy = sums_copy(simd, stream, piece_bytes, piece_min_bytes, total_bytes);
@@ -943,10 +945,12 @@ int kvcopy_cpu_copy_sums(const int64_t* entries, const int64_t* group_offsets,
 // piece (bit 0), and whether it then prefetches each next piece's source whole under
 // the hash of the one before (bit 1) or its first half (bit 1 clear): what sums_copy
 // decides, for the tests.
-int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes, int simd,
-                           int64_t stream_min_bytes, int64_t piece_bytes, int64_t piece_min_bytes) {
-  const bool stream = streams(total_bytes, stream_min_bytes);
-  const SumsCopy c = sums_copy(simd, stream, piece_bytes, piece_min_bytes, total_bytes);
+int kvcopy_cpu_sums_pieces(int64_t total_bytes, int64_t run_bytes,
+                           const kvcopy_cpu_tuning* tuning) {
+  if (!KVCOPY_STRUCT_OK(tuning)) return -1;
+  const bool stream = streams(total_bytes, tuning->stream_min_bytes);
+  const SumsCopy c = sums_copy((int)tuning->simd, stream, tuning->piece_bytes,
+                               tuning->piece_min_bytes, total_bytes);
   if (c.piece_hash == nullptr || run_bytes < c.piece) return 0;
   return 1 | (c.whole ? 2 : 0);
 }
@@ -959,44 +963,33 @@ int kvcopy_cpu_copy_streams(int64_t total_bytes, int64_t stream_min_bytes) {
 // The arena's fold of page sums (kvcopy/nixl/modes/span_sums.py, FoldPlan.values): value v
 // is the sum over i in [starts[v], starts[v + 1]) (the last value's to num_gather) of
 // mix64(sums[gather[i]] ^ bounds[i]), mod 2^64; stored in values (when not null) and
-// counted where it differs from want (when not null). Returns that count, or -1 (nothing
-// stored) when starts or gather leave their ranges. One call where numpy took ~14: right
-// after a copy has swept the caches each of those cost several us.
-int64_t kvcopy_fold_page_sums(const uint64_t* sums, int64_t num_sums, const int64_t* gather,
-                              const uint64_t* bounds, int64_t num_gather, const int64_t* starts,
-                              int64_t num_values, uint64_t* values, const uint64_t* want) {
-  if (!fold_plan_in_range(num_sums, gather, num_gather, starts, num_values)) return -1;
-  return fold_values(sums, gather, bounds, num_gather, starts, num_values, values, want);
+// counted where it differs from want (when not null): kvcopy_fold in kvcopy_abi.h. Returns
+// that count, or -1 (nothing stored) when starts or gather leave their ranges (or the
+// struct is short). One call where numpy took ~14: right after a copy has swept the
+// caches each of those cost several us.
+int64_t kvcopy_fold_page_sums(const uint64_t* sums, int64_t num_sums, const kvcopy_fold* f) {
+  if (!KVCOPY_STRUCT_OK(f) ||
+      !fold_plan_in_range(num_sums, f->gather, f->num_gather, f->starts, f->num_values))
+    return -1;
+  return fold_values(sums, f->gather, f->bounds, f->num_gather, f->starts, f->num_values, f->values,
+                     f->want);
 }
 
 // kvcopy_cpu_copy_sums, then kvcopy_fold_page_sums of the sums it wrote, in one call: D
 // compares its scatter's sums (P folds its pack's) in the copy's own host call, not in
 // a second one made after the copy has swept the caches (each cost 45-70 us there, warm
-// a few; 6 MiB complete on a 2-core Xeon VM, scratch timing, not saved). fold[7]: the
-// addresses of gather, bounds, then num_gather, the address of starts, num_values, then
-// the addresses of values and want (0: none), as kvcopy_fold_page_sums takes them.
-// Returns the count of values differing from want (0 when want is 0), or, before any
-// byte is written, -1 when the fold plan's indices leave their ranges, -2 when the
-// threads' rows cannot be allocated.
-int64_t kvcopy_cpu_copy_sums_fold(const int64_t* entries, const int64_t* group_offsets,
-                                  const int64_t* group_entries, int64_t num_groups,
-                                  const int64_t* packed, int64_t total_bytes, int num_threads,
-                                  uint64_t* sums, int64_t num_sums, int simd,
-                                  int64_t stream_min_bytes, int64_t piece_bytes,
-                                  int64_t piece_min_bytes, const int64_t* fold) {
-  const int64_t* gather = reinterpret_cast<const int64_t*>(fold[0]);
-  const uint64_t* bounds = reinterpret_cast<const uint64_t*>(fold[1]);
-  const int64_t num_gather = fold[2];
-  const int64_t* starts = reinterpret_cast<const int64_t*>(fold[3]);
-  const int64_t num_values = fold[4];
-  uint64_t* values = reinterpret_cast<uint64_t*>(fold[5]);
-  const uint64_t* want = reinterpret_cast<const uint64_t*>(fold[6]);
-  if (!fold_plan_in_range(num_sums, gather, num_gather, starts, num_values)) return -1;
-  if (kvcopy_cpu_copy_sums(entries, group_offsets, group_entries, num_groups, packed, total_bytes,
-                           num_threads, sums, num_sums, simd, stream_min_bytes, piece_bytes,
-                           piece_min_bytes) != 0)
-    return -2;
-  return fold_values(sums, gather, bounds, num_gather, starts, num_values, values, want);
+// a few; 6 MiB complete on a 2-core Xeon VM, scratch timing, not saved).
+// Returns the count of values differing from the fold's want (0 when want is null), or,
+// before any byte is written, -1 when the fold plan's indices leave their ranges, -2
+// when the threads' rows cannot be allocated, -3 for a struct shorter than this build's.
+int64_t kvcopy_cpu_copy_sums_fold(const kvcopy_tables* tables, const kvcopy_cpu_tuning* tuning,
+                                  const int64_t* packed, int64_t total_bytes, uint64_t* sums,
+                                  int64_t num_sums, const kvcopy_fold* f) {
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(tuning) || !KVCOPY_STRUCT_OK(f)) return -3;
+  if (!fold_plan_in_range(num_sums, f->gather, f->num_gather, f->starts, f->num_values)) return -1;
+  if (kvcopy_cpu_copy_sums(tables, tuning, packed, total_bytes, sums, num_sums) != 0) return -2;
+  return fold_values(sums, f->gather, f->bounds, f->num_gather, f->starts, f->num_values, f->values,
+                     f->want);
 }
 
 // The vector loops kvcopy_cpu_copy_sums can run on this CPU: bit 0 AVX2, bit 1 AVX-512.
@@ -1007,15 +1000,16 @@ int kvcopy_cpu_sums_loop(int simd) { return loop_for(simd); }
 
 // kvcopy_cpu_copy_ranges with checksums: the GPU checksum kernel's work split and
 // keying, run on the host, sums as in kvcopy_cpu_copy_sums.
-int kvcopy_cpu_copy_ranges_sums(const int64_t* entries, const int64_t* group_offsets,
-                                const int64_t* group_entries, const int64_t* entry_bytes_prefix,
-                                int64_t num_groups, const int64_t* call_ext, int64_t total_bytes,
-                                int64_t num_ranges, int64_t word_bytes, uint64_t* sums,
+int kvcopy_cpu_copy_ranges_sums(const kvcopy_tables* tables, const int64_t* call_ext,
+                                int64_t total_bytes, const kvcopy_ranges* ranges, uint64_t* sums,
                                 int64_t num_sums) {
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(ranges)) return 3;
+  const int64_t num_ranges = ranges->num_ranges, word_bytes = ranges->word_bytes;
   if (num_ranges < 1 || word_bytes < 1 || total_bytes % word_bytes) return 1;
   memset(sums, 0, sizeof(uint64_t) * (size_t)num_sums);
-  const kvcopy::CursorTables t = cursor_tables(entries, group_offsets, group_entries,
-                                               entry_bytes_prefix, num_groups, call_ext);
+  const kvcopy::CursorTables t =
+      cursor_tables(tables->entries, tables->group_offsets, tables->group_entries,
+                    tables->entry_bytes_prefix, tables->num_groups, call_ext);
   RangeItemCopySums fn{word_bytes, sums};
   walk_ranges(t, total_bytes, num_ranges, word_bytes, fn);
   return 0;

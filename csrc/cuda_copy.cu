@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "block_copy_kernel.cuh"
+#include "kvcopy_abi.h"
 
 KVCOPY_DEFINE_KERNELS
 
@@ -51,23 +52,30 @@ KernelFn sums_kernel_for(int word_bytes) {
 }
 
 // The kernel parameters of one launch (see kvcopy_cuda_copy), or an error code.
-int fill_params(kvcopy::KernelParams* p, const int64_t* tables, int64_t num_entries,
-                int64_t num_groups, int64_t num_group_entries, const int64_t* call_host,
-                const int64_t* call_device, int64_t call_words, int64_t total_bytes) {
-  p->tables = tables;
-  p->num_entries = num_entries;
-  p->num_groups = num_groups;
-  p->num_group_entries = num_group_entries;
-  p->total_bytes = total_bytes;
+int fill_params(kvcopy::KernelParams* p, const kvcopy_cuda_tables* t, const kvcopy_cuda_call* c,
+                const int64_t* call_host) {
+  p->tables = t->tables;
+  p->num_entries = t->num_entries;
+  p->num_groups = t->num_groups;
+  p->num_group_entries = t->num_group_entries;
+  p->total_bytes = c->total_bytes;
   p->sums = nullptr;
-  if (call_host != nullptr && call_words <= KVCOPY_INLINE_WORDS) {
+  if (call_host != nullptr && c->call_words <= KVCOPY_INLINE_WORDS) {
     p->call = nullptr;
-    memcpy(p->inline_call, call_host, sizeof(int64_t) * (size_t)call_words);
-  } else if (call_device != nullptr) {
-    p->call = call_device;
+    memcpy(p->inline_call, call_host, sizeof(int64_t) * (size_t)c->call_words);
+  } else if (c->call_device != nullptr) {
+    p->call = c->call_device;
   } else {
     return cudaErrorInvalidValue;
   }
+  return cudaSuccess;
+}
+
+// What every launch checks first: the structs' sizes, the word width, the grid.
+int check_launch(const kvcopy_cuda_tables* t, const kvcopy_cuda_call* c, KernelFn fn) {
+  if (!KVCOPY_STRUCT_OK(t) || !KVCOPY_STRUCT_OK(c)) return cudaErrorInvalidValue;
+  if (fn == nullptr || c->grid < 1 || c->total_bytes % t->word_bytes != 0)
+    return cudaErrorInvalidValue;
   return cudaSuccess;
 }
 
@@ -79,9 +87,11 @@ constexpr int kDriverErrorBase = 100000;
 
 extern "C" {
 
-// 3: the checksum's word term is product_term (page_checksum.cuh): same signatures,
-//    other sums, so a library built before it is refused.
-int kvcopy_cuda_abi_version() { return 3; }
+// The ABI version kvcopy/native.py checks (its rule: csrc/kvcopy_abi.h; history:
+// CHANGELOG.md). 4: option structs by pointer, kvcopy_cuda_entry_fields.
+int kvcopy_cuda_abi_version() { return 4; }
+// The entry-table width compiled in (kernels/entry_layout.cuh), checked at load.
+int kvcopy_cuda_entry_fields() { return KVCOPY_ENTRY_FIELDS; }
 int kvcopy_cuda_threads() { return KVCOPY_THREADS; }
 int kvcopy_cuda_inline_words() { return KVCOPY_INLINE_WORDS; }
 int kvcopy_cuda_params_bytes() { return (int)sizeof(kvcopy::KernelParams); }
@@ -113,27 +123,23 @@ int kvcopy_cuda_host_device_pointer(void* host, void** device_pointer) {
   return cudaHostGetDevicePointer(device_pointer, host, 0);
 }
 
-// One launch of the fused kernel on `stream`.
-//   tables       device int64: entries[E*8] | group_offsets[G+1] | group_entries[GE] |
-//   entry_bytes_prefix[GE+1] call_host    host copy of the per-call array (packed call | block
-//   prefix), or null call_device  device copy of the same, or null; used when call_words exceeds
-//   the
-//                inline capacity or call_host is null
-//   total_bytes  bytes the call moves; word_bytes 16/8/4/2/1 divides every address and size
-//   grid         CTAs (KVCOPY_THREADS threads each), >= 1
-int kvcopy_cuda_copy(const int64_t* tables, int64_t num_entries, int64_t num_groups,
-                     int64_t num_group_entries, const int64_t* call_host,
-                     const int64_t* call_device, int64_t call_words, int64_t total_bytes,
-                     int word_bytes, int grid, void* stream) {
-  if (total_bytes <= 0) return cudaSuccess;
-  KernelFn fn = kernel_for(word_bytes);
-  if (fn == nullptr || grid < 1 || total_bytes % word_bytes != 0) return cudaErrorInvalidValue;
+// One launch of the fused kernel on `stream` (kvcopy_abi.h): the tables' static array in
+// device memory (entries[E][KVCOPY_ENTRY_FIELDS] | group_offsets[G+1] | group_entries[GE]
+// | entry_bytes_prefix[GE+1]) and word width (16/8/4/2/1, dividing every address and
+// size); the call array (packed call | block prefix) on the device or, in call_host,
+// on the host, inlined into the kernel's parameters when it fits; the bytes it moves;
+// the grid (CTAs of KVCOPY_THREADS threads, >= 1).
+int kvcopy_cuda_copy(const kvcopy_cuda_tables* tables, const kvcopy_cuda_call* call,
+                     const int64_t* call_host, void* stream) {
+  if (KVCOPY_STRUCT_OK(call) && call->total_bytes <= 0) return cudaSuccess;
+  KernelFn fn = KVCOPY_STRUCT_OK(tables) ? kernel_for((int)tables->word_bytes) : nullptr;
+  int err = check_launch(tables, call, fn);
+  if (err != cudaSuccess) return err;
   kvcopy::KernelParams p;
-  const int err = fill_params(&p, tables, num_entries, num_groups, num_group_entries, call_host,
-                              call_device, call_words, total_bytes);
+  err = fill_params(&p, tables, call, call_host);
   if (err != cudaSuccess) return err;
   void* args[] = {&p};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)grid),
+  return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)call->grid),
                           dim3(KVCOPY_THREADS), args, 0, static_cast<cudaStream_t>(stream));
 }
 
@@ -141,26 +147,25 @@ int kvcopy_cuda_copy(const int64_t* tables, int64_t num_entries, int64_t num_gro
 // uint64 per block of the call, num_sums of them) is zeroed on `stream`, then the
 // checksum kernel copies and adds each page's sum into it. The call array must hold
 // the block prefix after the packed call (it always does: the planner writes both).
-int kvcopy_cuda_copy_sums(const int64_t* tables, int64_t num_entries, int64_t num_groups,
-                          int64_t num_group_entries, const int64_t* call_host,
-                          const int64_t* call_device, int64_t call_words, int64_t total_bytes,
-                          int word_bytes, int grid, void* stream, int64_t* sums, int64_t num_sums) {
+int kvcopy_cuda_copy_sums(const kvcopy_cuda_tables* tables, const kvcopy_cuda_call* call,
+                          const int64_t* call_host, void* stream, int64_t* sums, int64_t num_sums) {
+  if (!KVCOPY_STRUCT_OK(tables) || !KVCOPY_STRUCT_OK(call)) return cudaErrorInvalidValue;
   if (num_sums < 0 || (num_sums > 0 && sums == nullptr)) return cudaErrorInvalidValue;
   if (num_sums > 0) {
     const cudaError_t err = cudaMemsetAsync(sums, 0, sizeof(int64_t) * (size_t)num_sums,
                                             static_cast<cudaStream_t>(stream));
     if (err != cudaSuccess) return err;
   }
-  if (total_bytes <= 0) return cudaSuccess;
-  KernelFn fn = sums_kernel_for(word_bytes);
-  if (fn == nullptr || grid < 1 || total_bytes % word_bytes != 0) return cudaErrorInvalidValue;
+  if (call->total_bytes <= 0) return cudaSuccess;
+  KernelFn fn = sums_kernel_for((int)tables->word_bytes);
+  int err = check_launch(tables, call, fn);
+  if (err != cudaSuccess) return err;
   kvcopy::KernelParams p;
-  const int err = fill_params(&p, tables, num_entries, num_groups, num_group_entries, call_host,
-                              call_device, call_words, total_bytes);
+  err = fill_params(&p, tables, call, call_host);
   if (err != cudaSuccess) return err;
   p.sums = reinterpret_cast<unsigned long long*>(sums);
   void* args[] = {&p};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)grid),
+  return cudaLaunchKernel(reinterpret_cast<const void*>(fn), dim3((unsigned)call->grid),
                           dim3(KVCOPY_THREADS), args, 0, static_cast<cudaStream_t>(stream));
 }
 

@@ -7,12 +7,14 @@
 //
 // Data model (built in kvcopy/core/tables.py, documented there in full):
 //
-//   entries[E][20]  int64, static per copier and direction. One row per copied layer
-//                   (deduplicated by storage), bytes throughout: src base address, dst
-//                   base address, src/dst block stride, run bytes, runs per page, then
-//                   three nested run dims (count, src stride, dst stride), outermost
-//                   first, one zero, the dims' key strides (page_checksum.cuh) and two
-//                   zeros. A page is `runs per page` runs of `run bytes`,
+//   entries[E][KVCOPY_ENTRY_FIELDS]
+//                   int64 (entry_layout.cuh), static per copier and direction. One
+//                   row per copied layer (deduplicated by storage), bytes throughout:
+//                   src base address, dst base address, src/dst block stride, run
+//                   bytes, runs per page, then three nested run dims (count, src
+//                   stride, dst stride), outermost first, one zero, the dims' key
+//                   strides (page_checksum.cuh) and two zeros. A page is `runs per
+//                   page` runs of `run bytes`,
 //                   contiguous on both sides; run r = (i0 * c1 + i1) * c2 + i2 starts
 //                   i0*s0 + i1*s1 + i2*s2 bytes into its page on each side with that
 //                   side's strides. Identical orders: one run per dense page (2 for
@@ -56,19 +58,9 @@ typedef unsigned long long uint64_t;
 #define KVCOPY_HD inline
 #endif
 
-namespace kvcopy {
+#include "entry_layout.cuh"
 
-enum EntryField : int {
-  kSrcBase = 0,
-  kDstBase = 1,
-  kSrcBlockStride = 2,
-  kDstBlockStride = 3,
-  kRunBytes = 4,
-  kRunsPerPage = 5,
-  kRunDims = 6,      // 3 x (count, src stride, dst stride), outermost first
-  kKeyStrides = 16,  // 3 x the dims' strides in the staging page counted densely
-  kEntryFields = 20,
-};
+namespace kvcopy {
 
 // Byte offsets of page run r (0 <= r < runs per page, < 2^31) into its page on both
 // sides. One dim (the innermost slot: KV-first's two chunks, a head-major page's
@@ -221,7 +213,7 @@ KVCOPY_HD Item locate_item(int64_t i, const CallView& call, const int64_t* entri
 // page_bytes(k) x (block_prefix[r] - block_prefix[first run]) bytes further.
 
 struct CursorTables {
-  const int64_t* entries;             // [E][16]
+  const int64_t* entries;             // [E][KVCOPY_ENTRY_FIELDS]
   const int64_t* group_offsets;       // [G+1]
   const int64_t* group_entries;       // [GE]
   const int64_t* entry_bytes_prefix;  // [GE+1]

@@ -95,7 +95,6 @@ MIN_ROW_BYTES = 64
 SCAN = 256
 GROUPS = 8  # group starts resolved with one vector load; more groups take a loop
 NUM_WARPS = 8
-ENTRY_FIELDS = tl.constexpr(20)  # int64 columns of an entry row (kvcopy.core.tables.ENTRY_FIELDS)
 
 
 # Only builtins and this module's own jit functions are used in kernel code: the
@@ -141,19 +140,19 @@ def _locate(j, valid, call, num_groups, GROUPS: tl.constexpr):
 
 @triton.jit
 def _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
-             ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr):
+             ROW_BYTES: tl.constexpr, GROUPS: tl.constexpr, ENTRY_FIELDS: tl.constexpr):
     """Items ``j`` (an int64 vector; lanes with ``valid`` false give zero rows) as
     (src item base, dst item base, src block stride, dst block stride, runs per page,
     the entry row (for the page-run dims), merged, segment bytes,
     rows per segment, rows)."""
     g, first_run, runs_in_group, local = _locate(j, valid, call, num_groups, GROUPS)
     return _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets, group_entries,
-                            call, num_groups, ROW_BYTES)
+                            call, num_groups, ROW_BYTES, ENTRY_FIELDS)
 
 
 @triton.jit
 def _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets, group_entries, call,
-                     num_groups, ROW_BYTES: tl.constexpr):
+                     num_groups, ROW_BYTES: tl.constexpr, ENTRY_FIELDS: tl.constexpr):
     """:func:`_resolve` of items already located (:func:`_locate`)."""
     slot = tl.load(group_offsets + g, mask=valid, other=0) + local // runs_in_group
     entry = entries + ENTRY_FIELDS * tl.load(group_entries + slot, mask=valid, other=0)
@@ -182,7 +181,7 @@ def _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_o
 
 @triton.jit
 def _first_rows(entries, group_offsets, group_entries, call, num_groups, n_items, worker, num_workers,
-                ROW_BYTES: tl.constexpr, SCAN: tl.constexpr, GROUPS: tl.constexpr):
+                ROW_BYTES: tl.constexpr, SCAN: tl.constexpr, GROUPS: tl.constexpr, ENTRY_FIELDS: tl.constexpr):
     """The call's rows in total, and for each worker its row count, the item holding its
     first row and that row's index within the item."""
     lane = tl.arange(0, SCAN).to(tl.int64)
@@ -192,7 +191,7 @@ def _first_rows(entries, group_offsets, group_entries, call, num_groups, n_items
     for start in range(0, n_items, SCAN):
         j = start + lane
         rows = _resolve(j, j < n_items, entries, group_offsets, group_entries, call, num_groups,
-                        ROW_BYTES, GROUPS)[9]
+                        ROW_BYTES, GROUPS, ENTRY_FIELDS)[9]
         total += _total(rows, 0)
 
     # Each worker's contiguous share of the rows.
@@ -208,7 +207,7 @@ def _first_rows(entries, group_offsets, group_entries, call, num_groups, n_items
         j = start + lane
         valid = j < n_items
         rows = _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups,
-                        ROW_BYTES, GROUPS)[9]
+                        ROW_BYTES, GROUPS, ENTRY_FIELDS)[9]
         ends = tl.associative_scan(rows, 0, _ADD) + carry
         done = (ends[None, :] <= begin[:, None]) & valid[None, :]
         item += _total(done.to(tl.int64), 1)
@@ -253,7 +252,7 @@ def _row_addresses(src_item, dst_item, src_bstride, dst_bstride, num_runs, entry
 def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
                       ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
                       ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
-                      GROUPS: tl.constexpr):
+                      GROUPS: tl.constexpr, ENTRY_FIELDS: tl.constexpr):
     """One launch for a whole call; see the module docstring for the mapping."""
     ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
     VEC: tl.constexpr = WORD // ELEM_BYTES
@@ -262,11 +261,12 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
     n_items = tl.load(call + 2 * num_groups + 1)
     worker = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     total, count, item, row = _first_rows(entries, group_offsets, group_entries, call, num_groups, n_items,
-                                          worker, num_workers, ROW_BYTES, SCAN, GROUPS)
+                                          worker, num_workers, ROW_BYTES, SCAN, GROUPS, ENTRY_FIELDS)
 
     (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry,
      merged, seg_bytes, tiles, rows) = _resolve(
-        item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)
+        item, item < n_items, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS,
+        ENTRY_FIELDS)
     cols = tl.arange(0, ROW_ELEMS)
     steps = (total + num_workers - 1) // num_workers
     for step in range(0, steps):
@@ -288,7 +288,7 @@ def fused_copy_kernel(entries, group_offsets, group_entries, call, num_groups,
             (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry,
              merged, seg_bytes, tiles, rows) = _resolve(
                 item, item < n_items, entries, group_offsets, group_entries, call, num_groups,
-                ROW_BYTES, GROUPS)
+                ROW_BYTES, GROUPS, ENTRY_FIELDS)
         tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
 
 
@@ -349,7 +349,8 @@ def _terms(words, src_ptr, cols, mask, q, run_bytes, pos, base, ELEM_BYTES: tl.c
 
 @triton.jit
 def _worker_start(pid, n_items, entries, group_offsets, group_entries, call, num_groups,
-                  ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr, GROUPS: tl.constexpr):
+                  ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr, GROUPS: tl.constexpr,
+                  ENTRY_FIELDS: tl.constexpr):
     """fused_copy_kernel's two scans: (rows in the call, each worker's first item, its
     row there, its row count)."""
     num_workers = tl.num_programs(0).to(tl.int64) * ROWS
@@ -358,7 +359,7 @@ def _worker_start(pid, n_items, entries, group_offsets, group_entries, call, num
     for start in range(0, n_items, SCAN):
         j = start + lane
         total += _total(_resolve(j, j < n_items, entries, group_offsets, group_entries, call, num_groups,
-                                 ROW_BYTES, GROUPS)[9], 0)
+                                 ROW_BYTES, GROUPS, ENTRY_FIELDS)[9], 0)
     worker = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     begin = worker * total // num_workers
     count = (worker + 1) * total // num_workers - begin
@@ -368,7 +369,8 @@ def _worker_start(pid, n_items, entries, group_offsets, group_entries, call, num
     for start in range(0, n_items, SCAN):
         j = start + lane
         valid = j < n_items
-        rows = _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS)[9]
+        rows = _resolve(j, valid, entries, group_offsets, group_entries, call, num_groups, ROW_BYTES, GROUPS,
+                        ENTRY_FIELDS)[9]
         ends = tl.associative_scan(rows, 0, _ADD) + carry
         done = (ends[None, :] <= begin[:, None]) & valid[None, :]
         item += _total(done.to(tl.int64), 1)
@@ -381,19 +383,19 @@ def _worker_start(pid, n_items, entries, group_offsets, group_entries, call, num
 def fused_copy_sums_kernel(entries, group_offsets, group_entries, call, num_groups, sums,
                            ELEM: tl.constexpr, ELEM_BYTES: tl.constexpr, WORD: tl.constexpr,
                            ROW_BYTES: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
-                           GROUPS: tl.constexpr):
+                           GROUPS: tl.constexpr, ENTRY_FIELDS: tl.constexpr):
     """fused_copy_kernel, and each page's checksum added into ``sums`` (zeroed first)."""
     ROW_ELEMS: tl.constexpr = ROW_BYTES // ELEM_BYTES
     VEC: tl.constexpr = WORD // ELEM_BYTES
     pid = tl.program_id(0).to(tl.int64)
     n_items = tl.load(call + 2 * num_groups + 1)
     total, item, row, count = _worker_start(pid, n_items, entries, group_offsets, group_entries, call,
-                                            num_groups, ROW_BYTES, ROWS, SCAN, GROUPS)
+                                            num_groups, ROW_BYTES, ROWS, SCAN, GROUPS, ENTRY_FIELDS)
     valid = item < n_items
     g, first_run, runs_in_group, local = _locate(item, valid, call, num_groups, GROUPS)  # one search per item
     (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, seg_bytes, tiles,
      rows) = _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets, group_entries,
-                              call, num_groups, ROW_BYTES)
+                              call, num_groups, ROW_BYTES, ENTRY_FIELDS)
     base, out_index = _item_keys(valid, first_run, runs_in_group, local, call, num_groups)
     cols = tl.arange(0, ROW_ELEMS)
     acc = (row * 0).to(tl.uint64)
@@ -449,7 +451,7 @@ def fused_copy_sums_kernel(entries, group_offsets, group_entries, call, num_grou
             g, first_run, runs_in_group, local = _locate(item, valid, call, num_groups, GROUPS)
             (src_item, dst_item, src_bstride, dst_bstride, num_runs, entry, merged, seg_bytes, tiles,
              rows) = _resolve_located(valid, g, first_run, runs_in_group, local, entries, group_offsets,
-                                      group_entries, call, num_groups, ROW_BYTES)
+                                      group_entries, call, num_groups, ROW_BYTES, ENTRY_FIELDS)
             base, out_index = _item_keys(valid, first_run, runs_in_group, local, call, num_groups)
         tl.store(dst_ptr[:, None] + cols[None, :], words, mask=mask, eviction_policy="evict_first")
     tl.atomic_add(sums + cur, acc.to(tl.int64, bitcast=True), mask=cur >= 0, sem="relaxed")
@@ -465,6 +467,7 @@ class LaunchConfig:
     word: int  # alignment of every address, stride and size (<= 16)
     row_bytes: int
     rows: int
+    entry_fields: int  # int64 columns of an entry row (kvcopy.native.ENTRY_FIELDS)
     scan: int = SCAN
     groups: int = GROUPS
     num_warps: int = NUM_WARPS
@@ -475,20 +478,22 @@ class LaunchConfig:
 
     def constexprs(self) -> dict:
         return dict(ELEM=self.elem, ELEM_BYTES=self.elem_bytes, WORD=self.word,
-                    ROW_BYTES=self.row_bytes, ROWS=self.rows, SCAN=self.scan, GROUPS=self.groups)
+                    ROW_BYTES=self.row_bytes, ROWS=self.rows, SCAN=self.scan, GROUPS=self.groups,
+                    ENTRY_FIELDS=self.entry_fields)
 
 
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def launch_config(word_bytes: int, min_chunk_bytes: int, checksums: bool = False) -> LaunchConfig:
+def launch_config(word_bytes: int, min_chunk_bytes: int, entry_fields: int, checksums: bool = False) -> LaunchConfig:
     """Rows about one chunk long, at most 2 KiB: from 2 KiB chunks up every table gets
     the same kernel (16 rows of 2 KiB, a 32 KiB tile), so a sweep over page sizes
     compiles one variant per word size, and a large chunk is cut into 2 KiB rows
     spread over all workers. Smaller chunks get shorter rows (fewer masked lanes).
     ``checksums``: the checksum kernel's shape, whose elements are the 8-byte hash words
-    themselves when every address and size is a multiple of 8."""
+    themselves when every address and size is a multiple of 8. ``entry_fields``: the
+    entry row's width (kernels/entry_layout.cuh, which this module does not read)."""
     if checksums and word_bytes >= 8:
         elem, elem_bytes = tl.int64, 8
     elif word_bytes >= 4:
@@ -500,7 +505,8 @@ def launch_config(word_bytes: int, min_chunk_bytes: int, checksums: bool = False
     row = _pow2_at_least(max(min_chunk_bytes, MIN_ROW_BYTES, word_bytes))
     row = min(row, MAX_ROW_BYTES, TILE_ELEMS * elem_bytes)
     rows = max(1, min(MAX_ROWS, TILE_ELEMS * elem_bytes // row))
-    return LaunchConfig(elem=elem, elem_bytes=elem_bytes, word=int(word_bytes), row_bytes=row, rows=rows)
+    return LaunchConfig(elem=elem, elem_bytes=elem_bytes, word=int(word_bytes), row_bytes=row, rows=rows,
+                        entry_fields=int(entry_fields))
 
 
 def grid_size(total_bytes: int, cfg: LaunchConfig, max_ctas: int) -> int:

@@ -24,32 +24,119 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
+import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 BUILD_INFO = LIB_DIR / "build-info.json"
 
-# The ABI version (``<stem>_abi_version()``) this Python code calls each library with.
-ABI_VERSIONS = {"kvcopy_cpu": 12, "kvcopy_cuda": 3}
+# The ABI version (``<stem>_abi_version()``) this Python code calls each library with
+# (the rule for bumping it: csrc/kvcopy_abi.h).
+ABI_VERSIONS = {"kvcopy_cpu": 13, "kvcopy_cuda": 4}
 
 _loaded: Dict[str, Tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
 
 _vp, _i64, _int, _str = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
 _P = ctypes.POINTER
 
-# kvcopy_cpu_copy(entries, group_offsets, group_entries, num_groups, packed, total_bytes,
-# num_threads, stream_min_bytes)
-CPU_COPY_ARGS = [_vp, _vp, _vp, _i64, _vp, _i64, _int, _i64]
-# kvcopy_cpu_copy_sums(the same but stream_min_bytes, then sums, num_sums, simd,
-# stream_min_bytes, piece_bytes, piece_min_bytes); _fold adds the fold's address array
-CPU_SUMS_ARGS = CPU_COPY_ARGS[:-1] + [_vp, _i64, _int, _i64, _i64, _i64]
-# kvcopy_cpu_copy_ranges(entries, group_offsets, group_entries, entry_bytes_prefix,
-# num_groups, call_ext, total_bytes, num_ranges, word_bytes): test helper
-CPU_RANGES_ARGS = [_vp] * 4 + [_i64, _vp] + [_i64] * 3
-# kvcopy_cuda_copy(tables, entries, groups, group_entries, call_host, call_device,
-# call_words, total_bytes, word_bytes, grid, stream)
-CUDA_COPY_ARGS = [_vp, _i64, _i64, _i64, _vp, _vp, _i64, _i64, _int, _int, _vp]
+
+# ------------------------------------------------------------------ the entry table's row
+def _entry_layout() -> Tuple[int, Dict[str, int]]:
+    """``KVCOPY_ENTRY_FIELDS`` and the ``EntryField`` columns of kernels/entry_layout.cuh,
+    parsed strictly (a line that does not match the expected form is an error, not a
+    guess)."""
+    from .kernels import include_dir
+
+    text = (include_dir() / "entry_layout.cuh").read_text()
+    width = re.search(r"^#define KVCOPY_ENTRY_FIELDS (\d+)$", text, re.M)
+    body = re.search(r"enum EntryField : int \{\n(.*?)\n\};", text, re.S)
+    if width is None or body is None:
+        raise ImportError("kernels/entry_layout.cuh: no KVCOPY_ENTRY_FIELDS or EntryField enum")
+    columns = {}
+    for line in body.group(1).splitlines():
+        m = re.fullmatch(r"\s*k(\w+) = (\d+|KVCOPY_ENTRY_FIELDS),(?:\s*//.*)?", line)
+        if m is None:
+            raise ImportError(f"kernels/entry_layout.cuh: cannot read {line.strip()!r}")
+        columns[m.group(1)] = int(width.group(1)) if m.group(2) == "KVCOPY_ENTRY_FIELDS" else int(m.group(2))
+    return int(width.group(1)), columns
+
+
+# ENTRY_FIELDS: int64 columns of an entry row; ENTRY_COLUMNS: EntryField name -> column
+# ("SrcBase" -> 0, ..., "KeyStrides" -> 16).
+ENTRY_FIELDS, ENTRY_COLUMNS = _entry_layout()
+
+
+# ------------------------------------------------------------------ option structs (csrc/kvcopy_abi.h)
+class _AbiStruct(ctypes.Structure):
+    """A struct of csrc/kvcopy_abi.h: 8-byte fields, the first its own size. Build with
+    :meth:`make`, which sets ``struct_bytes``."""
+
+    @classmethod
+    def make(cls, **fields):
+        return cls(ctypes.sizeof(cls), **fields)
+
+
+class Tables(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("entries", _vp), ("group_offsets", _vp), ("group_entries", _vp),
+                ("entry_bytes_prefix", _vp), ("num_groups", _i64)]
+
+
+class CpuTuning(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("num_threads", _i64), ("simd", _i64), ("stream_min_bytes", _i64),
+                ("piece_bytes", _i64), ("piece_min_bytes", _i64)]
+
+
+class Fold(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("gather", _vp), ("bounds", _vp), ("num_gather", _i64), ("starts", _vp),
+                ("num_values", _i64), ("values", _vp), ("want", _vp)]
+
+
+class PlanStatic(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("num_groups", _i64), ("src_limit", _vp), ("dst_limit", _vp),
+                ("dst_class", _vp), ("num_classes", _i64), ("entries_per_group", _vp), ("dst_capacity", _i64)]
+
+
+class Ranges(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("num_ranges", _i64), ("word_bytes", _i64)]
+
+
+class CudaTables(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("tables", _vp), ("num_entries", _i64), ("num_groups", _i64),
+                ("num_group_entries", _i64), ("word_bytes", _i64)]
+
+
+class CudaCall(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("call_device", _vp), ("call_words", _i64), ("total_bytes", _i64),
+                ("grid", _i64)]
+
+
+class CeOptions(_AbiStruct):
+    _fields_ = [("struct_bytes", _i64), ("src_is_host", _i64), ("dst_is_host", _i64), ("host_access_any", _i64),
+                ("mode", _i64)]
+
+
+# C struct name -> its mirror (the contracts test compares their fields with kvcopy_abi.h).
+ABI_STRUCTS = {"kvcopy_tables": Tables, "kvcopy_cpu_tuning": CpuTuning, "kvcopy_fold": Fold,
+               "kvcopy_plan_static": PlanStatic, "kvcopy_ranges": Ranges, "kvcopy_cuda_tables": CudaTables,
+               "kvcopy_cuda_call": CudaCall, "kvcopy_ce_options": CeOptions}
+
+# The per-call struct of a CUDA launch, packed in one C call into immutable bytes (cheaper
+# than setting a ctypes.Structure's fields): kvcopy_cuda_call's layout, struct_bytes first.
+CUDA_CALL = struct.Struct("<5q")
+CUDA_CALL_BYTES = CUDA_CALL.size
+
+# Struct pointers are passed as addresses (c_void_p): the callers keep the structs alive
+# and hand their cached ``ctypes.addressof`` (or, per CUDA call, the packed bytes).
+# kvcopy_cpu_copy(tables, tuning, packed, total_bytes)
+CPU_COPY_ARGS = [_vp, _vp, _vp, _i64]
+# kvcopy_cpu_copy_sums(tables, tuning, packed, total_bytes, sums, num_sums); _fold adds the fold
+CPU_SUMS_ARGS = CPU_COPY_ARGS + [_vp, _i64]
+# kvcopy_cpu_copy_ranges(tables, call_ext, total_bytes, ranges): test helper
+CPU_RANGES_ARGS = [_vp, _vp, _i64, _vp]
+# kvcopy_cuda_copy(tables, call, call_host, stream); _sums adds sums, num_sums
+CUDA_COPY_ARGS = [_vp, _vp, _vp, _vp]
 # kvcopy_cuda_store_words(dst, src, count, stream)
 CUDA_STORE_ARGS = [_vp, _vp, _i64, _vp]
 
@@ -57,6 +144,7 @@ CUDA_STORE_ARGS = [_vp, _vp, _i64, _vp]
 SIGNATURES: Dict[str, Dict[str, Tuple[Any, List[Any]]]] = {
     "kvcopy_cpu": {
         "kvcopy_cpu_abi_version": (_int, []),
+        "kvcopy_cpu_entry_fields": (_int, []),
         "kvcopy_cpu_has_openmp": (_int, []),
         "kvcopy_cpu_sums_loops": (_int, []),
         "kvcopy_cpu_sums_loop": (_int, [_int]),
@@ -64,17 +152,18 @@ SIGNATURES: Dict[str, Dict[str, Tuple[Any, List[Any]]]] = {
         "kvcopy_cpu_copy_sums": (_int, CPU_SUMS_ARGS),
         "kvcopy_cpu_copy_sums_fold": (_i64, CPU_SUMS_ARGS + [_vp]),
         "kvcopy_cpu_flush": (_int, [_vp, _i64]),
-        "kvcopy_fold_page_sums": (_i64, [_vp, _i64, _vp, _vp, _i64, _vp, _i64, _vp, _vp]),
-        "kvcopy_plan_call": (_i64, [_i64] + [_vp] * 6 + [_i64, _vp, _i64, _vp]),
+        "kvcopy_fold_page_sums": (_i64, [_vp, _i64, _vp]),
+        "kvcopy_plan_call": (_i64, [_vp] * 5),
         "kvcopy_host_noop": (_int, []),
         # test helpers
         "kvcopy_cpu_copy_ranges": (_int, CPU_RANGES_ARGS),
         "kvcopy_cpu_copy_ranges_sums": (_int, CPU_RANGES_ARGS + [_vp, _i64]),
         "kvcopy_cpu_copy_streams": (_int, [_i64, _i64]),
-        "kvcopy_cpu_sums_pieces": (_int, [_i64, _i64, _int, _i64, _i64, _i64]),
+        "kvcopy_cpu_sums_pieces": (_int, [_i64, _i64, _vp]),
     },
     "kvcopy_cuda": {
         "kvcopy_cuda_abi_version": (_int, []),
+        "kvcopy_cuda_entry_fields": (_int, []),
         "kvcopy_cuda_threads": (_int, []),
         "kvcopy_cuda_inline_words": (_int, []),
         "kvcopy_cuda_params_bytes": (_int, []),
@@ -90,7 +179,7 @@ SIGNATURES: Dict[str, Dict[str, Tuple[Any, List[Any]]]] = {
         "kvcopy_cuda_store_words": (_int, CUDA_STORE_ARGS),
         "kvcopy_ce_batch_abi": (_int, []),
         "kvcopy_ce_error_name": (_str, [_int]),
-        "kvcopy_ce_copy": (_int, [_vp, _vp, _vp, _i64, _vp, _int, _int, _int, _int, _vp, _P(_int), _P(_i64)]),
+        "kvcopy_ce_copy": (_int, [_vp, _vp, _vp, _vp, _P(_int), _P(_i64)]),
     },
 }
 
@@ -140,6 +229,10 @@ def _checked(lib: ctypes.CDLL, stem: str, path: Path) -> Tuple[Optional[ctypes.C
         if fn is None:
             return None, f"{path} is out of date (no {name}); rebuild with `pip install -e .`"
         fn.restype, fn.argtypes = res, args
+    width = int(getattr(lib, f"{stem}_entry_fields")())
+    if width != ENTRY_FIELDS:
+        return None, (f"{path} was compiled with {width}-column entry rows, kernels/entry_layout.cuh says "
+                      f"{ENTRY_FIELDS}: built from other sources; rebuild with `pip install -e .`")
     return lib, None
 
 

@@ -10,6 +10,7 @@ class _FakeLibrary:
     def __init__(self, version=None):
         for name in native.SIGNATURES["kvcopy_cpu"]:
             setattr(self, name, lambda *args: 0)
+        self.kvcopy_cpu_entry_fields = lambda: native.ENTRY_FIELDS
         if version is None:
             del self.kvcopy_cpu_abi_version
         else:
@@ -46,3 +47,10 @@ def test_load_declares_every_signature_and_refuses_a_library_missing_one():
     del lib.kvcopy_fold_page_sums
     got, why = native._checked(lib, "kvcopy_cpu", path)
     assert got is None and "kvcopy_fold_page_sums" in why and "rebuild" in why
+
+
+def test_a_library_of_another_entry_width_is_refused():
+    lib = _FakeLibrary(native.ABI_VERSIONS["kvcopy_cpu"])
+    lib.kvcopy_cpu_entry_fields = lambda: native.ENTRY_FIELDS - 4
+    got, why = native._checked(lib, "kvcopy_cpu", Path("/nowhere/libkvcopy_cpu.so"))
+    assert got is None and f"{native.ENTRY_FIELDS - 4}-column" in why and "rebuild" in why

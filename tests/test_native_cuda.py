@@ -36,6 +36,7 @@ class _Partial:
 
     def __init__(self):
         self.kvcopy_cuda_abi_version = lambda: native.ABI_VERSIONS["kvcopy_cuda"]
+        self.kvcopy_cuda_entry_fields = lambda: native.ENTRY_FIELDS
         self.kvcopy_cuda_threads = lambda: 256
 
 

@@ -62,7 +62,8 @@ def test_wheel_contains_kernels_and_builds_without_native(tmp_path):
 
 
 SDIST_NEEDS = ["CMakeLists.txt", "csrc/cpu_copy.cpp", "csrc/call_plan.cpp", "csrc/cuda.cmake",
-               "csrc/cuda_copy.cu", "csrc/ce_copy.cu", "kernels/block_copy.cuh",
+               "csrc/cuda_copy.cu", "csrc/ce_copy.cu", "csrc/kvcopy_abi.h", "kernels/entry_layout.cuh",
+               "kernels/block_copy.cuh",
                "kernels/block_copy_kernel.cuh", "kernels/triton_copy.py", "README.md", "LICENSE",
                "pyproject.toml", "setup.py",
                # tests/ reads these: an unpacked sdist runs its own test suite

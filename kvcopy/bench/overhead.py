@@ -90,7 +90,8 @@ def stubbed_modes(copier, backends: List[str]) -> Dict[str, Callable[[], None]]:
             return modes
         from ..copy_backends.triton_backend import SmallCallUpload
 
-        cfg = triton_copy.launch_config(tables.word_bytes, 2048)  # the grid rule's cost, any shape
+        # the grid rule's cost, any shape
+        cfg = triton_copy.launch_config(tables.word_bytes, 2048, native.ENTRY_FIELDS)
         upload = SmallCallUpload(noop_launch(native.CUDA_STORE_ARGS), 0, INLINE_WORDS,
                                  lambda device: 0, lambda n: torch.empty(n, dtype=torch.int64))
 

@@ -43,13 +43,9 @@ class _State:
     pinning: Any
     src_host: int
     dst_host: int
-    pointers: tuple
+    tables: Any  # kvcopy.native.Tables over the host tables (kept alive here)
     last_used_batch: bool = False
     last_segments: int = 0
-
-
-def _ptr(a) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
 
 
 class CopyEngineBackend(GpuBackendBase, Backend):
@@ -76,7 +72,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
             pinning=pin_host_side(tables),
             src_host=int(tables.src_device.type == "cpu"),
             dst_host=int(tables.dst_device.type == "cpu"),
-            pointers=(_ptr(tables.entries), _ptr(tables.group_offsets), _ptr(tables.group_entries)),
+            tables=tables.abi_struct(),
         )
 
     def checksum_reason(self, tables: CopyTables) -> Optional[str]:
@@ -92,10 +88,10 @@ class CopyEngineBackend(GpuBackendBase, Backend):
         host_any = int(os.environ.get("KVCOPY_CE_HOST_ANY", "1") != "0")
         stream = torch.cuda.current_stream(st.device).cuda_stream
         used, segs = ctypes.c_int(0), ctypes.c_int64(0)
-        entries, offsets, group_entries = st.pointers
-        rc = call_on_device(st.device, st.copy, entries, offsets, group_entries,
-                            tables.num_groups, call.words, st.src_host, st.dst_host, host_any,
-                            mode, stream, ctypes.byref(used), ctypes.byref(segs))
+        options = native.CeOptions.make(src_is_host=st.src_host, dst_is_host=st.dst_host, host_access_any=host_any,
+                                        mode=mode)
+        rc = call_on_device(st.device, st.copy, ctypes.addressof(st.tables), call.words, ctypes.addressof(options),
+                            stream, ctypes.byref(used), ctypes.byref(segs))
         st.last_used_batch, st.last_segments = bool(used.value), int(segs.value)
         native.check(rc, f"copy-engine copy of {segs.value} segments "
                           f"({'cuMemcpyBatchAsync' if mode != 2 else 'cudaMemcpyAsync loop'})")

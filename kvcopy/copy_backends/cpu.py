@@ -47,10 +47,6 @@ from .. import native
 from ..core.tables import CallPlan, CopyTables
 
 
-def _ptr(a) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
-
-
 def _threads() -> int:
     """``KVCOPY_CPU_THREADS`` (0 or unset: OpenMP's default team)."""
     text = os.environ.get("KVCOPY_CPU_THREADS", "").strip()
@@ -264,16 +260,18 @@ class CpuBackend(Backend):
         if self._lib is None:
             raise ValueError(f"backend 'cpu' is not available: {self._why}")
         simd = _simd(self._loops)
-        # The addresses of the static arrays, resolved once; the arrays live in tables.
-        tables.backend_state["cpu"] = (
-            self._lib.kvcopy_cpu_copy, _ptr(tables.entries), _ptr(tables.group_offsets),
-            _ptr(tables.group_entries), tables.num_groups, simd, _stream_min_bytes(),
-            _piece_bytes(self._lib.kvcopy_cpu_sums_loop(simd)), _threads(), _piece_min_call_bytes(),
-        )
+        # The structs of the call's constants, made once (the arrays live in tables);
+        # calls pass their addresses.
+        static = tables.abi_struct()
+        tuning = native.CpuTuning.make(num_threads=_threads(), simd=simd, stream_min_bytes=_stream_min_bytes(),
+                                       piece_bytes=_piece_bytes(self._lib.kvcopy_cpu_sums_loop(simd)),
+                                       piece_min_bytes=_piece_min_call_bytes())
+        tables.backend_state["cpu"] = (self._lib.kvcopy_cpu_copy, ctypes.addressof(static), ctypes.addressof(tuning),
+                                       (static, tuning))
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        copy, entries, offsets, group_entries, groups, _, stream, _, threads, _ = self.state(tables)
-        rc = copy(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads, stream)
+        copy, static, tuning, _ = self.state(tables)
+        rc = copy(static, tuning, call.words, call.total_bytes)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
 
@@ -281,9 +279,8 @@ class CpuBackend(Backend):
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
-        _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = self.state(tables)
-        rc = self._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                        out.data_ptr(), out.numel(), simd, stream, piece, piece_min)
+        _, static, tuning, _ = self.state(tables)
+        rc = self._sums(static, tuning, call.words, call.total_bytes, out.data_ptr(), out.numel())
         if rc == 2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums: no memory for its threads' rows of {out.numel()} sums")
         if rc != 0:
@@ -292,9 +289,8 @@ class CpuBackend(Backend):
     def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
                                    fold_at: int) -> Optional[int]:
         """One C call (``kvcopy_cpu_copy_sums_fold``): the copy, its sums, their fold."""
-        _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = self.state(tables)
-        differ = self._sums_fold(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                                 out.data_ptr(), out.numel(), simd, stream, piece, piece_min, fold_at)
+        _, static, tuning, _ = self.state(tables)
+        differ = self._sums_fold(static, tuning, call.words, call.total_bytes, out.data_ptr(), out.numel(), fold_at)
         if differ == -2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums_fold: no memory for its threads' rows of {out.numel()} sums")
         if differ < 0:  # nothing written

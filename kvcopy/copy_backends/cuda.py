@@ -76,14 +76,15 @@ class InlineLaunch:
     static table's device pointer and counts as ctypes values, the word size, the SM
     count and CTA cap, the launch function. A call then costs the grid rule, the
     current device and raw stream (two cheap torch getters: the stream can change
-    between calls, so it is read every call, never cached) and one ctypes call with
-    the planner's buffer as the call array (the native planner wrote the block prefix
-    in the same pass: no numpy on this path). ``launch`` is ``kvcopy_cuda_copy``, or,
+    between calls, so it is read every call, never cached), one ``kvcopy_cuda_call``
+    packed into bytes (one C call) and one 4-argument ctypes call with the planner's
+    buffer as the call array (the native planner wrote the block prefix in the same
+    pass: no numpy on this path). ``launch`` is ``kvcopy_cuda_copy``, or,
     for ``kvcopy-bench overhead``, a no-op C function with the same argument types
     (:meth:`stubbed`), so the host cost is measurable without a GPU.
     """
 
-    __slots__ = ("launch", "device", "sm_count", "max_ctas", "inline_words", "word", "head",
+    __slots__ = ("launch", "device", "sm_count", "max_ctas", "inline_words", "tables", "tables_at",
                  "stream", "current_device")
 
     def __init__(self, launch, device: int, static_ptr: int, num_entries: int, num_groups: int,
@@ -92,9 +93,9 @@ class InlineLaunch:
         self.launch = launch
         self.device = device
         self.sm_count, self.max_ctas, self.inline_words = sm_count, max_ctas, inline_words
-        self.word = ctypes.c_int(word_bytes)
-        self.head = (ctypes.c_void_p(static_ptr), ctypes.c_int64(num_entries), ctypes.c_int64(num_groups),
-                     ctypes.c_int64(num_group_entries))
+        self.tables = native.CudaTables.make(tables=static_ptr, num_entries=num_entries, num_groups=num_groups,
+                                             num_group_entries=num_group_entries, word_bytes=word_bytes)
+        self.tables_at = ctypes.addressof(self.tables)
         self.stream = stream or raw_stream_getter()
         self.current_device = current_device or current_device_getter()
 
@@ -116,8 +117,18 @@ class InlineLaunch:
                 return self._launch(buffer, words, call.total_bytes, grid)
         return self._launch(buffer, words, call.total_bytes, grid)
 
-    def _launch(self, address: bytes, words: int, total: int, grid: int) -> int:
-        return self.launch(*self.head, address, None, words, total, self.word, grid, self.stream(self.device))
+    def _launch(self, call_host: bytes, words: int, total: int, grid: int) -> int:
+        call = _PACK_CALL(native.CUDA_CALL_BYTES, 0, words, total, grid)
+        return self.launch(self.tables_at, call, call_host, self.stream(self.device))
+
+
+_PACK_CALL = native.CUDA_CALL.pack
+
+
+def _structs(tables, e, g, ge, call_device, call_words, total, word, grid):
+    """The two structs of a launch that does not take the inline path."""
+    return (native.CudaTables.make(tables=tables, num_entries=e, num_groups=g, num_group_entries=ge, word_bytes=word),
+            native.CudaCall.make(call_device=call_device or 0, call_words=call_words, total_bytes=total, grid=grid))
 
 
 class _LibLauncher:
@@ -129,13 +140,14 @@ class _LibLauncher:
         self.copy_function = lib.kvcopy_cuda_copy  # ctypes, argtypes declared (kvcopy.native)
 
     def launch(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream):
-        return self._lib.kvcopy_cuda_copy(tables, e, g, ge, call_host, call_device, call_words, total,
-                                          word, grid, stream)
+        t, c = _structs(tables, e, g, ge, call_device, call_words, total, word, grid)
+        return self._lib.kvcopy_cuda_copy(ctypes.addressof(t), ctypes.addressof(c), call_host, stream)
 
     def launch_sums(self, device, tables, e, g, ge, call_host, call_device, call_words, total, word, grid, stream,
                     sums, num_sums):
-        return self._lib.kvcopy_cuda_copy_sums(tables, e, g, ge, call_host, call_device, call_words, total,
-                                               word, grid, stream, sums, num_sums)
+        t, c = _structs(tables, e, g, ge, call_device, call_words, total, word, grid)
+        return self._lib.kvcopy_cuda_copy_sums(ctypes.addressof(t), ctypes.addressof(c), call_host, stream, sums,
+                                               num_sums)
 
     def store_words(self, device, dst, src, count, stream):
         return self._lib.kvcopy_cuda_store_words(dst, src, count, stream)

@@ -3,7 +3,7 @@
 Two int64 arrays (``kernels/block_copy_kernel.cuh``):
 
 * the **static table** (:func:`static_table`), uploaded once per copier direction:
-  ``entries (E x 16) | group_offsets (G+1) | group_entries | entry byte prefix``, the
+  ``entries (E x KVCOPY_ENTRY_FIELDS) | group_offsets (G+1) | group_entries | entry byte prefix``, the
   last one the bytes of one block summed over the group entries before each, so a
   warp finds its entry with a binary search;
 * the **call array** (:func:`call_words`, :func:`call_array`), per call: the packed call

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 from .. import native
 from ..kernels import include_dir
 
-HEADERS = ("block_copy.cuh", "page_checksum.cuh", "block_copy_kernel.cuh")
+HEADERS = ("entry_layout.cuh", "block_copy.cuh", "page_checksum.cuh", "block_copy_kernel.cuh")
 ENTRY_POINTS = {w: f"kvcopy_block_copy_w{w}" for w in (16, 8, 4, 2, 1)}
 SUM_ENTRY_POINTS = {w: f"kvcopy_block_copy_sums_w{w}" for w in (16, 8, 4, 2, 1)}  # checksums
 SOURCE = '#include "block_copy_kernel.cuh"\nKVCOPY_DEFINE_KERNELS\n'

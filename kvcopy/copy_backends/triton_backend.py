@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .. import native
 from ..core.tables import RUN_BYTES, CallPlan, CopyTables
 from . import Backend
 from .kernel_inputs import call_array
@@ -96,7 +97,6 @@ class SmallCallUpload:
 
 
 def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
-    from .. import native
     from .gpu import raw_stream_getter
     from .kernel_inputs import INLINE_WORDS
 
@@ -190,8 +190,8 @@ class TritonBackend(Backend):
             entries=upload(tables.entries),
             group_offsets=upload(tables.group_offsets),
             group_entries=upload(tables.group_entries) if len(tables.group_entries) else upload(np.zeros(1)),
-            cfg=tc.launch_config(tables.word_bytes, min_chunk),
-            cfg_sums=tc.launch_config(tables.word_bytes, min_chunk, checksums=True),
+            cfg=tc.launch_config(tables.word_bytes, min_chunk, native.ENTRY_FIELDS),
+            cfg_sums=tc.launch_config(tables.word_bytes, min_chunk, native.ENTRY_FIELDS, checksums=True),
             max_ctas=max_ctas,
             pinning=pinning,
             small_upload=_small_upload(device) if device.type == "cuda" else None,

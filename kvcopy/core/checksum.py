@@ -69,6 +69,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from .. import native
 from .layout import PageLayout, describe
 from .tables import RUN_BYTES, CallPlan, CopyTables
 
@@ -239,7 +240,7 @@ class SumFold:
 
     __slots__ = ("_arrays", "_block", "_at", "_values")
     _arrays: Tuple[np.ndarray, ...]  # gather, bounds, starts, want: views of bytes
-    _block: np.ndarray  # the library's fold[7], a view of bytes
+    _block: np.ndarray  # the library's kvcopy_fold struct (kvcopy.native.Fold), a view of bytes
     _at: int  # its address
     _values: Optional[np.ndarray]  # a collecting fold's values: a view of a bytearray
 
@@ -283,9 +284,10 @@ class SumFold:
 
     def _set(self, arrays: Tuple[np.ndarray, ...], values: Optional[np.ndarray] = None) -> None:
         g, b, st, w = arrays
-        block = np.frombuffer(np.array([address_of(g), address_of(b), len(g), address_of(st), len(st),
-                                        0 if values is None else address_of(values),
-                                        0 if values is not None else address_of(w)], np.int64).tobytes(), np.int64)
+        block = np.frombuffer(bytes(native.Fold.make(
+            gather=address_of(g), bounds=address_of(b), num_gather=len(g), starts=address_of(st), num_values=len(st),
+            values=0 if values is None else address_of(values), want=0 if values is not None else address_of(w))),
+            np.uint8)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_arrays", arrays)
         object.__setattr__(self, "_block", block)
@@ -299,7 +301,7 @@ class SumFold:
 
     @property
     def at(self) -> int:
-        """The address of the block ``kvcopy_cpu_copy_sums_fold`` reads (fold[7])."""
+        """The address of the ``kvcopy_fold`` struct ``kvcopy_cpu_copy_sums_fold`` reads."""
         return self._at
 
     def values_of(self, sums: np.ndarray) -> np.ndarray:

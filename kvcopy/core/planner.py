@@ -98,6 +98,8 @@ class CallPlanner:
         if n < 0:
             if n == -2:
                 raise MemoryError("the call planner could not grow its duplicate-check array")
+            if n == -3:
+                raise RuntimeError("kvcopy_plan_call: its plan struct is shorter than the library's (another build)")
             raise ValueError(self._refusal(err, src, dst, lens))
         g = self._g
         src_bytes = src.tobytes()
@@ -148,7 +150,8 @@ class CallPlanner:
 
 
 class _NativePass:
-    """Step 2 in C, with the constant arguments converted to ctypes once per planner.
+    """Step 2 in C: the planner's constants in one ``kvcopy_plan_static`` struct, made
+    once per planner; a call passes its address and the call's four buffers.
 
     Reentrant: the call's buffers are its own, and the duplicate check's stamp array is
     per thread in the library (``csrc/call_plan.cpp``), so calls on one planner from
@@ -159,20 +162,20 @@ class _NativePass:
         g = planner._g
         self._g = g
         self._keep = (planner._src_limit, planner._dst_limit, planner._dst_class, planner._entries_per_group)
-        self._static = [ctypes.c_void_p(a.ctypes.data) for a in self._keep]
-        self._g_arg = ctypes.c_int64(g)
-        self._classes_arg = ctypes.c_int64(int(planner._dst_class.max()) + 1 if g else 0)
-        self._capacity_arg = ctypes.c_int64(int(planner._dst_limit.max()) if g else 0)
+        self._static = native.PlanStatic.make(
+            num_groups=g, src_limit=planner._src_limit.ctypes.data, dst_limit=planner._dst_limit.ctypes.data,
+            dst_class=planner._dst_class.ctypes.data, num_classes=int(planner._dst_class.max()) + 1 if g else 0,
+            entries_per_group=planner._entries_per_group.ctypes.data,
+            dst_capacity=int(planner._dst_limit.max()) if g else 0)
+        self._static_at = ctypes.addressof(self._static)
+        self._words_fixed = 2 * (g + 1) + 1  # words of a call besides 4 per id
 
     def __call__(self, src, dst, lens):
         """``(words, n, error report)``: the report is ``words[0:3]`` when n < 0."""
-        g = self._g
-        words = array.array("q", bytes(8 * (2 * (g + 1) + 4 * len(src) + 1)))
-        lim_s, lim_d, cls, epg = self._static
+        words = array.array("q", bytes(8 * (self._words_fixed + 4 * len(src))))
         src_address = _address(src)
         dst_address = src_address if dst is src else _address(dst)
-        n = self._fn(self._g_arg, src_address, dst_address, lens.buffer_info()[0], lim_s, lim_d, cls,
-                     self._classes_arg, epg, self._capacity_arg, words.buffer_info()[0])
+        n = self._fn(self._static_at, src_address, dst_address, lens.buffer_info()[0], words.buffer_info()[0])
         return words, n, words[:3]
 
 

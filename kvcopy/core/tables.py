@@ -39,19 +39,17 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .. import native
 from .layout import MAX_RUN_DIMS, PageLayout, PagePairing, alignment, pair_pages
 
-ENTRY_FIELDS = 20
-(
-    SRC_BASE,
-    DST_BASE,
-    SRC_BLOCK_STRIDE,
-    DST_BLOCK_STRIDE,
-    RUN_BYTES,
-    RUNS_PER_PAGE,
-) = range(6)
-RUN_DIMS = 6  # first of MAX_RUN_DIMS x (count, src stride, dst stride) columns
-KEY_STRIDES = 16  # MAX_RUN_DIMS columns: each dim's stride in the staging page counted densely
+# The row's columns; they and its width (native.ENTRY_FIELDS) are defined once, in
+# kernels/entry_layout.cuh.
+_COLUMN = native.ENTRY_COLUMNS
+SRC_BASE, DST_BASE = _COLUMN["SrcBase"], _COLUMN["DstBase"]
+SRC_BLOCK_STRIDE, DST_BLOCK_STRIDE = _COLUMN["SrcBlockStride"], _COLUMN["DstBlockStride"]
+RUN_BYTES, RUNS_PER_PAGE = _COLUMN["RunBytes"], _COLUMN["RunsPerPage"]
+RUN_DIMS = _COLUMN["RunDims"]  # first of MAX_RUN_DIMS x (count, src stride, dst stride) columns
+KEY_STRIDES = _COLUMN["KeyStrides"]  # MAX_RUN_DIMS columns: each dim's stride in the staging page counted densely
 
 
 @dataclass
@@ -114,6 +112,14 @@ class CopyTables:
         """int64 [E]: bytes one block moves per entry."""
         return self.entries[:, RUN_BYTES] * self.entries[:, RUNS_PER_PAGE]
 
+    def abi_struct(self, entry_bytes_prefix: Optional[np.ndarray] = None) -> native.Tables:
+        """The ``kvcopy_tables`` struct over these arrays, the host C functions' first
+        argument (valid while this object and ``entry_bytes_prefix`` live)."""
+        prefix = 0 if entry_bytes_prefix is None else entry_bytes_prefix.ctypes.data
+        return native.Tables.make(entries=self.entries.ctypes.data, group_offsets=self.group_offsets.ctypes.data,
+                                  group_entries=self.group_entries.ctypes.data, num_groups=self.num_groups,
+                                  entry_bytes_prefix=prefix)
+
 
 def build_tables(
     group_entry_lists: Sequence[Sequence[int]],
@@ -138,8 +144,8 @@ def build_tables(
             row.extend(dim)
         row.append(0)
         row.extend(key_strides(pair, sl if staging == "src" else dl, staging))
-        rows.append(row + [0] * (ENTRY_FIELDS - len(row)))
-    entries = np.array(rows, dtype=np.int64).reshape(-1, ENTRY_FIELDS)
+        rows.append(row + [0] * (native.ENTRY_FIELDS - len(row)))
+    entries = np.array(rows, dtype=np.int64).reshape(-1, native.ENTRY_FIELDS)
     offsets = np.zeros(len(group_entry_lists) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(e) for e in group_entry_lists])
     flat = np.array([i for e in group_entry_lists for i in e], dtype=np.int64)

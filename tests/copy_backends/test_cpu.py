@@ -19,7 +19,7 @@ from kvcopy import copy_backends as backends
 from kvcopy.copy_backends import kernel_inputs
 from kvcopy import native
 from kvcopy.copy_backends import Backend
-from kvcopy.core.tables import ENTRY_FIELDS
+from kvcopy.native import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, check_copy, standard_cases
 
 lib, why = native.load("kvcopy_cpu")
@@ -44,8 +44,11 @@ class RangesBackend(Backend):
         prefix = group_entries + 8 * ge
         arr = kernel_inputs.call_array(call)
         word = self.word_bytes or tables.word_bytes
-        rc = lib.kvcopy_cpu_copy_ranges(base, offsets, group_entries, prefix, g, arr.ctypes.data,
-                                        call.total_bytes, self.num_ranges, word)
+        static_tables = native.Tables.make(entries=base, group_offsets=offsets, group_entries=group_entries,
+                                           entry_bytes_prefix=prefix, num_groups=g)
+        ranges = native.Ranges.make(num_ranges=self.num_ranges, word_bytes=word)
+        rc = lib.kvcopy_cpu_copy_ranges(ctypes.addressof(static_tables), arr.ctypes.data, call.total_bytes,
+                                        ctypes.addressof(ranges))
         assert rc == 0
 
 
@@ -214,8 +217,8 @@ def _spy_stream_threshold(monkeypatch, backend) -> list:
     seen = []
     real = backend._lib.kvcopy_cpu_copy
 
-    def spy(*args):
-        seen.append(args[-1])
+    def spy(*args):  # (tables, tuning, call, total bytes)
+        seen.append(native.CpuTuning.from_address(args[1]).stream_min_bytes)
         return real(*args)
 
     monkeypatch.setattr(backend._lib, "kvcopy_cpu_copy", spy)

@@ -26,10 +26,15 @@ def _copier(num_blocks=64):
 
 
 def _recorder(seen):
-    def launch(static, entries, groups, group_entries, call_host, call_device, words, total, word, grid, stream):
-        arr = (ctypes.c_int64 * words).from_address(call_host)
-        seen.append(dict(static=static, entries=entries, groups=groups, group_entries=group_entries,
-                         call=list(arr), call_device=call_device, total=total, word=word, grid=grid, stream=stream))
+    """kvcopy_cuda_copy(tables, call, call_host, stream) stand-in recording what it is passed."""
+    def launch(tables_at, call_at, call_host, stream):
+        t = native.CudaTables.from_address(tables_at)
+        c = native.CudaCall.from_address(call_at)
+        arr = (ctypes.c_int64 * c.call_words).from_address(call_host)
+        seen.append(dict(struct_bytes=(t.struct_bytes, c.struct_bytes), static=t.tables, entries=t.num_entries,
+                         groups=t.num_groups, group_entries=t.num_group_entries, call=list(arr),
+                         call_device=c.call_device, total=c.total_bytes, word=t.word_bytes, grid=c.grid,
+                         stream=stream))
         return 0
     return ctypes.CFUNCTYPE(ctypes.c_int, *native.CUDA_COPY_ARGS)(launch)
 
@@ -49,6 +54,7 @@ def test_inline_launch_passes_the_call_array_and_grid():
         assert got["total"] == call.total_bytes and got["word"] == tables.word_bytes
         assert got["grid"] == kernel_inputs.grid_size(call.total_bytes, 132, 16)
         assert got["call_device"] is None and not got["stream"]
+        assert got["struct_bytes"] == (ctypes.sizeof(native.CudaTables), ctypes.sizeof(native.CudaCall))
 
 
 def test_inline_launch_declines_calls_that_do_not_fit():

@@ -23,7 +23,8 @@ NVCC = next((p for p in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
              if p and os.path.isfile(p)), None)
 pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc here: the CUDA library is not built")
 
-ABI = ["kvcopy_cuda_copy", "kvcopy_cuda_error_name", "kvcopy_cuda_device_info", "kvcopy_cuda_host_device_pointer",
+ABI = ["kvcopy_cuda_copy", "kvcopy_cuda_entry_fields", "kvcopy_cuda_error_name", "kvcopy_cuda_device_info",
+       "kvcopy_cuda_host_device_pointer",
        "kvcopy_cuda_stream_capturing", "kvcopy_ce_copy", "kvcopy_ce_batch_abi", "kvcopy_ce_error_name"]
 
 

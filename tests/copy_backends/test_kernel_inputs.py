@@ -4,7 +4,8 @@ import torch
 
 import kvcopy
 from kvcopy.copy_backends import kernel_inputs
-from kvcopy.core.tables import ENTRY_FIELDS, RUN_BYTES, RUNS_PER_PAGE
+from kvcopy.core.tables import RUN_BYTES, RUNS_PER_PAGE
+from kvcopy.native import ENTRY_FIELDS
 
 
 def _copier(backend="torch"):

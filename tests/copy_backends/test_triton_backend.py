@@ -26,7 +26,7 @@ from kvcopy import BlockCopier  # noqa: E402
 from kvcopy.copy_backends import get_backend  # noqa: E402
 from kvcopy.copy_backends import triton_backend as tb  # noqa: E402
 from kvcopy.kernels import triton_copy as tc  # noqa: E402
-from kvcopy.core.tables import ENTRY_FIELDS  # noqa: E402
+from kvcopy.native import ENTRY_FIELDS  # noqa: E402
 from kvcopy.testing import CopyCase, check_copy, standard_cases  # noqa: E402
 
 QUICK = standard_cases(quick=True)
@@ -155,14 +155,15 @@ def test_backend_state_and_release(interpret):
 def test_launch_config_shapes():
     for word in (1, 2, 4, 8, 16):
         for chunk in (1, 7, 64, 100, 2048, 3000, 4096, 32768, 1 << 21):
-            cfg = tc.launch_config(word, chunk)
+            cfg = tc.launch_config(word, chunk, ENTRY_FIELDS)
             assert cfg.row_bytes & (cfg.row_bytes - 1) == 0 and cfg.row_bytes % word == 0
             assert cfg.word % cfg.elem_bytes == 0 and cfg.elem_bytes == min(word, 4)
             assert 1 <= cfg.rows <= tc.MAX_ROWS
             assert cfg.rows * cfg.row_bytes // cfg.elem_bytes <= tc.TILE_ELEMS
-    assert tc.launch_config(16, 2048).tile_bytes == 32768  # 16 rows of 2 KiB
-    assert tc.launch_config(16, 1 << 21) == tc.launch_config(16, 2048)  # one kernel from 2 KiB up
-    cfg = tc.launch_config(16, 2048)
+    assert tc.launch_config(16, 2048, ENTRY_FIELDS).tile_bytes == 32768  # 16 rows of 2 KiB
+    # one kernel from 2 KiB up
+    assert tc.launch_config(16, 1 << 21, ENTRY_FIELDS) == tc.launch_config(16, 2048, ENTRY_FIELDS)
+    cfg = tc.launch_config(16, 2048, ENTRY_FIELDS)
     assert tc.grid_size(1, cfg, 132) == 1
     assert tc.grid_size(10 * cfg.tile_bytes, cfg, 132) == 10
     assert tc.grid_size(1 << 30, cfg, 16) == 16
@@ -214,7 +215,7 @@ def _compile(cfg: tc.LaunchConfig, capability: int):
 @pytest.mark.parametrize("word,chunk", [(16, 2048), (8, 4096), (1, 57), (16, 512)],
                          ids=["w16", "w8", "w1", "w16-run512"])
 def test_compiles_to_ptx_and_cubin_offline(capability, word, chunk):
-    cfg = tc.launch_config(word, chunk)
+    cfg = tc.launch_config(word, chunk, ENTRY_FIELDS)
     compiled = _compile(cfg, capability)
     ptx = compiled.asm["ptx"]
     assert f".target sm_{capability}" in ptx

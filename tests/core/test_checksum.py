@@ -11,6 +11,7 @@ nothing of the kernels' tables beyond which layers a group copies.
 """
 from __future__ import annotations
 
+import ctypes
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from kvcopy.copy_backends import Backend, kernel_inputs
 from kvcopy import native
 from kvcopy.core.checksum import SumFold, mix64, page_sums, product_term, reference_checksums, word_keys
 from kvcopy.core.layout import describe, pair_pages
-from kvcopy.core.tables import ENTRY_FIELDS
+from kvcopy.native import ENTRY_FIELDS
 from kvcopy.testing import CopyCase, prepare_check, standard_cases
 from kvcopy.testing.cases import storage_bytes
 
@@ -94,8 +95,11 @@ class RangesSumsBackend(Backend):
         offsets = base + 8 * ENTRY_FIELDS * e
         prefix = offsets + 8 * (g + 1) + 8 * ge
         arr = kernel_inputs.call_array(call)
-        rc = self._fn(base, offsets, offsets + 8 * (g + 1), prefix, g, arr.ctypes.data, call.total_bytes,
-                      self.num_ranges, self.word_bytes or tables.word_bytes, out.data_ptr(), out.numel())
+        static_tables = native.Tables.make(entries=base, group_offsets=offsets, group_entries=offsets + 8 * (g + 1),
+                                           entry_bytes_prefix=prefix, num_groups=g)
+        ranges = native.Ranges.make(num_ranges=self.num_ranges, word_bytes=self.word_bytes or tables.word_bytes)
+        rc = self._fn(ctypes.addressof(static_tables), arr.ctypes.data, call.total_bytes, ctypes.addressof(ranges),
+                      out.data_ptr(), out.numel())
         assert rc == 0
 
 
@@ -109,6 +113,12 @@ def ranges_backend(monkeypatch):
 
 
 needs_lib = pytest.mark.skipif(lib is None, reason=f"CPU library not built: {why}")
+
+
+def pieces(total, run, simd, stream, piece, piece_min) -> int:
+    """kvcopy_cpu_sums_pieces for these tuning values."""
+    tuning = native.CpuTuning.make(simd=simd, stream_min_bytes=stream, piece_bytes=piece, piece_min_bytes=piece_min)
+    return lib.kvcopy_cpu_sums_pieces(total, run, ctypes.addressof(tuning))
 
 
 # ------------------------------------------------------------------ the definition
@@ -294,20 +304,24 @@ def test_a_fold_outside_the_sums_writes_nothing():
     # the library's own checks, on blocks SumFold would refuse to make: -1, nothing written
     from kvcopy.copy_backends import get_backend
     backend = get_backend("cpu")
-    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = backend.state(
-        check.copier.tables("d2h"))
+    _, static, tuning, _ = backend.state(check.copier.tables("d2h"))
     gather, bounds = np.zeros(4, np.int64), np.zeros(4, np.uint64)
     want = np.zeros(3, np.uint64)
     for starts, num_gather, num_values in (([0, 3, 2], 4, 3), ([0, 1, 5], 4, 3), ([-1, 0, 0], 4, 3),
                                            ([0, 0, 0], -1, 3), ([0, 0, 0], 4, -1)):
         st = np.array(starts, np.int64)
-        block = np.array([gather.ctypes.data, bounds.ctypes.data, num_gather, st.ctypes.data, num_values, 0,
-                          want.ctypes.data], np.int64)
-        rc = backend._sums_fold(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                                out.data_ptr(), n, simd, stream, piece, piece_min, block.ctypes.data)
+        fold = native.Fold.make(gather=gather.ctypes.data, bounds=bounds.ctypes.data, num_gather=num_gather,
+                                starts=st.ctypes.data, num_values=num_values, values=0, want=want.ctypes.data)
+        rc = backend._sums_fold(static, tuning, call.words, call.total_bytes, out.data_ptr(), n,
+                                ctypes.addressof(fold))
         assert rc == -1, (starts, num_gather, num_values)
         assert all(torch.equal(t, before[k]) for k, t in check.got[1].items())
         assert (out == POISON_SUM).all()
+    short = native.Fold.make()
+    short.struct_bytes = ctypes.sizeof(short) - 8  # another build's struct: refused, nothing written
+    assert backend._sums_fold(static, tuning, call.words, call.total_bytes, out.data_ptr(), n,
+                              ctypes.addressof(short)) == -3
+    assert all(torch.equal(t, before[k]) for k, t in check.got[1].items()) and (out == POISON_SUM).all()
     empty = check.copier.plan("d2h", [[] for _ in check.dev_ids], [[] for _ in check.host_ids])
     none = torch.full((0,), POISON_SUM, dtype=torch.int64)
     assert empty.num_blocks == 0 and check.copier.run_and_fold("d2h", empty, none, SumFold([], [], [], [])) is None
@@ -461,14 +475,15 @@ def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch
     if get_backend("cpu").checksum_loop() == "scalar":
         pytest.skip("the scalar loop never pieces")
     backend = get_backend("cpu")
-    pieces = lib.kvcopy_cpu_sums_pieces
     seen = []
     for attr in ("_sums", "_sums_fold"):
         real = getattr(backend, attr)
 
         def spy(*args, real=real, attr=attr):
-            # total bytes, then simd, stream threshold, piece, piece_min (the fold's block after)
-            seen.append((attr, args[5], *args[9:13]))
+            # (tables, tuning, call, total bytes, ...): total bytes, then the tuning's simd,
+            # stream threshold, piece, piece_min
+            t = native.CpuTuning.from_address(args[1])
+            seen.append((attr, args[3], t.simd, t.stream_min_bytes, t.piece_bytes, t.piece_min_bytes))
             return real(*args)
 
         monkeypatch.setattr(backend, attr, spy)
@@ -572,7 +587,6 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
     rng = np.random.default_rng(7)
     ids = [sorted(rng.permutation(num_blocks)[:num_blocks - 10].tolist()), rng.permutation(num_blocks)[:40].tolist(),
            rng.permutation(num_blocks)[:40].tolist()]
-    pieces = lib.kvcopy_cpu_sums_pieces
     results = []
     for backend in ("torch", "cpu"):
         dev, host, groups = _three_shapes("host" if direction == "d2h" else "device", num_blocks)
@@ -585,7 +599,9 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
         if backend == "cpu":
             call = copier.plan(direction, ids, ids)
             assert call.num_items > 1 and call.total_bytes >= 1 << 20  # the threads' path at 2
-            simd, stream, piece, _, piece_min = get_backend("cpu").state(copier.tables(direction))[5:10]
+            tuning = get_backend("cpu").state(copier.tables(direction))[3][1]
+            simd, stream, piece, piece_min = tuning.simd, tuning.stream_min_bytes, tuning.piece_bytes, \
+                tuning.piece_min_bytes
             assert piece_min == 0  # the piece size is set: pieces at every size
             how = [pieces(call.total_bytes, run, simd, stream, piece, piece_min) for run in (1024, 128, 512)]
             assert how == ([3, 0, 3] if num_blocks == 160 else [1, 0, 1])  # pieced (+2: prefetched whole)
@@ -658,12 +674,11 @@ def test_cpu_sums_without_rows_write_nothing(monkeypatch):
     call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
     tables = check.copier.tables("d2h")
     backend = get_backend("cpu")
-    _, entries, offsets, group_entries, groups, simd, stream, piece, threads, piece_min = backend.state(tables)
-    assert call.total_bytes >= 1 << 20 and call.num_items > 1 and threads == 2  # the threaded path
+    _, static, tuning, (_, tuning_struct) = backend.state(tables)
+    assert call.total_bytes >= 1 << 20 and call.num_items > 1 and tuning_struct.num_threads == 2  # threaded path
     before = {n: t.clone() for n, t in check.got[1].items()}
     out = torch.zeros(8, dtype=torch.int64)
-    rc = backend._sums(entries, offsets, group_entries, groups, call.words, call.total_bytes, threads,
-                       out.data_ptr(), 1 << 61, simd, stream, piece, piece_min)
+    rc = backend._sums(static, tuning, call.words, call.total_bytes, out.data_ptr(), 1 << 61)
     assert rc == 2
     assert all(torch.equal(t, before[n]) for n, t in check.got[1].items())
     assert not out.any()
@@ -780,7 +795,7 @@ def test_triton_sums_kernel_compiles_offline(capability, word, chunk):
 
     from kvcopy.kernels import triton_copy as tc
 
-    cfg = tc.launch_config(word, chunk, checksums=True)
+    cfg = tc.launch_config(word, chunk, ENTRY_FIELDS, checksums=True)
     compiled = _compile_sums(cfg, capability)
     ptx = compiled.asm["ptx"]
     assert f".target sm_{capability}" in ptx and ".entry fused_copy_sums_kernel" in ptx

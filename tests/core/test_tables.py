@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import kvcopy
-from kvcopy.core.tables import ENTRY_FIELDS, RUN_BYTES, RUNS_PER_PAGE, SRC_BLOCK_STRIDE
+from kvcopy.core.tables import RUN_BYTES, RUNS_PER_PAGE, SRC_BLOCK_STRIDE
+from kvcopy.native import ENTRY_FIELDS
 
 
 def test_packed_layout_and_items():

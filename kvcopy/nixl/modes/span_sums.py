@@ -47,6 +47,7 @@ of the host library's ``kvcopy_fold_page_sums`` after it (numpy without the libr
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -218,7 +219,9 @@ class FoldPlan(NamedTuple):
         if fold is None:
             return None
         g, b, v = self.at
-        differ = fold(address_of(x), len(x), g, b, len(self.gather), v, len(self.starts), values_at, want_at)
+        plan = native.Fold.make(gather=g, bounds=b, num_gather=len(self.gather), starts=v,
+                                num_values=len(self.starts), values=values_at, want=want_at)
+        differ = fold(address_of(x), len(x), ctypes.addressof(plan))
         if differ < 0:  # the plan's own indices: never out of range
             raise RuntimeError("kvcopy_fold_page_sums: a fold plan index out of range")
         return differ
