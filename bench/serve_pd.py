@@ -74,6 +74,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2, help="the Llama's layers")
     ap.add_argument("--repeats", type=int, default=1, help="runs of the connector list, in turn")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
     ap.add_argument("--out", default="bench/out/serve")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -117,8 +118,8 @@ def run_connector(args, connector, model, prompts, progress):
     try:
         p.start()
         d.start()
-        p.wait_ready()
-        d.wait_ready()
+        p.wait_ready(args.start_timeout)
+        d.wait_ready(args.start_timeout)
         warm = one_request(p.url, d.url, random_prompts([64], seed=99)[0], args.new_tokens)
         timed = connector.startswith("arena")
         if timed:  # the first call starts recording
@@ -241,10 +242,10 @@ def main(argv=None):
     for rep in range(args.repeats):
         for c in args.connectors:
             rows.append(dict(run_connector(args, c, model, prompts, progress), repeat=rep))
+            with open(os.path.join(args.out, "serve.json"), "w") as f:  # after every run: a later one may fail
+                json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print_table(rows)
     print_phases(rows)
-    with open(os.path.join(args.out, "serve.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print(plot(rows, args, os.path.join(args.out, "serve.png")))
     first = [r for r in rows if r["repeat"] == 0 and "phases" in r]
     print(write_svg(first, os.path.join(args.out, "serve_timeline.svg"),
