@@ -27,8 +27,8 @@ first (the handshake), reported apart. Printed per connector, and written to
   (``wait_for_save`` entered: the forward is done) to ``wait_for_save``'s return (the
   staging P does after its forward), prefill end to D's **KV ready** (D's READ and
   scatter completed), and, layer-wise, each layer's ``save_kv_layer`` time and unit
-  copy start and end. ``OUT/serve_timeline.svg`` draws one request of each arena
-  connector (:mod:`serve_timeline`).
+  copy start and end. ``OUT/serve_timeline.png`` draws one request of each arena
+  connector (:mod:`serve_timeline`, matplotlib).
 
 ``--repeats R`` runs the connector list R times in turn (a fresh pair each time: A B A B
 ...), so that load changes on a shared machine fall on every connector alike.
@@ -57,7 +57,7 @@ from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, rand
 from kvcopy.testing.engine.serve import (  # noqa: E402
     Server, metric_sum, metrics, post_json, rpc, stream_first_token,
 )
-from serve_timeline import PHASES, attach_events, phase_summary, write_svg  # noqa: E402
+from serve_timeline import PHASES, attach_events, phase_summary, plot_timeline  # noqa: E402
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -248,7 +248,7 @@ def main(argv=None):
     print_phases(rows)
     print(plot(rows, args, os.path.join(args.out, "serve.png")))
     first = [r for r in rows if r["repeat"] == 0 and "phases" in r]
-    print(write_svg(first, os.path.join(args.out, "serve_timeline.svg"),
+    print(plot_timeline(first, os.path.join(args.out, "serve_timeline.png"),
                     f"vLLM 0.33 P/D on the CPU, {args.layers}-layer Llama: one request per arena connector"))
     print(f"results: {os.path.join(args.out, 'serve.json')} (logs beside it)")
 
