@@ -27,8 +27,10 @@ default 48, one group; ``--blocks`` blocks of 16 tokens per request): for 1, 2, 
 requests whose prefill ends in the step, ``settle`` = ``ArenaStaging.settle`` of each
 (what P's ``bind_connector_metadata`` runs before the forward: one planned call per
 unit and request, checked), against ``copies`` = running every unit of those plans (the
-bytes the step stages, on this CPU) and ``memcpy`` = one contiguous copy of the same
-bytes. Spans are allocated (``begin``) untimed before each ``settle`` and freed after.
+bytes the step stages, on this CPU), ``stage`` = the whole-request staging of the same
+requests (``TransferManager.save``: one plan and one copy per request) and ``memcpy`` =
+one contiguous copy of the same bytes. Spans are allocated (``begin``) untimed before
+each ``settle`` and freed after.
 
 Minimum, median and 90th percentile of ``--iters`` round-robin rounds
 (:func:`kvcopy.bench.timing.measure`). The script checks once that
@@ -167,11 +169,13 @@ def per_step(args) -> int:
     parts: list = []
     steps: list = []
 
-    def fresh(n: int, planned: bool):
+    def fresh(n: int, planned: bool, begun: bool = True):
         def make():
             for part in parts:
                 arena.abandon(part)
-            parts[:] = [arena.begin(info, tokens, f"r{i}", 1) for i in range(n)]
+            for rid in arena.staged:
+                arena.release(rid)
+            parts[:] = [arena.begin(info, tokens, f"r{i}", 1) for i in range(n)] if begun else []
             steps[:] = [arena.settle(part, ids, tokens) for part in parts] if planned else []
         return make
 
@@ -193,6 +197,8 @@ def per_step(args) -> int:
             dst = torch.zeros(n * span, dtype=torch.uint8)
             rows[f"settle {n}"], before[f"settle {n}"] = settle, fresh(n, False)
             rows[f"copies {n}"], before[f"copies {n}"] = copies, fresh(n, True)
+            rows[f"stage {n}"] = lambda n=n: [mp.save(ids, num_tokens=tokens, request_id=f"s{i}") for i in range(n)]
+            before[f"stage {n}"] = fresh(n, False, False)
             rows[f"memcpy {n}"] = lambda dst=dst, src=src: dst.copy_(src)
         timings = measure(rows, "cpu", args.iters, warmup=1, budget_s=120.0, before=before)
     finally:
@@ -201,13 +207,14 @@ def per_step(args) -> int:
         mp.close()
     print(f"arena_plan_cost --per-step: seeds2 geometry, {args.layers} layers ({units} units), {tokens} tokens "
           f"per request ({span / 2**20:.1f} MiB span); median of {args.iters} rounds, ms")
-    print(f"{'requests':>8}{'settle':>9}{'per unit+req us':>17}{'copies':>9}{'memcpy':>9}{'settle/copies':>15}")
+    print(f"{'requests':>8}{'settle':>9}{'per unit+req us':>17}{'copies':>9}{'stage':>9}{'memcpy':>9}"
+          f"{'settle/stage':>14}")
     out = {}
     for n in sizes:
-        med = {k: timings[f"{k} {n}"].stats()["median_us"] / 1e3 for k in ("settle", "copies", "memcpy")}
+        med = {k: timings[f"{k} {n}"].stats()["median_us"] / 1e3 for k in ("settle", "copies", "stage", "memcpy")}
         out[n] = med
         print(f"{n:>8}{med['settle']:>9.2f}{med['settle'] * 1e3 / (n * units):>17.1f}{med['copies']:>9.2f}"
-              f"{med['memcpy']:>9.2f}{med['settle'] / med['copies']:>15.2f}")
+              f"{med['stage']:>9.2f}{med['memcpy']:>9.2f}{med['settle'] / med['stage']:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "arena_plan_cost --per-step", "layers": args.layers, "units": units,

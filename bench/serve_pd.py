@@ -27,8 +27,8 @@ first (the handshake), reported apart. Printed per connector, and written to
   (``wait_for_save`` entered: the forward is done) to ``wait_for_save``'s return (the
   staging P does after its forward), prefill end to D's **KV ready** (D's READ and
   scatter completed), and, layer-wise, each layer's ``save_kv_layer`` time and unit
-  copy start and end. ``OUT/serve_timeline.svg`` draws one request of each arena
-  connector (:mod:`serve_timeline`).
+  copy start and end. ``OUT/serve_timeline.png`` draws one request of each arena
+  connector (:mod:`serve_timeline`, matplotlib).
 
 ``--repeats R`` runs the connector list R times in turn (a fresh pair each time: A B A B
 ...), so that load changes on a shared machine fall on every connector alike.
@@ -57,7 +57,7 @@ from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, rand
 from kvcopy.testing.engine.serve import (  # noqa: E402
     Server, metric_sum, metrics, post_json, rpc, stream_first_token,
 )
-from serve_timeline import PHASES, attach_events, phase_summary, write_svg  # noqa: E402
+from serve_timeline import PHASES, attach_events, phase_summary, plot_timeline  # noqa: E402
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -74,6 +74,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2, help="the Llama's layers")
     ap.add_argument("--repeats", type=int, default=1, help="runs of the connector list, in turn")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
     ap.add_argument("--out", default="bench/out/serve")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -117,8 +118,8 @@ def run_connector(args, connector, model, prompts, progress):
     try:
         p.start()
         d.start()
-        p.wait_ready()
-        d.wait_ready()
+        p.wait_ready(args.start_timeout)
+        d.wait_ready(args.start_timeout)
         warm = one_request(p.url, d.url, random_prompts([64], seed=99)[0], args.new_tokens)
         timed = connector.startswith("arena")
         if timed:  # the first call starts recording
@@ -241,13 +242,13 @@ def main(argv=None):
     for rep in range(args.repeats):
         for c in args.connectors:
             rows.append(dict(run_connector(args, c, model, prompts, progress), repeat=rep))
+            with open(os.path.join(args.out, "serve.json"), "w") as f:  # after every run: a later one may fail
+                json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print_table(rows)
     print_phases(rows)
-    with open(os.path.join(args.out, "serve.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print(plot(rows, args, os.path.join(args.out, "serve.png")))
     first = [r for r in rows if r["repeat"] == 0 and "phases" in r]
-    print(write_svg(first, os.path.join(args.out, "serve_timeline.svg"),
+    print(plot_timeline(first, os.path.join(args.out, "serve_timeline.png"),
                     f"vLLM 0.33 P/D on the CPU, {args.layers}-layer Llama: one request per arena connector"))
     print(f"results: {os.path.join(args.out, 'serve.json')} (logs beside it)")
 

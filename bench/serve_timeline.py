@@ -20,9 +20,10 @@ Phases of a request (:data:`PHASES`, seconds):
 * ``sent_to_ready_s``: D got the request (the client sent it) to KV ready;
 * ``ttft_d_s``: D's time to first token at the client.
 
-:func:`write_svg` draws one request per connector on one time axis (0 = prefill end):
-P's forward, per layer its ``save_kv_layer`` tick and its copy, ``wait_for_save``, D's
-READ, and D's first token. No plotting library: the SVG is written here.
+:func:`plot_timeline` draws one request per connector on one time axis (0 = prefill end,
+matplotlib): P's forward, per layer its ``save_kv_layer`` tick and its copy,
+``wait_for_save``, P's answer reaching D, D's record fetch, READ, and first token.
+``python bench/serve_timeline.py SERVE_JSON OUT_PNG`` draws a saved run again.
 """
 from __future__ import annotations
 
@@ -88,76 +89,89 @@ def representative(row: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return timed[len(timed) // 2]
 
 
-def write_svg(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
-    """One panel per row (a connector's run): its :func:`representative` request."""
+def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
+    """One panel per row (a connector's run): its :func:`representative` request, on one
+    time axis in ms from P's prefill end; the per-layer copy figures as text beside it."""
     panels = [(row["connector"], r) for row in rows for r in [representative(row)] if r is not None]
     if not panels:
         return "no timeline (no timed request)"
+    try:
+        import matplotlib
+    except ImportError as exc:
+        return f"no timeline ({exc}; pip install matplotlib, the kvcopy[plot] extra)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ms = 1000.0
-    lo = min((r["events"]["bind"] - r["events"]["fwd_end"]) * ms for _, r in panels)
-    hi = max((r["events"]["d_first"] - r["events"]["fwd_end"]) * ms for _, r in panels)
-    left, width, lane = 230, 900, 14
-    x = lambda t: left + (t - lo) / (hi - lo) * width  # noqa: E731 -- ms from prefill end -> pixels
-    out: List[str] = []
-    y = 40
-
-    def bar(t0: float, t1: float, label: str, color: str, note: str = "") -> None:
-        nonlocal y
-        out.append(f'<text x="{left - 6}" y="{y + 10}" text-anchor="end">{label}</text>')
-        out.append(f'<rect x="{x(t0):.1f}" y="{y}" width="{max(1.0, x(t1) - x(t0)):.1f}" height="{lane - 3}" '
-                   f'fill="{color}"/>')
-        if note:
-            out.append(f'<text x="{x(t1) + 4:.1f}" y="{y + 10}">{note}</text>')
-        y += lane
-
-    for connector, r in panels:
+    heights = [len(r["events"]["layers"]) + 7 for _, r in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 0.22 * sum(heights) + 1.5), squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, sharex=True)
+    for ax, (connector, r) in zip(axes[:, 0], panels):
         e = r["events"]
-        rel = lambda t, e=e: (t - e["fwd_end"]) * ms  # noqa: E731
-        out.append(f'<text x="10" y="{y + 12}" font-weight="bold">{connector}: request of {r["tokens"]} tokens, '
-                   f'prefill end -> KV ready {r["end_to_ready_s"] * ms:.1f} ms, TTFT at D '
-                   f'{r["ttft_d_s"] * ms:.1f} ms</text>')
-        y += 20
-        bar(rel(e["bind"]), 0.0, "P forward (final step)", "#8fa9d6", f"{r['p_forward_s'] * ms:.1f} ms")
-        copies = {}
-        for c in e["copies"]:
-            for name in c["layers"]:
-                copies[name] = c
+
+        def rel(t: float, e=e) -> float:
+            return (t - e["fwd_end"]) * ms
+
+        lanes: List[str] = []
+
+        def lane(label: str, t0: float, t1: float, color: str, note: str = "", ax=ax, lanes=lanes) -> None:
+            y = len(lanes)
+            lanes.append(label)
+            ax.broken_barh([(t0, max(t1 - t0, 0.05))], (y - 0.35, 0.7), color=color)
+            if note:
+                ax.text(t1, y, " " + note, va="center", fontsize=7)
+
+        lane("P forward (last step)", rel(e["bind"]), 0.0, "#8fa9d6", f"{r['p_forward_s'] * ms:.0f} ms")
+        copies = {name: c for c in e["copies"] for name in c["layers"]}
         for name, t in sorted(e["layers"], key=lambda item: _layer_index(item[0])):
-            i = _layer_index(name)
-            out.append(f'<text x="{left - 6}" y="{y + 10}" text-anchor="end">layer {i}</text>')
-            out.append(f'<line x1="{x(rel(t)):.1f}" x2="{x(rel(t)):.1f}" y1="{y}" y2="{y + lane - 3}" '
-                       f'stroke="black" stroke-width="2"/>')
+            y = len(lanes)
+            lanes.append(f"layer {_layer_index(name)}")
+            ax.plot([rel(t)], [y], marker="|", color="black", markersize=9)
             c = copies.get(name)
             if c is not None:
-                out.append(f'<rect x="{x(rel(c["start"])):.1f}" y="{y + 2}" '
-                           f'width="{max(1.0, x(rel(c["end"])) - x(rel(c["start"]))):.1f}" height="{lane - 7}" '
-                           f'fill="#e08a3c"/>')
-                out.append(f'<text x="{left + width + 6}" y="{y + 10}">copy {(c["end"] - c["start"]) * ms:.2f} ms, '
-                           f'ends {rel(c["end"]):+.1f} ms</text>')
-            y += lane
-        bar(0.0, rel(e["saved"]), "P wait_for_save", "#c0504d", f"{r['p_tail_s'] * ms:.2f} ms")
-        bar(rel(e["saved"]), rel(e["d_sent"]), "P answer -> proxy -> D", "#bbbbbb")
-        bar(rel(e["d_sent"]), rel(e["posted"]), "D: schedule, fetch record", "#9bbb59")
-        bar(rel(e["posted"]), rel(e["kv_ready"]), "D: READ + scatter", "#4f81bd",
-            f"KV ready at {rel(e['kv_ready']):.1f} ms")
-        bar(rel(e["kv_ready"]), rel(e["d_first"]), "D: to first token", "#8064a2",
-            f"first token at {rel(e['d_first']):.1f} ms")
-        y += 16
-    # axis: ms from prefill end
-    out.append(f'<line x1="{x(0):.1f}" x2="{x(0):.1f}" y1="30" y2="{y}" stroke="red" stroke-dasharray="4,3"/>')
-    step = 10 ** max(0, len(str(int(hi - lo))) - 1)
-    t = (lo // step) * step
-    while t <= hi:
-        if t >= lo:
-            out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{y}" y2="{y + 5}" stroke="black"/>')
-            out.append(f'<text x="{x(t):.1f}" y="{y + 18}" text-anchor="middle">{t:g}</text>')
-        t += step
-    out.append(f'<text x="{left + width / 2}" y="{y + 36}" text-anchor="middle">ms from P\'s prefill end '
-               f'(wait_for_save entered; red line). Black ticks: save_kv_layer; orange: that layer\'s copy</text>')
-    height = y + 50
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 230}" height="{height}" '
-            f'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>'
-            f'<text x="10" y="20" font-size="13" font-weight="bold">{title}</text>')
-    with open(path, "w") as f:
-        f.write("\n".join([head] + out + ["</svg>\n"]))
+                ax.broken_barh([(rel(c["start"]), max(rel(c["end"]) - rel(c["start"]), 0.05))], (y - 0.3, 0.6),
+                               color="#e08a3c")
+                ax.text(1.0, y, f" copy {(c['end'] - c['start']) * ms:.2f} ms, ends {rel(c['end']):+.1f} ms",
+                        va="center", fontsize=6, transform=ax.get_yaxis_transform())
+        lane("P wait_for_save", 0.0, rel(e["saved"]), "#c0504d", f"{r['p_tail_s'] * ms:.2f} ms")
+        lane("P answer -> proxy -> D", rel(e["saved"]), rel(e["d_sent"]), "#bbbbbb")
+        lane("D: schedule, fetch record", rel(e["d_sent"]), rel(e["posted"]), "#9bbb59")
+        lane("D: READ + scatter", rel(e["posted"]), rel(e["kv_ready"]), "#4f81bd",
+             f"KV ready {rel(e['kv_ready']):.1f} ms")
+        lane("D: to first token", rel(e["kv_ready"]), rel(e["d_first"]), "#8064a2",
+             f"first token {rel(e['d_first']):.0f} ms")
+        ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(0.0, color="red", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{connector}: {r['tokens']}-token request; prefill end -> KV ready "
+                     f"{r['end_to_ready_s'] * ms:.1f} ms, TTFT at D {r['ttft_d_s'] * ms:.0f} ms", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms from P's prefill end (wait_for_save entered, red line); "
+                           "black ticks: save_kv_layer, orange: that layer's copy")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return f"timeline: {path}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python bench/serve_timeline.py SERVE_JSON OUT_PNG``: draw a saved run's timeline
+    (the first repeat's arena connectors) again."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("serve_json")
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    with open(args.serve_json) as f:
+        data = json.load(f)
+    rows = [r for r in data["rows"] if r.get("repeat", 0) == 0 and "phases" in r]
+    layers = data["args"].get("layers", 2)
+    print(plot_timeline(rows, args.out, f"vLLM 0.33 P/D on the CPU, {layers}-layer Llama: "
+                                        "one request per arena connector"))
+
+
+if __name__ == "__main__":
+    main()

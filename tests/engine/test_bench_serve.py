@@ -27,7 +27,7 @@ def test_the_serving_benchmark_reports_every_figure(engine_dir):
     assert row["prompt_tokens"]["external_kv_transfer"] == 400 and row["staging_bytes"] == 64 << 20
     assert row["ttft_d_median_s"] > 0
     assert os.path.getsize(os.path.join(out, "serve.png")) > 0
-    assert os.path.getsize(os.path.join(out, "serve_timeline.svg")) > 0
+    assert os.path.getsize(os.path.join(out, "serve_timeline.png")) > 0
     assert row["timed"] == 2 and row["layerwise"]["at_layer"] >= 6 and row["layerwise"]["swept"] == 0, row
     for r in row["results"]:
         e = r["events"]
