@@ -159,6 +159,7 @@ class Pushes:
         self._send: Dict[bytes, _Sending] = {}
         self._targets: Dict[str, EngineInfo] = {}
         self._seen: "OrderedDict[bytes, str]" = OrderedDict()  # P: token -> "never" | "ended"
+        self._closed: List[Tuple[bytes, str, str]] = []  # P: (token, request id, target) answered since take_closed
         self.ignored = 0  # notices naming no live reservation of their sender
 
     # ------------------------------------------------------------ D
@@ -236,6 +237,13 @@ class Pushes:
 
     def _fail(self, job: _Receiving, reason: str) -> None:
         job.state, job.error = ERR, reason
+
+    def fail(self, token: bytes, reason: str) -> None:
+        """D fails the request now (its reservation never reached P, say); its span is
+        held as at a deadline until P's answer or :meth:`release`."""
+        job = self._job(token)
+        if job.state == PROC:
+            self._fail(job, reason)
 
     def complete(self, token: bytes) -> Completion:
         """After ``DONE``: check the trailers and scatter (:func:`~kvcopy.nixl.modes.arena_push.land`);
@@ -356,7 +364,11 @@ class Pushes:
             self._close(token, "never", None)
             raise ValueError(f"reservation is for {rid!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"P staged {record.request_id!r}, {record.num_tokens} tokens, {record.order!r}")
-        entry = self._mode.begin_write(rid)
+        try:
+            entry = self._mode.begin_write(rid)
+        except ValueError:  # its span is freed already: nothing to WRITE
+            self._close(token, "never", None)
+            raise
         try:
             body = record.to_bytes(self._key)
             sizes = s.remote[:, 1].astype(np.int64)
@@ -409,18 +421,35 @@ class Pushes:
 
     def _close(self, token: bytes, how: str, state: Optional[str]) -> None:
         s = self._send.pop(token)
-        self._seen[token] = how
-        while len(self._seen) > MAX_TOMBSTONES:
-            self._seen.popitem(last=False)
+        self._tombstone(token, how)
+        self._closed.append((token, s.request_id.decode("latin-1"), s.target))
         d = self._targets.get(s.target)
         if d is not None:
             self._mail.send(s.target, d.generation, notice(token, FINAL if state == DONE else NEVER))
 
-    def cancel(self, token: bytes) -> str:
+    def _tombstone(self, token: bytes, how: str) -> None:
+        self._seen[token] = how
+        while len(self._seen) > MAX_TOMBSTONES:
+            self._seen.popitem(last=False)
+
+    def take_closed(self) -> List[Tuple[bytes, str, str]]:
+        """P: ``(token, request id, target)`` of each reservation answered (``f`` or ``x``)
+        since the last call: that reader is done with P's span."""
+        out, self._closed = self._closed, []
+        return out
+
+    def cancel(self, token: bytes, target: Optional[str] = None) -> str:
         """D's cancel: ``never`` (not posted, and now never will be), ``ended`` (its WRITE
-        ended; D had or will have the notice), ``in_flight`` (ask again)."""
+        ended; D had or will have the notice), ``in_flight`` (ask again). A token never
+        seen is tombstoned (a reservation arriving later is refused) and, with ``target``
+        (an added D), answered ``x`` over NIXL at once."""
         s = self._send.get(token)
         if s is None:
+            if token not in self._seen:
+                self._tombstone(token, "never")
+                d = self._targets.get(target) if target is not None else None
+                if d is not None:
+                    self._mail.send(d.name, d.generation, notice(token, NEVER))
             return self._seen.get(token, "never")
         if not s.posted:
             self._close(token, "never", None)
