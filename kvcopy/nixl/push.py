@@ -161,6 +161,7 @@ class Pushes:
         self._seen: "OrderedDict[bytes, str]" = OrderedDict()  # P: token -> "never" | "ended"
         self._closed: List[Tuple[bytes, str, str]] = []  # P: (token, request id, target) answered since take_closed
         self.ignored = 0  # notices naming no live reservation of their sender
+        self.landed = 0  # D: pushes loaded (checked and scattered)
 
     # ------------------------------------------------------------ D
     def reserve(self, peers: Sequence[str], num_tokens, local_block_ids, num_cached_tokens, request_id,
@@ -260,6 +261,7 @@ class Pushes:
             if job.state == DONE:
                 try:
                     check, unchecked = land(self._mode, job.rw, self._key, self._require)
+                    self.landed += 1
                     return Completion.of_done(self._info.num_groups, check, unchecked, work)
                 except ValueError as exc:
                     job.state, job.error = ERR, f"the pushed request is not loaded: {exc}"
@@ -461,7 +463,7 @@ class Pushes:
         return {"push_reserved": len(self._recv), "push_held_spans": len(self._held),
                 "push_accepted": sum(not s.posted for s in self._send.values()),
                 "push_writes_in_flight": sum(s.posted for s in self._send.values()),
-                "push_notices_ignored": self.ignored}
+                "push_notices_ignored": self.ignored, "push_landed": self.landed}
 
     def close(self) -> bool:
         """Release P's WRITE handles (the agent goes next); whether any was in flight."""
