@@ -352,11 +352,12 @@ class Pushes:
         key = request_key(request_id)
         return [t for t, s in self._send.items() if s.request_id == key and not s.posted]
 
-    def post(self, token: bytes, record: StagedRequest) -> None:
+    def post(self, token: bytes, record: StagedRequest) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
         request, finished: its pack and sums in the arena) into D's span, record included.
         A WRITE NIXL refuses, a request not staged as reserved: ``x`` to D (raises
-        ``ValueError`` for a token not accepted or posted already)."""
+        ``ValueError`` for a token not accepted or posted already). Returns the WRITE's
+        bytes and descriptors."""
         s = self._send.get(token)
         if s is None or s.posted:
             raise ValueError("unknown or posted reservation token")
@@ -390,6 +391,7 @@ class Pushes:
         s.posted, s.xfer = True, xfer
         if state != PROC:
             self._write_ended(token, s, state)
+        return int(sizes.sum()), len(sizes)
 
     def refuse(self, token: bytes) -> None:
         """P will not post this reservation (it could not stage the request, or aborted it): ``x``."""

@@ -320,7 +320,8 @@ class KvcopyArenaWorker:
                 if o.transfer_mode == "push" else ArenaPuller(*args)
             self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
             if self.producer:
-                self.sender = PushSender(self.manager, self.stager, self.puller.channel, self.listener, self.tp_rank)
+                self.sender = PushSender(self.manager, self.stager, self.puller.channel, self.listener, self.tp_rank,
+                                         self.puller.stats)
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})

@@ -27,6 +27,7 @@ answered when its WRITE ends. Reservations not posted by their own timeout are a
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Tuple
 
 import msgspec
@@ -38,6 +39,7 @@ from .meta import agent_name
 from .push_channel import MAX_TAKE_REPLY, TAKE_PUSH_MSG
 from .record_client import Fetch, Reply, SideChannel
 from .stage import ArenaStager
+from .stats import PullStats
 
 logger = init_logger("vllm.kvcopy")
 
@@ -49,14 +51,15 @@ class PushSender:
     every call with its lock."""
 
     def __init__(self, manager: TransferManager, stager: ArenaStager, channel: SideChannel,
-                 listener: Tuple[str, int], tp_rank: int):
-        self.m, self.stager, self.channel = manager, stager, channel
+                 listener: Tuple[str, int], tp_rank: int, stats: PullStats):
+        self.m, self.stager, self.channel, self.stats = manager, stager, channel, stats
         self.listener, self.rank = listener, tp_rank
         self._asking: Optional[Reply] = None
         self._fetching: Dict[str, Tuple[Fetch, List[tuple]]] = {}  # D agent -> (its handshake fetch, work waiting)
         self._generation: Dict[str, str] = {}  # D agent -> the registration added
         self._waiting: Dict[bytes, str] = {}  # accepted, not posted: token -> request id
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
+        self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
         self.refused = 0  # reservations refused (logged)
 
     def tick(self) -> None:
@@ -71,7 +74,9 @@ class PushSender:
             try:
                 if record is not None:
                     del self._waiting[token]
-                    self.m.push.post(token, record)
+                    t0 = time.monotonic()
+                    nbytes, descs = self.m.push.post(token, record)
+                    self._posted[token] = (t0, time.monotonic(), nbytes, descs)
                 elif rid in self.stager.failures:
                     del self._waiting[token]
                     self.m.push.refuse(token)
@@ -81,6 +86,9 @@ class PushSender:
         for token, rid, target in self.m.push.take_closed():
             self._waiting.pop(token, None)
             d_tp = self._readers.pop(token, None)
+            posted = self._posted.pop(token, None)
+            if posted is not None:  # as vLLM's push connector reports its WRITEs, on P
+                self.stats.record(time.monotonic() - posted[0], posted[1] - posted[0], posted[2], posted[3])
             if d_tp is not None:
                 self.stager.note_read(rid, target, d_tp)
 
