@@ -196,3 +196,37 @@ def test_listener_keeps_answering_malformed_push_questions(engines):
         assert msgspec.msgpack.decode(reply)["state"] == "failed"
     (reply,) = ask_side_channel(port, msgspec.msgpack.encode((TAKE_PUSH_MSG, 0)))
     assert msgspec.msgpack.decode(reply) == {"reserve": [], "cancel": []}
+
+
+def test_p_unable_to_stage_answers_x_and_d_fails_before_its_deadline(engines):
+    """P's arena cannot hold the request: P refuses the reservation with ``x``, D's load
+    fails at once (not at its 60 s push deadline), its KV untouched, its span freed."""
+    p, d = _pair(engines, CASES["one_group"], p_kw={"arena_bytes": ONE_SPAN})
+    fill(p, d, 7)
+    tokens = prompts(1, [200], seed=7)
+    params = prefill(p, ["big"], tokens)
+    before = d.raw_bytes()
+    assert decode(d, [p], ["big"], tokens, params, limit_s=30) == {"big"}  # a guard well inside D's 60 s
+    assert_same(d, before)
+    run([d], lambda: d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0)
+
+
+def test_ds_cancel_at_its_deadline_is_answered_never_and_frees_the_span(engines, monkeypatch):
+    """D reserves a request P does not have (P keeps the reservation, never posts): at D's
+    deadline D fails the load and sends CANCEL; P answers ``never`` (x over NIXL) and D's
+    held span goes."""
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 1.0})
+    fill(p, d, 8)
+    answers = []
+    push = p.worker.arena_worker.sender.m.push
+    real = push.cancel
+    monkeypatch.setattr(push, "cancel", lambda token, target=None: answers.append(real(token, target)) or answers[-1])
+    tokens = prompts(1, [48], 8)
+    (params,) = prefill(p, ["real"], tokens)
+    ghost = dict(params, remote_request_id="ghost")
+    before = d.raw_bytes()
+    assert decode(d, [p], ["ghost"], tokens, [ghost]) == {"ghost"}
+    assert_same(d, before)
+    run([p, d], lambda: answers and d.stats()["push_held_spans"] == 0)
+    assert answers[0] == "never"  # not posted, and now never (or P's own 1 s timeout said so first)
+    assert d.stats()["bytes_in_use"] == 0
