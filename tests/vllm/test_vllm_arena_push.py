@@ -230,3 +230,21 @@ def test_ds_cancel_at_its_deadline_is_answered_never_and_frees_the_span(engines,
     run([p, d], lambda: answers and d.stats()["push_held_spans"] == 0)
     assert answers[0] == "never"  # not posted, and now never (or P's own 1 s timeout said so first)
     assert d.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("p_tp,d_tp,order", [(2, 1, "token"), (1, 2, "head"), (2, 2, "token")])
+def test_push_between_other_tp_sizes(engines, p_tp, d_tp, order):
+    """Each D rank reserves from the P ranks holding its KV heads; each P rank WRITEs its
+    share and frees its span once every D rank reading it was pushed."""
+    case = CASES["hybrid_kv_sharing"]  # 2 KV heads per layer
+    p = engines(case, "kv_producer", tp=p_tp, arena_order=order)
+    d = engines(case, "kv_consumer", tp=d_tp, arena_order=order, **PUSH)
+    fill(p, d, 19)
+    tokens = prompts(2, [40, 57], seed=19)
+    rids = ["t0", "t1"]
+    params = prefill(p, rids, tokens)
+    before = [x.raw.clone() for x in d.ranks]
+    assert decode(d, [p], rids, tokens, params) == set()
+    assert_same(d, expected_d(p, d, [(r, r, len(t)) for r, t in zip(rids, tokens)], before))
+    run([p, d], lambda: not any(p.stats(r)["staged_requests"] for r in range(len(p.ranks))))
+    assert all(d.stats(r)["bytes_in_use"] == 0 and d.stats(r)["push_landed"] == 2 for r in range(len(d.ranks)))
