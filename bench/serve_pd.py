@@ -35,9 +35,12 @@ first (the handshake), reported apart. Printed per connector, and written to
 
 The connectors: ``stock`` (vLLM's ``NixlConnector``), ``mirror`` (``KvcopyNixlConnector``
 with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena``
-(``KvcopyArenaConnector``), ``arena-layerwise`` (the same, P with ``layerwise``).
-``--bind nobind`` runs every engine with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of
-vLLM's default binding (docs/vllm.md, "With a real engine", says why the two differ for vLLM's NIXL worker).
+(``KvcopyArenaConnector``), ``arena-layerwise`` (the same, P with ``layerwise``),
+``arena-push`` (the same with D's ``transfer_mode: "push"``: P WRITEs), ``stock-push``
+(vLLM's ``NixlPushConnector``). Descriptors and post times are read where the transfer is
+posted: D's metrics for a READ, P's for a WRITE. ``--bind nobind`` runs every engine with
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
+"With a real engine", says why the two differ for vLLM's NIXL worker).
 """
 from __future__ import annotations
 
@@ -60,12 +63,22 @@ from kvcopy.testing.engine.serve import (  # noqa: E402
 from serve_timeline import PHASES, attach_events, phase_summary, plot_timeline  # noqa: E402
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+PUSH_VARIANTS = {"arena-push": ("arena", {"transfer_mode": "push"}), "stock-push": ("stock", None)}
+KNOWN = CONNECTORS + tuple(PUSH_VARIANTS)
+
+
+def connector_config(connector: str):
+    """vLLM's KVTransferConfig fields of a benchmark connector name (:data:`KNOWN`)."""
+    if connector == "stock-push":
+        return dict(kv_transfer_config("stock"), kv_connector="NixlPushConnector")
+    base, opts = PUSH_VARIANTS.get(connector, (connector, None))
+    return kv_transfer_config(base, **(opts or {}))
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated: " + ", ".join(CONNECTORS))
+    ap.add_argument("--connectors", default=",".join(CONNECTORS), help=f"comma-separated: {', '.join(KNOWN)}")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--lengths", default="256,1024", help="prompt lengths in tokens, used in turn")
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -79,9 +92,9 @@ def parse_args(argv=None):
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     args.connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
-    bad = [c for c in args.connectors if c not in CONNECTORS]
+    bad = [c for c in args.connectors if c not in KNOWN]
     if bad or not args.connectors:
-        ap.error(f"unknown connector(s) {bad}; known: {', '.join(CONNECTORS)}")
+        ap.error(f"unknown connector(s) {bad}; known: {', '.join(KNOWN)}")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if any(n < 1 or n + args.new_tokens >= args.max_model_len for n in args.lengths) or args.requests < 1 \
             or args.layers < 1 or args.repeats < 1:
@@ -109,7 +122,7 @@ def run_connector(args, connector, model, prompts, progress):
     env = dict(side_channel_env(), VLLM_SERVER_DEV_MODE="1")
     if args.bind == "nobind":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    kv = kv_transfer_config(connector)
+    kv = connector_config(connector)
     extra = ["--worker-extension-cls", HOOKS]
     p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), kv,
                max_model_len=args.max_model_len, env=env, extra_args=extra)
@@ -125,7 +138,7 @@ def run_connector(args, connector, model, prompts, progress):
         if timed:  # the first call starts recording
             rpc(p.url, "kvcopy_timeline")
             rpc(d.url, "kvcopy_timeline")
-        before = metrics(d.url)
+        before, p_before = metrics(d.url), metrics(p.url)
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:
             futures = [pool.submit(one_request, p.url, d.url, q, args.new_tokens) for q in prompts]
@@ -134,7 +147,7 @@ def run_connector(args, connector, model, prompts, progress):
                 results.append(f.result())
                 progress.step(connector)
         wall = time.monotonic() - t0
-        after = metrics(d.url)
+        after, p_after = metrics(d.url), metrics(p.url)
         staging = rpc(d.url, "kvcopy_staging_bytes")[0]
         if timed:
             attach_events(results, rpc(p.url, "kvcopy_timeline")[0], rpc(d.url, "kvcopy_timeline")[0])
@@ -145,6 +158,8 @@ def run_connector(args, connector, model, prompts, progress):
     row = summarize(connector, results, warm, wall, before, after, staging)
     if timed:
         row.update(phase_summary(results), layerwise=layerwise)
+    if connector in PUSH_VARIANTS:  # WRITEs, posted and counted on P
+        row.update(_transfers(p_before, p_after))
     return row
 
 
@@ -152,17 +167,22 @@ def _delta(before, after, name, **labels):
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
+def _transfers(before, after):
+    reads = _delta(before, after, "vllm:nixl_num_descriptors_count")
+    return {"reads": reads,
+            "descriptors_per_read": _delta(before, after, "vllm:nixl_num_descriptors_sum") / reads if reads else None,
+            "bytes_per_read": _delta(before, after, "vllm:nixl_bytes_transferred_sum") / reads if reads else None,
+            "post_s_per_read": _delta(before, after, "vllm:nixl_post_time_seconds_sum") / reads if reads else None}
+
+
 def summarize(connector, results, warm, wall, before, after, staging):
     ttft = sorted(r["ttft_d_s"] for r in results)
-    reads = _delta(before, after, "vllm:nixl_num_descriptors_count")
     return {
         "connector": connector, "requests": len(results), "wall_s": wall,
         "ttft_d_median_s": statistics.median(ttft), "ttft_d_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
         "p_median_s": statistics.median(r["p_s"] for r in results), "warmup_ttft_d_s": warm["ttft_d_s"],
         "staging_bytes": staging["bytes"], "staging_buffers": staging["buffers"],
-        "reads": reads,
-        "descriptors_per_read": _delta(before, after, "vllm:nixl_num_descriptors_sum") / reads if reads else None,
-        "bytes_per_read": _delta(before, after, "vllm:nixl_bytes_transferred_sum") / reads if reads else None,
+        **_transfers(before, after),
         "failed_transfers": _delta(before, after, "vllm:nixl_num_failed_transfers_total"),
         "prompt_tokens": {s: _delta(before, after, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES},
         "ttft_d_s": [r["ttft_d_s"] for r in results], "token_ids": [r["token_ids"] for r in results],

@@ -159,7 +159,9 @@ class Pushes:
         self._send: Dict[bytes, _Sending] = {}
         self._targets: Dict[str, EngineInfo] = {}
         self._seen: "OrderedDict[bytes, str]" = OrderedDict()  # P: token -> "never" | "ended"
+        self._closed: List[Tuple[bytes, str, str]] = []  # P: (token, request id, target) answered since take_closed
         self.ignored = 0  # notices naming no live reservation of their sender
+        self.landed = 0  # D: pushes loaded (checked and scattered)
 
     # ------------------------------------------------------------ D
     def reserve(self, peers: Sequence[str], num_tokens, local_block_ids, num_cached_tokens, request_id,
@@ -237,6 +239,13 @@ class Pushes:
     def _fail(self, job: _Receiving, reason: str) -> None:
         job.state, job.error = ERR, reason
 
+    def fail(self, token: bytes, reason: str) -> None:
+        """D fails the request now (its reservation never reached P, say); its span is
+        held as at a deadline until P's answer or :meth:`release`."""
+        job = self._job(token)
+        if job.state == PROC:
+            self._fail(job, reason)
+
     def complete(self, token: bytes) -> Completion:
         """After ``DONE``: check the trailers and scatter (:func:`~kvcopy.nixl.modes.arena_push.land`);
         after ``ERR``: write nothing. D's span is freed now, or held until no WRITE can land."""
@@ -252,6 +261,7 @@ class Pushes:
             if job.state == DONE:
                 try:
                     check, unchecked = land(self._mode, job.rw, self._key, self._require)
+                    self.landed += 1
                     return Completion.of_done(self._info.num_groups, check, unchecked, work)
                 except ValueError as exc:
                     job.state, job.error = ERR, f"the pushed request is not loaded: {exc}"
@@ -342,11 +352,12 @@ class Pushes:
         key = request_key(request_id)
         return [t for t, s in self._send.items() if s.request_id == key and not s.posted]
 
-    def post(self, token: bytes, record: StagedRequest) -> None:
+    def post(self, token: bytes, record: StagedRequest) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
         request, finished: its pack and sums in the arena) into D's span, record included.
         A WRITE NIXL refuses, a request not staged as reserved: ``x`` to D (raises
-        ``ValueError`` for a token not accepted or posted already)."""
+        ``ValueError`` for a token not accepted or posted already). Returns the WRITE's
+        bytes and descriptors."""
         s = self._send.get(token)
         if s is None or s.posted:
             raise ValueError("unknown or posted reservation token")
@@ -356,7 +367,11 @@ class Pushes:
             self._close(token, "never", None)
             raise ValueError(f"reservation is for {rid!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"P staged {record.request_id!r}, {record.num_tokens} tokens, {record.order!r}")
-        entry = self._mode.begin_write(rid)
+        try:
+            entry = self._mode.begin_write(rid)
+        except ValueError:  # its span is freed already: nothing to WRITE
+            self._close(token, "never", None)
+            raise
         try:
             body = record.to_bytes(self._key)
             sizes = s.remote[:, 1].astype(np.int64)
@@ -376,6 +391,7 @@ class Pushes:
         s.posted, s.xfer = True, xfer
         if state != PROC:
             self._write_ended(token, s, state)
+        return int(sizes.sum()), len(sizes)
 
     def refuse(self, token: bytes) -> None:
         """P will not post this reservation (it could not stage the request, or aborted it): ``x``."""
@@ -409,18 +425,35 @@ class Pushes:
 
     def _close(self, token: bytes, how: str, state: Optional[str]) -> None:
         s = self._send.pop(token)
-        self._seen[token] = how
-        while len(self._seen) > MAX_TOMBSTONES:
-            self._seen.popitem(last=False)
+        self._tombstone(token, how)
+        self._closed.append((token, s.request_id.decode("latin-1"), s.target))
         d = self._targets.get(s.target)
         if d is not None:
             self._mail.send(s.target, d.generation, notice(token, FINAL if state == DONE else NEVER))
 
-    def cancel(self, token: bytes) -> str:
+    def _tombstone(self, token: bytes, how: str) -> None:
+        self._seen[token] = how
+        while len(self._seen) > MAX_TOMBSTONES:
+            self._seen.popitem(last=False)
+
+    def take_closed(self) -> List[Tuple[bytes, str, str]]:
+        """P: ``(token, request id, target)`` of each reservation answered (``f`` or ``x``)
+        since the last call: that reader is done with P's span."""
+        out, self._closed = self._closed, []
+        return out
+
+    def cancel(self, token: bytes, target: Optional[str] = None) -> str:
         """D's cancel: ``never`` (not posted, and now never will be), ``ended`` (its WRITE
-        ended; D had or will have the notice), ``in_flight`` (ask again)."""
+        ended; D had or will have the notice), ``in_flight`` (ask again). A token never
+        seen is tombstoned (a reservation arriving later is refused) and, with ``target``
+        (an added D), answered ``x`` over NIXL at once."""
         s = self._send.get(token)
         if s is None:
+            if token not in self._seen:
+                self._tombstone(token, "never")
+                d = self._targets.get(target) if target is not None else None
+                if d is not None:
+                    self._mail.send(d.name, d.generation, notice(token, NEVER))
             return self._seen.get(token, "never")
         if not s.posted:
             self._close(token, "never", None)
@@ -432,7 +465,7 @@ class Pushes:
         return {"push_reserved": len(self._recv), "push_held_spans": len(self._held),
                 "push_accepted": sum(not s.posted for s in self._send.values()),
                 "push_writes_in_flight": sum(s.posted for s in self._send.values()),
-                "push_notices_ignored": self.ignored}
+                "push_notices_ignored": self.ignored, "push_landed": self.landed}
 
     def close(self) -> bool:
         """Release P's WRITE handles (the agent goes next); whether any was in flight."""

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from kvcopy.nixl.agent import Agent  # noqa: E402
 from kvcopy.testing.nixl.hostile import nixl_part  # noqa: E402
 from kvcopy.vllm.arena.channel import GIVEUP_MSG, HELLO_MSG, RECORDS_MSG  # noqa: E402
+from kvcopy.vllm.arena.push_channel import CANCEL_MSG, RESERVE_MSG, TAKE_PUSH_MSG  # noqa: E402
 from kvcopy.vllm.arena.meta import GAVE_UP, notify_bytes  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
     ArenaEngine, ask_side_channel, assert_same, decode, expected_d, fill, prefill, prompts, run,
@@ -78,9 +79,12 @@ def _fuzz_questions(rng: random.Random, n: int):
     msgpack values (any type, nesting up to 60; half of them shaped as a question of a
     known kind with wrong arguments), and nesting 100 to 3,000 deep (arrays, maps or
     both, alone or in a slot of a genuine question)."""
+    reservation = [0, b"t" * 16, "req", 10, "token", 0, 4096, b"\0" * 24, 0, 100, 1.0]
     genuine = [enc((GET_META_MSG, 0, 0)), enc((RECORDS_MSG, "req", [0])), enc((GIVEUP_MSG, "req", [0], "D", 1)),
-               enc((HELLO_MSG,))]
-    kinds = [GET_META_MSG, RECORDS_MSG, GIVEUP_MSG, HELLO_MSG, b"kvcopy_take_giveups"]
+               enc((HELLO_MSG,)), enc((RESERVE_MSG, "D", 0, 1, "127.0.0.1", 9, "gen", [reservation])),
+               enc((CANCEL_MSG, "D", 0, [[0, b"t" * 16]])), enc((TAKE_PUSH_MSG, 0))]
+    kinds = [GET_META_MSG, RECORDS_MSG, GIVEUP_MSG, HELLO_MSG, b"kvcopy_take_giveups", RESERVE_MSG, CANCEL_MSG,
+             TAKE_PUSH_MSG]
 
     def value(depth):
         kind = rng.randrange(9 if depth < 60 else 6)

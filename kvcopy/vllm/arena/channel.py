@@ -14,6 +14,7 @@ one request, one reply (msgpack)::
     D -> P  (RECORDS_MSG, [[request_id, [ranks]], ...])   P -> D  [[{...}, ...]]   (one reply per request)
     D -> P  (GIVEUP_MSG, request_id, [ranks], reader, d_tp)   P -> D  [{"state": "ok", ...}]
     P's worker -> P  (TAKE_GIVEUPS_MSG, tp_rank)       P -> worker  [{"give_ups": [[request_id, reader, d_tp], ...]}]
+    D -> P  RESERVE_MSG, CANCEL_MSG; P's worker -> P  TAKE_PUSH_MSG: push (kvcopy.vllm.arena.push_channel)
 
 D asks in the second form: the requests it waits for from one P, up to
 :data:`MAX_BATCH` in one question, so P's listener answers a few questions a second
@@ -77,6 +78,7 @@ from ...msgpack_shape import check_shape
 from ...nixl.wire.record import MAX_RECORD_BYTES, MAX_REQUEST_ID
 from ...nixl.engine.regions import MAX_NAME
 from .meta import MAX_TP, KvcopyArenaWorkerMeta
+from .push_channel import CANCEL_MSG, MAX_TAKE_REPLY, RESERVE_MSG, TAKE_PUSH_MSG, PushBox, taken_of
 
 logger = init_logger("vllm.kvcopy")
 
@@ -206,6 +208,7 @@ class RecordStore:
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
         self._give_ups: Dict[int, "OrderedDict[str, Dict[str, int]]"] = {}  # P rank -> request -> reader -> D's TP
+        self.pushes = PushBox()  # D's reservations and cancels (kvcopy.vllm.arena.push_channel)
 
     def update(self, report: KvcopyArenaWorkerMeta, now: Optional[float] = None) -> Set[str]:
         """Take one step's worker report; returns the requests that got a record or a failure."""
@@ -373,6 +376,10 @@ def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> List[bytes]:
         return [msgspec.msgpack.encode(_reply("ok"))]
     if kind == TAKE_GIVEUPS_MSG and len(args) == 1 and _is_int(args[0]) and 0 <= args[0] < MAX_TP:
         return [msgspec.msgpack.encode({"give_ups": [list(g) for g in store.take_give_ups(args[0])]})]
+    if kind in (RESERVE_MSG, CANCEL_MSG, TAKE_PUSH_MSG):
+        got = store.pushes.answer(kind, args)
+        if got is not None:
+            return [msgspec.msgpack.encode(got)]
     if kind in (HELLO_MSG, AUTH_MSG):
         return _failed("this P has no key (key_env): ask without one")
     return _failed("malformed question")
@@ -496,6 +503,14 @@ def give_ups_of(parts: Sequence[bytes]) -> List[Tuple[str, str, int]]:
             and 1 <= g[2] <= MAX_TP for g in items):
         raise ValueError(f"malformed give-ups reply: {str(d.get('error') if isinstance(d, dict) else d)[:200]}")
     return [(g[0], g[1], g[2]) for g in items]
+
+
+def pushes_of(parts: Sequence[bytes]):
+    """P's worker: the reservations and cancels in its scheduler's reply to ``TAKE_PUSH_MSG``
+    (:func:`~kvcopy.vllm.arena.push_channel.taken_of`)."""
+    if len(parts) != 1:
+        raise ValueError("malformed push reply")
+    return taken_of(decode_bounded(parts[0], MAX_TAKE_REPLY, "push reply"))
 
 
 def ok_of(parts: Sequence[bytes], where: str) -> None:

@@ -20,6 +20,10 @@ is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL
   host-buffer path refuses, except on an attention backend that splits its pages into K
   and V halves, vLLM's CPU attention: :func:`split_page_tokens`), skipping D's
   prefix-cache hits.
+* **D in push mode** (``transfer_mode: "push"``, :mod:`kvcopy.vllm.arena.push_recv`):
+  D reserves a span from P's handshake alone and sends P the reservation over P's side
+  channel; P's worker (:mod:`kvcopy.vllm.arena.push_send`) WRITEs its staged span into
+  it, record included, and says so over NIXL. P serves both modes.
 * Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
   models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
   both sides. Models: what :mod:`kvcopy.vllm.groups` describes (several groups overlaid
@@ -65,7 +69,7 @@ Decisions, and why:
 What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
 (``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm.arena.meta.ArenaOptions`.
-Not supported: push, DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
+Not supported: DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
 GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``),
 ``bidirectional_kv_xfer`` (refused when the connector is made: :mod:`kvcopy.vllm.checks`,
 which also runs vLLM's checks keyed on the name "NixlConnector"). Its transfer threads
@@ -100,6 +104,8 @@ from .meta import (
     agent_name, compatibility_hash,
 )
 from .pull import ArenaPuller
+from .push_recv import ArenaPushReceiver
+from .push_send import PushSender
 from .stage import ArenaStager
 from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
 
@@ -288,9 +294,11 @@ class KvcopyArenaWorker:
         self.compat = compatibility_hash(vllm_config)
         self.key = options.key()
         self.thread_cpus = transfer_cpus()  # where the transfer threads run (kvcopy.vllm.affinity)
+        self.engine_id = engine_id
         self.manager: Optional[TransferManager] = None
         self.stager: Optional[ArenaStager] = None
-        self.puller: Optional[ArenaPuller] = None
+        self.puller: Optional[ArenaPuller] = None  # D (an ArenaPushReceiver with transfer_mode "push")
+        self.sender: Optional[PushSender] = None  # P, serving D's reservations
         self.lock = threading.Lock()  # the manager, stager and puller: the engine thread or the housekeeper
         self.housekeeper: Optional[Housekeeper] = None
         # this engine's own side channel (P: where D's give-ups arrive), as vLLM's scheduler binds it
@@ -319,10 +327,15 @@ class KvcopyArenaWorker:
                 total_kv_heads=replicated, copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key,
                 arena_bytes=o.arena_bytes, arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum,
                 require_checksum=o.require_checksum)
-            self.puller = ArenaPuller(self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads,
-                                      self.compat, len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
+            args = (self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads, self.compat,
+                    len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
+            self.puller = ArenaPushReceiver(*args, own=self.listener, engine_id=self.engine_id) \
+                if o.transfer_mode == "push" else ArenaPuller(*args)
+            self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
+            if self.producer:
+                self.sender = PushSender(self.manager, self.stager, self.puller.channel, self.listener, self.tp_rank,
+                                         self.puller.stats)
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
-        self.stager = ArenaStager(self.manager, o, self.tp_rank, self.tp_size, self.total_kv_heads, self.key)
         if o.layerwise and self.producer:
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.arena_ttl_s)
         grouped = sum(len(g) for g in layout.groups)
@@ -351,6 +364,8 @@ class KvcopyArenaWorker:
         if self.producer:
             self._take_give_ups()
         self.stager.tick()
+        if self.sender is not None:
+            self.sender.tick()
         self.puller.tick()
 
     def _take_give_ups(self) -> None:
@@ -396,6 +411,8 @@ class KvcopyArenaWorker:
         stager, _ = self._require()
         with self.lock:
             stager.step(meta)
+            if self.sender is not None:
+                self.sender.step()  # post the reservations whose requests are staged now
 
     def transfer_results(self) -> KVConnectorTransferResults:
         stager, puller = self._require()
@@ -423,7 +440,7 @@ class KvcopyArenaWorker:
             self.puller.close()
         if self.manager is not None:
             self.manager.close()
-        self.manager = self.stager = self.puller = None
+        self.manager = self.stager = self.puller = self.sender = None
 
 
 class Housekeeper:

@@ -33,10 +33,12 @@ from ...nixl.engine.info import MAX_TP
 from ...nixl.planning.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
-# 2: records bound to request/rank/registration, give-ups, keyed side channel; 3: pack order v2
+# 2: records bound to request/rank/registration, give-ups, keyed side channel; 3: pack order v2,
+# record slots after the payload, push messages (RESERVE, CANCEL, TAKE_PUSH)
 ARENA_PROTOCOL = 3
 NOTIFY_PREFIX = b"kvcopy-arena\0"
 READ, GAVE_UP = b"r", b"g"  # what a reader's notification says
+TRANSFER_MODES = ("pull", "push")  # D's choice; P serves both
 # The shortest arena TTL the connector takes: P's side channel stops serving a record a
 # margin of max(1 s, 10% of the TTL) before its span expires, so below 2 s nothing would
 # be served for long enough to be read.
@@ -58,6 +60,8 @@ class ArenaOptions:
     checksum: bool = True  # page sums: P's pack into the record, D's scatter compared (docs/nixl.md, "Checksums")
     require_checksum: bool = False  # D: a pull whose pages cannot be compared fails its load (docs/vllm.md)
     layerwise: bool = False  # P: stage each layer's settled pages as the forward runs (docs/vllm.md, "Layer-wise")
+    transfer_mode: str = "pull"  # D: "push": D reserves a span, P WRITEs into it (kvcopy.vllm.arena.push_recv)
+    push_timeout_s: float = 60.0  # D, push: reservation -> KV ready, from the request's start (then recomputed)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,6 +75,8 @@ class ArenaOptions:
                     raise ValueError(f"kvcopy.{f.name} must be a positive number of seconds, got {value!r}")
         if self.arena_order not in ORDERS:
             raise ValueError(f"kvcopy.arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"kvcopy.transfer_mode must be one of {list(TRANSFER_MODES)}, got {self.transfer_mode!r}")
         if not isinstance(self.copy_backend, str):
             raise ValueError(f"kvcopy.copy_backend must be a backend name, got {self.copy_backend!r}")
         for flag in ("checksum", "require_checksum", "layerwise"):

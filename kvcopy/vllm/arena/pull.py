@@ -109,7 +109,7 @@ class ArenaPuller:
                 logger.warning("kvcopy arena: request %s is already being pulled; ignored", rid)
                 continue
             ranks = remote_ranks(self.rank, self.tp, r.remote_tp_size, self.heads) if r.error is None else []
-            job = _Job(rid, r, ranks, now + self.opts.fetch_timeout_s)
+            job = _Job(rid, r, ranks, now + self._timeout_s())
             if r.positions is not None:
                 job.blocks = tuple(b for g in r.positions for b in g if b != NO_BLOCK)
             if r.error is not None:
@@ -120,7 +120,13 @@ class ArenaPuller:
             else:
                 self.jobs[rid] = job
                 job.fetch = self.channel.fetch(r.engine_id, r.host, r.port, r.remote_request_id, ranks,
-                                               self.opts.fetch_timeout_s)
+                                               self._timeout_s(), records=self.wants_records)
+
+    wants_records = True  # a pull fetches P's records; a push only P's handshakes
+
+    def _timeout_s(self) -> float:
+        """A request's deadline for fetching and D's arena space, from its start."""
+        return self.opts.fetch_timeout_s
 
     # ------------------------------------------------------------ step
     def step(self) -> None:
@@ -148,13 +154,7 @@ class ArenaPuller:
                 if self.m.poll(job.handle) == "PROC":
                     return
                 job.completion = self.m.complete(job.handle)
-            done = job.completion
-            if not done.ready:  # the scatter's page sums are still on their way from the GPU: never wait
-                return
-            if done.ok:
-                self._finish(job)
-            else:
-                self._fail(job, f"pull failed: {done.error}")
+            self._land(job, "pull")
             return
         if job.plan is None:
             assert job.fetch is not None
@@ -179,6 +179,17 @@ class ArenaPuller:
                                                max(0.0, job.deadline - now))
                 return
         self._pull(job, now)
+
+    def _land(self, job: _Job, what: str) -> None:
+        """Report a completed request once its verdict is in host memory."""
+        done = job.completion
+        assert done is not None
+        if not done.ready:  # the scatter's page sums are still on their way from the GPU: never wait
+            return
+        if done.ok:
+            self._finish(job)
+        else:
+            self._fail(job, f"{what} failed: {done.error}")
 
     def _add_peers(self, engine_id: str, metadata: Dict[int, bytes], replace: bool = False) -> None:
         """``add_peer`` the handshakes of P ranks not added yet; with ``replace`` (the

@@ -47,8 +47,9 @@ from ...nixl import ArenaFull, remote_ranks
 from ...nixl.manager import TransferManager
 from ...nixl.sum_check import finished
 from .layerwise import LayerwiseStage, FinishingRecord
+from ...nixl.wire.record import StagedRequest
 from .meta import (
-    GAVE_UP, ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
+    GAVE_UP, READ, ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
 )
 
 logger = init_logger("vllm.kvcopy")
@@ -81,6 +82,8 @@ class ArenaStager:
         # notifications that came before their span: request -> (D's TP size, readers, until)
         self.early: "OrderedDict[str, Tuple[int, Set[str], float]]" = OrderedDict()
         self.gave_up = 0  # spans freed (or stagings skipped) because every reader gave up
+        self.records: Dict[str, StagedRequest] = {}  # live spans' finished records (push posts them)
+        self.failures: "OrderedDict[str, str]" = OrderedDict()  # recent: requests not staged, and why
         self.report = KvcopyArenaWorkerMeta()
         self.layers: Optional[LayerwiseStage] = None  # with ``layerwise`` (kvcopy.vllm.arena.layerwise)
 
@@ -171,7 +174,8 @@ class ArenaStager:
         for rid, (record, event) in list(self.syncing.items()):
             if event is None or event.query():  # the pack and its page sums are in host memory
                 del self.syncing[rid]
-                self.report.staged.setdefault(rid, {})[self.rank] = finished(record).to_bytes(self.key)
+                rec = self.records[rid] = finished(record)
+                self.report.staged.setdefault(rid, {})[self.rank] = rec.to_bytes(self.key)
                 self.done.add(rid)
                 d_tp, early, _ = self.early.pop(rid, (1, set(), now))
                 for reader in early:
@@ -186,6 +190,7 @@ class ArenaStager:
 
     def _forget(self, rid: str) -> None:
         self.live.discard(rid)
+        self.records.pop(rid, None)
         self.readers.pop(rid, None)
         self.report.released.setdefault(rid, set()).add(self.rank)
 
@@ -201,13 +206,25 @@ class ArenaStager:
         if rid in self.live:
             self._release(rid)
         self.report.failed.setdefault(rid, {})[self.rank] = "aborted on P"
+        self._note_failure(rid, "aborted on P")
         self.done.discard(rid)
         self.held.discard(rid)
 
     def _fail(self, rid: str, reason: str) -> None:
         self.pending.pop(rid, None)
         self.report.failed.setdefault(rid, {})[self.rank] = reason
+        self._note_failure(rid, reason)
         self.done.add(rid)
+
+    def _note_failure(self, rid: str, reason: str) -> None:
+        self.failures[rid] = reason
+        self.failures.move_to_end(rid)
+        while len(self.failures) > EARLY_KEPT:
+            self.failures.popitem(last=False)
+
+    def note_read(self, rid: str, reader: str, d_tp: int) -> None:
+        """``reader`` (a D agent) is done with ``rid``'s span: its push ended (``f`` or ``x`` sent)."""
+        self._note(rid, reader, d_tp, READ, time.monotonic())
 
     def finished_sending(self) -> Set[str]:
         """Requests whose blocks P's scheduler may free now."""

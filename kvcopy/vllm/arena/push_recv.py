@@ -1,0 +1,161 @@
+"""D's worker in push mode (``transfer_mode: "push"``): reserve, tell P, land when P says so.
+
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first. The pull
+path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle replaced:
+
+1. **fetch** P's kvcopy handshakes only (no records: P has not necessarily staged yet);
+2. **reserve** (``TransferManager.push.reserve``): D plans from P's handshake alone and
+   holds a span of its arena for the request. D's arena full is back-pressure: retried
+   every step until ``push_timeout_s`` from the request's start, then the load fails
+   (vLLM recomputes) and P is told D gave the request up;
+3. **RESERVE** over P's side channel (:mod:`kvcopy.vllm.arena.push_channel`), one
+   question per request naming every P rank this rank reads and where D's own side
+   channel is (P fetches D's handshake there). A refusal fails the load; P keeps
+   nothing, so the span is freed;
+4. **land**: ``push.state`` reads P's ``f``/``x`` notifications; on ``f`` from every
+   P rank ``push.complete`` checks the records that came in the WRITE and scatters, as a
+   pull's ``complete`` does. ``x``, a bad record, or ``push_timeout_s`` fail the load
+   with D's KV untouched.
+
+**D's span is never reused while a WRITE may land**: after a failure it stays held in
+the manager until P answers (``f``/``x``; a WRITE landing late lands there only). D
+sends P a CANCEL once the RESERVE exchange ended (never before: it could overtake it);
+P answers it over NIXL (``x`` if it never posted, ``f``/``x`` when its WRITE ends). A
+P registered anew (its handshake changed) proves its old WRITEs gone.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import msgspec
+from vllm.logger import init_logger
+
+from ...nixl import ArenaFull
+from ...nixl.pull import PROC
+from ...nixl.push import Reservation
+from .channel import ok_of
+from .meta import agent_name
+from .pull import ArenaPuller, _Job
+from .push_channel import CANCEL_MSG, reserve_question
+from .record_client import Reply
+
+logger = init_logger("vllm.kvcopy")
+
+REPLY_BYTES = 4096
+
+
+class ArenaPushReceiver(ArenaPuller):
+    """One D rank's pushes (see the module docstring). ``own``: this engine's side
+    channel (host, port), where P fetches D's handshake; ``engine_id``: this engine's."""
+
+    wants_records = False
+
+    def __init__(self, *args, own: Tuple[str, int], engine_id: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.own, self.engine_id = own, engine_id
+        self.reserved: Dict[str, Reservation] = {}
+        self.asks: Dict[str, Reply] = {}  # RESERVE exchanges in flight
+        self._cancels: List[Tuple[Optional[Reply], Reservation, str, int, str, List[int]]] = []
+
+    def _timeout_s(self) -> float:
+        return self.opts.push_timeout_s
+
+    def _advance(self, job: _Job, now: float) -> None:
+        if job.completion is not None:
+            self._land(job, "push")
+            return
+        res = self.reserved.get(job.rid)
+        if res is None:
+            self._reserve(job, now)
+            return
+        ask = self.asks.get(job.rid)
+        if ask is not None and ask.done:
+            del self.asks[job.rid]
+            try:
+                if ask.parts is None:
+                    raise ask.error or RuntimeError("no reply")
+                ok_of(ask.parts, f"{job.recv.host}:{job.recv.port}")
+            except Exception as exc:  # noqa: BLE001 -- any refusal or failure of the exchange fails the load
+                self.m.push.fail(res.token, f"P did not take the reservation: {exc}")
+                if ask.parts is not None:  # P answered, and keeps nothing it refused
+                    self.m.push.release(res.token)
+        if self.m.push.state(res.token) == PROC:
+            return
+        job.completion = self.m.push.complete(res.token)
+        self._land(job, "push")
+
+    def _reserve(self, job: _Job, now: float) -> None:
+        r = job.recv
+        assert job.fetch is not None and r.positions is not None
+        if not job.fetch.done:
+            return
+        if job.fetch.error is not None:
+            raise job.fetch.error
+        self._add_peers(r.engine_id, job.fetch.metadata, replace=True)
+        peers = [agent_name(r.engine_id, k) for k in job.ranks]
+        try:
+            res = self.m.push.reserve(peers, r.num_tokens, [list(g) for g in r.positions], list(r.cached_tokens),
+                                      r.remote_request_id, max(1e-3, job.deadline - now))
+        except ArenaFull as exc:
+            if exc.ever_fits and now < job.deadline:
+                return  # back-pressure: D's own completions free space
+            raise
+        self.reserved[job.rid] = res
+        items = {k: res.items[n] for k, n in zip(job.ranks, peers)}
+        question = reserve_question(self.engine_id, self.rank, self.tp, self.own[0], self.own[1],
+                                    self.m.info.generation, items)
+        t0 = time.monotonic()
+        self.asks[job.rid] = self.channel.ask(r.host, r.port, msgspec.msgpack.encode(question), REPLY_BYTES)
+        job.posted = (t0, time.monotonic())
+
+    def _add_peers(self, engine_id: str, metadata: Dict[int, bytes], replace: bool = False) -> None:
+        changed = [agent_name(engine_id, k) for k, md in metadata.items()
+                   if self._added.get(agent_name(engine_id, k), md) != md]
+        super()._add_peers(engine_id, metadata, replace)
+        for name in changed:  # P registered anew: nothing its old process posted can land
+            self.m.push.peer_restarted(name)
+
+    # ------------------------------------------------------------ outcomes
+    def _finish(self, job: _Job) -> None:
+        res = self.reserved.pop(job.rid)
+        del self.jobs[job.rid]
+        self.stats.record(time.monotonic() - job.posted[0], job.posted[1] - job.posted[0], res.plan.num_bytes,
+                          res.num_descriptors)
+        self.finished.add(job.rid)
+
+    def _fail(self, job: _Job, reason: str) -> None:
+        res = self.reserved.pop(job.rid, None)
+        if res is not None:
+            done = job.completion
+            if done is None:  # the caller failed it (an exception): end the reservation
+                self.m.push.fail(res.token, reason)
+                job.completion = self.m.push.complete(res.token) if self.m.push.state(res.token) != PROC else None
+            r = job.recv
+            self._cancels.append((self.asks.pop(job.rid, None), res, r.host, r.port, r.engine_id, list(job.ranks)))
+        super()._fail(job, reason)
+
+    def tick(self) -> None:
+        super().tick()
+        self._send_cancels()
+
+    def _send_cancels(self) -> None:
+        """CANCELs of failed reservations whose RESERVE exchange ended (module docstring)."""
+        keep = []
+        for entry in self._cancels:
+            ask, res, host, port, engine_id, ranks = entry
+            if ask is not None and not ask.done:
+                keep.append(entry)
+                continue
+            if ask is not None and ask.parts is not None:
+                try:
+                    ok_of(ask.parts, f"{host}:{port}")
+                except ValueError:
+                    self.m.push.release(res.token)  # P refused it: nothing of it can land
+                    continue
+            question = (CANCEL_MSG, self.engine_id, self.rank, [[k, res.token] for k in ranks])
+            self.channel.ask(host, port, msgspec.msgpack.encode(question), REPLY_BYTES)
+        self._cancels = keep
+
+    def close(self) -> None:
+        self.channel.close()

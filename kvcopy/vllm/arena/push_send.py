@@ -1,0 +1,178 @@
+"""P's worker serving push (D's ``transfer_mode: "push"``): take reservations, WRITE, answer.
+
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first. P serves pull
+and push at once; the mode is D's. Each housekeeping turn (and after each step's
+staging) :meth:`PushSender.tick`:
+
+1. takes the reservations and cancels P's side channel got for this rank
+   (``TAKE_PUSH_MSG`` to its own scheduler's listener, one question in flight:
+   :mod:`kvcopy.vllm.arena.push_channel`);
+2. for a D it has not added (or of another registration), fetches D's kvcopy handshake
+   from D's side channel (``GET_META_MSG``, checked by ``add_target``: compatibility,
+   digest, key, sizes; a D of another registration replaces the old one), then hands
+   each reservation to ``TransferManager.push.accept``, which checks every field before
+   NIXL sees any. A refused reservation is logged and dropped (D fails it at its
+   deadline);
+3. posts each accepted reservation whose request is staged (its record finished: the
+   pack and its sums are in the arena) in one WRITE per reservation
+   (``push.post``: for equal geometry one descriptor, the record included), and answers
+   ``x`` for one whose request P could not stage or aborted;
+4. polls the WRITEs; each one ended is answered ``f``/``x`` by the manager, and counts
+   as that D rank done with P's span (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.note_read`):
+   P's span lives pack + WRITE, not until D's next message.
+
+A cancel whose reservation was not posted is answered ``x`` at once; one in flight is
+answered when its WRITE ends. Reservations not posted by their own timeout are answered
+``x`` by the manager.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import msgspec
+from vllm.logger import init_logger
+
+from ...nixl.manager import TransferManager
+from .channel import pushes_of
+from .meta import agent_name
+from .push_channel import MAX_TAKE_REPLY, TAKE_PUSH_MSG
+from .record_client import Fetch, Reply, SideChannel
+from .stage import ArenaStager
+from .stats import PullStats
+
+logger = init_logger("vllm.kvcopy")
+
+FETCH_TIMEOUT_S = 10.0  # D's handshake, fetched from D's side channel
+
+
+class PushSender:
+    """One P rank's pushes (module docstring). Not thread-safe: the worker serializes
+    every call with its lock."""
+
+    def __init__(self, manager: TransferManager, stager: ArenaStager, channel: SideChannel,
+                 listener: Tuple[str, int], tp_rank: int, stats: PullStats):
+        self.m, self.stager, self.channel, self.stats = manager, stager, channel, stats
+        self.listener, self.rank = listener, tp_rank
+        self._asking: Optional[Reply] = None
+        self._fetching: Dict[str, Tuple[Fetch, List[tuple]]] = {}  # D agent -> (its handshake fetch, work waiting)
+        self._generation: Dict[str, str] = {}  # D agent -> the registration added
+        self._waiting: Dict[bytes, str] = {}  # accepted, not posted: token -> request id
+        self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
+        self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
+        self.refused = 0  # reservations refused (logged)
+
+    def tick(self) -> None:
+        self._take()
+        self._targets_in()
+        self.step()
+
+    def step(self) -> None:
+        """Post what is staged, answer what will not be, notify what ended."""
+        for token, rid in list(self._waiting.items()):
+            record = self.stager.records.get(rid)
+            try:
+                if record is not None:
+                    del self._waiting[token]
+                    t0 = time.monotonic()
+                    nbytes, descs = self.m.push.post(token, record)
+                    self._posted[token] = (t0, time.monotonic(), nbytes, descs)
+                elif rid in self.stager.failures:
+                    del self._waiting[token]
+                    self.m.push.refuse(token)
+            except ValueError as exc:  # answered x by the manager
+                logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
+        self.m.push.poll()
+        for token, rid, target in self.m.push.take_closed():
+            self._waiting.pop(token, None)
+            d_tp = self._readers.pop(token, None)
+            posted = self._posted.pop(token, None)
+            if posted is not None:  # as vLLM's push connector reports its WRITEs, on P
+                self.stats.record(time.monotonic() - posted[0], posted[1] - posted[0], posted[2], posted[3])
+            if d_tp is not None:
+                self.stager.note_read(rid, target, d_tp)
+
+    def _take(self) -> None:
+        asking = self._asking
+        if asking is not None and asking.done:
+            self._asking = None
+            try:
+                if asking.parts is None:
+                    raise asking.error or RuntimeError("no reply")
+                reserve, cancel = pushes_of(asking.parts)
+            except Exception as exc:  # noqa: BLE001 -- this engine's own side channel: logged, asked again
+                logger.warning("kvcopy arena: %s: taking reservations from this engine's side channel: %s",
+                               self.m.name, exc)
+                reserve, cancel = [], []
+            for d, item in reserve:
+                self._reservation(d, item)
+            for d_engine, d_rank, token in cancel:
+                self._cancel(agent_name(d_engine, d_rank), token)
+        if self._asking is None:
+            host, port = self.listener
+            self._asking = self.channel.ask(host, port, msgspec.msgpack.encode((TAKE_PUSH_MSG, self.rank)),
+                                            MAX_TAKE_REPLY)
+
+    def _reservation(self, d: tuple, item: tuple) -> None:
+        d_engine, d_rank, d_tp, d_host, d_port, d_generation = d
+        name = agent_name(d_engine, d_rank)
+        if name not in self._fetching and self._generation.get(name) == d_generation:
+            self._accept(name, d_generation, d_tp, item)
+            return
+        if name not in self._fetching:
+            self.channel.forget(d_engine, [d_rank])
+            self._fetching[name] = (self.channel.fetch(d_engine, d_host, d_port, "", [d_rank], FETCH_TIMEOUT_S,
+                                                       records=False), [])
+        self._fetching[name][1].append((d_generation, d_tp, item))
+
+    def _cancel(self, name: str, token: bytes) -> None:
+        waiting = self._fetching.get(name)
+        if waiting is not None and any(w[2][0] == token for w in waiting[1]):
+            waiting[1][:] = [w for w in waiting[1] if w[2][0] != token] + [(None, 0, (token,))]
+            return  # answered once D's handshake is in
+        self.m.push.cancel(token, name if name in self._generation else None)
+
+    def _targets_in(self) -> None:
+        """Add the D handshakes fetched, then take the work that waited for them."""
+        for name, (fetch, work) in list(self._fetching.items()):
+            if not fetch.done:
+                continue
+            del self._fetching[name]
+            try:
+                if fetch.error is not None:
+                    raise fetch.error
+                (md,) = fetch.metadata.values()
+                if name in self._generation:  # D registered anew: its old endpoint goes
+                    self.m.remove_target(name)
+                    del self._generation[name]
+                got = self.m.add_target(md)
+                if got != name:
+                    self.m.remove_target(got)
+                    raise ValueError(f"D's side channel answered with {got!r}, expected {name!r}")
+                self._generation[name] = self.m.push.targets()[name].generation
+            except Exception as exc:  # noqa: BLE001 -- a D P cannot add: its reservations are dropped
+                self.refused += len(work)
+                logger.warning("kvcopy arena: %s: D %s's handshake not added (%d reservations dropped): %s",
+                               self.m.name, name, len(work), exc)
+                continue
+            for generation, d_tp, item in work:
+                if generation is None:  # a cancel that came while the handshake was on its way
+                    self.m.push.cancel(item[0], name)
+                else:
+                    self._accept(name, generation, d_tp, item)
+
+    def _accept(self, name: str, generation: str, d_tp: int, item: tuple) -> None:
+        try:
+            token = self.m.push.accept(name, generation, item)
+        except ValueError as exc:
+            self.refused += 1
+            logger.warning("kvcopy arena: %s: reservation of %s for request %s refused: %s", self.m.name, name,
+                           str(item[1])[:80], exc)
+            return
+        self._waiting[token] = item[1]
+        self._readers[token] = d_tp
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._fetching)
+

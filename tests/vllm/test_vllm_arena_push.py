@@ -1,0 +1,250 @@
+"""The arena connector's push mode (D's ``transfer_mode: "push"``) against the real vLLM 0.33 package.
+
+P and D are vLLM's own engines with the connector (``tests/vllm/vllm_arena_engines.py``);
+D reserves a span, sends P the reservation over P's side channel, P fetches D's
+handshake from D's side channel and WRITEs its staged span (record included) into D's,
+then says so over NIXL. D's backing buffer is compared whole after every transfer
+against the expectation built from vLLM's block tables alone; where a load fails it must
+not change at all.
+
+Run in the vLLM environment (``.ci/run``); skipped where vLLM 0.33 is not installed.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
+
+import msgspec  # noqa: E402
+from test_vllm_arena import ONE_SPAN, engines  # noqa: E402  (the fixture, used by name)
+from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
+
+from kvcopy.vllm.arena.push_channel import CANCEL_MSG, RESERVE_MSG, TAKE_PUSH_MSG  # noqa: E402
+from kvcopy.vllm.arena.push_recv import ArenaPushReceiver  # noqa: E402
+from vllm_arena_engines import (  # noqa: E402
+    ask_side_channel, assert_same, decode, expected_d, fill, prefill, prompts, run,
+)
+
+assert engines and vllm_env  # fixtures, used by name
+PUSH = {"transfer_mode": "push"}
+
+
+def _pair(engines, case, p_kw=None, d_kw=None):
+    p = engines(case, "kv_producer", **(p_kw or {}))
+    d = engines(case, "kv_consumer", **dict(PUSH, **(d_kw or {})))
+    assert isinstance(d.worker.arena_worker.puller, ArenaPushReceiver)
+    return p, d
+
+
+def _spy_reserves(d, monkeypatch):
+    out = []
+    real = d.manager.push.reserve
+
+    def reserve(*a, **kw):
+        res = real(*a, **kw)
+        out.append(res)
+        return res
+    monkeypatch.setattr(d.manager.push, "reserve", reserve)
+    return out
+
+
+def _push(p, d, lengths, seed, limit_s=60.0):
+    tokens = prompts(len(lengths), lengths, seed)
+    rids = [f"r{seed}-{i}" for i in range(len(tokens))]
+    params = prefill(p, rids, tokens)
+    before = d.raw_bytes()
+    failed = decode(d, [p], rids, tokens, params, limit_s=limit_s)
+    return rids, tokens, before, failed
+
+
+def _loaded(p, d, rids, tokens, before):
+    n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
+    exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load)], before)
+    assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"
+    assert_same(d, exp)
+
+
+def test_push_one_descriptor_per_request_and_spans_freed(engines, monkeypatch):
+    p, d = _pair(engines, CASES["one_group"])
+    reserves = _spy_reserves(d, monkeypatch)
+    pulls = []
+    monkeypatch.setattr(d.manager, "pull", lambda *a, **kw: pulls.append(a))
+    fill(p, d, 1)
+    rids, tokens, before, failed = _push(p, d, [40, 17, 64], seed=1)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert pulls == []  # nothing was READ: P WRITEs
+    assert [r.num_descriptors for r in reserves] == [1, 1, 1]  # equal geometry: one WRITE descriptor, record included
+    run([p, d], lambda: p.stats()["staged_requests"] == 0)  # P's span lives pack + WRITE
+    st = d.stats()
+    assert st["bytes_in_use"] == 0 and st["push_held_spans"] == 0 and st["push_reserved"] == 0
+    assert p.stats()["push_writes_in_flight"] == 0 and p.worker.arena_worker.sender.refused == 0
+
+
+@pytest.mark.parametrize("name", ["hybrid_kv_sharing", "mla", "kernel_split_32_to_16", "gdn_padded",
+                                  "heads_packed_blhnc"])
+def test_push_model_families(engines, name):
+    p, d = _pair(engines, CASES[name])
+    fill(p, d, 2)
+    rids, tokens, before, failed = _push(p, d, [70, 33], seed=2)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+
+
+def test_push_with_a_key(engines, monkeypatch):
+    monkeypatch.setenv("KVCOPY_TEST_PUSH_KEY", "ab" * 32)
+    kw = {"key_env": "KVCOPY_TEST_PUSH_KEY"}
+    p, d = _pair(engines, CASES["one_group"], kw, kw)
+    fill(p, d, 3)
+    rids, tokens, before, failed = _push(p, d, [50], seed=3)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    # without the key the listener takes no reservation
+    q = msgspec.msgpack.encode((TAKE_PUSH_MSG, 0))
+    (reply,) = ask_side_channel(_port(p), q)
+    assert "authentication" in msgspec.msgpack.decode(reply)["error"]
+
+
+def _port(e) -> int:
+    return e.worker.arena_worker.listener[1]
+
+
+def test_d_arena_full_recomputes_at_the_push_deadline_and_p_frees_its_span(engines):
+    """D's arena holds one span; a second request waits for space until push_timeout_s, then fails."""
+    case = CASES["one_group"]
+    p, d = _pair(engines, case, d_kw={"arena_bytes": ONE_SPAN, "push_timeout_s": 1.5})
+    fill(p, d, 4)
+    d.worker.arena_worker.lock.acquire()  # hold D's worker: the first request's span is not freed in time
+    try:
+        pr = d.worker.arena_worker.puller
+        held = pr.m.arena.arena.allocate(8 << 10)  # what is left cannot hold a 64-token span
+    finally:
+        d.worker.arena_worker.lock.release()
+    rids, tokens, before, failed = _push(p, d, [64], seed=4)
+    assert failed == set(rids)  # recomputed
+    assert_same(d, before)  # D's KV untouched
+    run([p], lambda: p.stats()["staged_requests"] == 0)  # D's give-up freed P's span
+    with d.worker.arena_worker.lock:
+        pr.m.arena.arena.free(held)
+
+
+def test_d_arena_full_then_space_frees_in_time(engines):
+    case = CASES["one_group"]
+    p, d = _pair(engines, case, d_kw={"arena_bytes": ONE_SPAN})
+    fill(p, d, 5)
+    rids, tokens, before, failed = _push(p, d, [64, 64], seed=5)  # one span at a time on D
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert d.stats()["failed_allocations"] >= 1  # the second waited
+
+
+def test_a_write_landing_after_d_gave_up_touches_only_the_held_span(engines, monkeypatch):
+    """P's post is held back past D's deadline: D recomputes with its KV untouched, its
+    span stays held (never handed out) until P's WRITE ended and said so."""
+    case = CASES["one_group"]
+    p, d = _pair(engines, case, d_kw={"push_timeout_s": 1.0})
+    fill(p, d, 6)
+    sender = p.worker.arena_worker.sender
+    real = sender.m.push.post
+    gate = {"open": False, "posted": 0}
+
+    def post(token, record):
+        while not gate["open"]:
+            time.sleep(0.01)  # P's transfer thread holds the token (a slow or stopped P)
+        gate["posted"] += 1
+        return real(token, record)
+    monkeypatch.setattr(sender.m.push, "post", post)
+    tokens = prompts(1, [48], 6)
+    params = prefill(p, ["late"], tokens)
+    before = d.raw_bytes()
+    d.add("late", tokens[0], params[0], max_tokens=2)
+    deadline = time.monotonic() + 30
+    failed = set()
+    while "late" not in failed:  # step D only: P's worker is stuck in post (its lock held)
+        assert time.monotonic() < deadline
+        failed |= set(d.step().failed_recving or ())
+        time.sleep(0.01)
+    assert_same(d, before)
+    assert d.stats()["push_held_spans"] == 1  # a WRITE may still land
+    span = d.manager.push._held[next(iter(d.manager.push._held))].rw.work
+    others = []
+    with d.worker.arena_worker.lock:
+        for _ in range(20):  # allocations meanwhile never overlap the held span
+            s = d.manager.arena.arena.allocate(4096)
+            assert s.offset + s.nbytes <= span.offset or s.offset >= span.offset + span.nbytes
+            others.append(s)
+        for s in others:
+            d.manager.arena.arena.free(s)
+    gate["open"] = True  # the late WRITE lands, in the held span only; P's f frees it
+    run([p, d], lambda: d.stats()["push_held_spans"] == 0 and gate["posted"] == 1)
+    assert d.stats()["bytes_in_use"] == 0
+
+
+def test_listener_keeps_answering_malformed_push_questions(engines):
+    p, d = _pair(engines, CASES["one_group"])
+    port = _port(p)
+    bad = [(RESERVE_MSG,), (RESERVE_MSG, "d", 0, 1, "h", 1, "g", [[0, b"x" * 16]]), (CANCEL_MSG, "d", 0, [[0, b"1"]]),
+           (TAKE_PUSH_MSG, -1), (RESERVE_MSG, "d", 5, 1, "h", 1, "g", [])]
+    for q in bad:
+        (reply,) = ask_side_channel(port, msgspec.msgpack.encode(q))
+        assert msgspec.msgpack.decode(reply)["state"] == "failed"
+    (reply,) = ask_side_channel(port, msgspec.msgpack.encode((TAKE_PUSH_MSG, 0)))
+    assert msgspec.msgpack.decode(reply) == {"reserve": [], "cancel": []}
+
+
+def test_p_unable_to_stage_answers_x_and_d_fails_before_its_deadline(engines):
+    """P's arena cannot hold the request: P refuses the reservation with ``x``, D's load
+    fails at once (not at its 60 s push deadline), its KV untouched, its span freed."""
+    p, d = _pair(engines, CASES["one_group"], p_kw={"arena_bytes": ONE_SPAN})
+    fill(p, d, 7)
+    tokens = prompts(1, [200], seed=7)
+    params = prefill(p, ["big"], tokens)
+    before = d.raw_bytes()
+    assert decode(d, [p], ["big"], tokens, params, limit_s=30) == {"big"}  # a guard well inside D's 60 s
+    assert_same(d, before)
+    run([d], lambda: d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0)
+
+
+def test_ds_cancel_at_its_deadline_is_answered_never_and_frees_the_span(engines, monkeypatch):
+    """D reserves a request P does not have (P keeps the reservation, never posts): at D's
+    deadline D fails the load and sends CANCEL; P answers ``never`` (x over NIXL) and D's
+    held span goes."""
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 1.0})
+    fill(p, d, 8)
+    answers = []
+    push = p.worker.arena_worker.sender.m.push
+    real = push.cancel
+    monkeypatch.setattr(push, "cancel", lambda token, target=None: answers.append(real(token, target)) or answers[-1])
+    tokens = prompts(1, [48], 8)
+    (params,) = prefill(p, ["real"], tokens)
+    ghost = dict(params, remote_request_id="ghost")
+    before = d.raw_bytes()
+    assert decode(d, [p], ["ghost"], tokens, [ghost]) == {"ghost"}
+    assert_same(d, before)
+    run([p, d], lambda: answers and d.stats()["push_held_spans"] == 0)
+    assert answers[0] == "never"  # not posted, and now never (or P's own 1 s timeout said so first)
+    assert d.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("p_tp,d_tp,order", [(2, 1, "token"), (1, 2, "head"), (2, 2, "token")])
+def test_push_between_other_tp_sizes(engines, p_tp, d_tp, order):
+    """Each D rank reserves from the P ranks holding its KV heads; each P rank WRITEs its
+    share and frees its span once every D rank reading it was pushed."""
+    case = CASES["hybrid_kv_sharing"]  # 2 KV heads per layer
+    p = engines(case, "kv_producer", tp=p_tp, arena_order=order)
+    d = engines(case, "kv_consumer", tp=d_tp, arena_order=order, **PUSH)
+    fill(p, d, 19)
+    tokens = prompts(2, [40, 57], seed=19)
+    rids = ["t0", "t1"]
+    params = prefill(p, rids, tokens)
+    before = [x.raw.clone() for x in d.ranks]
+    assert decode(d, [p], rids, tokens, params) == set()
+    assert_same(d, expected_d(p, d, [(r, r, len(t)) for r, t in zip(rids, tokens)], before))
+    run([p, d], lambda: not any(p.stats(r)["staged_requests"] for r in range(len(p.ranks))))
+    assert all(d.stats(r)["bytes_in_use"] == 0 and d.stats(r)["push_landed"] == 2 for r in range(len(d.ranks)))
