@@ -28,7 +28,7 @@ from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
 from kvcopy.vllm.arena.push_channel import CANCEL_MSG, RESERVE_MSG, TAKE_PUSH_MSG  # noqa: E402
 from kvcopy.vllm.arena.push_recv import ArenaPushReceiver  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
-    ask_side_channel, assert_same, decode, expected_d, fill, prefill, prompts, run,
+    ask_side_channel, assert_same, decode, expected_d, fill, fill_layerwise, prefill, prompts, run,
 )
 
 assert engines and vllm_env  # fixtures, used by name
@@ -248,3 +248,18 @@ def test_push_between_other_tp_sizes(engines, p_tp, d_tp, order):
     assert_same(d, expected_d(p, d, [(r, r, len(t)) for r, t in zip(rids, tokens)], before))
     run([p, d], lambda: not any(p.stats(r)["staged_requests"] for r in range(len(p.ranks))))
     assert all(d.stats(r)["bytes_in_use"] == 0 and d.stats(r)["push_landed"] == 2 for r in range(len(d.ranks)))
+
+
+@pytest.mark.parametrize("name", ["hybrid_kv_sharing", "gdn_padded"])
+def test_a_layerwise_p_pushes_what_it_staged_layer_by_layer(engines, name):
+    """P stages layer by layer (its forward's bytes written per layer over poison, each
+    layer's pages copied from save_kv_layer, GDN state by the sweep) and WRITEs the span,
+    record slot included, into a push D's reservation: D's bytes equal the reference."""
+    case = CASES[name]
+    p, d = _pair(engines, case, p_kw={"layerwise": True})
+    fill_layerwise(p, d, 8)
+    rids, tokens, before, failed = _push(p, d, [40, 17], seed=8)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    layers = p.worker.arena_worker.stager.layers
+    assert layers.at_layer > 0 and p.stats()["partial_requests"] == 0

@@ -347,9 +347,10 @@ class ArenaStaging(BufferMode):
             layout = self.sums.layout(self.span_copiers(part.order), part.order, info.tokens_per_page, "d2h")
             record = record.with_sums(PageSums.of(layout.fingerprint, part.values(layout)))
         del self._partial[part.rid]
-        slot = record_capacity(info, part.num_tokens, part.rid)
-        self._staged[part.rid] = _Staged(part.span, time.monotonic() + self.ttl_s, part.readers,
-                                         payload=part.span.nbytes - slot, slot=slot)
+        # the payload as span_layout made it (the allocation may be rounded up), its record slot after it
+        _, payload = span_layout(self.units, part.counts)
+        self._staged[part.rid] = _Staged(part.span, time.monotonic() + self.ttl_s, part.readers, payload=payload,
+                                         slot=record_capacity(info, part.num_tokens, part.rid))
         return record
 
     def abandon(self, part: PartialStage) -> None:

@@ -72,6 +72,9 @@ def test_unit_by_unit_equals_the_whole_request_byte_for_byte(how, steps):
                 assert a.to_bytes() == b.to_bytes(), seed  # the record, sums included, byte for byte
                 assert torch.equal(whole.buffer, parts.buffer), seed  # every arena byte
                 assert parts.staged == ["req"] and parts.stats()["partial_requests"] == 0
+                # where a push WRITEs the record from: the payload's end and the slot after it
+                assert ((parts._staged[b"req"].payload, parts._staged[b"req"].slot)
+                        == (whole._staged[b"req"].payload, whole._staged[b"req"].slot)), seed
                 compared += 1
             finally:
                 whole.close()
