@@ -99,7 +99,7 @@ class RawPair:
     """Two raw NIXL agents with buffers laid out like the plan's regions."""
 
     def __init__(self, plan, backend: str, progress_delay_us: int):
-        from ...nixl import load_nixl
+        from ...nixl.agent import load_nixl
         from ...nixl.agent import make_agent
 
         nixl = load_nixl()
@@ -586,7 +586,7 @@ class _HostPulls:
 
 def _page_plan(plan):
     """A host-mode plan (a PullPlan: pages, region pairs)."""
-    from ...nixl import PullPlan
+    from ...nixl.planning.plan import PullPlan
 
     if not isinstance(plan, PullPlan):
         raise TypeError(f"host mode planned a {type(plan).__name__}")
