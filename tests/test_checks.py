@@ -139,12 +139,15 @@ def test_save_refuses_loose_ids_and_writes_nothing(pd, ids):
     assert nixl_oracle.same_bytes(before, p.regions.host_views)
 
 
-def test_manager_name_and_backends_are_checked():
+def test_manager_name_and_transports_are_checked():
     eng = nixl_testing.build_case("one_group", 8)
     with pytest.raises(TypeError, match="name"):
         eng.manager(5)
     with pytest.raises(ValueError, match="unavailable"):
-        eng.manager("Xbackends", backends=("NO_SUCH_BACKEND",))
+        eng.manager("Xtransports", transports=("NO_SUCH_BACKEND",))
+    for bad in ("UCX", (), ("UCX", ""), (b"UCX",)):
+        with pytest.raises(TypeError, match="transports"):
+            eng.manager("Xtransports", transports=bad)
 
 
 # ---------------------------------------------------------------- id lists of every kind, one validator
