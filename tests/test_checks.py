@@ -93,6 +93,7 @@ def test_copier_refuses_id_lists_that_are_not_lists(copier, groups):
 
 # ---------------------------------------------------------------- through the NIXL manager
 nixl_testing = pytest.importorskip("kvcopy.testing.nixl.engines")
+nixl_oracle = pytest.importorskip("kvcopy.testing.nixl.oracle")
 
 
 @pytest.fixture
@@ -132,18 +133,21 @@ def test_plan_pull_refuses_loose_arguments(pd, name):
 def test_save_refuses_loose_ids_and_writes_nothing(pd, ids):
     """Old code: save flattened a nested list, took True as block 1 and 2**64-1 as -1."""
     p, d, peer, pe, de = pd
-    before = nixl_testing.clone_caches(p.regions.host_views)
+    before = nixl_oracle.clone_caches(p.regions.host_views)
     with pytest.raises((TypeError, ValueError)):
         p.save(ids)
-    assert nixl_testing.same_bytes(before, p.regions.host_views)
+    assert nixl_oracle.same_bytes(before, p.regions.host_views)
 
 
-def test_manager_name_and_backends_are_checked():
+def test_manager_name_and_transports_are_checked():
     eng = nixl_testing.build_case("one_group", 8)
     with pytest.raises(TypeError, match="name"):
         eng.manager(5)
     with pytest.raises(ValueError, match="unavailable"):
-        eng.manager("Xbackends", backends=("NO_SUCH_BACKEND",))
+        eng.manager("Xtransports", transports=("NO_SUCH_BACKEND",))
+    for bad in ("UCX", (), ("UCX", ""), (b"UCX",)):
+        with pytest.raises(TypeError, match="transports"):
+            eng.manager("Xtransports", transports=bad)
 
 
 # ---------------------------------------------------------------- id lists of every kind, one validator
@@ -292,7 +296,7 @@ def test_a_pull_for_more_tokens_than_d_has_blocks_for_raises_naming_both(pd):
 @pytest.mark.parametrize("ids", [[{1, 2}], [{0: 1}.values()], [np.ma.array([1, 2], mask=[0, 1])], [[1, 48]]])
 def test_host_save_refuses_sets_views_masked_arrays_and_ids_past_the_cache(pd, ids):
     p, d, peer, pe, de = pd
-    before = nixl_testing.clone_caches(p.regions.host_views)
+    before = nixl_oracle.clone_caches(p.regions.host_views)
     with pytest.raises((TypeError, ValueError)):
         p.save(ids)
-    assert nixl_testing.same_bytes(before, p.regions.host_views)
+    assert nixl_oracle.same_bytes(before, p.regions.host_views)

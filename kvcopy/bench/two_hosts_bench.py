@@ -84,7 +84,7 @@ def p_raw(server, nbytes: int, delay_us: int) -> dict:
 def _raw_agent(server, name: str, nbytes: int, delay_us: int):
     import torch
 
-    from ..nixl import load_nixl
+    from ..nixl.agent import load_nixl
     from ..nixl.agent import make_agent
 
     agent = make_agent(load_nixl(), name, ["UCX"], delay_us)

@@ -38,7 +38,7 @@ import ctypes
 import functools
 import os
 from types import MappingProxyType
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -226,6 +226,17 @@ def flush_caches(tensor: torch.Tensor) -> bool:
     return rc == 1
 
 
+class _State(NamedTuple):
+    """A copier direction's call constants: the copy function, its two structs' addresses
+    (what a call passes) and the structs themselves (kept alive here)."""
+
+    copy: Any
+    tables_at: int
+    tuning_at: int
+    tables: Any  # kvcopy.native.Tables
+    tuning: Any  # kvcopy.native.CpuTuning
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -266,11 +277,11 @@ class CpuBackend(Backend):
         tuning = native.CpuTuning.make(num_threads=_threads(), simd=simd, stream_min_bytes=_stream_min_bytes(),
                                        piece_bytes=_piece_bytes(self._lib.kvcopy_cpu_sums_loop(simd)),
                                        piece_min_bytes=_piece_min_call_bytes())
-        tables.backend_state["cpu"] = (self._lib.kvcopy_cpu_copy, ctypes.addressof(static), ctypes.addressof(tuning),
-                                       (static, tuning))
+        tables.backend_state["cpu"] = _State(self._lib.kvcopy_cpu_copy, ctypes.addressof(static),
+                                             ctypes.addressof(tuning), static, tuning)
 
     def copy(self, tables: CopyTables, call: CallPlan) -> None:
-        copy, static, tuning, _ = self.state(tables)
+        copy, static, tuning, _, _ = self.state(tables)
         rc = copy(static, tuning, call.words, call.total_bytes)
         if rc != 0:
             raise RuntimeError(f"kvcopy_cpu_copy failed with code {rc}")
@@ -279,7 +290,7 @@ class CpuBackend(Backend):
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
     def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
-        _, static, tuning, _ = self.state(tables)
+        _, static, tuning, _, _ = self.state(tables)
         rc = self._sums(static, tuning, call.words, call.total_bytes, out.data_ptr(), out.numel())
         if rc == 2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums: no memory for its threads' rows of {out.numel()} sums")
@@ -289,7 +300,7 @@ class CpuBackend(Backend):
     def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
                                    fold_at: int) -> Optional[int]:
         """One C call (``kvcopy_cpu_copy_sums_fold``): the copy, its sums, their fold."""
-        _, static, tuning, _ = self.state(tables)
+        _, static, tuning, _, _ = self.state(tables)
         differ = self._sums_fold(static, tuning, call.words, call.total_bytes, out.data_ptr(), out.numel(), fold_at)
         if differ == -2:  # nothing written
             raise MemoryError(f"kvcopy_cpu_copy_sums_fold: no memory for its threads' rows of {out.numel()} sums")

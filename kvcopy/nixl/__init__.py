@@ -14,56 +14,32 @@ against it, are test tooling (:mod:`kvcopy.testing.nixl`). See ``docs/nixl.md``.
 Importing this package does not import NIXL; creating a manager does (``nixl``,
 ``nixl_cu12`` or ``nixl_cu13``, whichever is installed).
 """
-from .agent import NixlError, load_nixl, nixl_available
-from .modes.spans import ArenaFull
-from .engine.geometry import rank_heads, remote_ranks
-from .wire.handshake import HANDSHAKE_VERSION, decode, encode
-from .engine.info import EngineInfo, LayerPair, pair_layers
+from .agent import NixlError, nixl_available
+from .engine.geometry import remote_ranks
 from .manager import TransferManager
+from .modes.spans import ArenaFull
 from .options import ManagerOptions
-from .planning.plan import (
-    NO_BLOCK, Plan, PullPlan, RegionPair, RegionRef, build_multi_pull_plan, build_pull_plan, expand_blocks,
-)
+from .planning.plan import NO_BLOCK, Plan
 from .pull import Completion, PagesHeld, PullHandle
-from .wire.record import StagedRequest, StaleRegistration
-from .engine.regions import RegionInfo, RegionSet, build_regions
-from .planning.routes import Routes, plan_routes
-from .modes.arena import ArenaPlan
 from .sum_check import ChecksumRequired
+from .wire.record import StagedRequest, StaleRegistration
 
+# What a user of TransferManager calls and catches; the engine records, wire formats,
+# plans and routes are reached through their modules (kvcopy.nixl.engine.*, .wire.*,
+# .planning.*, .modes.*, .agent).
 __all__ = [
     "ArenaFull",
-    "ArenaPlan",
     "ChecksumRequired",
     "Completion",
-    "EngineInfo",
-    "HANDSHAKE_VERSION",
-    "LayerPair",
     "ManagerOptions",
     "NO_BLOCK",
     "NixlError",
     "PagesHeld",
     "Plan",
     "PullHandle",
-    "PullPlan",
-    "RegionInfo",
-    "RegionPair",
-    "RegionRef",
-    "RegionSet",
-    "Routes",
     "StagedRequest",
     "StaleRegistration",
     "TransferManager",
-    "build_multi_pull_plan",
-    "build_pull_plan",
-    "build_regions",
-    "decode",
-    "encode",
-    "expand_blocks",
-    "load_nixl",
     "nixl_available",
-    "pair_layers",
-    "plan_routes",
-    "rank_heads",
     "remote_ranks",
 ]

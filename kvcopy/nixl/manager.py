@@ -124,7 +124,7 @@ class TransferManager:
     :class:`~kvcopy.nixl.options.ManagerOptions`."""
 
     def __init__(self, name: str, device_caches: Mapping[str, torch.Tensor], layer_groups: Sequence[Sequence[str]],
-                 tokens_per_block, tokens_per_page=None, buffer: str = "host", backends: Sequence[str] = ("UCX",),
+                 tokens_per_block, tokens_per_page=None, buffer: str = "host",
                  *, options: Optional[ManagerOptions] = None, **overrides):
         self._closed = True  # until built: close() (and __del__) then touch nothing
         self.name = checked_name(name, "name (the NIXL agent name)", MAX_NAME)
@@ -145,7 +145,7 @@ class TransferManager:
         self.buffer = buffer
         self._mode = mode = MODES[buffer].build(device_caches, self.layer_groups, tpp, opts)
         try:
-            self._agent = Agent(self.name, tuple(backends), opts.progress_delay_us)
+            self._agent = Agent(self.name, opts.transports, opts.progress_delay_us)
         except Exception:
             mode.close()
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 from ..checks import integer, seconds
 from .agent import PROGRESS_DELAY_US
@@ -39,6 +39,9 @@ class ManagerOptions:
     progress_delay_us: int = PROGRESS_DELAY_US  # NIXL progress-thread poll timeout
     checksum: bool = True  # page sums computed by the copies, compared on D (docs/nixl.md, "Checksums")
     require_checksum: bool = False  # D: refuse a pull whose pages cannot be compared (plan_pull raises)
+    # NIXL's transport plugins the agent loads (NIXL calls them "backends"; kvcopy's own
+    # backends, which copy on the host or GPU, are copy_backend)
+    transports: Tuple[str, ...] = ("UCX",)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalized values are set once, here
@@ -64,6 +67,11 @@ class ManagerOptions:
                 raise TypeError(f"{flag} must be True or False, got {type(getattr(self, flag)).__name__}")
         if self.require_checksum and not self.checksum:
             raise ValueError("require_checksum needs checksum=True (without sums no pull could be compared)")
+        if isinstance(self.transports, (str, bytes)) or not isinstance(self.transports, (tuple, list)) \
+                or not self.transports or not all(isinstance(t, str) and t for t in self.transports):
+            raise TypeError(f"transports must be a non-empty sequence of NIXL plugin names (strings), "
+                            f"got {self.transports!r}")
+        put(self, "transports", tuple(self.transports))
 
     @classmethod
     def make(cls, options: Optional["ManagerOptions"], overrides: Mapping[str, Any]) -> "ManagerOptions":

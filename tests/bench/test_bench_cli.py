@@ -275,7 +275,7 @@ def test_every_row_on_the_same_threads_stated_in_the_header(tmp_path, capsys, mo
 
     def spy(self, tables):
         real_prepare(self, tables)
-        seen.append((torch.get_num_threads(), tables.backend_state["cpu"][8]))
+        seen.append((torch.get_num_threads(), tables.backend_state["cpu"].tuning.num_threads))
 
     monkeypatch.setattr(type(get_backend("cpu")), "prepare", spy)
     rc, res = run_json(tmp_path, "--num-groups", "2", "--threads", "1", "--direction", "h2d", *SMALL)

@@ -304,7 +304,7 @@ def test_a_fold_outside_the_sums_writes_nothing():
     # the library's own checks, on blocks SumFold would refuse to make: -1, nothing written
     from kvcopy.copy_backends import get_backend
     backend = get_backend("cpu")
-    _, static, tuning, _ = backend.state(check.copier.tables("d2h"))
+    _, static, tuning, _, _ = backend.state(check.copier.tables("d2h"))
     gather, bounds = np.zeros(4, np.int64), np.zeros(4, np.uint64)
     want = np.zeros(3, np.uint64)
     for starts, num_gather, num_values in (([0, 3, 2], 4, 3), ([0, 1, 5], 4, 3), ([-1, 0, 0], 4, 3),
@@ -599,7 +599,7 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
         if backend == "cpu":
             call = copier.plan(direction, ids, ids)
             assert call.num_items > 1 and call.total_bytes >= 1 << 20  # the threads' path at 2
-            tuning = get_backend("cpu").state(copier.tables(direction))[3][1]
+            tuning = get_backend("cpu").state(copier.tables(direction)).tuning
             simd, stream, piece, piece_min = tuning.simd, tuning.stream_min_bytes, tuning.piece_bytes, \
                 tuning.piece_min_bytes
             assert piece_min == 0  # the piece size is set: pieces at every size
@@ -674,7 +674,7 @@ def test_cpu_sums_without_rows_write_nothing(monkeypatch):
     call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
     tables = check.copier.tables("d2h")
     backend = get_backend("cpu")
-    _, static, tuning, (_, tuning_struct) = backend.state(tables)
+    _, static, tuning, _, tuning_struct = backend.state(tables)
     assert call.total_bytes >= 1 << 20 and call.num_items > 1 and tuning_struct.num_threads == 2  # threaded path
     before = {n: t.clone() for n, t in check.got[1].items()}
     out = torch.zeros(8, dtype=torch.int64)

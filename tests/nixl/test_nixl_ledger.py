@@ -102,7 +102,8 @@ def test_an_edited_plan_is_refused_or_harmless(buffer, edit):
 
 
 def test_every_plan_field_is_edited():
-    from kvcopy.nixl import ArenaPlan, PullPlan, RegionPair
+    from kvcopy.nixl.modes.arena import ArenaPlan
+    from kvcopy.nixl.planning.plan import PullPlan, RegionPair
 
     for buffer, plan_type in (("host", PullPlan), ("arena", ArenaPlan)):
         names = " ".join(name for name, _ in EDITS[buffer])

@@ -13,7 +13,8 @@ import weakref
 import numpy as np
 import pytest
 
-from kvcopy.nixl import decode, encode, nixl_available
+from kvcopy.nixl import nixl_available
+from kvcopy.nixl.wire.handshake import decode, encode
 from kvcopy.testing.nixl.handshake_fuzz import misplaced
 from kvcopy.testing.nixl.engines import build_case, pull_and_complete
 from kvcopy.testing.nixl.oracle import fill_random, same_bytes
@@ -32,9 +33,10 @@ HYBRID_D = [[4, 5, 6], [0, 1, 2, 3, 14]]
 # fds (/proc/self/fd), sockets, RSS, NIXL agents and peers before and after, as JSON.
 LEAK_CHILD = r'''
 import json, os, sys
-from kvcopy.nixl import decode, encode
+from kvcopy.nixl.wire.handshake import decode, encode
 from kvcopy.testing.nixl.handshake_fuzz import misplaced
-from kvcopy.testing.nixl.engines import build_case, fill_random, one_torch_thread
+from kvcopy.testing.nixl.engines import build_case, one_torch_thread
+from kvcopy.testing.nixl.oracle import fill_random
 
 kind, warmup, cycles = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

@@ -4,7 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from kvcopy.nixl import NO_BLOCK, build_pull_plan, pair_layers
+from kvcopy.nixl import NO_BLOCK
+from kvcopy.nixl.planning.plan import build_pull_plan
+from kvcopy.nixl.engine.info import pair_layers
 from kvcopy.testing.nixl.oracle import replay
 from kvcopy.core.layout import as_words
 from kvcopy.testing.nixl.engines import build_case, engine_info, expected_pull, one_torch_thread

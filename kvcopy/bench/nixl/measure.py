@@ -72,7 +72,7 @@ def add_args(p) -> None:
     m.add_argument("--warmup", type=int, default=1)
     m.add_argument("--budget", type=float, default=3.0, help="seconds per row before it leaves the rotation")
     m.add_argument("--device", help="where the KV caches live: cpu or cuda (default: cuda when available)")
-    m.add_argument("--nixl-backend", default="UCX", help="NIXL backend plugin (default UCX)")
+    m.add_argument("--transport", default="UCX", help="NIXL transport plugin (default UCX)")
     m.add_argument("--copy-backend", default="auto", help="kvcopy backend for save/complete")
     m.add_argument("--no-verify", dest="verify", action="store_false", default=True)
     m.add_argument("--progress-delay-us", type=int, default=None,
@@ -99,7 +99,7 @@ class RawPair:
     """Two raw NIXL agents with buffers laid out like the plan's regions."""
 
     def __init__(self, plan, backend: str, progress_delay_us: int):
-        from ...nixl import load_nixl
+        from ...nixl.agent import load_nixl
         from ...nixl.agent import make_agent
 
         nixl = load_nixl()
@@ -237,7 +237,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
     d_ids = d_block_ids(sc, num_blocks, sc.seed)
     delay = PROGRESS_DELAY_US if args.progress_delay_us is None else args.progress_delay_us
     kw = dict(block_dim=sc.block_dim(), kv_layout=sc.kv_layout(), copy_backend=args.copy_backend,
-              backends=(args.nixl_backend,), progress_delay_us=delay)
+              transports=(args.transport,), progress_delay_us=delay)
     mp = md = raw = mpa = mda = host_sums = None
     summed: list = []  # the arena '+sum' rows' (P, D, methods, descs, facts, before)
     try:
@@ -252,7 +252,7 @@ def measure_nixl(sc, args, device: str) -> Tuple[List[dict], dict]:
             return _page_plan(d.plan_pull(peer, padded(P.ids, counts), tokens, padded(d_ids, counts)))
 
         plan = page_plan()  # the raw rows' descriptors; each pull gets a plan of its own (one pull per plan)
-        raw = RawPair(plan, args.nixl_backend, delay)
+        raw = RawPair(plan, args.transport, delay)
         per_page, merged = raw.descriptors(merge=False), raw.descriptors(merge=True)
         bulk_n = int(plan.num_bytes)
         pulls = _HostPulls(md, page_plan)
@@ -586,7 +586,7 @@ class _HostPulls:
 
 def _page_plan(plan):
     """A host-mode plan (a PullPlan: pages, region pairs)."""
-    from ...nixl import PullPlan
+    from ...nixl.planning.plan import PullPlan
 
     if not isinstance(plan, PullPlan):
         raise TypeError(f"host mode planned a {type(plan).__name__}")

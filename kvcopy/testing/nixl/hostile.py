@@ -103,7 +103,8 @@ def _pages_of_copy(a, b) -> None:
 def plan_edits(buffer: str) -> List[Edit]:
     """Every field of the plan type of ``buffer`` mode, and of what a plan holds (module
     docstring), edited."""
-    from ...nixl import ArenaPlan, PullPlan, RegionPair
+    from ...nixl.modes.arena import ArenaPlan
+    from ...nixl.planning.plan import PullPlan, RegionPair
 
     plan_type = ArenaPlan if buffer == "arena" else PullPlan
     out: List[Edit] = []

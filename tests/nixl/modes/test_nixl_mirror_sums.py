@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.nixl import decode, encode
+from kvcopy.nixl.wire.handshake import decode, encode
 from kvcopy.nixl.wire.handshake import MAGIC, frame
 from kvcopy.nixl.engine.info import SumsRegion
 from kvcopy.testing.nixl import geometries

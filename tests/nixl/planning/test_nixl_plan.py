@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.nixl import NO_BLOCK, build_pull_plan, expand_blocks, pair_layers
+from kvcopy.nixl import NO_BLOCK
+from kvcopy.nixl.planning.plan import build_pull_plan, expand_blocks
+from kvcopy.nixl.engine.info import pair_layers
 from kvcopy.nixl.planning.plan import select_pages
 from kvcopy.testing.nixl.engines import ToyEngine, build_case, engine_info
 

@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 
-from kvcopy.nixl import build_multi_pull_plan, pair_layers, plan_routes
+from kvcopy.nixl.planning.routes import plan_routes
+from kvcopy.nixl.planning.plan import build_multi_pull_plan
+from kvcopy.nixl.engine.info import pair_layers
 from kvcopy.testing.nixl.engines import build_case, engine_info
 
 NP = 40

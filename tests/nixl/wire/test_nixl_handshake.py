@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from kvcopy.nixl import HANDSHAKE_VERSION, decode, encode
+from kvcopy.nixl.wire.handshake import HANDSHAKE_VERSION, decode, encode
 from kvcopy.nixl.wire.handshake import MAGIC, frame, header_of
 from kvcopy.testing.nixl.handshake_fuzz import misplaced, set_field
 from kvcopy.testing.nixl.engines import ToyEngine, build_case, engine_info
