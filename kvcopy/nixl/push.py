@@ -263,8 +263,8 @@ class Pushes:
                     check, unchecked = land(self._mode, job.rw, self._key, self._require)
                     self.landed += 1
                     return Completion.of_done(self._info.num_groups, check, unchecked, work)
-                except ValueError as exc:
-                    job.state, job.error = ERR, f"the pushed request is not loaded: {exc}"
+                except Exception as exc:  # noqa: BLE001 -- a refused record or a failed scatter fails this load only
+                    job.state, job.error = ERR, f"the pushed request is not loaded: {type(exc).__name__}: {exc}"
             return Completion.of_failed(work, job.error, None, not job.quiet)
         finally:
             if job.quiet:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.nixl import NO_BLOCK
+from kvcopy.nixl import NO_BLOCK, push
 from kvcopy.nixl.push import MAX_ROWS, NEVER, PREFIX, notice, parse_notice
 from kvcopy.testing.nixl.engines import (
     ManagerPairs, PrefillProcess, allocate_blocks, build_case, expected_pull, one_torch_thread,
@@ -119,6 +119,25 @@ def test_a_byte_flipped_in_p_span_fails_the_sums(pd):
     assert settle(p, d, res.token) == "DONE"
     done = d.push.complete(res.token)
     assert not done.ok and "sum" in done.error.lower()
+
+
+def test_a_scatter_that_raises_fails_the_load_and_ends_the_reservation(pd, monkeypatch):
+    """Whatever the landing raises (a torch or CUDA error in the scatter, not only a
+    refused record) is this load's failure: complete() returns it, never raises it, so
+    the connector's failure path finds the reservation ended (it would raise there)."""
+    p, d, peer, pe, de, target = pd("one_group")
+    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "boom", 30.0)
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    p.push.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="boom"))
+    assert settle(p, d, res.token) == "DONE"
+
+    def scatter_fails(*a, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(push, "land", scatter_fails)
+    done = d.push.complete(res.token)
+    assert not done.ok and "RuntimeError: CUDA error" in done.error
+    with pytest.raises(ValueError, match="unknown reservation token"):
+        d.push.state(res.token)  # ended: nothing left for the caller to fail
 
 
 def test_reservations_are_checked_before_nixl(pd):

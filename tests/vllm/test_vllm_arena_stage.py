@@ -21,3 +21,44 @@ def test_each_p_rank_counts_the_d_ranks_that_read_it(p_tp, d_tp, heads, expected
 
     assert [readers_of(r, p_tp, d_tp, heads) for r in range(p_tp)] == expected
     assert sum(expected) == sum(len(remote_ranks(r, d_tp, p_tp, heads)) for r in range(d_tp))
+
+
+def test_a_record_still_finishing_on_the_gpu_is_not_taken_for_a_span_freed_at_its_ttl():
+    """Layer-wise on CUDA: ``close_step`` hands the stager a record still being finished
+    (its copies' event pending) while the span is not yet among the arena's staged ones.
+    A tick in that window must neither forget the request nor report it released (D would
+    be told its span was freed), and D's notification after the record must free it."""
+    from types import SimpleNamespace
+
+    from kvcopy.nixl.sum_check import PendingResult
+    from kvcopy.vllm.arena.meta import READ, ArenaOptions
+    from kvcopy.vllm.arena.stage import ArenaStager
+
+    class Event:  # a CUDA event, not yet reached
+        done = False
+
+        def query(self):
+            return self.done
+
+    class Finishing(PendingResult):
+        def ready(self):
+            return True
+
+        def result(self):
+            return SimpleNamespace(to_bytes=lambda key: b"record")
+
+    arena = SimpleNamespace(staged=[], released=[])
+    arena.release = arena.released.append
+    manager = SimpleNamespace(arena=arena, notifications=lambda: {})
+    stager = ArenaStager(manager, ArenaOptions(), 0, 1, 8, None)
+    event = Event()
+    stager.live.add("r")
+    stager.syncing["r"] = (Finishing(), event)  # what step() does with close_step's output on CUDA
+    stager.tick()
+    assert stager.live == {"r"} and "r" not in stager.report.released
+    event.done = True
+    arena.staged = ["r"]  # finish() staged the span
+    stager.tick()
+    assert list(stager.records) == ["r"] and "r" in stager.report.staged
+    stager._note("r", "D0", 1, READ, 0.0)
+    assert arena.released == ["r"] and "r" not in stager.live and "r" not in stager.records

@@ -117,7 +117,9 @@ class ArenaStager:
         arena = self.m.arena
         assert arena is not None
         staged = set(arena.staged)
-        for rid in [r for r in self.live if r not in staged]:  # freed at its TTL
+        # freed at its TTL; not one still syncing: a layer-wise span on a GPU is staged only
+        # once its copies' event is reached (FinishingRecord)
+        for rid in [r for r in self.live if r not in staged and r not in self.syncing]:
             self._forget(rid)
         while self.early and next(iter(self.early.values()))[2] < now:
             self.early.popitem(last=False)
