@@ -38,11 +38,10 @@ the jobs it names. CPU jobs copy in :meth:`~OffloadCopier.submit`.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -63,24 +62,12 @@ class OffloadOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.checksum, bool):
-            raise ValueError(f"kvcopy.core.checksum must be true or false, got {self.checksum!r}")
+            raise ValueError(f"checksum must be true or false, got {self.checksum!r}")
         if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"kvcopy.backend must be a backend name, got {self.backend!r}")
+            raise ValueError(f"backend must be a backend name, got {self.backend!r}")
         if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
                                           or self.max_ctas < 1):
-            raise ValueError(f"kvcopy.max_ctas must be a positive integer, got {self.max_ctas!r}")
-
-    @classmethod
-    def from_mapping(cls, raw: Any) -> "OffloadOptions":
-        """From a JSON object (None: the defaults); unknown keys are refused."""
-        raw = raw or {}
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"kv_connector_extra_config['kvcopy'] must be an object, got {raw!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config['kvcopy']: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(raw))
+            raise ValueError(f"max_ctas must be a positive integer, got {self.max_ctas!r}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +156,7 @@ class OffloadCopier:
             why = self.copier.checksum_reason("d2h") or self.copier.checksum_reason("h2d")
             if why:
                 self.copier.close()
-                raise ValueError(f"offloading: kvcopy.core.checksum is on but {why}; set kvcopy.core.checksum to false "
+                raise ValueError(f"offloading: kvcopy.checksum is on but {why}; set kvcopy.checksum to false "
                                  "to use this backend")
         self.on_gpu = self.device.type == "cuda"
         self._sums = np.zeros(self.num_chunks * blocks_per_chunk, dtype=np.uint64)  # last store's sum per sub-block

@@ -78,6 +78,7 @@ from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from ..core.copier import BlockCopier
 from .checks import MIRROR, check_config
+from .config import MIRROR_SURFACE, MirrorOptions, from_transfer_config
 from .groups import (
     kernel_block_ids, kv_sharing_layers, pages_per_block, state_host_buffers, transfer_layer_groups,
 )
@@ -103,10 +104,14 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
     # (vLLM gives up after one 5 s wait: see _nixl_handshake).
     kvcopy_handshake_wait_s = 30.0
 
-    def __init__(self, vllm_config, engine_id, kv_cache_config):
+    def __init__(self, vllm_config, engine_id, kv_cache_config, options: Optional[MirrorOptions] = None):
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        # None where vLLM's own connector builds this class in place of its worker (the tests'
+        # vllm_substitute): its config is then read here, once
+        if options is None:
+            options = from_transfer_config(vllm_config.kv_transfer_config, MIRROR_SURFACE)
         # host_buffer_on_cpu: vLLM turned host buffers off for the CPU platform; turn them on
-        self.kvcopy_forced_host_buffer = _forced_host_buffer(vllm_config)
+        self.kvcopy_forced_host_buffer = _forced_host_buffer(vllm_config, options)
         if self.kvcopy_forced_host_buffer:
             self.use_host_buffer = True
 
@@ -250,80 +255,38 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         super().shutdown()
 
 
-def _mirror_flag(kv_transfer_config, key: str) -> bool:
-    raw = kv_transfer_config.get_from_extra_config("kvcopy", None) or {}
-    value = raw.get(key, False) if isinstance(raw, dict) else False
-    if not isinstance(value, bool):
-        raise ValueError(f"kv_connector_extra_config['kvcopy'][{key!r}] must be true or false, got {value!r}")
-    return value
-
-
-def host_buffer_on_cpu(kv_transfer_config) -> bool:
-    """``kv_connector_extra_config["kvcopy"]["host_buffer_on_cpu"]`` (default false): on
-    vLLM's CPU platform, stage through host buffers all the same.
-
-    vLLM turns host buffers off on a CPU worker (``use_host_buffer=False`` on both sides:
-    the KV is host memory already, NIXL reads it in place), so there the mirror connector
-    is vLLM's connector and kvcopy's copier never runs. With this flag on a CPU worker
-    and ``kv_buffer_device="cpu"``, the connector runs the path a GPU worker with host
-    buffers runs, step for step: vLLM allocates and registers the host buffers, P's
-    scheduler sends its saves, P's ``save_kv_to_host`` and D's ``sync_recved_kv_to_device``
-    run through the copier (kvcopy's ``cpu`` backend in place of a GPU one), NIXL READs the
-    host buffers. What differs from a GPU is only the copy backend and that no stream is
-    synchronized. For testing and measuring that path without a GPU; on a GPU worker the
-    flag changes nothing."""
-    return _mirror_flag(kv_transfer_config, "host_buffer_on_cpu")
-
-
-def _forced_host_buffer(vllm_config) -> bool:
+def _forced_host_buffer(vllm_config, options: MirrorOptions) -> bool:
+    """``host_buffer_on_cpu`` applies: vLLM's CPU platform with ``kv_buffer_device="cpu"``."""
     from vllm.platforms import current_platform
 
-    return (host_buffer_on_cpu(vllm_config.kv_transfer_config) and current_platform.device_type == "cpu"
+    return (options.host_buffer_on_cpu and current_platform.device_type == "cpu"
             and vllm_config.kv_transfer_config.kv_buffer_device == "cpu")
 
 
-def mirror_checksum(kv_transfer_config) -> bool:
-    """``kv_connector_extra_config["kvcopy"]["checksum"]`` for the mirror connector: only
-    ``false`` (the default here). Its bytes travel by vLLM's own NIXL transfers and
-    handshake, which carry no page sums, so nothing could compare them end to end;
-    ``true`` is refused (``ValueError``) rather than ignored. Page sums need kvcopy's
-    transport: the arena connector, where ``checksum`` is on by default."""
-    value = _mirror_flag(kv_transfer_config, "checksum")
-    if value:
-        raise ValueError("KvcopyNixlConnector: checksum=true needs kvcopy's transport; this connector moves KV "
-                         "with vLLM's own NIXL transfers, which carry no page sums to compare. Use "
-                         "KvcopyArenaConnector (page sums on by default) or set checksum to false")
-    return value
-
-
 class KvcopyNixlScheduler(NixlPullConnectorScheduler):
-    """vLLM's pull scheduler; with :func:`host_buffer_on_cpu` on a CPU worker it sends P's
-    saves as it does for a GPU worker with host buffers."""
+    """vLLM's pull scheduler; with ``host_buffer_on_cpu`` (:class:`~kvcopy.vllm.config.MirrorOptions`)
+    on a CPU worker it sends P's saves as it does for a GPU worker with host buffers."""
 
-    def __init__(self, vllm_config, engine_id, kv_cache_config):
+    def __init__(self, vllm_config, engine_id, kv_cache_config, options: MirrorOptions):
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        if _forced_host_buffer(vllm_config):
+        if _forced_host_buffer(vllm_config, options):
             self.use_host_buffer = True
 
 
 class KvcopyNixlConnector(NixlPullConnector):
     """vLLM's ``NixlConnector`` (pull) with :class:`KvcopyNixlWorker` as its worker
-    (``checksum``: see :func:`mirror_checksum`; ``host_buffer_on_cpu``: see
-    :func:`host_buffer_on_cpu`)."""
+    (its settings: :class:`~kvcopy.vllm.config.MirrorOptions`)."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
-        mirror_checksum(vllm_config.kv_transfer_config)
-        host_buffer_on_cpu(vllm_config.kv_transfer_config)
+        options = from_transfer_config(vllm_config.kv_transfer_config, MIRROR_SURFACE)
         check_config(vllm_config, MIRROR, kv_cache_config)  # vLLM's checks keyed on "NixlConnector"
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvcopyNixlScheduler(
-                vllm_config, self.engine_id, kv_cache_config
-            )
+            self.connector_scheduler = KvcopyNixlScheduler(vllm_config, self.engine_id, kv_cache_config, options)
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
-            self.connector_worker = KvcopyNixlWorker(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = KvcopyNixlWorker(vllm_config, self.engine_id, kv_cache_config, options)
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
 

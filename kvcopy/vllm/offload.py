@@ -50,7 +50,7 @@ needs vLLM 0.33.x (``ImportError`` naming the version otherwise).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.cpu.spec import _REGION_SEGMENTS, CPUOffloadingSpec, _al
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from ..offload import JobResult, OffloadCopier, OffloadOptions
+from .config import OFFLOAD_SURFACE, parse
 
 logger = init_logger("vllm.kvcopy.offload")
 
@@ -78,11 +79,6 @@ __all__ = ["KvcopyOffloadingConnector", "KvcopyOffloadingSpec", "KvcopyOffloadin
 
 
 # ---------------------------------------------------------------- the worker
-def offload_options(extra_config: Mapping[str, Any]) -> OffloadOptions:
-    """``kv_connector_extra_config["kvcopy"]`` as :class:`~kvcopy.offload.OffloadOptions`."""
-    return OffloadOptions.from_mapping(extra_config.get("kvcopy"))
-
-
 class KvcopyOffloadingWorker(OffloadingWorker):
     """vLLM's offloading worker interface over :class:`~kvcopy.offload.OffloadCopier`."""
 
@@ -168,7 +164,7 @@ class KvcopyOffloadingSpec(CPUOffloadingSpec):
     :class:`KvcopyOffloadingWorker` as its worker."""
 
     def __init__(self, config: OffloadingConfig):
-        self.options = offload_options(config.extra_config)
+        self.options = parse(config.extra_config.get("kvcopy"), OFFLOAD_SURFACE)
         if config.canonical_layout:
             raise ValueError("KvcopyOffloadingSpec: canonical_layout (the topology-free host layout of vLLM's tiering "
                              "spec) is not supported; vLLM's CPU spec does not write it either. Remove "
@@ -180,7 +176,7 @@ class KvcopyOffloadingSpec(CPUOffloadingSpec):
                 raise ValueError(
                     "KvcopyOffloadingSpec: checksums with sync loads (sync_load_budget_bytes > 0) are not supported: "
                     "vLLM 0.33 has no failure path for a load its request already runs on with several KV cache "
-                    "groups. Set sync_load_budget_bytes to 0 or kvcopy.core.checksum to false")
+                    "groups. Set sync_load_budget_bytes to 0 or kvcopy.checksum to false")
             # Each rank keeps the sums of what it stored; a single shared copy would be
             # loaded by ranks that never stored it.
             config = dataclasses.replace(config, replicated_layout=False)
@@ -286,7 +282,7 @@ class KvcopyOffloadingConnector(OffloadingConnector):
                              f"kvcopy.vllm), got {spec_cls.__name__}")
         super().__init__(vllm_config, role, kv_cache_config)
         self._doomed: Set[OffloadKey] = set()
-        if role == KVConnectorRole.SCHEDULER and offload_options(extra).checksum \
+        if role == KVConnectorRole.SCHEDULER and parse(extra.get("kvcopy"), OFFLOAD_SURFACE).checksum \
                 and transfer.kv_load_failure_policy != "recompute":
             logger.warning("kvcopy offloading: kv_load_failure_policy is %r: a load that fails its checksums ends its "
                            "request with an error; set it to \"recompute\" to recompute the KV instead",

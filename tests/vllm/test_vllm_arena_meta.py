@@ -14,23 +14,24 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 
 def test_options_are_checked():
-    from kvcopy.vllm.arena.meta import ArenaOptions
+    from kvcopy.vllm.config import ARENA_SURFACE, PREFIX, from_transfer_config
 
     def opts(**kw):
-        return ArenaOptions.from_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
-                                                         kv_connector_extra_config={"kvcopy": kw}))
+        return from_transfer_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
+                                                     kv_connector_extra_config={"kvcopy": kw}), ARENA_SURFACE)
     assert opts(arena_bytes=1 << 20, pull_timeout_s=2).pull_timeout_s == 2
     for bad, match in [({"arena_bytes": 0}, "arena_bytes"), ({"arena_bytes": True}, "arena_bytes"),
                        ({"pull_timeout_s": float("nan")}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
                        ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
                        ({"key_env": ""}, "key_env"), ({"checksum": "yes"}, "checksum"), ({"checksum": 1}, "checksum"),
                        ({"require_checksum": 1}, "require_checksum"),
-                       ({"require_checksum": True, "checksum": False}, "needs kvcopy.core.checksum"),
+                       ({"require_checksum": True, "checksum": False}, "needs checksum"),
                        # a span freed before it could be served (0 and 1e-9 were taken)
                        ({"arena_ttl_s": 0}, "arena_ttl_s"), ({"arena_ttl_s": 1e-9}, "at least 2"),
                        ({"arena_ttl_s": 1.9}, "at least 2")]:
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as raised:
             opts(**bad)
+        assert str(raised.value).startswith(PREFIX), raised.value
     with pytest.raises(ValueError, match="KVCOPY_TEST_KEY.*not set"):
         opts(key_env="KVCOPY_TEST_KEY").key()
     assert opts().checksum is True and opts(checksum=False).checksum is False
@@ -38,19 +39,32 @@ def test_options_are_checked():
     assert opts(arena_ttl_s=2).arena_ttl_s == 2
 
 
+def _mirror_options(extra):
+    from kvcopy.vllm.config import MIRROR_SURFACE, from_transfer_config
+
+    return from_transfer_config(KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
+                                                 kv_connector_extra_config=extra), MIRROR_SURFACE)
+
+
 def test_the_mirror_connector_refuses_checksum_true():
     """The mirror connector's bytes go by vLLM's own transfers, with no sums to compare:
     checksum=true is refused, not ignored; false (or absent) is what it does."""
-    from kvcopy.vllm.mirror import mirror_checksum
+    assert _mirror_options({}).checksum is False
+    assert _mirror_options({"kvcopy": {"checksum": False}}).checksum is False
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\['kvcopy'\]\.checksum=true"
+                                         r".*KvcopyArenaConnector"):
+        _mirror_options({"kvcopy": {"checksum": True}})
+    with pytest.raises(ValueError, match="checksum must be true or false"):
+        _mirror_options({"kvcopy": {"checksum": "on"}})
 
-    def cfg(extra):
-        return KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
-                                kv_connector_extra_config=extra)
-    assert mirror_checksum(cfg({})) is False and mirror_checksum(cfg({"kvcopy": {"checksum": False}})) is False
-    with pytest.raises(ValueError, match="KvcopyArenaConnector"):
-        mirror_checksum(cfg({"kvcopy": {"checksum": True}}))
-    with pytest.raises(ValueError, match="true or false"):
-        mirror_checksum(cfg({"kvcopy": {"checksum": "on"}}))
+
+def test_the_mirror_connector_refuses_unknown_keys():
+    """As the arena and offloading connectors do (it ignored them before 42)."""
+    with pytest.raises(ValueError,
+                       match=r"unknown key\(s\) \['host_buffer'\]; known: \['checksum', 'host_buffer_on_cpu'\]"):
+        _mirror_options({"kvcopy": {"host_buffer": True}})
+    with pytest.raises(ValueError, match="must be an object"):
+        _mirror_options({"kvcopy": ["host_buffer_on_cpu"]})
 
 
 def test_reader_notifications_are_parsed_strictly():
@@ -77,15 +91,10 @@ def test_worker_reports_merge_over_tp_ranks():
 
 
 def test_the_mirror_connector_takes_host_buffer_on_cpu_as_a_flag():
-    from kvcopy.vllm.mirror import host_buffer_on_cpu
-
-    def cfg(extra):
-        return KVTransferConfig(kv_connector="KvcopyNixlConnector", kv_role="kv_both",
-                                kv_connector_extra_config=extra)
-    assert host_buffer_on_cpu(cfg({})) is False
-    assert host_buffer_on_cpu(cfg({"kvcopy": {"host_buffer_on_cpu": True}})) is True
-    with pytest.raises(ValueError, match="true or false"):
-        host_buffer_on_cpu(cfg({"kvcopy": {"host_buffer_on_cpu": "yes"}}))
+    assert _mirror_options({}).host_buffer_on_cpu is False
+    assert _mirror_options({"kvcopy": {"host_buffer_on_cpu": True}}).host_buffer_on_cpu is True
+    with pytest.raises(ValueError, match="host_buffer_on_cpu must be true or false"):
+        _mirror_options({"kvcopy": {"host_buffer_on_cpu": "yes"}})
 
 
 def test_split_pages_and_the_conv_layout_join_the_compatibility_hash():

@@ -31,7 +31,8 @@ def test_a_record_still_finishing_on_the_gpu_is_not_taken_for_a_span_freed_at_it
     from types import SimpleNamespace
 
     from kvcopy.nixl.sum_check import PendingResult
-    from kvcopy.vllm.arena.meta import READ, ArenaOptions
+    from kvcopy.vllm.arena.meta import READ
+    from kvcopy.vllm.config import ArenaOptions
     from kvcopy.vllm.arena.stage import ArenaStager
 
     class Event:  # a CUDA event, not yet reached

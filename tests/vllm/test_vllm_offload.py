@@ -67,7 +67,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  
 import kvcopy.vllm  # noqa: E402
 from kvcopy.testing.vllm_offload import VllmCpuWorker  # noqa: E402
 from kvcopy.vllm.offload import (  # noqa: E402
-    KvcopyOffloadingConnector, KvcopyOffloadingSpec, KvcopyOffloadingWorker, OffloadOptions, drop_chunks,
+    KvcopyOffloadingConnector, KvcopyOffloadingSpec, KvcopyOffloadingWorker, drop_chunks,
 )
 
 init_none_hash(sha256)
@@ -404,8 +404,11 @@ def test_the_spec_loads_through_vllms_factory_from_both_module_paths():
     ([1], "must be an object"),
 ])
 def test_bad_options_are_refused(raw, match):
-    with pytest.raises(ValueError, match=match):
-        OffloadOptions.from_mapping(raw)
+    from kvcopy.vllm.config import OFFLOAD_SURFACE, PREFIX, parse
+
+    with pytest.raises(ValueError, match=match) as raised:
+        parse(raw, OFFLOAD_SURFACE)
+    assert str(raised.value).startswith(PREFIX), raised.value
 
 
 @pytest.mark.parametrize("extra,match", [

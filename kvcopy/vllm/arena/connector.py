@@ -68,7 +68,7 @@ Decisions, and why:
 
 What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
-(``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm.arena.meta.ArenaOptions`.
+(``kv_connector_extra_config["kvcopy"]``): :class:`~kvcopy.vllm.config.ArenaOptions`.
 Not supported: DCP/PCP, PP, sleep mode (the arena stays registered), TP pairs with
 GDN state groups of different TP sizes (kvcopy refuses them at ``add_peer``),
 ``bidirectional_kv_xfer`` (refused when the connector is made: :mod:`kvcopy.vllm.checks`,
@@ -98,9 +98,10 @@ from .channel import (
 )
 from .record_client import Reply
 from ..checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
+from ..config import ARENA_SURFACE, ArenaOptions, from_transfer_config
 from .layerwise import LayerwiseStage
 from .meta import (
-    MAX_TP, ArenaLayerStep, ArenaOptions, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta,
+    MAX_TP, ArenaLayerStep, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta,
     agent_name, compatibility_hash,
 )
 from .pull import ArenaPuller
@@ -474,7 +475,7 @@ class KvcopyArenaConnector(NixlBaseConnector):
         check_config(vllm_config, ARENA, kv_cache_config)  # vLLM's checks keyed on "NixlConnector"
         check_arena_only(vllm_config.kv_transfer_config)
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        options = ArenaOptions.from_config(self.kv_transfer_config)
+        options = from_transfer_config(self.kv_transfer_config, ARENA_SURFACE)
         self.arena_worker: Optional[KvcopyArenaWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KvcopyArenaScheduler(vllm_config, self.engine_id, kv_cache_config, options)

@@ -1,9 +1,8 @@
-"""What the arena connector's parts tell each other: options, per-step metadata, notifications.
+"""What the arena connector's parts tell each other: per-step metadata, notifications.
 
-Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first. The connector's
+settings are :class:`kvcopy.vllm.config.ArenaOptions`.
 
-* :class:`ArenaOptions`: the connector's settings, from
-  ``kv_connector_extra_config["kvcopy"]`` (every key checked; unknown keys refused).
 * Scheduler -> workers, once per step (:class:`KvcopyArenaMetadata`): vLLM's own NIXL
   metadata (which requests P's scheduler finished or dropped) plus, on P, the requests
   whose prefill ends this step (:class:`ArenaStage`: their block table and token count),
@@ -22,15 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-from dataclasses import dataclass, field, fields
-from typing import Dict, Mapping, Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from ...nixl.engine.info import MAX_TP
-from ...nixl.planning.pack_order import ORDERS
 
 # Bumped on any change of what the two sides exchange (records, notifications, replies).
 # 2: records bound to request/rank/registration, give-ups, keyed side channel; 3: pack order v2,
@@ -38,80 +34,6 @@ from ...nixl.planning.pack_order import ORDERS
 ARENA_PROTOCOL = 3
 NOTIFY_PREFIX = b"kvcopy-arena\0"
 READ, GAVE_UP = b"r", b"g"  # what a reader's notification says
-TRANSFER_MODES = ("pull", "push")  # D's choice; P serves both
-# The shortest arena TTL the connector takes: P's side channel stops serving a record a
-# margin of max(1 s, 10% of the TTL) before its span expires, so below 2 s nothing would
-# be served for long enough to be read.
-MIN_ARENA_TTL_S = 2.0
-
-
-@dataclass(frozen=True)
-class ArenaOptions:
-    """``kv_connector_extra_config["kvcopy"]``: sizes in bytes, times in seconds."""
-
-    arena_bytes: int = 1 << 30  # pinned staging memory per worker (P and D)
-    arena_ttl_s: float = 60.0  # P keeps a staged span at most this long without D's notification
-    stage_timeout_s: float = 10.0  # P: how long a request waits for arena space before it fails
-    fetch_timeout_s: float = 30.0  # D: handshake + P's record + D's arena space, from the request's start
-    pull_timeout_s: float = 30.0  # D: one READ's deadline (also bounded by what is left of P's TTL)
-    arena_order: str = "token"  # or "head" (HND pages, P/D of different TP)
-    copy_backend: str = "auto"
-    key_env: Optional[str] = None  # environment variable holding the shared key (hex): side channel, records, notes
-    checksum: bool = True  # page sums: P's pack into the record, D's scatter compared (docs/nixl.md, "Checksums")
-    require_checksum: bool = False  # D: a pull whose pages cannot be compared fails its load (docs/vllm.md)
-    layerwise: bool = False  # P: stage each layer's settled pages as the forward runs (docs/vllm.md, "Layer-wise")
-    transfer_mode: str = "pull"  # D: "push": D reserves a span, P WRITEs into it (kvcopy.vllm.arena.push_recv)
-    push_timeout_s: float = 60.0  # D, push: reservation -> KV ready, from the request's start (then recomputed)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "arena_bytes":
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise ValueError(f"kvcopy.arena_bytes must be a positive int, got {value!r}")
-            elif f.name.endswith("_s"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                        or value <= 0:
-                    raise ValueError(f"kvcopy.{f.name} must be a positive number of seconds, got {value!r}")
-        if self.arena_order not in ORDERS:
-            raise ValueError(f"kvcopy.arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
-        if self.transfer_mode not in TRANSFER_MODES:
-            raise ValueError(f"kvcopy.transfer_mode must be one of {list(TRANSFER_MODES)}, got {self.transfer_mode!r}")
-        if not isinstance(self.copy_backend, str):
-            raise ValueError(f"kvcopy.copy_backend must be a backend name, got {self.copy_backend!r}")
-        for flag in ("checksum", "require_checksum", "layerwise"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"kvcopy.{flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.require_checksum and not self.checksum:
-            raise ValueError("kvcopy.require_checksum needs kvcopy.core.checksum true")
-        if self.arena_ttl_s < MIN_ARENA_TTL_S:
-            raise ValueError(f"kvcopy.arena_ttl_s must be at least {MIN_ARENA_TTL_S:g} s (P serves a record until a "
-                             f"margin of max(1 s, 10%) before its span expires), got {self.arena_ttl_s!r}")
-        if self.key_env is not None and (not isinstance(self.key_env, str) or not self.key_env):
-            raise ValueError(f"kvcopy.key_env must name an environment variable, got {self.key_env!r}")
-
-    @classmethod
-    def from_config(cls, kv_transfer_config) -> "ArenaOptions":
-        raw = kv_transfer_config.get_from_extra_config("kvcopy", None) or {}
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"kv_connector_extra_config['kvcopy'] must be an object, got {raw!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config['kvcopy']: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(raw))
-
-    def key(self) -> Optional[bytes]:
-        """The shared key from ``key_env`` (hex), or None."""
-        if self.key_env is None:
-            return None
-        text = os.environ.get(self.key_env)
-        if not text:
-            raise ValueError(f"kvcopy.key_env names {self.key_env!r}, which is not set")
-        try:
-            return bytes.fromhex(text.strip())
-        except ValueError:
-            raise ValueError(f"environment variable {self.key_env!r} must hold the key in hex") from None
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ from ...nixl.manager import TransferManager
 from ...nixl.planning.plan import Plan
 from ...nixl.pull import Completion, PullHandle
 from .record_client import Fetch, SideChannel
-from .meta import GAVE_UP, ArenaOptions, ArenaRecv, agent_name, notify_bytes
+from ..config import ArenaOptions
+from .meta import GAVE_UP, ArenaRecv, agent_name, notify_bytes
 from .stats import PullStats
 from ..groups import GroupTokens
 

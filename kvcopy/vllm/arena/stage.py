@@ -46,10 +46,11 @@ from vllm.logger import init_logger
 from ...nixl import ArenaFull, remote_ranks
 from ...nixl.manager import TransferManager
 from ...nixl.sum_check import finished
+from ..config import ArenaOptions
 from .layerwise import LayerwiseStage, FinishingRecord
 from ...nixl.wire.record import StagedRequest
 from .meta import (
-    GAVE_UP, READ, ArenaOptions, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
+    GAVE_UP, READ, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta, parse_notify,
 )
 
 logger = init_logger("vllm.kvcopy")
