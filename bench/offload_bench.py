@@ -132,7 +132,7 @@ def kvcopy_rows(torch, s: Setup, store: bool, verify: bool) -> Dict[str, Callabl
 
     variants = {"kvcopy": {}, "kvcopy+sums": {"checksum": True}}
     if s.device == "cuda":
-        variants.update({"ce/page": {"backend": "ce"}, "triton/12": {"backend": "triton", "max_ctas": 12}})
+        variants.update({"ce/page": {"copy_backend": "ce"}, "triton/12": {"copy_backend": "triton", "max_ctas": 12}})
     rows: Dict[str, Callable[[], None]] = {}
     for name, opts in variants.items():
         opts = {"checksum": False, **opts}

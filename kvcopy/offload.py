@@ -47,27 +47,18 @@ import numpy as np
 import torch
 
 from .core.copier import BlockCopier
+from .core.options import ChecksumOptions
 from .core.tables import CallPlan
 
 QUEUES = ("store", "load", "expedited")
 
 
 @dataclass(frozen=True)
-class OffloadOptions:
-    """The options of offloading copies (``kv_connector_extra_config["kvcopy"]`` in vLLM)."""
-
-    checksum: bool = True  # page sums computed by stores, compared by loads
-    backend: str = "auto"  # a kvcopy backend name; auto: the measured choice per device and call
-    max_ctas: Optional[int] = None  # grid cap of the kernel backends (None: kvcopy's default)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.checksum, bool):
-            raise ValueError(f"checksum must be true or false, got {self.checksum!r}")
-        if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"backend must be a backend name, got {self.backend!r}")
-        if self.max_ctas is not None and (isinstance(self.max_ctas, bool) or not isinstance(self.max_ctas, int)
-                                          or self.max_ctas < 1):
-            raise ValueError(f"max_ctas must be a positive integer, got {self.max_ctas!r}")
+class OffloadOptions(ChecksumOptions):
+    """The options of offloading copies (``kv_connector_extra_config["kvcopy"]`` in vLLM:
+    ``checksum``, page sums computed by stores and compared by loads; ``copy_backend``;
+    ``max_ctas``). Its fields are :class:`~kvcopy.core.options.ChecksumOptions`'; the
+    copies run on ``(blocks, page)`` rows, so ``kv_layout`` and ``block_dim`` are unused."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +176,7 @@ class OffloadCopier:
                     host[name] = h[:, j * page:j * page + nbytes]
                     mine.append(name)
                 names.append(mine)
-        return BlockCopier(device, host, names, backend=self.options.backend, block_dim=0,
+        return BlockCopier(device, host, names, backend=self.options.copy_backend, block_dim=0,
                            max_ctas=self.options.max_ctas)
 
     # -------------------------------------------------------------- ids

@@ -280,8 +280,8 @@ def test_a_backend_that_cannot_sum_is_refused_at_build_with_checksums_on(monkeyp
     case = Case("one_group", 1)
     monkeypatch.setattr(type(backends.get_backend("cpu")), "checksum_reason", lambda self, tables: "it cannot")
     with pytest.raises(ValueError, match="kvcopy.checksum is on but it cannot"):
-        case.copier(backend="cpu")
-    case.copier(backend="cpu", checksum=False).close()
+        case.copier(copy_backend="cpu")
+    case.copier(copy_backend="cpu", checksum=False).close()
 
 
 @pytest.mark.parametrize("sizes,starts,dev,chunks", [
@@ -314,14 +314,17 @@ def test_bad_geometry_is_refused_at_build():
         OffloadCopier(case.tensors[:1], [[(0, 512)]], case.hosts[:1], 0, OffloadOptions())
 
 
-@pytest.mark.parametrize("raw,match", [
-    ({"checksum": 1}, "checksum must be true or false"),
-    ({"max_ctas": True}, "max_ctas must be a positive integer"),
-    ({"backend": 3}, "backend must be a backend name"),
+@pytest.mark.parametrize("raw,exc,match", [
+    ({"checksum": 1}, TypeError, "checksum must be true or false"),
+    ({"max_ctas": True}, TypeError, "max_ctas must be a positive integer"),
+    ({"max_ctas": 0}, ValueError, "max_ctas must be a positive integer"),
+    ({"copy_backend": 3}, TypeError, "copy_backend must be a backend name"),
+    ({"copy_backend": ""}, ValueError, "copy_backend must be a backend name"),
+    ({"backend": "cpu"}, TypeError, "unexpected keyword argument 'backend'"),
 ])
-def test_bad_options_are_refused(raw, match):
+def test_bad_options_are_refused(raw, exc, match):
     """(Unknown keys and a value that is no object: kvcopy.vllm.config's parser, tests/vllm.)"""
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(exc, match=match):
         OffloadOptions(**raw)
 
 

@@ -3,6 +3,7 @@
 :mod:`.layout` page geometry of each tensor view; :mod:`.storages` views grouped by the
 memory they share; :mod:`.tables` the entry table a copy backend runs; :mod:`.planner`
 block ids -> the packed call; :mod:`.copier` ``BlockCopier``; :mod:`.checksum` page sums;
-:mod:`.copy_op` vLLM's ``CopyBlocksOp`` signature. Imports no ``kvcopy.nixl``,
-``kvcopy.vllm``, ``kvcopy.offload``, test tooling or benchmark (tests/test_contracts.py).
+:mod:`.copy_op` vLLM's ``CopyBlocksOp`` signature; :mod:`.options` the options every copying
+surface shares. Imports no ``kvcopy.nixl``, ``kvcopy.vllm``, ``kvcopy.offload``, test tooling
+or benchmark (tests/test_contracts.py).
 """

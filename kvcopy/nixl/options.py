@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
 from ..checks import integer, seconds
+from ..core.options import ChecksumOptions
 from .agent import PROGRESS_DELAY_US
 from .wire.framing import check_key
 from .planning.pack_order import ORDERS
@@ -22,28 +23,28 @@ MIN_ARENA_TTL_S = 0.5
 
 
 @dataclass(frozen=True)
-class ManagerOptions:
-    """Everything a manager takes besides its name, caches, groups and block sizes."""
+class ManagerOptions(ChecksumOptions):
+    """Everything a manager takes besides its name, caches, groups and block sizes: how
+    its copies run (:class:`~kvcopy.core.options.ChecksumOptions`: ``copy_backend`` for
+    save and complete, ``max_ctas``, ``kv_layout``, ``block_dim``, ``checksum``: page
+    sums computed by the copies, compared on D, docs/nixl.md "Checksums"), and these."""
 
-    kv_layout: str = "NHD"  # as for BlockCopier
-    block_dim: Any = None  # as for BlockCopier: None, an int, or per layer
     tp_rank: int = 0
     tp_size: int = 1
     total_kv_heads: Any = None  # an int or per layer; default: heads in the tensor x tp_size
-    copy_backend: str = "auto"  # BlockCopier backend for save and complete
     pull_timeout_s: Optional[float] = None  # default deadline of every pull; None: none
     key: Optional[bytes] = field(default=None, repr=False)  # shared HMAC key (bytes, >= 16)
     arena_bytes: int = 1 << 30  # arena mode: the staging arena's size
     arena_ttl_s: float = 60.0  # arena mode: how long P keeps a staged span without D's notification
     arena_order: str = "token"  # arena mode: "token" or "head" (HND pages)
     progress_delay_us: int = PROGRESS_DELAY_US  # NIXL progress-thread poll timeout
-    checksum: bool = True  # page sums computed by the copies, compared on D (docs/nixl.md, "Checksums")
     require_checksum: bool = False  # D: refuse a pull whose pages cannot be compared (plan_pull raises)
     # NIXL's transport plugins the agent loads (NIXL calls them "backends"; kvcopy's own
     # backends, which copy on the host or GPU, are copy_backend)
     transports: Tuple[str, ...] = ("UCX",)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         put = object.__setattr__  # frozen: normalized values are set once, here
         put(self, "tp_size", integer(self.tp_size, "tp_size", minimum=1))
         put(self, "tp_rank", integer(self.tp_rank, "tp_rank", minimum=0))
@@ -62,9 +63,8 @@ class ManagerOptions:
         if self.arena_order not in ORDERS:
             raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         put(self, "progress_delay_us", integer(self.progress_delay_us, "progress_delay_us", minimum=0))
-        for flag in ("checksum", "require_checksum"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be True or False, got {type(getattr(self, flag)).__name__}")
+        if not isinstance(self.require_checksum, bool):
+            raise TypeError(f"require_checksum must be True or False, got {type(self.require_checksum).__name__}")
         if self.require_checksum and not self.checksum:
             raise ValueError("require_checksum needs checksum=True (without sums no pull could be compared)")
         if isinstance(self.transports, (str, bytes)) or not isinstance(self.transports, (tuple, list)) \

@@ -16,12 +16,14 @@ came from.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
 
-from ..nixl.planning.pack_order import ORDERS
+from ..core.options import CopyOptions
+from ..nixl.options import ManagerOptions
 from ..offload import OffloadOptions
 
 PREFIX = "kv_connector_extra_config['kvcopy']"
@@ -30,6 +32,7 @@ TRANSFER_MODES = ("pull", "push")  # D's choice; P serves both
 # margin of max(1 s, 10% of the TTL) before its span expires, so below 2 s nothing would
 # be served for long enough to be read.
 MIN_ARENA_TTL_S = 2.0
+ARENA_PULL_TIMEOUT_S = 30.0  # the arena's default READ deadline (a TransferManager's is none)
 
 
 class Surface(NamedTuple):
@@ -62,8 +65,9 @@ def from_transfer_config(kv_transfer_config, surface: Surface) -> Any:
 
 
 @dataclass(frozen=True)
-class MirrorOptions:
-    """``KvcopyNixlConnector``'s settings."""
+class MirrorOptions(CopyOptions):
+    """``KvcopyNixlConnector``'s settings: how its copier copies (``copy_backend``,
+    ``max_ctas``; the layout is vLLM's) and this."""
 
     # On vLLM's CPU platform, stage through host buffers all the same. vLLM turns host
     # buffers off on a CPU worker (NIXL reads the KV in place), so there the mirror
@@ -73,83 +77,93 @@ class MirrorOptions:
     # stream synchronized: for testing and measuring that path without a GPU. On a GPU
     # worker it changes nothing.
     host_buffer_on_cpu: bool = False
-    # Only false: the mirror's bytes travel by vLLM's own NIXL transfers and handshake, which
-    # carry no page sums, so nothing could compare them end to end; true is refused rather
-    # than ignored. Page sums need kvcopy's transport (the arena connector).
-    checksum: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("host_buffer_on_cpu", "checksum"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.checksum:
-            raise ValueError("checksum=true needs kvcopy's transport; KvcopyNixlConnector moves KV with vLLM's own "
-                             "NIXL transfers, which carry no page sums to compare. Use KvcopyArenaConnector (page "
-                             "sums on by default) or set checksum to false")
+        super().__post_init__()
+        if not isinstance(self.host_buffer_on_cpu, bool):
+            raise TypeError(f"host_buffer_on_cpu must be true or false, got {self.host_buffer_on_cpu!r}")
+
+
+def _mirror(checksum: bool = False, **keys) -> MirrorOptions:
+    """The mirror's ``checksum`` key takes only false, and is no field: its bytes travel by
+    vLLM's own NIXL transfers and handshake, which carry no page sums, so nothing could
+    compare them end to end; true is refused rather than ignored."""
+    if not isinstance(checksum, bool):
+        raise TypeError(f"checksum must be true or false, got {checksum!r}")
+    if checksum:
+        raise ValueError("checksum=true needs kvcopy's transport; KvcopyNixlConnector moves KV with vLLM's own "
+                         "NIXL transfers, which carry no page sums to compare. Use KvcopyArenaConnector (page "
+                         "sums on by default) or set checksum to false")
+    return MirrorOptions(**keys)
 
 
 @dataclass(frozen=True)
 class ArenaOptions:
-    """``KvcopyArenaConnector``'s settings: sizes in bytes, times in seconds."""
+    """``KvcopyArenaConnector``'s settings: its own, and its workers' ``TransferManager``
+    options (``manager``: the keys ``arena_bytes``, ``arena_ttl_s``, ``pull_timeout_s``,
+    ``arena_order``, ``copy_backend``, ``max_ctas``, ``checksum``, ``require_checksum``,
+    and ``key`` from ``key_env``; each checked by :class:`~kvcopy.nixl.options.ManagerOptions`).
+    Times in seconds."""
 
-    arena_bytes: int = 1 << 30  # pinned staging memory per worker (P and D)
-    arena_ttl_s: float = 60.0  # P keeps a staged span at most this long without D's notification
     stage_timeout_s: float = 10.0  # P: how long a request waits for arena space before it fails
     fetch_timeout_s: float = 30.0  # D: handshake + P's record + D's arena space, from the request's start
-    pull_timeout_s: float = 30.0  # D: one READ's deadline (also bounded by what is left of P's TTL)
-    arena_order: str = "token"  # or "head" (HND pages, P/D of different TP)
-    copy_backend: str = "auto"
     key_env: Optional[str] = None  # environment variable holding the shared key (hex): side channel, records, notes
-    checksum: bool = True  # page sums: P's pack into the record, D's scatter compared (docs/nixl.md, "Checksums")
-    require_checksum: bool = False  # D: a pull whose pages cannot be compared fails its load (docs/vllm.md)
     layerwise: bool = False  # P: stage each layer's settled pages as the forward runs (docs/vllm.md, "Layer-wise")
     transfer_mode: str = "pull"  # D: "push": D reserves a span, P WRITEs into it (kvcopy.vllm.arena.push_recv)
     push_timeout_s: float = 60.0  # D, push: reservation -> KV ready, from the request's start (then recomputed)
+    # pull_timeout_s: D's deadline of one READ (also bounded by what is left of P's TTL)
+    manager: ManagerOptions = ManagerOptions(pull_timeout_s=ARENA_PULL_TIMEOUT_S)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "arena_bytes":
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise ValueError(f"arena_bytes must be a positive int, got {value!r}")
-            elif f.name.endswith("_s"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                        or value <= 0:
-                    raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
-        if self.arena_order not in ORDERS:
-            raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
+        for name in ("stage_timeout_s", "fetch_timeout_s", "push_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode must be one of {list(TRANSFER_MODES)}, got {self.transfer_mode!r}")
-        if not isinstance(self.copy_backend, str):
-            raise ValueError(f"copy_backend must be a backend name, got {self.copy_backend!r}")
-        for flag in ("checksum", "require_checksum", "layerwise"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.require_checksum and not self.checksum:
-            raise ValueError("require_checksum needs checksum true")
-        if self.arena_ttl_s < MIN_ARENA_TTL_S:
-            raise ValueError(f"arena_ttl_s must be at least {MIN_ARENA_TTL_S:g} s (P serves a record until a "
-                             f"margin of max(1 s, 10%) before its span expires), got {self.arena_ttl_s!r}")
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be true or false, got {self.layerwise!r}")
         if self.key_env is not None and (not isinstance(self.key_env, str) or not self.key_env):
             raise ValueError(f"key_env must name an environment variable, got {self.key_env!r}")
+        if not isinstance(self.manager, ManagerOptions):
+            raise TypeError(f"manager must be a ManagerOptions, got {type(self.manager).__name__}")
+        if self.manager.pull_timeout_s is None:  # a TransferManager's default; D's READs need a deadline
+            raise ValueError("pull_timeout_s must be a positive number of seconds, got None")
+        if self.manager.arena_ttl_s < MIN_ARENA_TTL_S:
+            raise ValueError(f"arena_ttl_s must be at least {MIN_ARENA_TTL_S:g} s (P serves a record until a "
+                             f"margin of max(1 s, 10%) before its span expires), got {self.manager.arena_ttl_s!r}")
 
-    def key(self) -> Optional[bytes]:
-        """The shared key from ``key_env`` (hex), or None."""
-        if self.key_env is None:
-            return None
-        text = os.environ.get(self.key_env)
-        if not text:
-            raise ValueError(f"{PREFIX}.key_env names {self.key_env!r}, which is not set")
-        try:
-            return bytes.fromhex(text.strip())
-        except ValueError:
-            raise ValueError(f"environment variable {self.key_env!r} must hold the key in hex") from None
+
+MANAGER_KEYS = ("arena_bytes", "arena_ttl_s", "pull_timeout_s", "arena_order", "copy_backend", "max_ctas",
+                "checksum", "require_checksum")
+
+
+def _key_from_env(key_env: Any) -> Optional[bytes]:
+    """The shared key held (hex) by the environment variable ``key_env`` names, or None."""
+    if not isinstance(key_env, str) or not key_env:
+        return None  # none, or refused by ArenaOptions
+    text = os.environ.get(key_env)
+    if not text:
+        raise ValueError(f"key_env names {key_env!r}, which is not set")
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"key_env: environment variable {key_env!r} must hold the key in hex") from None
+
+
+def _arena(**keys) -> ArenaOptions:
+    manager = {k: keys.pop(k) for k in MANAGER_KEYS if k in keys}
+    manager.setdefault("pull_timeout_s", ARENA_PULL_TIMEOUT_S)
+    options = ArenaOptions(**keys)  # key_env checked before it is read
+    key = _key_from_env(options.key_env)
+    return dataclasses.replace(options, manager=ManagerOptions(key=key, **manager))
 
 
 def _keys(options_type) -> Tuple[str, ...]:
     return tuple(f.name for f in fields(options_type))
 
 
-MIRROR_SURFACE = Surface(_keys(MirrorOptions), MirrorOptions)
-ARENA_SURFACE = Surface(_keys(ArenaOptions), ArenaOptions)
-OFFLOAD_SURFACE = Surface(_keys(OffloadOptions), OffloadOptions)
+MIRROR_SURFACE = Surface(("checksum", "copy_backend", "host_buffer_on_cpu", "max_ctas"), _mirror)
+ARENA_SURFACE = Surface(tuple(f for f in _keys(ArenaOptions) if f != "manager") + MANAGER_KEYS, _arena)
+OFFLOAD_SURFACE = Surface(("checksum", "copy_backend", "max_ctas"), OffloadOptions)

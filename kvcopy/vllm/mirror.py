@@ -92,7 +92,6 @@ __all__ = ["KvcopyNixlConnector", "KvcopyNixlScheduler", "KvcopyNixlWorker"]
 class KvcopyNixlWorker(NixlPullConnectorWorker):
     """vLLM's pull worker; host-buffer copies through one masked :class:`BlockCopier`."""
 
-    kvcopy_backend = "auto"
     # Built by register_kv_caches when vLLM uses host buffers. Until then (or without
     # host buffers) the copy methods are vLLM's own, through its copy op.
     kvcopy_copier: Optional[BlockCopier] = None
@@ -111,6 +110,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         if options is None:
             options = from_transfer_config(vllm_config.kv_transfer_config, MIRROR_SURFACE)
         # host_buffer_on_cpu: vLLM turned host buffers off for the CPU platform; turn them on
+        self.kvcopy_options = options
         self.kvcopy_forced_host_buffer = _forced_host_buffer(vllm_config, options)
         if self.kvcopy_forced_host_buffer:
             self.use_host_buffer = True
@@ -166,7 +166,8 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         )
         try:
             copier = BlockCopier(self.device_kv_caches, self.host_xfer_buffers, groups,
-                                 backend=self.kvcopy_backend)
+                                 backend=self.kvcopy_options.copy_backend,
+                                 max_ctas=self.kvcopy_options.max_ctas)
         except ValueError as exc:
             raise ValueError(
                 f"KvcopyNixlConnector: cannot build the host-buffer copier for kv cache layout "

@@ -33,6 +33,11 @@ def test_defaults_and_overrides():
     ({"arena_ttl_s": 0.49}, ValueError, "arena_ttl_s must be at least 0.5"),
     ({"require_checksum": 1}, TypeError, "require_checksum must be True or False"),
     ({"require_checksum": True, "checksum": False}, ValueError, "require_checksum needs checksum=True"),
+    # the fields every copying surface shares (kvcopy.core.options), one rule each
+    ({"checksum": 1}, TypeError, "checksum must be true or false"),
+    ({"copy_backend": None}, TypeError, "copy_backend must be a backend name"),
+    ({"max_ctas": 0}, ValueError, "max_ctas must be a positive integer"),
+    ({"max_ctas": 2.0}, TypeError, "max_ctas must be a positive integer"),
 ])
 def test_bad_options_raise_naming_them(kw, exc, match):
     with pytest.raises(exc, match=match):

@@ -13,30 +13,44 @@ pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the v
 from vllm.config import KVTransferConfig  # noqa: E402
 
 
-def test_options_are_checked():
+def test_options_are_checked(monkeypatch):
     from kvcopy.vllm.config import ARENA_SURFACE, PREFIX, from_transfer_config
 
     def opts(**kw):
         return from_transfer_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
                                                      kv_connector_extra_config={"kvcopy": kw}), ARENA_SURFACE)
-    assert opts(arena_bytes=1 << 20, pull_timeout_s=2).pull_timeout_s == 2
+    assert opts(arena_bytes=1 << 20, pull_timeout_s=2).manager.pull_timeout_s == 2
+    assert opts().manager.pull_timeout_s == 30  # the arena's default; a TransferManager's is None
     for bad, match in [({"arena_bytes": 0}, "arena_bytes"), ({"arena_bytes": True}, "arena_bytes"),
-                       ({"pull_timeout_s": float("nan")}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
+                       ({"pull_timeout_s": float("nan")}, "pull_timeout_s"),
+                       ({"pull_timeout_s": None}, "pull_timeout_s"), ({"arena_ttl_s": "60"}, "arena_ttl_s"),
                        ({"arena_order": "row"}, "arena_order"), ({"arena_size": 1}, "unknown key"),
                        ({"key_env": ""}, "key_env"), ({"checksum": "yes"}, "checksum"), ({"checksum": 1}, "checksum"),
                        ({"require_checksum": 1}, "require_checksum"),
                        ({"require_checksum": True, "checksum": False}, "needs checksum"),
                        # a span freed before it could be served (0 and 1e-9 were taken)
-                       ({"arena_ttl_s": 0}, "arena_ttl_s"), ({"arena_ttl_s": 1e-9}, "at least 2"),
-                       ({"arena_ttl_s": 1.9}, "at least 2")]:
+                       ({"arena_ttl_s": 0}, "arena_ttl_s"), ({"arena_ttl_s": 1e-9}, "at least 0.5"),
+                       ({"arena_ttl_s": 0.5}, "at least 2"),
+                       ({"arena_ttl_s": 1.9}, "at least 2"), ({"max_ctas": 0}, "max_ctas"),
+                       ({"copy_backend": 1}, "copy_backend"), ({"key": "00" * 16}, "unknown key"),
+                       ({"tp_rank": 1}, "unknown key"), ({"stage_timeout_s": 0}, "stage_timeout_s")]:
         with pytest.raises(ValueError, match=match) as raised:
             opts(**bad)
         assert str(raised.value).startswith(PREFIX), raised.value
+    monkeypatch.delenv("KVCOPY_TEST_KEY", raising=False)
     with pytest.raises(ValueError, match="KVCOPY_TEST_KEY.*not set"):
-        opts(key_env="KVCOPY_TEST_KEY").key()
-    assert opts().checksum is True and opts(checksum=False).checksum is False
-    assert opts().require_checksum is False and opts(require_checksum=True).require_checksum is True
-    assert opts(arena_ttl_s=2).arena_ttl_s == 2
+        opts(key_env="KVCOPY_TEST_KEY")
+    monkeypatch.setenv("KVCOPY_TEST_KEY", "ab" * 16)
+    assert opts(key_env="KVCOPY_TEST_KEY").manager.key == b"\xab" * 16  # read once, by the parser
+    monkeypatch.setenv("KVCOPY_TEST_KEY", "ab" * 8)
+    with pytest.raises(ValueError, match="at least 16"):
+        opts(key_env="KVCOPY_TEST_KEY")
+    monkeypatch.setenv("KVCOPY_TEST_KEY", "not hex")
+    with pytest.raises(ValueError, match="in hex"):
+        opts(key_env="KVCOPY_TEST_KEY")
+    assert opts().manager.checksum is True and opts(checksum=False).manager.checksum is False
+    assert opts().manager.require_checksum is False and opts(require_checksum=True).manager.require_checksum is True
+    assert opts(arena_ttl_s=2).manager.arena_ttl_s == 2
 
 
 def _mirror_options(extra):
@@ -49,8 +63,9 @@ def _mirror_options(extra):
 def test_the_mirror_connector_refuses_checksum_true():
     """The mirror connector's bytes go by vLLM's own transfers, with no sums to compare:
     checksum=true is refused, not ignored; false (or absent) is what it does."""
-    assert _mirror_options({}).checksum is False
-    assert _mirror_options({"kvcopy": {"checksum": False}}).checksum is False
+    from kvcopy.vllm.config import MirrorOptions
+
+    assert _mirror_options({}) == MirrorOptions() == _mirror_options({"kvcopy": {"checksum": False}})
     with pytest.raises(ValueError, match=r"^kv_connector_extra_config\['kvcopy'\]\.checksum=true"
                                          r".*KvcopyArenaConnector"):
         _mirror_options({"kvcopy": {"checksum": True}})
@@ -61,7 +76,8 @@ def test_the_mirror_connector_refuses_checksum_true():
 def test_the_mirror_connector_refuses_unknown_keys():
     """As the arena and offloading connectors do (it ignored them before 42)."""
     with pytest.raises(ValueError,
-                       match=r"unknown key\(s\) \['host_buffer'\]; known: \['checksum', 'host_buffer_on_cpu'\]"):
+                       match=r"unknown key\(s\) \['host_buffer'\]; known: \['checksum', 'copy_backend', "
+                             r"'host_buffer_on_cpu', 'max_ctas'\]"):
         _mirror_options({"kvcopy": {"host_buffer": True}})
     with pytest.raises(ValueError, match="must be an object"):
         _mirror_options({"kvcopy": ["host_buffer_on_cpu"]})
@@ -92,6 +108,10 @@ def test_worker_reports_merge_over_tp_ranks():
 
 def test_the_mirror_connector_takes_host_buffer_on_cpu_as_a_flag():
     assert _mirror_options({}).host_buffer_on_cpu is False
+    mirror = _mirror_options({"kvcopy": {"copy_backend": "cpu", "max_ctas": 4}})
+    assert (mirror.copy_backend, mirror.max_ctas) == ("cpu", 4)
+    with pytest.raises(ValueError, match="max_ctas must be a positive integer"):
+        _mirror_options({"kvcopy": {"max_ctas": 0}})
     assert _mirror_options({"kvcopy": {"host_buffer_on_cpu": True}}).host_buffer_on_cpu is True
     with pytest.raises(ValueError, match="host_buffer_on_cpu must be true or false"):
         _mirror_options({"kvcopy": {"host_buffer_on_cpu": "yes"}})

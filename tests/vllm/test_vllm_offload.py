@@ -399,7 +399,8 @@ def test_the_spec_loads_through_vllms_factory_from_both_module_paths():
 @pytest.mark.parametrize("raw,match", [
     ({"checksum": "yes"}, "checksum must be true or false"),
     ({"max_ctas": 0}, "max_ctas must be a positive integer"),
-    ({"backend": ""}, "backend must be a backend name"),
+    ({"copy_backend": ""}, "copy_backend must be a backend name"),
+    ({"backend": "cpu"}, r"unknown key\(s\) \['backend'\]"),
     ({"sums": True}, r"unknown key\(s\) \['sums'\]"),
     ([1], "must be an object"),
 ])

@@ -185,7 +185,8 @@ class ArenaStaging(BufferMode):
     mem_type = "DRAM"
 
     def __init__(self, regions: RegionSet, device_caches: Mapping[str, torch.Tensor], nbytes: int, ttl_s: float,
-                 backend: str, pin: bool, order: str = "token", key: Optional[bytes] = None, checksum: bool = False):
+                 backend: str, pin: bool, order: str = "token", key: Optional[bytes] = None, checksum: bool = False,
+                 max_ctas: Optional[int] = None):
         if order not in ORDERS:
             raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {order!r}")
         self.regions = regions
@@ -210,6 +211,7 @@ class ArenaStaging(BufferMode):
         self._key = key  # the shared key records in wire form must carry
         self._caches = device_caches
         self._backend = backend
+        self._max_ctas = max_ctas
         self._by_order: Dict[str, SpanCopiers] = {}
         self.sums = ArenaSums(checksum, next(iter(device_caches.values())).device)  # page sums (span_sums)
         self._scattering: Dict[int, torch.cuda.Event] = {}  # D, CUDA: span offset -> event after its scatter
@@ -228,7 +230,7 @@ class ArenaStaging(BufferMode):
         grouped = {n: device_caches[n] for g in layer_groups for n in g}
         on_cuda = any(t.device.type == "cuda" for t in grouped.values())
         return cls(regions, grouped, opts.arena_bytes, opts.arena_ttl_s, opts.copy_backend, on_cuda,
-                   opts.arena_order, opts.key, opts.checksum)
+                   opts.arena_order, opts.key, opts.checksum, opts.max_ctas)
 
     def registrations(self):
         return [(self.base, self.arena.nbytes, 0, "DRAM")]
@@ -247,7 +249,8 @@ class ArenaStaging(BufferMode):
             units = stage_units(self.region_infos, order)
             cps = next((c for c in self._by_order.values() if c.units == units), None)
             if cps is None:
-                cps = SpanCopiers(units, self._caches, self.regions.layouts, self.buffer, self._backend)
+                cps = SpanCopiers(units, self._caches, self.regions.layouts, self.buffer, self._backend,
+                                  self._max_ctas)
             self._by_order[order] = cps
         return cps
 

@@ -34,7 +34,7 @@ class SpanCopiers:
     """The copiers of one staging order's units (see the module docstring)."""
 
     def __init__(self, units: Sequence[Unit], device_caches: Mapping[str, torch.Tensor], layouts,
-                 arena_buf: torch.Tensor, backend: str):
+                 arena_buf: torch.Tensor, backend: str, max_ctas: Optional[int] = None):
         self.units = list(units)
         dev, host, block_dims, members = _views(self.units, device_caches, layouts, arena_buf)
         # Per copier, for ids(): (block bytes, unit, group and slab index (head * chunks +
@@ -51,7 +51,7 @@ class SpanCopiers:
         try:
             for ck, triples in members.items():
                 names = [[f"u{i}c{c}h{h}"] for i, c, h in triples]
-                self.copiers.append(BlockCopier(dev[ck], host[ck], names, backend=backend,
+                self.copiers.append(BlockCopier(dev[ck], host[ck], names, backend=backend, max_ctas=max_ctas,
                                                 block_dim={n[0]: block_dims[n[0]] for n in names}))
         except Exception:
             self.close()

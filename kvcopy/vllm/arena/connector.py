@@ -126,8 +126,8 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
         self.use_host_buffer = True
         self.options = options
         self.tokens = group_tokens(kv_cache_config)
-        self.store = RecordStore(options.arena_ttl_s)
-        self.key = options.key()
+        self.store = RecordStore(options.manager.arena_ttl_s)
+        self.key = options.manager.key
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
         self._stage: Dict[str, ArenaStage] = {}
         self._layers: Dict[str, ArenaLayerStep] = {}  # layer-wise: this step's prefill requests
@@ -293,7 +293,7 @@ class KvcopyArenaWorker:
         self.total_kv_heads = None if self.use_mla else int(vllm_config.model_config.get_total_num_kv_heads())
         self.name = agent_name(engine_id, self.tp_rank)
         self.compat = compatibility_hash(vllm_config)
-        self.key = options.key()
+        self.key = options.manager.key
         self.thread_cpus = transfer_cpus()  # where the transfer threads run (kvcopy.vllm.affinity)
         self.engine_id = engine_id
         self.manager: Optional[TransferManager] = None
@@ -324,10 +324,8 @@ class KvcopyArenaWorker:
         with threads_on(self.thread_cpus):
             self.manager = TransferManager(
                 self.name, layout.caches, layout.groups, layout.tokens.tokens_per_block, layout.tokens_per_page,
-                buffer="arena", kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size,
-                total_kv_heads=replicated, copy_backend=o.copy_backend, pull_timeout_s=o.pull_timeout_s, key=self.key,
-                arena_bytes=o.arena_bytes, arena_ttl_s=o.arena_ttl_s, arena_order=o.arena_order, checksum=o.checksum,
-                require_checksum=o.require_checksum)
+                buffer="arena", options=o.manager, kv_layout="HND", tp_rank=self.tp_rank, tp_size=self.tp_size,
+                total_kv_heads=replicated)
             args = (self.manager, o, layout.tokens, self.tp_rank, self.tp_size, self.total_kv_heads, self.compat,
                     len(self.kv_cache_config.kv_cache_groups) == 1, self.key)
             self.puller = ArenaPushReceiver(*args, own=self.listener, engine_id=self.engine_id) \
@@ -338,7 +336,7 @@ class KvcopyArenaWorker:
                                          self.puller.stats)
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         if o.layerwise and self.producer:
-            self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.arena_ttl_s)
+            self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(

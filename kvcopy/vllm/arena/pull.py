@@ -222,7 +222,9 @@ class ArenaPuller:
     def _pull(self, job: _Job, now: float) -> None:
         f = job.fetch
         assert f is not None and f.reply is not None and job.plan is not None
-        timeout = min(self.opts.pull_timeout_s, f.reply.ttl_left - (now - f.asked))
+        timeout = f.reply.ttl_left - (now - f.asked)
+        if self.opts.manager.pull_timeout_s is not None:  # (the connector's options refuse None)
+            timeout = min(timeout, self.opts.manager.pull_timeout_s)
         if timeout <= 0:
             self.m.discard(job.plan)
             job.plan = None

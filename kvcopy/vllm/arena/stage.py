@@ -141,7 +141,7 @@ class ArenaStager:
                     self.gave_up += 1
                 self._release(rid)
             return
-        _, seen, _ = self.early.setdefault(rid, (d_tp, set(), now + self.opts.arena_ttl_s))
+        _, seen, _ = self.early.setdefault(rid, (d_tp, set(), now + self.opts.manager.arena_ttl_s))
         seen.add(reader)
         self.early.move_to_end(rid)
         while len(self.early) > EARLY_KEPT:
