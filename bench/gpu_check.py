@@ -635,7 +635,7 @@ def step_ladder(s: Step) -> str:
         for cap in (sz.get("ladder_caps", LADDER_CAPS) if b in INFLIGHT_PER_CTA else (0,)):
             try:
                 copiers[f"{b}@{cap}" if b in INFLIGHT_PER_CTA else b] = BlockCopier(
-                    {"l": d_t}, {"l": h_t}, [["l"]], backend=b, block_dim=0, max_ctas=cap or None)
+                    {"l": d_t}, {"l": h_t}, [["l"]], copy_backend=b, block_dim=0, max_ctas=cap or None)
             except Exception as exc:
                 s.data.setdefault("errors", {})[f"{b}@{cap}"] = f"{type(exc).__name__}: {exc}"
     per_method = max(0.02, (s.left() - 10) / 2 / max(1, len(copiers) + 1) / 2)

@@ -146,7 +146,7 @@ def threads(args) -> Dict[str, object]:
     dev = torch.randint(0, 256, (blocks, 8), dtype=torch.uint8)
     host = torch.zeros(blocks, 8, dtype=torch.uint8)
     backend = "cpu" if kvcopy.available_backends()["cpu"] is None else "torch"
-    copier = kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend=backend)
+    copier = kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], copy_backend=backend)
     rng = np.random.default_rng(0)
     perms = [rng.permutation(blocks).tolist() for _ in range(args.threads)]
     counts = {"cases": 0, "accepted_bad": 0, "refused_good": 0, "unexpected": 0}

@@ -176,7 +176,7 @@ class OffloadCopier:
                     host[name] = h[:, j * page:j * page + nbytes]
                     mine.append(name)
                 names.append(mine)
-        return BlockCopier(device, host, names, backend=self.options.copy_backend, block_dim=0,
+        return BlockCopier(device, host, names, copy_backend=self.options.copy_backend, block_dim=0,
                            max_ctas=self.options.max_ctas)
 
     # -------------------------------------------------------------- ids

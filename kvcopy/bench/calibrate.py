@@ -66,7 +66,7 @@ def measure(device: int = 0, sizes: Optional[Iterable[int]] = None, backends: Op
             errors: Dict[str, str] = {}
             for name in names:
                 try:
-                    copier = BlockCopier(dev, host, [list(dev)], backend=name, max_ctas=max_ctas or None)
+                    copier = BlockCopier(dev, host, [list(dev)], copy_backend=name, max_ctas=max_ctas or None)
                     copy = copier.to_device if direction == "h2d" else copier.to_host
                     gbps[name] = nbytes / _time_ms(lambda c=copy, i=ids: c(i), iters, warmup) / 1e6
                     copier.close()

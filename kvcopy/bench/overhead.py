@@ -60,7 +60,7 @@ def build(layers: int, groups: int, blocks: int, device: str = "cpu", backend: s
 
     sc = Scenario(name="overhead", num_layers=layers, num_groups=groups, blocks_per_request=blocks, block_size=1)
     point = sc.build(device)
-    copier = BlockCopier(point.dev, point.host, point.layer_groups, backend=backend,
+    copier = BlockCopier(point.dev, point.host, point.layer_groups, copy_backend=backend,
                          block_dim=sc.block_dim(), kv_layout=sc.kv_layout())
     return point, copier
 

@@ -367,7 +367,7 @@ class Point:
 
         key = f"{backend}@{max_ctas}"
         if key not in self.copiers:
-            kwargs: Dict[str, Any] = dict(backend=backend, block_dim=self.scenario.block_dim(),
+            kwargs: Dict[str, Any] = dict(copy_backend=backend, block_dim=self.scenario.block_dim(),
                                           kv_layout=self.scenario.kv_layout())
             if max_ctas and copier_accepts("max_ctas"):
                 kwargs["max_ctas"] = max_ctas

@@ -59,6 +59,17 @@ class _Direction:
         return self._sums_check
 
 
+def renamed_keywords(given: Mapping[str, object]) -> str:
+    """The message for keywords BlockCopier does not take: ``backend=`` was renamed
+    ``copy_backend=`` (issue 42) so that it cannot be confused with NIXL's transport
+    plugins, which NIXL calls backends. Refused rather than taken with a warning: a
+    build-time error names the fix at once, and one name stays."""
+    if "backend" in given:
+        return ("BlockCopier: backend= is now copy_backend= (kvcopy's copy backend; NIXL's plugins are a "
+                "TransferManager's transports=)")
+    return f"BlockCopier got unexpected keyword argument(s) {sorted(given)}"
+
+
 class BlockCopier:
     """Masked block copies between device KV caches and host staging buffers.
 
@@ -67,7 +78,7 @@ class BlockCopier:
     side may order a page's elements its own way (a head-major host buffer against a
     token-major cache): the copy converts, element ``[i, j, ...]`` of a page to element
     ``[i, j, ...]`` (:func:`kvcopy.core.layout.pair_pages`). ``layer_groups`` has one sequence of
-    layer names per KV cache group. ``backend`` is ``"auto"`` or a name from
+    layer names per KV cache group. ``copy_backend`` is ``"auto"`` or a name from
     :func:`kvcopy.available_backends`. ``block_dim`` (an int, or a dict by layer name)
     names the block axis where the shape is ambiguous; ``kv_layout`` ("NHD"/"HND")
     names token and head axes for code that needs them. ``max_ctas`` caps the grid of
@@ -102,13 +113,16 @@ class BlockCopier:
         device_caches: Mapping[str, torch.Tensor],
         host_buffers: Mapping[str, torch.Tensor],
         layer_groups: Sequence[Sequence[str]],
-        backend: str = "auto",
+        copy_backend: str = "auto",
         block_dim: Optional[int | Mapping[str, int]] = None,
         kv_layout: str = "NHD",
         max_ctas: Optional[int] = None,
         directions: Sequence[str] = ("d2h", "h2d"),
         reinterpret_dtypes: bool = False,
+        **renamed,
     ):
+        if renamed:
+            raise TypeError(renamed_keywords(renamed))
         if isinstance(directions, str) or not directions or any(d not in ("d2h", "h2d") for d in directions):
             raise ValueError(f"directions must be 'd2h' and/or 'h2d', got {list(directions)!r}")
         if isinstance(layer_groups, (str, bytes)) or any(
@@ -146,8 +160,8 @@ class BlockCopier:
         self._storages = StorageGuard(device_grouped, host_grouped)  # checked before every copy
         self._max_ctas = max_ctas
         self._closed = False
-        self._d2h = self._direction("device", "host", backend) if "d2h" in directions else None
-        self._h2d = self._direction("host", "device", backend) if "h2d" in directions else None
+        self._d2h = self._direction("device", "host", copy_backend) if "d2h" in directions else None
+        self._h2d = self._direction("host", "device", copy_backend) if "h2d" in directions else None
 
     # ------------------------------------------------------------------ building
     def _check_layer(self, g, name, block_dim, kv_layout) -> None:

@@ -119,7 +119,7 @@ def _check_caches(caches, what: str) -> None:
 
 def _build(device, host, direction: str, backend: str) -> BlockCopier:
     try:
-        return BlockCopier(device, host, [list(device)], backend=backend, directions=(direction,))
+        return BlockCopier(device, host, [list(device)], copy_backend=backend, directions=(direction,))
     except ValueError as exc:
         if direction == "h2d" and ("same device bytes" in str(exc) or "overlap" in str(exc)):
             raise ValueError(

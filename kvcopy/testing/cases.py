@@ -278,7 +278,7 @@ def prepare_check(backend: str, case: CopyCase, direction: str, device="cpu", **
     else:
         reference_copy_groups(exp_host, exp_dev, groups, host_ids, dev_ids, bd)
     got_dev, got_host = case.build(device, poison)
-    copier = BlockCopier(got_dev, got_host, groups, backend=backend,
+    copier = BlockCopier(got_dev, got_host, groups, copy_backend=backend,
                          block_dim=case.block_dim(), kv_layout=case.kv_layout(), **copier_kw)
     return PreparedCheck(copier, dev_ids, host_ids, (exp_dev, exp_host), (got_dev, got_host),
                          f"{case.id} {direction} backend={backend}")

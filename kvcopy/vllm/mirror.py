@@ -166,7 +166,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         )
         try:
             copier = BlockCopier(self.device_kv_caches, self.host_xfer_buffers, groups,
-                                 backend=self.kvcopy_options.copy_backend,
+                                 copy_backend=self.kvcopy_options.copy_backend,
                                  max_ctas=self.kvcopy_options.max_ctas)
         except ValueError as exc:
             raise ValueError(

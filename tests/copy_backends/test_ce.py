@@ -23,13 +23,13 @@ def test_without_a_device_ce_is_unavailable_and_says_why():
     case = CopyCase(num_groups=1)
     dev, host = case.build()
     with pytest.raises(ValueError, match="backend 'ce' is not available"):
-        kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="ce")
+        kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="ce")
 
 
 def test_host_only_tables_are_not_a_copy_engine_copy():
     case = CopyCase(num_groups=1)
     dev, host = case.build()
-    tables = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch").tables("d2h")
+    tables = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="torch").tables("d2h")
     assert "needs a CUDA tensor on one side" in ce.CopyEngineBackend().unsupported_reason(tables)
 
 
@@ -61,7 +61,7 @@ def test_an_unknown_mode_is_refused(monkeypatch):
     monkeypatch.setenv("KVCOPY_CE_MODE", "fast")
     case = CopyCase(num_groups=1)
     dev, host = case.build("cuda")
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="ce")
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="ce")
     with pytest.raises(ValueError, match="KVCOPY_CE_MODE must be one of"):
         copier.to_host([[0]])
     copier.close()

@@ -40,7 +40,7 @@ def test_mean_descriptor_bytes_merged_and_unmerged():
     # NHD: blocks adjacent, so a run of n pages is one descriptor of n pages
     dev = {"a": torch.zeros(32, 4, 2, 8, dtype=torch.uint8), "b": torch.zeros(32, 4, 2, 8, dtype=torch.uint8)}
     host = {k: torch.zeros_like(v) for k, v in dev.items()}
-    c = BlockCopier(dev, host, [["a"], ["b"]], backend="cpu")
+    c = BlockCopier(dev, host, [["a"], ["b"]], copy_backend="cpu")
     t = c.tables("h2d")
     page = 4 * 2 * 8
     call = c.plan("h2d", [[0, 1, 2, 3], [10, 12]])
@@ -49,7 +49,7 @@ def test_mean_descriptor_bytes_merged_and_unmerged():
     # pages with a gap between blocks (a slice of a wider tensor): one descriptor per page
     dv = {"a": torch.zeros(32, 2, 64, dtype=torch.uint8)[:, 0]}
     hv = {"a": torch.zeros(32, 2, 64, dtype=torch.uint8)[:, 0]}
-    c2 = BlockCopier(dv, hv, [["a"]], backend="cpu")
+    c2 = BlockCopier(dv, hv, [["a"]], copy_backend="cpu")
     t2 = c2.tables("h2d")
     call2 = c2.plan("h2d", [[0, 1, 2, 5]])
     assert _Shape(t2).any_unmerged
@@ -65,7 +65,7 @@ def test_auto_counts_runs_not_pages_for_converting_layouts():
     nb, n, h, c = 8, 32, 8, 256  # 128 KiB pages of bf16, runs of C = 512 B
     dev = {"a": torch.zeros(nb, n, h, c, dtype=torch.bfloat16).permute(0, 2, 1, 3)}
     host = {"a": torch.zeros(nb, h, n, c, dtype=torch.bfloat16)}
-    cp = BlockCopier(dev, host, [["a"]], backend="cpu")
+    cp = BlockCopier(dev, host, [["a"]], copy_backend="cpu")
     call = cp.plan("h2d", [[0, 1, 2, 5]])
     size = mean_descriptor_bytes(_Shape(cp.tables("h2d")), call)
     assert size == pytest.approx(512)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(native.load("kvcopy_cpu")[0] is None, reason="CP
 def _copier(num_blocks=64):
     t = {f"l{i}": torch.zeros(num_blocks, 4, 16, dtype=torch.uint8) for i in range(3)}
     h = {k: torch.zeros_like(v) for k, v in t.items()}
-    return kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2"]], backend="cpu")
+    return kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2"]], copy_backend="cpu")
 
 
 def _recorder(seen):

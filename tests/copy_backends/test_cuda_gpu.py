@@ -49,7 +49,7 @@ def test_pageable_host_buffers_are_pinned_and_released():
     case = CopyCase(layout="nhd", num_groups=2, ids="scattered")
     dev, host = case.build("cuda", "device")
     assert not any(t.is_pinned() for t in host.values())
-    copier = BlockCopier(dev, host, case.layer_groups(), backend="cuda")
+    copier = BlockCopier(dev, host, case.layer_groups(), copy_backend="cuda")
     assert all(t.is_pinned() for t in host.values())
     copier.close()
     assert not any(t.is_pinned() for t in host.values())
@@ -71,7 +71,7 @@ def _graph_case(blocks_per_group, scattered):
 @pytest.mark.parametrize("blocks,scattered", [(6, False), (600, True)], ids=["inline", "staged"])
 def test_graph_capture_and_replay_to_device(blocks, scattered):
     case, dev, host, ids = _graph_case(blocks, scattered)
-    copier = BlockCopier(dev, host, case.layer_groups(), backend="cuda")
+    copier = BlockCopier(dev, host, case.layer_groups(), copy_backend="cuda")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -119,7 +119,7 @@ def test_auto_picks_ce_for_large_merged_runs_and_cuda_for_small_pages(monkeypatc
     small = {"l0": torch.zeros(64, 2048, dtype=torch.uint8, device="cuda")}
     for dev, expect in ((big, "ce"), (small, "cuda")):
         host = {k: torch.zeros(v.shape, dtype=torch.uint8, pin_memory=True) for k, v in dev.items()}
-        copier = BlockCopier(dev, host, [["l0"]], backend="auto")
+        copier = BlockCopier(dev, host, [["l0"]], copy_backend="auto")
         copier.to_device([list(range(0, 64, 2))])
         torch.cuda.synchronize()
         assert copier._h2d.backend.last_choice == expect

@@ -12,7 +12,7 @@ def _copier(backend="torch"):
     t = {"a": torch.zeros(16, 2, 8, dtype=torch.uint8), "b": torch.zeros(16, 4, 8, dtype=torch.uint8),
          "c": torch.zeros(16, 2, 8, dtype=torch.uint8)}
     return kvcopy.BlockCopier(t, {k: torch.zeros_like(v) for k, v in t.items()}, [["a", "c"], ["b"]],
-                              backend=backend)
+                              copy_backend=backend)
 
 
 def test_call_array_block_prefix():

@@ -42,7 +42,7 @@ def interpret(monkeypatch):
 
 def _copier(case: CopyCase, device="cpu", **kwargs) -> BlockCopier:
     dev, host = case.build(device, "host")
-    return BlockCopier(dev, host, case.layer_groups(), backend="triton",
+    return BlockCopier(dev, host, case.layer_groups(), copy_backend="triton",
                        block_dim=case.block_dim(), kv_layout=case.kv_layout(), **kwargs)
 
 
@@ -364,7 +364,8 @@ def test_gpu_runs_on_current_stream(monkeypatch):
     groups = case.layer_groups()
     dev_ids, host_ids = case.block_ids()
     reference_copy_groups(host, expected, groups, host_ids, dev_ids, {n: case.block_dim() for g in groups for n in g})
-    copier = BlockCopier(dev, host, groups, backend="triton", block_dim=case.block_dim(), kv_layout=case.kv_layout())
+    copier = BlockCopier(dev, host, groups, copy_backend="triton", block_dim=case.block_dim(),
+                         kv_layout=case.kv_layout())
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -492,7 +492,7 @@ def test_cpu_pieces_start_at_two_mebibytes_unless_asked_for(setting, monkeypatch
     results = {}
     for name in ("torch", "cpu"):
         host = {n: torch.full_like(t, -7) for n, t in dev.items()}
-        copier = kvcopy.BlockCopier(dev, host, [list(dev)], backend=name)
+        copier = kvcopy.BlockCopier(dev, host, [list(dev)], copy_backend=name)
         sums = []
         for n in (31, 32, 40):  # 1.94 MiB, 2 MiB and 2.5 MiB of 32 KiB pages
             ids = [list(range(0, 2 * n, 2))]
@@ -590,7 +590,7 @@ def test_cpu_pieces_carry_across_pages_items_and_shapes(monkeypatch, num_blocks,
     results = []
     for backend in ("torch", "cpu"):
         dev, host, groups = _three_shapes("host" if direction == "d2h" else "device", num_blocks)
-        copier = kvcopy.BlockCopier(dev, host, groups, backend=backend)
+        copier = kvcopy.BlockCopier(dev, host, groups, copy_backend=backend)
         out = torch.full((sum(map(len, ids)),), POISON_SUM, dtype=torch.int64)
         if direction == "d2h":
             copier.to_host(ids, ids, checksums=out)
@@ -636,7 +636,7 @@ def test_cpu_sums_are_of_the_bytes_written(monkeypatch, pieces, stream, threads)
     gen = torch.Generator().manual_seed(3)
     dev = {f"l{i}": torch.randint(-100, 100, (64, 16, 8, 128), dtype=torch.int16, generator=gen) for i in range(8)}
     host = {n: torch.zeros_like(t) for n, t in dev.items()}
-    copier = kvcopy.BlockCopier(dev, host, [list(dev)], backend="cpu")
+    copier = kvcopy.BlockCopier(dev, host, [list(dev)], copy_backend="cpu")
     ids = [list(range(0, 60, 2))]  # 30 pages of 32 KiB per layer: 7.5 MiB, pieces prefetched
     call = copier.plan("d2h", ids, ids)
     stop = threading.Event()

@@ -48,7 +48,7 @@ class Transfer:
     def __init__(self, backend: str, case: CopyCase):
         self.case = case
         self.dev, self.host = case.build("cpu", "host")
-        self.copier = kvcopy.BlockCopier(self.dev, self.host, case.layer_groups(), backend=backend,
+        self.copier = kvcopy.BlockCopier(self.dev, self.host, case.layer_groups(), copy_backend=backend,
                                          block_dim=case.block_dim(), kv_layout=case.kv_layout())
         self.ids, _ = case.block_ids()
         self.n = sum(map(len, self.ids))
@@ -161,7 +161,7 @@ def test_a_page_sums_the_same_alone_in_a_run_and_on_every_backend(ranges_backend
     dev, host = case.build("cpu", "host")
 
     def sums(backend, ids, host_ids):
-        c = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend=backend, block_dim=case.block_dim())
+        c = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend=backend, block_dim=case.block_dim())
         out = torch.zeros(len(ids), dtype=torch.int64)
         c.to_host([ids], [host_ids], checksums=out)
         c.close()
@@ -188,8 +188,8 @@ def test_p_and_d_agree_across_their_device_layouts():
     d_raw = torch.zeros(nb, n, h, c, dtype=torch.bfloat16)
     d_dev = d_raw.permute(0, 2, 1, 3)
     ids = [[3, 7, 1, 8]]
-    p = kvcopy.BlockCopier({"l": p_dev}, {"l": host}, [["l"]], backend="cpu", directions=("d2h",))
-    d = kvcopy.BlockCopier({"l": d_dev}, {"l": host}, [["l"]], backend="cpu", directions=("h2d",))
+    p = kvcopy.BlockCopier({"l": p_dev}, {"l": host}, [["l"]], copy_backend="cpu", directions=("d2h",))
+    d = kvcopy.BlockCopier({"l": d_dev}, {"l": host}, [["l"]], copy_backend="cpu", directions=("h2d",))
     assert d.tables("h2d").entries[0, 5] == h * n  # C-element runs: a converting copy
     packed, scattered = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
     p.to_host(ids, checksums=packed)
@@ -207,8 +207,8 @@ def test_kv_first_staging_buffers_of_different_block_counts_agree():
     p_dev, p_host = p_case.build("cpu", "host")
     d_dev, d_host = d_case.build("cpu", "device")
     groups = p_case.layer_groups()
-    p = kvcopy.BlockCopier(p_dev, p_host, groups, backend="cpu", block_dim=1)
-    d = kvcopy.BlockCopier(d_dev, d_host, groups, backend="cpu", block_dim=1)
+    p = kvcopy.BlockCopier(p_dev, p_host, groups, copy_backend="cpu", block_dim=1)
+    d = kvcopy.BlockCopier(d_dev, d_host, groups, copy_backend="cpu", block_dim=1)
     p_ids, d_host_ids = [[2, 9, 17]], [[12, 0, 5]]
     packed, scattered = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     p.to_host(p_ids, checksums=packed)
@@ -234,7 +234,7 @@ def test_seal_binds_pages_to_their_positions_and_request():
 def _api_copier(backend="cpu", **kw):
     case = CopyCase(num_groups=2, ids="odd")
     dev, host = case.build("cpu", "host")
-    c = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend=backend, **kw)
+    c = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend=backend, **kw)
     ids, _ = case.block_ids()
     return c, host, ids
 
@@ -297,7 +297,7 @@ def test_planned_calls_get_sums_that_overwrite_the_output():
     """run() takes checksums too, and the output is overwritten, not accumulated."""
     t = torch.randint(0, 255, (8, 4, 2, 8), dtype=torch.uint8)
     h = torch.zeros_like(t)
-    c = kvcopy.BlockCopier({"a": t, "b": t.clone()}, {"a": h, "b": h.clone()}, [["a"], ["b"]], backend="cpu")
+    c = kvcopy.BlockCopier({"a": t, "b": t.clone()}, {"a": h, "b": h.clone()}, [["a"], ["b"]], copy_backend="cpu")
     out = torch.full((3,), POISON_SUM, dtype=torch.int64)
     call = c.plan("d2h", [[1, 5], [3]])
     c.run("d2h", call, checksums=out)

@@ -53,7 +53,7 @@ def test_check_copy_detects_a_wrong_backend(backend, monkeypatch):
 def test_one_backend_call_for_all_groups(backend, monkeypatch):
     case = CopyCase(num_groups=7, layers_per_group=3, num_blocks=48, aliasing=True, kv_sharing=2)
     dev, host = case.build()
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend=backend)
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend=backend)
     impl = get_backend(backend)
     calls = []
     real = type(impl).copy
@@ -70,7 +70,7 @@ def test_one_backend_call_for_all_groups(backend, monkeypatch):
 def test_runs_are_merged():
     case = CopyCase(num_groups=2, ids="runs", layout="kv_first")
     dev, host = case.build()
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch")
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="torch")
     call = copier.plan("d2h", [[3, 4, 5, 9, 10], [20]], [[0, 1, 2, 7, 8], [11]])
     assert call.runs().tolist() == [[3, 0, 3], [9, 7, 2], [20, 11, 1]]
     assert call.num_items == 2 * 2 + 2 * 1
@@ -82,7 +82,7 @@ def test_runs_are_merged():
 def test_same_bytes_under_two_names_in_one_group_are_copied_once():
     t = torch.randint(0, 255, (8, 4, 2, 8), dtype=torch.uint8)
     h = torch.zeros_like(t)
-    copier = kvcopy.BlockCopier({"a": t, "b": t}, {"a": h, "b": h}, [["a", "b"]], backend="cpu")
+    copier = kvcopy.BlockCopier({"a": t, "b": t}, {"a": h, "b": h}, [["a", "b"]], copy_backend="cpu")
     assert copier.tables("d2h").num_entries == 1
     copier.to_host([[1, 5]])
     assert torch.equal(h[[1, 5]], t[[1, 5]]) and int(h[[0, 2, 3, 4, 6, 7]].sum()) == 0
@@ -102,7 +102,7 @@ def test_backends_report_reasons():
         assert reason is None or isinstance(reason, str) and reason
     t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown backend"):
-        kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, [["a"]], backend="nope")
+        kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, [["a"]], copy_backend="nope")
 
 
 def test_close_is_idempotent_and_blocks_later_calls():
@@ -128,7 +128,7 @@ def test_poison_byte_is_not_random_data():
 def _copier(**kw):
     case = CopyCase(num_groups=2, aliasing=True, kv_sharing=1, **kw)
     dev, host = case.build(poison="host")
-    return case, dev, host, kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="cpu")
+    return case, dev, host, kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="cpu")
 
 
 def _snapshot(d):
@@ -161,7 +161,7 @@ def test_bad_call_raises_and_writes_nothing(method, args, exc, match):
 def test_host_ids_range_checked_on_host_size():
     case = CopyCase(host_num_blocks=10, num_groups=1)
     dev, host = case.build()
-    c = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="cpu")
+    c = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="cpu")
     with pytest.raises(ValueError, match=r"host block id 10 out of range \[0, 10\)"):
         c.to_host([[20]], [[10]])
     c.to_host([[20]], [[9]])
@@ -190,7 +190,7 @@ def test_build_errors():
                   r"blocks_first \(8, 4, 2, 8\) bfloat16.* vs blocks_first \(8, 2, 4, 8\)")
     # the same logical page in another order is a converting copy, not an error
     kvcopy.BlockCopier({"a": t}, {"a": torch.zeros(8, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2)},
-                       [["a"]], backend="torch").close()
+                       [["a"]], copy_backend="torch").close()
     # device tensors that overlap without being the same region
     big = torch.zeros(9, 4, 2, 8, dtype=torch.bfloat16)
     _groups_error({"a": big[:8], "b": big[1:]}, {"a": h, "b": torch.zeros_like(h)}, [["a"], ["b"]],
@@ -198,7 +198,11 @@ def test_build_errors():
     # one group writing the same device bytes from two host buffers
     _groups_error({"a": t, "b": t}, {"a": h, "b": torch.zeros_like(h)}, [["a", "b"]],
                   ValueError, "write the same device bytes from different sources")
-    _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", backend="cuda")
+    _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", copy_backend="cuda")
+    # the old keyword names the new one (NIXL's plugins are "backends" too)
+    _groups_error({"a": t}, {"a": h}, [["a"]], TypeError, r"backend= is now copy_backend=", backend="cpu")
+    _groups_error({"a": t}, {"a": h}, [["a"]], TypeError, r"unexpected keyword argument\(s\) \['layers'\]",
+                  layers=1)
     # one allocation seen in two element orders by two layers: not one region, refused
     raw = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
     _groups_error({"a": raw.permute(0, 2, 1, 3), "b": raw.view(8, 2, 4, 8)},
@@ -232,12 +236,12 @@ def test_raw_bytes_or_an_explicit_opt_in_copy_the_bits(backend):
     gen = torch.Generator().manual_seed(5)
     fp8 = torch.randint(0, 256, (8, 4, 2, 8), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
     raw = torch.full((8, 4, 2, 8), POISON_BYTE, dtype=torch.uint8)
-    kvcopy.BlockCopier({"a": fp8}, {"a": raw}, [["a"]], backend=backend).to_host([[2, 6]])
+    kvcopy.BlockCopier({"a": fp8}, {"a": raw}, [["a"]], copy_backend=backend).to_host([[2, 6]])
     assert torch.equal(raw[[2, 6]], fp8[[2, 6]].view(torch.uint8))
     assert bool((raw[[0, 1, 3, 4, 5, 7]] == POISON_BYTE).all())
     bf16 = torch.randn(8, 4, 2, 8, generator=gen).to(torch.bfloat16)
     fp16 = torch.full((8, 4, 2, 8), POISON_BYTE, dtype=torch.uint8).repeat_interleave(2, -1).view(torch.float16)
-    kvcopy.BlockCopier({"a": bf16}, {"a": fp16}, [["a"]], backend=backend, reinterpret_dtypes=True).to_host([[3]])
+    kvcopy.BlockCopier({"a": bf16}, {"a": fp16}, [["a"]], copy_backend=backend, reinterpret_dtypes=True).to_host([[3]])
     assert torch.equal(fp16[3].view(torch.int16), bf16[3].view(torch.int16))
     assert bool((fp16[[0, 1, 2, 4, 5, 6, 7]].view(torch.uint8) == POISON_BYTE).all())
 
@@ -245,7 +249,7 @@ def test_raw_bytes_or_an_explicit_opt_in_copy_the_bits(backend):
 def test_int16_host_buffer_for_bf16_cache_is_accepted():
     t = torch.randn(8, 4, 2, 8).to(torch.bfloat16)
     h = torch.zeros(8, 4, 2, 8, dtype=torch.int16)
-    kvcopy.BlockCopier({"a": t}, {"a": h}, [["a"]], backend="cpu").to_host([[3]])
+    kvcopy.BlockCopier({"a": t}, {"a": h}, [["a"]], copy_backend="cpu").to_host([[3]])
     assert torch.equal(h[3], t[3].view(torch.int16))
 
 
@@ -264,7 +268,7 @@ def test_groups_sharing_two_storages_transitively_must_use_disjoint_ids():
     host = {k: torch.randn(8, 4, 2, 8).to(torch.bfloat16) for k in dev}
     groups = [["x0"], ["y1"], ["x2", "z2"], ["y3", "z3"]]
     for backend in CPU_BACKENDS:
-        c = kvcopy.BlockCopier(dev, host, groups, backend=backend)
+        c = kvcopy.BlockCopier(dev, host, groups, copy_backend=backend)
         for bad in ([[0], [1], [5], [5]], [[0], [5], [2], [5]], [[4], [1], [4], [3]]):
             with pytest.raises(ValueError, match="both write block id"):
                 c.to_device(bad)
@@ -289,7 +293,7 @@ def test_cross_layer_allocation_per_layer_views(backend):
     big = torch.randint(-2**15, 2**15, (16, L, 4, 2, 8), dtype=torch.int16).view(torch.bfloat16)
     dev = {f"l{l}": big[:, l] for l in range(L)}
     host = {k: torch.zeros(16, 4, 2, 8, dtype=torch.bfloat16) for k in dev}
-    c = kvcopy.BlockCopier(dev, host, [["l0", "l2"], ["l1"]], backend=backend)
+    c = kvcopy.BlockCopier(dev, host, [["l0", "l2"], ["l1"]], copy_backend=backend)
     c.to_host([[1, 2], [7]])
     for name, ids in (("l0", [1, 2]), ("l2", [1, 2]), ("l1", [7])):
         assert bytes_equal(host[name][ids], dev[name][ids])
@@ -309,7 +313,7 @@ def test_cross_layer_allocation_per_layer_views(backend):
     with pytest.raises(ValueError, match="overlap without being the same region"):
         kvcopy.BlockCopier({"a": big[:, 0], "b": straddling},
                            {"a": host["l0"], "b": torch.zeros(15, 8, 2, 8, dtype=torch.bfloat16)},
-                           [["a"], ["b"]], backend=backend)
+                           [["a"], ["b"]], copy_backend=backend)
 
 
 def test_one_direction_copier_accepts_shared_device_bytes_for_d2h_only():
@@ -337,8 +341,8 @@ def test_a_planned_call_runs_later_bit_exact_and_only_on_its_copier(backend):
     dev, host = case.build()
     want = {n: t.clone() for n, t in host.items()}
     ids, host_ids = case.block_ids()
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend=backend)
-    other = kvcopy.BlockCopier(dev, {n: t.clone() for n, t in host.items()}, case.layer_groups(), backend=backend)
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend=backend)
+    other = kvcopy.BlockCopier(dev, {n: t.clone() for n, t in host.items()}, case.layer_groups(), copy_backend=backend)
     same = lambda a, b: all(bytes_equal(a[n], b[n]) for n in a)  # noqa: E731
     call = copier.plan("d2h", ids, host_ids)
     assert same(host, want)  # planning moves nothing: still all poison
@@ -385,7 +389,8 @@ def test_a_plan_cannot_be_edited_before_it_runs(edit):
     dev, host = case.build()
     want = {n: t.clone() for n, t in host.items()}
     ids, host_ids = case.block_ids()
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(),
+                                copy_backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
     call = copier.plan("d2h", ids, host_ids)
     action, error = _PLAN_EDITS[edit]
     with pytest.raises(error):
@@ -401,7 +406,7 @@ def test_run_takes_only_the_plans_of_its_own_planner():
 
     case = CopyCase(num_groups=2)
     dev, host = case.build()
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch")
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="torch")
     call = copier.plan("d2h", [[0], [1]])
 
     class Lookalike:
@@ -426,7 +431,8 @@ def test_one_copier_from_eight_threads_checks_every_call():
     blocks = 4096
     dev = torch.randint(0, 256, (blocks, 8), dtype=torch.uint8)
     host = torch.zeros(blocks, 8, dtype=torch.uint8)
-    copier = kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
+    copier = kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]],
+                                copy_backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
     rng = np.random.default_rng(0)
     perms = [rng.permutation(blocks).tolist() for _ in range(8)]
     wrong, errors = [], []
@@ -465,7 +471,7 @@ def test_one_copier_from_eight_threads_checks_every_call():
 def test_tables_of_an_unknown_direction_is_a_value_error():
     case = CopyCase(num_groups=1)
     dev, host = case.build()
-    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), backend="torch")
+    copier = kvcopy.BlockCopier(dev, host, case.layer_groups(), copy_backend="torch")
     for bad in ("x", None, 1, "H2D"):
         with pytest.raises(ValueError, match="direction must be 'h2d' or 'd2h'"):
             copier.tables(bad)
@@ -490,7 +496,7 @@ def test_views_whose_bytes_are_not_their_values_are_refused(view, match, side):
     plain = torch.zeros(viewed.shape, dtype=viewed.dtype)
     dev, host = (viewed, plain) if side == "device" else (plain, viewed)
     with pytest.raises(TypeError, match=match):
-        kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="torch")
+        kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], copy_backend="torch")
 
 
 def test_nested_tensors_are_a_type_error():
@@ -500,6 +506,6 @@ def test_nested_tensors_are_a_type_error():
         warnings.simplefilter("ignore")  # nested tensors warn that their API is a prototype
         nested = torch.nested.nested_tensor([torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)])
     with pytest.raises(TypeError, match="nested"):
-        kvcopy.BlockCopier({"a": nested}, {"a": torch.zeros(2, 4, 2, 8)}, [["a"]], backend="torch")
+        kvcopy.BlockCopier({"a": nested}, {"a": torch.zeros(2, 4, 2, 8)}, [["a"]], copy_backend="torch")
     with pytest.raises(TypeError, match="nested"):
-        kvcopy.BlockCopier({"a": torch.zeros(2, 4, 2, 8)}, {"a": nested}, [["a"]], backend="torch")
+        kvcopy.BlockCopier({"a": torch.zeros(2, 4, 2, 8)}, {"a": nested}, [["a"]], copy_backend="torch")

@@ -73,7 +73,7 @@ def _check(backend, overlay, groups, dev_ids, direction, host=None):
         reference_copy_groups(want_host, want_dev, groups, dev_ids, dev_ids)
     else:
         reference_copy_groups(want_dev, want_host, groups, dev_ids, dev_ids)
-    copier = kvcopy.BlockCopier(overlay.views(), host, groups, backend=backend)
+    copier = kvcopy.BlockCopier(overlay.views(), host, groups, copy_backend=backend)
     (copier.to_device if direction == "h2d" else copier.to_host)(dev_ids)
     if overlay.raw.is_cuda:
         torch.cuda.synchronize()
@@ -103,7 +103,7 @@ def test_issue_example_groups_with_different_page_shapes(backend, direction):
     swa = buf.view(torch.float16).view(8, 2, 32, 128)
     # the issue's call, verbatim: refused before (overlap without being the same region)
     kvcopy.BlockCopier({"full": full, "swa": swa}, {"full": torch.zeros_like(full), "swa": torch.zeros_like(swa)},
-                       [["full"], ["swa"]], backend=backend).close()
+                       [["full"], ["swa"]], copy_backend=backend).close()
     _check(backend, _issue_example(), [["full"], ["swa"]], [[1, 2, 6], [3, 0]], direction)
 
 
@@ -113,7 +113,7 @@ def test_the_same_block_through_two_overlaid_groups_raises_naming_it(backend):
     overlay.raw.fill_(POISON_BYTE)
     dev = overlay.views()
     host = _contiguous_host(dev)
-    copier = kvcopy.BlockCopier(dev, host, [["full"], ["swa"]], backend=backend)
+    copier = kvcopy.BlockCopier(dev, host, [["full"], ["swa"]], copy_backend=backend)
     import numpy as np
 
     for ids in ([[1, 2], [2]], [np.array([1, 2]), np.array([5, 2])]):  # native planner, numpy path
@@ -201,7 +201,7 @@ def test_gdn_state_and_a_kernel_page_of_the_same_block_raise_naming_both(backend
     overlay = _gdn(20000)
     overlay.raw.fill_(POISON_BYTE)
     dev = overlay.views()
-    copier = kvcopy.BlockCopier(dev, _contiguous_host(dev), [["attn"], ["gdn"]], backend=backend)
+    copier = kvcopy.BlockCopier(dev, _contiguous_host(dev), [["attn"], ["gdn"]], copy_backend=backend)
     # kernel page 7 is logical block 3, which the state names too
     with pytest.raises(ValueError, match="group 0's block id 7 and group 1's block id 3 are the same block"):
         copier.to_device([[2, 7], [3]])
@@ -218,7 +218,7 @@ def test_gdn_state_and_a_kernel_page_of_the_same_block_raise_naming_both(backend
 def _refused(views, groups, match):
     dev = views
     with pytest.raises(ValueError, match=match):
-        kvcopy.BlockCopier(dev, _contiguous_host(dev), groups, backend=CPU_BACKENDS[-1])
+        kvcopy.BlockCopier(dev, _contiguous_host(dev), groups, copy_backend=CPU_BACKENDS[-1])
 
 
 def test_one_group_overlaid_with_itself_raises():
@@ -264,7 +264,7 @@ def test_views_side_by_side_in_one_row_need_no_disjoint_ids():
     overlay = _packed()
     for groups in ([["A", "B"]], [["A"], ["B"]]):
         dev = overlay.views()
-        copier = kvcopy.BlockCopier(dev, _contiguous_host(dev), groups, backend=CPU_BACKENDS[-1])
+        copier = kvcopy.BlockCopier(dev, _contiguous_host(dev), groups, copy_backend=CPU_BACKENDS[-1])
         copier.to_device([[1, 2]] * len(groups))
         copier.close()
 

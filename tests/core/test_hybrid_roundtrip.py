@@ -52,7 +52,7 @@ def _run(d_sync):
     """P saves, NIXL's part is replayed, ``d_sync`` moves D's host buffers to its
     device caches; returns the D layers whose device bytes differ from the contract."""
     p_dev, p_host, groups = _model(seed=1)
-    kvcopy.BlockCopier(p_dev, p_host, groups, backend="cpu").to_host(P_IDS)
+    kvcopy.BlockCopier(p_dev, p_host, groups, copy_backend="cpu").to_host(P_IDS)
     d_dev, d_host, _ = _model(seed=2, fill=0xA5)
     # Expected D device bytes, one array per storage (aliased names share it).
     expected = {t.data_ptr(): as_words(t).clone() for t in d_dev.values()}
@@ -67,7 +67,7 @@ def _run(d_sync):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_d_holds_p_kv_at_every_groups_blocks(backend):
     def sync(dev, host, groups):
-        kvcopy.BlockCopier(dev, host, groups, backend=backend).to_device(D_IDS)
+        kvcopy.BlockCopier(dev, host, groups, copy_backend=backend).to_device(D_IDS)
 
     assert _run(sync) == []
 

@@ -26,10 +26,10 @@ def test_merge_runs():
 
 def _copiers(monkeypatch, dev, host, groups):
     """The same copier twice: the native planner, and the numpy one (no library)."""
-    native = kvcopy.BlockCopier(dev, host, groups, backend="torch")
+    native = kvcopy.BlockCopier(dev, host, groups, copy_backend="torch")
     with monkeypatch.context() as m:
         m.setattr(planner, "plan_call_function", lambda: None)
-        numpy = kvcopy.BlockCopier(dev, host, groups, backend="torch")
+        numpy = kvcopy.BlockCopier(dev, host, groups, copy_backend="torch")
     assert native._h2d.planner.engine == "native" and numpy._h2d.planner.engine == "numpy"
     return native, numpy
 
@@ -99,7 +99,7 @@ def _copier(backend="torch"):
     shared = torch.zeros(8, 4, 2, dtype=torch.uint8)
     dev = {"x": shared, "y": shared, "z": torch.zeros(6, 4, 2, dtype=torch.uint8)}
     host = {k: torch.zeros(10, 4, 2, dtype=torch.uint8) for k in dev}
-    return kvcopy.BlockCopier(dev, host, [["x"], ["y"], ["z"]], backend=backend)
+    return kvcopy.BlockCopier(dev, host, [["x"], ["y"], ["z"]], copy_backend=backend)
 
 
 @pytest.mark.parametrize("engine", ["native", "numpy"])

@@ -42,7 +42,8 @@ def test_guard_sees_a_storage_moved_freed_or_regrown():
 
 # ---------------------------------------------------------------- through the copier
 def _one_layer(dev, host):
-    return kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
+    return kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]],
+                              copy_backend="cpu" if "cpu" in CPU_BACKENDS else "torch")
 
 
 def test_source_and_destination_overlap_is_refused_at_build():

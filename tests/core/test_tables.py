@@ -10,7 +10,7 @@ from kvcopy.native import ENTRY_FIELDS
 def test_packed_layout_and_items():
     t = {f"l{i}": torch.zeros(2, 32, 4, 2, 8, dtype=torch.bfloat16) for i in range(5)}
     h = {k: torch.zeros_like(v) for k, v in t.items()}
-    c = kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2", "l3", "l4"]], backend="torch")
+    c = kvcopy.BlockCopier(t, h, [["l0", "l1"], ["l2", "l3", "l4"]], copy_backend="torch")
     tab = c.tables("d2h")
     assert tab.entries.shape == (5, ENTRY_FIELDS) and tab.group_offsets.tolist() == [0, 2, 5]
     assert tab.entries[:, RUNS_PER_PAGE].tolist() == [2] * 5
@@ -28,10 +28,10 @@ def test_packed_layout_and_items():
 
 def test_word_bytes_follows_the_narrowest_alignment():
     t = {"a": torch.zeros(8, 4, 2, 3, dtype=torch.uint8)}  # 24-byte pages: 8-byte words
-    c = kvcopy.BlockCopier(t, {"a": torch.zeros_like(t["a"])}, [["a"]], backend="torch")
+    c = kvcopy.BlockCopier(t, {"a": torch.zeros_like(t["a"])}, [["a"]], copy_backend="torch")
     assert c.tables("d2h").word_bytes == 8
     t = {"a": torch.zeros(8, 1, 1, 7, dtype=torch.uint8)}  # 7-byte pages: bytes
-    c = kvcopy.BlockCopier(t, {"a": torch.zeros_like(t["a"])}, [["a"]], backend="torch")
+    c = kvcopy.BlockCopier(t, {"a": torch.zeros_like(t["a"])}, [["a"]], copy_backend="torch")
     assert c.tables("d2h").word_bytes == 1
 
 
@@ -41,13 +41,13 @@ def test_cta_cap(monkeypatch):
     t = {"a": torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)}
     h = {"a": torch.zeros_like(t["a"])}
     monkeypatch.delenv("KVCOPY_MAX_CTAS", raising=False)
-    assert kvcopy.BlockCopier(t, h, [["a"]], backend="torch").tables("d2h").cta_cap() is None
+    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch").tables("d2h").cta_cap() is None
     monkeypatch.setenv("KVCOPY_MAX_CTAS", "16")
-    assert kvcopy.BlockCopier(t, h, [["a"]], backend="torch").tables("h2d").cta_cap() == 16
-    assert kvcopy.BlockCopier(t, h, [["a"]], backend="torch", max_ctas=8).tables("d2h").cta_cap() == 8
+    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch").tables("h2d").cta_cap() == 16
+    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch", max_ctas=8).tables("d2h").cta_cap() == 8
     for bad in (0, -1, "x", True, 2.5):
         with pytest.raises(ValueError, match="max_ctas must be a positive integer"):
-            kvcopy.BlockCopier(t, h, [["a"]], backend="torch", max_ctas=bad)
+            kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch", max_ctas=bad)
     monkeypatch.setenv("KVCOPY_MAX_CTAS", "zero")
     with pytest.raises(ValueError, match="KVCOPY_MAX_CTAS must be a positive integer"):
-        kvcopy.BlockCopier(t, h, [["a"]], backend="torch")
+        kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch")

@@ -51,7 +51,7 @@ class SpanCopiers:
         try:
             for ck, triples in members.items():
                 names = [[f"u{i}c{c}h{h}"] for i, c, h in triples]
-                self.copiers.append(BlockCopier(dev[ck], host[ck], names, backend=backend, max_ctas=max_ctas,
+                self.copiers.append(BlockCopier(dev[ck], host[ck], names, copy_backend=backend, max_ctas=max_ctas,
                                                 block_dim={n[0]: block_dims[n[0]] for n in names}))
         except Exception:
             self.close()
