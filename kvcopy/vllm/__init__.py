@@ -7,7 +7,8 @@
 * ``KvcopyOffloadingConnector`` with ``KvcopyOffloadingSpec`` (:mod:`.offload`,
   ``spec_module_path: "kvcopy.vllm"``): vLLM's KV offloading with kvcopy's copies.
 
-The rest: :mod:`.groups` (vLLM's KV cache groups as the copier's layer groups),
+The rest: :mod:`.config` (the one parser of ``kv_connector_extra_config["kvcopy"]`` and
+each connector's options), :mod:`.groups` (vLLM's KV cache groups as the copier's layer groups),
 :mod:`.checks` (the vLLM settings each connector refuses or changes), :mod:`.affinity`
 (transfer threads on vLLM's KV-transfer cores). Importing this package checks the vLLM
 version first (:mod:`.version`); ``import kvcopy`` never imports vLLM.
