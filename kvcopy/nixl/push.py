@@ -37,11 +37,18 @@ one-sided WRITE gives D no handle to wait on or cancel). Only P can say none wil
 answer to a cancel, P restarted under a new registration). A deadline fails the
 *request* (``state`` ERR, ``complete`` writes nothing to the KV) while its span stays
 *held* (``stats()["push_held_spans"]``); a WRITE landing later lands there only.
+A peer's answer to D's cancel goes through :meth:`Pushes.answered`; a peer registered
+anew (:meth:`Pushes.peer_restarted`) ends the holds of its old registration after
+:data:`RESTART_GRACE_S` (a killed process's endpoints are closed by then). Holds are
+bounded: :meth:`Pushes.reserve` refuses while the spans held for one peer exceed half
+of D's arena (a frozen P keeps its holds until D closes; new requests recompute).
 
 P keeps each WRITE handle until NIXL reports it ended, and its staged span with it
 (:meth:`~kvcopy.nixl.modes.arena.ArenaStaging.begin_write`); a reservation not posted by
-its ``timeout_s`` is answered ``x``. Tokens seen are kept (:data:`MAX_TOMBSTONES`) so a
-reservation is never served twice.
+its ``timeout_s`` is answered ``x``, and one P refuses (:meth:`Pushes.refused`) is
+answered ``x`` too when D is added. Tokens seen are kept (:data:`MAX_TOMBSTONES`) so a
+reservation is never served twice. P keeps at most :data:`MAX_ACCEPTED` reservations
+not posted, each at most :data:`MAX_TIMEOUT_S`.
 """
 from __future__ import annotations
 
@@ -70,8 +77,12 @@ PREFIX = b"kvcopy-push\0"
 FINAL, NEVER = b"f", b"x"
 TOKEN_BYTES = 16
 MAX_ROWS = 4096
-MAX_TIMEOUT_S = 1e6
+MAX_TIMEOUT_S = 3600.0  # the longest a reservation waits for P (P refuses longer: it keeps each until then)
+MAX_ACCEPTED = 4096  # reservations P keeps not posted (per manager: one P rank)
 MAX_TOMBSTONES = 1 << 16
+RESTART_GRACE_S = 1.0  # a peer registered anew: its old process's WRITEs are gone after this
+HOLD_SHARE = 0.5  # reserve() refuses while one peer's held spans exceed this share of D's arena
+ANSWERS = ("never", "ended", "in_flight")  # P's answers to a cancel
 TRAILER_REREAD_S = 0.05  # D re-reads a trailer not visible yet when P's "f" came ("done before visible")
 
 
@@ -116,7 +127,9 @@ class _Receiving:
     rw: ReservedWork
     names: Tuple[str, ...]
     deadline: float
+    generations: Dict[str, str] = field(default_factory=dict)  # peer -> its registration reserved against
     ended: Dict[str, bytes] = field(default_factory=dict)  # peer -> FINAL or NEVER
+    restart_at: Dict[str, float] = field(default_factory=dict)  # peer registered anew -> when its holds end
     state: str = PROC
     error: Optional[str] = None
     final_at: Optional[float] = None
@@ -174,13 +187,27 @@ class Pushes:
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         ranks = [self._peer_of(n) for n in peers]
+        self.sweep()
+        limit = HOLD_SHARE * self._info.arena[1]
+        for p in ranks:
+            held = sum(j.rw.work.nbytes for j in self._held.values() if p.name in j.names and p.name not in j.ended)
+            if held > limit:
+                raise ValueError(f"{held} bytes of D's arena are held for {p.name!r}, which has not said its WRITEs "
+                                 f"ended (more than {HOLD_SHARE:g} of the arena): not reserving more from it")
         rw = reserve(self._mode, self._info, ranks, num_tokens, local_block_ids, num_cached_tokens, request_id)
+        many = {n: len(r) for n, r in rw.rows.items() if len(r) > MAX_ROWS}
+        if many:
+            self._mode.free(rw.work)
+            raise ValueError(f"this push needs {max(many.values())} WRITE rows from one P rank, more than P takes "
+                             f"({MAX_ROWS}): TP sizes that differ need arena_order 'head' (or pull) for requests "
+                             "this long")
         token = secrets.token_bytes(TOKEN_BYTES)
         deadline = time.monotonic() + timeout_s
         rid = request_key(request_id).decode("latin-1")
         items = {p.name: (token, rid, int(num_tokens), rw.request.order, rw.work.offset, rw.work.nbytes,
                           rw.rows[p.name].tolist(), list(rw.slots[p.name]), float(timeout_s)) for p in ranks}
-        self._recv[token] = _Receiving(rw, tuple(p.name for p in ranks), deadline)
+        self._recv[token] = _Receiving(rw, tuple(p.name for p in ranks), deadline,
+                                       {p.name: p.info.generation for p in ranks})
         return Reservation(token, rid, MappingProxyType(items), rw.plan, deadline)
 
     def on_notices(self, new: Mapping[str, List[bytes]]) -> None:
@@ -212,6 +239,7 @@ class Pushes:
         if job.state != PROC:
             return job.state
         self._read_mail()
+        self.sweep()
         now = time.monotonic()
         if NEVER in job.ended.values():
             who = [n for n, k in job.ended.items() if k == NEVER]
@@ -283,12 +311,41 @@ class Pushes:
         if token in self._held:
             self._mode.free(self._held.pop(token).rw.work)
 
-    def peer_restarted(self, name: str) -> None:
-        """Peer ``name`` registered anew (a new generation: the old process's endpoints
-        are gone): nothing it posted before can land."""
+    def answered(self, token: bytes, name: str, how: str, generation: str) -> None:
+        """Peer ``name``'s answer to D's cancel of ``token``, from its registration
+        ``generation``: ``never``/``ended`` from the registration reserved against end
+        its hold; from another one, the peer restarted (:meth:`peer_restarted`)."""
+        job = self._recv.get(token) or self._held.get(token)
+        if job is None or name not in job.names or name in job.ended or how not in ANSWERS:
+            return
+        if generation != job.generations.get(name):
+            self.peer_restarted(name, generation)
+        elif how in ("never", "ended"):
+            self._ended(name, token, NEVER)
+
+    def holding(self, token: bytes) -> bool:
+        """Whether ``token``'s span is still reserved or held (a WRITE of it may land)."""
+        return token in self._recv or token in self._held
+
+    def peer_restarted(self, name: str, generation: Optional[str] = None, grace_s: float = RESTART_GRACE_S) -> None:
+        """Peer ``name`` registered anew as ``generation`` (its old process's endpoints
+        are gone): after ``grace_s`` nothing it posted under another registration can
+        land (:meth:`sweep` ends those holds; ``generation`` None: the one added as ``name`` now)."""
+        if generation is None:
+            generation = self._peer_of(name).info.generation
+        at = time.monotonic() + grace_s
+        for job in list(self._recv.values()) + list(self._held.values()):
+            if name in job.names and name not in job.ended and job.generations.get(name) != generation:
+                job.restart_at.setdefault(name, at)
+        self.sweep()
+
+    def sweep(self) -> None:
+        """End the holds of restarted peers whose grace passed."""
+        now = time.monotonic()
         for token, job in list(self._recv.items()) + list(self._held.items()):
-            if name in job.names and name not in job.ended:
-                self._ended(name, token, NEVER)
+            for name, at in list(job.restart_at.items()):
+                if now >= at and name not in job.ended:
+                    self._ended(name, token, NEVER)
 
     def _job(self, token: bytes) -> _Receiving:
         job = self._recv.get(token)
@@ -329,6 +386,8 @@ class Pushes:
             raise ValueError("malformed reservation: token")
         if token in self._send or token in self._seen:
             raise ValueError("reservation token used already")
+        if sum(not s.posted for s in self._send.values()) >= MAX_ACCEPTED:
+            raise ValueError(f"P holds {MAX_ACCEPTED} reservations not posted already")
         key = request_key(rid)
         if not _int(n_tok, 0, MAX_TOKENS) or order not in ORDERS.values():
             raise ValueError("malformed reservation: tokens or order")
@@ -393,6 +452,17 @@ class Pushes:
             self._write_ended(token, s, state)
         return int(sizes.sum()), len(sizes)
 
+    def refused(self, token, target: Optional[str]) -> None:
+        """P refused a reservation item (:meth:`accept` raised, or D could not be added):
+        its token, if well-formed and new, is answered ``never`` to a later cancel, and
+        ``x`` now where ``target`` is an added D (D fails the load at once)."""
+        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES or token in self._send or token in self._seen:
+            return
+        self._tombstone(token, "never")
+        d = self._targets.get(target) if target is not None else None
+        if d is not None:
+            self._mail.send(d.name, d.generation, notice(token, NEVER))
+
     def refuse(self, token: bytes) -> None:
         """P will not post this reservation (it could not stage the request, or aborted it): ``x``."""
         s = self._send.get(token)
@@ -446,8 +516,11 @@ class Pushes:
         """D's cancel: ``never`` (not posted, and now never will be), ``ended`` (its WRITE
         ended; D had or will have the notice), ``in_flight`` (ask again). A token never
         seen is tombstoned (a reservation arriving later is refused) and, with ``target``
-        (an added D), answered ``x`` over NIXL at once."""
+        (an added D), answered ``x`` over NIXL at once. A cancel from a D other than the
+        reservation's changes nothing (``in_flight``)."""
         s = self._send.get(token)
+        if s is not None and target is not None and s.target != target:
+            return "in_flight"
         if s is None:
             if token not in self._seen:
                 self._tombstone(token, "never")

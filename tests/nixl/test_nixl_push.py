@@ -262,7 +262,10 @@ def test_two_processes_p_killed_after_posting():
             assert not done.ok and "deadline" in done.error
             assert same_bytes(de.device_caches, before)
             assert d.stats()["push_held_spans"] == 1
-            d.push.peer_restarted(peer)
+            d.push.peer_restarted(peer, "0" * 16, grace_s=0.2)  # P's new registration, as D would learn it
+            assert d.stats()["push_held_spans"] == 1  # not before the grace
+            time.sleep(0.3)
+            d.push.sweep()
             assert d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0
             d.close()
         finally:
@@ -285,3 +288,88 @@ def test_push_oracle_fuzz_agrees_with_pull():
             counts["exact"] += push.status == "exact"
             counts["checked"] += push.status == "exact" and push.checked
     assert counts["exact"] >= 100 and counts["checked"] >= 1, counts
+
+
+def _held_after_deadline(p, d, peer, target, rid, d_ids):
+    """A reservation P accepted and never posted, failed at D's deadline: its span held."""
+    res = d.push.reserve([peer], 40, d_ids, 0, rid, 0.01)
+    p.push.accept(target, d.info.generation, res.items[peer])
+    time.sleep(0.02)
+    assert d.push.state(res.token) == "ERR"
+    assert not d.push.complete(res.token).ok
+    return res
+
+
+def test_holds_for_one_p_beyond_half_of_d_arena_refuse_new_reservations(pd):
+    """A P that never answers keeps D's spans held; past half of D's arena held for it,
+    reserve() refuses (the load fails and recomputes) instead of filling the arena.
+    P's answer to the cancel ends the holds, and reserving works again."""
+    p, d, peer, pe, de, target = pd("one_group", arena_bytes=64 << 10)
+    held = []
+    while d.stats()["bytes_in_use"] <= (64 << 10) // 2:
+        held.append(_held_after_deadline(p, d, peer, target, f"h{len(held)}", [[7, 8, 9]]))
+    assert d.stats()["push_held_spans"] == len(held) >= 2
+    with pytest.raises(ValueError, match="held for"):
+        d.push.reserve([peer], 40, [[7, 8, 9]], 0, "more", 30.0)
+    assert d.stats()["push_reserved"] == 0  # nothing kept for the refused one
+    generation = p.info.generation
+    for res in held:
+        d.push.answered(res.token, peer, "in_flight", generation)  # in flight: still held
+    assert d.stats()["push_held_spans"] == len(held)
+    for res in held:
+        assert p.push.cancel(res.token, target) == "never"
+        d.push.answered(res.token, peer, "never", generation)
+    assert d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0
+    res = push_once(p, d, peer, target, [[0, 1, 2]], [[7, 8, 9]], 40, "again")
+    assert settle(p, d, res.token) == "DONE" and d.push.complete(res.token).ok
+
+
+def test_a_cancel_answered_by_a_new_generation_of_p_ends_the_hold_after_the_grace(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    res = _held_after_deadline(p, d, peer, target, "g", [[7, 8, 9]])
+    d.push.answered(res.token, peer, "pending", "")  # P's worker has not answered: nothing learned
+    d.push.answered(res.token, peer, "never", "f" * 16)  # another registration answered: P restarted
+    assert d.stats()["push_held_spans"] == 1  # not before the grace
+    end = time.monotonic() + 30
+    while d.stats()["push_held_spans"]:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+        d.push.sweep()
+    assert d.stats()["bytes_in_use"] == 0
+
+
+def test_p_refusing_a_reservation_answers_x_and_never(pd, monkeypatch):
+    """A reservation P refuses (here: beyond the reservations P keeps) is answered ``x``
+    over NIXL, so D fails at once, and ``never`` to a cancel; P keeps nothing of it."""
+    p, d, peer, pe, de, target = pd("one_group")
+    monkeypatch.setattr(push, "MAX_ACCEPTED", 1)
+    first = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "a", 30.0)
+    p.push.accept(target, d.info.generation, first.items[peer])
+    second = d.push.reserve([peer], 40, [[10, 11, 12]], 0, "b", 30.0)
+    with pytest.raises(ValueError, match="reservations not posted"):
+        p.push.accept(target, d.info.generation, second.items[peer])
+    p.push.refused(second.token, target)
+    assert settle(p, d, second.token) == "ERR"
+    assert not d.push.complete(second.token).ok
+    assert p.push.cancel(second.token, target) == "never" and p.stats()["push_accepted"] == 1
+    monkeypatch.setattr(push, "MAX_ACCEPTED", 2)
+    with pytest.raises(ValueError, match="timeout"):  # P keeps a reservation at most MAX_TIMEOUT_S
+        p.push.accept(target, d.info.generation, (bytes(16),) + first.items[peer][1:8] + (push.MAX_TIMEOUT_S * 2,))
+
+
+def test_reservations_needing_more_rows_than_p_takes_are_refused_at_reserve(pd, monkeypatch):
+    """A plan of more WRITE rows per P rank than P takes (TP sizes that differ, token
+    order, long requests) fails at reserve, before anything is sent, with nothing held."""
+    p, d, peer, pe, de, target = pd("hybrid")
+    rng = np.random.default_rng(5)
+    d_ids = allocate_blocks(rng, de, [3, 6], set(), NP)
+    d_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    probe = d.push.reserve([peer], 90, d_ids, 32, "probe", 30.0)
+    rows = len(probe.items[peer][6])
+    d.push.fail(probe.token, "probe")
+    d.push.release(probe.token)
+    d.push.complete(probe.token)
+    monkeypatch.setattr(push, "MAX_ROWS", rows - 1)
+    with pytest.raises(ValueError, match=f"needs {rows} WRITE rows"):
+        d.push.reserve([peer], 90, d_ids, 32, "many", 30.0)
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_reserved"] == 0

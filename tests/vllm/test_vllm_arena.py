@@ -343,24 +343,32 @@ def test_a_byte_changed_in_ps_span_fails_the_load_by_its_checksum(engines, name)
 # ------------------------------------------------------------------ P in another process
 
 
+def p2_and_p1(engines, prefill_process, monkeypatch, d_opts, **p2_opts):
+    """D and P1 in this process, P2 in another (UCX over TCP loopback; ``p2_opts`` its
+    options and hooks): P2 prefilled ``x`` (48 tokens), P1 ``y`` and ``z`` (40, 56).
+    Returns (P2's process, P1, D, the three prompts, their kv_transfer_params)."""
+    for k, v in TCP_LOOPBACK.items():
+        monkeypatch.setenv(k, v)
+    case = CASES["one_group"]
+    p2, pipe = prefill_process("one_group", "P2", 13, **p2_opts)
+    p1 = engines(case, "kv_producer", engine_id="P1")
+    d = engines(case, "kv_consumer", engine_id="D", **d_opts)
+    fill(p1, d, 14)
+    (t_x,), (t_y, t_z) = prompts(1, [48], seed=15), prompts(2, [40, 56], seed=16)
+    pipe.send(("prefill", (["x"], [t_x])))
+    assert pipe.poll(120), "P2 did not prefill"
+    (x_params,) = pipe.recv()
+    return p2, p1, d, (t_x, t_y, t_z), (x_params, *prefill(p1, ["y", "z"], [t_y, t_z]))
+
+
 def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, prefill_process, monkeypatch):
     """D loads one request from P2 (another process) and two from P1. P2 is stopped just
     before D posts its READ and killed right after: that request ends as a load error
     (its blocks reported, nothing written), D's other requests complete exactly. UCX on
     TCP over loopback: with shared memory D could read a stopped P2 once its endpoint
     is wired up (tests/nixl/test_nixl_failures.py, stopped_prefill)."""
-    for k, v in TCP_LOOPBACK.items():
-        monkeypatch.setenv(k, v)
-    case = CASES["one_group"]
-    p2, pipe = prefill_process("one_group", "P2", 13)
-    p1 = engines(case, "kv_producer", engine_id="P1")
-    d = engines(case, "kv_consumer", engine_id="D", pull_timeout_s=3.0)
-    fill(p1, d, 14)
-    (t_x,), (t_y, t_z) = prompts(1, [48], seed=15), prompts(2, [40, 56], seed=16)
-    pipe.send(("prefill", (["x"], [t_x])))
-    assert pipe.poll(120), "P2 did not prefill"
-    (x_params,) = pipe.recv()
-    y_params, z_params = prefill(p1, ["y", "z"], [t_y, t_z])
+    p2, p1, d, (t_x, t_y, t_z), (x_params, y_params, z_params) = p2_and_p1(
+        engines, prefill_process, monkeypatch, {"pull_timeout_s": 3.0})
     real = d.manager.pull
     killed = []
 

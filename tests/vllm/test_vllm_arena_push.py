@@ -12,6 +12,7 @@ Run in the vLLM environment (``.ci/run``); skipped where vLLM 0.33 is not instal
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -22,8 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
 import msgspec  # noqa: E402
-from test_vllm_arena import ONE_SPAN, engines  # noqa: E402  (the fixture, used by name)
-from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
+from test_vllm_arena import ONE_SPAN, engines, prefill_process  # noqa: E402  (the fixtures, used by name)
+from test_vllm_mirror import CASES, _specs, vllm_env  # noqa: E402  (the fixture)
 
 from kvcopy.vllm.arena.push_channel import CANCEL_MSG, RESERVE_MSG, TAKE_PUSH_MSG  # noqa: E402
 from kvcopy.vllm.arena.push_recv import ArenaPushReceiver  # noqa: E402
@@ -31,7 +32,7 @@ from vllm_arena_engines import (  # noqa: E402
     ask_side_channel, assert_same, decode, expected_d, fill, fill_layerwise, prefill, prompts, run,
 )
 
-assert engines and vllm_env  # fixtures, used by name
+assert engines and prefill_process and vllm_env  # fixtures, used by name
 PUSH = {"transfer_mode": "push"}
 
 
@@ -263,3 +264,164 @@ def test_a_layerwise_p_pushes_what_it_staged_layer_by_layer(engines, name):
     _loaded(p, d, rids, tokens, before)
     layers = p.worker.arena_worker.stager.layers
     assert layers.at_layer > 0 and p.stats()["partial_requests"] == 0
+
+
+def _failures(d, monkeypatch):
+    """D's load failures, with their reasons, as D's worker reports them."""
+    puller = d.worker.arena_worker.puller
+    reasons = {}
+    real = puller._fail
+
+    def fail(job, reason):
+        reasons[job.rid] = reason
+        return real(job, reason)
+    monkeypatch.setattr(puller, "_fail", fail)
+    return reasons
+
+
+def test_a_reservation_p_never_took_is_cancelled_and_its_span_freed(engines, monkeypatch):
+    """P cannot reach D's side channel (so it cannot add D, take the reservation or send
+    D anything over NIXL): D fails the load at its deadline, then its CANCEL, asked again
+    every second, is answered ``never`` through P's listener and the held span goes."""
+    from kvcopy.vllm.arena import push_send
+    from vllm_arena_engines import free_port
+
+    monkeypatch.setattr(push_send, "FETCH_TIMEOUT_S", 1.0)
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 1.5})
+    d.worker.arena_worker.puller.own = ("127.0.0.1", free_port())  # nothing listens there
+    fill(p, d, 9)
+    rids, tokens, before, failed = _push(p, d, [48], seed=9)
+    assert failed == set(rids)
+    assert_same(d, before)
+    run([p, d], lambda: d.stats()["push_held_spans"] == 0, limit_s=30)
+    assert d.stats()["bytes_in_use"] == 0 and p.worker.arena_worker.sender.refused == 1
+
+
+def test_the_listener_bounds_what_it_keeps_and_refuses_beyond_with_an_answer(engines):
+    """No key: anyone can ask. Reservations for P ranks P does not have, beyond
+    MAX_QUEUED per rank, or waiting longer than P keeps one are refused with an answer;
+    a genuine push still works after."""
+    from kvcopy.vllm.arena import push_channel
+    from kvcopy.nixl.push import MAX_TIMEOUT_S
+
+    p, d = _pair(engines, CASES["one_group"])
+    port = _port(p)
+
+    def entry(p_rank, timeout=10.0):
+        return [p_rank, os.urandom(16), "x", 16, "token", 0, 4096, bytes(24), 64, 512, timeout]
+
+    def ask(q):
+        (reply,) = ask_side_channel(port, msgspec.msgpack.encode(q))
+        return msgspec.msgpack.decode(reply)
+
+    d_fields = ["D", 0, 1, "127.0.0.1", 9, "g" * 16]
+    assert "TP ranks" in ask((RESERVE_MSG, *d_fields, [entry(1)]))["error"]  # P has one rank
+    assert "TP ranks" in ask((CANCEL_MSG, "D", 0, [[1, b"t" * 16]]))["error"]
+    assert ask((RESERVE_MSG, *d_fields, [entry(0, MAX_TIMEOUT_S + 1)]))["state"] == "failed"
+    assert ask((TAKE_PUSH_MSG, 1))["state"] == "failed"
+    box = p.sched.connector.connector_scheduler.store.pushes
+    w = p.worker.arena_worker
+    with w.lock:  # P's worker takes nothing meanwhile (a TAKE already in flight takes at most 64)
+        replies = [box.answer(RESERVE_MSG, d_fields + [[entry(0)]]) for _ in range(push_channel.MAX_QUEUED + 65)]
+        assert sum(r["state"] == "ok" for r in replies) <= push_channel.MAX_QUEUED + push_channel.TAKE_RESERVATIONS
+        assert replies[-1] == {"state": "failed", "error": f"P's ranks [0] hold {push_channel.MAX_QUEUED} "
+                                                          "reservations not taken"}
+        box._reserve[0].clear()  # (what P's worker would take and refuse: D's side channel is not there)
+    fill(p, d, 10)
+    rids, tokens, before, failed = _push(p, d, [40], seed=10)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+
+
+def test_a_stale_reservation_is_refused_and_the_live_ones_stay(engines, monkeypatch):
+    """A RESERVE naming a registration of D other than the one P added (sent before D
+    re-registered, or replayed) makes P look at D's handshake again; it did not change,
+    so that reservation is refused, and D's live reservation is pushed byte-exact."""
+    from kvcopy.vllm.arena.push_channel import reserve_question
+
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 11)
+    reserves = _spy_reserves(d, monkeypatch)
+    sender = p.worker.arena_worker.sender
+    gate = {"open": False}
+    real_step = sender.step
+    monkeypatch.setattr(sender, "step", lambda: real_step() if gate["open"] else None)  # P posts nothing yet
+    tokens = prompts(1, [56], 11)
+    params = prefill(p, ["live"], tokens)
+    before = d.raw_bytes()
+    d.add("live", tokens[0], params[0], max_tokens=2)
+    run([p, d], lambda: sender._waiting)  # P accepted the live reservation
+    (res,) = reserves
+    item = list(res.items[next(iter(res.items))])
+    item[0] = os.urandom(16)
+    pr = d.worker.arena_worker.puller
+    stale = reserve_question(pr.engine_id, 0, 1, pr.own[0], pr.own[1], "0" * 16, {0: tuple(item)})
+    (reply,) = ask_side_channel(_port(p), msgspec.msgpack.encode(stale))
+    assert msgspec.msgpack.decode(reply)["state"] == "ok"
+    run([p, d], lambda: sender.refused == 1)
+    assert sender._waiting and p.stats()["push_accepted"] == 1  # the live one stays
+    gate["open"] = True
+    failed = set()
+    run([p, d], lambda: "live" in d.tables or failed.update(d.step().failed_recving or ()) or failed)
+    assert failed == set()
+    _loaded(p, d, ["live"], tokens, before)
+
+
+def test_a_reservation_p_could_not_take_fails_at_reserve_when_too_large(engines, monkeypatch):
+    """TP sizes that differ in token order: a row per page per layer and P rank (here
+    2 x 12 x 188); a long request's reservation outgrows what P's side channel takes
+    (64 KiB). D fails the load at once with a clear error, keeps no span, and gives
+    the request up to P."""
+    case = dict(block_size=16, specs=_specs(12))
+    p = engines(case, "kv_producer", tp=2, arena_order="token", num_blocks=220, arena_bytes=16 << 20)
+    d = engines(case, "kv_consumer", tp=1, arena_order="token", num_blocks=220, arena_bytes=16 << 20, **PUSH)
+    reasons = _failures(d, monkeypatch)
+    fill(p, d, 12)
+    tokens = prompts(1, [3000], seed=12)
+    params = prefill(p, ["long"], tokens)
+    before = d.raw_bytes()
+    assert decode(d, [p], ["long"], tokens, params, limit_s=30) == {"long"}
+    assert "more than P's side channel takes" in reasons["long"], reasons
+    assert_same(d, before)
+    st = d.stats()
+    assert st["push_held_spans"] == 0 and st["bytes_in_use"] == 0
+    run([p], lambda: not any(p.stats(r)["staged_requests"] for r in range(2)))  # D's give-up freed P's spans
+
+
+def test_p_killed_mid_write_fails_its_request_and_the_span_waits_for_ps_new_generation(engines, monkeypatch,
+                                                                                         prefill_process):
+    """P2 (another process) posts its WRITE into D's span and is SIGKILLed at once (a
+    test hook), before it could say the WRITE ended: D fails that load at its deadline
+    (vLLM recomputes), D's two requests from P1 are byte-exact, and the span stays held
+    while P2 is gone; a new P2 process on the same side channel answers D's cancel
+    from a new registration, and the hold ends only after the grace."""
+    from kvcopy.nixl.push import RESTART_GRACE_S
+    from test_vllm_arena import p2_and_p1
+    from vllm_arena_engines import free_port
+
+    port = free_port()
+    p2, p1, d, tokens, params = p2_and_p1(engines, prefill_process, monkeypatch, dict(PUSH, push_timeout_s=3.0),
+                                          port=port, kill_after_post=True)
+    before = d.raw_bytes()
+    failed = decode(d, [p1], ["x", "y", "z"], tokens, params)
+    p2.join(30)
+    assert p2.exitcode == -signal.SIGKILL  # the hook fired: P2 posted, then died
+    assert failed == {"x"}
+    assert_same(d, expected_d(p1, d, [("y", "y", 40), ("z", "z", 56)], before))
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:  # D's cancels reach nobody: the span stays held
+        d.step()
+        time.sleep(0.01)
+    assert d.stats()["push_held_spans"] == 1
+    restarted = []
+    real = d.manager.push.peer_restarted
+
+    def peer_restarted(*a, **kw):
+        restarted.append(time.monotonic())
+        return real(*a, **kw)
+    monkeypatch.setattr(d.manager.push, "peer_restarted", peer_restarted)
+    _, pipe2 = prefill_process("one_group", "P2", 17, port=port)  # P2 again: a new registration, the same port
+    run([d], lambda: d.stats()["push_held_spans"] == 0)
+    assert restarted and time.monotonic() >= restarted[0] + RESTART_GRACE_S
+    assert d.stats()["bytes_in_use"] == 0
+    pipe2.send(("stop", None))  # (the pipe kept open until here: the child ends when it closes)

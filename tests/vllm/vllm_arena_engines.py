@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import socket
 import time
 from types import SimpleNamespace
@@ -153,7 +154,7 @@ class ArenaEngine:
     as vLLM's parallel state would; their outputs merged by vLLM's ``KVOutputAggregator``)."""
 
     def __init__(self, model_config, case, role, setenv, num_blocks=48, arena_bytes=1 << 22, engine_id=None,
-                 policy="recompute", tp=1, **kvcopy):
+                 policy="recompute", tp=1, port=None, **kvcopy):
         layout = case.get("layout", "LBHNC")
         self.config = cfg = _vllm_config(model_config, case["block_size"], "KvcopyArenaConnector", role, layout)
         opts = {"arena_bytes": arena_bytes, "arena_ttl_s": 60, "pull_timeout_s": 20, "fetch_timeout_s": 30}
@@ -169,7 +170,7 @@ class ArenaEngine:
             setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
             get_conv_state_layout.cache_clear()
         setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-        setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+        setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(port or free_port()))
         self.ranks, self.sched = [], None
         with set_current_vllm_config(cfg):
             try:
@@ -397,7 +398,10 @@ def prefill_child(conn, model_dir, root, case_name, engine_id, seed, opts=None):
     """A spawned P engine (its own vLLM state: gloo, world size 1), driven over a pipe as
     vLLM's engine core drives its engine: stepped while its scheduler has requests
     (``has_requests``, which asks the connector too), otherwise idle, blocked on the pipe
-    as the engine core blocks on its input queue (:func:`serve_commands`)."""
+    as the engine core blocks on its input queue (:func:`serve_commands`). ``opts``: the
+    engine's (``port``: its side channel's) and the connector's options, and the test hook
+    ``kill_after_post``: the process SIGKILLs itself right after posting its first push
+    WRITE (before it could say the WRITE ended)."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
@@ -406,8 +410,19 @@ def prefill_child(conn, model_dir, root, case_name, engine_id, seed, opts=None):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{root}/dist-child")
         initialize_model_parallel(1, 1)
+    opts = dict(opts or {})
+    kill_after_post = opts.pop("kill_after_post", False)
     p = ArenaEngine(model_config, CASES[case_name], "kv_producer", os.environ.__setitem__, engine_id=engine_id,
-                    **(opts or {}))
+                    **opts)
+    if kill_after_post:
+        agent = p.worker.arena_worker.manager.push._agent
+        real_post = agent.post_read_descs
+
+        def post_then_die(*a, **kw):
+            out = real_post(*a, **kw)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        agent.post_read_descs = post_then_die
     p.raw.copy_(torch.randint(0, 256, p.raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
     conn.send("ready")
     serve_commands(conn, p)

@@ -198,17 +198,18 @@ class _Entry:
 
 class RecordStore:
     """P's scheduler: per request, each P rank's staged record (or failure), shared with
-    the listener thread, and D's give-ups not yet handed to the workers. ``ttl_s`` is
+    the listener thread, and D's give-ups not yet handed to the workers (P has
+    ``tp_size`` ranks). ``ttl_s`` is
     the workers' arena TTL; ``margin_s`` covers the time between a worker staging a
     request and the scheduler receiving its report."""
 
-    def __init__(self, ttl_s: float, margin_s: Optional[float] = None):
+    def __init__(self, ttl_s: float, margin_s: Optional[float] = None, tp_size: int = 1):
         self.ttl_s = float(ttl_s)
         self.margin_s = max(1.0, 0.1 * self.ttl_s) if margin_s is None else float(margin_s)
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
         self._give_ups: Dict[int, "OrderedDict[str, Dict[str, int]]"] = {}  # P rank -> request -> reader -> D's TP
-        self.pushes = PushBox()  # D's reservations and cancels (kvcopy.vllm.arena.push_channel)
+        self.pushes = PushBox(tp_size)  # D's reservations and cancels for P's ranks (kvcopy.vllm.arena.push_channel)
 
     def update(self, report: KvcopyArenaWorkerMeta, now: Optional[float] = None) -> Set[str]:
         """Take one step's worker report; returns the requests that got a record or a failure."""

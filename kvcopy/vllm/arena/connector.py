@@ -126,7 +126,7 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
         self.use_host_buffer = True
         self.options = options
         self.tokens = group_tokens(kv_cache_config)
-        self.store = RecordStore(options.manager.arena_ttl_s)
+        self.store = RecordStore(options.manager.arena_ttl_s, tp_size=vllm_config.parallel_config.tensor_parallel_size)
         self.key = options.manager.key
         self.kv_cache_manager = None  # bound by the connector (bind_kv_cache_manager)
         self._stage: Dict[str, ArenaStage] = {}

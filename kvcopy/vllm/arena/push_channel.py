@@ -10,31 +10,44 @@ the same rules (shape bounded before decoding, every field checked, keyed when
                      rows, slot_offset, slot_bytes, timeout_s]
             rows  = [p_rel, d_rel, nbytes] triples, int64 little-endian (bytes: a flat message)
     P -> D  {"state": "ok", ...}                  (kept for P rank ``p_rank``'s worker)
-    D -> P  (CANCEL_MSG, d_engine, d_rank, [[p_rank, token], ...])      P -> D  {"state": "ok", ...}
-    P's worker -> P  (TAKE_PUSH_MSG, p_rank)
+    D -> P  (CANCEL_MSG, d_engine, d_rank, [[p_rank, token], ...])
+    P -> D  {"state": "ok", "answers": [[p_rank, token, answer, p_generation], ...], ...}
+    P's worker -> P  (TAKE_PUSH_MSG, p_rank[, p_generation, [[token, answer], ...]])
     P -> worker  {"reserve": [[d_engine, d_rank, d_tp, d_host, d_port, d_generation, *entry[1:]], ...],
                   "cancel": [[d_engine, d_rank, token], ...]}
 
 The listener lives in P's scheduler process and cannot reach the workers, so it only
-keeps what came, per P rank (:class:`PushBox`, bounded: the oldest go first), until that
-rank's worker takes it (its transfer thread asks every housekeeping turn). The worker
-checks every field again through ``TransferManager.push.accept`` before NIXL sees any,
-and answers D over NIXL (``f``/``x``, :mod:`kvcopy.nixl.push`): a reservation or cancel
-is queued and answered "ok" here whatever becomes of it. A reservation names where D's
-side channel is, so P can fetch D's kvcopy handshake there (``GET_META_MSG``, checked
-by ``add_target``): with a key only a keyed D can make P connect anywhere.
+keeps what came, per P rank (:class:`PushBox`), until that rank's worker takes it (its
+transfer thread asks every housekeeping turn). The worker checks every field again
+through ``TransferManager.push.accept`` before NIXL sees any, and answers D over NIXL
+(``f``/``x``, :mod:`kvcopy.nixl.push`). A reservation names where D's side channel is,
+so P can fetch D's kvcopy handshake there (``GET_META_MSG``, checked by
+``add_target``): with a key only a keyed D can make P connect anywhere.
+
+**Cancels** are answered by the worker: it brings its answers (``never``, ``ended``,
+``in_flight``: :meth:`kvcopy.nixl.push.Pushes.cancel`) and its registration generation
+with its next ``TAKE_PUSH_MSG``; the listener keeps the latest per token and answers
+D's cancels with them (``pending``: the worker has not answered yet). D asks again
+every second until ``never``/``ended`` (or an answer from a new generation of P: P
+restarted), and only then reuses the span.
+
+**Bounds** (nobody can make the listener keep more, key or not): P ranks below P's TP
+size, at most :data:`MAX_QUEUED` reservations and cancels per rank not taken and
+:data:`MAX_ANSWERS` answers per rank, each reservation waiting at most
+:data:`~kvcopy.nixl.push.MAX_TIMEOUT_S`. A question beyond them is refused with an
+error (D fails that load at once and keeps nothing for it).
 """
 from __future__ import annotations
 
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ...nixl.engine.regions import MAX_NAME
-from ...nixl.push import MAX_ROWS, MAX_TIMEOUT_S, TOKEN_BYTES
+from ...nixl.push import ANSWERS, MAX_ROWS, MAX_TIMEOUT_S, TOKEN_BYTES
 from ...nixl.wire.record import MAX_REQUEST_ID, MAX_TOKENS
 from .meta import MAX_TP
 
@@ -44,6 +57,8 @@ TAKE_PUSH_MSG = b"kvcopy_take_push"
 ROW = np.dtype("<i8")
 ROW_BYTES = 3 * ROW.itemsize
 MAX_QUEUED = 4096  # reservations (and cancels) per P rank its worker has not taken
+MAX_ANSWERS = 1 << 14  # cancel answers kept per P rank (the oldest go first)
+ANSWERS_PER_TAKE = 512  # cancel answers a worker brings per question (a question is at most 64 KiB)
 TAKE_RESERVATIONS = 64  # per reply to TAKE_PUSH_MSG (each at most one question's size)
 TAKE_CANCELS = 1024
 MAX_TAKE_REPLY = 8 << 20
@@ -85,6 +100,26 @@ def reserve_question(d_engine: str, d_rank: int, d_tp: int, d_host: str, d_port:
     return (RESERVE_MSG, d_engine, d_rank, d_tp, d_host, d_port, d_generation, entries)
 
 
+def take_question(p_rank: int, generation: str, answers: Sequence[Tuple[bytes, str]]) -> tuple:
+    """P's worker: its TAKE_PUSH question, bringing its answers to cancels (at most
+    :data:`ANSWERS_PER_TAKE`; the caller keeps the rest for the next one)."""
+    return (TAKE_PUSH_MSG, p_rank, generation, [[t, a] for t, a in answers[:ANSWERS_PER_TAKE]])
+
+
+def cancel_answers_of(d: Any, asked: Sequence[Tuple[int, bytes]]) -> Dict[int, Tuple[str, str]]:
+    """D: P's answers (decoded reply to a cancel) as ``{p_rank: (answer, p_generation)}``
+    for the ``(p_rank, token)`` pairs asked; ``ValueError`` for a refusal or a malformed reply."""
+    if not isinstance(d, dict) or d.get("state") != "ok" or not isinstance(d.get("answers"), list):
+        raise ValueError(f"P refused the cancel: {str(d.get('error') if isinstance(d, dict) else d)[:200]}")
+    want = dict(asked)
+    out = {}
+    for a in d["answers"]:
+        if isinstance(a, list) and len(a) == 4 and _int(a[0], 0, MAX_TP - 1) and want.get(a[0]) == a[1] \
+                and a[2] in ANSWERS + ("pending",) and isinstance(a[3], str) and len(a[3]) <= MAX_GENERATION:
+            out[a[0]] = (a[2], a[3])
+    return out
+
+
 def item_of(entry: Sequence) -> tuple:
     """P's worker: the ``TransferManager.push.accept`` item of a taken reservation's entry
     (``entry[6:]`` of :meth:`PushBox.take`'s rows)."""
@@ -94,35 +129,67 @@ def item_of(entry: Sequence) -> tuple:
 
 
 class PushBox:
-    """P's listener: reservations and cancels per P rank until its worker takes them."""
+    """P's listener: reservations and cancels per P rank (of ``tp_size``) until its
+    worker takes them, and the worker's answers to cancels (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = int(tp_size)
         self._lock = threading.Lock()
         self._reserve: Dict[int, Deque[list]] = {}
         self._cancel: Dict[int, Deque[list]] = {}
+        self._answers: Dict[int, "OrderedDict[bytes, Tuple[str, str]]"] = {}  # rank -> token -> (answer, generation)
 
     def answer(self, kind: bytes, args: Sequence) -> Optional[Any]:
         """The reply to a push question (a plain object to encode), or None when
         ``kind``/``args`` are not a well-formed push question."""
+        tp = self.tp_size
         if kind == RESERVE_MSG and len(args) == 7 and _d_fields(*args[:6]) and isinstance(args[6], list) \
                 and 0 < len(args[6]) <= MAX_TP \
                 and all(isinstance(e, list) and len(e) == 11 and _int(e[0], 0, MAX_TP - 1) and _entry_fields(*e[1:])
                         for e in args[6]):
+            ranks = [e[0] for e in args[6]]
+            if max(ranks) >= tp or len(set(ranks)) != len(ranks):
+                return {"state": "failed", "error": f"P has {tp} TP ranks, once each: reservation for ranks {ranks}"}
             with self._lock:
+                full = [r for r in ranks if len(self._reserve.get(r, ())) >= MAX_QUEUED]
+                if full:
+                    return {"state": "failed", "error": f"P's ranks {full} hold {MAX_QUEUED} reservations not taken"}
                 for e in args[6]:
-                    _push(self._reserve, e[0], list(args[:6]) + list(e[1:]))
+                    self._reserve.setdefault(e[0], deque()).append(list(args[:6]) + list(e[1:]))
             return {"state": "ok"}
         if kind == CANCEL_MSG and len(args) == 3 and _str(args[0], MAX_NAME) and _int(args[1], 0, MAX_TP - 1) \
                 and isinstance(args[2], list) and 0 < len(args[2]) <= MAX_TP \
                 and all(isinstance(c, list) and len(c) == 2 and _int(c[0], 0, MAX_TP - 1) and isinstance(c[1], bytes)
                         and len(c[1]) == TOKEN_BYTES for c in args[2]):
-            with self._lock:
-                for p_rank, token in args[2]:
-                    _push(self._cancel, p_rank, [args[0], args[1], token])
-            return {"state": "ok"}
-        if kind == TAKE_PUSH_MSG and len(args) == 1 and _int(args[0], 0, MAX_TP - 1):
+            if any(c[0] >= tp for c in args[2]):
+                return {"state": "failed", "error": f"P has {tp} TP ranks"}
+            return self._cancels(args[0], args[1], args[2])
+        if kind == TAKE_PUSH_MSG and len(args) in (1, 3) and _int(args[0], 0, tp - 1) \
+                and (len(args) == 1 or (_str(args[1], MAX_GENERATION) and _answers(args[2]))):
+            if len(args) == 3:
+                with self._lock:
+                    kept = self._answers.setdefault(args[0], OrderedDict())
+                    for token, how in args[2]:
+                        kept[token] = (how, args[1])
+                        kept.move_to_end(token)
+                    while len(kept) > MAX_ANSWERS:
+                        kept.popitem(last=False)
             return self.take(args[0])
         return None
+
+    def _cancels(self, d_engine: str, d_rank: int, asked: List[list]) -> dict:
+        """Queue a cancel for the worker unless it answered it for good; reply with what it answered."""
+        out = []
+        with self._lock:
+            for p_rank, token in asked:
+                how, generation = self._answers.get(p_rank, {}).get(token, ("pending", ""))
+                if how not in ("never", "ended"):
+                    q = self._cancel.setdefault(p_rank, deque())
+                    if len(q) >= MAX_QUEUED:
+                        return {"state": "failed", "error": f"P's rank {p_rank} holds {MAX_QUEUED} cancels not taken"}
+                    q.append([d_engine, d_rank, token])
+                out.append([p_rank, token, how, generation])
+        return {"state": "ok", "answers": out}
 
     def take(self, rank: int) -> Dict[str, List[list]]:
         with self._lock:
@@ -130,11 +197,10 @@ class PushBox:
                     "cancel": _pop(self._cancel.get(rank), TAKE_CANCELS)}
 
 
-def _push(queues: Dict[int, Deque[list]], rank: int, row: list) -> None:
-    q = queues.setdefault(rank, deque())
-    q.append(row)
-    while len(q) > MAX_QUEUED:
-        q.popleft()  # D's deadline fails it; its span is held until P says more (docs/nixl.md)
+def _answers(x: Any) -> bool:
+    return isinstance(x, list) and len(x) <= ANSWERS_PER_TAKE and all(
+        isinstance(a, list) and len(a) == 2 and isinstance(a[0], bytes) and len(a[0]) == TOKEN_BYTES
+        and a[1] in ANSWERS for a in x)
 
 
 def _pop(q: Optional[Deque[list]], n: int) -> List[list]:

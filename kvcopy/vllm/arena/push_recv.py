@@ -19,9 +19,13 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
 
 **D's span is never reused while a WRITE may land**: after a failure it stays held in
 the manager until P answers (``f``/``x``; a WRITE landing late lands there only). D
-sends P a CANCEL once the RESERVE exchange ended (never before: it could overtake it);
-P answers it over NIXL (``x`` if it never posted, ``f``/``x`` when its WRITE ends). A
-P registered anew (its handshake changed) proves its old WRITEs gone.
+sends P a CANCEL once the RESERVE exchange ended (never before: it could overtake it),
+and again every :data:`CANCEL_EVERY_S` until P's answer ends the hold (``never``: not
+posted and now never will be, ``ended``; ``in_flight``: ask again), whether or not P
+could reach D over NIXL. A P registered anew (its handshake changed, or a cancel
+answered by another generation) proves its old WRITEs gone after a grace
+(``RESTART_GRACE_S``). A request whose reservation cannot be sent (rows beyond what P
+takes, a question beyond P's bound) fails at ``reserve`` with nothing held.
 """
 from __future__ import annotations
 
@@ -34,15 +38,27 @@ from vllm.logger import init_logger
 from ...nixl import ArenaFull
 from ...nixl.pull import PROC
 from ...nixl.push import Reservation
-from .channel import ok_of
+from .channel import MAX_QUESTION_BYTES, decode_bounded, ok_of
 from .meta import agent_name
 from .pull import ArenaPuller, _Job
-from .push_channel import CANCEL_MSG, reserve_question
+from .push_channel import CANCEL_MSG, cancel_answers_of, reserve_question
 from .record_client import Reply
 
 logger = init_logger("vllm.kvcopy")
 
 REPLY_BYTES = 4096
+CANCEL_EVERY_S = 1.0  # D asks P again about a held span while P says in_flight (or does not answer)
+
+
+class _Cancel:
+    """A failed reservation D holds a span for, until P's answers end the hold."""
+
+    def __init__(self, reserving: Optional[Reply], res: Reservation, host: str, port: int, ranks: List[int],
+                 names: List[str]):
+        self.reserving, self.res, self.host, self.port = reserving, res, host, port
+        self.ranks, self.names = ranks, names
+        self.asking: Optional[Reply] = None
+        self.next_at = 0.0
 
 
 class ArenaPushReceiver(ArenaPuller):
@@ -56,7 +72,7 @@ class ArenaPushReceiver(ArenaPuller):
         self.own, self.engine_id = own, engine_id
         self.reserved: Dict[str, Reservation] = {}
         self.asks: Dict[str, Reply] = {}  # RESERVE exchanges in flight
-        self._cancels: List[Tuple[Optional[Reply], Reservation, str, int, str, List[int]]] = []
+        self._cancels: List[_Cancel] = []
 
     def _timeout_s(self) -> float:
         return self.opts.push_timeout_s
@@ -101,19 +117,26 @@ class ArenaPushReceiver(ArenaPuller):
             if exc.ever_fits and now < job.deadline:
                 return  # back-pressure: D's own completions free space
             raise
-        self.reserved[job.rid] = res
         items = {k: res.items[n] for k, n in zip(job.ranks, peers)}
-        question = reserve_question(self.engine_id, self.rank, self.tp, self.own[0], self.own[1],
-                                    self.m.info.generation, items)
+        question = msgspec.msgpack.encode(reserve_question(self.engine_id, self.rank, self.tp, self.own[0],
+                                                           self.own[1], self.m.info.generation, items))
+        if len(question) > MAX_QUESTION_BYTES - 1024:  # (room for the keyed wrapper)
+            self.m.push.fail(res.token, "not sent")
+            self.m.push.release(res.token)
+            self.m.push.complete(res.token)
+            raise ValueError(f"this push's reservation is {len(question)} bytes, more than P's side channel takes "
+                             f"({MAX_QUESTION_BYTES}): TP sizes that differ need arena_order 'head' (or pull) for "
+                             "requests this long")
+        self.reserved[job.rid] = res
         t0 = time.monotonic()
-        self.asks[job.rid] = self.channel.ask(r.host, r.port, msgspec.msgpack.encode(question), REPLY_BYTES)
+        self.asks[job.rid] = self.channel.ask(r.host, r.port, question, REPLY_BYTES)
         job.posted = (t0, time.monotonic())
 
     def _add_peers(self, engine_id: str, metadata: Dict[int, bytes], replace: bool = False) -> None:
         changed = [agent_name(engine_id, k) for k, md in metadata.items()
                    if self._added.get(agent_name(engine_id, k), md) != md]
         super()._add_peers(engine_id, metadata, replace)
-        for name in changed:  # P registered anew: nothing its old process posted can land
+        for name in changed:  # P registered anew: nothing its old process posted can land (after a grace)
             self.m.push.peer_restarted(name)
 
     # ------------------------------------------------------------ outcomes
@@ -132,29 +155,51 @@ class ArenaPushReceiver(ArenaPuller):
                 self.m.push.fail(res.token, reason)
                 job.completion = self.m.push.complete(res.token) if self.m.push.state(res.token) != PROC else None
             r = job.recv
-            self._cancels.append((self.asks.pop(job.rid, None), res, r.host, r.port, r.engine_id, list(job.ranks)))
+            self._cancels.append(_Cancel(self.asks.pop(job.rid, None), res, r.host, r.port, list(job.ranks),
+                                         [agent_name(r.engine_id, k) for k in job.ranks]))
         super()._fail(job, reason)
 
     def tick(self) -> None:
         super().tick()
+        self.m.push.sweep()
         self._send_cancels()
 
     def _send_cancels(self) -> None:
-        """CANCELs of failed reservations whose RESERVE exchange ended (module docstring)."""
+        """CANCELs of failed reservations whose RESERVE exchange ended, until P's
+        answers end their holds (module docstring)."""
+        now = time.monotonic()
         keep = []
-        for entry in self._cancels:
-            ask, res, host, port, engine_id, ranks = entry
-            if ask is not None and not ask.done:
-                keep.append(entry)
-                continue
-            if ask is not None and ask.parts is not None:
-                try:
-                    ok_of(ask.parts, f"{host}:{port}")
-                except ValueError:
-                    self.m.push.release(res.token)  # P refused it: nothing of it can land
+        for c in self._cancels:
+            token, where = c.res.token, f"{c.host}:{c.port}"
+            if c.reserving is not None:
+                if not c.reserving.done:
+                    keep.append(c)
                     continue
-            question = (CANCEL_MSG, self.engine_id, self.rank, [[k, res.token] for k in ranks])
-            self.channel.ask(host, port, msgspec.msgpack.encode(question), REPLY_BYTES)
+                reply, c.reserving = c.reserving.parts, None
+                if reply is not None:
+                    try:
+                        ok_of(reply, where)
+                    except ValueError:
+                        self.m.push.release(token)  # P refused it: nothing of it can land
+            if c.asking is not None and c.asking.done:
+                try:
+                    if c.asking.parts is None or len(c.asking.parts) != 1:
+                        raise c.asking.error or ValueError("malformed reply")
+                    asked = [(k, token) for k in c.ranks]
+                    got = cancel_answers_of(decode_bounded(c.asking.parts[0], REPLY_BYTES, f"reply from P at {where}"),
+                                            asked)
+                    for k, name in zip(c.ranks, c.names):
+                        if k in got:
+                            self.m.push.answered(token, name, *got[k])
+                except Exception as exc:  # noqa: BLE001 -- P unreachable or refusing: the span stays held, asked again
+                    logger.debug("kvcopy arena: cancel of a push from %s: %s", where, exc)
+                c.asking, c.next_at = None, now + CANCEL_EVERY_S
+            if not self.m.push.holding(token):
+                continue
+            if c.asking is None and now >= c.next_at:
+                question = (CANCEL_MSG, self.engine_id, self.rank, [[k, token] for k in c.ranks])
+                c.asking = self.channel.ask(c.host, c.port, msgspec.msgpack.encode(question), REPLY_BYTES)
+            keep.append(c)
         self._cancels = keep
 
     def close(self) -> None:

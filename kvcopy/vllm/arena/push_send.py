@@ -11,8 +11,11 @@ staging) :meth:`PushSender.tick`:
    from D's side channel (``GET_META_MSG``, checked by ``add_target``: compatibility,
    digest, key, sizes; a D of another registration replaces the old one), then hands
    each reservation to ``TransferManager.push.accept``, which checks every field before
-   NIXL sees any. A refused reservation is logged and dropped (D fails it at its
-   deadline);
+   NIXL sees any. A refused reservation is logged and answered ``x`` (or ``never`` to
+   D's cancel where D could not be added). A reservation naming a registration of D
+   other than the one added makes P fetch D's handshake again, and only a handshake
+   that changed replaces D's (a stale reservation, sent before D re-registered or
+   replayed, is refused; D's live reservations stay);
 3. posts each accepted reservation whose request is staged (its record finished: the
    pack and its sums are in the arena) in one WRITE per reservation
    (``push.post``: for equal geometry one descriptor, the record included), and answers
@@ -22,13 +25,15 @@ staging) :meth:`PushSender.tick`:
    P's span lives pack + WRITE, not until D's next message.
 
 A cancel whose reservation was not posted is answered ``x`` at once; one in flight is
-answered when its WRITE ends. Reservations not posted by their own timeout are answered
-``x`` by the manager.
+answered when its WRITE ends. Each cancel's answer (``never``/``ended``/``in_flight``)
+also goes back to P's listener with the next ``TAKE_PUSH_MSG``, which answers D's
+cancels with it (:mod:`kvcopy.vllm.arena.push_channel`). Reservations not posted by
+their own timeout are answered ``x`` by the manager.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import msgspec
 from vllm.logger import init_logger
@@ -36,7 +41,7 @@ from vllm.logger import init_logger
 from ...nixl.manager import TransferManager
 from .channel import pushes_of
 from .meta import agent_name
-from .push_channel import MAX_TAKE_REPLY, TAKE_PUSH_MSG
+from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, take_question
 from .record_client import Fetch, Reply, SideChannel
 from .stage import ArenaStager
 from .stats import PullStats
@@ -44,6 +49,7 @@ from .stats import PullStats
 logger = init_logger("vllm.kvcopy")
 
 FETCH_TIMEOUT_S = 10.0  # D's handshake, fetched from D's side channel
+MAX_STALE = 64  # registrations of one D remembered as stale (refused without fetching D's handshake again)
 
 
 class PushSender:
@@ -57,6 +63,9 @@ class PushSender:
         self._asking: Optional[Reply] = None
         self._fetching: Dict[str, Tuple[Fetch, List[tuple]]] = {}  # D agent -> (its handshake fetch, work waiting)
         self._generation: Dict[str, str] = {}  # D agent -> the registration added
+        self._handshake: Dict[str, bytes] = {}  # D agent -> the handshake bytes added
+        self._stale: Dict[str, Set[str]] = {}  # D agent -> registrations named after its handshake said otherwise
+        self._answers: List[Tuple[bytes, str]] = []  # cancels answered, for the listener (next TAKE_PUSH)
         self._waiting: Dict[bytes, str] = {}  # accepted, not posted: token -> request id
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
         self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
@@ -110,13 +119,15 @@ class PushSender:
                 self._cancel(agent_name(d_engine, d_rank), token)
         if self._asking is None:
             host, port = self.listener
-            self._asking = self.channel.ask(host, port, msgspec.msgpack.encode((TAKE_PUSH_MSG, self.rank)),
-                                            MAX_TAKE_REPLY)
+            question = take_question(self.rank, self.m.info.generation, self._answers)
+            del self._answers[:ANSWERS_PER_TAKE]  # one lost with its question: D asks again
+            self._asking = self.channel.ask(host, port, msgspec.msgpack.encode(question), MAX_TAKE_REPLY)
 
     def _reservation(self, d: tuple, item: tuple) -> None:
         d_engine, d_rank, d_tp, d_host, d_port, d_generation = d
         name = agent_name(d_engine, d_rank)
-        if name not in self._fetching and self._generation.get(name) == d_generation:
+        if name not in self._fetching and (self._generation.get(name) == d_generation
+                                           or d_generation in self._stale.get(name, ())):
             self._accept(name, d_generation, d_tp, item)
             return
         if name not in self._fetching:
@@ -130,7 +141,7 @@ class PushSender:
         if waiting is not None and any(w[2][0] == token for w in waiting[1]):
             waiting[1][:] = [w for w in waiting[1] if w[2][0] != token] + [(None, 0, (token,))]
             return  # answered once D's handshake is in
-        self.m.push.cancel(token, name if name in self._generation else None)
+        self._answers.append((token, self.m.push.cancel(token, name if name in self._generation else None)))
 
     def _targets_in(self) -> None:
         """Add the D handshakes fetched, then take the work that waited for them."""
@@ -142,22 +153,33 @@ class PushSender:
                 if fetch.error is not None:
                     raise fetch.error
                 (md,) = fetch.metadata.values()
-                if name in self._generation:  # D registered anew: its old endpoint goes
+                if self._handshake.get(name, md) != md:  # D registered anew: its old endpoint goes
                     self.m.remove_target(name)
-                    del self._generation[name]
-                got = self.m.add_target(md)
-                if got != name:
-                    self.m.remove_target(got)
-                    raise ValueError(f"D's side channel answered with {got!r}, expected {name!r}")
-                self._generation[name] = self.m.push.targets()[name].generation
-            except Exception as exc:  # noqa: BLE001 -- a D P cannot add: its reservations are dropped
-                self.refused += len(work)
-                logger.warning("kvcopy arena: %s: D %s's handshake not added (%d reservations dropped): %s",
+                    del self._generation[name], self._handshake[name]
+                if name not in self._generation:  # else the same registration: a stale reservation, refused below
+                    got = self.m.add_target(md)
+                    if got != name:
+                        self.m.remove_target(got)
+                        raise ValueError(f"D's side channel answered with {got!r}, expected {name!r}")
+                    self._generation[name] = self.m.push.targets()[name].generation
+                    self._handshake[name] = md
+            except Exception as exc:  # noqa: BLE001 -- a D P cannot add: its reservations are refused
+                self.refused += sum(g is not None for g, _, _ in work)
+                logger.warning("kvcopy arena: %s: D %s's handshake not added (%d reservations refused): %s",
                                self.m.name, name, len(work), exc)
+                for generation, _, item in work:
+                    if generation is None:
+                        self._answers.append((item[0], self.m.push.cancel(item[0])))
+                    else:
+                        self.m.push.refused(item[0], None)
                 continue
+            stale = self._stale.setdefault(name, set())
+            if len(stale) > MAX_STALE:
+                stale.clear()
+            stale.update(g for g, _, _ in work if g is not None and g != self._generation[name])
             for generation, d_tp, item in work:
                 if generation is None:  # a cancel that came while the handshake was on its way
-                    self.m.push.cancel(item[0], name)
+                    self._answers.append((item[0], self.m.push.cancel(item[0], name)))
                 else:
                     self._accept(name, generation, d_tp, item)
 
@@ -168,6 +190,7 @@ class PushSender:
             self.refused += 1
             logger.warning("kvcopy arena: %s: reservation of %s for request %s refused: %s", self.m.name, name,
                            str(item[1])[:80], exc)
+            self.m.push.refused(item[0], name)
             return
         self._waiting[token] = item[1]
         self._readers[token] = d_tp
