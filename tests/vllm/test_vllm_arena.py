@@ -346,7 +346,8 @@ def test_a_byte_changed_in_ps_span_fails_the_load_by_its_checksum(engines, name)
 def p2_and_p1(engines, prefill_process, monkeypatch, d_opts, **p2_opts):
     """D and P1 in this process, P2 in another (UCX over TCP loopback; ``p2_opts`` its
     options and hooks): P2 prefilled ``x`` (48 tokens), P1 ``y`` and ``z`` (40, 56).
-    Returns (P2's process, P1, D, the three prompts, their kv_transfer_params)."""
+    Returns (P2's process and pipe (P2 ends when the pipe closes), P1, D, the three
+    prompts, their kv_transfer_params)."""
     for k, v in TCP_LOOPBACK.items():
         monkeypatch.setenv(k, v)
     case = CASES["one_group"]
@@ -358,7 +359,7 @@ def p2_and_p1(engines, prefill_process, monkeypatch, d_opts, **p2_opts):
     pipe.send(("prefill", (["x"], [t_x])))
     assert pipe.poll(120), "P2 did not prefill"
     (x_params,) = pipe.recv()
-    return p2, p1, d, (t_x, t_y, t_z), (x_params, *prefill(p1, ["y", "z"], [t_y, t_z]))
+    return (p2, pipe), p1, d, (t_x, t_y, t_z), (x_params, *prefill(p1, ["y", "z"], [t_y, t_z]))
 
 
 def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, prefill_process, monkeypatch):
@@ -367,7 +368,7 @@ def test_p_killed_mid_pull_fails_its_request_and_the_others_complete(engines, pr
     (its blocks reported, nothing written), D's other requests complete exactly. UCX on
     TCP over loopback: with shared memory D could read a stopped P2 once its endpoint
     is wired up (tests/nixl/test_nixl_failures.py, stopped_prefill)."""
-    p2, p1, d, (t_x, t_y, t_z), (x_params, y_params, z_params) = p2_and_p1(
+    (p2, _pipe), p1, d, (t_x, t_y, t_z), (x_params, y_params, z_params) = p2_and_p1(
         engines, prefill_process, monkeypatch, {"pull_timeout_s": 3.0})
     real = d.manager.pull
     killed = []

@@ -400,8 +400,8 @@ def test_p_killed_mid_write_fails_its_request_and_the_span_waits_for_ps_new_gene
     from vllm_arena_engines import free_port
 
     port = free_port()
-    p2, p1, d, tokens, params = p2_and_p1(engines, prefill_process, monkeypatch, dict(PUSH, push_timeout_s=3.0),
-                                          port=port, kill_after_post=True)
+    (p2, _pipe), p1, d, tokens, params = p2_and_p1(engines, prefill_process, monkeypatch,
+                                                   dict(PUSH, push_timeout_s=3.0), port=port, kill_after_post=True)
     before = d.raw_bytes()
     failed = decode(d, [p1], ["x", "y", "z"], tokens, params)
     p2.join(30)
