@@ -177,6 +177,7 @@ class _Sending:
     chunks: List[tuple] = field(default_factory=list)
     failed: bool = False
     final_state: Optional[str] = None  # the final WRITE's end state
+    part: Optional[PartialStage] = None  # the partial stage the chunks were cut from
 
 
 class Pushes:
@@ -196,6 +197,8 @@ class Pushes:
         self._seen: "OrderedDict[bytes, str]" = OrderedDict()  # P: token -> "never" | "ended"
         self._closed: List[Tuple[bytes, str, str]] = []  # P: (token, request id, target) answered since take_closed
         self.ignored = 0  # notices naming no live reservation of their sender
+        self.chunks_posted = 0  # P: chunk WRITEs posted (post_units)
+        self.chunks_landed = 0  # D: c notices taken
         self.landed = 0  # D: pushes loaded (checked and scattered)
 
     # ------------------------------------------------------------ D
@@ -248,6 +251,7 @@ class Pushes:
         landed = job.landed.setdefault(sender, np.zeros(us.p_units[job.names.index(sender)], bool))
         landed[lo:hi] = True
         job.chunks += 1
+        self.chunks_landed += 1
 
     def _ended(self, sender: str, token: bytes, kind: bytes) -> None:
         job = self._recv.get(token) or self._held.get(token)
@@ -444,17 +448,26 @@ class Pushes:
             s.sent = np.zeros(len(bounds) - 1, bool)
         if not (0 <= lo < hi <= len(s.sent)) or s.sent[lo:hi].any():
             raise ValueError(f"units [{lo}, {hi}) out of range or sent already")
+        if s.part is not None and s.part is not part:
+            raise ValueError("units of another partial stage of this request were sent already")
         self._mode.hold_part(part)  # ValueError: not the staging's live partial stage of it
         s.sent[lo:hi] = True
+        s.part = part
         local, remote = self._cut(s, part.span.offset, int(bounds[lo]), int(bounds[hi]))
         if not len(local):
             self._mode.unhold_part(part)
             return 0, 0
         xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
         s.chunks.append((xfer, lo, hi, part))
+        self.chunks_posted += 1
         if state != PROC:
             self._reap_chunks(token, s)
         return int(local[:, 1].sum()), len(local)
+
+    def sent_units(self, token: bytes) -> Optional[np.ndarray]:
+        """P's units of ``token`` WRITten ahead of its final WRITE (a copy), or None if none were."""
+        s = self._send.get(token)
+        return None if s is None or s.sent is None else s.sent.copy()
 
     def _cut(self, s: _Sending, span_offset: int, lo: int, hi: int) -> Tuple[np.ndarray, np.ndarray]:
         """(local, remote) NIXL rows of the reservation's rows cut to P's span bytes ``[lo, hi)``."""
@@ -500,15 +513,20 @@ class Pushes:
         rid = s.request_id.decode("latin-1")
         if record.request_id != rid or record.engine != self._info.name or record.num_tokens != s.num_tokens \
                 or record.order != s.order:
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())
             raise ValueError(f"reservation is for {rid!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"P staged {record.request_id!r}, {record.num_tokens} tokens, {record.order!r}")
         try:
             entry = self._mode.begin_write(rid)
         except ValueError:  # its span is freed already: nothing to WRITE
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())
             raise
         try:
+            if s.part is not None and entry.span is not s.part.span:
+                s.failed = True  # staged again (a copy failed): its chunks came from the span that went
+                raise ValueError("the request was staged again after some of its units were pushed")
             body = record.to_bytes(self._key)
             sizes = s.remote[:, 1].astype(np.int64)
             if LENGTH.size + len(body) > min(entry.slot, s.slot_cap) \
@@ -519,7 +537,8 @@ class Pushes:
                 _bytes_tensor(LENGTH.pack(len(body)) + body))
         except ValueError:
             self._mode.end_write(rid)
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())  # x once no chunk WRITE is in flight
             raise
         if s.sent is None:  # the whole request in one WRITE
             local = np.stack([self._mode.base + entry.span.offset + s.p_rel, sizes, np.zeros_like(sizes)], 1)
@@ -617,7 +636,8 @@ class Pushes:
         return {"push_reserved": len(self._recv), "push_held_spans": len(self._held),
                 "push_accepted": sum(not s.posted and not s.chunks for s in self._send.values()),
                 "push_writes_in_flight": sum(s.posted or bool(s.chunks) for s in self._send.values()),
-                "push_notices_ignored": self.ignored, "push_landed": self.landed}
+                "push_notices_ignored": self.ignored, "push_landed": self.landed,
+                "push_chunks_posted": self.chunks_posted, "push_chunks_landed": self.chunks_landed}
 
     def close(self) -> bool:
         """Release P's WRITE handles (the agent goes next); whether any was in flight."""
