@@ -8,7 +8,7 @@ bytes wait behind it. This measures, between two managers' arenas over UCX on lo
 with ``op="WRITE"``), post -> DONE as P's poll sees it, and a ``torch`` copy of the same
 bytes in one process (the memcpy the WRITE is), side by side in one run.
 
-    python bench/push_chunks.py [--repeats 30] [--out bench/results/push-chunks-....json]
+    PYTHONPATH=. python bench/push_chunks.py [--repeats 30] [--out bench/results/push-chunks-....json]
 
 Reports medians (µs) and the size at which the fixed cost (DONE time at the smallest
 size) is <= 10% of the WRITE's time.

@@ -89,7 +89,7 @@ def plan_units(staging, shape, req, peers, span_offset: int, rows, read_real, re
     p_bounds = [unit_bounds(stage_units(p.info.regions, req.order), pc) for p, pc in zip(peers, req.peer_counts)]
     needs: List[Optional[Tuple[np.ndarray, ...]]] = []
     for u in range(len(cps.units)):
-        per_peer: Optional[List[np.ndarray]] = []
+        per_peer: List[np.ndarray] = []
         for p, pb in zip(peers, p_bounds):
             r = clip_rows(np.asarray(rows[p.name])[:, [1, 0, 2]], int(d_bounds[u]), int(d_bounds[u + 1]))
             if not len(r):  # D reads nothing of this peer into this unit
@@ -98,10 +98,9 @@ def plan_units(staging, shape, req, peers, span_offset: int, rows, read_real, re
             first = np.searchsorted(pb, r[:, 1], "right") - 1
             last = np.searchsorted(pb, r[:, 1] + r[:, 2] - 1, "right") - 1
             if (first < 0).any() or (last >= len(pb) - 1).any():  # reads past P's payload: landed at f only
-                per_peer = None
                 break
             per_peer.append(np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)])))
-        needs.append(None if per_peer is None else tuple(per_peer))
+        needs.append(tuple(per_peer) if len(per_peer) == len(peers) else None)
     rel = zero_starts - span_offset
     unit_of = np.searchsorted(d_bounds, rel, "right") - 1
     zero = tuple((zero_starts[unit_of == u], zero_lens[unit_of == u]) for u in range(len(cps.units)))

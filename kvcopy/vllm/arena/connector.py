@@ -337,7 +337,8 @@ class KvcopyArenaWorker:
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         if o.layerwise and self.producer:
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)
-            if not self.manager.arena.on_cuda:  # a GPU's copies end on its stream: pushed whole at the end
+            arena = self.manager.arena
+            if arena is not None and not arena.on_cuda:  # a GPU's copies end on its stream: pushed whole at the end
                 self.stager.layers.on_copied = self._copied
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})

@@ -25,12 +25,11 @@ ended is one WRITE (for equal geometry one descriptor), as before. P failing aft
 chunks were sent (a copy failed: the request is staged again whole) answers ``x``: D
 recomputes.
 
-Why :data:`MIN_CHUNK_BYTES`: one WRITE between two arenas over UCX on loopback costs
-about 20 µs whatever its size up to 64 KiB, 122 µs for 1 MiB and 1.4 ms for 4 MiB, where a
-copy of the same bytes takes 6, 38 and 690 µs (``bench/push_chunks.py``, the 2-core
-machine shared; ``docs/vllm.md``): below 1 MiB the fixed cost is over 15% of the WRITE,
-and on loopback the WRITE copies inside the post, on the copy thread, delaying the next
-layer's copy by as much. A chunk before the last overlaps the forward, so its size only
+Why :data:`MIN_CHUNK_BYTES`: one WRITE between two arenas over UCX on loopback has a
+fixed cost of 13-22 µs (a 4 KiB WRITE), 13% of a 1 MiB WRITE (166 µs) and over 25% below
+256 KiB (``bench/push_chunks.py``, the 2-core machine shared; ``docs/vllm.md``, "Layer-wise
+push in chunks"); and on loopback the WRITE copies inside the post, on the copy thread,
+delaying the next layer's copy by as much. A chunk before the last overlaps the forward, so its size only
 costs that overhead; the tail after prefill end is the last layer's copy and the WRITE
 of what is left.
 """
