@@ -195,6 +195,9 @@ def run(args) -> dict:
     from vllm_arena_engines import ArenaEngine, fill_layerwise, prompts
 
     torch.set_num_threads(1)
+    # P and D share one interpreter here (they are two processes in a deployment): hand the
+    # GIL over sooner than CPython's 5 ms so D's stepping thread does not hold P's threads
+    sys.setswitchinterval(args.switch_ms / 1e3)
     root = Path(tempfile.mkdtemp(prefix="push-chunks-"))
     mc = _model_config(root)
     specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
@@ -262,6 +265,7 @@ def run(args) -> dict:
                     time.sleep(0.005)
                 print(json.dumps({k2: v for k2, v in rows[-1].items() if k2 != "events"}), flush=True)
         return {"rows": rows, "layers": args.layers, "tokens": args.tokens, "layer_ms": args.layer_ms,
+                "switch_ms": args.switch_ms,
                 "layer_bytes": args.tokens * 8 * 128 * 2 * 2, "min_chunk_bytes": type(pw.sender.chunks).min_bytes,
                 "load": os.getloadavg()}
     finally:
@@ -369,6 +373,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--layer-ms", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--switch-ms", type=float, default=5.0, help="sys.setswitchinterval (CPython's default: 5)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot", default=None, help="draw a saved --out file (no run)")
     ap.add_argument("--summary", action="store_true", help="print a saved --out file's summary (no run)")

@@ -22,14 +22,24 @@ one descriptor per P rank, P's record included (it travels in the slot).
 
 **Notifications**, P -> D over NIXL, tagged with the key (:mod:`kvcopy.nixl.wire.notices`)::
 
-    b"kvcopy-push\\0" + token (32 hex digits) + b"\\0" + kind     f: the WRITE ended DONE
+    b"kvcopy-push\\0" + token (32 hex digits) + b"\\0" + kind     f: every WRITE of it ended DONE
                                                                 x: P will never WRITE it,
                                                                    and none is in flight
+    b"kvcopy-push\\0" + token + b"\\0" + lo + b"\\0" + hi + b"\\0c"   c: P's units [lo, hi) WRITten,
+                                                                   that WRITE ended DONE
 
 P sends one only after NIXL reported the WRITE ended (a WRITE carries no NIXL
 notification: NIXL would also send it from the release of a handle given up on). D reads
 them in ``TransferManager.notifications`` (every caller's, so a worker reading P-side
 notifications delivers D's too) and :meth:`Pushes.state`.
+
+**Chunks** (a layer-wise P, :mod:`kvcopy.nixl.modes.push_units`): before the final
+:meth:`Pushes.post`, :meth:`Pushes.post_units` WRITEs units ``[lo, hi)`` of the request's
+partial stage (the reservation's rows cut to their bytes) as soon as the caller says
+their last copies ended; each is told ``c`` once it ended DONE, and the final WRITE
+carries what no chunk did, then the record slot. D scatters every unit whose P units
+all landed on the ``c`` (in :meth:`Pushes.state`), the rest at ``complete``, and compares
+the sums of all at ``complete``.
 
 **D's span is never reused while a WRITE may land** (the late-READ rule mirrored: a
 one-sided WRITE gives D no handle to wait on or cancel). Only P can say none will: its

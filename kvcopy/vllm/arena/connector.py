@@ -23,7 +23,9 @@ is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL
 * **D in push mode** (``transfer_mode: "push"``, :mod:`kvcopy.vllm.arena.push_recv`):
   D reserves a span from P's handshake alone and sends P the reservation over P's side
   channel; P's worker (:mod:`kvcopy.vllm.arena.push_send`) WRITEs its staged span into
-  it, record included, and says so over NIXL. P serves both modes.
+  it, record included, and says so over NIXL. P serves both modes. A layer-wise P
+  holding the reservation during the request's last step WRITEs its layers as their
+  copies end (:mod:`kvcopy.vllm.arena.push_chunks`) and D scatters them as they land.
 * Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
   models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
   both sides. Models: what :mod:`kvcopy.vllm.groups` describes (several groups overlaid

@@ -18,7 +18,10 @@ after the step). Per step, on P's worker:
   copy thread (one thread, on vLLM's KV-transfer cores, :mod:`kvcopy.vllm.affinity`).
   The copy is a native call that releases the GIL, so the copy of layer ``l`` runs
   while the forward computes layer ``l + 1``. It takes no lock: everything it touches
-  was built at bind and belongs to this step.
+  was built at bind and belongs to this step. For a request whose prefill ends in the
+  step, ``on_copied`` then hands the units copied to a chunked push
+  (:mod:`kvcopy.vllm.arena.push_chunks`, which takes the worker's lock: ``wait_for_save``
+  waits for the copies before it takes the lock).
 * ``wait_for_save``: :meth:`LayerwiseStage.close_step` waits for the copy thread, then
   the completeness sweep copies every unit that got no ``save_kv_layer`` (state units:
   GDN/Mamba layers never call it; FULL CUDA graphs replay without it; an attention path
