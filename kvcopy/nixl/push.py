@@ -22,14 +22,24 @@ one descriptor per P rank, P's record included (it travels in the slot).
 
 **Notifications**, P -> D over NIXL, tagged with the key (:mod:`kvcopy.nixl.wire.notices`)::
 
-    b"kvcopy-push\\0" + token (32 hex digits) + b"\\0" + kind     f: the WRITE ended DONE
+    b"kvcopy-push\\0" + token (32 hex digits) + b"\\0" + kind     f: every WRITE of it ended DONE
                                                                 x: P will never WRITE it,
                                                                    and none is in flight
+    b"kvcopy-push\\0" + token + b"\\0" + lo + b"\\0" + hi + b"\\0c"   c: P's units [lo, hi) WRITten,
+                                                                   that WRITE ended DONE
 
 P sends one only after NIXL reported the WRITE ended (a WRITE carries no NIXL
 notification: NIXL would also send it from the release of a handle given up on). D reads
 them in ``TransferManager.notifications`` (every caller's, so a worker reading P-side
 notifications delivers D's too) and :meth:`Pushes.state`.
+
+**Chunks** (a layer-wise P, :mod:`kvcopy.nixl.modes.push_units`): before the final
+:meth:`Pushes.post`, :meth:`Pushes.post_units` WRITEs units ``[lo, hi)`` of the request's
+partial stage (the reservation's rows cut to their bytes) as soon as the caller says
+their last copies ended; each is told ``c`` once it ended DONE, and the final WRITE
+carries what no chunk did, then the record slot. D scatters every unit whose P units
+all landed on the ``c`` (in :meth:`Pushes.state`), the rest at ``complete``, and compares
+the sums of all at ``complete``.
 
 **D's span is never reused while a WRITE may land** (the late-READ rule mirrored: a
 one-sided WRITE gives D no handle to wait on or cancel). Only P can say none will: its
@@ -65,7 +75,9 @@ import torch
 
 from .agent import Agent
 from .modes.arena import ArenaPlan, ArenaStaging
+from .modes import push_units
 from .modes.arena_push import LENGTH, ReservedWork, land, reserve
+from .modes.partial_stage import PartialStage
 from .modes.base import Peer
 from .planning.pack_order import ORDERS
 from .pull import DONE, ERR, PROC, Completion
@@ -74,7 +86,8 @@ from .wire.notices import Mailbox
 from .wire.record import MAX_TOKENS, StagedRequest, record_capacity, request_key
 
 PREFIX = b"kvcopy-push\0"
-FINAL, NEVER = b"f", b"x"
+FINAL, NEVER, CHUNK = b"f", b"x", b"c"
+MAX_UNIT_DIGITS = 6  # a chunk notice's unit numbers (spans have far fewer units)
 TOKEN_BYTES = 16
 MAX_ROWS = 4096
 MAX_TIMEOUT_S = 3600.0  # the longest a reservation waits for P (P refuses longer: it keeps each until then)
@@ -101,6 +114,27 @@ def parse_notice(msg: bytes) -> Optional[Tuple[bytes, bytes]]:
         return bytes.fromhex(body[:-2].decode("ascii")), body[-1:]
     except ValueError:
         return None
+
+
+def chunk_notice(token: bytes, lo: int, hi: int) -> bytes:
+    """P's ``c``: its units ``[lo, hi)`` of ``token``'s request were WRITten and the WRITE ended DONE."""
+    return PREFIX + token.hex().encode() + b"\0%d\0%d\0" % (lo, hi) + CHUNK
+
+
+def parse_chunk_notice(msg: bytes) -> Optional[Tuple[bytes, int, int]]:
+    """(token, lo, hi) of a chunk notice, or None for anything else (peer input)."""
+    if not msg.startswith(PREFIX) or not msg.endswith(b"\0" + CHUNK):
+        return None
+    parts = msg[len(PREFIX):-2].split(b"\0")
+    if len(parts) != 3 or len(parts[0]) != 2 * TOKEN_BYTES \
+            or not all(0 < len(x) <= MAX_UNIT_DIGITS and x.isdigit() for x in parts[1:]):
+        return None
+    lo, hi = int(parts[1]), int(parts[2])
+    try:
+        token = bytes.fromhex(parts[0].decode("ascii"))
+    except ValueError:
+        return None
+    return (token, lo, hi) if lo < hi else None
 
 
 @dataclass(frozen=True)
@@ -134,6 +168,11 @@ class _Receiving:
     error: Optional[str] = None
     final_at: Optional[float] = None
     completed: bool = False
+    # chunked push (push_units): per peer the P units whose chunk landed, the D units scattered, their sums
+    landed: Dict[str, np.ndarray] = field(default_factory=dict)
+    scattered: Optional[np.ndarray] = None
+    sums: list = field(default_factory=list)
+    chunks: int = 0  # c notices taken
 
     @property
     def quiet(self) -> bool:
@@ -155,6 +194,13 @@ class _Sending:
     deadline: float
     xfer: object = None
     posted: bool = False
+    # chunked push: the P units WRITTEN before the final WRITE, those WRITEs in flight
+    # (handle, lo, hi, the partial stage they read), and whether one failed or P gave up
+    sent: Optional[np.ndarray] = None
+    chunks: List[tuple] = field(default_factory=list)
+    failed: bool = False
+    final_state: Optional[str] = None  # the final WRITE's end state
+    part: Optional[PartialStage] = None  # the partial stage the chunks were cut from
 
 
 class Pushes:
@@ -174,6 +220,8 @@ class Pushes:
         self._seen: "OrderedDict[bytes, str]" = OrderedDict()  # P: token -> "never" | "ended"
         self._closed: List[Tuple[bytes, str, str]] = []  # P: (token, request id, target) answered since take_closed
         self.ignored = 0  # notices naming no live reservation of their sender
+        self.chunks_posted = 0  # P: chunk WRITEs posted (post_units)
+        self.chunks_landed = 0  # D: c notices taken
         self.landed = 0  # D: pushes loaded (checked and scattered)
 
     # ------------------------------------------------------------ D
@@ -215,13 +263,32 @@ class Pushes:
         for sender, msgs in new.items():
             keep = []
             for m in msgs:
-                parsed = parse_notice(bytes(m)) if bytes(m).startswith(PREFIX) else None
-                if parsed is None:
-                    if not bytes(m).startswith(PREFIX):
-                        keep.append(m)
+                if not bytes(m).startswith(PREFIX):
+                    keep.append(m)
                     continue
-                self._ended(sender, *parsed)
+                parsed = parse_notice(bytes(m))
+                if parsed is not None:
+                    self._ended(sender, *parsed)
+                    continue
+                chunk = parse_chunk_notice(bytes(m))
+                if chunk is not None:
+                    self._chunk(sender, *chunk)
+                else:
+                    self.ignored += 1
             msgs[:] = keep
+
+    def _chunk(self, sender: str, token: bytes, lo: int, hi: int) -> None:
+        """P's ``c``: its units ``[lo, hi)`` landed in D's span (scattered at :meth:`state`)."""
+        job = self._recv.get(token)
+        us = job.rw.units if job is not None else None
+        if job is None or us is None or sender not in job.names or sender in job.ended or job.state != PROC \
+                or hi > us.p_units[job.names.index(sender)]:
+            self.ignored += 1
+            return
+        landed = job.landed.setdefault(sender, np.zeros(us.p_units[job.names.index(sender)], bool))
+        landed[lo:hi] = True
+        job.chunks += 1
+        self.chunks_landed += 1
 
     def _ended(self, sender: str, token: bytes, kind: bytes) -> None:
         job = self._recv.get(token) or self._held.get(token)
@@ -250,7 +317,25 @@ class Pushes:
         elif now >= job.deadline:
             late = [n for n in job.names if n not in job.ended]
             self._fail(job, f"deadline: not pushed in time (waiting on {late})")
+        elif job.landed:
+            self._scatter_landed(job)
         return job.state
+
+    def _scatter_landed(self, job: _Receiving) -> None:
+        """Scatter the D units whose P units all landed (chunked push, :mod:`kvcopy.nixl.modes.push_units`)."""
+        us = job.rw.units
+        assert us is not None
+        if job.scattered is None:
+            job.scattered = np.zeros(len(us.needs), bool)
+        landed = [job.landed.get(n, np.zeros(k, bool)) for n, k in zip(job.names, us.p_units)]
+        ready = us.ready(landed, job.scattered)
+        if not ready:
+            return
+        job.scattered[ready] = True  # before the copy: a unit half scattered is never scattered again
+        try:
+            push_units.scatter(self._mode, job.rw.request.order, us, ready, self._mode.sums.on, job.sums)
+        except Exception as exc:  # noqa: BLE001 -- a torch/CUDA error fails this load only
+            self._fail(job, f"scattering a pushed chunk failed: {type(exc).__name__}: {exc}")
 
     def _visible(self, job: _Receiving) -> bool:
         """Every trailer's frame reads (a fabric may report a WRITE done before its bytes show)."""
@@ -288,12 +373,14 @@ class Pushes:
         try:
             if job.state == DONE:
                 try:
-                    check, unchecked = land(self._mode, job.rw, self._key, self._require)
+                    check, unchecked = land(self._mode, job.rw, self._key, self._require, job.scattered, job.sums)
                     self.landed += 1
                     return Completion.of_done(self._info.num_groups, check, unchecked, work)
                 except Exception as exc:  # noqa: BLE001 -- a refused record or a failed scatter fails this load only
                     job.state, job.error = ERR, f"the pushed request is not loaded: {type(exc).__name__}: {exc}"
-            return Completion.of_failed(work, job.error, None, not job.quiet)
+            # chunks scattered before the failure wrote this request's own pages (vLLM rewrites them)
+            written = "device caches" if job.scattered is not None and job.scattered.any() else None
+            return Completion.of_failed(work, job.error, written, not job.quiet)
         finally:
             if job.quiet:
                 self._mode.free(work)
@@ -366,7 +453,7 @@ class Pushes:
     def forget_target(self, name: str) -> None:
         """The target's endpoint goes: its reservations not posted are answered never."""
         for token, s in list(self._send.items()):
-            if s.target == name and not s.posted:
+            if s.target == name and not s.posted and not s.chunks:
                 self._close(token, "never", None)
         self._targets.pop(name, None)
 
@@ -411,6 +498,75 @@ class Pushes:
         key = request_key(request_id)
         return [t for t, s in self._send.items() if s.request_id == key and not s.posted]
 
+    def post_units(self, token: bytes, part: PartialStage, lo: int, hi: int) -> Tuple[int, int]:
+        """WRITE units ``[lo, hi)`` of ``part`` (the reservation's request, staged unit by
+        unit: the caller says those units' copies of its last step ended) into D's span,
+        ahead of the final :meth:`post`; D is told ``c`` once the WRITE ended DONE. Returns
+        the WRITE's bytes and descriptors ((0, 0): D reads nothing of those units).
+        ``ValueError`` (nothing posted) for a token not accepted, posted or failed, a
+        request other than reserved, units out of range or sent already."""
+        s = self._send.get(token)
+        if s is None or s.posted or s.failed:
+            raise ValueError("unknown, posted or failed reservation token")
+        if part.rid != s.request_id or part.num_tokens != s.num_tokens or part.order != s.order \
+                or part.done_tokens < part.num_tokens:
+            raise ValueError(f"reservation is for {s.request_id!r} of {s.num_tokens} tokens in order {s.order!r}: "
+                             f"not this partial stage, or its last step is not planned")
+        bounds = push_units.unit_bounds(self._mode.units, part.counts)
+        if s.sent is None:
+            s.sent = np.zeros(len(bounds) - 1, bool)
+        if not (0 <= lo < hi <= len(s.sent)) or s.sent[lo:hi].any():
+            raise ValueError(f"units [{lo}, {hi}) out of range or sent already")
+        if s.part is not None and s.part is not part:
+            raise ValueError("units of another partial stage of this request were sent already")
+        self._mode.hold_part(part)  # ValueError: not the staging's live partial stage of it
+        s.sent[lo:hi] = True
+        s.part = part
+        local, remote = self._cut(s, part.span.offset, int(bounds[lo]), int(bounds[hi]))
+        if not len(local):
+            self._mode.unhold_part(part)
+            return 0, 0
+        xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
+        s.chunks.append((xfer, lo, hi, part))
+        self.chunks_posted += 1
+        if state != PROC:
+            self._reap_chunks(token, s)
+        return int(local[:, 1].sum()), len(local)
+
+    def sent_units(self, token: bytes) -> Optional[np.ndarray]:
+        """P's units of ``token`` WRITten ahead of its final WRITE (a copy), or None if none were."""
+        s = self._send.get(token)
+        return None if s is None or s.sent is None else s.sent.copy()
+
+    def _cut(self, s: _Sending, span_offset: int, lo: int, hi: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(local, remote) NIXL rows of the reservation's rows cut to P's span bytes ``[lo, hi)``."""
+        rows = push_units.clip_rows(np.stack([s.p_rel, s.remote[:, 0].astype(np.int64),
+                                              s.remote[:, 1].astype(np.int64)], 1), lo, hi)
+        zeros = np.zeros(len(rows), np.int64)
+        local = np.stack([self._mode.base + span_offset + rows[:, 0], rows[:, 2], zeros], 1)
+        return local.astype(np.uint64), np.stack([rows[:, 1], rows[:, 2], zeros], 1).astype(np.uint64)
+
+    def _reap_chunks(self, token: bytes, s: _Sending) -> int:
+        """Chunk WRITEs that ended: ``c`` to D for each DONE (unless one failed), the span
+        hold dropped; returns those still in flight."""
+        live = []
+        for xfer, lo, hi, part in s.chunks:
+            state = self._agent.state(xfer)[0] if xfer is not None else ERR
+            if state == PROC:
+                live.append((xfer, lo, hi, part))
+                continue
+            if xfer is not None:
+                Agent.release(xfer)
+            self._mode.unhold_part(part)
+            if state != DONE:
+                s.failed = True
+            elif not s.failed:
+                d = self._targets.get(s.target)
+                if d is not None:
+                    self._mail.send(s.target, d.generation, chunk_notice(token, lo, hi))
+        s.chunks = live
+        return len(live)
+
     def post(self, token: bytes, record: StagedRequest) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
         request, finished: its pack and sums in the arena) into D's span, record included.
@@ -420,18 +576,26 @@ class Pushes:
         s = self._send.get(token)
         if s is None or s.posted:
             raise ValueError("unknown or posted reservation token")
+        if s.failed:
+            self._advance(token, s, time.monotonic())  # x once its chunk WRITEs ended
+            raise ValueError("a chunk WRITE of this reservation failed: it is answered x")
         rid = s.request_id.decode("latin-1")
         if record.request_id != rid or record.engine != self._info.name or record.num_tokens != s.num_tokens \
                 or record.order != s.order:
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())
             raise ValueError(f"reservation is for {rid!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"P staged {record.request_id!r}, {record.num_tokens} tokens, {record.order!r}")
         try:
             entry = self._mode.begin_write(rid)
         except ValueError:  # its span is freed already: nothing to WRITE
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())
             raise
         try:
+            if s.part is not None and entry.span is not s.part.span:
+                s.failed = True  # staged again (a copy failed): its chunks came from the span that went
+                raise ValueError("the request was staged again after some of its units were pushed")
             body = record.to_bytes(self._key)
             sizes = s.remote[:, 1].astype(np.int64)
             if LENGTH.size + len(body) > min(entry.slot, s.slot_cap) \
@@ -442,15 +606,25 @@ class Pushes:
                 _bytes_tensor(LENGTH.pack(len(body)) + body))
         except ValueError:
             self._mode.end_write(rid)
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())  # x once no chunk WRITE is in flight
             raise
-        local = np.stack([self._mode.base + entry.span.offset + s.p_rel, sizes, np.zeros_like(sizes)], 1)
-        xfer, state, _ = self._agent.post_read_descs(local.astype(np.uint64), "DRAM", s.target, s.remote, "DRAM",
-                                                     b"", op="WRITE")
+        if s.sent is None:  # the whole request in one WRITE
+            local = np.stack([self._mode.base + entry.span.offset + s.p_rel, sizes, np.zeros_like(sizes)], 1)
+            local, remote = local.astype(np.uint64), s.remote
+        else:  # what no chunk WRITE sent: the units left, then the record slot
+            counts = [-(-s.num_tokens // t) for t in self._info.tokens_per_page]
+            cuts = [self._cut(s, entry.span.offset, a, b)
+                    for a, b in _unsent(s.sent, entry.payload, entry.slot, self._mode.units, counts)]
+            local = np.concatenate([c[0] for c in cuts])
+            remote = np.concatenate([c[1] for c in cuts])
+        xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
         s.posted, s.xfer = True, xfer
-        if state != PROC:
-            self._write_ended(token, s, state)
-        return int(sizes.sum()), len(sizes)
+        if xfer is None:
+            self._mode.end_write(rid)
+            s.final_state = ERR
+        self._advance(token, s, time.monotonic())
+        return int(local[:, 1].sum()), len(local)
 
     def refused(self, token, target: Optional[str]) -> None:
         """P refused a reservation item (:meth:`accept` raised, or D could not be added):
@@ -464,34 +638,39 @@ class Pushes:
             self._mail.send(d.name, d.generation, notice(token, NEVER))
 
     def refuse(self, token: bytes) -> None:
-        """P will not post this reservation (it could not stage the request, or aborted it): ``x``."""
+        """P will not post this reservation (it could not stage the request, or aborted
+        it): ``x``, once its chunk WRITEs in flight (if any) ended."""
         s = self._send.get(token)
         if s is not None and not s.posted:
-            self._close(token, "never", None)
+            s.failed = True
+            self._advance(token, s, time.monotonic())
 
     def poll(self) -> int:
         """Check the WRITEs in flight; notify D of those that ended, answer ``x`` to
         reservations past their deadline. Returns the WRITEs still in flight."""
         now = time.monotonic()
-        live = 0
-        for token, s in list(self._send.items()):
-            if not s.posted:
-                if now >= s.deadline:
-                    self._close(token, "never", None)
-                continue
-            state = self._agent.state(s.xfer)[0] if s.xfer is not None else ERR
+        return sum(self._advance(token, s, now) for token, s in list(self._send.items()))
+
+    def _advance(self, token: bytes, s: _Sending, now: float) -> int:
+        """Reap ``s``'s WRITEs that ended; once none is in flight: ``f`` (the final WRITE
+        and every chunk DONE) or ``x`` (one failed, P gave up, the deadline passed with
+        the final WRITE not posted). Returns the WRITEs still in flight."""
+        live = self._reap_chunks(token, s) if s.chunks else 0
+        if s.xfer is not None:
+            state = self._agent.state(s.xfer)[0]
             if state == PROC:
                 live += 1
             else:
-                self._write_ended(token, s, state)
-        return live
-
-    def _write_ended(self, token: bytes, s: _Sending, state: str) -> None:
-        if s.xfer is not None:
-            Agent.release(s.xfer)
-            s.xfer = None
-        self._mode.end_write(s.request_id)
-        self._close(token, "ended", state)
+                Agent.release(s.xfer)
+                s.xfer, s.final_state = None, state
+                self._mode.end_write(s.request_id)
+        if live:
+            return live
+        if s.posted:
+            self._close(token, "ended", DONE if s.final_state == DONE and not s.failed else ERR)
+        elif s.failed or now >= s.deadline:
+            self._close(token, "never" if s.sent is None else "ended", None)
+        return 0
 
     def _close(self, token: bytes, how: str, state: Optional[str]) -> None:
         s = self._send.pop(token)
@@ -528,28 +707,48 @@ class Pushes:
                 if d is not None:
                     self._mail.send(d.name, d.generation, notice(token, NEVER))
             return self._seen.get(token, "never")
-        if not s.posted:
-            self._close(token, "never", None)
-            return "never"
+        if not s.posted and not s.chunks:
+            how = "never" if s.sent is None else "ended"
+            self._close(token, how, None)
+            return how
+        s.failed = s.failed or not s.posted  # chunks in flight: x once they ended, nothing more posted
         return "in_flight"
 
     # ------------------------------------------------------------ both
     def stats(self) -> Dict[str, int]:
         return {"push_reserved": len(self._recv), "push_held_spans": len(self._held),
-                "push_accepted": sum(not s.posted for s in self._send.values()),
-                "push_writes_in_flight": sum(s.posted for s in self._send.values()),
-                "push_notices_ignored": self.ignored, "push_landed": self.landed}
+                "push_accepted": sum(not s.posted and not s.chunks for s in self._send.values()),
+                "push_writes_in_flight": sum(s.posted or bool(s.chunks) for s in self._send.values()),
+                "push_notices_ignored": self.ignored, "push_landed": self.landed,
+                "push_chunks_posted": self.chunks_posted, "push_chunks_landed": self.chunks_landed}
 
     def close(self) -> bool:
         """Release P's WRITE handles (the agent goes next); whether any was in flight."""
         live = False
         for s in self._send.values():
-            if s.xfer is not None:
-                live = True
-                Agent.release(s.xfer)
-                s.xfer = None
+            for xfer in [s.xfer] + [c[0] for c in s.chunks]:
+                if xfer is not None:
+                    live = True
+                    Agent.release(xfer)
+            s.xfer, s.chunks = None, []
         self._send = {}
         return live
+
+
+def _unsent(sent: np.ndarray, payload: int, slot: int, units, counts) -> List[Tuple[int, int]]:
+    """P's span byte ranges no chunk WRITE sent: each run of unsent units, then the record slot."""
+    bounds = push_units.unit_bounds(units, counts)
+    out, u = [], 0
+    while u < len(sent):
+        if sent[u]:
+            u += 1
+            continue
+        v = u
+        while v < len(sent) and not sent[v]:
+            v += 1
+        out.append((int(bounds[u]), int(bounds[v])))
+        u = v
+    return out + [(payload, payload + slot)]
 
 
 def _int(x, lo: int, hi: int) -> bool:

@@ -373,3 +373,160 @@ def test_reservations_needing_more_rows_than_p_takes_are_refused_at_reserve(pd, 
     with pytest.raises(ValueError, match=f"needs {rows} WRITE rows"):
         d.push.reserve([peer], 90, d_ids, 32, "many", 30.0)
     assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_reserved"] == 0
+
+
+# ------------------------------------------------------------------ chunked push (layer-wise P)
+def _stage_final_step(p, p_ids, n, rid):
+    """P stages ``rid`` unit by unit, its last step planned (nothing copied yet)."""
+    part = p.arena.begin(p.info, n, rid, 1)
+    return part, p.arena.settle(part, p_ids, n)
+
+
+def _chunked(p, d, target, res, peer, part, step, per_chunk=1, after_chunk=None):
+    """Copy the units in span order; after every ``per_chunk`` units WRITE them as one
+    chunk and let D read its notices (it scatters what landed). Returns the D units
+    scattered before P's final WRITE."""
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    units = step.units
+    for k in range(0, len(units), per_chunk):
+        run = units[k:k + per_chunk]
+        for u in run:
+            step.run(u)
+        if after_chunk is not None:
+            after_chunk(run)
+        p.push.post_units(tok, part, run[0], run[-1] + 1)
+        job = d.push._recv[res.token]
+        end = time.monotonic() + 30
+        while job.scattered is None or not job.scattered[run].all():  # D scatters a chunk once its c came
+            p.push.poll()
+            assert d.push.state(res.token) == "PROC"
+            assert time.monotonic() < end, "chunk not landed"
+            time.sleep(0.001)
+    before_final = int(job.scattered.sum()) if job.scattered is not None else 0
+    p.push.post(tok, p.arena.finish(part))
+    return tok, before_final
+
+
+def _outside_untouched(de, before, d_ids):
+    """Every page of D outside the request's pages equals ``before``."""
+    mine = {b for g in d_ids for b in g}
+    for name, t in de.device_caches.items():
+        others = [i for i in range(t.shape[0]) if i not in mine]
+        assert torch.equal(t[others].view(torch.uint8), before[name][others].view(torch.uint8)), name  # bytes: NaNs
+
+
+@pytest.mark.parametrize("case,counts,n", [("one_group", [3], 40), ("hybrid", [3, 6], 90), ("seeds3", [3], 300)])
+def test_chunked_push_scatters_as_chunks_land_and_is_byte_exact(pd, case, counts, n):
+    p, d, peer, pe, de, target = pd(case)
+    rng = np.random.default_rng(11)
+    p_ids = allocate_blocks(rng, pe, counts, set(), NP)
+    d_ids = allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP)
+    before = clone_caches(de.device_caches)
+    res = d.push.reserve([peer], n, d_ids, 0, "ch", 30.0)
+    part, step = _stage_final_step(p, p_ids, n, "ch")
+    assert len(step.units) > 1
+    tok, early = _chunked(p, d, target, res, peer, part, step)
+    assert early == len(step.units)  # every unit scattered as its chunk landed, before P's final WRITE
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert done.ok and done.checked, done.error
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, n)
+    assert not same_bytes(before, want)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0
+    assert p.stats()["push_writes_in_flight"] == 0
+    p.arena.release("ch")
+    assert p.stats()["bytes_in_use"] == 0
+
+
+def test_chunked_push_with_holes_and_a_prefix_hit(pd):
+    p, d, peer, pe, de, target = pd("hybrid")
+    rng = np.random.default_rng(12)
+    p_ids = allocate_blocks(rng, pe, [3, 6], set(), NP)
+    d_ids = allocate_blocks(rng, de, [3, 6], set(), NP)
+    p_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    d_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
+    before = clone_caches(de.device_caches)
+    res = d.push.reserve([peer], 90, d_ids, 32, "swa", 30.0)
+    part, step = _stage_final_step(p, p_ids, 90, "swa")
+    _chunked(p, d, target, res, peer, part, step, per_chunk=2)
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert done.ok, done.error
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, 90, 32)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+
+
+def test_a_byte_flipped_in_one_chunk_fails_the_load_and_writes_only_its_pages(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    d_ids = [[7, 8, 9]]
+    before = clone_caches(de.device_caches)
+    res = d.push.reserve([peer], 40, d_ids, 0, "flipc", 30.0)
+    part, step = _stage_final_step(p, [[0, 1, 2]], 40, "flipc")
+    flipped = []
+
+    def flip(run):
+        if not flipped:  # the first chunk's bytes change after their copy, before their WRITE
+            p.arena.buffer[part.span.offset + 100] ^= 0x40
+            flipped.append(run)
+    _, early = _chunked(p, d, target, res, peer, part, step, after_chunk=flip)
+    assert early == len(step.units)
+    assert settle(p, d, res.token) == "DONE"
+    done = d.push.complete(res.token)
+    assert not done.ok and "checksum mismatch" in done.error
+    assert done.written_in == "device caches"  # the chunks wrote the request's own pages: vLLM recomputes
+    _outside_untouched(de, before, d_ids)
+    assert d.stats()["bytes_in_use"] == 0
+
+
+def test_p_failing_mid_chunks_answers_x_after_its_writes_ended(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    d_ids = [[7, 8, 9]]
+    before = clone_caches(de.device_caches)
+    res = d.push.reserve([peer], 40, d_ids, 0, "midx", 30.0)
+    part, step = _stage_final_step(p, [[0, 1, 2]], 40, "midx")
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    step.run(step.units[0])
+    p.push.post_units(tok, part, step.units[0], step.units[0] + 1)
+    p.push.refuse(tok)  # P could not finish it (a later copy failed, an abort)
+    p.arena.abandon(part)  # its span goes once no WRITE reads it
+    assert settle(p, d, res.token) == "ERR"
+    done = d.push.complete(res.token)
+    assert not done.ok and "will not push" in done.error
+    _outside_untouched(de, before, d_ids)
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0
+    assert p.stats()["bytes_in_use"] == 0 and p.stats()["push_writes_in_flight"] == 0
+    with pytest.raises(ValueError):
+        p.push.post_units(tok, part, 1, 2)  # answered: nothing more is posted
+
+
+def test_post_units_is_checked(pd):
+    p, d, peer, pe, de, target = pd("one_group")
+    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "chk2", 30.0)
+    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    part = p.arena.begin(p.info, 40, "chk2", 1)
+    p.arena.settle(part, [[0, 1, 2]], 16)
+    with pytest.raises(ValueError, match="last step"):
+        p.push.post_units(tok, part, 0, 1)  # not the last step yet: units are not final
+    step = p.arena.settle(part, [[0, 1, 2]], 40)
+    for u in step.units:
+        step.run(u)
+    with pytest.raises(ValueError, match="out of range"):
+        p.push.post_units(tok, part, 0, 99)
+    p.push.post_units(tok, part, 0, 1)
+    with pytest.raises(ValueError, match="sent already"):
+        p.push.post_units(tok, part, 0, 2)
+    other = p.arena.begin(p.info, 40, "other", 1)
+    p.arena.settle(other, [[3, 4, 5]], 40)
+    with pytest.raises(ValueError, match="reservation is for"):
+        p.push.post_units(tok, other, 1, 2)
+
+
+def test_chunk_notices_are_parsed_strictly():
+    tok = bytes(range(16))
+    assert push.parse_chunk_notice(push.chunk_notice(tok, 2, 5)) == (tok, 2, 5)
+    good = push.chunk_notice(tok, 2, 5)
+    for bad in (good[:-1] + b"q", push.chunk_notice(tok, 5, 5), good.replace(b"\x002\x00", b"\x00-2\x00"),
+                good.replace(b"\x002\x00", b"\x001234567\x00"), PREFIX + b"zz" * 16 + b"\x001\x002\x00c"):
+        assert push.parse_chunk_notice(bad) is None
+    assert parse_notice(good) is None

@@ -219,6 +219,7 @@ class ArenaStaging(BufferMode):
         self.span_copiers(self.order)
         self._staged: Dict[bytes, _Staged] = {}  # P: request id -> its span and readers
         self._partial: Dict[bytes, PartialStage] = {}  # P: requests staged unit by unit, not finished
+        self._orphans: Dict[int, PartialStage] = {}  # P: abandoned while chunk WRITEs read them (hold_part)
         self._held: Dict[int, int] = {}  # D: works with a READ given up on that may still land -> span bytes
         self.shapes = KeyedCache(SHAPE_CACHE_SIZE)  # D: the virtual engines per request shape
         self.pairings = KeyedCache(SHAPE_CACHE_SIZE)  # D: layer pairs per (peer, order), whatever the shape
@@ -352,13 +353,34 @@ class ArenaStaging(BufferMode):
         del self._partial[part.rid]
         # the payload as span_layout made it (the allocation may be rounded up), its record slot after it
         _, payload = span_layout(self.units, part.counts)
+        # chunk WRITEs still reading it (hold_part) now count as the staged span's
         self._staged[part.rid] = _Staged(part.span, time.monotonic() + self.ttl_s, part.readers, payload=payload,
-                                         slot=record_capacity(info, part.num_tokens, part.rid))
+                                         slot=record_capacity(info, part.num_tokens, part.rid), writing=part.writing)
+        part.finished = True
         return record
 
     def abandon(self, part: PartialStage) -> None:
-        """Free the span of a request staged unit by unit (no copy of it may still run)."""
+        """Free the span of a request staged unit by unit (no copy of it may still run);
+        while chunk WRITEs read it (:meth:`hold_part`), once the last one ended."""
         if self._partial.pop(part.rid, None) is part:
+            if part.writing:
+                self._orphans[id(part)] = part
+            else:
+                self.arena.free(part.span)
+
+    def hold_part(self, part: PartialStage) -> None:
+        """P: a push WRITE of some of ``part``'s units is posted (:mod:`kvcopy.nixl.push`):
+        its span stays until :meth:`unhold_part`, whether the request is finished,
+        abandoned or dropped meanwhile."""
+        if self._partial.get(part.rid) is not part:
+            raise ValueError(f"request {part.rid!r} is not being staged unit by unit here")
+        part.writing += 1
+
+    def unhold_part(self, part: PartialStage) -> None:
+        part.writing -= 1
+        if part.finished:  # its count moved to the staged span at finish()
+            self.end_write(part.rid)
+        elif not part.writing and self._orphans.pop(id(part), None) is part:
             self.arena.free(part.span)
 
     def on_notifications(self, new: Mapping[str, List[bytes]]) -> None:

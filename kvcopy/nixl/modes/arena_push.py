@@ -27,8 +27,11 @@ import numpy as np
 
 from ..planning.plan import NO_BLOCK
 from ..wire.record import StagedRequest, check_record, record_capacity, request_key
-from .arena import ArenaPlan, ArenaStaging, ArenaWork
+from ..sum_check import SumCheck, mismatch_message
+from . import push_units
+from .arena import ArenaPlan, ArenaStaging, ArenaWork, _real_pages
 from .base import Peer
+from .push_units import UnitScatter, plan_units
 from .rows import merge_rows
 
 LENGTH = struct.Struct("<I")  # the record's length at the start of its slot
@@ -47,6 +50,7 @@ class ReservedWork(NamedTuple):
     request: Any  # arena._Request over the assumed records
     shape: Any  # arena._Shape
     virtual: Any  # arena._VirtualPlan
+    units: Optional[UnitScatter] = None  # the per-unit landing of a chunked push (push_units)
 
 
 def reserve(staging: ArenaStaging, info, peers: Sequence[Peer], num_tokens: int, local_block_ids, cached,
@@ -82,16 +86,27 @@ def reserve(staging: ArenaStaging, info, peers: Sequence[Peer], num_tokens: int,
             rows[p.name].setflags(write=False)
             slots[p.name] = (at, cap)
             at += cap
+        units = None
+        if not staging.on_cuda:  # a GPU D lands everything at f (no host wait for per-unit sums)
+            read_real, zero_real, _ = _real_pages(req, virt.plan)
+            layout = staging.sums.layout(staging.span_copiers(req.order), req.order, req.info.tokens_per_page,
+                                         "h2d") if staging.sums.on else None
+            units = plan_units(staging, shape, req, peers, span.offset, rows, read_real, virt.plan.read_pages,
+                               zero_real, np.asarray(work.zero_starts), np.asarray(work.zero_lens), layout)
     except Exception:
         staging.arena.free(span)
         raise
-    return ReservedWork(plan, work, rows, slots, tuple(peers), req, shape, virt)
+    return ReservedWork(plan, work, rows, slots, tuple(peers), req, shape, virt, units)
 
 
-def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool):
+def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool, done: Optional[np.ndarray] = None,
+         sums: Optional[list] = None):
     """D, once every peer's WRITE ended: check the trailers and re-plan (module
     docstring), then zero and scatter as a pull's ``complete`` does. Returns the mode's
-    ``(SumCheck or None, why unchecked)``; raises ``ValueError`` with D's KV untouched."""
+    ``(SumCheck or None, why unchecked)``; raises ``ValueError`` with D's KV untouched
+    (but for the units scattered already). ``done``/``sums``: the units of a chunked push
+    scattered already (:mod:`kvcopy.nixl.modes.push_units`) and their sums: only the rest
+    is scattered here, and the sums of all are compared."""
     req = rw.request
     records, remote_ids = [], {}
     for p in rw.peers:
@@ -122,4 +137,14 @@ def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool):
                                               [len(z) for z in work.zero_pages], work.read_pages)
     if require_checksum and check is None:
         raise ValueError(f"require_checksum: the pushed pages cannot be compared ({unchecked})")
-    return staging.complete(work._replace(check=check, unchecked=unchecked))
+    if done is None or not done.any() or rw.units is None:
+        return staging.complete(work._replace(check=check, unchecked=unchecked))
+    sums = [] if sums is None else sums
+    push_units.scatter(staging, req.order, rw.units, np.flatnonzero(~done).tolist(), check is not None, sums)
+    if check is None:
+        staging.sums.stats.unchecked()
+        return None, unchecked
+    values = push_units.fold(rw.units, sums)
+    bad = [(g, int(check.positions[g][i]), check.local_pages[g][i])
+           for g in range(len(values)) for i in np.flatnonzero(values[g] != check.expected[g]).tolist()]
+    return SumCheck.made(mismatch_message(bad) if bad else None, staging.sums.stats), None

@@ -122,6 +122,8 @@ class PartialStage:
     done_tokens: int = 0  # computed prompt tokens so far (the last settle's)
     copied: List[np.ndarray] = field(default_factory=list)  # per group: bool per page position
     steps: List[StepCopies] = field(default_factory=list)
+    writing: int = 0  # push WRITEs of some of its units in flight (ArenaStaging.hold_part)
+    finished: bool = False  # its record made (ArenaStaging.finish): the span is a staged one now
 
     def restart(self) -> None:
         """The request's computed tokens went back (preempted on P): every position settles again."""

@@ -23,7 +23,9 @@ is kvcopy's :class:`~kvcopy.nixl.TransferManager` in arena mode, not vLLM's NIXL
 * **D in push mode** (``transfer_mode: "push"``, :mod:`kvcopy.vllm.arena.push_recv`):
   D reserves a span from P's handshake alone and sends P the reservation over P's side
   channel; P's worker (:mod:`kvcopy.vllm.arena.push_send`) WRITEs its staged span into
-  it, record included, and says so over NIXL. P serves both modes.
+  it, record included, and says so over NIXL. P serves both modes. A layer-wise P
+  holding the reservation during the request's last step WRITEs its layers as their
+  copies end (:mod:`kvcopy.vllm.arena.push_chunks`) and D scatters them as they land.
 * Failures reach vLLM's load-error path (``failed_recving``; block ids for single-group
   models) and the scheduler recomputes; a full arena is back-pressure with a deadline on
   both sides. Models: what :mod:`kvcopy.vllm.groups` describes (several groups overlaid
@@ -337,6 +339,9 @@ class KvcopyArenaWorker:
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         if o.layerwise and self.producer:
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)
+            arena = self.manager.arena
+            if arena is not None and not arena.on_cuda:  # a GPU's copies end on its stream: pushed whole at the end
+                self.stager.layers.on_copied = self._copied
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(
@@ -399,6 +404,15 @@ class KvcopyArenaWorker:
         if stager.layers is not None:
             with self.lock:
                 stager.layers.bind(meta.layers)
+                if self.sender is not None and stager.layers.on_copied is not None:
+                    for rid, part in stager.layers.final_parts.items():
+                        self.sender.chunks.begin(rid, part, self.sender.tokens_for(rid))
+
+    def _copied(self, rid: str, units) -> None:
+        """P's copy thread: ``units`` of ``rid``'s last step are copied (kvcopy.vllm.arena.push_chunks)."""
+        with self.lock:
+            if self.sender is not None:
+                self.sender.chunks.copied(rid, units)
 
     def layer_done(self, name: str) -> None:
         """P, layer-wise: ``name``'s attention ran; queue the copies it completes (no lock)."""
@@ -408,10 +422,13 @@ class KvcopyArenaWorker:
 
     def save(self, meta: KvcopyArenaMetadata) -> None:
         stager, _ = self._require()
+        if stager.layers is not None:
+            stager.layers.wait_copies()  # without the lock: a copy's chunk post takes it
         with self.lock:
             stager.step(meta)
             if self.sender is not None:
                 self.sender.step()  # post the reservations whose requests are staged now
+                self.sender.chunks.end_step()
 
     def transfer_results(self) -> KVConnectorTransferResults:
         stager, puller = self._require()

@@ -18,7 +18,10 @@ after the step). Per step, on P's worker:
   copy thread (one thread, on vLLM's KV-transfer cores, :mod:`kvcopy.vllm.affinity`).
   The copy is a native call that releases the GIL, so the copy of layer ``l`` runs
   while the forward computes layer ``l + 1``. It takes no lock: everything it touches
-  was built at bind and belongs to this step.
+  was built at bind and belongs to this step. For a request whose prefill ends in the
+  step, ``on_copied`` then hands the units copied to a chunked push
+  (:mod:`kvcopy.vllm.arena.push_chunks`, which takes the worker's lock: ``wait_for_save``
+  waits for the copies before it takes the lock).
 * ``wait_for_save``: :meth:`LayerwiseStage.close_step` waits for the copy thread, then
   the completeness sweep copies every unit that got no ``save_kv_layer`` (state units:
   GDN/Mamba layers never call it; FULL CUDA graphs replay without it; an attention path
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from vllm.logger import init_logger
@@ -94,6 +97,10 @@ class LayerwiseStage:
         self._final: List[str] = []  # requests whose prefill ends this step
         self._futures: List[Future] = []
         self._copy_failed: Dict[str, str] = {}  # written by the copy thread, read after it was waited for
+        self.final_parts: Dict[str, PartialStage] = {}  # this step's requests whose prefill ends in it
+        # called by the copy thread with (request, units) after the copies of a final step's
+        # units ended (a chunked push: kvcopy.vllm.arena.push_chunks); takes its own lock
+        self.on_copied: Optional[Callable[[str, List[int]], None]] = None
         self._last_layer = self._last_layers()
         self.at_layer = 0  # unit copies queued by save_kv_layer
         self.swept = 0  # unit copies made by the sweep
@@ -118,7 +125,7 @@ class LayerwiseStage:
         arena = self.m.arena
         assert arena is not None
         now = time.monotonic()
-        self._step, self._final = [], []
+        self._step, self._final, self.final_parts = [], [], {}
         for rid, ls in layers.items():
             if rid in self.whole:
                 continue
@@ -141,6 +148,7 @@ class LayerwiseStage:
                 continue
             if ls.done_tokens >= ls.num_tokens:
                 self._final.append(rid)
+                self.final_parts[rid] = part
 
     # ------------------------------------------------------------ in the forward
     def layer_done(self, name: str) -> None:
@@ -161,6 +169,18 @@ class LayerwiseStage:
                         step.run(u)
             except Exception as exc:  # noqa: BLE001 -- planned calls; reported as the request's failure
                 self._copy_failed.setdefault(rid, f"layer-wise copy failed: {exc}")
+                continue
+            if self.on_copied is not None and rid in self.final_parts:
+                try:
+                    self.on_copied(rid, [u for u in units if step.has(u)])
+                except Exception:  # noqa: BLE001 -- the final WRITE carries what a chunk did not
+                    logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
+
+    def wait_copies(self) -> None:
+        """Wait for this step's copies (called without the worker's lock: a copy's
+        ``on_copied`` takes it)."""
+        for f in list(self._futures):
+            f.result()
 
     # ------------------------------------------------------------ after the forward
     def close_step(self) -> List[Tuple[str, object, Optional[torch.cuda.Event]]]:

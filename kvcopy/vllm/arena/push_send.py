@@ -42,6 +42,7 @@ from ...nixl.manager import TransferManager
 from .channel import pushes_of
 from .meta import agent_name
 from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, take_question
+from .push_chunks import ChunkPoster
 from .record_client import Fetch, Reply, SideChannel
 from .stage import ArenaStager
 from .stats import PullStats
@@ -70,6 +71,7 @@ class PushSender:
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
         self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
         self.refused = 0  # reservations refused (logged)
+        self.chunks = ChunkPoster(manager)  # a layer-wise request's units pushed in its last step
 
     def tick(self) -> None:
         self._take()
@@ -194,6 +196,11 @@ class PushSender:
             return
         self._waiting[token] = item[1]
         self._readers[token] = d_tp
+        self.chunks.accepted(token, item[1])
+
+    def tokens_for(self, rid: str) -> List[bytes]:
+        """The reservations accepted for P's request ``rid`` and not posted yet."""
+        return [t for t, r in self._waiting.items() if r == rid]
 
     @property
     def busy(self) -> bool:

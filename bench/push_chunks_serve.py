@@ -1,0 +1,408 @@
+"""Chunked push measured in vLLM's own connector classes: prefill end -> D's KV ready, per mode.
+
+P and D are vLLM 0.33's ``Scheduler`` and the arena connector's worker with real NIXL
+(UCX loopback), built as ``tests/vllm/vllm_arena_engines.py`` builds them, with a
+Llama-like KV geometry (``--layers`` full-attention layers of 8 KV heads x 128,
+float16, 16-token blocks). P's forward is played layer by layer on the main thread:
+``--layer-ms`` of matmul (one torch thread: the model's core), then the layer's KV
+written, then ``save_kv_layer``, as vLLM's attention decorator calls it; P's copy thread
+runs on the other core. D steps on its own thread throughout, as its engine does while a
+request waits for remote KV. Requests go one at a time, dispatched concurrently (D gets
+the request with P's coordinates when P does; P's step starts once its worker accepted
+D's reservation).
+
+Modes (same engines, same requests, interleaved):
+
+* ``whole``: P stages the request at ``wait_for_save`` (one copy), one WRITE;
+* ``layerwise-1write``: P stages layer by layer, one WRITE after staging, D scatters at ``f``;
+* ``chunked``: layer-wise, units WRITten as their copies end (chunks of at least
+  ``MIN_CHUNK_BYTES``), D scatters each chunk on its ``c``;
+* ``chunked-unit``: the same with a chunk per unit.
+
+Per request: ``end_to_ready_ms`` (P's ``wait_for_save`` entered, the prefill end, to
+D's KV ready: ``ArenaPushReceiver._finish``), ``last_layer_to_ready_ms`` (P's last
+``save_kv_layer`` to KV ready), and per unit of ``chunked-unit`` the copy and the WRITE
+(post -> DONE) of one layer. ``--plot`` draws one request per mode on one axis.
+
+    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 VENV_PY bench/push_chunks_serve.py \\
+        --out bench/results/push-chunks-serve-....json [--plot PNG]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]  # the engines harness of the vLLM tests
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = ("whole", "layerwise-1write", "chunked", "chunked-unit")
+
+
+def _model_config(root: Path):
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    model = root / "tiny-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 8,
+        "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
+        "head_dim": 16}))
+    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+    with set_current_vllm_config(VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"))):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{root / 'dist'}")
+        initialize_model_parallel(1, 1)
+    return mc
+
+
+class Events:
+    """Monotonic times the wrapped methods log (one clock for both engines: one process)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.p_steps = []  # per P step: bind, layers [(name, t)], copies [(units, t0, t1)], fwd_end, saved
+        self.final_posts = []  # (t0, t1, nbytes, descs)
+        self.scatters = []  # D: (t0, t1, units)
+        self.ready = {}  # D: request -> KV ready
+        self.step = None
+
+    def log(self, key, value):
+        with self.lock:
+            getattr(self, key).append(value)
+
+
+def _instrument(p, d, ev: Events):
+    import torch  # noqa: F401
+    from kvcopy.nixl.modes import push_units
+    from kvcopy.vllm.arena.push_recv import ArenaPushReceiver
+
+    pw = p.worker.arena_worker
+    conn = p.worker
+    real_bind, real_save = conn.bind_connector_metadata, conn.wait_for_save
+
+    def bind(meta):
+        ev.step = {"bind": time.monotonic(), "layers": [], "copies": [], "final": []}
+        real_bind(meta)
+        if pw.stager.layers is not None:
+            ev.step["final"] = sorted(pw.stager.layers.final_parts)
+        else:
+            ev.step["final"] = sorted(getattr(meta, "stage", {}) or {})
+
+    def save():
+        ev.step["fwd_end"] = time.monotonic()
+        real_save()
+        ev.step["saved"] = time.monotonic()
+        ev.log("p_steps", ev.step)
+    conn.bind_connector_metadata, conn.wait_for_save = bind, save
+
+    layers = pw.stager.layers
+    real_copy, real_copied = layers._copy, layers.on_copied
+    copied_at = []
+
+    def copy(units, steps):  # the copy thread's turn: the copies, then the chunk post (on_copied)
+        t0 = time.monotonic()
+        copied_at.clear()
+        real_copy(units, steps)
+        ev.step["copies"].append((list(units), t0, copied_at[0] if copied_at else time.monotonic()))
+
+    def on_copied(rid, units):
+        copied_at.append(time.monotonic())
+        real_copied(rid, units)
+    layers._copy, layers.on_copied = copy, on_copied
+
+    real_complete = d.manager.push.complete
+
+    def complete(token):
+        t0 = time.monotonic()
+        out = real_complete(token)
+        ev.log("scatters", (t0, time.monotonic(), ["complete"]))
+        return out
+    d.manager.push.complete = complete
+
+    real_post = pw.manager.push.post
+
+    def post(token, record):
+        t0 = time.monotonic()
+        out = real_post(token, record)
+        ev.log("final_posts", (t0, time.monotonic(), out[0], out[1]))
+        return out
+    pw.manager.push.post = post
+
+    real_scatter = push_units.scatter
+
+    def scatter(staging, order, us, units, summed, sums):
+        t0 = time.monotonic()
+        real_scatter(staging, order, us, units, summed, sums)
+        ev.log("scatters", (t0, time.monotonic(), list(units)))
+    push_units.scatter = scatter
+
+    real_finish = ArenaPushReceiver._finish
+
+    def finish(self, job):
+        ev.ready[job.rid] = time.monotonic()
+        return real_finish(self, job)
+    ArenaPushReceiver._finish = finish
+
+
+def _forward(rank, layer_ms: float):
+    """P's layers: ``layer_ms`` of matmul, the layer's KV written, save_kv_layer."""
+    import torch
+    from vllm_arena_engines import _view
+
+    a = torch.randn(256, 256)
+    per = max(1, int(layer_ms / _matmul_ms(a)))
+
+    def forward(conn):
+        storage, truth = rank.raw.untyped_storage(), rank.truth.untyped_storage()
+        for name, attention in rank.layers:
+            for _ in range(per):
+                torch.mm(a, a)
+            _view(rank.caches, storage, name).copy_(_view(rank.caches, truth, name))
+            if attention:
+                EVENTS.step["layers"].append((name, time.monotonic()))
+                conn.save_kv_layer(name, rank.caches[name], None)
+    return forward
+
+
+def _matmul_ms(a) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(a, a)
+    return (time.perf_counter() - t0) / 50 * 1e3
+
+
+EVENTS = Events()
+
+
+def run(args) -> dict:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_arena_engines import ArenaEngine, fill_layerwise, prompts
+
+    torch.set_num_threads(1)
+    # P and D share one interpreter here (they are two processes in a deployment): hand the
+    # GIL over sooner than CPython's 5 ms so D's stepping thread does not hold P's threads
+    sys.setswitchinterval(args.switch_ms / 1e3)
+    root = Path(tempfile.mkdtemp(prefix="push-chunks-"))
+    mc = _model_config(root)
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                                                                    dtype=torch.float16) for i in range(args.layers)}
+    case = dict(block_size=16, specs=specs)
+    blocks = 2 * -(-args.tokens // 16) + 8
+    span = args.layers * args.tokens * 8 * 128 * 2 * 2
+    p = ArenaEngine(mc, case, "kv_producer", os.environ.__setitem__, num_blocks=blocks, arena_bytes=3 * span,
+                    layerwise=True)
+    d = ArenaEngine(mc, case, "kv_consumer", os.environ.__setitem__, num_blocks=blocks, arena_bytes=3 * span,
+                    transfer_mode="push")
+    pw = p.worker.arena_worker
+    layers = pw.stager.layers
+    _instrument(p, d, EVENTS)
+    fill_layerwise(p, d, 1)
+    p.ranks[0].forward = _forward(p.ranks[0], args.layer_ms)
+    stop = threading.Event()
+    d_lock = threading.Lock()
+
+    def d_loop():
+        while not stop.is_set():
+            with d_lock:
+                d.step()
+            time.sleep(0.0002)
+    thread = threading.Thread(target=d_loop, daemon=True)
+    try:
+        warm = prompts(1, [32], 7)
+        p.add("warm", warm[0], {"do_remote_decode": True})
+        while "warm" not in p.params:
+            p.step()
+        template = p.params["warm"]
+        with d_lock:
+            d.add("warm", warm[0], template, max_tokens=2)
+        thread.start()
+        while "warm" not in d.params:
+            time.sleep(0.01)
+        rows = []
+        toks = prompts(args.repeats * len(MODES), [args.tokens] * (args.repeats * len(MODES)), 3)
+        k = 0
+        for rep in range(args.repeats):
+            order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
+            for mode in order:
+                rid = f"{mode}-{rep}"
+                pw.stager.layers = None if mode == "whole" else layers
+                pw.sender.chunks.min_bytes = {"chunked": type(pw.sender.chunks).min_bytes, "chunked-unit": 0}.get(
+                    mode, float("inf"))
+                n_steps = len(EVENTS.p_steps)
+                p.add(rid, toks[k], {"do_remote_decode": True})
+                with d_lock:
+                    d.add(rid, toks[k], dict(template, remote_request_id=rid), max_tokens=2)
+                k += 1
+                deadline = time.monotonic() + 60
+                while not pw.sender.tokens_for(rid):
+                    assert time.monotonic() < deadline, "no reservation"
+                    time.sleep(0.001)
+                while rid not in EVENTS.ready:
+                    assert time.monotonic() < deadline, "not loaded"
+                    if p.sched.has_requests():
+                        p.step()
+                    else:
+                        time.sleep(0.0005)
+                step = next(s for s in EVENTS.p_steps[n_steps:] if rid in s["final"])
+                rows.append(_row(mode, rid, step, EVENTS))
+                while rid not in d.params:
+                    time.sleep(0.005)
+                print(json.dumps({k2: v for k2, v in rows[-1].items() if k2 != "events"}), flush=True)
+        return {"rows": rows, "layers": args.layers, "tokens": args.tokens, "layer_ms": args.layer_ms,
+                "switch_ms": args.switch_ms,
+                "layer_bytes": args.tokens * 8 * 128 * 2 * 2, "min_chunk_bytes": type(pw.sender.chunks).min_bytes,
+                "load": os.getloadavg()}
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(10)
+        pw.stager.layers = layers
+        d.close()
+        p.close()
+
+
+def _row(mode, rid, step, ev: Events) -> dict:
+    ready = ev.ready[rid]
+    chunks = [c for c in ev_chunks() if c[2] == rid]
+    post = [f for f in ev.final_posts if step["fwd_end"] <= f[0] <= ready]
+    scat = [s for s in ev.scatters if step["bind"] <= s[0] <= ready]
+    last = step["layers"][-1][1] if step["layers"] else step["fwd_end"]
+    return {"mode": mode, "request": rid, "end_to_ready_ms": (ready - step["fwd_end"]) * 1e3,
+            "last_layer_to_ready_ms": (ready - last) * 1e3, "chunks": len(chunks),
+            "copy_ms": [(c[2] - c[1]) * 1e3 for c in step["copies"]],
+            "chunk_write_ms": [(c[1] - c[0]) * 1e3 for c in chunks],
+            "events": {"bind": step["bind"], "fwd_end": step["fwd_end"], "saved": step["saved"], "ready": ready,
+                       "layers": step["layers"], "copies": step["copies"], "chunks": chunks, "final": post,
+                       "scatters": scat}}
+
+
+def ev_chunks():
+    from kvcopy.vllm.arena import push_chunks
+
+    return push_chunks.EVENTS_SEEN
+
+
+def summary(result: dict) -> dict:
+    out = {}
+    for mode in MODES:
+        rows = [r for r in result["rows"] if r["mode"] == mode]
+        if not rows:
+            continue
+        e = [r["events"] for r in rows]
+        out[mode] = {"end_to_ready_ms": statistics.median(r["end_to_ready_ms"] for r in rows),
+                     "last_layer_to_ready_ms": statistics.median(r["last_layer_to_ready_ms"] for r in rows),
+                     # D's complete() at f (the trailer, what no chunk scattered, the sums); P's final WRITE
+                     "d_complete_ms": _median([(s[1] - s[0]) * 1e3 for x in e for s in x["scatters"]
+                                               if s[2] == ["complete"]]),
+                     "final_write_ms": _median([(f[1] - f[0]) * 1e3 for x in e for f in x["final"]]),
+                     "chunks": statistics.median(r["chunks"] for r in rows), "requests": len(rows)}
+    unit = [r for r in result["rows"] if r["mode"] == "chunked-unit"]
+    copies = [c for r in unit for c in r["copy_ms"]]
+    writes = [w for r in unit for w in r["chunk_write_ms"]]
+    if copies and writes:
+        out["one_layer"] = {"copy_ms": statistics.median(copies), "write_ms": statistics.median(writes),
+                            "copy_plus_write_ms": statistics.median(copies) + statistics.median(writes)}
+    return out
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for mode in MODES:
+        rows = [r for r in result["rows"] if r["mode"] == mode]
+        if rows:
+            med = statistics.median(r["end_to_ready_ms"] for r in rows)
+            panels.append((mode, min(rows, key=lambda r: abs(r["end_to_ready_ms"] - med))))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.3 * len(panels)), sharex=True)
+    for ax, (mode, r) in zip(axes, panels):
+        e = r["events"]
+
+        def ms(t, t0=e["fwd_end"]):
+            return (t - t0) * 1e3
+        lanes = ["P layers", "P copies", "P WRITEs", "D scatters"]
+        for _, t in e["layers"]:
+            ax.plot([ms(t)] * 2, [3.6, 4.4], color="k", lw=0.8)
+        for _, a, b in e["copies"]:
+            ax.barh(2.95 + 0.05, ms(b) - ms(a), left=ms(a), height=0.6, color="tab:blue")
+        for a, b, *_ in e["chunks"]:
+            ax.barh(2, max(ms(b) - ms(a), 0.05), left=ms(a), height=0.6, color="tab:orange")
+        for a, b, *_ in e["final"]:
+            ax.barh(2, max(ms(b) - ms(a), 0.05), left=ms(a), height=0.6, color="tab:red")
+        for a, b, units in e["scatters"]:  # dark: D's complete() at f (the trailer, the rest, the sums)
+            ax.barh(1, max(ms(b) - ms(a), 0.05), left=ms(a), height=0.6,
+                    color="darkgreen" if units == ["complete"] else "tab:green")
+        ax.axvline(0, color="gray", ls="--", lw=0.8)
+        ax.axvline(ms(e["ready"]), color="tab:purple", lw=1.2)
+        ax.set_yticks([4, 3, 2, 1], lanes)
+        ax.set_title(f"{mode}: prefill end -> KV ready {r['end_to_ready_ms']:.1f} ms "
+                     f"(last layer -> ready {r['last_layer_to_ready_ms']:.1f} ms, {r['chunks']} chunk WRITEs)",
+                     fontsize=9)
+    axes[-1].set_xlabel("ms from P's prefill end (wait_for_save entered); purple: D's KV ready; "
+                        "orange: chunk WRITEs, red: final WRITE; dark green: D's complete at f")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--layer-ms", type=float, default=4.0)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--switch-ms", type=float, default=5.0, help="sys.setswitchinterval (CPython's default: 5)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plot", default=None, help="draw a saved --out file (no run)")
+    ap.add_argument("--summary", action="store_true", help="print a saved --out file's summary (no run)")
+    args = ap.parse_args()
+    if args.summary:
+        with open(args.out) as f:
+            print(json.dumps(summary(json.load(f)), indent=1))
+        return
+    if args.plot:
+        with open(args.out) as f:
+            plot(json.load(f), args.plot)
+        return
+    from kvcopy.vllm.arena import push_chunks
+
+    seen = push_chunks.EVENTS_SEEN = []
+    real = push_chunks.ChunkPoster._post
+
+    def logged(self, rid):
+        n = len(self.events)
+        real(self, rid)
+        seen.extend(self.events[n:])
+    push_chunks.ChunkPoster._post = logged
+    result = run(args)
+    result["summary"] = summary(result)
+    print(json.dumps(result["summary"], indent=1))
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # vLLM's and NIXL's threads
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Chunked push: a pushed request's spans cut by units, on both sides.
+
+A span is ``[unit 0][unit 1]...[unit n-1]`` (:func:`~kvcopy.nixl.planning.pack_order.span_layout`:
+one contiguous segment per unit, units in forward order, state units last), then the
+record slot. A layer-wise P (:mod:`kvcopy.nixl.modes.partial_stage`) has a unit's bytes
+final once its copy in the request's last step ended, so it can WRITE units ``[lo, hi)``
+before the rest (:meth:`kvcopy.nixl.push.Pushes.post_units`) and say so with a ``c``
+notice naming that range of *its* units.
+
+P (:func:`unit_bounds`, :func:`clip_rows`): units ``[lo, hi)`` are P's bytes
+``[bounds[lo], bounds[hi])``; the reservation's rows (``[p_rel, d_rel, nbytes]``, planned
+by D) are cut to that range, so a chunk WRITEs exactly the bytes of those units that D
+reads, to where D planned them.
+
+D (:func:`plan_units`, at reserve, from P's handshake alone): per unit of D's span the P
+units of each peer whose bytes it reads (from the rows), its zero runs, and its scatter
+calls (each span copier's planner with every other unit's id lists empty, as P's
+per-unit copies are planned; every call checked at reserve, so nothing can fail to plan
+once bytes landed). On ``c`` D scatters every unit whose P units have all landed
+(:func:`scatter`); the rest after P's ``f``. Sums: each call sums its pages inside the
+copy, as the whole-request scatter does; a page's sum depends on its bytes and its place
+in the staged block only, and the fold is a sum over triples, so folding the calls unit
+by unit (:func:`fold`) gives the values the whole scatter's fold gives, compared with
+P's record when it arrives (in the final WRITE's trailer).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ...core.checksum import mix64
+from ...core.copier import CallPlan
+from ..planning.pack_order import span_layout, stage_units
+from .rows import byte_index
+from .span_sums import POSITION_BITS, seal_bounds
+
+
+def unit_bounds(units, counts: Sequence[int]) -> np.ndarray:
+    """Where each unit of a span starts, then where its payload ends (``len(units) + 1`` offsets)."""
+    segs, total = span_layout(units, counts)
+    return np.asarray(list(segs) + [total], np.int64)
+
+
+def clip_rows(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``rows`` ``[p_rel, d_rel, nbytes]`` cut to P's bytes ``[lo, hi)`` (rows outside dropped)."""
+    a = np.maximum(rows[:, 0], lo)
+    b = np.minimum(rows[:, 0] + rows[:, 2], hi)
+    keep = a < b
+    out = np.stack([a, rows[:, 1] + (a - rows[:, 0]), b - a], axis=1)[keep]
+    return out.astype(np.int64)
+
+
+class UnitCall(NamedTuple):
+    """One planned h2d call of one D unit: the copier, the plan, the triples' numbers ``J``
+    (in the call's order) and the unit's KV cache group."""
+
+    copier: int
+    call: CallPlan
+    js: np.ndarray
+    group: int
+
+
+class UnitScatter(NamedTuple):
+    """D's per-unit landing of one reservation (module docstring), immutable once made."""
+
+    needs: Tuple[Optional[Tuple[np.ndarray, ...]], ...]  # per D unit, per peer: the P units it reads (None: at f)
+    p_units: Tuple[int, ...]  # per peer: its span's units
+    zero: Tuple[Tuple[np.ndarray, np.ndarray], ...]  # per D unit: (arena offsets, bytes) zeroed first
+    calls: Tuple[Tuple[UnitCall, ...], ...]  # per D unit
+    positions: Tuple[np.ndarray, ...]  # per group: the page positions D reads
+    zero_counts: Tuple[int, ...]  # per group: pages zeroed after them in each triple's call
+
+    def ready(self, landed: Sequence[np.ndarray], done: np.ndarray) -> List[int]:
+        """D units not scattered yet whose P units all landed (``landed``: per peer, bool per P unit)."""
+        return [u for u, need in enumerate(self.needs)
+                if not done[u] and need is not None and all(bool(ok[n].all()) for ok, n in zip(landed, need))]
+
+
+def plan_units(staging, shape, req, peers, span_offset: int, rows, read_real, read_pages, zero_real,
+               zero_starts: np.ndarray, zero_lens: np.ndarray, layout) -> UnitScatter:
+    """D, at reserve: the per-unit landing of a reservation (module docstring). ``rows``:
+    per peer ``[p_rel, d_rel, nbytes]``; ``read_real``/``read_pages``/``zero_real``: what the
+    whole scatter copies (:meth:`ArenaStaging._arena_plan`'s); ``layout``: D's h2d sum
+    layout, or None with checksums off."""
+    cps = staging.span_copiers(req.order)
+    d_bounds = np.asarray(list(shape.segs) + [shape.nbytes], np.int64)
+    p_bounds = [unit_bounds(stage_units(p.info.regions, req.order), pc) for p, pc in zip(peers, req.peer_counts)]
+    needs: List[Optional[Tuple[np.ndarray, ...]]] = []
+    for u in range(len(cps.units)):
+        per_peer: List[np.ndarray] = []
+        for p, pb in zip(peers, p_bounds):
+            r = clip_rows(np.asarray(rows[p.name])[:, [1, 0, 2]], int(d_bounds[u]), int(d_bounds[u + 1]))
+            if not len(r):  # D reads nothing of this peer into this unit
+                per_peer.append(np.zeros(0, np.int64))
+                continue
+            first = np.searchsorted(pb, r[:, 1], "right") - 1
+            last = np.searchsorted(pb, r[:, 1] + r[:, 2] - 1, "right") - 1
+            if (first < 0).any() or (last >= len(pb) - 1).any():  # reads past P's payload: landed at f only
+                break
+            per_peer.append(np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last)])))
+        needs.append(tuple(per_peer) if len(per_peer) == len(peers) else None)
+    rel = zero_starts - span_offset
+    unit_of = np.searchsorted(d_bounds, rel, "right") - 1
+    zero = tuple((zero_starts[unit_of == u], zero_lens[unit_of == u]) for u in range(len(cps.units)))
+    ids = cps.ids(span_offset, shape.segs, req.counts, read_real, [np.asarray(x, np.int64) for x in read_pages],
+                  [np.asarray(z, np.int64) for z in zero_real])
+    calls: List[List[UnitCall]] = [[] for _ in cps.units]
+    for k, ((dev, host), (_, unit, _, _, _)) in enumerate(zip(ids, cps.index)):
+        unit_of_triple = unit.tolist()
+        for u in sorted(set(unit_of_triple)):
+            keep = {j for j, x in enumerate(unit_of_triple) if x == u}
+            call = cps.copiers[k].plan("h2d", [d if j in keep else [] for j, d in enumerate(dev)],
+                                       [h if j in keep else [] for j, h in enumerate(host)])
+            js = layout.numbers[k][sorted(keep)] if layout is not None else np.zeros(0, np.int64)
+            calls[u].append(UnitCall(k, call, js, cps.units[u].group))
+    return UnitScatter(tuple(needs), tuple(len(pb) - 1 for pb in p_bounds), zero, tuple(tuple(c) for c in calls),
+                       tuple(np.asarray(x, np.int64) for x in read_pages), tuple(len(z) for z in zero_real))
+
+
+def scatter(staging, order: str, us: UnitScatter, units: Sequence[int], summed: bool,
+            sums: List[Tuple[UnitCall, torch.Tensor]]) -> None:
+    """Zero and scatter D units ``units`` from D's span into D's KV; with ``summed``
+    their page sums are appended to ``sums`` (folded by :func:`fold`)."""
+    cps = staging.span_copiers(order)
+    for u in units:
+        starts, lens = us.zero[u]
+        if len(starts):
+            staging.buffer.index_fill_(0, torch.as_tensor(byte_index(starts, lens)), 0)
+        for uc in us.calls[u]:
+            copier = cps.copiers[uc.copier]
+            if summed:
+                out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=staging.sums.device)
+                copier.run("h2d", uc.call, out)
+                sums.append((uc, out))
+            else:
+                copier.run("h2d", uc.call)
+
+
+def fold(us: UnitScatter, sums: Sequence[Tuple[UnitCall, torch.Tensor]]) -> List[np.ndarray]:
+    """Per group, the folded sums of the page positions D reads (``us.positions``): the
+    sum over every unit call of its sealed page sums (the read pages of each triple; the
+    zeroed pages after them are not compared)."""
+    values = [np.zeros(len(p), np.uint64) for p in us.positions]
+    with np.errstate(over="ignore"):
+        for uc, out in sums:
+            pos = us.positions[uc.group]
+            n, z = len(pos), us.zero_counts[uc.group]
+            got = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n + z)[:, :n]
+            sealed_at = (uc.js[:, None].astype(np.int64) << POSITION_BITS) + pos[None, :]
+            sealed = mix64(got ^ seal_bounds(sealed_at.ravel()).reshape(got.shape))
+            values[uc.group] += sealed.sum(axis=0, dtype=np.uint64)
+    return values

@@ -1,0 +1,116 @@
+"""P's chunked push: a layer-wise request's units WRITten while its last step's forward runs.
+
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
+
+When a layer-wise P (:mod:`kvcopy.vllm.arena.layerwise`) runs the last step of a request
+whose reservation it has accepted (D reserved before P's prefill ended: concurrent
+dispatch), each unit is final once its copy of that step ended. :class:`ChunkPoster`:
+
+* :meth:`~ChunkPoster.begin` (``bind_connector_metadata``, under the worker's lock): the
+  requests whose prefill ends this step, with their partial stages;
+* :meth:`~ChunkPoster.copied` (the copy thread, after a ``save_kv_layer``'s copies; it
+  takes the worker's lock for the post, which the engine thread never holds across the
+  forward): marks the units copied and WRITEs, per reservation, each run of copied
+  units not sent yet (contiguous in span order) holding at least :attr:`min_bytes`
+  (``TransferManager.push.post_units``; D is told ``c`` when it ended);
+* :meth:`~ChunkPoster.accepted`: a reservation accepted while its request's last step
+  runs sends the units copied so far at once;
+* the final WRITE (the units left: the last one(s), the state units the sweep copies,
+  and the record slot) is :class:`~kvcopy.vllm.arena.push_send.PushSender`'s, as for a
+  whole-request push; ``f`` follows once every WRITE of the reservation ended.
+
+A reservation accepted after the request's last step began its copies gets the units
+copied so far in one chunk and the rest in the final WRITE; one accepted after staging
+ended is one WRITE (for equal geometry one descriptor), as before. P failing after some
+chunks were sent (a copy failed: the request is staged again whole) answers ``x``: D
+recomputes.
+
+Why :data:`MIN_CHUNK_BYTES`: one WRITE between two arenas over UCX on loopback has a
+fixed cost of 13-22 µs (a 4 KiB WRITE), 13% of a 1 MiB WRITE (166 µs) and over 25% below
+256 KiB (``bench/push_chunks.py``, the 2-core machine shared; ``docs/vllm.md``, "Layer-wise
+push in chunks"); and on loopback the WRITE copies inside the post, on the copy thread,
+delaying the next layer's copy by as much. A chunk before the last overlaps the forward, so its size only
+costs that overhead; the tail after prefill end is the last layer's copy and the WRITE
+of what is left.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Tuple
+
+import numpy as np
+from vllm.logger import init_logger
+
+from ...nixl.manager import TransferManager
+from ...nixl.modes.partial_stage import PartialStage
+from ...nixl.modes.push_units import unit_bounds
+
+logger = init_logger("vllm.kvcopy")
+
+MIN_CHUNK_BYTES = 1 << 20  # least bytes per chunk WRITE (module docstring)
+
+
+class ChunkPoster:
+    """One P rank's chunked pushes (module docstring). Every method runs under the
+    worker's lock."""
+
+    min_bytes = MIN_CHUNK_BYTES
+
+    def __init__(self, manager: TransferManager):
+        self.m = manager
+        self.parts: Dict[str, Tuple[PartialStage, np.ndarray, np.ndarray]] = {}  # rid -> (stage, bounds, copied)
+        self.tokens: Dict[bytes, str] = {}  # reservations chunked -> request
+        self.posted = 0  # chunk WRITEs posted
+        self.events: List[Tuple[float, float, str, int, int, int]] = []  # (before, after, rid, lo, hi, bytes)
+
+    def begin(self, rid: str, part: PartialStage, tokens: List[bytes]) -> None:
+        """``rid``'s last step is planned; ``tokens``: its reservations accepted, not posted."""
+        bounds = unit_bounds(self.m.arena.units if self.m.arena is not None else (), part.counts)
+        self.parts[rid] = (part, bounds, np.zeros(len(bounds) - 1, bool))
+        for t in tokens:
+            self.tokens[t] = rid
+
+    def accepted(self, token: bytes, rid: str) -> None:
+        """A reservation accepted now: chunked if its request's last step runs."""
+        if rid in self.parts:
+            self.tokens[token] = rid
+            self._post(rid)
+
+    def copied(self, rid: str, units: List[int]) -> None:
+        """The copy thread ended ``units``' copies of ``rid``'s last step."""
+        entry = self.parts.get(rid)
+        if entry is None:
+            return
+        entry[2][units] = True
+        self._post(rid)
+
+    def _post(self, rid: str) -> None:
+        part, bounds, copied = self.parts[rid]
+        for token in [t for t, r in self.tokens.items() if r == rid]:
+            for lo, hi in _runs(copied & ~self._sent(token, len(copied))):
+                if bounds[hi] - bounds[lo] < self.min_bytes:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    nbytes, _ = self.m.push.post_units(token, part, lo, hi)
+                except ValueError as exc:  # answered (x) or failed: the final post says so
+                    logger.warning("kvcopy arena: pushing units [%d, %d) of %s failed: %s", lo, hi, rid, exc)
+                    del self.tokens[token]
+                    break
+                self.posted += 1
+                self.events.append((t0, time.monotonic(), rid, lo, hi, nbytes))
+
+    def _sent(self, token: bytes, n: int) -> np.ndarray:
+        sent = self.m.push.sent_units(token)
+        return sent if sent is not None else np.zeros(n, bool)
+
+    def end_step(self) -> None:
+        """The step's copies ended and its records are made: what no chunk sent goes in
+        each reservation's final WRITE."""
+        self.parts, self.tokens = {}, {}
+
+
+def _runs(mask: np.ndarray) -> List[Tuple[int, int]]:
+    """The maximal runs ``[lo, hi)`` of True in ``mask``."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))

@@ -1,0 +1,213 @@
+"""Chunked push (kvcopy.vllm.arena.push_chunks): a layer-wise P WRITEs a request's units into
+D's reservation as its last step's copies end, D scatters each chunk as it lands; with
+vLLM 0.33's real scheduler and connector worker classes, on the CPU.
+
+Concurrent dispatch as a proxy does it: D gets the request (P's coordinates and request
+id) before P computed it, reserves, and P's worker accepts the reservation before P's
+last step. P's KV is poisoned and its forward writes each layer's bytes just before
+``save_kv_layer``; D's is poisoned; D's buffer is compared whole with the expectation
+built from vLLM's block tables alone, or, where the load fails, outside the request's
+own blocks.
+
+Run in the vLLM environment (``.ci/run``); skipped where vLLM 0.33 is not installed.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
+
+from test_vllm_arena import engines  # noqa: E402  (the fixture)
+from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
+from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
+
+from kvcopy.nixl.modes.partial_stage import StepCopies  # noqa: E402
+from vllm_arena_engines import assert_same, expected_d, fill_layerwise, prefill, prompts, run  # noqa: E402
+
+assert engines and vllm_env  # fixtures, used by name
+PUSH = {"transfer_mode": "push"}
+
+
+def _pair(engines, case, p_kw=None):
+    p = engines(case, "kv_producer", layerwise=True, **(p_kw or {}))
+    d = engines(case, "kv_consumer", **PUSH)
+    p.worker.arena_worker.sender.chunks.min_bytes = 0  # a chunk per copy: the most WRITEs
+    return p, d
+
+
+def _template(p, d):
+    """kv_transfer_params as P's finish gives them (a warm-up request: D learns P's
+    handshake, P D's), to address requests D gets before P finished them."""
+    tokens = prompts(1, [20], 99)
+    (params,) = prefill(p, ["warm"], tokens)
+    d.add("warm", tokens[0], params, max_tokens=2)
+    run([d, p], lambda: "warm" in d.params or "warm" in d.tables or not d.sched.requests)
+    return params
+
+
+def _accepted(p, rids):
+    w = p.worker.arena_worker
+    with w.lock:
+        return all(w.sender.tokens_for(r) for r in rids)
+
+
+def _concurrent(p, d, lengths, seed, limit_s=60.0, accepted=None):
+    """D and P get each request at once; P steps only once its worker accepted D's
+    reservation (concurrent dispatch, D first); then both step until D's loads ended.
+    ``accepted()`` is called then. Returns (rids, tokens, D's bytes before, failed)."""
+    template = _template(p, d)
+    tokens = prompts(len(lengths), lengths, seed)
+    rids = [f"c{seed}-{i}" for i in range(len(tokens))]
+    for rid, toks in zip(rids, tokens):
+        p.add(rid, toks, {"do_remote_decode": True})
+        d.add(rid, toks, dict(template, remote_request_id=rid), max_tokens=2)
+    before = d.raw_bytes()
+    deadline = time.monotonic() + limit_s
+    while not _accepted(p, rids):  # P's housekeeping takes the reservations without a step
+        assert time.monotonic() < deadline, "P's worker never accepted the reservations"
+        d.step()
+        time.sleep(0.005)
+    if accepted is not None:
+        accepted()
+    ended, failed = set(), set()
+    while not ended >= set(rids):
+        assert time.monotonic() < deadline, f"D's loads did not end: {sorted(set(rids) - ended)}"
+        p.step()
+        out = d.step()
+        for rid in out.finished_recving or ():
+            if rid in d.sched.requests:
+                d.tables[rid] = d.sched.kv_cache_manager.get_block_ids(rid)
+            ended.add(rid)
+        failed |= set(out.failed_recving or ())
+        time.sleep(0.001)
+    return rids, tokens, before, failed
+
+
+def _loaded(p, d, rids, tokens, before):
+    n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
+    exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load)], before)
+    assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"
+    assert_same(d, exp)
+
+
+def _outside_blocks_untouched(d, rids, before):
+    """D's bytes outside the blocks of ``rids`` equal ``before`` (a failed load wrote only its own pages)."""
+    rank = d.ranks[0]
+    mine = {b for r in rids for g in d.tables[r] for b in g}
+    changed = (rank.raw != before).nonzero().flatten()
+    for name, t in rank.caches.items():
+        start = t.storage_offset() * t.element_size()
+        block = t.stride(0) * t.element_size()
+        inside = changed[(changed >= start) & (changed < start + t.shape[0] * block)]
+        blocks = set(((inside - start) // block).tolist())
+        assert blocks <= mine, (name, sorted(blocks - mine))
+
+
+def _chunk_stats(p, d):
+    return p.stats()["push_chunks_posted"], d.stats()["push_chunks_landed"]
+
+
+@pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing", "mla", "gdn_padded", "kernel_split_32_to_16"])
+def test_a_request_reserved_before_ps_last_step_is_pushed_in_chunks(engines, name):
+    case = CASES[name]
+    p, d = _pair(engines, case)
+    fill_layerwise(p, d, 21)
+    rids, tokens, before, failed = _concurrent(p, d, [40, 17], seed=21)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    posted, landed = _chunk_stats(p, d)
+    assert posted > 2 and landed == posted  # more than one chunk per request, each scattered on its c
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0
+
+
+@pytest.mark.parametrize("layout", [x.name for x in KVCacheLayout])
+def test_chunked_push_in_the_six_layouts(engines, layout):
+    case = dict(CASES["hybrid_kv_sharing"], layout=layout)
+    p, d = _pair(engines, case)
+    fill_layerwise(p, d, 22)
+    rids, tokens, before, failed = _concurrent(p, d, [33], seed=22)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert _chunk_stats(p, d)[1] > 1
+
+
+def test_chunked_prefill_pushes_chunks_in_the_last_step(engines):
+    case = CASES["hybrid_kv_sharing"]
+    p, d = _pair(engines, case)
+    p.sched.max_num_scheduled_tokens = 24  # 70 tokens: three steps
+    fill_layerwise(p, d, 23)
+    rids, tokens, before, failed = _concurrent(p, d, [70], seed=23)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert _chunk_stats(p, d)[1] > 1
+
+
+def test_a_flipped_byte_in_one_chunk_fails_the_load(engines, monkeypatch):
+    """A byte of P's span changes after its unit's copy, before its chunk's WRITE: D
+    scattered that chunk, its sums do not match at P's f, the load fails (vLLM
+    recomputes) and nothing outside the request's blocks changed."""
+    case = CASES["one_group"]
+    p, d = _pair(engines, case)
+    fill_layerwise(p, d, 24)
+    chunks = p.worker.arena_worker.sender.chunks
+    real = chunks.copied
+
+    def flip(rid, units):
+        if rid.startswith("c") and not getattr(chunks, "flipped", False):
+            part = chunks.parts[rid][0]
+            chunks.m.arena.buffer[part.span.offset + 64] ^= 0x10
+            chunks.flipped = True
+        real(rid, units)
+    monkeypatch.setattr(chunks, "copied", flip)
+    rids, tokens, before, failed = _concurrent(p, d, [40], seed=24)
+    assert failed == set(rids)
+    assert _chunk_stats(p, d)[1] > 1
+    _outside_blocks_untouched(d, rids, before)
+    run([p, d], lambda: d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0)
+
+
+def test_p_failing_mid_chunks_answers_x_and_d_recomputes(engines, monkeypatch):
+    """A copy of the request's last step fails after chunks were sent: P stages it again
+    whole, cannot finish the chunked push from another span, and answers x; D fails
+    the load at once (vLLM recomputes), writing nothing outside the request's blocks."""
+    case = CASES["hybrid_kv_sharing"]
+    p, d = _pair(engines, case)
+    fill_layerwise(p, d, 25)
+    real = StepCopies.run
+    seen = []
+
+    def run_unit(self, unit):
+        seen.append(unit)
+        if len(seen) == 3:  # the third unit copied in the request's forward fails
+            self.done.add(unit)
+            raise RuntimeError("injected copy failure")
+        return real(self, unit)
+    rids, tokens, before, failed = _concurrent(p, d, [40], seed=25, limit_s=30,  # well inside D's 60 s
+                                               accepted=lambda: monkeypatch.setattr(StepCopies, "run", run_unit))
+    assert failed == set(rids)
+    assert _chunk_stats(p, d)[0] >= 2
+    _outside_blocks_untouched(d, rids, before)
+    run([p, d], lambda: d.stats()["push_held_spans"] == 0 and p.stats()["push_writes_in_flight"] == 0)
+
+
+def test_a_reservation_after_staging_is_still_one_write(engines, monkeypatch):
+    """Sequential dispatch (D after P finished): the span is staged layer by layer, then
+    pushed in one WRITE of one descriptor, record included."""
+    from test_vllm_arena_push import _push, _spy_reserves
+
+    case = CASES["one_group"]
+    p, d = _pair(engines, case)
+    reserves = _spy_reserves(d, monkeypatch)
+    fill_layerwise(p, d, 26)
+    rids, tokens, before, failed = _push(p, d, [40, 17], seed=26)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert _chunk_stats(p, d) == (0, 0)
+    assert [r.num_descriptors for r in reserves] == [1, 1]
