@@ -49,7 +49,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -352,23 +352,31 @@ class Pushes:
         key = request_key(request_id)
         return [t for t, s in self._send.items() if s.request_id == key and not s.posted]
 
-    def post(self, token: bytes, record: StagedRequest) -> Tuple[int, int]:
+    def post(self, token: bytes, record: StagedRequest, staged_as: Optional[str] = None) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
         request, finished: its pack and sums in the arena) into D's span, record included.
         A WRITE NIXL refuses, a request not staged as reserved: ``x`` to D (raises
         ``ValueError`` for a token not accepted or posted already). Returns the WRITE's
-        bytes and descriptors."""
+        bytes and descriptors. ``staged_as``: the id P staged the request under when the
+        caller matched the reservation to it by another id (vLLM's base request id, under
+        concurrent dispatch); the record then travels under the reservation's id, so D's
+        record check stays exact."""
         s = self._send.get(token)
         if s is None or s.posted:
             raise ValueError("unknown or posted reservation token")
         rid = s.request_id.decode("latin-1")
+        if staged_as is not None:
+            if record.request_id != staged_as:
+                raise ValueError(f"record of {record.request_id!r} given as staged for {staged_as!r}")
+            s.request_id = request_key(staged_as)  # P's span, held and released under P's id
+            record = replace(record, request_id=rid)
         if record.request_id != rid or record.engine != self._info.name or record.num_tokens != s.num_tokens \
                 or record.order != s.order:
             self._close(token, "never", None)
             raise ValueError(f"reservation is for {rid!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"P staged {record.request_id!r}, {record.num_tokens} tokens, {record.order!r}")
         try:
-            entry = self._mode.begin_write(rid)
+            entry = self._mode.begin_write(s.request_id)
         except ValueError:  # its span is freed already: nothing to WRITE
             self._close(token, "never", None)
             raise
@@ -382,7 +390,7 @@ class Pushes:
             self._mode.buffer[at: at + LENGTH.size + len(body)].copy_(
                 _bytes_tensor(LENGTH.pack(len(body)) + body))
         except ValueError:
-            self._mode.end_write(rid)
+            self._mode.end_write(s.request_id)
             self._close(token, "never", None)
             raise
         local = np.stack([self._mode.base + entry.span.offset + s.p_rel, sizes, np.zeros_like(sizes)], 1)

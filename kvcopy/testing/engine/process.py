@@ -139,9 +139,11 @@ class Engine:
         return reply
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens, kv_transfer_params=None,
-                 timeout: float = CALL_TIMEOUT_S) -> List[Dict[str, Any]]:
+                 timeout: float = CALL_TIMEOUT_S, request_ids: Optional[Sequence[int]] = None) -> List[Dict[str, Any]]:
         cmd = {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
                "kv_transfer_params": kv_transfer_params}
+        if request_ids is not None:
+            cmd["request_ids"] = list(request_ids)
         return self.call(cmd, timeout)["outputs"]
 
     def metrics(self) -> Dict[str, float]:
