@@ -3,6 +3,7 @@
     VLLM_TARGET_DEVICE=cpu build/engine-env/bin/python bench/serve_pd.py \\
         [--connectors stock,mirror,arena,arena-layerwise] [--requests 16] [--lengths 256,1024] \\
         [--new-tokens 8] [--concurrency 4] [--bind auto|nobind] [--layers 2] [--repeats 1] \\
+        [--proxy sequential|concurrent] \\
         [--out bench/out/serve]
 
 (the environment: ``bench/engine_env.sh``). For each connector in turn (one P/D pair on the
@@ -30,14 +31,23 @@ first (the handshake), reported apart. Printed per connector, and written to
   copy start and end. ``OUT/serve_timeline.png`` draws one request of each arena
   connector (:mod:`serve_timeline`, matplotlib).
 
-``--repeats R`` runs the connector list R times in turn (a fresh pair each time: A B A B
-...), so that load changes on a shared machine fall on every connector alike.
+``--repeats R`` runs the connector list R times, the order reversed every other time (a
+fresh pair each time: A B C, C B A, A B C ...), so that load changes on a shared machine
+fall on every connector alike.
+
+``--proxy concurrent`` sends each push connector's requests to P and D at once (vLLM's
+push convention: one ``X-Request-Id``, D given P's engine id and side channel, configured
+here), so D reserves while P computes; pull connectors stay sequential (D needs P's
+answer to pull). The client's time to first token (``TTFT``, from sending the request,
+P's leg included) is then the figure that compares the two; ``TTFT@D`` counts from
+sending D its request (after P answered, when sequential).
 
 The connectors: ``stock`` (vLLM's ``NixlConnector``), ``mirror`` (``KvcopyNixlConnector``
 with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena``
 (``KvcopyArenaConnector``), ``arena-layerwise`` (the same, P with ``layerwise``),
-``arena-push`` (the same with D's ``transfer_mode: "push"``: P WRITEs), ``stock-push``
-(vLLM's ``NixlPushConnector``). Descriptors and post times are read where the transfer is
+``arena-push`` (the same with D's ``transfer_mode: "push"``: P WRITEs),
+``arena-push-layerwise`` (push, P staging layer by layer), ``stock-push`` (vLLM's
+``NixlPushConnector``). Descriptors and post times are read where the transfer is
 posted: D's metrics for a READ, P's for a WRITE. ``--bind nobind`` runs every engine with
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
 "With a real engine", says why the two differ for vLLM's NIXL worker).
@@ -50,6 +60,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,13 +69,16 @@ from kvcopy.bench.output import Progress  # noqa: E402
 from kvcopy.testing.engine.models import build_model  # noqa: E402
 from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, random_prompts, side_channel_env  # noqa: E402
 from kvcopy.testing.engine.serve import (  # noqa: E402
-    Server, metric_sum, metrics, post_json, rpc, stream_first_token,
+    PrefillEngine, PrefillLeg, Server, metric_sum, metrics, post_json, prefill_body, rpc, stream_first_token,
 )
 from serve_timeline import PHASES, attach_events, phase_summary, plot_timeline  # noqa: E402
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-PUSH_VARIANTS = {"arena-push": ("arena", {"transfer_mode": "push"}), "stock-push": ("stock", None)}
+PUSH_VARIANTS = {"arena-push": ("arena", {"transfer_mode": "push"}),
+                 "arena-push-layerwise": ("arena", {"transfer_mode": "push", "layerwise": True}),
+                 "stock-push": ("stock", None)}
 KNOWN = CONNECTORS + tuple(PUSH_VARIANTS)
+TIMEOUT_S = 300.0  # one HTTP request
 
 
 def connector_config(connector: str):
@@ -84,6 +98,8 @@ def parse_args(argv=None):
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--bind", choices=("auto", "nobind"), default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--proxy", choices=("sequential", "concurrent"), default="sequential",
+                    help="how push connectors are dispatched (pull connectors: always sequential)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2, help="the Llama's layers")
     ap.add_argument("--repeats", type=int, default=1, help="runs of the connector list, in turn")
@@ -103,19 +119,36 @@ def parse_args(argv=None):
     return args
 
 
-def one_request(p_url, d_url, prompt, new_tokens):
-    """What the proxy does, timed: P's prefill, then D's streamed decode."""
+def one_request(p_url, d_url, prompt, new_tokens, prefill=None):
+    """What the proxy does, timed: P's prefill, then D's streamed decode; with ``prefill``
+    (P's coordinates) both at once (:class:`~kvcopy.testing.engine.serve.Proxy`'s two ways).
+    ``ttft_s``: the client's time to first token (from sending the request, P's leg
+    included); ``ttft_d_s``: from sending D its request."""
     t0 = time.monotonic()
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    with post_json(p_url + "/v1/completions", body, 300) as r:
-        params = dict(json.loads(r.read())["kv_transfer_params"])
-    params.pop("remote_prefill_cached_tokens", None)
-    t1 = time.monotonic()
-    d = stream_first_token(d_url, prompt, new_tokens, kv_transfer_params=params)
-    return {"p_s": t1 - t0, "ttft_d_s": d["ttft_s"], "d_s": d["total_s"], "token_ids": d["token_ids"],
-            "tokens": len(prompt), "p_request": params.get("remote_request_id"), "d_sent": t1,
-            "d_first": t1 + d["ttft_s"] if d["ttft_s"] is not None else None}
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0.0, "ignore_eos": True}
+    if prefill is not None:
+        rid = uuid.uuid4().hex
+        leg = PrefillLeg(p_url, body, rid, TIMEOUT_S)
+        t1 = time.monotonic()
+        d = stream_first_token(d_url, prompt, new_tokens, TIMEOUT_S, prefill.decode_params(rid), rid)
+        p = leg.wait(TIMEOUT_S)
+        params, p_end = p["params"] or {}, p["at"]
+    else:
+        with post_json(p_url + "/v1/completions", prefill_body(body), TIMEOUT_S) as r:
+            params = dict(json.loads(r.read())["kv_transfer_params"])
+        params.pop("remote_prefill_cached_tokens", None)
+        t1 = p_end = time.monotonic()
+        d = stream_first_token(d_url, prompt, new_tokens, TIMEOUT_S, params)
+    first = t1 + d["ttft_s"] if d["ttft_s"] is not None else None
+    return {"p_s": p_end - t0, "ttft_d_s": d["ttft_s"], "ttft_s": None if first is None else first - t0,
+            "d_s": d["total_s"], "token_ids": d["token_ids"], "tokens": len(prompt),
+            "p_request": params.get("remote_request_id"), "d_sent": t1, "d_first": first}
+
+
+def concurrent(args, connector) -> bool:
+    """Whether ``connector`` runs behind the concurrent proxy: a push connector with
+    ``--proxy concurrent`` (a pulling D needs P's answer first)."""
+    return args.proxy == "concurrent" and connector in PUSH_VARIANTS
 
 
 def run_connector(args, connector, model, prompts, progress):
@@ -124,8 +157,11 @@ def run_connector(args, connector, model, prompts, progress):
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     kv = connector_config(connector)
     extra = ["--worker-extension-cls", HOOKS]
-    p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), kv,
+    p_kv = dict(kv, engine_id=f"{connector}-P")  # P's id, known to the concurrent proxy
+    p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), p_kv,
                max_model_len=args.max_model_len, env=env, extra_args=extra)
+    prefill = PrefillEngine(p_kv["engine_id"], env["VLLM_NIXL_SIDE_CHANNEL_HOST"],
+                            int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])) if concurrent(args, connector) else None
     d = Server(f"{connector}-D", model, os.path.join(args.out, f"{connector}-D.log"), kv,
                max_model_len=args.max_model_len, env=dict(env, **side_channel_env()), extra_args=extra)
     try:
@@ -133,7 +169,7 @@ def run_connector(args, connector, model, prompts, progress):
         d.start()
         p.wait_ready(args.start_timeout)
         d.wait_ready(args.start_timeout)
-        warm = one_request(p.url, d.url, random_prompts([64], seed=99)[0], args.new_tokens)
+        warm = one_request(p.url, d.url, random_prompts([64], seed=99)[0], args.new_tokens, prefill)
         timed = connector.startswith("arena")
         if timed:  # the first call starts recording
             rpc(p.url, "kvcopy_timeline")
@@ -141,7 +177,7 @@ def run_connector(args, connector, model, prompts, progress):
         before, p_before = metrics(d.url), metrics(p.url)
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            futures = [pool.submit(one_request, p.url, d.url, q, args.new_tokens) for q in prompts]
+            futures = [pool.submit(one_request, p.url, d.url, q, args.new_tokens, prefill) for q in prompts]
             results = []
             for f in futures:
                 results.append(f.result())
@@ -155,7 +191,8 @@ def run_connector(args, connector, model, prompts, progress):
     finally:
         d.kill()
         p.kill()
-    row = summarize(connector, results, warm, wall, before, after, staging)
+    row = dict(summarize(connector, results, warm, wall, before, after, staging),
+               proxy="concurrent" if prefill is not None else "sequential")
     if timed:
         row.update(phase_summary(results), layerwise=layerwise)
     if connector in PUSH_VARIANTS:  # WRITEs, posted and counted on P
@@ -177,9 +214,11 @@ def _transfers(before, after):
 
 def summarize(connector, results, warm, wall, before, after, staging):
     ttft = sorted(r["ttft_d_s"] for r in results)
+    client = sorted(r["ttft_s"] for r in results)
     return {
         "connector": connector, "requests": len(results), "wall_s": wall,
         "ttft_d_median_s": statistics.median(ttft), "ttft_d_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+        "ttft_median_s": statistics.median(client), "ttft_p90_s": client[int(0.9 * (len(client) - 1))],
         "p_median_s": statistics.median(r["p_s"] for r in results), "warmup_ttft_d_s": warm["ttft_d_s"],
         "staging_bytes": staging["bytes"], "staging_buffers": staging["buffers"],
         **_transfers(before, after),
@@ -196,17 +235,19 @@ def _mib(n):
 
 def print_table(rows):
     ref = rows[0]["token_ids"]
-    head = ("connector", "TTFT@D med", "p90", "P med", "wall", "staging host mem", "desc/READ", "MiB/READ",
-            "loaded/computed tok", "= " + rows[0]["connector"])
+    head = ("run", "connector", "proxy", "TTFT med", "p90", "TTFT@D med", "P med", "wall", "staging host mem",
+            "desc/xfer", "MiB/xfer", "post ms/xfer", "loaded/computed tok", "= " + rows[0]["connector"])
     lines = [head]
     for r in rows:
         same = sum(a == b for a, b in zip(r["token_ids"], ref))
         pt = r["prompt_tokens"]
-        lines.append((r["connector"], f"{r['ttft_d_median_s']:.3f} s", f"{r['ttft_d_p90_s']:.3f} s",
+        lines.append((str(r.get("repeat", 0)), r["connector"], r.get("proxy", "sequential"),
+                      f"{r['ttft_median_s']:.3f} s", f"{r['ttft_p90_s']:.3f} s", f"{r['ttft_d_median_s']:.3f} s",
                       f"{r['p_median_s']:.3f} s", f"{r['wall_s']:.1f} s",
                       f"{_mib(r['staging_bytes'])} ({r['staging_buffers']} buf)",
                       "-" if r["descriptors_per_read"] is None else f"{r['descriptors_per_read']:.0f}",
                       "-" if r["bytes_per_read"] is None else f"{r['bytes_per_read'] / 2**20:.2f}",
+                      "-" if r["post_s_per_read"] is None else f"{r['post_s_per_read'] * 1e3:.2f}",
                       f"{pt['external_kv_transfer']:.0f}/{pt['local_compute']:.0f}", f"{same}/{len(ref)}"))
     widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
     for ln in lines:
@@ -260,7 +301,7 @@ def main(argv=None):
     progress = Progress(len(prompts) * len(args.connectors) * args.repeats, args.quiet)
     rows = []
     for rep in range(args.repeats):
-        for c in args.connectors:
+        for c in (args.connectors if rep % 2 == 0 else args.connectors[::-1]):
             rows.append(dict(run_connector(args, c, model, prompts, progress), repeat=rep))
             with open(os.path.join(args.out, "serve.json"), "w") as f:  # after every run: a later one may fail
                 json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)

@@ -8,7 +8,9 @@ end**) and returned (``saved``: P's records are made), with the requests whose p
 ended in it; and, per request D pulled, when D's puller took it, posted its READ, and when
 the READ and scatter completed (**KV ready**). One clock for every process of the host,
 so P's, D's and the client's times compare. :func:`attach_events` joins them to the
-client's requests through P's request id (``kv_transfer_params["remote_request_id"]``).
+client's requests through P's request id (``kv_transfer_params["remote_request_id"]``), or,
+for a push under concurrent dispatch (D names its own id), through the id without the
+engine's random suffix.
 
 Phases of a request (:data:`PHASES`, seconds):
 
@@ -39,13 +41,23 @@ def _layer_index(name: str) -> int:
     return digits[0] if digits else -1
 
 
+def _base_id(request_id: str) -> str:
+    """A vLLM engine's request id without the random suffix its engine added (``-`` and 8
+    hex digits), which differs on P and D for one client request."""
+    head, dash, tail = request_id.rpartition("-")
+    return head if dash and len(tail) == 8 and all(c in "0123456789abcdefABCDEF" for c in tail) else request_id
+
+
 def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_timeline: Dict[str, Any]) -> None:
     """Add each request's events and phases (module docstring) to its result, in place."""
     steps = {rid: s for s in p_timeline["steps"] for rid in s.get("final", ())}
     pulls = {p["p_request"]: p for p in d_timeline["pulls"]}
+    for p in d_timeline["pulls"]:  # a push under concurrent dispatch: D named its own id, P's shares its base
+        pulls.setdefault(_base_id(p["p_request"]), p)
     unit_layers = p_timeline.get("unit_layers")
     for r in results:
-        step, pull = steps.get(r["p_request"]), pulls.get(r["p_request"])
+        step = steps.get(r["p_request"])
+        pull = pulls.get(r["p_request"]) or pulls.get(_base_id(r["p_request"] or ""))
         if step is None or pull is None:
             r["events"] = None
             continue

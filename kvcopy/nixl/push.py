@@ -66,7 +66,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -498,17 +498,20 @@ class Pushes:
         key = request_key(request_id)
         return [t for t, s in self._send.items() if s.request_id == key and not s.posted]
 
-    def post_units(self, token: bytes, part: PartialStage, lo: int, hi: int) -> Tuple[int, int]:
+    def post_units(self, token: bytes, part: PartialStage, lo: int, hi: int,
+                   staged_as: Optional[str] = None) -> Tuple[int, int]:
         """WRITE units ``[lo, hi)`` of ``part`` (the reservation's request, staged unit by
         unit: the caller says those units' copies of its last step ended) into D's span,
         ahead of the final :meth:`post`; D is told ``c`` once the WRITE ended DONE. Returns
         the WRITE's bytes and descriptors ((0, 0): D reads nothing of those units).
-        ``ValueError`` (nothing posted) for a token not accepted, posted or failed, a
-        request other than reserved, units out of range or sent already."""
+        ``staged_as``: P's id of the request when D reserved it under another (as
+        :meth:`post`). ``ValueError`` (nothing posted) for a token not accepted, posted or
+        failed, a request other than reserved, units out of range or sent already."""
         s = self._send.get(token)
         if s is None or s.posted or s.failed:
             raise ValueError("unknown, posted or failed reservation token")
-        if part.rid != s.request_id or part.num_tokens != s.num_tokens or part.order != s.order \
+        want = s.request_id if staged_as is None else request_key(staged_as)
+        if part.rid != want or part.num_tokens != s.num_tokens or part.order != s.order \
                 or part.done_tokens < part.num_tokens:
             raise ValueError(f"reservation is for {s.request_id!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"not this partial stage, or its last step is not planned")
@@ -567,12 +570,15 @@ class Pushes:
         s.chunks = live
         return len(live)
 
-    def post(self, token: bytes, record: StagedRequest) -> Tuple[int, int]:
+    def post(self, token: bytes, record: StagedRequest, staged_as: Optional[str] = None) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
         request, finished: its pack and sums in the arena) into D's span, record included.
         A WRITE NIXL refuses, a request not staged as reserved: ``x`` to D (raises
         ``ValueError`` for a token not accepted or posted already). Returns the WRITE's
-        bytes and descriptors."""
+        bytes and descriptors. ``staged_as``: the id P staged the request under when the
+        caller matched the reservation to it by another id (vLLM's base request id, under
+        concurrent dispatch); the record then travels under the reservation's id, so D's
+        record check stays exact."""
         s = self._send.get(token)
         if s is None or s.posted:
             raise ValueError("unknown or posted reservation token")
@@ -580,6 +586,11 @@ class Pushes:
             self._advance(token, s, time.monotonic())  # x once its chunk WRITEs ended
             raise ValueError("a chunk WRITE of this reservation failed: it is answered x")
         rid = s.request_id.decode("latin-1")
+        if staged_as is not None:
+            if record.request_id != staged_as:
+                raise ValueError(f"record of {record.request_id!r} given as staged for {staged_as!r}")
+            s.request_id = request_key(staged_as)  # P's span, held and released under P's id
+            record = replace(record, request_id=rid)
         if record.request_id != rid or record.engine != self._info.name or record.num_tokens != s.num_tokens \
                 or record.order != s.order:
             s.failed = True
@@ -587,7 +598,7 @@ class Pushes:
             raise ValueError(f"reservation is for {rid!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"P staged {record.request_id!r}, {record.num_tokens} tokens, {record.order!r}")
         try:
-            entry = self._mode.begin_write(rid)
+            entry = self._mode.begin_write(s.request_id)
         except ValueError:  # its span is freed already: nothing to WRITE
             s.failed = True
             self._advance(token, s, time.monotonic())
@@ -605,7 +616,7 @@ class Pushes:
             self._mode.buffer[at: at + LENGTH.size + len(body)].copy_(
                 _bytes_tensor(LENGTH.pack(len(body)) + body))
         except ValueError:
-            self._mode.end_write(rid)
+            self._mode.end_write(s.request_id)
             s.failed = True
             self._advance(token, s, time.monotonic())  # x once no chunk WRITE is in flight
             raise
@@ -621,7 +632,7 @@ class Pushes:
         xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
         s.posted, s.xfer = True, xfer
         if xfer is None:
-            self._mode.end_write(rid)
+            self._mode.end_write(s.request_id)
             s.final_state = ERR
         self._advance(token, s, time.monotonic())
         return int(local[:, 1].sum()), len(local)

@@ -3,10 +3,14 @@
 D's greedy tokens equal a single engine's, D loaded the prompt from P (vLLM's counters),
 and every request was WRITten by P and checked on D, none READ.
 
-One pair (module scope), P first and D with P's ``kv_transfer_params`` as vLLM's proxies
-send them; one batch with every prompt in flight at once on each side.
+One pair (module scope), two batches with every prompt in flight at once on each side:
+P first and D with P's ``kv_transfer_params`` as vLLM's sequential proxies send them; then
+as a concurrent proxy dispatches (P and D at once, one request id each prompt, D given
+P's engine id and side channel only), which P matches by vLLM's base request id.
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,17 +18,19 @@ from kvcopy.testing.engine.pd import (
     PROMPT_SOURCES, counter_delta, engine_config, kv_transfer_config, load_failures, random_prompts, run_pd,
     start_pair,
 )
+from kvcopy.testing.engine.serve import PrefillEngine
 
 MAX_LEN = 1024
 NEW_TOKENS = 8
 BLOCK = 32
 LENGTHS = [1, 31, 33, 64, 129, MAX_LEN - NEW_TOKENS - 1]
+P_ENGINE = "push-dense-P"  # known to the concurrent proxy beforehand
 
 
 @pytest.fixture(scope="module")
 def pair(engine_dir, model):
     path = model("llama")
-    p_cfg = engine_config(path, BLOCK, MAX_LEN, kv=kv_transfer_config("arena"))
+    p_cfg = engine_config(path, BLOCK, MAX_LEN, kv=dict(kv_transfer_config("arena"), engine_id=P_ENGINE))
     d_cfg = engine_config(path, BLOCK, MAX_LEN, kv=kv_transfer_config("arena", transfer_mode="push"))
     pr = start_pair(engine_dir, "push-dense", p_cfg, d_cfg)
     yield pr
@@ -48,3 +54,22 @@ def test_a_pushed_batch_is_token_identical_and_loaded(pair, single):
     assert stats["checksum_checked"] - before_s["checksum_checked"] == len(prompts), stats
     assert stats["checksum_failed"] == before_s["checksum_failed"], stats
     assert stats["push_held_spans"] == 0 and stats["push_reserved"] == 0, stats
+
+
+def test_concurrent_dispatch_is_token_identical_and_loaded(pair, single):
+    prompts = random_prompts([33, 129, 700], seed=12)
+    want = single("llama").generate(prompts, NEW_TOKENS)
+    ids = [10**6 + i for i in range(len(prompts))]  # one id per prompt on both engines, each adds its suffix
+    d_params = PrefillEngine(P_ENGINE, "127.0.0.1", int(pair.p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])).decode_params("x")
+    before = pair.d.rpc("kvcopy_arena_stats")[0]
+    with ThreadPoolExecutor(1) as pool:
+        p_leg = pool.submit(pair.p.generate, prompts, 1, [{"do_remote_decode": True}] * len(prompts),
+                            request_ids=ids)
+        outs = pair.d.generate(prompts, NEW_TOKENS, [d_params] * len(prompts), request_ids=ids)
+        p_leg.result()
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in want]
+    assert [o["num_cached_tokens"] for o in outs] == [len(p) for p in prompts], load_failures(pair.d)
+    stats = pair.d.rpc("kvcopy_arena_stats")[0]
+    assert stats["push_landed"] - before["push_landed"] == len(prompts), stats
+    assert stats["checksum_checked"] - before["checksum_checked"] == len(prompts), stats
+    assert stats["checksum_failed"] == before["checksum_failed"], stats

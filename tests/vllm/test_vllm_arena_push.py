@@ -28,8 +28,9 @@ from test_vllm_mirror import CASES, _specs, vllm_env  # noqa: E402  (the fixture
 
 from kvcopy.vllm.arena.push_channel import CANCEL_MSG, RESERVE_MSG, TAKE_PUSH_MSG  # noqa: E402
 from kvcopy.vllm.arena.push_recv import ArenaPushReceiver  # noqa: E402
+from kvcopy.testing.engine.serve import PrefillEngine  # noqa: E402
 from vllm_arena_engines import (  # noqa: E402
-    ask_side_channel, assert_same, decode, expected_d, fill, fill_layerwise, prefill, prompts, run,
+    ask_side_channel, assert_same, decode, expected_d, fill, fill_layerwise, land, prefill, prompts, run,
 )
 
 assert engines and prefill_process and vllm_env  # fixtures, used by name
@@ -64,9 +65,9 @@ def _push(p, d, lengths, seed, limit_s=60.0):
     return rids, tokens, before, failed
 
 
-def _loaded(p, d, rids, tokens, before):
+def _loaded(p, d, rids, tokens, before, d_rids=None):
     n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
-    exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load)], before)
+    exp = expected_d(p, d, [(r, dr, n) for r, dr, n in zip(rids, d_rids or rids, n_load)], before)
     assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"
     assert_same(d, exp)
 
@@ -86,6 +87,50 @@ def test_push_one_descriptor_per_request_and_spans_freed(engines, monkeypatch):
     st = d.stats()
     assert st["bytes_in_use"] == 0 and st["push_held_spans"] == 0 and st["push_reserved"] == 0
     assert p.stats()["push_writes_in_flight"] == 0 and p.worker.arena_worker.sender.refused == 0
+
+
+def _concurrent(p) -> dict:
+    """D's kv_transfer_params from a concurrent proxy: P's coordinates, not P's answer."""
+    host, port = p.worker.arena_worker.listener
+    return PrefillEngine(p.sched.connector.connector_scheduler.engine_id, host, port).decode_params("proxy-id")
+
+
+def test_concurrent_dispatch_reservation_before_p_has_the_request_matched_by_base_id(engines):
+    """D gets the request first (no P answer: D names its own id); its reservation waits
+    on P, which has no such request yet; P then computes the same client request under
+    its own engine suffix, matches the reservation by vLLM's base id and WRITEs."""
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 9)
+    tokens = prompts(2, [56, 33], seed=9)
+    p_rids, d_rids = ["cc-0-1a2b3c4d", "cc-1-00c0ffee"], ["cc-0-5e6f7a8b", "cc-1-deadbeef"]
+    before = d.raw_bytes()
+    for rid, t in zip(d_rids, tokens):
+        d.add(rid, t, _concurrent(p), max_tokens=2)
+    run([d], lambda: p.stats()["push_accepted"] == 2)  # P holds both reservations, knows neither request
+    for rid, t in zip(p_rids, tokens):
+        p.add(rid, t, {"do_remote_decode": True})
+    assert land(d, [p], d_rids) == set()
+    _loaded(p, d, p_rids, tokens, before, d_rids)
+    assert p.worker.arena_worker.sender.refused == 0
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+
+
+def test_concurrent_dispatch_refuses_a_base_id_two_of_ps_requests_share(engines):
+    """Two requests on P with one base id (a client sent one X-Request-Id twice): D's
+    reservation by that base is refused as ambiguous (x), so D recomputes at once, its KV
+    untouched; P's two spans are not WRITten."""
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 10)
+    tokens = prompts(2, [40, 40], seed=10)
+    prefill(p, ["dup-0-00000001", "dup-0-00000002"], tokens)
+    before = d.raw_bytes()
+    d.add("dup-0-0000000d", tokens[0], _concurrent(p), max_tokens=2)
+    assert land(d, [p], ["dup-0-0000000d"], limit_s=30) == {"dup-0-0000000d"}  # P's x, well inside D's 60 s
+    assert_same(d, before)
+    sender = p.worker.arena_worker.sender
+    assert sender.ambiguous == 1 and sender.refused == 1
+    assert p.stats()["push_writes_in_flight"] == 0 and p.stats()["staged_requests"] == 2
+    run([d], lambda: d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0)
 
 
 @pytest.mark.parametrize("name", ["hybrid_kv_sharing", "mla", "kernel_split_32_to_16", "gdn_padded",

@@ -281,6 +281,12 @@ def decode(d, p_engines, rids, tokens, params, limit_s=60.0):
     the load ends (``finished_recving``)."""
     for rid, toks, prm in zip(rids, tokens, params):
         d.add(rid, toks, prm, max_tokens=2)
+    return land(d, p_engines, rids, limit_s)
+
+
+def land(d, p_engines, rids, limit_s=60.0):
+    """Step D (and P's engines) until the loads of D's requests ``rids`` ended; returns
+    those that failed (:func:`decode`, for requests D has already)."""
     ended, failed = set(), set()
     deadline = time.monotonic() + limit_s
     while not ended >= set(rids):

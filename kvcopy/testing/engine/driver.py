@@ -9,8 +9,11 @@ stderr, which the parent sends to a file). The first reply says the engine is up
 Commands (``{"op": ..., ...}``):
 
 * ``generate``: ``prompts`` (token-id lists), ``max_tokens`` (one int, or one per prompt),
-  ``kv_transfer_params`` (one dict or null per prompt): greedy, ``ignore_eos``; the reply
-  lists per prompt its ``token_ids``, ``num_cached_tokens``, ``kv_transfer_params`` and
+  ``kv_transfer_params`` (one dict or null per prompt), optionally ``request_ids``
+  (increasing integers, one per prompt: the requests' ids before the engine adds its
+  random suffix, so two engines can be given one request as a concurrent proxy gives
+  it; default: the engine's counter): greedy, ``ignore_eos``; the reply lists per
+  prompt its ``token_ids``, ``num_cached_tokens``, ``kv_transfer_params`` and
   ``finish_reason``.
 * ``metrics``: vLLM's counters and gauges (``LLM.get_metrics``) as ``[name, labels, value]``.
 * ``rpc``: ``LLM.collective_rpc(method, args)``, for the test hooks a worker extension
@@ -63,7 +66,17 @@ def _generate(llm, cmd):
     sampling = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
                                extra_args={"kv_transfer_params": p} if p is not None else None)
                 for n, p in zip(max_tokens, params)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
+    ids = cmd.get("request_ids")
+    counter = llm.request_counter
+    if ids is not None:
+        # LLM numbers its requests from this counter and sorts its outputs by that number
+        if len(ids) != len(prompts) or any(not isinstance(i, int) for i in ids) or ids != sorted(set(ids)):
+            raise ValueError("request_ids must be increasing integers, one per prompt")
+        llm.request_counter = iter(ids)
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
+    finally:
+        llm.request_counter = counter
     return {"outputs": _outputs(outs)}
 
 

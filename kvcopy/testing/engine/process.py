@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 300.0
@@ -25,11 +25,21 @@ class EngineError(RuntimeError):
     """An engine did not start, died, did not answer in time, or its command failed."""
 
 
+_HANDED_OUT: Set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 no socket holds now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 no socket holds now, and not handed out by this process
+    before: the kernel can give one free port to two callers that have not bound it yet,
+    and ``vllm serve`` binds with ``SO_REUSEPORT``, so a P and a D on one port share its
+    connections (seen: D's requests reached P)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def read_log(path: str) -> str:
@@ -139,9 +149,11 @@ class Engine:
         return reply
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens, kv_transfer_params=None,
-                 timeout: float = CALL_TIMEOUT_S) -> List[Dict[str, Any]]:
+                 timeout: float = CALL_TIMEOUT_S, request_ids: Optional[Sequence[int]] = None) -> List[Dict[str, Any]]:
         cmd = {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
                "kv_transfer_params": kv_transfer_params}
+        if request_ids is not None:
+            cmd["request_ids"] = list(request_ids)
         return self.call(cmd, timeout)["outputs"]
 
     def metrics(self) -> Dict[str, float]:

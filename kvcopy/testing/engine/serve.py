@@ -2,10 +2,17 @@
 
 * :class:`Server`: one ``vllm serve`` process group (OpenAI API on 127.0.0.1), its log
   in a file; :meth:`Server.wait_ready` polls ``/health``.
-* :class:`Proxy`: what a P/D proxy does for ``POST /v1/completions``: the request goes to
-  P with ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, P's
-  returned ``kv_transfer_params`` go to D with the request as the client sent it, and D's
-  answer (streamed through when the client asked for a stream) goes back.
+* :class:`Proxy`: what a P/D proxy does for ``POST /v1/completions``, in one of two ways.
+  **Sequential** (vLLM's toy proxies): the request goes to P with
+  ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, P's returned
+  ``kv_transfer_params`` go to D with the request as the client sent it, and D's answer
+  (streamed through when the client asked for a stream) goes back. **Concurrent**
+  (vLLM's push convention, given P's coordinates: :class:`PrefillEngine`): the request
+  goes to P and to D at once, both with one ``X-Request-Id``, D's with
+  :meth:`PrefillEngine.decode_params` (P's engine id and side channel, no block ids:
+  P has not answered), so D can get ready for P's KV while P computes it. vLLM's
+  engines add a random suffix to that id (``-`` and 8 hex digits), different on P and
+  D; push connectors match the two by the id without it (vLLM's ``get_base_request_id``).
 * :func:`complete`: an HTTP client call (``urllib``), token-id prompt in, token ids out;
   :func:`stream_first_token` the same streamed, timed to its first token.
 * :func:`metrics`: a server's Prometheus counters; :func:`rpc`: ``/collective_rpc`` on a
@@ -13,6 +20,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import os
@@ -23,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
 from .process import engine_env, free_port, read_log
@@ -30,9 +39,66 @@ from .process import engine_env, free_port, read_log
 SERVED_NAME = "tiny"
 
 
-def post_json(url: str, body: Dict[str, Any], timeout: float):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post_json(url: str, body: Dict[str, Any], timeout: float, request_id: Optional[str] = None):
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     return urllib.request.urlopen(req, timeout=timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillEngine:
+    """P as a concurrent proxy knows it beforehand: its ``KVTransferConfig.engine_id``
+    and its NIXL side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+
+    def decode_params(self, request_id: str) -> Dict[str, Any]:
+        """D's ``kv_transfer_params`` before P answered. ``remote_request_id`` is the
+        proxy's id, not P's (which only P's engine knows): vLLM 0.33's push scheduler
+        needs the key (``NixlConnectorMetadata.add_new_req_to_recv`` reads it) and uses
+        it for heartbeats only; the arena connector's D names its own id instead."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
+                "remote_request_id": request_id}
+
+
+def prefill_body(body: Dict[str, Any]) -> Dict[str, Any]:
+    """P's part of a client's completion request: one token, not streamed, KV kept for D."""
+    out = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    out.pop("stream_options", None)
+    return out
+
+
+class PrefillLeg:
+    """P's request of a concurrent dispatch, on its own thread: :meth:`wait` gives P's
+    ``kv_transfer_params`` and the ``time.monotonic()`` P answered, or raises P's error."""
+
+    def __init__(self, prefill_url: str, body: Dict[str, Any], request_id: str, timeout: float):
+        self._out: Dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(prefill_url, body, request_id, timeout),
+                                        name="pd-proxy-prefill", daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: Dict[str, Any], request_id: str, timeout: float) -> None:
+        try:
+            with post_json(url + "/v1/completions", prefill_body(body), timeout, request_id) as r:
+                self._out["params"] = json.loads(r.read()).get("kv_transfer_params")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self._out["error"] = exc
+        self._out["at"] = time.monotonic()
+
+    def wait(self, timeout: float) -> Dict[str, Any]:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"P did not answer within {timeout:g} s")
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out
 
 
 class Server:
@@ -96,10 +162,13 @@ class Server:
 
 
 class Proxy:
-    """A P/D proxy on 127.0.0.1 (module docstring); :attr:`url` is its address."""
+    """A P/D proxy on 127.0.0.1 (module docstring); :attr:`url` is its address. With
+    ``prefill`` (P's coordinates) it dispatches concurrently, else sequentially."""
 
-    def __init__(self, prefill_url: str, decode_url: str, timeout: float = 300.0):
+    def __init__(self, prefill_url: str, decode_url: str, timeout: float = 300.0,
+                 prefill: Optional[PrefillEngine] = None):
         self.prefill_url, self.decode_url, self.timeout = prefill_url, decode_url, timeout
+        self.prefill = prefill
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -125,15 +194,23 @@ class Proxy:
         self._thread.start()
 
     def _serve(self, handler, body: Dict[str, Any]) -> None:
-        prefill = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-        prefill.pop("stream_options", None)
-        with post_json(self.prefill_url + "/v1/completions", prefill, self.timeout) as r:
+        if self.prefill is not None:
+            request_id = uuid.uuid4().hex
+            leg = PrefillLeg(self.prefill_url, body, request_id, self.timeout)
+            self._relay(handler, dict(body, kv_transfer_params=self.prefill.decode_params(request_id)), request_id)
+            leg.wait(self.timeout)  # P's answer is not needed; its failure is D's (recomputed) load failure
+            return
+        with post_json(self.prefill_url + "/v1/completions", prefill_body(body), self.timeout) as r:
             params = json.loads(r.read()).get("kv_transfer_params")
         if not params:
             raise ValueError("P returned no kv_transfer_params")
         params = dict(params)
         params.pop("remote_prefill_cached_tokens", None)  # D reports its own cached tokens
-        with post_json(self.decode_url + "/v1/completions", dict(body, kv_transfer_params=params), self.timeout) as r:
+        self._relay(handler, dict(body, kv_transfer_params=params))
+
+    def _relay(self, handler, body: Dict[str, Any], request_id: Optional[str] = None) -> None:
+        """D's answer to ``body``, streamed back to the client as it comes."""
+        with post_json(self.decode_url + "/v1/completions", body, self.timeout, request_id) as r:
             handler.send_response(r.status)
             handler.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
             handler.end_headers()
@@ -161,8 +238,10 @@ def complete(url: str, prompt: Sequence[int], max_tokens: int, timeout: float = 
 
 
 def stream_first_token(url: str, prompt: Sequence[int], max_tokens: int, timeout: float = 300.0,
-                       kv_transfer_params: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """A streamed completion: seconds to the first token and to the end, and the token ids."""
+                       kv_transfer_params: Optional[Dict[str, Any]] = None,
+                       request_id: Optional[str] = None) -> Dict[str, Any]:
+    """A streamed completion (with ``request_id`` as its ``X-Request-Id``): seconds to the
+    first token and to the end, and the token ids."""
     body = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, "stream": True}
     if kv_transfer_params is not None:
@@ -170,7 +249,7 @@ def stream_first_token(url: str, prompt: Sequence[int], max_tokens: int, timeout
     t0 = time.monotonic()
     first: Optional[float] = None
     tokens: List[int] = []
-    with post_json(url + "/v1/completions", body, timeout) as r:
+    with post_json(url + "/v1/completions", body, timeout, request_id) as r:
         for raw in r:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":

@@ -207,6 +207,14 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
         known = rid in self._reqs_need_recv
+        params = request.kv_transfer_params
+        if self.options.transfer_mode == "push" and params and params.get("do_remote_prefill") \
+                and not params.get("remote_block_ids"):
+            # Concurrent dispatch: P has not answered, so D names its own request id and P
+            # matches it by vLLM's base id (push_send). vLLM's pull scheduler registers a
+            # recv only with P's block ids, which a push never reads.
+            params["remote_request_id"] = rid
+            params["remote_block_ids"] = [[]]
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if known or rid not in self._reqs_need_recv:
             return

@@ -92,7 +92,7 @@ class ChunkPoster:
                     continue
                 t0 = time.monotonic()
                 try:
-                    nbytes, _ = self.m.push.post_units(token, part, lo, hi)
+                    nbytes, _ = self.m.push.post_units(token, part, lo, hi, staged_as=rid)
                 except ValueError as exc:  # answered (x) or failed: the final post says so
                     logger.warning("kvcopy arena: pushing units [%d, %d) of %s failed: %s", lo, hi, rid, exc)
                     del self.tokens[token]

@@ -16,11 +16,17 @@ staging) :meth:`PushSender.tick`:
    other than the one added makes P fetch D's handshake again, and only a handshake
    that changed replaces D's (a stale reservation, sent before D re-registered or
    replayed, is refused; D's live reservations stay);
-3. posts each accepted reservation whose request is staged (its record finished: the
+3. matches each accepted reservation to one of P's requests: the id D named (P's own,
+   which the sequential proxy hands D), else the one request P stages or holds with
+   the same vLLM base id (concurrent dispatch: D named its own id, which differs from
+   P's by the engine's random suffix; two such requests: refused as ambiguous). A
+   reservation P cannot match yet waits until D's deadline: under concurrent dispatch
+   it usually arrives before P's prefill ends;
+4. posts each matched reservation whose request is staged (its record finished: the
    pack and its sums are in the arena) in one WRITE per reservation
    (``push.post``: for equal geometry one descriptor, the record included), and answers
    ``x`` for one whose request P could not stage or aborted;
-4. polls the WRITEs; each one ended is answered ``f``/``x`` by the manager, and counts
+5. polls the WRITEs; each one ended is answered ``f``/``x`` by the manager, and counts
    as that D rank done with P's span (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.note_read`):
    P's span lives pack + WRITE, not until D's next message.
 
@@ -36,6 +42,7 @@ import time
 from typing import Dict, List, Optional, Set, Tuple
 
 import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 from vllm.logger import init_logger
 
 from ...nixl.manager import TransferManager
@@ -67,10 +74,12 @@ class PushSender:
         self._handshake: Dict[str, bytes] = {}  # D agent -> the handshake bytes added
         self._stale: Dict[str, Set[str]] = {}  # D agent -> registrations named after its handshake said otherwise
         self._answers: List[Tuple[bytes, str]] = []  # cancels answered, for the listener (next TAKE_PUSH)
-        self._waiting: Dict[bytes, str] = {}  # accepted, not posted: token -> request id
+        self._waiting: Dict[bytes, str] = {}  # accepted, not posted: token -> the request id D named
+        self._matched: Dict[bytes, str] = {}  # waiting tokens matched to P's request by base id
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
         self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
         self.refused = 0  # reservations refused (logged)
+        self.ambiguous = 0  # of which: refused because several of P's requests share their base id
         self.chunks = ChunkPoster(manager)  # a layer-wise request's units pushed in its last step
 
     def tick(self) -> None:
@@ -80,28 +89,72 @@ class PushSender:
 
     def step(self) -> None:
         """Post what is staged, answer what will not be, notify what ended."""
-        for token, rid in list(self._waiting.items()):
+        for token, named in list(self._waiting.items()):
+            rid = self._matched.get(token) or self._match(token, named)
+            if rid is None:
+                continue  # not here yet (concurrent dispatch), or refused as ambiguous
             record = self.stager.records.get(rid)
             try:
                 if record is not None:
                     del self._waiting[token]
+                    self._matched.pop(token, None)
                     t0 = time.monotonic()
-                    nbytes, descs = self.m.push.post(token, record)
+                    nbytes, descs = (self.m.push.post(token, record) if rid == named
+                                     else self.m.push.post(token, record, staged_as=rid))
                     self._posted[token] = (t0, time.monotonic(), nbytes, descs)
                 elif rid in self.stager.failures:
                     del self._waiting[token]
+                    self._matched.pop(token, None)
                     self.m.push.refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
         self.m.push.poll()
         for token, rid, target in self.m.push.take_closed():
             self._waiting.pop(token, None)
+            self._matched.pop(token, None)
             d_tp = self._readers.pop(token, None)
             posted = self._posted.pop(token, None)
             if posted is not None:  # as vLLM's push connector reports its WRITEs, on P
                 self.stats.record(time.monotonic() - posted[0], posted[1] - posted[0], posted[2], posted[3])
             if d_tp is not None:
                 self.stager.note_read(rid, target, d_tp)
+
+    def _match(self, token: bytes, named: str) -> Optional[str]:
+        """The request of this P a reservation naming ``named`` is for: ``named`` itself
+        when P knows it (D had P's id: the sequential proxy), else the one request P knows
+        whose vLLM base id (:func:`get_base_request_id`: the engine's random suffix
+        stripped) is ``named``'s (D named its own id: concurrent dispatch). None while P
+        knows none: the reservation waits (until its deadline), as P may get the request
+        after D. Two or more: refused as ambiguous (``x``; D recomputes). A base match is
+        kept for the reservation's life, so a later namesake cannot change it."""
+        known = self._known()
+        if named in known or named in self.stager.failures:
+            return named
+        base = get_base_request_id(named)
+        hits = [r for r in known if get_base_request_id(r) == base]
+        if not hits:  # failed here: answered at once, not at D's deadline
+            hits = [r for r in self.stager.failures if get_base_request_id(r) == base][-1:]
+        if len(hits) > 1:
+            del self._waiting[token]
+            self.refused += 1
+            self.ambiguous += 1
+            logger.warning("kvcopy arena: %s: reservation for request %s refused: P has %d requests with its "
+                           "base id %s", self.m.name, named[:80], len(hits), base[:80])
+            self.m.push.refuse(token)
+            return None
+        if hits:
+            self._matched[token] = hits[0]
+            return hits[0]
+        return None
+
+    def _known(self) -> Set[str]:
+        """Requests this P rank is staging or holds staged (not the ones still computing:
+        the worker learns a request when its prefill ends, or layer by layer)."""
+        st = self.stager
+        known = set(st.pending) | set(st.syncing) | set(st.records)
+        if st.layers is not None:
+            known.update(st.layers.parts)
+        return known
 
     def _take(self) -> None:
         asking = self._asking
@@ -196,11 +249,15 @@ class PushSender:
             return
         self._waiting[token] = item[1]
         self._readers[token] = d_tp
-        self.chunks.accepted(token, item[1])
+        rid = self._match(token, item[1])
+        if rid is not None:
+            self.chunks.accepted(token, rid)
 
     def tokens_for(self, rid: str) -> List[bytes]:
-        """The reservations accepted for P's request ``rid`` and not posted yet."""
-        return [t for t, r in self._waiting.items() if r == rid]
+        """The reservations accepted for P's request ``rid`` (matched as :meth:`_match`
+        does) and not posted yet."""
+        return [t for t, named in list(self._waiting.items())
+                if t in self._waiting and (self._matched.get(t) or self._match(t, named)) == rid]
 
     @property
     def busy(self) -> bool:
