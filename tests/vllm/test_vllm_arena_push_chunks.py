@@ -28,7 +28,8 @@ from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 from kvcopy.nixl.modes.partial_stage import StepCopies  # noqa: E402
-from vllm_arena_engines import assert_same, expected_d, fill_layerwise, prefill, prompts, run  # noqa: E402
+from kvcopy.testing.engine.serve import PrefillEngine  # noqa: E402
+from vllm_arena_engines import assert_same, expected_d, fill_layerwise, land, prefill, prompts, run  # noqa: E402
 
 assert engines and vllm_env  # fixtures, used by name
 PUSH = {"transfer_mode": "push"}
@@ -211,3 +212,30 @@ def test_a_reservation_after_staging_is_still_one_write(engines, monkeypatch):
     _loaded(p, d, rids, tokens, before)
     assert _chunk_stats(p, d) == (0, 0)
     assert [r.num_descriptors for r in reserves] == [1, 1]
+
+
+def test_a_chunked_push_reserved_under_ds_own_id_is_matched_by_base_id(engines):
+    """Concurrent dispatch as a real proxy does it: D has P's coordinates only and names
+    its own request id (the engine's random suffix differs from P's); P gets the requests
+    after it accepted the reservations, matches them by vLLM's base id at its last step's
+    bind, and still WRITEs them in chunks."""
+    p, d = _pair(engines, CASES["one_group"])
+    fill_layerwise(p, d, 25)
+    tokens = prompts(2, [40, 17], 25)
+    p_rids, d_rids = ["cb-0-1a2b3c4d", "cb-1-00c0ffee"], ["cb-0-5e6f7a8b", "cb-1-deadbeef"]
+    host, port = p.worker.arena_worker.listener
+    params = PrefillEngine(p.sched.connector.connector_scheduler.engine_id, host, port).decode_params("proxy-id")
+    before = d.raw_bytes()
+    for rid, t in zip(d_rids, tokens):
+        d.add(rid, t, dict(params), max_tokens=2)
+    run([d], lambda: p.stats()["push_accepted"] == 2)  # P holds both reservations, knows neither request
+    for rid, t in zip(p_rids, tokens):
+        p.add(rid, t, {"do_remote_decode": True})
+    assert land(d, [p], d_rids) == set()
+    n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
+    exp = expected_d(p, d, [(pr, dr, n) for pr, dr, n in zip(p_rids, d_rids, n_load)], before)
+    assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"
+    assert_same(d, exp)
+    posted, landed = _chunk_stats(p, d)
+    assert posted > 2 and landed == posted  # chunked, not one WRITE after staging
+    assert p.worker.arena_worker.sender.refused == 0
