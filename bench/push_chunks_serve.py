@@ -4,7 +4,8 @@ P and D are vLLM 0.33's ``Scheduler`` and the arena connector's worker with real
 (UCX loopback), built as ``tests/vllm/vllm_arena_engines.py`` builds them, with a
 Llama-like KV geometry (``--layers`` full-attention layers of 8 KV heads x 128,
 float16, 16-token blocks). P's forward is played layer by layer on the main thread:
-``--layer-ms`` of matmul (one torch thread: the model's core), then the layer's KV
+``--layer-ms`` of matmul (one torch thread: the model's core; several values are swept,
+interleaved with the modes), then the layer's KV
 written, then ``save_kv_layer``, as vLLM's attention decorator calls it; P's copy thread
 runs on the other core. D steps on its own thread throughout, as its engine does while a
 request waits for remote KV. Requests go one at a time, dispatched concurrently (D gets
@@ -16,16 +17,23 @@ Modes (same engines, same requests, interleaved):
 * ``whole``: P stages the request at ``wait_for_save`` (one copy), one WRITE;
 * ``layerwise-1write``: P stages layer by layer, one WRITE after staging, D scatters at ``f``;
 * ``chunked``: layer-wise, units WRITten as their copies end (chunks of at least
-  ``MIN_CHUNK_BYTES``), D scatters each chunk on its ``c``;
-* ``chunked-unit``: the same with a chunk per unit.
+  ``MIN_CHUNK_BYTES``; the last layer's unit rides in the final WRITE), D scatters each
+  chunk on its ``c``;
+* ``chunked-unit``: the same with a chunk per unit;
+* ``chunked-unit-own-tail``: the same, the last layer's unit in a chunk WRITE of its own
+  before the final WRITE (the record alone).
 
 Per request: ``end_to_ready_ms`` (P's ``wait_for_save`` entered, the prefill end, to
 D's KV ready: ``ArenaPushReceiver._finish``), ``last_layer_to_ready_ms`` (P's last
-``save_kv_layer`` to KV ready), and per unit of ``chunked-unit`` the copy and the WRITE
-(post -> DONE) of one layer. ``--plot`` draws one request per mode on one axis.
+``save_kv_layer`` to KV ready), the tail's parts (the last layer's copy: how long it
+waited behind the copy thread's backlog, when it ended; when the final WRITE was posted),
+and per unit of ``chunked-unit`` the copy and the chunk WRITE's post (on UCX loopback
+the post runs the WRITE's copy) of one layer. ``--plot`` draws one request per mode and
+setting.
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 VENV_PY bench/push_chunks_serve.py \\
-        --out bench/results/push-chunks-serve-....json [--plot PNG]
+        [--modes whole,chunked-unit] [--layer-ms 4,8,16] --out bench/results/push-chunks-serve-....json
+    ... --out FILE.json --plot PNG  # draw a saved run
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]  # the engines harness 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-MODES = ("whole", "layerwise-1write", "chunked", "chunked-unit")
+MODES = ("whole", "layerwise-1write", "chunked", "chunked-unit", "chunked-unit-own-tail")
 
 
 def _model_config(root: Path):
@@ -213,7 +221,8 @@ def run(args) -> dict:
     layers = pw.stager.layers
     _instrument(p, d, EVENTS)
     fill_layerwise(p, d, 1)
-    p.ranks[0].forward = _forward(p.ranks[0], args.layer_ms)
+    forwards = {ms: _forward(p.ranks[0], ms) for ms in args.layer_ms}
+    p.ranks[0].forward = forwards[args.layer_ms[0]]
     stop = threading.Event()
     d_lock = threading.Lock()
 
@@ -235,15 +244,18 @@ def run(args) -> dict:
         while "warm" not in d.params:
             time.sleep(0.01)
         rows = []
-        toks = prompts(args.repeats * len(MODES), [args.tokens] * (args.repeats * len(MODES)), 3)
+        n = args.repeats * len(args.modes) * len(args.layer_ms)
+        toks = prompts(n, [args.tokens] * n, 3)
         k = 0
         for rep in range(args.repeats):
-            order = MODES if rep % 2 == 0 else tuple(reversed(MODES))
-            for mode in order:
-                rid = f"{mode}-{rep}"
+            order = args.modes if rep % 2 == 0 else tuple(reversed(args.modes))
+            for ms, mode in [(ms, mode) for ms in args.layer_ms for mode in order]:
+                rid = f"{mode}-{ms:g}-{rep}"
+                p.ranks[0].forward = forwards[ms]
                 pw.stager.layers = None if mode == "whole" else layers
-                pw.sender.chunks.min_bytes = {"chunked": type(pw.sender.chunks).min_bytes, "chunked-unit": 0}.get(
-                    mode, float("inf"))
+                pw.sender.chunks.min_bytes = {"chunked": type(pw.sender.chunks).min_bytes, "chunked-unit": 0,
+                                              "chunked-unit-own-tail": 0}.get(mode, float("inf"))
+                pw.sender.chunks.tail_in_final = mode != "chunked-unit-own-tail"
                 n_steps = len(EVENTS.p_steps)
                 p.add(rid, toks[k], {"do_remote_decode": True})
                 with d_lock:
@@ -260,7 +272,7 @@ def run(args) -> dict:
                     else:
                         time.sleep(0.0005)
                 step = next(s for s in EVENTS.p_steps[n_steps:] if rid in s["final"])
-                rows.append(_row(mode, rid, step, EVENTS))
+                rows.append(dict(_row(mode, rid, step, EVENTS), layer_ms=ms))
                 while rid not in d.params:
                     time.sleep(0.005)
                 print(json.dumps({k2: v for k2, v in rows[-1].items() if k2 != "events"}), flush=True)
@@ -299,25 +311,45 @@ def ev_chunks():
 
 
 def summary(result: dict) -> dict:
+    """Medians per matmul-per-layer setting, then per mode (older files: one setting)."""
+    out = {}
+    for ms in sorted({r.get("layer_ms", result["layer_ms"]) for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r.get("layer_ms", result["layer_ms"]) == ms]
+        out[f"{ms:g} ms/layer"] = _summary(rows)
+    return out
+
+
+def _summary(all_rows: list) -> dict:
     out = {}
     for mode in MODES:
-        rows = [r for r in result["rows"] if r["mode"] == mode]
+        rows = [r for r in all_rows if r["mode"] == mode]
         if not rows:
             continue
         e = [r["events"] for r in rows]
         out[mode] = {"end_to_ready_ms": statistics.median(r["end_to_ready_ms"] for r in rows),
+                     "layer_interval_ms": _median([(b[1] - a[1]) * 1e3 for x in e
+                                                   for a, b in zip(x["layers"], x["layers"][1:])]),
                      "last_layer_to_ready_ms": statistics.median(r["last_layer_to_ready_ms"] for r in rows),
+                     # the tail, from the prefill end: the last layer's copy starts (behind the
+                     # copy thread's backlog) and ends, P's final WRITE is posted
+                     "last_copy_wait_ms": _median([(x["copies"][-1][1] - x["layers"][-1][1]) * 1e3 for x in e
+                                                   if x["copies"] and x["layers"]]),
+                     "last_copy_end_ms": _median([(x["copies"][-1][2] - x["fwd_end"]) * 1e3 for x in e
+                                                  if x["copies"]]),
+                     "final_post_at_ms": _median([(x["final"][0][0] - x["fwd_end"]) * 1e3 for x in e if x["final"]]),
                      # D's complete() at f (the trailer, what no chunk scattered, the sums); P's final WRITE
                      "d_complete_ms": _median([(s[1] - s[0]) * 1e3 for x in e for s in x["scatters"]
                                                if s[2] == ["complete"]]),
                      "final_write_ms": _median([(f[1] - f[0]) * 1e3 for x in e for f in x["final"]]),
                      "chunks": statistics.median(r["chunks"] for r in rows), "requests": len(rows)}
-    unit = [r for r in result["rows"] if r["mode"] == "chunked-unit"]
+    unit = [r for r in all_rows if r["mode"] == "chunked-unit"]
     copies = [c for r in unit for c in r["copy_ms"]]
     writes = [w for r in unit for w in r["chunk_write_ms"]]
     if copies and writes:
+        one = statistics.median(copies) + statistics.median(writes)
         out["one_layer"] = {"copy_ms": statistics.median(copies), "write_ms": statistics.median(writes),
-                            "copy_plus_write_ms": statistics.median(copies) + statistics.median(writes)}
+                            "copy_plus_write_ms": one,
+                            "chunked_unit_end_to_ready_x": out["chunked-unit"]["end_to_ready_ms"] / one}
     return out
 
 
@@ -331,14 +363,16 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = []
-    for mode in MODES:
-        rows = [r for r in result["rows"] if r["mode"] == mode]
-        if rows:
-            med = statistics.median(r["end_to_ready_ms"] for r in rows)
-            panels.append((mode, min(rows, key=lambda r: abs(r["end_to_ready_ms"] - med))))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.3 * len(panels)), sharex=True)
-    for ax, (mode, r) in zip(axes, panels):
+    panels = []  # per setting and mode, the request nearest the median
+    for lms in sorted({r.get("layer_ms", result["layer_ms"]) for r in result["rows"]}):
+        for mode in MODES:
+            rows = [r for r in result["rows"] if r["mode"] == mode and r.get("layer_ms", result["layer_ms"]) == lms]
+            if rows:
+                med = statistics.median(r["end_to_ready_ms"] for r in rows)
+                near = min(rows, key=lambda r: abs(r["end_to_ready_ms"] - med))
+                panels.append((f"{mode}, {lms:g} ms/layer", lms, near))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.0 * len(panels)), squeeze=False)
+    for ax, (mode, lms, r) in zip(axes[:, 0], panels):
         e = r["events"]
 
         def ms(t, t0=e["fwd_end"]):
@@ -357,11 +391,12 @@ def plot(result: dict, path: str) -> None:
                     color="darkgreen" if units == ["complete"] else "tab:green")
         ax.axvline(0, color="gray", ls="--", lw=0.8)
         ax.axvline(ms(e["ready"]), color="tab:purple", lw=1.2)
+        ax.set_xlim(-3 * lms - 2, ms(e["ready"]) + 3)  # the last layers and the tail
         ax.set_yticks([4, 3, 2, 1], lanes)
         ax.set_title(f"{mode}: prefill end -> KV ready {r['end_to_ready_ms']:.1f} ms "
                      f"(last layer -> ready {r['last_layer_to_ready_ms']:.1f} ms, {r['chunks']} chunk WRITEs)",
                      fontsize=9)
-    axes[-1].set_xlabel("ms from P's prefill end (wait_for_save entered); purple: D's KV ready; "
+    axes[-1, 0].set_xlabel("ms from P's prefill end (wait_for_save entered); purple: D's KV ready; "
                         "orange: chunk WRITEs, red: final WRITE; dark green: D's complete at f")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -371,13 +406,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--layer-ms", type=float, default=4.0)
+    ap.add_argument("--layer-ms", default="4", help="matmul per layer, ms; comma-separated: swept, interleaved")
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, run interleaved")
     ap.add_argument("--switch-ms", type=float, default=5.0, help="sys.setswitchinterval (CPython's default: 5)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot", default=None, help="draw a saved --out file (no run)")
     ap.add_argument("--summary", action="store_true", help="print a saved --out file's summary (no run)")
     args = ap.parse_args()
+    args.modes = tuple(args.modes.split(","))
+    args.layer_ms = [float(x) for x in args.layer_ms.split(",")]
+    if not set(args.modes) <= set(MODES):
+        ap.error(f"--modes: known ones are {MODES}")
     if args.summary:
         with open(args.out) as f:
             print(json.dumps(summary(json.load(f)), indent=1))

@@ -12,12 +12,19 @@ dispatch), each unit is final once its copy of that step ended. :class:`ChunkPos
   takes the worker's lock for the post, which the engine thread never holds across the
   forward): marks the units copied and WRITEs, per reservation, each run of copied
   units not sent yet (contiguous in span order) holding at least :attr:`min_bytes`
-  (``TransferManager.push.post_units``; D is told ``c`` when it ended);
+  (``TransferManager.push.post_units``; D is told ``c`` when it ended), never the
+  *tail*: the unit(s) the forward's last attention layer completes;
 * :meth:`~ChunkPoster.accepted`: a reservation accepted while its request's last step
   runs sends the units copied so far at once;
-* the final WRITE (the units left: the last one(s), the state units the sweep copies,
-  and the record slot) is :class:`~kvcopy.vllm.arena.push_send.PushSender`'s, as for a
-  whole-request push; ``f`` follows once every WRITE of the reservation ended.
+* the final WRITE (the units left: the tail, the state units the sweep copies, and the
+  record slot) is :class:`~kvcopy.vllm.arena.push_send.PushSender`'s, as for a
+  whole-request push; ``f`` follows once every WRITE of the reservation ended. The tail
+  rides in it rather than in a chunk of its own: after the prefill end there is then one
+  WRITE (and one notice to D) instead of two, and the final WRITE has to wait for the
+  record anyway. Measured against the tail in a chunk of its own (``tail_in_final``
+  False; ``bench/push_chunks_serve.py``, the 2-core machine shared): 0.87x over 15
+  requests each, 0.86-1.34x in other runs, so within the noise there: D then scatters the
+  tail at ``f`` instead of on its ``c`` while P closes the step.
 
 A reservation accepted after the request's last step began its copies gets the units
 copied so far in one chunk and the rest in the final WRITE; one accepted after staging
@@ -44,6 +51,7 @@ from vllm.logger import init_logger
 from ...nixl.manager import TransferManager
 from ...nixl.modes.partial_stage import PartialStage
 from ...nixl.modes.push_units import unit_bounds
+from ...nixl.planning.pack_order import Unit, natural_key
 
 logger = init_logger("vllm.kvcopy")
 
@@ -55,18 +63,22 @@ class ChunkPoster:
     worker's lock."""
 
     min_bytes = MIN_CHUNK_BYTES
+    tail_in_final = True  # False: the tail goes in a chunk of its own (the benchmark's comparison)
 
     def __init__(self, manager: TransferManager):
         self.m = manager
-        self.parts: Dict[str, Tuple[PartialStage, np.ndarray, np.ndarray]] = {}  # rid -> (stage, bounds, copied)
+        # rid -> (stage, unit bounds, units copied, units no chunk carries: the tail)
+        self.parts: Dict[str, Tuple[PartialStage, np.ndarray, np.ndarray, np.ndarray]] = {}
         self.tokens: Dict[bytes, str] = {}  # reservations chunked -> request
         self.posted = 0  # chunk WRITEs posted
         self.events: List[Tuple[float, float, str, int, int, int]] = []  # (before, after, rid, lo, hi, bytes)
 
     def begin(self, rid: str, part: PartialStage, tokens: List[bytes]) -> None:
         """``rid``'s last step is planned; ``tokens``: its reservations accepted, not posted."""
-        bounds = unit_bounds(self.m.arena.units if self.m.arena is not None else (), part.counts)
-        self.parts[rid] = (part, bounds, np.zeros(len(bounds) - 1, bool))
+        units = self.m.arena.units if self.m.arena is not None else []
+        bounds = unit_bounds(units, part.counts)
+        chunkable = ~tail_mask(units) if self.tail_in_final else np.ones(len(units), bool)
+        self.parts[rid] = (part, bounds, np.zeros(len(bounds) - 1, bool), chunkable)
         for t in tokens:
             self.tokens[t] = rid
 
@@ -85,9 +97,9 @@ class ChunkPoster:
         self._post(rid)
 
     def _post(self, rid: str) -> None:
-        part, bounds, copied = self.parts[rid]
+        part, bounds, copied, chunkable = self.parts[rid]
         for token in [t for t, r in self.tokens.items() if r == rid]:
-            for lo, hi in _runs(copied & ~self._sent(token, len(copied))):
+            for lo, hi in _runs(copied & chunkable & ~self._sent(token, len(copied))):
                 if bounds[hi] - bounds[lo] < self.min_bytes:
                     continue
                 t0 = time.monotonic()
@@ -108,6 +120,17 @@ class ChunkPoster:
         """The step's copies ended and its records are made: what no chunk sent goes in
         each reservation's final WRITE."""
         self.parts, self.tokens = {}, {}
+
+
+def tail_mask(units: List[Unit]) -> np.ndarray:
+    """The units whose last layer is the forward's last attention layer (natural order of
+    vLLM's layer names; state units never get a ``save_kv_layer``)."""
+    last = [max(u.layers, key=natural_key) if not u.state else None for u in units]
+    names = [n for n in last if n is not None]
+    if not names:
+        return np.zeros(len(units), bool)
+    end = max(names, key=natural_key)
+    return np.asarray([n == end for n in last], bool)
 
 
 def _runs(mask: np.ndarray) -> List[Tuple[int, int]]:
