@@ -1,6 +1,6 @@
 """``kvcopy-bench overhead``: the host cost of one call, measured without a GPU.
 
-The copier is built on CPU tensors (``backend="cpu"``: tables, planner and ids are
+The copier is built on CPU tensors (``copy_backend="cpu"``: tables, planner and ids are
 the real ones) and each GPU backend's per-call host path runs over its tables with
 the device launch **replaced by a no-op**:
 

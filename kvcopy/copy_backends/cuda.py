@@ -26,8 +26,8 @@ read at replay time, as by any captured kernel: the copier must outlive the grap
 
 The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
 absent and cupy is installed, from NVRTC (:mod:`kvcopy.copy_backends.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
-forces NVRTC. The CTA cap comes from ``tables.cta_cap()`` (``BlockCopier(max_ctas=)``) or
-``KVCOPY_MAX_CTAS``.
+forces NVRTC. The CTA cap is ``tables.max_ctas`` (``BlockCopier(max_ctas=)``; None: the
+launch heuristics of :mod:`kvcopy.copy_backends.kernel_inputs`).
 
 Checksums (:mod:`kvcopy.core.checksum`): ``kvcopy_block_copy_sums_w*``, the same kernel with
 each lane hashing the words it moves and one atomic per warp and page; the launcher
@@ -63,7 +63,7 @@ class _State:
     num_group_entries: int
     word_bytes: int
     pinning: Any
-    max_ctas: Optional[int]  # resolved once (tables.cta_cap()), not per call
+    max_ctas: Optional[int]  # tables.max_ctas, read once, not per call
     graph_buffers: List[torch.Tensor] = field(default_factory=list)
     launches: int = 0
     inline: Optional["InlineLaunch"] = None  # the short per-call path (library launcher)
@@ -231,7 +231,7 @@ class CudaBackend(GpuBackendBase, Backend):
         st = _State(
             launcher=launcher, device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
             num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
-            word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.cta_cap(),
+            word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.max_ctas,
         )
         if isinstance(launcher, _LibLauncher):
             st.inline = InlineLaunch(launcher.copy_function, device, static.data_ptr(), st.num_entries,
