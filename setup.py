@@ -10,7 +10,7 @@
   it. A CUDA build that fails is retried CPU-only (``KVCOPY_REQUIRE_CUDA=1``: fail).
 
 What was built, and why not, is printed as a summary (pip shows it with ``-v``) and
-recorded in ``kvcopy/_lib/build-info.json``; ``kvcopy.available_backends()`` and
+recorded in ``kvcopy/_lib/build-info.json``; ``kvcopy.available_copy_backends()`` and
 ``kvcopy-bench list`` read that record back.
 """
 import json

@@ -317,7 +317,7 @@ def backend_facts() -> dict:
     from kvcopy import copy_backends as bk
 
     out: Dict[str, dict] = {}
-    for name, why in kvcopy.available_backends().items():
+    for name, why in kvcopy.available_copy_backends().items():
         d: Dict[str, object] = {"available": why is None}
         if why:
             d["reason"] = why
@@ -505,7 +505,7 @@ def step_smoke(s: Step) -> str:
     sz = sizes()
     sc = Scenario(**sz["smoke"])
     point = sc.build(device())
-    avail = kvcopy.available_backends()
+    avail = kvcopy.available_copy_backends()
     cases: List[dict] = []
     s.data.update(scenario=sc.describe(), cases=cases)
     printed = False
@@ -528,7 +528,7 @@ def step_smoke(s: Step) -> str:
                         err = point.check(fn, d, expected[d])
                         copier = point.copiers.get(f"{b}@None")
                         if copier is not None:
-                            case["chosen"] = copier.backends()["to_host" if d == "d2h" else "to_device"]
+                            case["chosen"] = copier.copy_backends()["to_host" if d == "d2h" else "to_device"]
                     case.update(status="ok" if err is None else "FAIL", **({"error": err} if err else {}))
                 except Exception as exc:  # the point of a smoke test: show what broke
                     tb = traceback.format_exc()
@@ -623,7 +623,7 @@ def step_ladder(s: Step) -> str:
     flat_d = torch.empty(size, dtype=torch.uint8, device=dev)
     flat_h = torch.empty(size, dtype=torch.uint8, pin_memory=gpu)
     ids = [list(range(nb))]  # one run: one contiguous segment of `size` bytes
-    avail = kvcopy.available_backends()
+    avail = kvcopy.available_copy_backends()
     copiers: Dict[str, object] = {}
     s.data.update(bytes=size, description=f"one contiguous {size >> 10} KiB copy ({nb} pages of {page >> 10} KiB, "
                                           "one run), no verify", rows=[])

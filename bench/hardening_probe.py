@@ -145,7 +145,7 @@ def threads(args) -> Dict[str, object]:
     blocks = 4096
     dev = torch.randint(0, 256, (blocks, 8), dtype=torch.uint8)
     host = torch.zeros(blocks, 8, dtype=torch.uint8)
-    backend = "cpu" if kvcopy.available_backends()["cpu"] is None else "torch"
+    backend = "cpu" if kvcopy.available_copy_backends()["cpu"] is None else "torch"
     copier = kvcopy.BlockCopier({"a": dev}, {"a": host}, [["a"]], copy_backend=backend)
     rng = np.random.default_rng(0)
     perms = [rng.permutation(blocks).tolist() for _ in range(args.threads)]

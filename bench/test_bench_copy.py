@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from kvcopy import available_backends
+from kvcopy import available_copy_backends
 from kvcopy.bench.scenarios import PRESETS
 from dataclasses import replace
 
@@ -53,7 +53,7 @@ def _skip_reason(method: str):
         return "cpu backend copies CPU tensors only"
     if method == "triton" and not GPU and not os.environ.get("TRITON_INTERPRET"):
         return "triton on CPU only under TRITON_INTERPRET=1 (slow)"
-    return available_backends().get(method)
+    return available_copy_backends().get(method)
 
 
 @pytest.mark.parametrize("method", METHODS)

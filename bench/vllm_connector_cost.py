@@ -153,7 +153,7 @@ def main(argv=None):
 
     rows = [
         ("validate (BlockCopier.plan)", lambda: copier.plan("h2d", ids)),
-        (f"sync ({copier.backends()['to_device']} backend)", lambda: worker.sync_recved_kv_to_device("r", meta)),
+        (f"sync ({copier.copy_backends()['to_device']} backend)", lambda: worker.sync_recved_kv_to_device("r", meta)),
         ("vllm op (copy_kv_blocks)", lambda: kv_utils.copy_kv_blocks(host, device, flat, flat, "h2d")),
     ]
     if args.model == "gdn":

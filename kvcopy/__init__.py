@@ -22,8 +22,8 @@ __version__ = "0.1.0"
 
 # exported name -> the submodule that defines it
 _EXPORTS = {
-    "BACKENDS": ".copy_backends",
-    "available_backends": ".copy_backends",
+    "COPY_BACKENDS": ".copy_backends",
+    "available_copy_backends": ".copy_backends",
     "BlockCopier": ".core.copier",
     "copy_blocks": ".core.copy_op",
     "PageLayout": ".core.layout",
@@ -31,16 +31,16 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "BACKENDS",
+    "COPY_BACKENDS",
     "BlockCopier",
     "PageLayout",
-    "available_backends",
+    "available_copy_backends",
     "copy_blocks",
     "describe",
 ]
 
 if TYPE_CHECKING:
-    from .copy_backends import BACKENDS, available_backends
+    from .copy_backends import COPY_BACKENDS, available_copy_backends
     from .core.copier import BlockCopier
     from .core.copy_op import copy_blocks
     from .core.layout import PageLayout, describe

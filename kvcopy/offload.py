@@ -176,8 +176,7 @@ class OffloadCopier:
                     host[name] = h[:, j * page:j * page + nbytes]
                     mine.append(name)
                 names.append(mine)
-        return BlockCopier(device, host, names, copy_backend=self.options.copy_backend, block_dim=0,
-                           max_ctas=self.options.max_ctas)
+        return BlockCopier(device, host, names, options=self.options, block_dim=0)
 
     # -------------------------------------------------------------- ids
     def job_ids(self, group_sizes: Sequence[int], block_indices: Sequence[int], device_ids,

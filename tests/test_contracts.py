@@ -732,8 +732,8 @@ def test_the_public_api_is_what_a_user_calls(name):
     assert name not in kvcopy.__all__ and not hasattr(kvcopy, name)
     for tool in ("replay", "select_pages"):
         assert tool not in kvcopy.nixl.__all__ and not hasattr(kvcopy.nixl, tool)
-    assert set(kvcopy.__all__) == {"BACKENDS", "BlockCopier", "PageLayout", "available_backends", "copy_blocks",
-                                   "describe"}
+    assert set(kvcopy.__all__) == {"COPY_BACKENDS", "BlockCopier", "PageLayout", "available_copy_backends",
+                                   "copy_blocks", "describe"}
     from kvcopy.testing import reference
 
     assert callable(getattr(reference, name))

@@ -52,7 +52,7 @@ def test_wheel_contains_kernels_and_builds_without_native(tmp_path):
         z.extractall(target)
     probe = subprocess.run(
         [sys.executable, "-c",
-         "import kvcopy, kvcopy.kernels; r = kvcopy.available_backends(); "
+         "import kvcopy, kvcopy.kernels; r = kvcopy.available_copy_backends(); "
          "assert r['torch'] is None and r['cpu'], r; "
          "assert 'libkvcopy_cpu.so not built at install: KVCOPY_NO_NATIVE set at install' in r['cpu'], r; "
          "print('ok')"],
@@ -74,7 +74,7 @@ SDIST_NEEDS = ["CMakeLists.txt", "csrc/cpu_copy.cpp", "csrc/call_plan.cpp", "csr
 _CPU_COPY_PROBE = """
 import json, torch, kvcopy
 from kvcopy import native
-r = kvcopy.available_backends()
+r = kvcopy.available_copy_backends()
 assert r["cpu"] is None, r
 src = {"a": torch.randn(2, 16, 4, 8, 16).to(torch.bfloat16), "b": torch.randn(2, 16, 4, 8, 16).to(torch.bfloat16)}
 dst = {k: torch.full_like(v, 7.0) for k, v in src.items()}
@@ -131,7 +131,7 @@ def test_sdist_builds_the_cpu_library_offline(tmp_path):
 
 
 def test_missing_cuda_library_reason_names_the_install_record(tmp_path, monkeypatch):
-    """available_backends() tells "not built at install (why)" from "no device here"."""
+    """available_copy_backends() tells "not built at install (why)" from "no device here"."""
     from kvcopy import native
 
     (tmp_path / "build-info.json").write_text(json.dumps({"libraries": {

@@ -40,13 +40,13 @@ def measure(device: int = 0, sizes: Optional[Iterable[int]] = None, backends: Op
     import numpy as np
     import torch
 
-    from .. import BlockCopier, available_backends
+    from .. import BlockCopier, available_copy_backends
     from ..copy_backends.calibration import DEFAULT_SIZES, PREFERENCE
 
     sizes = DEFAULT_SIZES if sizes is None else sizes
     backends = PREFERENCE if backends is None else backends
 
-    avail = available_backends()
+    avail = available_copy_backends()
     names = [b for b in backends if avail.get(b) is None]
     out: Dict[str, list] = {d: [] for d in directions}
     layers = 4

@@ -47,9 +47,9 @@ def _methods(args, device: str) -> Tuple[List[str], Dict[str, str]]:
         # The interpreter runs Triton on CPU tensors; it must be set before triton loads.
         if "triton" not in sys.modules:
             os.environ["TRITON_INTERPRET"] = "1"
-    from .. import available_backends
+    from .. import available_copy_backends
 
-    avail = available_backends()
+    avail = available_copy_backends()
     skipped: Dict[str, str] = {}
     out: List[str] = []
     for b in wanted:
@@ -395,7 +395,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .. import available_backends
+    from .. import available_copy_backends
     from .scenarios import PRESETS
 
     width = max(len(n) for n in PRESETS)
@@ -408,7 +408,7 @@ def cmd_list(args) -> int:
     for stem in ("kvcopy_cpu", "kvcopy_cuda"):
         print(f"  {build_note(stem)}")
     print("backends:")
-    report = available_backends()
+    report = available_copy_backends()
     width = max(len(n) for n in report)
     for name, why in report.items():
         print(f"  {name:<{width}}  {'available' if why is None else 'unavailable: ' + why}")

@@ -286,9 +286,9 @@ def _cpu_model() -> Optional[str]:
 # The environment variables that change what a copy does or how fast (recorded by env_info;
 # those naming files, KVCOPY_LIB_DIR and KVCOPY_CALIBRATION, are left out: a result file
 # carries no path of the machine it ran on).
-SETTINGS = ("KVCOPY_BACKENDS", "KVCOPY_CPU_SIMD", "KVCOPY_CPU_STREAM_BYTES", "KVCOPY_CPU_SUM_PIECE_BYTES",
-            "KVCOPY_CPU_THREADS", "KVCOPY_MAX_CTAS", "KVCOPY_CTAS_PER_SM", "KVCOPY_MIN_BYTES_PER_WARP",
-            "KVCOPY_CUDA_NVRTC", "KVCOPY_CE_MODE", "KVCOPY_CE_HOST_ANY")
+SETTINGS = ("KVCOPY_CPU_SIMD", "KVCOPY_CPU_STREAM_BYTES", "KVCOPY_CPU_SUM_PIECE_BYTES", "KVCOPY_CPU_THREADS",
+            "KVCOPY_CTAS_PER_SM", "KVCOPY_MIN_BYTES_PER_WARP", "KVCOPY_CUDA_NVRTC", "KVCOPY_CE_MODE",
+            "KVCOPY_CE_HOST_ANY")
 
 
 def env_info(device: str) -> dict:

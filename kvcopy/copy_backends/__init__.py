@@ -17,7 +17,7 @@ ce        copy engines: one ``cudaMemcpyBatchAsync`` for every segment of the ca
 
 A backend module is imported only when first asked for, so a missing optional
 dependency (triton, the native library) costs nothing until it is needed and is then
-reported by :func:`available_backends` with the reason.
+reported by :func:`available_copy_backends` with the reason.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ _REGISTRY = {
     "cuda": "kvcopy.copy_backends.cuda:CudaBackend",
     "ce": "kvcopy.copy_backends.ce:CopyEngineBackend",
 }
-BACKENDS = tuple(_REGISTRY)
+COPY_BACKENDS = tuple(_REGISTRY)
 
 _instances: Dict[str, Backend] = {}
 _import_errors: Dict[str, str] = {}
@@ -121,7 +121,7 @@ def get_backend(name: str) -> Backend:
 
 def _load(name: str) -> Optional[Backend]:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)} or 'auto'")
+        raise ValueError(f"unknown copy backend {name!r}; known: {', '.join(COPY_BACKENDS)} or 'auto'")
     if name in _instances:
         return _instances[name]
     if name in _import_errors:
@@ -136,10 +136,10 @@ def _load(name: str) -> Optional[Backend]:
     return _instances[name]
 
 
-def available_backends() -> Dict[str, Optional[str]]:
+def available_copy_backends() -> Dict[str, Optional[str]]:
     """Each backend's name mapped to None when this install can run it, else why not."""
     out: Dict[str, Optional[str]] = {}
-    for name in BACKENDS:
+    for name in COPY_BACKENDS:
         backend = _load(name)
         out[name] = _import_errors[name] if backend is None else backend.unavailable_reason()
     return out

@@ -26,8 +26,8 @@ read at replay time, as by any captured kernel: the copier must outlive the grap
 
 The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
 absent and cupy is installed, from NVRTC (:mod:`kvcopy.copy_backends.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
-forces NVRTC. The CTA cap comes from ``tables.cta_cap()`` (``BlockCopier(max_ctas=)``) or
-``KVCOPY_MAX_CTAS``.
+forces NVRTC. The CTA cap is ``tables.max_ctas`` (``BlockCopier(max_ctas=)``; None: the
+launch heuristics of :mod:`kvcopy.copy_backends.kernel_inputs`).
 
 Checksums (:mod:`kvcopy.core.checksum`): ``kvcopy_block_copy_sums_w*``, the same kernel with
 each lane hashing the words it moves and one atomic per warp and page; the launcher
@@ -47,7 +47,7 @@ import torch
 from .. import native
 from . import Backend
 from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, raw_stream_getter, require_gpu
-from .kernel_inputs import INLINE_WORDS, THREADS, call_array, call_words, grid_size, static_table
+from .kernel_inputs import CTA_MIN_BYTES, INLINE_WORDS, THREADS, call_array, grid_cap, grid_size, static_table
 from .pinning import pin_host_side
 from ..core.tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
 
@@ -63,7 +63,7 @@ class _State:
     num_group_entries: int
     word_bytes: int
     pinning: Any
-    max_ctas: Optional[int]  # resolved once (tables.cta_cap()), not per call
+    max_ctas: Optional[int]  # tables.max_ctas, read once, not per call
     graph_buffers: List[torch.Tensor] = field(default_factory=list)
     launches: int = 0
     inline: Optional["InlineLaunch"] = None  # the short per-call path (library launcher)
@@ -73,26 +73,26 @@ class InlineLaunch:
     """The per-call host path of a call whose array fits in the kernel parameters.
 
     Everything constant for a copier direction is resolved once, at prepare: the
-    static table's device pointer and counts as ctypes values, the word size, the SM
-    count and CTA cap, the launch function. A call then costs the grid rule, the
-    current device and raw stream (two cheap torch getters: the stream can change
-    between calls, so it is read every call, never cached), one ``kvcopy_cuda_call``
-    packed into bytes (one C call) and one 4-argument ctypes call with the planner's
-    buffer as the call array (the native planner wrote the block prefix in the same
-    pass: no numpy on this path). ``launch`` is ``kvcopy_cuda_copy``, or,
+    static table's device pointer and counts as ctypes values, the word size, the grid
+    cap (SM count and ``max_ctas``), the launch function. A call then costs the grid
+    rule's division, the current device and raw stream (two cheap torch getters: the
+    stream can change between calls, so it is read every call, never cached), one
+    ``kvcopy_cuda_call`` packed into bytes (one C call) and one 4-argument ctypes call
+    with the plan's own buffer as the call array (the native planner wrote the block
+    prefix in the same pass: no numpy on this path). ``launch`` is ``kvcopy_cuda_copy``, or,
     for ``kvcopy-bench overhead``, a no-op C function with the same argument types
     (:meth:`stubbed`), so the host cost is measurable without a GPU.
     """
 
-    __slots__ = ("launch", "device", "sm_count", "max_ctas", "inline_words", "tables", "tables_at",
-                 "stream", "current_device")
+    __slots__ = ("launch", "device", "grid_cap", "inline_words", "tables", "tables_at", "stream",
+                 "current_device")
 
     def __init__(self, launch, device: int, static_ptr: int, num_entries: int, num_groups: int,
                  num_group_entries: int, word_bytes: int, sm_count: int, max_ctas: Optional[int],
                  inline_words: int, stream=None, current_device=None):
         self.launch = launch
         self.device = device
-        self.sm_count, self.max_ctas, self.inline_words = sm_count, max_ctas, inline_words
+        self.grid_cap, self.inline_words = grid_cap(sm_count, max_ctas), inline_words
         self.tables = native.CudaTables.make(tables=static_ptr, num_entries=num_entries, num_groups=num_groups,
                                              num_group_entries=num_group_entries, word_bytes=word_bytes)
         self.tables_at = ctypes.addressof(self.tables)
@@ -108,21 +108,23 @@ class InlineLaunch:
 
     def __call__(self, call: CallPlan) -> Optional[int]:
         """The launch's return code, or None when the call does not fit inline."""
-        buffer, words = call_words(call)
+        words = call.num_words
         if words > self.inline_words:
             return None
-        grid = grid_size(call.total_bytes, self.sm_count, self.max_ctas)
+        total = call.total_bytes
+        # grid_size's rule with its cap worked out at build, written out (a function call
+        # here cost 0.2-0.3 us of this path's 1.4); tests/copy_backends/test_cuda_backend.py
+        # checks the two agree
+        packed = _PACK_CALL(_CALL_BYTES, 0, words, total, max(1, min(-(-total // CTA_MIN_BYTES), self.grid_cap)))
+        # ctypes passes the plan's bytes as the address of its data: the call array as the planner wrote it
         if self.current_device() != self.device:
             with torch.cuda.device(self.device):
-                return self._launch(buffer, words, call.total_bytes, grid)
-        return self._launch(buffer, words, call.total_bytes, grid)
-
-    def _launch(self, call_host: bytes, words: int, total: int, grid: int) -> int:
-        call = _PACK_CALL(native.CUDA_CALL_BYTES, 0, words, total, grid)
-        return self.launch(self.tables_at, call, call_host, self.stream(self.device))
+                return self.launch(self.tables_at, packed, call.words, self.stream(self.device))
+        return self.launch(self.tables_at, packed, call.words, self.stream(self.device))
 
 
 _PACK_CALL = native.CUDA_CALL.pack
+_CALL_BYTES = native.CUDA_CALL_BYTES
 
 
 def _structs(tables, e, g, ge, call_device, call_words, total, word, grid):
@@ -231,7 +233,7 @@ class CudaBackend(GpuBackendBase, Backend):
         st = _State(
             launcher=launcher, device=device, sm_count=sms, static=static, num_entries=tables.num_entries,
             num_groups=tables.num_groups, num_group_entries=len(tables.group_entries),
-            word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.cta_cap(),
+            word_bytes=tables.word_bytes, pinning=pinning, max_ctas=tables.max_ctas,
         )
         if isinstance(launcher, _LibLauncher):
             st.inline = InlineLaunch(launcher.copy_function, device, static.data_ptr(), st.num_entries,

@@ -6,11 +6,11 @@ Two int64 arrays (``kernels/block_copy_kernel.cuh``):
   ``entries (E x KVCOPY_ENTRY_FIELDS) | group_offsets (G+1) | group_entries | entry byte prefix``, the
   last one the bytes of one block summed over the group entries before each, so a
   warp finds its entry with a binary search;
-* the **call array** (:func:`call_words`, :func:`call_array`), per call: the packed call
+* the **call array** (``CallPlan.words``; :func:`call_array` as numpy), per call: the packed call
   of :mod:`kvcopy.core.tables` followed by its block prefix, as the call planner wrote it
   in one buffer (``CallPlan.prefix_words``).
 
-The grid rule (:func:`grid_size`): enough CTAs that each warp moves at least
+The grid rule (:func:`grid_size`; its constant part :func:`grid_cap`): enough CTAs that each warp moves at least
 ``MIN_BYTES_PER_WARP`` bytes (below that, finding its first byte costs more than the
 copy), at most one wave of ``CTAS_PER_SM`` CTAs per SM, at most the copier's
 ``max_ctas``. Both GPU launchers (the library's and NVRTC's) use these.
@@ -18,7 +18,7 @@ copy), at most one wave of ``CTAS_PER_SM`` CTAs per SM, at most the copier's
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
@@ -32,15 +32,21 @@ MIN_BYTES_PER_WARP = int(os.environ.get("KVCOPY_MIN_BYTES_PER_WARP", 4096))
 CTAS_PER_SM = int(os.environ.get("KVCOPY_CTAS_PER_SM", 1))
 
 
-def grid_size(total_bytes: int, sm_count: int, max_ctas: Optional[int]) -> int:
-    """CTAs for a call: enough warps that each has >= MIN_BYTES_PER_WARP, at most one
-    wave (CTAS_PER_SM per SM), at most ``max_ctas``."""
-    warps = THREADS // 32
-    need = -(-total_bytes // (warps * MIN_BYTES_PER_WARP))
+# A CTA is launched for each this many bytes of a call (MIN_BYTES_PER_WARP per warp).
+CTA_MIN_BYTES = THREADS // 32 * MIN_BYTES_PER_WARP
+
+
+def grid_cap(sm_count: int, max_ctas: Optional[int]) -> int:
+    """The most CTAs a call gets: one wave (CTAS_PER_SM per SM), at most ``max_ctas``;
+    constant per copier direction."""
     cap = sm_count * CTAS_PER_SM
-    if max_ctas:
-        cap = min(cap, int(max_ctas))
-    return max(1, min(need, cap))
+    return min(cap, int(max_ctas)) if max_ctas else cap
+
+
+def grid_size(total_bytes: int, sm_count: int, max_ctas: Optional[int]) -> int:
+    """CTAs for a call of ``total_bytes``: enough warps that each has >=
+    MIN_BYTES_PER_WARP, at most :func:`grid_cap`, at least one."""
+    return max(1, min(-(-total_bytes // CTA_MIN_BYTES), grid_cap(sm_count, max_ctas)))
 
 
 def static_table(tables: CopyTables, entries: Optional[np.ndarray] = None) -> np.ndarray:
@@ -52,12 +58,6 @@ def static_table(tables: CopyTables, entries: Optional[np.ndarray] = None) -> np
     if len(tables.group_entries):
         np.cumsum(page[tables.group_entries], out=prefix[1:])
     return np.concatenate([e.ravel(), tables.group_offsets, tables.group_entries, prefix]).astype(np.int64)
-
-
-def call_words(call: CallPlan) -> Tuple[bytes, int]:
-    """(buffer, words) of the call array: the plan's immutable buffer as it is (ctypes
-    passes a ``bytes`` object to a ``c_void_p`` parameter as the address of its data)."""
-    return call.words, call.num_words
 
 
 def call_array(call: CallPlan) -> np.ndarray:

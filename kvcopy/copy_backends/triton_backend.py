@@ -17,8 +17,7 @@ to the launch, so their stores and launches alternate on the stream). Larger cal
 keeps the block from being reused until the copy has run) and one host-to-device copy.
 
 Grid: at most ``max_ctas`` programs (``BlockCopier(..., max_ctas=N)``, which lands in
-``tables.max_ctas``; else the ``KVCOPY_MAX_CTAS`` environment
-variable; else one program per SM), and never more than the call has 32 KiB tiles.
+``tables.max_ctas``; else one program per SM), and never more than the call has 32 KiB tiles.
 
 With ``TRITON_INTERPRET=1`` in the environment when a copier is built, the backend
 runs the same kernel in Triton's interpreter on CPU tensors (both sides on the CPU);
@@ -173,7 +172,7 @@ class TritonBackend(Backend):
         else:
             device = cuda[0] if cuda[0].index is not None else torch.device("cuda", torch.cuda.current_device())
             default_ctas = torch.cuda.get_device_properties(device).multi_processor_count
-        max_ctas = tables.cta_cap() or default_ctas
+        max_ctas = tables.max_ctas or default_ctas
         pinning = None
         if device.type == "cuda":
             from .pinning import pin_host_side

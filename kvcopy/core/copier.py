@@ -30,6 +30,7 @@ from .checksum import SumFold
 from .checksum import check_output as check_checksum_output
 from .checksum import copy_device as checksum_device
 from .layout import PageLayout, describe, pair_pages
+from .options import CopierOptions, CopyOptions
 from ..checks import shown
 from .planner import CallPlanner
 from .storages import StorageGuard, check_disjoint
@@ -59,15 +60,11 @@ class _Direction:
         return self._sums_check
 
 
-def renamed_keywords(given: Mapping[str, object]) -> str:
-    """The message for keywords BlockCopier does not take: ``backend=`` was renamed
-    ``copy_backend=`` (issue 42) so that it cannot be confused with NIXL's transport
-    plugins, which NIXL calls backends. Refused rather than taken with a warning: a
-    build-time error names the fix at once, and one name stays."""
-    if "backend" in given:
-        return ("BlockCopier: backend= is now copy_backend= (kvcopy's copy backend; NIXL's plugins are a "
-                "TransferManager's transports=)")
-    return f"BlockCopier got unexpected keyword argument(s) {sorted(given)}"
+# backend= was renamed copy_backend= (issue 42) so that it cannot be confused with NIXL's
+# transport plugins, which NIXL calls backends. Refused rather than taken with a warning: a
+# build-time error names the fix at once, and one name stays.
+RENAMED_BACKEND = ("BlockCopier: backend= is now copy_backend= (kvcopy's copy backend; NIXL's plugins are a "
+                   "TransferManager's transports=)")
 
 
 class BlockCopier:
@@ -78,23 +75,20 @@ class BlockCopier:
     side may order a page's elements its own way (a head-major host buffer against a
     token-major cache): the copy converts, element ``[i, j, ...]`` of a page to element
     ``[i, j, ...]`` (:func:`kvcopy.core.layout.pair_pages`). ``layer_groups`` has one sequence of
-    layer names per KV cache group. ``copy_backend`` is ``"auto"`` or a name from
-    :func:`kvcopy.available_backends`. ``block_dim`` (an int, or a dict by layer name)
-    names the block axis where the shape is ambiguous; ``kv_layout`` ("NHD"/"HND")
-    names token and head axes for code that needs them. ``max_ctas`` caps the grid of
-    the kernel backends (``cuda``, ``triton``) to leave SMs to the model (default:
-    ``KVCOPY_MAX_CTAS``, else uncapped; see ``CopyTables.cta_cap``).
+    layer names per KV cache group, and names at least one layer.
+
+    The options are the fields of :class:`~kvcopy.core.options.CopierOptions` (each
+    defined and checked there: ``copy_backend``, ``max_ctas``, ``kv_layout``,
+    ``block_dim``, ``directions``, ``reinterpret_dtypes``), given as ``options=`` (any
+    :class:`~kvcopy.core.options.CopyOptions`, e.g. a ``ManagerOptions``: its copy fields
+    are used), as keywords, or both: a keyword overrides the same field of ``options``.
+    An unknown keyword raises ``TypeError`` naming it. Calling a direction the copier was
+    not built for raises.
 
     Device and host tensors of a layer have one dtype, or one of them is a raw integer
     type (``uint8`` for fp8, ``int16`` for bf16 ...) holding the other's bits;
     ``reinterpret_dtypes=True`` allows two different floating types of one element size
     (their bits are copied unconverted), which is otherwise refused (``TypeError``).
-    ``layer_groups`` must name at least one layer.
-
-    ``directions`` names the directions to build (``"d2h"``, ``"h2d"``; default both):
-    a copier built for ``"d2h"`` only accepts device bytes shared by layers with
-    different host buffers (reading shared bytes into separate buffers is well
-    defined), which the ``"h2d"`` tables refuse; calling an unbuilt direction raises.
 
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
@@ -113,18 +107,13 @@ class BlockCopier:
         device_caches: Mapping[str, torch.Tensor],
         host_buffers: Mapping[str, torch.Tensor],
         layer_groups: Sequence[Sequence[str]],
-        copy_backend: str = "auto",
-        block_dim: Optional[int | Mapping[str, int]] = None,
-        kv_layout: str = "NHD",
-        max_ctas: Optional[int] = None,
-        directions: Sequence[str] = ("d2h", "h2d"),
-        reinterpret_dtypes: bool = False,
-        **renamed,
+        *,
+        options: Optional[CopyOptions] = None,
+        **fields,
     ):
-        if renamed:
-            raise TypeError(renamed_keywords(renamed))
-        if isinstance(directions, str) or not directions or any(d not in ("d2h", "h2d") for d in directions):
-            raise ValueError(f"directions must be 'd2h' and/or 'h2d', got {list(directions)!r}")
+        if "backend" in fields:
+            raise TypeError(RENAMED_BACKEND)
+        self.options = opts = CopierOptions.make(options, fields, "BlockCopier")
         if isinstance(layer_groups, (str, bytes)) or any(
             isinstance(g, (str, bytes)) for g in layer_groups
         ):
@@ -133,7 +122,6 @@ class BlockCopier:
         if not any(self.layer_groups):
             raise ValueError(f"layer_groups {list(map(list, self.layer_groups))!r} names no layer: a BlockCopier "
                              "copies at least one layer of one group")
-        self._reinterpret_dtypes = reinterpret_dtypes
         self.device_layouts: Dict[str, PageLayout] = {}
         self.host_layouts: Dict[str, PageLayout] = {}
         self._device_caches = dict(device_caches)
@@ -144,7 +132,7 @@ class BlockCopier:
                 if name in seen:
                     raise ValueError(f"layer {name!r} is in group {seen[name]} and group {g}")
                 seen[name] = g
-                self._check_layer(g, name, block_dim, kv_layout)
+                self._check_layer(g, name, opts.block_dim, opts.kv_layout)
         devices = {self._device_caches[n].device for n in seen}
         if len(devices) > 1:
             first = {d: next(n for n in seen if self._device_caches[n].device == d) for d in devices}
@@ -158,10 +146,9 @@ class BlockCopier:
         host_grouped = {n: self._host_buffers[n] for n in grouped}
         check_disjoint(device_grouped, host_grouped)
         self._storages = StorageGuard(device_grouped, host_grouped)  # checked before every copy
-        self._max_ctas = max_ctas
         self._closed = False
-        self._d2h = self._direction("device", "host", copy_backend) if "d2h" in directions else None
-        self._h2d = self._direction("host", "device", copy_backend) if "h2d" in directions else None
+        self._d2h = self._direction("device", "host") if "d2h" in opts.directions else None
+        self._h2d = self._direction("host", "device") if "h2d" in opts.directions else None
 
     # ------------------------------------------------------------------ building
     def _check_layer(self, g, name, block_dim, kv_layout) -> None:
@@ -186,7 +173,8 @@ class BlockCopier:
             pair_pages(dl, hl)  # same logical page and element size; any two orders
         except ValueError as exc:
             raise ValueError(f"{where}: device and host {exc}") from None
-        if dev.dtype != host.dtype and not (self._reinterpret_dtypes or _raw_bits(dev.dtype) or _raw_bits(host.dtype)):
+        same_bits = self.options.reinterpret_dtypes or _raw_bits(dev.dtype) or _raw_bits(host.dtype)
+        if dev.dtype != host.dtype and not same_bits:
             # Bytes are copied as they are: an fp16 buffer for a bf16 cache would read garbage.
             raise TypeError(
                 f"{where}: device cache is {dev.dtype} but host buffer is {host.dtype}; the copy moves bytes, "
@@ -195,7 +183,7 @@ class BlockCopier:
             )
         self.device_layouts[name], self.host_layouts[name] = dl, hl
 
-    def _direction(self, src_side: str, dst_side: str, backend: str) -> _Direction:
+    def _direction(self, src_side: str, dst_side: str) -> _Direction:
         tensors = {"device": self._device_caches, "host": self._host_buffers}
         layouts = {"device": self.device_layouts, "host": self.host_layouts}
         src_t, dst_t = tensors[src_side], tensors[dst_side]
@@ -222,8 +210,8 @@ class BlockCopier:
             entries,
             staging="dst" if dst_side == "host" else "src",
         )
-        tables.max_ctas = self._max_ctas
-        tables.cta_cap()  # a bad max_ctas / KVCOPY_MAX_CTAS fails here, not mid-call
+        tables.max_ctas = self.options.max_ctas
+        backend = self.options.copy_backend
         chosen = choose_backend(tables) if backend == "auto" else get_backend(backend)
         reason = chosen.unsupported_reason(tables)
         if reason:
@@ -237,13 +225,14 @@ class BlockCopier:
 
     # ------------------------------------------------------------------ calls
     @property
-    def backend(self) -> str:
-        """Name of the backend in use (the same for both directions unless ``auto``)."""
+    def copy_backend(self) -> str:
+        """Name of the copy backend in use (the same for both directions unless ``auto``)."""
         built = self._d2h or self._h2d
         assert built is not None, "a BlockCopier has at least one direction"
         return built.backend.name
 
-    def backends(self) -> Dict[str, str]:
+    def copy_backends(self) -> Dict[str, str]:
+        """The copy backend of each built direction, by method name (``to_host``, ``to_device``)."""
         return {side: d.backend.name for side, d in (("to_host", self._d2h), ("to_device", self._h2d))
                 if d is not None}
 

@@ -89,23 +89,23 @@ class CallPlanner:
         if flat is None:
             flat = self._checked_ids(src_ids, dst_ids)
         src, dst, lens = flat
+        # The plan keeps the ids as bytes; the C pass reads those same buffers.
+        src_bytes = src.tobytes()
+        dst_bytes = src_bytes if dst is src else dst.tobytes()
         if self._native is not None:
-            words, n, err = self._native(src, dst, lens)
+            words, n = self._native(src_bytes, dst_bytes, lens)
         else:
-            words, n, err = plan_in_numpy(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
-                                          lens, self._src_limit, self._dst_limit, self._dst_class,
-                                          self._entries_per_group)
+            words, n = plan_in_numpy(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64), lens,
+                                     self._src_limit, self._dst_limit, self._dst_class, self._entries_per_group)
         if n < 0:
             if n == -2:
                 raise MemoryError("the call planner could not grow its duplicate-check array")
             if n == -3:
                 raise RuntimeError("kvcopy_plan_call: its plan struct is shorter than the library's (another build)")
-            raise ValueError(self._refusal(err, src, dst, lens))
+            raise ValueError(self._refusal(words[:3], src, dst, lens))
         g = self._g
-        src_bytes = src.tobytes()
-        return call_plan(words.tobytes(), n, int(words[g]), int(words[2 * g + 1]), src_bytes,
-                         src_bytes if dst is src else dst.tobytes(), tuple(lens),
-                         sum(map(operator.mul, self._group_bytes, lens)), self._origin)
+        return call_plan(words.tobytes(), n, int(words[g]), int(words[2 * g + 1]), src_bytes, dst_bytes,
+                         tuple(lens), sum(map(operator.mul, self._group_bytes, lens)), self._origin)
 
     # ------------------------------------------------------------ checks in Python
     def _checked_ids(self, src_ids, dst_ids):
@@ -170,20 +170,19 @@ class _NativePass:
         self._static_at = ctypes.addressof(self._static)
         self._words_fixed = 2 * (g + 1) + 1  # words of a call besides 4 per id
 
-    def __call__(self, src, dst, lens):
-        """``(words, n, error report)``: the report is ``words[0:3]`` when n < 0."""
-        words = array.array("q", bytes(8 * (self._words_fixed + 4 * len(src))))
-        src_address = _address(src)
-        dst_address = src_address if dst is src else _address(dst)
-        n = self._fn(self._static_at, src_address, dst_address, lens.buffer_info()[0], words.buffer_info()[0])
-        return words, n, words[:3]
+    def __call__(self, src: bytes, dst: bytes, lens: array.array):
+        """``(words, n)`` for the int64 ids in ``src``/``dst`` (ctypes passes a ``bytes``
+        object as the address of its data); ``words[0:3]`` is the pass's report
+        ``(code, group, id)`` when n < 0."""
+        words = _ZERO_WORD * (self._words_fixed + len(src) // 2)  # 4 words per id, 8 bytes each
+        return words, self._fn(self._static_at, src, dst, lens.buffer_info()[0], words.buffer_info()[0])
 
 
 def plan_in_numpy(src: np.ndarray, dst: np.ndarray, lens, src_limit: np.ndarray, dst_limit: np.ndarray,
                   dst_class: np.ndarray, entries_per_group: np.ndarray):
-    """``csrc/call_plan.cpp`` in numpy: ``(words, n, None)`` with the packed call in
-    ``words[:n]`` and the block prefix after it, or ``(None, -1, (code, group, id))`` for
-    the first id (in call order) the C pass would refuse, with the same code."""
+    """``csrc/call_plan.cpp`` in numpy: ``(words, n)`` with the packed call in
+    ``words[:n]`` and the block prefix after it, or ``((code, group, id), -1)`` for the
+    first id (in call order) the C pass would refuse, with the same code."""
     g_count = len(lens)
     written: Dict[int, np.ndarray] = {}  # class -> destination ids of its earlier groups
     runs, pos = [], 0
@@ -202,7 +201,7 @@ def plan_in_numpy(src: np.ndarray, dst: np.ndarray, lens, src_limit: np.ndarray,
         if bad.any():
             i = int(np.argmax(bad))
             code = SRC_RANGE if src_bad[i] else DST_RANGE if dst_bad[i] else DUPLICATE
-            return None, -1, (code, g, int(s[i] if code == SRC_RANGE else t[i]))
+            return (code, g, int(s[i] if code == SRC_RANGE else t[i])), -1
         written[cls] = np.concatenate([written[cls], t]) if cls in written else t
         runs.append(merge_runs(s, t))
     run_counts = np.array([len(r) for r in runs], dtype=np.int64)
@@ -213,7 +212,7 @@ def plan_in_numpy(src: np.ndarray, dst: np.ndarray, lens, src_limit: np.ndarray,
     prefix = np.zeros(int(run_counts.sum()) + 1, dtype=np.int64)
     np.cumsum(flat_runs[2::3], out=prefix[1:])
     words = np.ascontiguousarray(np.concatenate([header, flat_runs, prefix]), dtype=np.int64)
-    return words, len(header) + len(flat_runs), None
+    return words, len(header) + len(flat_runs)
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -228,6 +227,7 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
 
 
 _function = None
+_ZERO_WORD = array.array("q", [0])  # times n: a zeroed call array, made in one C loop
 
 
 def plan_call_function():
@@ -255,7 +255,9 @@ def _plain_ids(src_ids, dst_ids, g: int):
     if type(src_ids) not in _PLAIN or type(dst_ids) not in _PLAIN or len(src_ids) != g or len(dst_ids) != g:
         return None
     for x in (src_ids if same else itertools.chain(src_ids, dst_ids)):
-        if type(x) not in _PLAIN or _may_hold_bools(x):
+        # a bool among the ids (array('q') would take it as 0/1): `in` is a C loop comparing
+        # by identity, then value; the type scan runs only for lists holding a 0 or 1
+        if type(x) not in _PLAIN or ((True in x or False in x) and not _INT_ONLY.issuperset(map(type, x))):
             return None
     lens = array.array("q", map(len, src_ids))
     if not same and array.array("q", map(len, dst_ids)) != lens:
@@ -266,17 +268,6 @@ def _plain_ids(src_ids, dst_ids, g: int):
     except (TypeError, OverflowError):
         return None
     return src, dst, lens
-
-
-def _may_hold_bools(ids) -> bool:
-    """Whether a list of ids holds a Python bool (``array('q')`` would take it as 0/1).
-    ``in`` is a C loop comparing by identity, then value; the type scan runs only for
-    lists holding a 0 or 1."""
-    return (True in ids or False in ids) and not _INT_ONLY.issuperset(map(type, ids))
-
-
-def _address(buf) -> int:
-    return buf.buffer_info()[0] if isinstance(buf, array.array) else buf.ctypes.data
 
 
 def _dense_classes(g_count: int, alias_classes: Sequence[Sequence[int]]) -> List[int]:

@@ -32,7 +32,6 @@ run) pair; ``item_offsets[g+1] - item_offsets[g] = entries(g) * runs(g)``.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -68,7 +67,7 @@ class CopyTables:
     dst_device: torch.device
     word_bytes: int  # widest word (<= 16) every address, stride and size is aligned to
     group_block_bytes: np.ndarray  # int64 [G]: bytes one block id moves in group g
-    max_ctas: Optional[int] = None  # grid cap of the kernel backends (BlockCopier(max_ctas=))
+    max_ctas: Optional[int] = None  # grid cap of the kernel backends (CopyOptions.max_ctas; None: uncapped)
     staging: str = "dst"  # the side whose pages key the checksums (the host buffers)
     backend_state: dict = field(default_factory=dict)  # what backends cache per table
 
@@ -82,25 +81,6 @@ class CopyTables:
 
     def group_entry_ids(self, g: int) -> np.ndarray:
         return self.group_entries[self.group_offsets[g] : self.group_offsets[g + 1]]
-
-    def cta_cap(self) -> Optional[int]:
-        """The kernel backends' grid cap: ``max_ctas`` given to the copier, else the
-        ``KVCOPY_MAX_CTAS`` environment variable, else None (uncapped)."""
-        value: object = self.max_ctas
-        where = "max_ctas"
-        if value is None:
-            env = os.environ.get("KVCOPY_MAX_CTAS", "").strip()
-            if not env:
-                return None
-            value, where = env, "KVCOPY_MAX_CTAS"
-        n = 0
-        if isinstance(value, str) and value.strip().isdigit():
-            n = int(value)
-        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            n = int(value)
-        if n < 1:
-            raise ValueError(f"{where} must be a positive integer, got {value!r}")
-        return n
 
     def max_run_bytes(self) -> int:
         return int(self.entries[:, RUN_BYTES].max()) if len(self.entries) else 0

@@ -128,7 +128,7 @@ class TransferManager:
                  *, options: Optional[ManagerOptions] = None, **overrides):
         self._closed = True  # until built: close() (and __del__) then touch nothing
         self.name = checked_name(name, "name (the NIXL agent name)", MAX_NAME)
-        opts = ManagerOptions.make(options, overrides)
+        opts = ManagerOptions.make(options, overrides, "TransferManager")
         self.pull_timeout_s = opts.pull_timeout_s
         self.require_checksum = opts.require_checksum  # device mode refuses it (no sums)
         # Shared HMAC key (docs/nixl.md, "Trust model"): metadata() is authenticated

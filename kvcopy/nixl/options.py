@@ -6,9 +6,8 @@ modes (:mod:`kvcopy.nixl.modes.base`) read what they need from the same value.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from ..checks import integer, seconds
 from ..core.options import ChecksumOptions
@@ -73,15 +72,3 @@ class ManagerOptions(ChecksumOptions):
                             f"got {self.transports!r}")
         put(self, "transports", tuple(self.transports))
 
-    @classmethod
-    def make(cls, options: Optional["ManagerOptions"], overrides: Mapping[str, Any]) -> "ManagerOptions":
-        """``options`` (default: all defaults) with ``overrides`` by name; an unknown name
-        raises ``TypeError`` naming it."""
-        if options is not None and not isinstance(options, cls):
-            raise TypeError(f"options must be a ManagerOptions, got {type(options).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"TransferManager got unknown option(s) {unknown}; known: {sorted(known)}")
-        base = options if options is not None else cls()
-        return dataclasses.replace(base, **overrides) if overrides else base

@@ -166,8 +166,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         )
         try:
             copier = BlockCopier(self.device_kv_caches, self.host_xfer_buffers, groups,
-                                 copy_backend=self.kvcopy_options.copy_backend,
-                                 max_ctas=self.kvcopy_options.max_ctas)
+                                 options=self.kvcopy_options)
         except ValueError as exc:
             raise ValueError(
                 f"KvcopyNixlConnector: cannot build the host-buffer copier for kv cache layout "
@@ -182,7 +181,7 @@ class KvcopyNixlWorker(NixlPullConnectorWorker):
         logger.info(
             "kvcopy: host-buffer sync through backend %s (d2h %s, h2d %s): %d transfer groups, "
             "%d layers copied%s%s",
-            copier.backend, copier.backends()["to_host"], copier.backends()["to_device"],
+            copier.copy_backend, copier.copy_backends()["to_host"], copier.copy_backends()["to_device"],
             len(groups), copied,
             f", {len(skipped)} KV-sharing layers never copied" if skipped else "",
             self._state_buffers_note(),

@@ -100,11 +100,12 @@ class KvcopyOffloadingWorker(OffloadingWorker):
         # then a failed load is reported as a failed job, which vLLM stops on.
         self.reports_failures = False
         self._failed_loads: Set[int] = set()
+        copy_backends = self.copier.copy_backends()
         logger.info(
             "kvcopy offloading: backend %s (store %s, load %s), %d KV cache groups, %d copier layers, %d chunks x %d "
-            "blocks, checksums %s", self.copier.backend, self.copier.backends()["to_host"],
-            self.copier.backends()["to_device"], self.jobs.num_groups, sum(len(g) for g in self.copier.layer_groups),
-            self.jobs.num_chunks, blocks_per_chunk, "on" if options.checksum else "off")
+            "blocks, checksums %s", self.copier.copy_backend, copy_backends["to_host"], copy_backends["to_device"],
+            self.jobs.num_groups, sum(len(g) for g in self.copier.layer_groups), self.jobs.num_chunks,
+            blocks_per_chunk, "on" if options.checksum else "off")
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         self._submit(job_id, src_spec, dst_spec, True, "store")

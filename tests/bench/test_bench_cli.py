@@ -108,8 +108,8 @@ def test_nothing_asked_for_can_run_is_an_error(capsys, monkeypatch):
     before measuring, naming why each method cannot run."""
     import kvcopy
 
-    real = kvcopy.available_backends()
-    monkeypatch.setattr(kvcopy, "available_backends",
+    real = kvcopy.available_copy_backends()
+    monkeypatch.setattr(kvcopy, "available_copy_backends",
                         lambda: {**real, "cuda": "no CUDA device here", "ce": "no CUDA device here"})
     assert main(["--backends", "cuda,ce", "--quiet", *SMALL]) == 2
     err = capsys.readouterr().err

@@ -19,7 +19,7 @@ def test_without_a_device_ce_is_unavailable_and_says_why():
     backend = ce.CopyEngineBackend()
     assert "no CUDA device here" in backend.unavailable_reason()
     assert backend.batch_abi() == 0  # nothing resolved: the loop is all there would be
-    assert "no CUDA device here" in kvcopy.available_backends()["ce"]
+    assert "no CUDA device here" in kvcopy.available_copy_backends()["ce"]
     case = CopyCase(num_groups=1)
     dev, host = case.build()
     with pytest.raises(ValueError, match="backend 'ce' is not available"):

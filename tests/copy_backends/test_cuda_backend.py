@@ -57,6 +57,27 @@ def test_inline_launch_passes_the_call_array_and_grid():
         assert got["struct_bytes"] == (ctypes.sizeof(native.CudaTables), ctypes.sizeof(native.CudaCall))
 
 
+@pytest.mark.parametrize("sm_count, max_ctas", [(132, None), (132, 5), (3, None), (3, 16), (1, 1)])
+def test_inline_launch_grid_is_the_kernel_rule(sm_count, max_ctas):
+    """InlineLaunch writes grid_size's rule out with its cap worked out at build: the
+    grids agree where the call's bytes bind and where the cap does."""
+    page = kernel_inputs.CTA_MIN_BYTES // 4  # 4 pages of a layer: one CTA's share
+    t = {f"l{i}": torch.zeros(16, page, dtype=torch.uint8) for i in range(2)}
+    h = {k: torch.zeros_like(v) for k, v in t.items()}
+    c = kvcopy.BlockCopier(t, h, [["l0"], ["l1"]], copy_backend="cpu")
+    seen = []
+    path = InlineLaunch.stubbed(c.tables("h2d"), _recorder(seen), sm_count=sm_count, max_ctas=max_ctas)
+    grids = set()
+    for ids in ([[0], []], [[0, 1, 2, 3], [4]], [list(range(16)), list(range(16))], [[5, 9, 12], [0, 15]]):
+        call = c.plan("h2d", ids)
+        assert path(call) == 0
+        assert seen[-1]["grid"] == kernel_inputs.grid_size(call.total_bytes, sm_count, max_ctas)
+        grids.add(seen[-1]["grid"])
+    # the 32-page call needs 8 CTAs: the cap binds below that, the bytes above
+    assert max(grids) == min(8, kernel_inputs.grid_cap(sm_count, max_ctas))
+    c.close()
+
+
 def test_inline_launch_declines_calls_that_do_not_fit():
     c = _copier(num_blocks=400)
     seen = []

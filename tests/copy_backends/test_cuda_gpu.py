@@ -24,11 +24,10 @@ def test_cuda_bit_exact(case, direction):
 
 @pytest.mark.parametrize("max_ctas", [1, 16])
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_cuda_max_ctas(max_ctas, direction, monkeypatch):
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", str(max_ctas))
+def test_cuda_max_ctas(max_ctas, direction):
     for case in (CopyCase(ids="all", num_groups=1, layout="nhd", num_blocks=64, dtype="fp32", head_size=256),
                  CopyCase(layout="kv_first", num_groups=7, ids="scattered", num_blocks=48)):
-        check_copy("cuda", case, direction, device="cuda").close()
+        check_copy("cuda", case, direction, device="cuda", max_ctas=max_ctas).close()
 
 
 def test_cuda_nvrtc_launcher(monkeypatch):

@@ -36,7 +36,6 @@ DIRECTIONS = ("d2h", "h2d")
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", "3")
     return monkeypatch
 
 
@@ -130,13 +129,13 @@ def test_copier_max_ctas_caps_the_grid(interpret, monkeypatch):
     monkeypatch.setattr(mod, "fused_copy_kernel", counter)
     case = CopyCase(layout="nhd", num_groups=2, ids="all", num_blocks=64, block_size=16, num_heads=4)
     dev_ids, host_ids = case.block_ids()
-    for cap, expected in ((2, 2), (1, 1), (None, 3)):  # None: KVCOPY_MAX_CTAS=3 from the fixture
+    for cap, expected in ((2, 2), (1, 1), (None, tb.INTERPRETER_MAX_CTAS)):
         copier = _copier(case, max_ctas=cap)
         assert copier.tables("d2h").backend_state[tb.STATE_KEY].max_ctas == expected
         copier.to_host(dev_ids, host_ids)
         assert counter.launches[-1] == (expected,)  # the call has more tiles than that
-    for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="max_ctas"):
+    for bad, error in ((0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_ctas"):
             _copier(case, max_ctas=bad)
 
 
@@ -144,7 +143,7 @@ def test_backend_state_and_release(interpret):
     case = CopyCase(layout="kv_first")
     copier = _copier(case)
     st = copier.tables("h2d").backend_state[tb.STATE_KEY]
-    assert st.device.type == "cpu" and st.max_ctas == 3 and st.pinning is None
+    assert st.device.type == "cpu" and st.max_ctas == tb.INTERPRETER_MAX_CTAS and st.pinning is None
     assert tc.is_interpreted(st.mod)
     assert torch.equal(st.entries.view(-1, ENTRY_FIELDS).cpu(), torch.from_numpy(copier.tables("h2d").entries))
     copier.close()
@@ -261,11 +260,7 @@ def _pinned(case: CopyCase) -> PinnedCase:
 
 def _check_gpu(monkeypatch, case, direction, max_ctas=None):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if max_ctas is None:
-        monkeypatch.delenv("KVCOPY_MAX_CTAS", raising=False)
-    else:
-        monkeypatch.setenv("KVCOPY_MAX_CTAS", str(max_ctas))
-    copier = check_copy("triton", case, direction, device="cuda")
+    copier = check_copy("triton", case, direction, device="cuda", max_ctas=max_ctas)
     st = copier.tables(direction).backend_state[tb.STATE_KEY]
     if max_ctas is not None:
         assert st.max_ctas == max_ctas

@@ -220,7 +220,7 @@ def test_page_sums_zero_pad_the_last_word_of_each_run():
 
 
 # ------------------------------------------------------------------ every backend = the oracle
-CPU_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_backends()[b] is None]
+CPU_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_copy_backends()[b] is None]
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -734,7 +734,6 @@ def test_cuda_kernel_long_and_short_runs(case, num_ranges, ranges_backend):
 def interpret(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", "3")
     return monkeypatch
 
 

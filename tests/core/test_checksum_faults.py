@@ -80,7 +80,7 @@ class Transfer:
         return sum(map(len, self.ids[:g])) + i
 
 
-DETECT_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_backends()[b] is None]
+DETECT_BACKENDS = [b for b in ("cpu", "torch") if kvcopy.available_copy_backends()[b] is None]
 TAIL_CASE = CopyCase(layout="nhd", dtype="uint8", head_size=7, num_heads=1, block_size=3, ids="scattered")  # 21 B
 DETECT_CASES = [CopyCase(layout="kv_first", ids="scattered"), TAIL_CASE,
                 CopyCase(layout="lbnhc", num_heads=3, ids="scattered")]

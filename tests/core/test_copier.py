@@ -12,13 +12,13 @@ from kvcopy.core.planner import CallPlanner
 from kvcopy.testing.reference import reference_copy_groups
 from kvcopy.testing import POISON_BYTE, CopyCase, bytes_equal, check_copy, standard_cases
 
-CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_backends()[b] is None]
+CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_copy_backends()[b] is None]
 CASES = standard_cases()
 
 
 def test_cpu_backend_is_built():
     # CI builds the native library; a silent fallback to torch would hide a broken build.
-    assert kvcopy.available_backends()["cpu"] is None, kvcopy.available_backends()["cpu"]
+    assert kvcopy.available_copy_backends()["cpu"] is None, kvcopy.available_copy_backends()["cpu"]
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
@@ -91,17 +91,17 @@ def test_same_bytes_under_two_names_in_one_group_are_copied_once():
 def test_auto_picks_cpu_for_cpu_tensors():
     case = CopyCase()
     dev, host = case.build()
-    assert kvcopy.BlockCopier(dev, host, case.layer_groups()).backend == "cpu"
+    assert kvcopy.BlockCopier(dev, host, case.layer_groups()).copy_backend == "cpu"
 
 
 def test_backends_report_reasons():
-    report = kvcopy.available_backends()
-    assert set(report) == set(kvcopy.BACKENDS)
+    report = kvcopy.available_copy_backends()
+    assert set(report) == set(kvcopy.COPY_BACKENDS)
     assert report["torch"] is None
     for reason in report.values():
         assert reason is None or isinstance(reason, str) and reason
     t = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match="unknown copy backend"):
         kvcopy.BlockCopier({"a": t}, {"a": torch.zeros_like(t)}, [["a"]], copy_backend="nope")
 
 
@@ -201,7 +201,7 @@ def test_build_errors():
     _groups_error({"a": t}, {"a": h}, [["a"]], ValueError, "not available|cannot copy", copy_backend="cuda")
     # the old keyword names the new one (NIXL's plugins are "backends" too)
     _groups_error({"a": t}, {"a": h}, [["a"]], TypeError, r"backend= is now copy_backend=", backend="cpu")
-    _groups_error({"a": t}, {"a": h}, [["a"]], TypeError, r"unexpected keyword argument\(s\) \['layers'\]",
+    _groups_error({"a": t}, {"a": h}, [["a"]], TypeError, r"unknown option\(s\) \['layers'\]",
                   layers=1)
     # one allocation seen in two element orders by two layers: not one region, refused
     raw = torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)

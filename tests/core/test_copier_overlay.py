@@ -18,7 +18,7 @@ import kvcopy
 from kvcopy.testing.reference import reference_copy_groups
 from kvcopy.testing import POISON_BYTE
 
-CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_backends()[b] is None]
+CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_copy_backends()[b] is None]
 
 
 class Overlay:
@@ -292,7 +292,6 @@ def test_overlays_through_the_triton_interpreter(overlay, monkeypatch):
     """The Triton kernel's addressing over overlaid views, on CPU tensors."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", "3")
     build, groups, ids = _GPU_OVERLAYS[overlay]
     for direction in ("h2d", "d2h"):
         _check("triton", build(), groups, ids, direction)

@@ -9,7 +9,7 @@ import torch
 import kvcopy
 from kvcopy.core.storages import StorageGuard, check_disjoint
 
-CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_backends()[b] is None]
+CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_copy_backends()[b] is None]
 
 
 def test_disjoint_sides_pass_and_a_shared_byte_is_named():

@@ -35,19 +35,15 @@ def test_word_bytes_follows_the_narrowest_alignment():
     assert c.tables("d2h").word_bytes == 1
 
 
-def test_cta_cap(monkeypatch):
-    """One rule for the kernel backends' grid cap: the copier's max_ctas, else the
-    environment, else uncapped; anything but a positive integer raises."""
+def test_max_ctas_reaches_the_tables(monkeypatch):
+    """One rule for the kernel backends' grid cap: the copier's max_ctas (CopyOptions),
+    else uncapped; anything but a positive integer raises at build. The environment
+    plays no part."""
     t = {"a": torch.zeros(8, 4, 2, 8, dtype=torch.bfloat16)}
     h = {"a": torch.zeros_like(t["a"])}
-    monkeypatch.delenv("KVCOPY_MAX_CTAS", raising=False)
-    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch").tables("d2h").cta_cap() is None
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", "16")
-    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch").tables("h2d").cta_cap() == 16
-    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch", max_ctas=8).tables("d2h").cta_cap() == 8
-    for bad in (0, -1, "x", True, 2.5):
-        with pytest.raises(ValueError, match="max_ctas must be a positive integer"):
+    monkeypatch.setenv("KVCOPY_MAX_CTAS", "16")  # read nowhere now
+    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch").tables("d2h").max_ctas is None
+    assert kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch", max_ctas=8).tables("h2d").max_ctas == 8
+    for bad, error in ((0, ValueError), (-1, ValueError), ("x", TypeError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(error, match="max_ctas must be a positive integer"):
             kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch", max_ctas=bad)
-    monkeypatch.setenv("KVCOPY_MAX_CTAS", "zero")
-    with pytest.raises(ValueError, match="KVCOPY_MAX_CTAS must be a positive integer"):
-        kvcopy.BlockCopier(t, h, [["a"]], copy_backend="torch")

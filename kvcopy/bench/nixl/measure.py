@@ -596,4 +596,4 @@ def _page_plan(plan):
 def _copy_backends(manager) -> Optional[Dict[str, str]]:
     """The backends of a host-mode manager's BlockCopier (its buffer mode holds it)."""
     copier = getattr(getattr(manager, "_mode", None), "_copier", None)
-    return copier.backends() if copier is not None else None
+    return copier.copy_backends() if copier is not None else None

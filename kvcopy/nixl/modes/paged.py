@@ -277,8 +277,7 @@ class MirrorMode(PagedMode):
 
     def __init__(self, regions: RegionSet, device_caches, layer_groups, tokens_per_page, opts: ManagerOptions):
         super().__init__(regions, device_caches, layer_groups)
-        self._copier = BlockCopier(self._caches, regions.host_views, self._groups, copy_backend=opts.copy_backend,
-                                   block_dim=opts.block_dim, kv_layout=opts.kv_layout, max_ctas=opts.max_ctas)
+        self._copier = BlockCopier(self._caches, regions.host_views, self._groups, options=opts)
         self.sum_stats = SumStats()
         self.sums: Optional[HostSums] = None  # the page-sums region (kvcopy.nixl.modes.mirror_sums), checksum=True
         if opts.checksum:

@@ -177,5 +177,5 @@ class KvcopyHooks:
                     return _real(*args, **kwargs)
                 setattr(copier, name, counted)
         return {"copier": True, "use_host_buffer": bool(getattr(worker, "use_host_buffer", False)),
-                "backend": copier.backend,
+                "backend": copier.copy_backend,
                 **counts}
