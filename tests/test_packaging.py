@@ -81,7 +81,7 @@ dst = {k: torch.full_like(v, 7.0) for k, v in src.items()}
 want = {k: v.clone() for k, v in dst.items()}
 for k in src:
     want[k][:, [1, 5, 6]] = src[k][:, [1, 5, 6]]
-c = kvcopy.BlockCopier(src, dst, [["a"], ["b"]], backend="cpu")
+c = kvcopy.BlockCopier(src, dst, [["a"], ["b"]], copy_backend="cpu")
 c.to_host([[1, 5, 6], [1, 5, 6]])
 assert all(torch.equal(dst[k].view(torch.int16), want[k].view(torch.int16)) for k in src)
 print(json.dumps({"file": kvcopy.__file__, "cuda": r["cuda"], "lib": str(native.LIB_DIR)}))
