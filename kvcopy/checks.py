@@ -27,6 +27,7 @@ dtype check; a Python list is scanned for non-ints first (one ``all`` over the l
 from __future__ import annotations
 
 import math
+import os
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -197,3 +198,29 @@ def name(value, what: str, max_len: int) -> str:
     if not 0 < len(value) <= max_len or "\0" in value:
         raise ValueError(f"{what} must be 1 to {max_len} characters without NUL, got {shown(value)}")
     return value
+
+
+def env_int(variable: str, default: int, minimum: int = 0) -> int:
+    """The integer environment variable ``variable`` (``default`` when unset or blank);
+    ``ValueError`` naming it when it is not an integer of at least ``minimum``."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise ValueError(f"{variable} must be an integer, got {shown(text)}") from None
+    if value < minimum:
+        raise ValueError(f"{variable} must be at least {minimum}, got {value}")
+    return value
+
+
+def env_flag(variable: str, default: bool) -> bool:
+    """The switch ``variable``: ``1`` on, ``0`` off, unset or blank ``default``;
+    ``ValueError`` naming it for anything else."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{variable} must be 0 or 1, got {shown(text)}")
+    return text == "1"

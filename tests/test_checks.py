@@ -1,11 +1,19 @@
 """kvcopy.checks: every loose input is refused with TypeError/ValueError showing the value,
 through the copier and the NIXL manager (the planner's token counts), nothing written."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 import kvcopy
+from kvcopy import checks
 from kvcopy.checks import block_ids, integer, per_group_counts, seconds
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BAD_IDS = {  # value -> (exception, text the message must show)
     "python bool": ([1, True], TypeError, "True"),
@@ -300,3 +308,43 @@ def test_host_save_refuses_sets_views_masked_arrays_and_ids_past_the_cache(pd, i
     with pytest.raises((TypeError, ValueError)):
         p.save(ids)
     assert nixl_oracle.same_bytes(before, p.regions.host_views)
+
+
+# ------------------------------------------------------------------ environment variables
+@pytest.mark.parametrize("text, want", [("", 7), ("  ", 7), ("12", 12), (" 3 ", 3), ("0", 0)])
+def test_env_int_reads_integers_and_defaults_when_unset(monkeypatch, text, want):
+    monkeypatch.setenv("KVCOPY_TEST_INT", text)
+    assert checks.env_int("KVCOPY_TEST_INT", 7) == want
+
+
+@pytest.mark.parametrize("text, match", [("abc", "must be an integer, got 'abc'"), ("1.5", "must be an integer"),
+                                         ("0x10", "must be an integer"), ("-1", "must be at least 0, got -1")])
+def test_env_int_names_the_variable_on_a_bad_value(monkeypatch, text, match):
+    monkeypatch.setenv("KVCOPY_TEST_INT", text)
+    with pytest.raises(ValueError, match=f"KVCOPY_TEST_INT {match}"):
+        checks.env_int("KVCOPY_TEST_INT", 7)
+
+
+@pytest.mark.parametrize("text, default, want", [("", True, True), ("", False, False), ("1", False, True),
+                                                 ("0", True, False)])
+def test_env_flag_reads_0_and_1(monkeypatch, text, default, want):
+    monkeypatch.setenv("KVCOPY_TEST_FLAG", text)
+    assert checks.env_flag("KVCOPY_TEST_FLAG", default) is want
+
+
+@pytest.mark.parametrize("text", ["yes", "true", "2", "on"])
+def test_env_flag_names_the_variable_on_anything_else(monkeypatch, text):
+    monkeypatch.setenv("KVCOPY_TEST_FLAG", text)
+    with pytest.raises(ValueError, match=f"KVCOPY_TEST_FLAG must be 0 or 1, got '{text}'"):
+        checks.env_flag("KVCOPY_TEST_FLAG", False)
+
+
+@pytest.mark.parametrize("variable, text", [("KVCOPY_MIN_BYTES_PER_WARP", "abc"), ("KVCOPY_CTAS_PER_SM", "-1"),
+                                            ("KVCOPY_CTAS_PER_SM", "0")])
+def test_a_bad_grid_variable_fails_the_import_naming_it(variable, text):
+    """The CUDA grid heuristic's variables are read at import: a bad value stops it there
+    with the variable's name, not a bare int() error (or a zero divisor) later."""
+    env = {**os.environ, variable: text}
+    r = subprocess.run([sys.executable, "-c", "import kvcopy.copy_backends.kernel_inputs"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and f"ValueError: {variable} must be" in r.stderr, r.stderr[-800:]

@@ -682,7 +682,7 @@ def test_the_field_check_can_fail(tmp_path):
     assert {f: c for f, c in option_fields(tmp_path).items() if len(c) > 1} == {"x": {"AOptions", "BOptions"}}
 
 
-ENV_READ = re.compile(r"""(?:environ\.get|getenv|environ\[)\(?\s*["'](KVCOPY_\w+)["']""")
+ENV_READ = re.compile(r"""(?:environ\.get|getenv|environ\[|env_int|env_flag)\(?\s*["'](KVCOPY_\w+)["']""")  # checks.env_*: the named readers
 
 
 def env_readers(root: Path = ROOT) -> Dict[str, Set[str]]:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from .. import native
+from ..checks import env_flag
 from . import Backend
 from .gpu import GpuBackendBase, call_on_device, require_gpu
 from .pinning import pin_host_side
@@ -85,7 +86,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
         mode = _MODES.get(os.environ.get("KVCOPY_CE_MODE", "auto"))
         if mode is None:
             raise ValueError(f"KVCOPY_CE_MODE must be one of {sorted(_MODES)}")
-        host_any = int(os.environ.get("KVCOPY_CE_HOST_ANY", "1") != "0")
+        host_any = int(env_flag("KVCOPY_CE_HOST_ANY", True))
         stream = torch.cuda.current_stream(st.device).cuda_stream
         used, segs = ctypes.c_int(0), ctypes.c_int64(0)
         options = native.CeOptions.make(src_is_host=st.src_host, dst_is_host=st.dst_host, host_access_any=host_any,

@@ -37,7 +37,6 @@ inline when small, else staged), not the inline fast path.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Union
 
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 
 from .. import native
+from ..checks import env_flag
 from . import Backend
 from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, raw_stream_getter, require_gpu
 from .kernel_inputs import CTA_MIN_BYTES, INLINE_WORDS, THREADS, call_array, grid_cap, grid_size, static_table
@@ -192,7 +192,7 @@ class CudaBackend(GpuBackendBase, Backend):
 
     def _find(self) -> Optional[str]:
         lib, why = native.load("kvcopy_cuda")
-        if lib is not None and not os.environ.get("KVCOPY_CUDA_NVRTC"):
+        if lib is not None and not env_flag("KVCOPY_CUDA_NVRTC", False):
             self._launcher = _LibLauncher(lib)
             return None
         from . import nvrtc
@@ -204,7 +204,7 @@ class CudaBackend(GpuBackendBase, Backend):
                 return None
             except OSError as exc:
                 reason = f"libcuda.so.1 not loadable ({exc})"
-        return f"{why or 'library not used (KVCOPY_CUDA_NVRTC set)'}; and no NVRTC fallback: {reason}"
+        return f"{why or 'library not used (KVCOPY_CUDA_NVRTC=1)'}; and no NVRTC fallback: {reason}"
 
     @property
     def launcher_kind(self) -> Optional[str]:

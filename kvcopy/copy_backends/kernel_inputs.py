@@ -17,19 +17,19 @@ copy), at most one wave of ``CTAS_PER_SM`` CTAs per SM, at most the copier's
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 
+from ..checks import env_int
 from ..core.tables import RUN_BYTES, RUNS_PER_PAGE, CallPlan, CopyTables
 
 THREADS = 512  # KVCOPY_THREADS in kernels/block_copy_kernel.cuh
 INLINE_WORDS = 480  # KVCOPY_INLINE_WORDS: call arrays up to this size travel in the kernel parameters
 # A warp gets at least this many bytes: below it the seek costs more than the copy.
-MIN_BYTES_PER_WARP = int(os.environ.get("KVCOPY_MIN_BYTES_PER_WARP", 4096))
+MIN_BYTES_PER_WARP = env_int("KVCOPY_MIN_BYTES_PER_WARP", 4096, minimum=1)
 # CTAs per SM when uncapped (the kernel uses 124-128 registers x 512 threads: one fits).
-CTAS_PER_SM = int(os.environ.get("KVCOPY_CTAS_PER_SM", 1))
+CTAS_PER_SM = env_int("KVCOPY_CTAS_PER_SM", 1, minimum=1)
 
 
 # A CTA is launched for each this many bytes of a call (MIN_BYTES_PER_WARP per warp).
