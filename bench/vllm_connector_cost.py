@@ -135,6 +135,11 @@ def main(argv=None):
 
         return transport([a for a in argv if a != "--transport"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Listed for --help only: "--transport" is dispatched above, before this parser, because
+    # the transport benchmark's options (--rounds, --blocks) differ from these.
+    ap.add_argument("--transport", action="store_true",
+                    help="run bench/vllm_transport_cost.py instead (the arena connector against vLLM's "
+                         "NixlConnector); every other option is then its own (--transport --help)")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--groups", type=int, default=6)
     ap.add_argument("--blocks", type=int, default=8, help="blocks per group per request")

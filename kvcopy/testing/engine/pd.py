@@ -1,6 +1,6 @@
 """P/D pairs of real engines: the connectors' configs, starting a pair, one batch through it.
 
-The three connectors compared (:data:`CONNECTORS`):
+The connectors compared (:data:`CONNECTORS`; the push variants are ``bench/serve_pd.py``'s):
 
 * ``stock``: vLLM's own ``NixlConnector`` (on the CPU platform it reads the KV in
   place: vLLM turns host buffers off there);
