@@ -249,7 +249,7 @@ class PushSender:
             return
         self._waiting[token] = item[1]
         self._readers[token] = d_tp
-        rid = self._match(token, item[1])
+        rid = item[1] if item[1] in self.chunks.parts else self._match(token, item[1])
         if rid is not None:
             self.chunks.accepted(token, rid)
 
@@ -257,7 +257,7 @@ class PushSender:
         """The reservations accepted for P's request ``rid`` (matched as :meth:`_match`
         does) and not posted yet."""
         return [t for t, named in list(self._waiting.items())
-                if t in self._waiting and (self._matched.get(t) or self._match(t, named)) == rid]
+                if named == rid or (t in self._waiting and (self._matched.get(t) or self._match(t, named)) == rid)]
 
     @property
     def busy(self) -> bool:
