@@ -682,7 +682,8 @@ def test_the_field_check_can_fail(tmp_path):
     assert {f: c for f, c in option_fields(tmp_path).items() if len(c) > 1} == {"x": {"AOptions", "BOptions"}}
 
 
-ENV_READ = re.compile(r"""(?:environ\.get|getenv|environ\[|env_int|env_flag)\(?\s*["'](KVCOPY_\w+)["']""")  # checks.env_*: the named readers
+# os.environ / os.getenv, and kvcopy.checks.env_int / env_flag (the readers that name the variable)
+ENV_READ = re.compile(r"""(?:environ\.get|getenv|environ\[|env_int|env_flag)\(?\s*["'](KVCOPY_\w+)["']""")
 
 
 def env_readers(root: Path = ROOT) -> Dict[str, Set[str]]:
