@@ -749,17 +749,7 @@ class Pushes:
 def _unsent(sent: np.ndarray, payload: int, slot: int, units, counts) -> List[Tuple[int, int]]:
     """P's span byte ranges no chunk WRITE sent: each run of unsent units, then the record slot."""
     bounds = push_units.unit_bounds(units, counts)
-    out, u = [], 0
-    while u < len(sent):
-        if sent[u]:
-            u += 1
-            continue
-        v = u
-        while v < len(sent) and not sent[v]:
-            v += 1
-        out.append((int(bounds[u]), int(bounds[v])))
-        u = v
-    return out + [(payload, payload + slot)]
+    return [(int(bounds[u]), int(bounds[v])) for u, v in push_units.runs(~sent)] + [(payload, payload + slot)]
 
 
 def _int(x, lo: int, hi: int) -> bool:

@@ -43,6 +43,12 @@ def unit_bounds(units, counts: Sequence[int]) -> np.ndarray:
     return np.asarray(list(segs) + [total], np.int64)
 
 
+def runs(mask: np.ndarray) -> List[Tuple[int, int]]:
+    """The maximal runs ``[lo, hi)`` of True in ``mask``."""
+    edges = np.diff(np.concatenate([[0], np.asarray(mask, bool).astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
 def clip_rows(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """``rows`` ``[p_rel, d_rel, nbytes]`` cut to P's bytes ``[lo, hi)`` (rows outside dropped)."""
     a = np.maximum(rows[:, 0], lo)

@@ -50,7 +50,7 @@ from vllm.logger import init_logger
 
 from ...nixl.manager import TransferManager
 from ...nixl.modes.partial_stage import PartialStage
-from ...nixl.modes.push_units import unit_bounds
+from ...nixl.modes.push_units import runs, unit_bounds
 from ...nixl.planning.pack_order import Unit, natural_key
 
 logger = init_logger("vllm.kvcopy")
@@ -99,7 +99,7 @@ class ChunkPoster:
     def _post(self, rid: str) -> None:
         part, bounds, copied, chunkable = self.parts[rid]
         for token in [t for t, r in self.tokens.items() if r == rid]:
-            for lo, hi in _runs(copied & chunkable & ~self._sent(token, len(copied))):
+            for lo, hi in runs(copied & chunkable & ~self._sent(token, len(copied))):
                 if bounds[hi] - bounds[lo] < self.min_bytes:
                     continue
                 t0 = time.monotonic()
@@ -132,8 +132,3 @@ def tail_mask(units: List[Unit]) -> np.ndarray:
     end = max(names, key=natural_key)
     return np.asarray([n == end for n in last], bool)
 
-
-def _runs(mask: np.ndarray) -> List[Tuple[int, int]]:
-    """The maximal runs ``[lo, hi)`` of True in ``mask``."""
-    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
-    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
