@@ -4,7 +4,7 @@ A span is ``[unit 0][unit 1]...[unit n-1]`` (:func:`~kvcopy.nixl.planning.pack_o
 one contiguous segment per unit, units in forward order, state units last), then the
 record slot. A layer-wise P (:mod:`kvcopy.nixl.modes.partial_stage`) has a unit's bytes
 final once its copy in the request's last step ended, so it can WRITE units ``[lo, hi)``
-before the rest (:meth:`kvcopy.nixl.push.Pushes.post_units`) and say so with a ``c``
+before the rest (:meth:`kvcopy.nixl.push_writes.PushWrites.post_units`) and say so with a ``c``
 notice naming that range of *its* units.
 
 P (:func:`unit_bounds`, :func:`clip_rows`): units ``[lo, hi)`` are P's bytes

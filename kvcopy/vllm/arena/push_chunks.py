@@ -12,7 +12,7 @@ dispatch), each unit is final once its copy of that step ended. :class:`ChunkPos
   takes the worker's lock for the post, which the engine thread never holds across the
   forward): marks the units copied and WRITEs, per reservation, each run of copied
   units not sent yet (contiguous in span order) holding at least :attr:`min_bytes`
-  (``TransferManager.push.post_units``; D is told ``c`` when it ended), never the
+  (``TransferManager.push_writes.post_units``; D is told ``c`` when it ended), never the
   *tail*: the unit(s) the forward's last attention layer completes;
 * :meth:`~ChunkPoster.accepted`: a reservation accepted while its request's last step
   runs sends the units copied so far at once;
@@ -104,7 +104,7 @@ class ChunkPoster:
                     continue
                 t0 = time.monotonic()
                 try:
-                    nbytes, _ = self.m.push.post_units(token, part, lo, hi, staged_as=rid)
+                    nbytes, _ = self.m.push_writes.post_units(token, part, lo, hi, staged_as=rid)
                 except ValueError as exc:  # answered (x) or failed: the final post says so
                     logger.warning("kvcopy arena: pushing units [%d, %d) of %s failed: %s", lo, hi, rid, exc)
                     del self.tokens[token]
@@ -113,7 +113,7 @@ class ChunkPoster:
                 self.events.append((t0, time.monotonic(), rid, lo, hi, nbytes))
 
     def _sent(self, token: bytes, n: int) -> np.ndarray:
-        sent = self.m.push.sent_units(token)
+        sent = self.m.push_writes.sent_units(token)
         return sent if sent is not None else np.zeros(n, bool)
 
     def end_step(self) -> None:
