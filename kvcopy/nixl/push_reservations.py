@@ -45,7 +45,7 @@ import numpy as np
 
 from .modes.arena import ArenaPlan, ArenaStaging
 from .modes import push_units
-from .modes.arena_push import LENGTH, ReservedWork, land, reserve
+from .modes.arena_push import ReservedWork, land, read_trailer, reserve
 from .modes.base import Peer
 from .pull import DONE, ERR, PROC, Completion
 from .wire.handshake import EngineInfo
@@ -92,7 +92,8 @@ class _Receiving:
     # chunked push (push_units): per peer the P units whose chunk landed, the D units scattered, their sums
     landed: Dict[str, np.ndarray] = field(default_factory=dict)
     scattered: Optional[np.ndarray] = None
-    sums: list = field(default_factory=list)
+    sums: Optional[push_units.UnitSums] = None
+    trailers: Optional[Dict[str, StagedRequest]] = None  # P's records, read once every f came
     chunks: int = 0  # c notices taken
 
     @property
@@ -221,26 +222,26 @@ class Reservations:
         assert us is not None
         if job.scattered is None:
             job.scattered = np.zeros(len(us.needs), bool)
+            job.sums = push_units.UnitSums(us, self._mode.sums.device.type == "cpu")
         landed = [job.landed.get(n, np.zeros(k, bool)) for n, k in zip(job.names, us.p_units)]
         ready = us.ready(landed, job.scattered)
         if not ready:
             return
         job.scattered[ready] = True  # before the copy: a unit half scattered is never scattered again
         try:
+            assert job.sums is not None
             push_units.scatter(self._mode, job.rw.request.order, us, ready, self._mode.sums.on, job.sums)
         except Exception as exc:  # noqa: BLE001 -- a torch/CUDA error fails this load only
             self._fail(job, f"scattering a pushed chunk failed: {type(exc).__name__}: {exc}")
 
     def _visible(self, job: _Receiving) -> bool:
-        """Every trailer's frame reads (a fabric may report a WRITE done before its bytes show)."""
-        buf, base = self._mode.buffer, job.rw.work.offset
-        for at, cap in job.rw.slots.values():
-            raw = buf[base + at: base + at + cap].numpy().tobytes()
-            (n,) = LENGTH.unpack_from(raw)
-            try:
-                StagedRequest.from_bytes(raw[LENGTH.size:LENGTH.size + n], self._key)
-            except ValueError:
-                return False
+        """Every trailer's record reads (a fabric may report a WRITE done before its bytes
+        show); kept for ``complete``, which checks them."""
+        try:
+            job.trailers = {n: read_trailer(self._mode, job.rw, n, self._key) for n in job.names}
+        except ValueError:
+            job.trailers = None
+            return False
         return True
 
     def _fail(self, job: _Receiving, reason: str) -> None:
@@ -267,7 +268,8 @@ class Reservations:
         try:
             if job.state == DONE:
                 try:
-                    check, unchecked = land(self._mode, job.rw, self._key, self._require, job.scattered, job.sums)
+                    check, unchecked = land(self._mode, job.rw, self._key, self._require, job.scattered, job.sums,
+                                            job.trailers)
                     self.landed += 1
                     return Completion.of_done(self._info.num_groups, check, unchecked, work)
                 except Exception as exc:  # noqa: BLE001 -- a refused record or a failed scatter fails this load only
