@@ -18,13 +18,15 @@ dispatch), each unit is final once its copy of that step ended. :class:`ChunkPos
   runs sends the units copied so far at once;
 * the final WRITE (the units left: the tail, the state units the sweep copies, and the
   record slot) is :class:`~kvcopy.vllm.arena.push_send.PushSender`'s, as for a
-  whole-request push; ``f`` follows once every WRITE of the reservation ended. The tail
+  whole-request push, posted from the copy thread right after the last layer's copy
+  when that copy left nothing for the sweep (the record made there:
+  :meth:`~kvcopy.vllm.arena.layerwise.LayerwiseStage.finish_early`), else at
+  ``wait_for_save``; ``f`` follows once every WRITE of the reservation ended. The tail
   rides in it rather than in a chunk of its own: after the prefill end there is then one
-  WRITE (and one notice to D) instead of two, and the final WRITE has to wait for the
-  record anyway. Measured against the tail in a chunk of its own (``tail_in_final``
-  False; ``bench/push_chunks_serve.py``, the 2-core machine shared): 0.87x over 15
-  requests each, 0.86-1.34x in other runs, so within the noise there: D then scatters the
-  tail at ``f`` instead of on its ``c`` while P closes the step.
+  WRITE (and one notice to D) instead of two. Measured against the tail in a chunk of
+  its own (``tail_in_final`` False; ``bench/push_chunks_serve.py``, the 2-core machine
+  shared, three runs of 5 requests per setting): 0.56-1.17x, within the noise there: D
+  then scatters the tail at ``f`` instead of on its ``c`` while P posts the record.
 
 A reservation accepted after the request's last step began its copies gets the units
 copied so far in one chunk and the rest in the final WRITE; one accepted after staging
