@@ -1,6 +1,6 @@
 """The fixed cost of one NIXL WRITE between two arenas, and what it means for chunked push.
 
-A layer-wise P pushing in chunks (``kvcopy.nixl.push``, ``post_units``) posts one WRITE per
+A layer-wise P pushing in chunks (``kvcopy.nixl.push_writes``, ``post_units``) posts one WRITE per
 chunk of units while its forward runs; the chunk size trades the WRITE's fixed cost
 (post, completion seen by P's poll, the notice) against how much of the last layer's
 bytes wait behind it. This measures, between two managers' arenas over UCX on loopback

@@ -130,23 +130,23 @@ def _instrument(p, d, ev: Events):
         real_copied(rid, units)
     layers._copy, layers.on_copied = copy, on_copied
 
-    real_complete = d.manager.push.complete
+    real_complete = d.manager.reservations.complete
 
     def complete(token):
         t0 = time.monotonic()
         out = real_complete(token)
         ev.log("scatters", (t0, time.monotonic(), ["complete"]))
         return out
-    d.manager.push.complete = complete
+    d.manager.reservations.complete = complete
 
-    real_post = pw.manager.push.post
+    real_post = pw.manager.push_writes.post
 
     def post(token, record):
         t0 = time.monotonic()
         out = real_post(token, record)
         ev.log("final_posts", (t0, time.monotonic(), out[0], out[1]))
         return out
-    pw.manager.push.post = post
+    pw.manager.push_writes.post = post
 
     real_scatter = push_units.scatter
 

@@ -101,7 +101,8 @@ from .sum_check import NOT_WRITTEN, finished, unchecked_refusal
 from .pull import DONE, ERR, PROC, Completion, PullHandle
 from .engine.regions import MAX_NAME, RegionSet, tokens_per_group
 from .modes.arena import ArenaStaging
-from .push import Pushes
+from .push_reservations import Reservations
+from .push_writes import PushWrites
 
 MODES: Dict[str, Type[BufferMode]] = {"host": MirrorMode, "device": DeviceMode, "arena": ArenaStaging}
 # Registered memory of closed managers whose READs may still have landed after close()
@@ -168,8 +169,12 @@ class TransferManager:
             tokens_per_block=self.tokens_per_block, tokens_per_page=self.tokens_per_page,
             regions=mode.region_infos, agent_metadata=self._agent.metadata(), arena=mode.arena_range,
             sums=mode.sums_region, generation=secrets.token_hex(8))
-        self._push = Pushes(self._agent, self._mail, mode, self._info, self._key, lambda: self.notifications(keep=True),
-                            self.require_checksum, self._peer_obj) if isinstance(mode, ArenaStaging) else None
+        self._reservations: Optional[Reservations] = None
+        self._push_writes: Optional[PushWrites] = None
+        if isinstance(mode, ArenaStaging):
+            self._reservations = Reservations(mode, self._info, self._key, lambda: self.notifications(keep=True),
+                                              self.require_checksum, self._peer_obj)
+            self._push_writes = PushWrites(self._agent, self._mail, mode, self._info, self._key)
         self._closed = False
 
     def _register(self, mode: BufferMode) -> None:
@@ -294,17 +299,27 @@ class TransferManager:
         return self._mail.take(self._info.generation, self._on_mail, keep)  # keep: save() looked
 
     def _on_mail(self, new: Mapping[str, List[bytes]]) -> None:
-        if self._push is not None:
-            self._push.on_notices(new)  # push notifications are taken out (kvcopy.nixl.push)
+        if self._reservations is not None:
+            self._reservations.on_notices(new)  # push notifications are taken out (kvcopy.nixl.push_reservations)
         self._mode.on_notifications(new)
 
     @property
-    def push(self) -> Pushes:
-        """Arena mode's pushes (:mod:`kvcopy.nixl.push`): D's reservations, P's WRITEs."""
+    def reservations(self) -> Reservations:
+        """D's half of arena mode's pushes (:mod:`kvcopy.nixl.push_reservations`): spans
+        of this arena reserved for requests P WRITEs."""
         self._check_open()
-        if self._push is None:
+        if self._reservations is None:
             raise ValueError(f"push needs buffer='arena', this manager is {self.buffer!r}")
-        return self._push
+        return self._reservations
+
+    @property
+    def push_writes(self) -> PushWrites:
+        """P's half of arena mode's pushes (:mod:`kvcopy.nixl.push_writes`): WRITEs of
+        this arena's staged spans into spans D reserved."""
+        self._check_open()
+        if self._push_writes is None:
+            raise ValueError(f"push needs buffer='arena', this manager is {self.buffer!r}")
+        return self._push_writes
 
     def _peer_obj(self, name: str) -> Peer:
         if not isinstance(name, str) or name not in self._peers:
@@ -313,10 +328,10 @@ class TransferManager:
 
     def add_target(self, metadata: bytes) -> str:
         """P: check a D's handshake (as ``add_peer`` does, without pairing layers: P never
-        plans) and load it into NIXL, so :meth:`push` may WRITE into its arena."""
+        plans) and load it into NIXL, so :meth:`push_writes` may WRITE into its arena."""
         remote = decode(metadata, self._key, layer_limit(self._info))
         check_peer_limits(self._info, remote)
-        push = self.push
+        push = self.push_writes
         if remote.name in push.targets() or remote.name in self._peers:
             raise ValueError(f"target {remote.name!r} is already added")
         load_peer(self._agent, remote, engine_descriptors(remote)[0], self.name, self._peers)  # None: an arena
@@ -324,7 +339,7 @@ class TransferManager:
         return remote.name
 
     def remove_target(self, name: str) -> None:
-        self.push.forget_target(name)
+        self.push_writes.forget_target(name)
         self._agent.release_remote(name)
 
     # ------------------------------------------------------------ D side
@@ -580,8 +595,9 @@ class TransferManager:
                "abandoned_reads": len(self._late), "peers": len(self._peers),
                "notifications_refused": self._mail.refused}
         out.update(self._mode.stats())
-        if self._push is not None:
-            out.update(self._push.stats())
+        for half in (self._reservations, self._push_writes):
+            if half is not None:
+                out.update(half.stats())
         return out
 
     def _check_open(self) -> None:
@@ -599,7 +615,7 @@ class TransferManager:
         for name in list(self._peers):
             self.remove_peer(name)
         pending = self._late.drop(Agent.release)  # a release is no cancel: they may land until the agent is gone
-        pending = (self._push is not None and self._push.close()) or pending
+        pending = (self._push_writes is not None and self._push_writes.close()) or pending
         self._unreleased = [x for x in self._unreleased if Agent.release(x) is not None]
         self._closed = True
         destroyed = self._release_agent()

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy.nixl import NO_BLOCK, push
-from kvcopy.nixl.push import MAX_ROWS, NEVER, PREFIX, notice, parse_notice
+from kvcopy.nixl import NO_BLOCK, push_reservations, push_writes
+from kvcopy.nixl.wire.push_messages import (MAX_ROWS, MAX_TIMEOUT_S, NEVER, PREFIX, chunk_notice, notice,
+                                            parse_chunk_notice, parse_notice)
 from kvcopy.testing.nixl.engines import (
     ManagerPairs, PrefillProcess, allocate_blocks, build_case, expected_pull, one_torch_thread,
 )
@@ -35,17 +36,17 @@ def pd():
 def settle(p, d, token, guard_s=30.0):
     """P polls its WRITEs, D its reservation, until D's state is not PROC (hang guard only)."""
     end = time.monotonic() + guard_s
-    while (state := d.push.state(token)) == "PROC":
-        p.push.poll()
+    while (state := d.reservations.state(token)) == "PROC":
+        p.push_writes.poll()
         assert time.monotonic() < end, "push still in flight"
         time.sleep(0.001)
     return state
 
 
 def push_once(p, d, peer, target, p_ids, d_ids, n, rid, cached=0, timeout_s=30.0):
-    res = d.push.reserve([peer], n, d_ids, cached, rid, timeout_s)
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
-    p.push.post(tok, p.save(p_ids, num_tokens=n, request_id=rid))
+    res = d.reservations.reserve([peer], n, d_ids, cached, rid, timeout_s)
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
+    p.push_writes.post(tok, p.save(p_ids, num_tokens=n, request_id=rid))
     return res
 
 
@@ -59,7 +60,7 @@ def test_equal_geometry_is_one_descriptor_and_byte_exact(pd, case, counts, n):
     res = push_once(p, d, peer, target, p_ids, d_ids, n, "req-1")
     assert res.num_descriptors == 1  # payload and record slot merged into one row
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert done.ok and done.checked, done.error
     want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, n)
     assert not same_bytes(before, want)
@@ -75,7 +76,7 @@ def test_page_sizes_differ_and_prefix_hit_with_window_holes(pd):
     before = clone_caches(de.device_caches)
     res = push_once(p, d, peer, target, [[5, 9]], [[20, 21, 22]], 160, "s3")
     assert settle(p, d, res.token) == "DONE"
-    assert d.push.complete(res.token).ok
+    assert d.reservations.complete(res.token).ok
     want = expected_pull(before, de, [[20, 21, 22]], pe.device_caches, pe, [[5, 9]], 160)
     assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
 
@@ -88,7 +89,7 @@ def test_page_sizes_differ_and_prefix_hit_with_window_holes(pd):
     before = clone_caches(de.device_caches)
     res = push_once(p, d, peer, target, p_ids, d_ids, 90, "swa", cached=32)
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert done.ok, done.error
     want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, 90, 32)
     assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
@@ -103,7 +104,7 @@ def test_a_hole_on_p_under_a_page_d_reads_fails_the_load_and_writes_nothing(pd):
     before = clone_caches(de.device_caches)
     res = push_once(p, d, peer, target, p_ids, d_ids, 90, "hole")
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert not done.ok and "P holds no page" in done.error
     assert same_bytes(de.device_caches, before)
     assert d.stats()["bytes_in_use"] == 0
@@ -111,13 +112,13 @@ def test_a_hole_on_p_under_a_page_d_reads_fails_the_load_and_writes_nothing(pd):
 
 def test_a_byte_flipped_in_p_span_fails_the_sums(pd):
     p, d, peer, pe, de, target = pd("one_group")
-    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "flip", 30.0)
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "flip", 30.0)
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
     record = p.save([[0, 1, 2]], num_tokens=40, request_id="flip")
     p.arena.buffer[record.offset + 100] ^= 0x40
-    p.push.post(tok, record)
+    p.push_writes.post(tok, record)
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert not done.ok and "sum" in done.error.lower()
 
 
@@ -126,23 +127,23 @@ def test_a_scatter_that_raises_fails_the_load_and_ends_the_reservation(pd, monke
     refused record) is this load's failure: complete() returns it, never raises it, so
     the connector's failure path finds the reservation ended (it would raise there)."""
     p, d, peer, pe, de, target = pd("one_group")
-    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "boom", 30.0)
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
-    p.push.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="boom"))
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "boom", 30.0)
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
+    p.push_writes.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="boom"))
     assert settle(p, d, res.token) == "DONE"
 
     def scatter_fails(*a, **kw):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(push, "land", scatter_fails)
-    done = d.push.complete(res.token)
+    monkeypatch.setattr(push_reservations, "land", scatter_fails)
+    done = d.reservations.complete(res.token)
     assert not done.ok and "RuntimeError: CUDA error" in done.error
     with pytest.raises(ValueError, match="unknown reservation token"):
-        d.push.state(res.token)  # ended: nothing left for the caller to fail
+        d.reservations.state(res.token)  # ended: nothing left for the caller to fail
 
 
 def test_reservations_are_checked_before_nixl(pd):
     p, d, peer, pe, de, target = pd("one_group")
-    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "chk", 30.0)
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "chk", 30.0)
     item = list(res.items[peer])
     (tok, rid, n, order, off, nbytes, rows, slot, timeout) = item
     arena = d.info.arena[1]
@@ -151,7 +152,7 @@ def test_reservations_are_checked_before_nixl(pd):
         bad = dict(zip(["token", "rid", "n", "order", "off", "nbytes", "rows", "slot", "timeout"], item))
         bad.update(change)
         with pytest.raises(ValueError, match=match):
-            p.push.accept(target, d.info.generation, tuple(bad.values()))
+            p.push_writes.accept(target, d.info.generation, tuple(bad.values()))
 
     refused("token", token=b"short")
     refused("not inside", off=arena - 10)
@@ -165,20 +166,20 @@ def test_reservations_are_checked_before_nixl(pd):
     refused("tokens or order", n=True)
     refused("timeout", timeout=float("nan"))
     with pytest.raises(ValueError, match="9 fields"):
-        p.push.accept(target, d.info.generation, tuple(item[:8]))
+        p.push_writes.accept(target, d.info.generation, tuple(item[:8]))
     with pytest.raises(ValueError, match="registration"):
-        p.push.accept(target, "0" * 16, tuple(item))
+        p.push_writes.accept(target, "0" * 16, tuple(item))
     with pytest.raises(ValueError, match="unknown push target"):
-        p.push.accept("nobody", d.info.generation, tuple(item))
-    got = p.push.accept(target, d.info.generation, tuple(item))
+        p.push_writes.accept("nobody", d.info.generation, tuple(item))
+    got = p.push_writes.accept(target, d.info.generation, tuple(item))
     with pytest.raises(ValueError, match="used already"):
-        p.push.accept(target, d.info.generation, tuple(item))
+        p.push_writes.accept(target, d.info.generation, tuple(item))
     # a staged request other than the reserved one: refused at post, D told never
     with pytest.raises(ValueError, match="reservation is for"):
-        p.push.post(got, p.save([[0, 1, 2]], num_tokens=41, request_id="chk"))
-    assert p.push.cancel(got) == "never"
+        p.push_writes.post(got, p.save([[0, 1, 2]], num_tokens=41, request_id="chk"))
+    assert p.push_writes.cancel(got) == "never"
     assert settle(p, d, res.token) == "ERR"
-    assert not d.push.complete(res.token).ok
+    assert not d.reservations.complete(res.token).ok
     assert d.stats()["bytes_in_use"] == 0  # "x" said nothing lands: the span is free
     assert p.stats()["push_writes_in_flight"] == 0 and p.stats()["bytes_in_use"] > 0
 
@@ -186,25 +187,25 @@ def test_reservations_are_checked_before_nixl(pd):
 def test_write_after_d_gave_up_lands_in_the_held_span_only(pd):
     p, d, peer, pe, de, target = pd("one_group")
     before = clone_caches(de.device_caches)
-    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "late", 0.05)
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "late", 0.05)
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
     time.sleep(0.1)
-    assert d.push.state(res.token) == "ERR"  # D's deadline: the request fails ...
-    done = d.push.complete(res.token)
+    assert d.reservations.state(res.token) == "ERR"  # D's deadline: the request fails ...
+    done = d.reservations.complete(res.token)
     assert not done.ok and "deadline" in done.error and done.read_pending
     assert d.stats()["push_held_spans"] == 1  # ... its span stays held
     span = res.plan.span
     # twenty allocations meanwhile never overlap the held span
-    others = [d.push.reserve([peer], 40, [[1, 2, 3]], 0, f"o{i}", 30.0) for i in range(20)]
+    others = [d.reservations.reserve([peer], 40, [[1, 2, 3]], 0, f"o{i}", 30.0) for i in range(20)]
     for o in others:
         s = o.plan.span
         assert s.offset + s.nbytes <= span.offset or s.offset >= span.offset + span.nbytes
     other_bytes = [d.arena.buffer[o.plan.span.offset: o.plan.span.offset + o.plan.span.nbytes].clone()
                    for o in others]
-    p.push.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="late"))  # the late WRITE
+    p.push_writes.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="late"))  # the late WRITE
     end = time.monotonic() + 30
     while d.stats()["push_held_spans"]:
-        p.push.poll()
+        p.push_writes.poll()
         d.notifications()
         assert time.monotonic() < end
     assert same_bytes(de.device_caches, before)  # D's KV untouched by the late bytes
@@ -214,19 +215,19 @@ def test_write_after_d_gave_up_lands_in_the_held_span_only(pd):
 
 def test_cancel_answers_never_ended_in_flight(pd):
     p, d, peer, pe, de, target = pd("one_group")
-    r1 = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "c1", 30.0)
-    t1 = p.push.accept(target, d.info.generation, r1.items[peer])
-    assert p.push.cancel(t1) == "never" and p.push.cancel(t1) == "never"
-    r2 = d.push.reserve([peer], 40, [[10, 11, 12]], 0, "c2", 30.0)
-    t2 = p.push.accept(target, d.info.generation, r2.items[peer])
-    p.push.post(t2, p.save([[0, 1, 2]], num_tokens=40, request_id="c2"))
-    first = p.push.cancel(t2)
+    r1 = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "c1", 30.0)
+    t1 = p.push_writes.accept(target, d.info.generation, r1.items[peer])
+    assert p.push_writes.cancel(t1) == "never" and p.push_writes.cancel(t1) == "never"
+    r2 = d.reservations.reserve([peer], 40, [[10, 11, 12]], 0, "c2", 30.0)
+    t2 = p.push_writes.accept(target, d.info.generation, r2.items[peer])
+    p.push_writes.post(t2, p.save([[0, 1, 2]], num_tokens=40, request_id="c2"))
+    first = p.push_writes.cancel(t2)
     assert first in ("in_flight", "ended")
     settle(p, d, r2.token)
-    assert p.push.cancel(t2) == "ended"
-    assert d.push.complete(r2.token).ok
+    assert p.push_writes.cancel(t2) == "ended"
+    assert d.reservations.complete(r2.token).ok
     assert settle(p, d, r1.token) == "ERR"
-    d.push.complete(r1.token)
+    d.reservations.complete(r1.token)
     assert d.stats()["bytes_in_use"] == 0
 
 
@@ -250,22 +251,22 @@ def test_two_processes_p_killed_after_posting():
             (p_md, _) = child.call("start", "one_group", NP, None, 1, "Pkill", {"buffer": "arena", "arena_bytes": MB})
             peer = d.add_peer(p_md)
             before = clone_caches(de.device_caches)
-            res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "k1", 1.0)
+            res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "k1", 1.0)
             (pid,) = child.call("push_arena", d.metadata(), d.info.generation, res.items[peer], [[0, 1, 2]], 40, "k1")
             os.kill(pid, signal.SIGKILL)
             child.process.join(30)
             end = time.monotonic() + 30
-            while d.push.state(res.token) == "PROC":
+            while d.reservations.state(res.token) == "PROC":
                 assert time.monotonic() < end
                 time.sleep(0.01)
-            done = d.push.complete(res.token)
+            done = d.reservations.complete(res.token)
             assert not done.ok and "deadline" in done.error
             assert same_bytes(de.device_caches, before)
             assert d.stats()["push_held_spans"] == 1
-            d.push.peer_restarted(peer, "0" * 16, grace_s=0.2)  # P's new registration, as D would learn it
+            d.reservations.peer_restarted(peer, "0" * 16, grace_s=0.2)  # P's new registration, as D would learn it
             assert d.stats()["push_held_spans"] == 1  # not before the grace
             time.sleep(0.3)
-            d.push.sweep()
+            d.reservations.sweep()
             assert d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0
             d.close()
         finally:
@@ -292,11 +293,11 @@ def test_push_oracle_fuzz_agrees_with_pull():
 
 def _held_after_deadline(p, d, peer, target, rid, d_ids):
     """A reservation P accepted and never posted, failed at D's deadline: its span held."""
-    res = d.push.reserve([peer], 40, d_ids, 0, rid, 0.01)
-    p.push.accept(target, d.info.generation, res.items[peer])
+    res = d.reservations.reserve([peer], 40, d_ids, 0, rid, 0.01)
+    p.push_writes.accept(target, d.info.generation, res.items[peer])
     time.sleep(0.02)
-    assert d.push.state(res.token) == "ERR"
-    assert not d.push.complete(res.token).ok
+    assert d.reservations.state(res.token) == "ERR"
+    assert not d.reservations.complete(res.token).ok
     return res
 
 
@@ -310,31 +311,31 @@ def test_holds_for_one_p_beyond_half_of_d_arena_refuse_new_reservations(pd):
         held.append(_held_after_deadline(p, d, peer, target, f"h{len(held)}", [[7, 8, 9]]))
     assert d.stats()["push_held_spans"] == len(held) >= 2
     with pytest.raises(ValueError, match="held for"):
-        d.push.reserve([peer], 40, [[7, 8, 9]], 0, "more", 30.0)
+        d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "more", 30.0)
     assert d.stats()["push_reserved"] == 0  # nothing kept for the refused one
     generation = p.info.generation
     for res in held:
-        d.push.answered(res.token, peer, "in_flight", generation)  # in flight: still held
+        d.reservations.answered(res.token, peer, "in_flight", generation)  # in flight: still held
     assert d.stats()["push_held_spans"] == len(held)
     for res in held:
-        assert p.push.cancel(res.token, target) == "never"
-        d.push.answered(res.token, peer, "never", generation)
+        assert p.push_writes.cancel(res.token, target) == "never"
+        d.reservations.answered(res.token, peer, "never", generation)
     assert d.stats()["push_held_spans"] == 0 and d.stats()["bytes_in_use"] == 0
     res = push_once(p, d, peer, target, [[0, 1, 2]], [[7, 8, 9]], 40, "again")
-    assert settle(p, d, res.token) == "DONE" and d.push.complete(res.token).ok
+    assert settle(p, d, res.token) == "DONE" and d.reservations.complete(res.token).ok
 
 
 def test_a_cancel_answered_by_a_new_generation_of_p_ends_the_hold_after_the_grace(pd):
     p, d, peer, pe, de, target = pd("one_group")
     res = _held_after_deadline(p, d, peer, target, "g", [[7, 8, 9]])
-    d.push.answered(res.token, peer, "pending", "")  # P's worker has not answered: nothing learned
-    d.push.answered(res.token, peer, "never", "f" * 16)  # another registration answered: P restarted
+    d.reservations.answered(res.token, peer, "pending", "")  # P's worker has not answered: nothing learned
+    d.reservations.answered(res.token, peer, "never", "f" * 16)  # another registration answered: P restarted
     assert d.stats()["push_held_spans"] == 1  # not before the grace
     end = time.monotonic() + 30
     while d.stats()["push_held_spans"]:
         assert time.monotonic() < end
         time.sleep(0.05)
-        d.push.sweep()
+        d.reservations.sweep()
     assert d.stats()["bytes_in_use"] == 0
 
 
@@ -342,19 +343,19 @@ def test_p_refusing_a_reservation_answers_x_and_never(pd, monkeypatch):
     """A reservation P refuses (here: beyond the reservations P keeps) is answered ``x``
     over NIXL, so D fails at once, and ``never`` to a cancel; P keeps nothing of it."""
     p, d, peer, pe, de, target = pd("one_group")
-    monkeypatch.setattr(push, "MAX_ACCEPTED", 1)
-    first = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "a", 30.0)
-    p.push.accept(target, d.info.generation, first.items[peer])
-    second = d.push.reserve([peer], 40, [[10, 11, 12]], 0, "b", 30.0)
+    monkeypatch.setattr(push_writes, "MAX_ACCEPTED", 1)
+    first = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "a", 30.0)
+    p.push_writes.accept(target, d.info.generation, first.items[peer])
+    second = d.reservations.reserve([peer], 40, [[10, 11, 12]], 0, "b", 30.0)
     with pytest.raises(ValueError, match="reservations not posted"):
-        p.push.accept(target, d.info.generation, second.items[peer])
-    p.push.refused(second.token, target)
+        p.push_writes.accept(target, d.info.generation, second.items[peer])
+    p.push_writes.refused(second.token, target)
     assert settle(p, d, second.token) == "ERR"
-    assert not d.push.complete(second.token).ok
-    assert p.push.cancel(second.token, target) == "never" and p.stats()["push_accepted"] == 1
-    monkeypatch.setattr(push, "MAX_ACCEPTED", 2)
+    assert not d.reservations.complete(second.token).ok
+    assert p.push_writes.cancel(second.token, target) == "never" and p.stats()["push_accepted"] == 1
+    monkeypatch.setattr(push_writes, "MAX_ACCEPTED", 2)
     with pytest.raises(ValueError, match="timeout"):  # P keeps a reservation at most MAX_TIMEOUT_S
-        p.push.accept(target, d.info.generation, (bytes(16),) + first.items[peer][1:8] + (push.MAX_TIMEOUT_S * 2,))
+        p.push_writes.accept(target, d.info.generation, (bytes(16),) + first.items[peer][1:8] + (MAX_TIMEOUT_S * 2,))
 
 
 def test_reservations_needing_more_rows_than_p_takes_are_refused_at_reserve(pd, monkeypatch):
@@ -364,14 +365,14 @@ def test_reservations_needing_more_rows_than_p_takes_are_refused_at_reserve(pd, 
     rng = np.random.default_rng(5)
     d_ids = allocate_blocks(rng, de, [3, 6], set(), NP)
     d_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
-    probe = d.push.reserve([peer], 90, d_ids, 32, "probe", 30.0)
+    probe = d.reservations.reserve([peer], 90, d_ids, 32, "probe", 30.0)
     rows = len(probe.items[peer][6])
-    d.push.fail(probe.token, "probe")
-    d.push.release(probe.token)
-    d.push.complete(probe.token)
-    monkeypatch.setattr(push, "MAX_ROWS", rows - 1)
+    d.reservations.fail(probe.token, "probe")
+    d.reservations.release(probe.token)
+    d.reservations.complete(probe.token)
+    monkeypatch.setattr(push_reservations, "MAX_ROWS", rows - 1)
     with pytest.raises(ValueError, match=f"needs {rows} WRITE rows"):
-        d.push.reserve([peer], 90, d_ids, 32, "many", 30.0)
+        d.reservations.reserve([peer], 90, d_ids, 32, "many", 30.0)
     assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_reserved"] == 0
 
 
@@ -386,7 +387,7 @@ def _chunked(p, d, target, res, peer, part, step, per_chunk=1, after_chunk=None)
     """Copy the units in span order; after every ``per_chunk`` units WRITE them as one
     chunk and let D read its notices (it scatters what landed). Returns the D units
     scattered before P's final WRITE."""
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
     units = step.units
     for k in range(0, len(units), per_chunk):
         run = units[k:k + per_chunk]
@@ -394,16 +395,16 @@ def _chunked(p, d, target, res, peer, part, step, per_chunk=1, after_chunk=None)
             step.run(u)
         if after_chunk is not None:
             after_chunk(run)
-        p.push.post_units(tok, part, run[0], run[-1] + 1)
-        job = d.push._recv[res.token]
+        p.push_writes.post_units(tok, part, run[0], run[-1] + 1)
+        job = d.reservations._recv[res.token]
         end = time.monotonic() + 30
         while job.scattered is None or not job.scattered[run].all():  # D scatters a chunk once its c came
-            p.push.poll()
-            assert d.push.state(res.token) == "PROC"
+            p.push_writes.poll()
+            assert d.reservations.state(res.token) == "PROC"
             assert time.monotonic() < end, "chunk not landed"
             time.sleep(0.001)
     before_final = int(job.scattered.sum()) if job.scattered is not None else 0
-    p.push.post(tok, p.arena.finish(part))
+    p.push_writes.post(tok, p.arena.finish(part))
     return tok, before_final
 
 
@@ -422,13 +423,13 @@ def test_chunked_push_scatters_as_chunks_land_and_is_byte_exact(pd, case, counts
     p_ids = allocate_blocks(rng, pe, counts, set(), NP)
     d_ids = allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP)
     before = clone_caches(de.device_caches)
-    res = d.push.reserve([peer], n, d_ids, 0, "ch", 30.0)
+    res = d.reservations.reserve([peer], n, d_ids, 0, "ch", 30.0)
     part, step = _stage_final_step(p, p_ids, n, "ch")
     assert len(step.units) > 1
     tok, early = _chunked(p, d, target, res, peer, part, step)
     assert early == len(step.units)  # every unit scattered as its chunk landed, before P's final WRITE
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert done.ok and done.checked, done.error
     want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, n)
     assert not same_bytes(before, want)
@@ -447,11 +448,11 @@ def test_chunked_push_with_holes_and_a_prefix_hit(pd):
     p_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
     d_ids[1][:2] = [NO_BLOCK, NO_BLOCK]
     before = clone_caches(de.device_caches)
-    res = d.push.reserve([peer], 90, d_ids, 32, "swa", 30.0)
+    res = d.reservations.reserve([peer], 90, d_ids, 32, "swa", 30.0)
     part, step = _stage_final_step(p, p_ids, 90, "swa")
     _chunked(p, d, target, res, peer, part, step, per_chunk=2)
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert done.ok, done.error
     want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, 90, 32)
     assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
@@ -461,7 +462,7 @@ def test_a_byte_flipped_in_one_chunk_fails_the_load_and_writes_only_its_pages(pd
     p, d, peer, pe, de, target = pd("one_group")
     d_ids = [[7, 8, 9]]
     before = clone_caches(de.device_caches)
-    res = d.push.reserve([peer], 40, d_ids, 0, "flipc", 30.0)
+    res = d.reservations.reserve([peer], 40, d_ids, 0, "flipc", 30.0)
     part, step = _stage_final_step(p, [[0, 1, 2]], 40, "flipc")
     flipped = []
 
@@ -472,7 +473,7 @@ def test_a_byte_flipped_in_one_chunk_fails_the_load_and_writes_only_its_pages(pd
     _, early = _chunked(p, d, target, res, peer, part, step, after_chunk=flip)
     assert early == len(step.units)
     assert settle(p, d, res.token) == "DONE"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert not done.ok and "checksum mismatch" in done.error
     assert done.written_in == "device caches"  # the chunks wrote the request's own pages: vLLM recomputes
     _outside_untouched(de, before, d_ids)
@@ -483,50 +484,50 @@ def test_p_failing_mid_chunks_answers_x_after_its_writes_ended(pd):
     p, d, peer, pe, de, target = pd("one_group")
     d_ids = [[7, 8, 9]]
     before = clone_caches(de.device_caches)
-    res = d.push.reserve([peer], 40, d_ids, 0, "midx", 30.0)
+    res = d.reservations.reserve([peer], 40, d_ids, 0, "midx", 30.0)
     part, step = _stage_final_step(p, [[0, 1, 2]], 40, "midx")
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
     step.run(step.units[0])
-    p.push.post_units(tok, part, step.units[0], step.units[0] + 1)
-    p.push.refuse(tok)  # P could not finish it (a later copy failed, an abort)
+    p.push_writes.post_units(tok, part, step.units[0], step.units[0] + 1)
+    p.push_writes.refuse(tok)  # P could not finish it (a later copy failed, an abort)
     p.arena.abandon(part)  # its span goes once no WRITE reads it
     assert settle(p, d, res.token) == "ERR"
-    done = d.push.complete(res.token)
+    done = d.reservations.complete(res.token)
     assert not done.ok and "will not push" in done.error
     _outside_untouched(de, before, d_ids)
     assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0
     assert p.stats()["bytes_in_use"] == 0 and p.stats()["push_writes_in_flight"] == 0
     with pytest.raises(ValueError):
-        p.push.post_units(tok, part, 1, 2)  # answered: nothing more is posted
+        p.push_writes.post_units(tok, part, 1, 2)  # answered: nothing more is posted
 
 
 def test_post_units_is_checked(pd):
     p, d, peer, pe, de, target = pd("one_group")
-    res = d.push.reserve([peer], 40, [[7, 8, 9]], 0, "chk2", 30.0)
-    tok = p.push.accept(target, d.info.generation, res.items[peer])
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "chk2", 30.0)
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
     part = p.arena.begin(p.info, 40, "chk2", 1)
     p.arena.settle(part, [[0, 1, 2]], 16)
     with pytest.raises(ValueError, match="last step"):
-        p.push.post_units(tok, part, 0, 1)  # not the last step yet: units are not final
+        p.push_writes.post_units(tok, part, 0, 1)  # not the last step yet: units are not final
     step = p.arena.settle(part, [[0, 1, 2]], 40)
     for u in step.units:
         step.run(u)
     with pytest.raises(ValueError, match="out of range"):
-        p.push.post_units(tok, part, 0, 99)
-    p.push.post_units(tok, part, 0, 1)
+        p.push_writes.post_units(tok, part, 0, 99)
+    p.push_writes.post_units(tok, part, 0, 1)
     with pytest.raises(ValueError, match="sent already"):
-        p.push.post_units(tok, part, 0, 2)
+        p.push_writes.post_units(tok, part, 0, 2)
     other = p.arena.begin(p.info, 40, "other", 1)
     p.arena.settle(other, [[3, 4, 5]], 40)
     with pytest.raises(ValueError, match="reservation is for"):
-        p.push.post_units(tok, other, 1, 2)
+        p.push_writes.post_units(tok, other, 1, 2)
 
 
 def test_chunk_notices_are_parsed_strictly():
     tok = bytes(range(16))
-    assert push.parse_chunk_notice(push.chunk_notice(tok, 2, 5)) == (tok, 2, 5)
-    good = push.chunk_notice(tok, 2, 5)
-    for bad in (good[:-1] + b"q", push.chunk_notice(tok, 5, 5), good.replace(b"\x002\x00", b"\x00-2\x00"),
+    assert parse_chunk_notice(chunk_notice(tok, 2, 5)) == (tok, 2, 5)
+    good = chunk_notice(tok, 2, 5)
+    for bad in (good[:-1] + b"q", chunk_notice(tok, 5, 5), good.replace(b"\x002\x00", b"\x00-2\x00"),
                 good.replace(b"\x002\x00", b"\x001234567\x00"), PREFIX + b"zz" * 16 + b"\x001\x002\x00c"):
-        assert push.parse_chunk_notice(bad) is None
+        assert parse_chunk_notice(bad) is None
     assert parse_notice(good) is None

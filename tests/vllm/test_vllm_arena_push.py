@@ -46,13 +46,13 @@ def _pair(engines, case, p_kw=None, d_kw=None):
 
 def _spy_reserves(d, monkeypatch):
     out = []
-    real = d.manager.push.reserve
+    real = d.manager.reservations.reserve
 
     def reserve(*a, **kw):
         res = real(*a, **kw)
         out.append(res)
         return res
-    monkeypatch.setattr(d.manager.push, "reserve", reserve)
+    monkeypatch.setattr(d.manager.reservations, "reserve", reserve)
     return out
 
 
@@ -197,7 +197,7 @@ def test_a_write_landing_after_d_gave_up_touches_only_the_held_span(engines, mon
     p, d = _pair(engines, case, d_kw={"push_timeout_s": 1.0})
     fill(p, d, 6)
     sender = p.worker.arena_worker.sender
-    real = sender.m.push.post
+    real = sender.m.push_writes.post
     gate = {"open": False, "posted": 0}
 
     def post(token, record):
@@ -205,7 +205,7 @@ def test_a_write_landing_after_d_gave_up_touches_only_the_held_span(engines, mon
             time.sleep(0.01)  # P's transfer thread holds the token (a slow or stopped P)
         gate["posted"] += 1
         return real(token, record)
-    monkeypatch.setattr(sender.m.push, "post", post)
+    monkeypatch.setattr(sender.m.push_writes, "post", post)
     tokens = prompts(1, [48], 6)
     params = prefill(p, ["late"], tokens)
     before = d.raw_bytes()
@@ -218,7 +218,7 @@ def test_a_write_landing_after_d_gave_up_touches_only_the_held_span(engines, mon
         time.sleep(0.01)
     assert_same(d, before)
     assert d.stats()["push_held_spans"] == 1  # a WRITE may still land
-    span = d.manager.push._held[next(iter(d.manager.push._held))].rw.work
+    span = d.manager.reservations._held[next(iter(d.manager.reservations._held))].rw.work
     others = []
     with d.worker.arena_worker.lock:
         for _ in range(20):  # allocations meanwhile never overlap the held span
@@ -264,7 +264,7 @@ def test_ds_cancel_at_its_deadline_is_answered_never_and_frees_the_span(engines,
     p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 1.0})
     fill(p, d, 8)
     answers = []
-    push = p.worker.arena_worker.sender.m.push
+    push = p.worker.arena_worker.sender.m.push_writes
     real = push.cancel
     monkeypatch.setattr(push, "cancel", lambda token, target=None: answers.append(real(token, target)) or answers[-1])
     tokens = prompts(1, [48], 8)
@@ -347,7 +347,7 @@ def test_the_listener_bounds_what_it_keeps_and_refuses_beyond_with_an_answer(eng
     MAX_QUEUED per rank, or waiting longer than P keeps one are refused with an answer;
     a genuine push still works after."""
     from kvcopy.vllm.arena import push_channel
-    from kvcopy.nixl.push import MAX_TIMEOUT_S
+    from kvcopy.nixl.wire.push_messages import MAX_TIMEOUT_S
 
     p, d = _pair(engines, CASES["one_group"])
     port = _port(p)
@@ -440,7 +440,7 @@ def test_p_killed_mid_write_fails_its_request_and_the_span_waits_for_ps_new_gene
     (vLLM recomputes), D's two requests from P1 are byte-exact, and the span stays held
     while P2 is gone; a new P2 process on the same side channel answers D's cancel
     from a new registration, and the hold ends only after the grace."""
-    from kvcopy.nixl.push import RESTART_GRACE_S
+    from kvcopy.nixl.push_reservations import RESTART_GRACE_S
     from test_vllm_arena import p2_and_p1
     from vllm_arena_engines import free_port
 
@@ -459,12 +459,12 @@ def test_p_killed_mid_write_fails_its_request_and_the_span_waits_for_ps_new_gene
         time.sleep(0.01)
     assert d.stats()["push_held_spans"] == 1
     restarted = []
-    real = d.manager.push.peer_restarted
+    real = d.manager.reservations.peer_restarted
 
     def peer_restarted(*a, **kw):
         restarted.append(time.monotonic())
         return real(*a, **kw)
-    monkeypatch.setattr(d.manager.push, "peer_restarted", peer_restarted)
+    monkeypatch.setattr(d.manager.reservations, "peer_restarted", peer_restarted)
     _, pipe2 = prefill_process("one_group", "P2", 17, port=port)  # P2 again: a new registration, the same port
     run([d], lambda: d.stats()["push_held_spans"] == 0)
     assert restarted and time.monotonic() >= restarted[0] + RESTART_GRACE_S

@@ -128,6 +128,10 @@ def test_a_request_reserved_before_ps_last_step_is_pushed_in_chunks(engines, nam
     pw = p.worker.arena_worker  # the tail (the last attention layer's units) rides in the final WRITE
     tail = tail_mask(pw.manager.arena.units)
     assert tail.any() and not any(tail[lo:hi].any() for _, _, _, lo, hi, _ in pw.sender.chunks.events)
+    # the copy thread made each record (the warm-up's too) and posted its final WRITE right
+    # after the last layer's copy, unless state units were left for wait_for_save's sweep (GDN)
+    swept = any(u.state for u in pw.manager.arena.units)
+    assert pw.stager.layers.early == (0 if swept else len(rids) + 1), (name, pw.stager.layers.early)
     run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
     assert p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0
 

@@ -421,7 +421,7 @@ def prefill_child(conn, model_dir, root, case_name, engine_id, seed, opts=None):
     p = ArenaEngine(model_config, CASES[case_name], "kv_producer", os.environ.__setitem__, engine_id=engine_id,
                     **opts)
     if kill_after_post:
-        agent = p.worker.arena_worker.manager.push._agent
+        agent = p.worker.arena_worker.manager.push_writes._agent
         real_post = agent.post_read_descs
 
         def post_then_die(*a, **kw):

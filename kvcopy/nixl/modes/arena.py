@@ -157,7 +157,7 @@ class _Staged:
     done: Set[str] = field(default_factory=set)
     payload: int = 0  # the packed bytes at the span's start; the record slot follows (push)
     slot: int = 0
-    writing: int = 0  # push WRITEs of it in flight (kvcopy.nixl.push): never freed while > 0
+    writing: int = 0  # push WRITEs of it in flight (kvcopy.nixl.push_writes): never freed while > 0
     dropped: bool = False  # freed once the WRITEs in flight ended
 
 
@@ -274,7 +274,7 @@ class ArenaStaging(BufferMode):
         self.expire()
         counts = [-(-n_tok // t) for t in info.tokens_per_page]  # the page positions holding prompt tokens
         segs, total = span_layout(self.units, counts)
-        # A record slot follows the payload: a push WRITEs both in one descriptor (kvcopy.nixl.push)
+        # A record slot follows the payload: a push WRITEs both in one descriptor (kvcopy.nixl.push_writes)
         slot = record_capacity(info, n_tok, rid)
         span = self.arena.allocate(total + slot, count_failure)  # before anything proportional to the request
         try:
@@ -369,7 +369,7 @@ class ArenaStaging(BufferMode):
                 self.arena.free(part.span)
 
     def hold_part(self, part: PartialStage) -> None:
-        """P: a push WRITE of some of ``part``'s units is posted (:mod:`kvcopy.nixl.push`):
+        """P: a push WRITE of some of ``part``'s units is posted (:mod:`kvcopy.nixl.push_writes`):
         its span stays until :meth:`unhold_part`, whether the request is finished,
         abandoned or dropped meanwhile."""
         if self._partial.get(part.rid) is not part:

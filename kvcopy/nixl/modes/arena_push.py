@@ -99,23 +99,30 @@ def reserve(staging: ArenaStaging, info, peers: Sequence[Peer], num_tokens: int,
     return ReservedWork(plan, work, rows, slots, tuple(peers), req, shape, virt, units)
 
 
+def read_trailer(staging: ArenaStaging, rw: ReservedWork, name: str, key) -> StagedRequest:
+    """Peer ``name``'s record from its slot of D's span (``ValueError``: no record, or
+    one whose frame or digest is wrong: not written, or not visible yet)."""
+    at, cap = rw.slots[name]
+    raw = staging.buffer[rw.work.offset + at: rw.work.offset + at + cap].numpy().tobytes()
+    (length,) = LENGTH.unpack_from(raw)
+    if not 0 < length <= cap - LENGTH.size:
+        raise ValueError(f"{name!r}'s record slot holds no record (length {length} of {cap} bytes)")
+    return StagedRequest.from_bytes(raw[LENGTH.size:LENGTH.size + length], key)
+
+
 def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool, done: Optional[np.ndarray] = None,
-         sums: Optional[list] = None):
+         sums: Optional[push_units.UnitSums] = None, trailers: Optional[Dict[str, StagedRequest]] = None):
     """D, once every peer's WRITE ended: check the trailers and re-plan (module
     docstring), then zero and scatter as a pull's ``complete`` does. Returns the mode's
     ``(SumCheck or None, why unchecked)``; raises ``ValueError`` with D's KV untouched
     (but for the units scattered already). ``done``/``sums``: the units of a chunked push
     scattered already (:mod:`kvcopy.nixl.modes.push_units`) and their sums: only the rest
-    is scattered here, and the sums of all are compared."""
+    is scattered here, and the sums of all are compared. ``trailers``: per peer the record
+    :func:`read_trailer` read from its slot already (the caller's visibility check)."""
     req = rw.request
     records, remote_ids = [], {}
     for p in rw.peers:
-        at, cap = rw.slots[p.name]
-        raw = staging.buffer[rw.work.offset + at: rw.work.offset + at + cap].numpy().tobytes()
-        (length,) = LENGTH.unpack_from(raw)
-        if not 0 < length <= cap - LENGTH.size:
-            raise ValueError(f"{p.name!r}'s record slot holds no record (length {length} of {cap} bytes)")
-        rec = StagedRequest.from_bytes(raw[LENGTH.size:LENGTH.size + length], key)
+        rec = trailers[p.name] if trailers is not None else read_trailer(staging, rw, p.name, key)
         _, remote_ids[p.name] = check_record(p.info, rec, req.num_tokens, req.records[0].request_id)
         if rec.order != req.order:
             raise ValueError(f"{p.name!r} staged in order {rec.order!r}, D reserved {req.order!r}")
@@ -139,12 +146,12 @@ def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool, d
         raise ValueError(f"require_checksum: the pushed pages cannot be compared ({unchecked})")
     if done is None or not done.any() or rw.units is None:
         return staging.complete(work._replace(check=check, unchecked=unchecked))
-    sums = [] if sums is None else sums
+    sums = push_units.UnitSums(rw.units, True) if sums is None else sums
     push_units.scatter(staging, req.order, rw.units, np.flatnonzero(~done).tolist(), check is not None, sums)
     if check is None:
         staging.sums.stats.unchecked()
         return None, unchecked
-    values = push_units.fold(rw.units, sums)
+    values = sums.values()
     bad = [(g, int(check.positions[g][i]), check.local_pages[g][i])
            for g in range(len(values)) for i in np.flatnonzero(values[g] != check.expected[g]).tolist()]
     return SumCheck.made(mismatch_message(bad) if bad else None, staging.sums.stats), None

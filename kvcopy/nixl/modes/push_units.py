@@ -4,7 +4,7 @@ A span is ``[unit 0][unit 1]...[unit n-1]`` (:func:`~kvcopy.nixl.planning.pack_o
 one contiguous segment per unit, units in forward order, state units last), then the
 record slot. A layer-wise P (:mod:`kvcopy.nixl.modes.partial_stage`) has a unit's bytes
 final once its copy in the request's last step ended, so it can WRITE units ``[lo, hi)``
-before the rest (:meth:`kvcopy.nixl.push.Pushes.post_units`) and say so with a ``c``
+before the rest (:meth:`kvcopy.nixl.push_writes.PushWrites.post_units`) and say so with a ``c``
 notice naming that range of *its* units.
 
 P (:func:`unit_bounds`, :func:`clip_rows`): units ``[lo, hi)`` are P's bytes
@@ -20,8 +20,11 @@ once bytes landed). On ``c`` D scatters every unit whose P units have all landed
 (:func:`scatter`); the rest after P's ``f``. Sums: each call sums its pages inside the
 copy, as the whole-request scatter does; a page's sum depends on its bytes and its place
 in the staged block only, and the fold is a sum over triples, so folding the calls unit
-by unit (:func:`fold`) gives the values the whole scatter's fold gives, compared with
-P's record when it arrives (in the final WRITE's trailer).
+by unit (:class:`UnitSums`) gives the values the whole scatter's fold gives, compared
+with P's record when it arrives (in the final WRITE's trailer). On the CPU each call is
+folded as it ends, so at ``f`` only the units scattered then are left to fold; on a GPU
+the sums are read back and folded at ``f`` (a read-back per chunk would wait for the
+stream on D's step).
 """
 from __future__ import annotations
 
@@ -125,10 +128,43 @@ def plan_units(staging, shape, req, peers, span_offset: int, rows, read_real, re
                        tuple(np.asarray(x, np.int64) for x in read_pages), tuple(len(z) for z in zero_real))
 
 
-def scatter(staging, order: str, us: UnitScatter, units: Sequence[int], summed: bool,
-            sums: List[Tuple[UnitCall, torch.Tensor]]) -> None:
+class UnitSums:
+    """D: the page sums of one reservation's units scattered so far, per group folded
+    over the page positions D reads (``us.positions``; the zeroed pages after them in
+    each triple's call are not compared). ``fold_now``: each call's sums are in when it
+    returns (a CPU copy), so they are folded at once."""
+
+    def __init__(self, us: UnitScatter, fold_now: bool):
+        self._us, self._now = us, fold_now
+        self._values = [np.zeros(len(p), np.uint64) for p in us.positions]
+        self._pending: List[Tuple[UnitCall, torch.Tensor]] = []
+
+    def add(self, uc: UnitCall, out: torch.Tensor) -> None:
+        if self._now:
+            self._fold(uc, out)
+        else:
+            self._pending.append((uc, out))
+
+    def values(self) -> List[np.ndarray]:
+        """Per group, the sum over every call added of its sealed page sums."""
+        for uc, out in self._pending:
+            self._fold(uc, out)
+        self._pending = []
+        return self._values
+
+    def _fold(self, uc: UnitCall, out: torch.Tensor) -> None:
+        pos = self._us.positions[uc.group]
+        n, z = len(pos), self._us.zero_counts[uc.group]
+        got = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n + z)[:, :n]
+        sealed_at = (uc.js[:, None].astype(np.int64) << POSITION_BITS) + pos[None, :]
+        with np.errstate(over="ignore"):
+            sealed = mix64(got ^ seal_bounds(sealed_at.ravel()).reshape(got.shape))
+            self._values[uc.group] += sealed.sum(axis=0, dtype=np.uint64)
+
+
+def scatter(staging, order: str, us: UnitScatter, units: Sequence[int], summed: bool, sums: UnitSums) -> None:
     """Zero and scatter D units ``units`` from D's span into D's KV; with ``summed``
-    their page sums are appended to ``sums`` (folded by :func:`fold`)."""
+    their page sums are added to ``sums``."""
     cps = staging.span_copiers(order)
     for u in units:
         starts, lens = us.zero[u]
@@ -139,22 +175,7 @@ def scatter(staging, order: str, us: UnitScatter, units: Sequence[int], summed: 
             if summed:
                 out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=staging.sums.device)
                 copier.run("h2d", uc.call, out)
-                sums.append((uc, out))
+                sums.add(uc, out)
             else:
                 copier.run("h2d", uc.call)
 
-
-def fold(us: UnitScatter, sums: Sequence[Tuple[UnitCall, torch.Tensor]]) -> List[np.ndarray]:
-    """Per group, the folded sums of the page positions D reads (``us.positions``): the
-    sum over every unit call of its sealed page sums (the read pages of each triple; the
-    zeroed pages after them are not compared)."""
-    values = [np.zeros(len(p), np.uint64) for p in us.positions]
-    with np.errstate(over="ignore"):
-        for uc, out in sums:
-            pos = us.positions[uc.group]
-            n, z = len(pos), us.zero_counts[uc.group]
-            got = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n + z)[:, :n]
-            sealed_at = (uc.js[:, None].astype(np.int64) << POSITION_BITS) + pos[None, :]
-            sealed = mix64(got ^ seal_bounds(sealed_at.ravel()).reshape(got.shape))
-            values[uc.group] += sealed.sum(axis=0, dtype=np.uint64)
-    return values

@@ -247,7 +247,7 @@ def record_capacity(p: EngineInfo, n_tok: int, request_id: bytes) -> int:
     """Bytes that hold any record P can make of ``request_id`` (its id as
     :func:`request_key` bytes) over ``n_tok`` tokens, as a u32 length and the wire form
     (sums and a key's HMAC included): from the handshake and the request alone, so both
-    sides size a push's record slot alike (:mod:`kvcopy.nixl.push`). Escapes count six
+    sides size a push's record slot alike (:mod:`kvcopy.nixl.wire.push_messages`). Escapes count six
     characters per byte of a name; integers twenty digits."""
     fixed = 4 + 256 + 2 * 32 + 512 + 6 * (len(p.name) + len(request_id))
     groups = 0

@@ -263,8 +263,8 @@ def _push_unpolled(m, d_metadata, generation, item, block_ids, num_tokens, reque
     died right after posting."""
     m._mail.send = lambda *args: None
     target = m.add_target(d_metadata)
-    token = m.push.accept(target, generation, item)
-    m.push.post(token, m.save(block_ids, num_tokens=num_tokens, request_id=request_id))
+    token = m.push_writes.accept(target, generation, item)
+    m.push_writes.post(token, m.save(block_ids, num_tokens=num_tokens, request_id=request_id))
     return os.getpid()
 
 

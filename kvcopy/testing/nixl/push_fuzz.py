@@ -1,4 +1,4 @@
-"""The oracle fuzz for push (:mod:`kvcopy.nixl.push`), without NIXL: every random geometry of
+"""The oracle fuzz for push (:mod:`kvcopy.nixl.push_reservations`), without NIXL: every random geometry of
 :mod:`kvcopy.testing.nixl.geometries` (TP pairs, token and head order, MLA, overlaid and
 hybrid groups, GDN state, the six layouts, page sizes) through D's reservation, P's
 record slot and rows replayed in memory as P's WRITE would move them, and D's landing.

@@ -417,10 +417,19 @@ class KvcopyArenaWorker:
                         self.sender.chunks.begin(rid, part, self.sender.tokens_for(rid))
 
     def _copied(self, rid: str, units) -> None:
-        """P's copy thread: ``units`` of ``rid``'s last step are copied (kvcopy.vllm.arena.push_chunks)."""
+        """P's copy thread: ``units`` of ``rid``'s last step are copied: chunks go
+        (kvcopy.vllm.arena.push_chunks), and once the last one is, the record and the
+        final WRITE (LayerwiseStage.finish_early)."""
         with self.lock:
             if self.sender is not None:
                 self.sender.chunks.copied(rid, units)
+            stager = self.stager
+            record = stager.layers.finish_early(rid) if stager is not None and stager.layers is not None else None
+            if record is not None:
+                assert stager is not None
+                stager.staged_early(rid, record)
+                if self.sender is not None:
+                    self.sender.step()  # its reservations' final WRITEs
 
     def layer_done(self, name: str) -> None:
         """P, layer-wise: ``name``'s attention ran; queue the copies it completes (no lock)."""

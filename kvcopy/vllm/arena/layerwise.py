@@ -21,7 +21,11 @@ after the step). Per step, on P's worker:
   was built at bind and belongs to this step. For a request whose prefill ends in the
   step, ``on_copied`` then hands the units copied to a chunked push
   (:mod:`kvcopy.vllm.arena.push_chunks`, which takes the worker's lock: ``wait_for_save``
-  waits for the copies before it takes the lock).
+  waits for the copies before it takes the lock). On the CPU, once that request's last
+  unit is copied and none is left for the sweep, :meth:`LayerwiseStage.finish_early`
+  makes its record there and then (under that lock), so its push's final WRITE goes
+  from the copy thread right after the last layer's copy instead of after
+  ``wait_for_save``'s close.
 * ``wait_for_save``: :meth:`LayerwiseStage.close_step` waits for the copy thread, then
   the completeness sweep copies every unit that got no ``save_kv_layer`` (state units:
   GDN/Mamba layers never call it; FULL CUDA graphs replay without it; an attention path
@@ -105,6 +109,7 @@ class LayerwiseStage:
         self.at_layer = 0  # unit copies queued by save_kv_layer
         self.swept = 0  # unit copies made by the sweep
         self.no_span = 0  # requests with no span at their first step (staged whole at their last)
+        self.early = 0  # records made by the copy thread (finish_early)
         # The copy thread, started here so it inherits the transfer CPUs (an executor
         # starts its thread on the first submit, from whichever thread submits).
         with threads_on(cpus):
@@ -175,6 +180,23 @@ class LayerwiseStage:
                     self.on_copied(rid, [u for u in units if step.has(u)])
                 except Exception:  # noqa: BLE001 -- the final WRITE carries what a chunk did not
                     logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
+
+    def finish_early(self, rid: str):
+        """The copy thread, under the worker's lock, after ``rid``'s copies of a step:
+        ``rid``'s record (its span staged, as :meth:`close_step` would) when this is the
+        step its prefill ends in, every unit of it was copied at its layer (nothing left
+        for the sweep) and the copies ended (the CPU: they end in the call); else None."""
+        entry = self.parts.get(rid)
+        arena = self.m.arena
+        if entry is None or rid not in self._final or rid in self._copy_failed or arena is None or arena.on_cuda \
+                or not entry[0].complete:
+            return None
+        record = arena.finish(entry[0])
+        del self.parts[rid]
+        self._final.remove(rid)
+        self.taken.add(rid)
+        self.early += 1
+        return record
 
     def wait_copies(self) -> None:
         """Wait for this step's copies (called without the worker's lock: a copy's

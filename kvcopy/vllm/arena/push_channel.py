@@ -19,13 +19,13 @@ the same rules (shape bounded before decoding, every field checked, keyed when
 The listener lives in P's scheduler process and cannot reach the workers, so it only
 keeps what came, per P rank (:class:`PushBox`), until that rank's worker takes it (its
 transfer thread asks every housekeeping turn). The worker checks every field again
-through ``TransferManager.push.accept`` before NIXL sees any, and answers D over NIXL
-(``f``/``x``, :mod:`kvcopy.nixl.push`). A reservation names where D's side channel is,
+through ``TransferManager.push_writes.accept`` before NIXL sees any, and answers D over NIXL
+(``f``/``x``, :mod:`kvcopy.nixl.push_writes`). A reservation names where D's side channel is,
 so P can fetch D's kvcopy handshake there (``GET_META_MSG``, checked by
 ``add_target``): with a key only a keyed D can make P connect anywhere.
 
 **Cancels** are answered by the worker: it brings its answers (``never``, ``ended``,
-``in_flight``: :meth:`kvcopy.nixl.push.Pushes.cancel`) and its registration generation
+``in_flight``: :meth:`kvcopy.nixl.push_writes.PushWrites.cancel`) and its registration generation
 with its next ``TAKE_PUSH_MSG``; the listener keeps the latest per token and answers
 D's cancels with them (``pending``: the worker has not answered yet). D asks again
 every second until ``never``/``ended`` (or an answer from a new generation of P: P
@@ -34,7 +34,7 @@ restarted), and only then reuses the span.
 **Bounds** (nobody can make the listener keep more, key or not): P ranks below P's TP
 size, at most :data:`MAX_QUEUED` reservations and cancels per rank not taken and
 :data:`MAX_ANSWERS` answers per rank, each reservation waiting at most
-:data:`~kvcopy.nixl.push.MAX_TIMEOUT_S`. A question beyond them is refused with an
+:data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`. A question beyond them is refused with an
 error (D fails that load at once and keeps nothing for it).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ...nixl.engine.regions import MAX_NAME
-from ...nixl.push import ANSWERS, MAX_ROWS, MAX_TIMEOUT_S, TOKEN_BYTES
+from ...nixl.wire.push_messages import ANSWERS, MAX_ROWS, MAX_TIMEOUT_S, TOKEN_BYTES
 from ...nixl.wire.record import MAX_REQUEST_ID, MAX_TOKENS
 from .meta import MAX_TP
 
@@ -121,7 +121,7 @@ def cancel_answers_of(d: Any, asked: Sequence[Tuple[int, bytes]]) -> Dict[int, T
 
 
 def item_of(entry: Sequence) -> tuple:
-    """P's worker: the ``TransferManager.push.accept`` item of a taken reservation's entry
+    """P's worker: the ``TransferManager.push_writes.accept`` item of a taken reservation's entry
     (``entry[6:]`` of :meth:`PushBox.take`'s rows)."""
     token, rid, n_tok, order, off, nbytes, rows, slot_off, slot_bytes, timeout = entry
     return (token, rid, n_tok, order, off, nbytes, np.frombuffer(rows, ROW).reshape(-1, 3).tolist(),

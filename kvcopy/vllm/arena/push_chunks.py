@@ -12,19 +12,21 @@ dispatch), each unit is final once its copy of that step ended. :class:`ChunkPos
   takes the worker's lock for the post, which the engine thread never holds across the
   forward): marks the units copied and WRITEs, per reservation, each run of copied
   units not sent yet (contiguous in span order) holding at least :attr:`min_bytes`
-  (``TransferManager.push.post_units``; D is told ``c`` when it ended), never the
+  (``TransferManager.push_writes.post_units``; D is told ``c`` when it ended), never the
   *tail*: the unit(s) the forward's last attention layer completes;
 * :meth:`~ChunkPoster.accepted`: a reservation accepted while its request's last step
   runs sends the units copied so far at once;
 * the final WRITE (the units left: the tail, the state units the sweep copies, and the
   record slot) is :class:`~kvcopy.vllm.arena.push_send.PushSender`'s, as for a
-  whole-request push; ``f`` follows once every WRITE of the reservation ended. The tail
+  whole-request push, posted from the copy thread right after the last layer's copy
+  when that copy left nothing for the sweep (the record made there:
+  :meth:`~kvcopy.vllm.arena.layerwise.LayerwiseStage.finish_early`), else at
+  ``wait_for_save``; ``f`` follows once every WRITE of the reservation ended. The tail
   rides in it rather than in a chunk of its own: after the prefill end there is then one
-  WRITE (and one notice to D) instead of two, and the final WRITE has to wait for the
-  record anyway. Measured against the tail in a chunk of its own (``tail_in_final``
-  False; ``bench/push_chunks_serve.py``, the 2-core machine shared): 0.87x over 15
-  requests each, 0.86-1.34x in other runs, so within the noise there: D then scatters the
-  tail at ``f`` instead of on its ``c`` while P closes the step.
+  WRITE (and one notice to D) instead of two. Measured against the tail in a chunk of
+  its own (``tail_in_final`` False; ``bench/push_chunks_serve.py``, the 2-core machine
+  shared, three runs of 5 requests per setting): 0.56-1.17x, within the noise there: D
+  then scatters the tail at ``f`` instead of on its ``c`` while P posts the record.
 
 A reservation accepted after the request's last step began its copies gets the units
 copied so far in one chunk and the rest in the final WRITE; one accepted after staging
@@ -104,7 +106,7 @@ class ChunkPoster:
                     continue
                 t0 = time.monotonic()
                 try:
-                    nbytes, _ = self.m.push.post_units(token, part, lo, hi, staged_as=rid)
+                    nbytes, _ = self.m.push_writes.post_units(token, part, lo, hi, staged_as=rid)
                 except ValueError as exc:  # answered (x) or failed: the final post says so
                     logger.warning("kvcopy arena: pushing units [%d, %d) of %s failed: %s", lo, hi, rid, exc)
                     del self.tokens[token]
@@ -113,7 +115,7 @@ class ChunkPoster:
                 self.events.append((t0, time.monotonic(), rid, lo, hi, nbytes))
 
     def _sent(self, token: bytes, n: int) -> np.ndarray:
-        sent = self.m.push.sent_units(token)
+        sent = self.m.push_writes.sent_units(token)
         return sent if sent is not None else np.zeros(n, bool)
 
     def end_step(self) -> None:

@@ -4,7 +4,7 @@ Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first. The pu
 path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle replaced:
 
 1. **fetch** P's kvcopy handshakes only (no records: P has not necessarily staged yet);
-2. **reserve** (``TransferManager.push.reserve``): D plans from P's handshake alone and
+2. **reserve** (``TransferManager.reservations.reserve``): D plans from P's handshake alone and
    holds a span of its arena for the request. D's arena full is back-pressure: retried
    every step until ``push_timeout_s`` from the request's start, then the load fails
    (vLLM recomputes) and P is told D gave the request up;
@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 
 from ...nixl import ArenaFull
 from ...nixl.pull import PROC
-from ...nixl.push import Reservation
+from ...nixl.push_reservations import Reservation
 from .channel import MAX_QUESTION_BYTES, decode_bounded, ok_of
 from .meta import agent_name
 from .pull import ArenaPuller, _Job
@@ -93,12 +93,12 @@ class ArenaPushReceiver(ArenaPuller):
                     raise ask.error or RuntimeError("no reply")
                 ok_of(ask.parts, f"{job.recv.host}:{job.recv.port}")
             except Exception as exc:  # noqa: BLE001 -- any refusal or failure of the exchange fails the load
-                self.m.push.fail(res.token, f"P did not take the reservation: {exc}")
+                self.m.reservations.fail(res.token, f"P did not take the reservation: {exc}")
                 if ask.parts is not None:  # P answered, and keeps nothing it refused
-                    self.m.push.release(res.token)
-        if self.m.push.state(res.token) == PROC:
+                    self.m.reservations.release(res.token)
+        if self.m.reservations.state(res.token) == PROC:
             return
-        job.completion = self.m.push.complete(res.token)
+        job.completion = self.m.reservations.complete(res.token)
         self._land(job, "push")
 
     def _reserve(self, job: _Job, now: float) -> None:
@@ -111,8 +111,9 @@ class ArenaPushReceiver(ArenaPuller):
         self._add_peers(r.engine_id, job.fetch.metadata, replace=True)
         peers = [agent_name(r.engine_id, k) for k in job.ranks]
         try:
-            res = self.m.push.reserve(peers, r.num_tokens, [list(g) for g in r.positions], list(r.cached_tokens),
-                                      r.remote_request_id, max(1e-3, job.deadline - now))
+            res = self.m.reservations.reserve(peers, r.num_tokens, [list(g) for g in r.positions],
+                                              list(r.cached_tokens), r.remote_request_id,
+                                              max(1e-3, job.deadline - now))
         except ArenaFull as exc:
             if exc.ever_fits and now < job.deadline:
                 return  # back-pressure: D's own completions free space
@@ -121,9 +122,9 @@ class ArenaPushReceiver(ArenaPuller):
         question = msgspec.msgpack.encode(reserve_question(self.engine_id, self.rank, self.tp, self.own[0],
                                                            self.own[1], self.m.info.generation, items))
         if len(question) > MAX_QUESTION_BYTES - 1024:  # (room for the keyed wrapper)
-            self.m.push.fail(res.token, "not sent")
-            self.m.push.release(res.token)
-            self.m.push.complete(res.token)
+            self.m.reservations.fail(res.token, "not sent")
+            self.m.reservations.release(res.token)
+            self.m.reservations.complete(res.token)
             raise ValueError(f"this push's reservation is {len(question)} bytes, more than P's side channel takes "
                              f"({MAX_QUESTION_BYTES}): TP sizes that differ need arena_order 'head' (or pull) for "
                              "requests this long")
@@ -137,7 +138,7 @@ class ArenaPushReceiver(ArenaPuller):
                    if self._added.get(agent_name(engine_id, k), md) != md]
         super()._add_peers(engine_id, metadata, replace)
         for name in changed:  # P registered anew: nothing its old process posted can land (after a grace)
-            self.m.push.peer_restarted(name)
+            self.m.reservations.peer_restarted(name)
 
     # ------------------------------------------------------------ outcomes
     def _finish(self, job: _Job) -> None:
@@ -152,8 +153,9 @@ class ArenaPushReceiver(ArenaPuller):
         if res is not None:
             done = job.completion
             if done is None:  # the caller failed it (an exception): end the reservation
-                self.m.push.fail(res.token, reason)
-                job.completion = self.m.push.complete(res.token) if self.m.push.state(res.token) != PROC else None
+                self.m.reservations.fail(res.token, reason)
+                held = self.m.reservations
+                job.completion = held.complete(res.token) if held.state(res.token) != PROC else None
             r = job.recv
             self._cancels.append(_Cancel(self.asks.pop(job.rid, None), res, r.host, r.port, list(job.ranks),
                                          [agent_name(r.engine_id, k) for k in job.ranks]))
@@ -161,7 +163,7 @@ class ArenaPushReceiver(ArenaPuller):
 
     def tick(self) -> None:
         super().tick()
-        self.m.push.sweep()
+        self.m.reservations.sweep()
         self._send_cancels()
 
     def _send_cancels(self) -> None:
@@ -180,7 +182,7 @@ class ArenaPushReceiver(ArenaPuller):
                     try:
                         ok_of(reply, where)
                     except ValueError:
-                        self.m.push.release(token)  # P refused it: nothing of it can land
+                        self.m.reservations.release(token)  # P refused it: nothing of it can land
             if c.asking is not None and c.asking.done:
                 try:
                     if c.asking.parts is None or len(c.asking.parts) != 1:
@@ -190,11 +192,11 @@ class ArenaPushReceiver(ArenaPuller):
                                             asked)
                     for k, name in zip(c.ranks, c.names):
                         if k in got:
-                            self.m.push.answered(token, name, *got[k])
+                            self.m.reservations.answered(token, name, *got[k])
                 except Exception as exc:  # noqa: BLE001 -- P unreachable or refusing: the span stays held, asked again
                     logger.debug("kvcopy arena: cancel of a push from %s: %s", where, exc)
                 c.asking, c.next_at = None, now + CANCEL_EVERY_S
-            if not self.m.push.holding(token):
+            if not self.m.reservations.holding(token):
                 continue
             if c.asking is None and now >= c.next_at:
                 question = (CANCEL_MSG, self.engine_id, self.rank, [[k, token] for k in c.ranks])

@@ -10,7 +10,7 @@ staging) :meth:`PushSender.tick`:
 2. for a D it has not added (or of another registration), fetches D's kvcopy handshake
    from D's side channel (``GET_META_MSG``, checked by ``add_target``: compatibility,
    digest, key, sizes; a D of another registration replaces the old one), then hands
-   each reservation to ``TransferManager.push.accept``, which checks every field before
+   each reservation to ``TransferManager.push_writes.accept``, which checks every field before
    NIXL sees any. A refused reservation is logged and answered ``x`` (or ``never`` to
    D's cancel where D could not be added). A reservation naming a registration of D
    other than the one added makes P fetch D's handshake again, and only a handshake
@@ -99,17 +99,17 @@ class PushSender:
                     del self._waiting[token]
                     self._matched.pop(token, None)
                     t0 = time.monotonic()
-                    nbytes, descs = (self.m.push.post(token, record) if rid == named
-                                     else self.m.push.post(token, record, staged_as=rid))
+                    nbytes, descs = (self.m.push_writes.post(token, record) if rid == named
+                                     else self.m.push_writes.post(token, record, staged_as=rid))
                     self._posted[token] = (t0, time.monotonic(), nbytes, descs)
                 elif rid in self.stager.failures:
                     del self._waiting[token]
                     self._matched.pop(token, None)
-                    self.m.push.refuse(token)
+                    self.m.push_writes.refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
-        self.m.push.poll()
-        for token, rid, target in self.m.push.take_closed():
+        self.m.push_writes.poll()
+        for token, rid, target in self.m.push_writes.take_closed():
             self._waiting.pop(token, None)
             self._matched.pop(token, None)
             d_tp = self._readers.pop(token, None)
@@ -140,7 +140,7 @@ class PushSender:
             self.ambiguous += 1
             logger.warning("kvcopy arena: %s: reservation for request %s refused: P has %d requests with its "
                            "base id %s", self.m.name, named[:80], len(hits), base[:80])
-            self.m.push.refuse(token)
+            self.m.push_writes.refuse(token)
             return None
         if hits:
             self._matched[token] = hits[0]
@@ -196,7 +196,7 @@ class PushSender:
         if waiting is not None and any(w[2][0] == token for w in waiting[1]):
             waiting[1][:] = [w for w in waiting[1] if w[2][0] != token] + [(None, 0, (token,))]
             return  # answered once D's handshake is in
-        self._answers.append((token, self.m.push.cancel(token, name if name in self._generation else None)))
+        self._answers.append((token, self.m.push_writes.cancel(token, name if name in self._generation else None)))
 
     def _targets_in(self) -> None:
         """Add the D handshakes fetched, then take the work that waited for them."""
@@ -216,7 +216,7 @@ class PushSender:
                     if got != name:
                         self.m.remove_target(got)
                         raise ValueError(f"D's side channel answered with {got!r}, expected {name!r}")
-                    self._generation[name] = self.m.push.targets()[name].generation
+                    self._generation[name] = self.m.push_writes.targets()[name].generation
                     self._handshake[name] = md
             except Exception as exc:  # noqa: BLE001 -- a D P cannot add: its reservations are refused
                 self.refused += sum(g is not None for g, _, _ in work)
@@ -224,9 +224,9 @@ class PushSender:
                                self.m.name, name, len(work), exc)
                 for generation, _, item in work:
                     if generation is None:
-                        self._answers.append((item[0], self.m.push.cancel(item[0])))
+                        self._answers.append((item[0], self.m.push_writes.cancel(item[0])))
                     else:
-                        self.m.push.refused(item[0], None)
+                        self.m.push_writes.refused(item[0], None)
                 continue
             stale = self._stale.setdefault(name, set())
             if len(stale) > MAX_STALE:
@@ -234,18 +234,18 @@ class PushSender:
             stale.update(g for g, _, _ in work if g is not None and g != self._generation[name])
             for generation, d_tp, item in work:
                 if generation is None:  # a cancel that came while the handshake was on its way
-                    self._answers.append((item[0], self.m.push.cancel(item[0], name)))
+                    self._answers.append((item[0], self.m.push_writes.cancel(item[0], name)))
                 else:
                     self._accept(name, generation, d_tp, item)
 
     def _accept(self, name: str, generation: str, d_tp: int, item: tuple) -> None:
         try:
-            token = self.m.push.accept(name, generation, item)
+            token = self.m.push_writes.accept(name, generation, item)
         except ValueError as exc:
             self.refused += 1
             logger.warning("kvcopy arena: %s: reservation of %s for request %s refused: %s", self.m.name, name,
                            str(item[1])[:80], exc)
-            self.m.push.refused(item[0], name)
+            self.m.push_writes.refused(item[0], name)
             return
         self._waiting[token] = item[1]
         self._readers[token] = d_tp

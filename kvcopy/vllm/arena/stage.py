@@ -106,6 +106,13 @@ class ArenaStager:
         self._stage_pending(now)
         self._check_copies(now)
 
+    def staged_early(self, rid: str, record: StagedRequest) -> None:
+        """A layer-wise request whose record the copy thread made
+        (:meth:`~kvcopy.vllm.arena.layerwise.LayerwiseStage.finish_early`): live and
+        pushable now; reported as :meth:`step`'s close would."""
+        self.live.add(rid)
+        self._staged(rid, record, time.monotonic())
+
     def tick(self, now: Optional[float] = None) -> None:
         """D's notifications, copies that ended, TTLs: everything that needs no step."""
         now = time.monotonic() if now is None else now
@@ -177,12 +184,15 @@ class ArenaStager:
         for rid, (record, event) in list(self.syncing.items()):
             if event is None or event.query():  # the pack and its page sums are in host memory
                 del self.syncing[rid]
-                rec = self.records[rid] = finished(record)
-                self.report.staged.setdefault(rid, {})[self.rank] = rec.to_bytes(self.key)
-                self.done.add(rid)
-                d_tp, early, _ = self.early.pop(rid, (1, set(), now))
-                for reader in early:
-                    self._note(rid, reader, d_tp, GAVE_UP, now)
+                self._staged(rid, finished(record), now)
+
+    def _staged(self, rid: str, rec: StagedRequest, now: float) -> None:
+        self.records[rid] = rec
+        self.report.staged.setdefault(rid, {})[self.rank] = rec.to_bytes(self.key)
+        self.done.add(rid)
+        d_tp, early, _ = self.early.pop(rid, (1, set(), now))
+        for reader in early:
+            self._note(rid, reader, d_tp, GAVE_UP, now)
 
     def _release(self, rid: str) -> None:
         arena = self.m.arena
