@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from .. import native
-from ..checks import block_ids, items
+from ..checks import block_ids, items, shown
 from .tables import CallPlan, CopyTables, call_plan
 
 # Error codes of csrc/call_plan.cpp (PlanError).
@@ -106,6 +106,68 @@ class CallPlanner:
         g = self._g
         return call_plan(words.tobytes(), n, int(words[g]), int(words[2 * g + 1]), src_bytes, dst_bytes,
                          tuple(lens), sum(map(operator.mul, self._group_bytes, lens)), self._origin)
+
+    def split(self, plan: CallPlan, part_of_group, parts: int) -> List[CallPlan]:
+        """Cut ``plan`` (made by this planner) into ``parts`` plans: plan ``p`` holds the
+        ids of the groups ``g`` with ``part_of_group[g] == p`` and leaves every other
+        group's list empty (-1: a group in no part); each equals, word for word in its
+        call array, the plan of those ids alone. Nothing is checked again: the ids of a
+        checked call, some groups' lists emptied, are a valid call (in range, no
+        destination block written twice). A few array passes over the plan whatever
+        ``parts`` is, then one slice per part (``bench/arena_plan_cost.py --per-step``)."""
+        if type(plan) is not CallPlan or plan.origin is not self._origin:
+            raise ValueError("split: not a plan made by this planner")
+        g = self._g
+        part = np.asarray(part_of_group)
+        if part.shape != (g,) or part.dtype.kind not in "iu":
+            raise ValueError(f"split: part_of_group must be {g} integers (one per group), got {shown(part_of_group)}")
+        if parts < 0 or (g and (int(part.min()) < -1 or int(part.max()) >= parts)):
+            raise ValueError(f"split: parts are numbered -1 (none) to {parts - 1}, got {shown(part.tolist())}")
+        packed = plan.packed
+        run_n = np.diff(packed[:g + 1])
+        lens = np.asarray(plan.group_lens, dtype=np.int64)
+        mine = part[None, :] == np.arange(parts)[:, None]  # [parts, groups]
+        head = 2 * (g + 1)
+        header = np.zeros((parts, head), dtype=np.int64)  # per part: run offsets, item offsets
+        np.cumsum(run_n * mine, axis=1, out=header[:, 1:g + 1])
+        np.cumsum(np.diff(packed[g + 1:head]) * mine, axis=1, out=header[:, g + 2:])
+        part_lens = lens * mine
+        totals = (part_lens * np.asarray(self._group_bytes, dtype=np.int64)).sum(axis=1).tolist()
+        # runs and ids sorted by part, stably: each part's in its groups' order, as planned;
+        # a group in no part (-1) sorts first and is left out
+        run_part = np.repeat(part, run_n)
+        by_part = np.argsort(run_part, kind="stable")
+        run_part = run_part[by_part]
+        runs = packed[head:].reshape(-1, 3)[by_part]
+        id_order = np.argsort(np.repeat(part, lens), kind="stable")
+        src, dst = plan.src_flat[id_order], plan.dst_flat[id_order]
+        id_at = np.cumsum(np.bincount(np.repeat(part, lens) + 1, minlength=parts + 1)).tolist()
+        # every part's call array in one buffer: [header | runs (3 R_p) | block prefix (R_p + 1)]
+        n_runs = header[:, g]
+        at = np.zeros(parts + 1, dtype=np.int64)
+        np.cumsum(head + 4 * n_runs + 1, out=at[1:])
+        words = np.empty(int(at[-1]), dtype=np.int64)
+        words[(at[:-1, None] + np.arange(head)[None, :]).ravel()] = header.ravel()
+        skip = len(run_part) - int(n_runs.sum())
+        run_part, runs = run_part[skip:], runs[skip:]
+        first = np.zeros(parts + 1, dtype=np.int64)  # each part's first run among the kept ones
+        np.cumsum(n_runs, out=first[1:])
+        local = np.arange(len(runs)) - first[run_part]  # a run's index within its part
+        run_at = at[run_part] + head + 3 * local
+        words[(run_at[:, None] + np.arange(3)[None, :]).ravel()] = runs.ravel()
+        blocks = np.zeros(len(runs) + 1, dtype=np.int64)
+        np.cumsum(runs[:, 2], out=blocks[1:])
+        prefix_at = at[:-1] + head + 3 * n_runs  # each part's block prefix
+        words[prefix_at[run_part] + local] = blocks[:-1] - blocks[first[run_part]]
+        words[prefix_at + n_runs] = blocks[first[1:]] - blocks[first[:-1]]
+        lens_of, runs_of, items_of, at = part_lens.tolist(), n_runs.tolist(), header[:, -1].tolist(), at.tolist()
+        out = []
+        for p in range(parts):
+            i0, i1 = id_at[p], id_at[p + 1]
+            out.append(call_plan(words[at[p]:at[p + 1]].tobytes(), head + 3 * runs_of[p], runs_of[p], items_of[p],
+                                 src[i0:i1].tobytes(), dst[i0:i1].tobytes(), tuple(lens_of[p]), totals[p],
+                                 self._origin))
+        return out
 
     # ------------------------------------------------------------ checks in Python
     def _checked_ids(self, src_ids, dst_ids):

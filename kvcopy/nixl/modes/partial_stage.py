@@ -25,7 +25,8 @@ whole-request values: **the record is byte-identical to** ``stage``'s for the sa
 block table (``tests/nixl/modes/test_nixl_partial_stage.py``). A block is *held* when
 every page position of it that holds prompt tokens was copied.
 
-Host cost per step: one ``SpanCopiers.ids`` and one plan per (unit, copier) per request;
+Host cost per step: one ``SpanCopiers.ids`` and one checked plan per copier per request,
+cut into one call per unit (``BlockCopier.split``: array passes, no id checked twice);
 the sums are folded at ``finish`` (after the last copy: on a GPU the sums tensors are
 read back then).
 """
@@ -180,19 +181,25 @@ def plan_step(part: PartialStage, cps: SpanCopiers, layout: Optional[SumLayout],
         new_pos.append(pos)
         new_pages.append(pages[pos])
     ids = cps.ids(part.span.offset, part.segs, part.counts, new_pages, new_pos)
+    settling = np.array([len(p) > 0 for p in new_pos])
     calls: Dict[int, List[_UnitCall]] = {}
-    for k, ((dev, host), (_, unit, _, _, _)) in enumerate(zip(ids, cps.index)):
-        unit_of = unit.tolist()
-        for u in sorted(set(unit_of)):
+    for k, ((dev, host), (_, unit, group, _, _)) in enumerate(zip(ids, cps.index)):
+        live = settling[group]  # the copier groups (triples) of units with settling pages
+        if not live.any():
+            continue
+        # one checked plan of every triple, cut into one call per unit (no id checked twice)
+        units = np.unique(unit[live])
+        part_of = np.where(live, np.searchsorted(units, unit), -1)
+        whole = cps.copiers[k].plan("d2h", dev, host)
+        cut = cps.copiers[k].split("d2h", whole, part_of, len(units))
+        # the sums' triple numbers J per unit, in call order (triples of no unit sort first)
+        order = np.argsort(part_of, kind="stable")
+        numbers = layout.numbers[k][order] if layout is not None else np.zeros(len(order), np.int64)
+        ends = len(order) - int(live.sum()) + np.cumsum(np.bincount(part_of[live], minlength=len(units)))
+        bounds = [len(order) - int(live.sum())] + ends.tolist()
+        for i, (u, call) in enumerate(zip(units.tolist(), cut)):
             g = cps.units[u].group
-            if not len(new_pos[g]):
-                continue
-            mine = [j for j, x in enumerate(unit_of) if x == u]
-            keep = set(mine)
-            call = cps.copiers[k].plan("d2h", [d if j in keep else [] for j, d in enumerate(dev)],
-                                       [h if j in keep else [] for j, h in enumerate(host)])
-            js = layout.numbers[k][mine] if layout is not None else np.zeros(0, np.int64)
-            calls.setdefault(u, []).append(_UnitCall(k, call, js, g, new_pos[g]))
+            calls.setdefault(u, []).append(_UnitCall(k, call, numbers[bounds[i]:bounds[i + 1]], g, new_pos[g]))
     for g, pos in enumerate(new_pos):
         part.copied[g][pos] = True
     part.done_tokens = max(part.done_tokens, min(done_tokens, part.num_tokens))
