@@ -37,10 +37,9 @@ PUSH = {"transfer_mode": "push"}
 
 
 def _pair(engines, case, p_kw=None, d_kw=None):
-    p = engines(case, "kv_producer", layerwise=True, **(p_kw or {}))
+    # push_chunk_bytes 0: a chunk per copy, the most WRITEs
+    p = engines(case, "kv_producer", layerwise=True, **{"push_chunk_bytes": 0, **(p_kw or {})})
     d = engines(case, "kv_consumer", **PUSH, **(d_kw or {}))
-    for rank in p.ranks:
-        rank.worker.arena_worker.sender.chunks.min_bytes = 0  # a chunk per copy: the most WRITEs
     return p, d
 
 
@@ -173,6 +172,21 @@ def test_chunked_push_between_other_tp_sizes(engines, p_tp, d_tp, order):
     run([p, d], lambda: not any(p.stats(r)["staged_requests"] for r in range(p_tp))
         and not any(d.stats(r)["bytes_in_use"] or d.stats(r)["push_held_spans"] for r in range(d_tp)))
     assert not any(p.stats(r)["push_writes_in_flight"] for r in range(p_tp))
+
+
+def test_push_chunk_bytes_sets_the_least_chunk(engines):
+    """``push_chunk_bytes`` above one unit's bytes (a 40-token request: 6 KiB per layer):
+    P WRITEs no chunk smaller, so each chunk carries two layers or more; D byte-exact."""
+    p, d = _pair(engines, CASES["one_group"], dict(push_chunk_bytes=8192))
+    chunks = p.worker.arena_worker.sender.chunks
+    assert chunks.min_bytes == 8192
+    fill_layerwise(p, d, 28)
+    rids, tokens, before, failed = _concurrent(p, d, [40], seed=28)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert chunks.events and _chunk_stats(p, d) == (len(chunks.events), len(chunks.events))
+    for _, _, _, lo, hi, nbytes in chunks.events:
+        assert nbytes >= 8192 and hi - lo >= 2, chunks.events
 
 
 def test_chunked_prefill_pushes_chunks_in_the_last_step(engines):
