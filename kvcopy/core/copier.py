@@ -259,6 +259,14 @@ class BlockCopier:
         d = self._built(direction)
         return self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
 
+    def plan_flat(self, direction: str, block_ids, host_block_ids, lens) -> CallPlan:
+        """:meth:`plan` of ids as flat int64 numpy arrays, every group's concatenated, and
+        ``lens`` ids per group (:meth:`~kvcopy.core.planner.CallPlanner.plan_flat`)."""
+        d = self._built(direction)
+        if direction == "d2h":
+            return self._validate(d, block_ids, host_block_ids, lens)
+        return self._validate(d, host_block_ids, block_ids, lens)
+
     def split(self, direction: str, call: CallPlan, part_of_group, parts: int) -> List[CallPlan]:
         """A call planned here cut into ``parts`` calls by group (``part_of_group``: one
         part number per KV cache group, -1 for none): call ``p`` copies the groups of
@@ -342,10 +350,11 @@ class BlockCopier:
             d.backend.copy(d.tables, call)
         return None
 
-    def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+    def _validate(self, d: _Direction, src_ids, dst_ids, flat_lens=None) -> CallPlan:
         if self._closed:
             raise ValueError("BlockCopier is closed")
-        call = d.planner.plan(src_ids, dst_ids)
+        call = d.planner.plan(src_ids, dst_ids) if flat_lens is None else \
+            d.planner.plan_flat(src_ids, dst_ids, flat_lens)
         if d.row_pairs:
             check_shared_rows(d.row_pairs, call, d.dst_side)
         return call

@@ -88,7 +88,27 @@ class CallPlanner:
         flat = _plain_ids(src_ids, dst_ids, self._g)
         if flat is None:
             flat = self._checked_ids(src_ids, dst_ids)
-        src, dst, lens = flat
+        return self._pass(*flat)
+
+    def plan_flat(self, src: np.ndarray, dst: np.ndarray, lens) -> CallPlan:
+        """:meth:`plan` of ids given as every group's ids concatenated (``src``, ``dst``:
+        1-D int64 numpy arrays) and ``lens`` (ids per group, ``G`` ints >= 0 summing to
+        their length): no Python list is walked, for callers that build ids with numpy
+        (layer-wise staging: thousands of id lists per call in head order). The same
+        checks and refusals as :meth:`plan`."""
+        for side, ids in ((self._src_side, src), (self._dst_side, dst)):
+            if type(ids) is not np.ndarray or ids.dtype != np.int64 or ids.ndim != 1:
+                raise TypeError(f"plan_flat: {side} block ids must be a 1-D int64 numpy array, got {shown(ids)}")
+        n = np.asarray(lens)
+        if n.shape != (self._g,) or n.dtype.kind not in "iu" or (self._g and int(n.min()) < 0):
+            raise ValueError(f"plan_flat: lens must be {self._g} counts >= 0 (one per group), got {shown(lens)}")
+        if int(n.sum()) != len(src) or len(dst) != len(src):
+            raise ValueError(f"plan_flat: lens sum to {int(n.sum())}, but {len(src)} {self._src_side} and "
+                             f"{len(dst)} {self._dst_side} block ids")
+        return self._pass(src, dst, array.array("q", n.tolist()))
+
+    def _pass(self, src, dst, lens: array.array) -> CallPlan:
+        """Step 2 over every group's ids concatenated (``array('q')`` or int64 numpy)."""
         # The plan keeps the ids as bytes; the C pass reads those same buffers.
         src_bytes = src.tobytes()
         dst_bytes = src_bytes if dst is src else dst.tobytes()
@@ -124,49 +144,43 @@ class CallPlanner:
         if parts < 0 or (g and (int(part.min()) < -1 or int(part.max()) >= parts)):
             raise ValueError(f"split: parts are numbered -1 (none) to {parts - 1}, got {shown(part.tolist())}")
         packed = plan.packed
-        run_n = np.diff(packed[:g + 1])
-        lens = np.asarray(plan.group_lens, dtype=np.int64)
-        mine = part[None, :] == np.arange(parts)[:, None]  # [parts, groups]
         head = 2 * (g + 1)
-        header = np.zeros((parts, head), dtype=np.int64)  # per part: run offsets, item offsets
-        np.cumsum(run_n * mine, axis=1, out=header[:, 1:g + 1])
-        np.cumsum(np.diff(packed[g + 1:head]) * mine, axis=1, out=header[:, g + 2:])
-        part_lens = lens * mine
-        totals = (part_lens * np.asarray(self._group_bytes, dtype=np.int64)).sum(axis=1).tolist()
-        # runs and ids sorted by part, stably: each part's in its groups' order, as planned;
-        # a group in no part (-1) sorts first and is left out
-        run_part = np.repeat(part, run_n)
-        by_part = np.argsort(run_part, kind="stable")
-        run_part = run_part[by_part]
-        runs = packed[head:].reshape(-1, 3)[by_part]
-        id_order = np.argsort(np.repeat(part, lens), kind="stable")
+        lens = np.asarray(plan.group_lens, dtype=np.int64)
+        counts = np.stack((np.diff(packed[:g + 1]), np.diff(packed[g + 1:head])))  # runs, items per group
+        # per part, its run offsets and item offsets (what planning its groups alone gives)
+        mine = part[None, :] == np.arange(parts)[:, None]  # [parts, groups]
+        header = np.zeros((parts, 2, g + 1), dtype=np.int64)
+        np.cumsum(np.where(mine[:, None, :], counts[None, :, :], 0), axis=2, out=header[:, :, 1:])
+        n_runs, n_items = header[:, 0, g].tolist(), header[:, 1, g].tolist()
+        kept = part >= 0
+        totals = np.zeros(parts, dtype=np.int64)  # bytes per part (integers: no float sum)
+        np.add.at(totals, part[kept], (lens * np.asarray(self._group_bytes, np.int64))[kept])
+        totals = totals.tolist()
+        # groups, runs and ids sorted by part, stably: each part's in its groups' order, as
+        # planned; those of no part (-1) sort first and are left out
+        groups = np.argsort(part, kind="stable")
+        group_at = np.cumsum(np.bincount(part + 1, minlength=parts + 1)).tolist()
+        group_list, lens_list = groups.tolist(), lens[groups].tolist()
+        run_part = np.repeat(part, counts[0])
+        runs = packed[head:].reshape(-1, 3)[np.argsort(run_part, kind="stable")]
+        run_at = np.cumsum(np.bincount(run_part + 1, minlength=parts + 1)).tolist()
+        id_part = np.repeat(part, lens)
+        id_order = np.argsort(id_part, kind="stable")
         src, dst = plan.src_flat[id_order], plan.dst_flat[id_order]
-        id_at = np.cumsum(np.bincount(np.repeat(part, lens) + 1, minlength=parts + 1)).tolist()
-        # every part's call array in one buffer: [header | runs (3 R_p) | block prefix (R_p + 1)]
-        n_runs = header[:, g]
-        at = np.zeros(parts + 1, dtype=np.int64)
-        np.cumsum(head + 4 * n_runs + 1, out=at[1:])
-        words = np.empty(int(at[-1]), dtype=np.int64)
-        words[(at[:-1, None] + np.arange(head)[None, :]).ravel()] = header.ravel()
-        skip = len(run_part) - int(n_runs.sum())
-        run_part, runs = run_part[skip:], runs[skip:]
-        first = np.zeros(parts + 1, dtype=np.int64)  # each part's first run among the kept ones
-        np.cumsum(n_runs, out=first[1:])
-        local = np.arange(len(runs)) - first[run_part]  # a run's index within its part
-        run_at = at[run_part] + head + 3 * local
-        words[(run_at[:, None] + np.arange(3)[None, :]).ravel()] = runs.ravel()
-        blocks = np.zeros(len(runs) + 1, dtype=np.int64)
+        id_at = np.cumsum(np.bincount(id_part + 1, minlength=parts + 1)).tolist()
+        blocks = np.zeros(len(runs) + 1, dtype=np.int64)  # the block prefix over the sorted runs
         np.cumsum(runs[:, 2], out=blocks[1:])
-        prefix_at = at[:-1] + head + 3 * n_runs  # each part's block prefix
-        words[prefix_at[run_part] + local] = blocks[:-1] - blocks[first[run_part]]
-        words[prefix_at + n_runs] = blocks[first[1:]] - blocks[first[:-1]]
-        lens_of, runs_of, items_of, at = part_lens.tolist(), n_runs.tolist(), header[:, -1].tolist(), at.tolist()
+        zeros = [0] * g
         out = []
         for p in range(parts):
-            i0, i1 = id_at[p], id_at[p + 1]
-            out.append(call_plan(words[at[p]:at[p + 1]].tobytes(), head + 3 * runs_of[p], runs_of[p], items_of[p],
-                                 src[i0:i1].tobytes(), dst[i0:i1].tobytes(), tuple(lens_of[p]), totals[p],
-                                 self._origin))
+            r0, r1, i0, i1 = run_at[p], run_at[p + 1], id_at[p], id_at[p + 1]
+            group_lens = zeros.copy()
+            for j, n in zip(group_list[group_at[p]:group_at[p + 1]], lens_list[group_at[p]:group_at[p + 1]]):
+                group_lens[j] = n
+            words = b"".join((header[p].tobytes(), runs[r0:r1].tobytes(),
+                              (blocks[r0:r1 + 1] - blocks[r0]).tobytes()))
+            out.append(call_plan(words, head + 3 * n_runs[p], n_runs[p], n_items[p], src[i0:i1].tobytes(),
+                                 dst[i0:i1].tobytes(), tuple(group_lens), totals[p], self._origin))
         return out
 
     # ------------------------------------------------------------ checks in Python

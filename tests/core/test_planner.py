@@ -5,6 +5,8 @@ library) must give the same packed call and block prefix, or refuse the same cal
 with the same message; the message names the group, the layer and the id the pass
 stopped at.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -242,3 +244,46 @@ def test_split_refuses_what_it_cannot_cut():
         copier.split("h2d", call, [0, 2, 1], 2)
     with pytest.raises(ValueError, match=r"numbered -1 \(none\) to 1"):
         copier.split("h2d", call, [0, -2, 1], 2)
+
+
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_plan_flat_equals_plan_of_the_same_lists(monkeypatch, engine):
+    """Ids as flat int64 arrays and per-group counts: the same call array and ids as
+    plan() of the lists, and the same refusal naming group, layer and id."""
+    if engine == "numpy":
+        monkeypatch.setattr(planner, "plan_call_function", lambda: None)
+    elif planner.plan_call_function() is None:
+        pytest.skip("CPU library not built")
+    copier = _copier()
+    rng = np.random.default_rng(5)
+    refused = accepted = 0
+    for trial in range(60):
+        lens = rng.integers(0, 4, size=3)
+        dev = [rng.permutation(6)[:n].tolist() for n in lens]  # x and y share bytes: may repeat (refused)
+        host = [rng.integers(0, 11 if trial % 5 == 0 else 10, size=n).tolist() for n in lens]
+        flat = [np.array(sum(ids, []), dtype=np.int64) for ids in (dev, host)]
+        for direction in ("d2h", "h2d"):
+            try:
+                want = copier.plan(direction, dev, host)
+            except ValueError as exc:
+                with pytest.raises(ValueError, match=re.escape(str(exc))):
+                    copier.plan_flat(direction, *flat, lens)
+                refused += 1
+                continue
+            accepted += 1
+            got = copier.plan_flat(direction, *flat, lens)
+            assert kernel_inputs.call_array(got).tolist() == kernel_inputs.call_array(want).tolist()
+            assert (got.src_flat.tolist(), got.dst_flat.tolist(), got.group_lens, got.total_bytes) == \
+                (want.src_flat.tolist(), want.dst_flat.tolist(), want.group_lens, want.total_bytes)
+    assert refused > 10 and accepted > 10, (refused, accepted)
+    ids = np.array([0, 1, 2], dtype=np.int64)
+    for bad, exc, match in [((ids.astype(np.int32), ids, [1, 1, 1]), TypeError, "1-D int64 numpy array"),
+                            (([0, 1, 2], ids, [1, 1, 1]), TypeError, "1-D int64 numpy array"),
+                            ((ids, ids.reshape(3, 1), [1, 1, 1]), TypeError, "1-D int64 numpy array"),
+                            ((ids, ids, [1, 2]), ValueError, "lens must be 3 counts"),
+                            ((ids, ids, [2, -1, 2]), ValueError, "lens must be 3 counts"),
+                            ((ids, ids, [1.0, 1.0, 1.0]), ValueError, "lens must be 3 counts"),
+                            ((ids, ids, [1, 1, 2]), ValueError, "lens sum to 4, but 3"),
+                            ((ids, ids[:2], [1, 1, 1]), ValueError, "but 3 device and 2 host")]:
+        with pytest.raises(exc, match=match):
+            copier.plan_flat("d2h", *bad)

@@ -25,7 +25,7 @@ whole-request values: **the record is byte-identical to** ``stage``'s for the sa
 block table (``tests/nixl/modes/test_nixl_partial_stage.py``). A block is *held* when
 every page position of it that holds prompt tokens was copied.
 
-Host cost per step: one ``SpanCopiers.ids`` and one checked plan per copier per request,
+Host cost per step: one ``SpanCopiers.flat_ids`` and one checked plan per copier per request,
 cut into one call per unit (``BlockCopier.split``: array passes, no id checked twice);
 the sums are folded at ``finish`` (after the last copy: on a GPU the sums tensors are
 read back then).
@@ -180,17 +180,17 @@ def plan_step(part: PartialStage, cps: SpanCopiers, layout: Optional[SumLayout],
         pos = pos[pages[lo:hi] != NO_BLOCK]  # a position P holds no page for stays a hole
         new_pos.append(pos)
         new_pages.append(pages[pos])
-    ids = cps.ids(part.span.offset, part.segs, part.counts, new_pages, new_pos)
+    ids = cps.flat_ids(part.span.offset, part.segs, part.counts, new_pages, new_pos)
     settling = np.array([len(p) > 0 for p in new_pos])
     calls: Dict[int, List[_UnitCall]] = {}
-    for k, ((dev, host), (_, unit, group, _, _)) in enumerate(zip(ids, cps.index)):
+    for k, ((dev, host, lens), (_, unit, group, _, _)) in enumerate(zip(ids, cps.index)):
         live = settling[group]  # the copier groups (triples) of units with settling pages
         if not live.any():
             continue
         # one checked plan of every triple, cut into one call per unit (no id checked twice)
         units = np.unique(unit[live])
         part_of = np.where(live, np.searchsorted(units, unit), -1)
-        whole = cps.copiers[k].plan("d2h", dev, host)
+        whole = cps.copiers[k].plan_flat("d2h", dev, host, lens)
         cut = cps.copiers[k].split("d2h", whole, part_of, len(units))
         # the sums' triple numbers J per unit, in call order (triples of no unit sort first)
         order = np.argsort(part_of, kind="stable")
