@@ -183,23 +183,16 @@ def plan_step(part: PartialStage, cps: SpanCopiers, layout: Optional[SumLayout],
     ids = cps.flat_ids(part.span.offset, part.segs, part.counts, new_pages, new_pos)
     settling = np.array([len(p) > 0 for p in new_pos])
     calls: Dict[int, List[_UnitCall]] = {}
-    for k, ((dev, host, lens), (_, unit, group, _, _)) in enumerate(zip(ids, cps.index)):
+    for k, ((dev, host, lens), (_, _, group, _, _)) in enumerate(zip(ids, cps.index)):
         live = settling[group]  # the copier groups (triples) of units with settling pages
         if not live.any():
             continue
         # one checked plan of every triple, cut into one call per unit (no id checked twice)
-        units = np.unique(unit[live])
-        part_of = np.where(live, np.searchsorted(units, unit), -1)
         whole = cps.copiers[k].plan_flat("d2h", dev, host, lens)
-        cut = cps.copiers[k].split("d2h", whole, part_of, len(units))
-        # the sums' triple numbers J per unit, in call order (triples of no unit sort first)
-        order = np.argsort(part_of, kind="stable")
-        numbers = layout.numbers[k][order] if layout is not None else np.zeros(len(order), np.int64)
-        ends = len(order) - int(live.sum()) + np.cumsum(np.bincount(part_of[live], minlength=len(units)))
-        bounds = [len(order) - int(live.sum())] + ends.tolist()
-        for i, (u, call) in enumerate(zip(units.tolist(), cut)):
+        for u, call, triples in cps.split_by_unit(k, "d2h", whole, live):
             g = cps.units[u].group
-            calls.setdefault(u, []).append(_UnitCall(k, call, numbers[bounds[i]:bounds[i + 1]], g, new_pos[g]))
+            js = layout.numbers[k][triples] if layout is not None else np.zeros(0, np.int64)
+            calls.setdefault(u, []).append(_UnitCall(k, call, js, g, new_pos[g]))
     for g, pos in enumerate(new_pos):
         part.copied[g][pos] = True
     part.done_tokens = max(part.done_tokens, min(done_tokens, part.num_tokens))

@@ -101,6 +101,21 @@ class SpanCopiers:
             out.append((dev_all[take], np.repeat(first, lens) + pos_all[take], lens))
         return out
 
+    def split_by_unit(self, k: int, direction: str, call: CallPlan,
+                      live: Optional[np.ndarray] = None) -> List[Tuple[int, CallPlan, np.ndarray]]:
+        """Copier ``k``'s planned ``call`` cut into one call per unit (of its ``live``
+        copier groups, a mask; default all): ``(unit, its call, its copier groups in
+        call order)`` in unit order (``BlockCopier.split``: nothing checked again)."""
+        unit = self.index[k][1]
+        live = np.ones(len(unit), bool) if live is None else live
+        units = np.unique(unit[live])
+        part_of = np.where(live, np.searchsorted(units, unit), -1)
+        cut = self.copiers[k].split(direction, call, part_of, len(units))
+        order = np.argsort(part_of, kind="stable")  # groups of no unit (-1) first
+        ends = (len(order) - int(live.sum()) + np.cumsum(np.bincount(part_of[live], minlength=len(units)))).tolist()
+        starts = [len(order) - int(live.sum())] + ends[:-1]
+        return [(u, c, order[a:b]) for u, c, a, b in zip(units.tolist(), cut, starts, ends)]
+
     def _first_blocks(self, k: int, span_offset: int, segs: Sequence[int], counts: Sequence[int]) -> np.ndarray:
         """Copier ``k``'s host block of page position 0 per copier group (module docstring)."""
         cb, unit, group, slab, _ = self.index[k]
