@@ -23,10 +23,13 @@ one ``save`` of the request on P. Then, interleaved per round:
                 two touched CPU buffers: the scale of a request's bytes on the host that runs it
 
 ``--per-step``: P's host cost of layer-wise staging per engine step (``--layers`` layers,
-default 48, one group; ``--blocks`` blocks of 16 tokens per request): for 1, 2, 4, 8, 16
-requests whose prefill ends in the step, ``settle`` = ``ArenaStaging.settle`` of each
-(what P's ``bind_connector_metadata`` runs before the forward: one planned call per
-unit and request, checked), against ``copies`` = running every unit of those plans (the
+default 48, one group; ``--blocks`` blocks of 16 tokens per request; ``--order``): for
+1, 2, 4, 8, 16 requests whose prefill ends in the step, ``settle`` = ``ArenaStaging.settle``
+of each (what P's ``bind_connector_metadata`` runs before the forward: one checked plan
+per copier and request, cut into one call per unit by ``BlockCopier.split``), against
+``alone`` = the same calls planned unit by unit (each unit's ids checked alone, every
+other triple's list empty: how ``settle`` planned before ``split``, the same calls),
+``copies`` = running every unit of those plans (the
 bytes the step stages, on this CPU), ``stage`` = the whole-request staging of the same
 requests (``TransferManager.save``: one plan and one copy per request) and ``memcpy`` =
 one contiguous copy of the same bytes. Spans are allocated (``begin``) untimed before
@@ -147,6 +150,26 @@ def main(argv=None) -> int:
         mp.close()
 
 
+def plan_units_alone(arena, part, ids) -> list:
+    """``--per-step``'s ``alone`` row: every unit's calls of ``part`` (all its pages settling
+    at once, none missing) planned unit by unit, each checking its own ids."""
+    import numpy as np
+
+    from kvcopy.nixl.planning.plan import expand_blocks
+
+    cps, info = arena.span_copiers(part.order), part.info
+    pages = [expand_blocks(np.asarray(a, np.int64), info.tokens_per_block[g] // info.tokens_per_page[g])[:n]
+             for g, (a, n) in enumerate(zip(ids, part.counts))]
+    ids_of = cps.ids(part.span.offset, part.segs, part.counts, pages, [np.arange(n) for n in part.counts])
+    calls = []
+    for copier, (dev, host), (_, unit, _, _, _) in zip(cps.copiers, ids_of, cps.index):
+        for u in np.unique(unit).tolist():
+            keep = (unit == u).tolist()
+            calls.append(copier.plan("d2h", [d if m else [] for d, m in zip(dev, keep)],
+                                     [h if m else [] for h, m in zip(host, keep)]))
+    return calls
+
+
 def per_step(args) -> int:
     """``--per-step`` (module docstring)."""
     from kvcopy.bench.nixl.request import padded
@@ -156,6 +179,8 @@ def per_step(args) -> int:
 
     sc = replace(PRESETS["seeds2"]["scenario"], num_layers=args.layers, num_groups=1,
                  blocks_per_request=args.blocks)
+    if args.order == "head":
+        sc = replace(sc, layout="kv_first_hnd")
     P = sc.build("cpu")
     counts = sc.blocks_per_group()
     tokens = counts[0] * sc.block_size
@@ -164,7 +189,7 @@ def per_step(args) -> int:
     span_guess = tokens * args.layers * 2 * sc.num_kv_heads * sc.head_size * 2  # K and V, bf16
     mp = TransferManager("layerwise-cost-P", P.dev, P.layer_groups, sc.block_size, sc.block_size, buffer="arena",
                          arena_bytes=max(sizes) * span_guess * 5 // 4 + (64 << 20), arena_ttl_s=3600.0,
-                         block_dim=sc.block_dim(), kv_layout=sc.kv_layout())
+                         arena_order=args.order, block_dim=sc.block_dim(), kv_layout=sc.kv_layout())
     arena, info = mp.arena, mp.info
     parts: list = []
     steps: list = []
@@ -182,6 +207,10 @@ def per_step(args) -> int:
     def settle():
         steps[:] = [arena.settle(part, ids, tokens) for part in parts]
 
+    def alone():
+        for part in parts:
+            plan_units_alone(arena, part, ids)
+
     def copies():
         for step in steps:
             for u in step.units:
@@ -196,6 +225,7 @@ def per_step(args) -> int:
             src = torch.randint(0, 256, (n * span,), dtype=torch.uint8)
             dst = torch.zeros(n * span, dtype=torch.uint8)
             rows[f"settle {n}"], before[f"settle {n}"] = settle, fresh(n, False)
+            rows[f"alone {n}"], before[f"alone {n}"] = alone, fresh(n, False)
             rows[f"copies {n}"], before[f"copies {n}"] = copies, fresh(n, True)
             rows[f"stage {n}"] = lambda n=n: [mp.save(ids, num_tokens=tokens, request_id=f"s{i}") for i in range(n)]
             before[f"stage {n}"] = fresh(n, False, False)
@@ -205,22 +235,30 @@ def per_step(args) -> int:
         for part in parts:
             arena.abandon(part)
         mp.close()
-    print(f"arena_plan_cost --per-step: seeds2 geometry, {args.layers} layers ({units} units), {tokens} tokens "
-          f"per request ({span / 2**20:.1f} MiB span); median of {args.iters} rounds, ms")
-    print(f"{'requests':>8}{'settle':>9}{'per unit+req us':>17}{'copies':>9}{'stage':>9}{'memcpy':>9}"
-          f"{'settle/stage':>14}")
+    report(args, units, tokens, span, sizes, timings)
+    return 0
+
+
+def report(args, units: int, tokens: int, span: int, sizes, timings) -> None:
+    """``--per-step``'s table (and ``--json``)."""
+    print(f"arena_plan_cost --per-step: seeds2 geometry, {args.layers} layers ({units} units), {args.order} order, "
+          f"{tokens} tokens per request ({span / 2**20:.1f} MiB span); median of {args.iters} rounds, ms")
+    print(f"{'requests':>8}{'settle':>9}{'us/unit+req':>12}{'alone':>9}{'us/unit+req':>12}{'copies':>9}{'stage':>9}"
+          f"{'memcpy':>9}{'settle/stage':>14}")
     out = {}
     for n in sizes:
-        med = {k: timings[f"{k} {n}"].stats()["median_us"] / 1e3 for k in ("settle", "copies", "stage", "memcpy")}
+        med = {k: timings[f"{k} {n}"].stats()["median_us"] / 1e3
+               for k in ("settle", "alone", "copies", "stage", "memcpy")}
         out[n] = med
-        print(f"{n:>8}{med['settle']:>9.2f}{med['settle'] * 1e3 / (n * units):>17.1f}{med['copies']:>9.2f}"
-              f"{med['stage']:>9.2f}{med['memcpy']:>9.2f}{med['settle'] / med['stage']:>14.2f}")
+        print(f"{n:>8}{med['settle']:>9.2f}{med['settle'] * 1e3 / (n * units):>12.1f}{med['alone']:>9.2f}"
+              f"{med['alone'] * 1e3 / (n * units):>12.1f}{med['copies']:>9.2f}{med['stage']:>9.2f}"
+              f"{med['memcpy']:>9.2f}{med['settle'] / med['stage']:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "arena_plan_cost --per-step", "layers": args.layers, "units": units,
+                       "order": args.order,
                        "tokens_per_request": tokens, "span_bytes": span, "iters": args.iters,
                        "median_ms": out}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

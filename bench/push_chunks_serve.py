@@ -17,7 +17,7 @@ Modes (same engines, same requests, interleaved):
 * ``whole``: P stages the request at ``wait_for_save`` (one copy), one WRITE;
 * ``layerwise-1write``: P stages layer by layer, one WRITE after staging, D scatters at ``f``;
 * ``chunked``: layer-wise, units WRITten as their copies end (chunks of at least
-  ``MIN_CHUNK_BYTES``; the last layer's unit rides in the final WRITE), D scatters each
+  ``push_chunk_bytes``, 1 MiB; the last layer's unit rides in the final WRITE), D scatters each
   chunk on its ``c``;
 * ``chunked-unit``: the same with a chunk per unit;
 * ``chunked-unit-own-tail``: the same, the last layer's unit in a chunk WRITE of its own

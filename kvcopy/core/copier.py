@@ -259,6 +259,23 @@ class BlockCopier:
         d = self._built(direction)
         return self._validate(d, block_ids, host) if direction == "d2h" else self._validate(d, host, block_ids)
 
+    def plan_flat(self, direction: str, block_ids, host_block_ids, lens) -> CallPlan:
+        """:meth:`plan` of ids as flat int64 numpy arrays, every group's concatenated, and
+        ``lens`` ids per group (:meth:`~kvcopy.core.planner.CallPlanner.plan_flat`)."""
+        d = self._built(direction)
+        if direction == "d2h":
+            return self._validate(d, block_ids, host_block_ids, lens)
+        return self._validate(d, host_block_ids, block_ids, lens)
+
+    def split(self, direction: str, call: CallPlan, part_of_group, parts: int) -> List[CallPlan]:
+        """A call planned here cut into ``parts`` calls by group (``part_of_group``: one
+        part number per KV cache group, -1 for none): call ``p`` copies the groups of
+        part ``p`` only, as :meth:`plan` of their ids alone would, without checking the
+        ids again (:meth:`~kvcopy.core.planner.CallPlanner.split`). For a caller that
+        runs one call's groups at different times (layer-wise staging: one unit per
+        layer) and checks them once."""
+        return self._planned(direction, call, "split").planner.split(call, part_of_group, parts)
+
     def run(self, direction: str, call: CallPlan, checksums: Optional[torch.Tensor] = None) -> CallPlan:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
         were checked then; the storages are checked now, as for every call);
@@ -279,10 +296,10 @@ class BlockCopier:
             raise TypeError(f"fold must be a SumFold, got {type(fold).__name__}")
         return self._copy(d, call, checksums, fold)
 
-    def _planned(self, direction: str, call: CallPlan) -> _Direction:
+    def _planned(self, direction: str, call: CallPlan, what: str = "run") -> _Direction:
         d = self._built(direction)
         if type(call) is not CallPlan or call.origin is not d.planner.origin:
-            raise ValueError(f"run: not a {direction!r} call planned by this BlockCopier")
+            raise ValueError(f"{what}: not a {direction!r} call planned by this BlockCopier")
         if self._closed:
             raise ValueError("BlockCopier is closed")
         return d
@@ -333,10 +350,11 @@ class BlockCopier:
             d.backend.copy(d.tables, call)
         return None
 
-    def _validate(self, d: _Direction, src_ids: IdLists, dst_ids: IdLists) -> CallPlan:
+    def _validate(self, d: _Direction, src_ids, dst_ids, flat_lens=None) -> CallPlan:
         if self._closed:
             raise ValueError("BlockCopier is closed")
-        call = d.planner.plan(src_ids, dst_ids)
+        call = d.planner.plan(src_ids, dst_ids) if flat_lens is None else \
+            d.planner.plan_flat(src_ids, dst_ids, flat_lens)
         if d.row_pairs:
             check_shared_rows(d.row_pairs, call, d.dst_side)
         return call

@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from .. import native
-from ..checks import block_ids, items
+from ..checks import block_ids, items, shown
 from .tables import CallPlan, CopyTables, call_plan
 
 # Error codes of csrc/call_plan.cpp (PlanError).
@@ -88,7 +88,27 @@ class CallPlanner:
         flat = _plain_ids(src_ids, dst_ids, self._g)
         if flat is None:
             flat = self._checked_ids(src_ids, dst_ids)
-        src, dst, lens = flat
+        return self._pass(*flat)
+
+    def plan_flat(self, src: np.ndarray, dst: np.ndarray, lens) -> CallPlan:
+        """:meth:`plan` of ids given as every group's ids concatenated (``src``, ``dst``:
+        1-D int64 numpy arrays) and ``lens`` (ids per group, ``G`` ints >= 0 summing to
+        their length): no Python list is walked, for callers that build ids with numpy
+        (layer-wise staging: thousands of id lists per call in head order). The same
+        checks and refusals as :meth:`plan`."""
+        for side, ids in ((self._src_side, src), (self._dst_side, dst)):
+            if type(ids) is not np.ndarray or ids.dtype != np.int64 or ids.ndim != 1:
+                raise TypeError(f"plan_flat: {side} block ids must be a 1-D int64 numpy array, got {shown(ids)}")
+        n = np.asarray(lens)
+        if n.shape != (self._g,) or n.dtype.kind not in "iu" or (self._g and int(n.min()) < 0):
+            raise ValueError(f"plan_flat: lens must be {self._g} counts >= 0 (one per group), got {shown(lens)}")
+        if int(n.sum()) != len(src) or len(dst) != len(src):
+            raise ValueError(f"plan_flat: lens sum to {int(n.sum())}, but {len(src)} {self._src_side} and "
+                             f"{len(dst)} {self._dst_side} block ids")
+        return self._pass(src, dst, array.array("q", n.tolist()))
+
+    def _pass(self, src, dst, lens: array.array) -> CallPlan:
+        """Step 2 over every group's ids concatenated (``array('q')`` or int64 numpy)."""
         # The plan keeps the ids as bytes; the C pass reads those same buffers.
         src_bytes = src.tobytes()
         dst_bytes = src_bytes if dst is src else dst.tobytes()
@@ -106,6 +126,62 @@ class CallPlanner:
         g = self._g
         return call_plan(words.tobytes(), n, int(words[g]), int(words[2 * g + 1]), src_bytes, dst_bytes,
                          tuple(lens), sum(map(operator.mul, self._group_bytes, lens)), self._origin)
+
+    def split(self, plan: CallPlan, part_of_group, parts: int) -> List[CallPlan]:
+        """Cut ``plan`` (made by this planner) into ``parts`` plans: plan ``p`` holds the
+        ids of the groups ``g`` with ``part_of_group[g] == p`` and leaves every other
+        group's list empty (-1: a group in no part); each equals, word for word in its
+        call array, the plan of those ids alone. Nothing is checked again: the ids of a
+        checked call, some groups' lists emptied, are a valid call (in range, no
+        destination block written twice). A few array passes over the plan whatever
+        ``parts`` is, then one slice per part (``bench/arena_plan_cost.py --per-step``)."""
+        if type(plan) is not CallPlan or plan.origin is not self._origin:
+            raise ValueError("split: not a plan made by this planner")
+        g = self._g
+        part = np.asarray(part_of_group)
+        if part.shape != (g,) or part.dtype.kind not in "iu":
+            raise ValueError(f"split: part_of_group must be {g} integers (one per group), got {shown(part_of_group)}")
+        if parts < 0 or (g and (int(part.min()) < -1 or int(part.max()) >= parts)):
+            raise ValueError(f"split: parts are numbered -1 (none) to {parts - 1}, got {shown(part.tolist())}")
+        packed = plan.packed
+        head = 2 * (g + 1)
+        lens = np.asarray(plan.group_lens, dtype=np.int64)
+        counts = np.stack((np.diff(packed[:g + 1]), np.diff(packed[g + 1:head])))  # runs, items per group
+        # per part, its run offsets and item offsets (what planning its groups alone gives)
+        mine = part[None, :] == np.arange(parts)[:, None]  # [parts, groups]
+        header = np.zeros((parts, 2, g + 1), dtype=np.int64)
+        np.cumsum(np.where(mine[:, None, :], counts[None, :, :], 0), axis=2, out=header[:, :, 1:])
+        n_runs, n_items = header[:, 0, g].tolist(), header[:, 1, g].tolist()
+        kept = part >= 0
+        totals = np.zeros(parts, dtype=np.int64)  # bytes per part (integers: no float sum)
+        np.add.at(totals, part[kept], (lens * np.asarray(self._group_bytes, np.int64))[kept])
+        totals = totals.tolist()
+        # groups, runs and ids sorted by part, stably: each part's in its groups' order, as
+        # planned; those of no part (-1) sort first and are left out
+        groups = np.argsort(part, kind="stable")
+        group_at = np.cumsum(np.bincount(part + 1, minlength=parts + 1)).tolist()
+        group_list, lens_list = groups.tolist(), lens[groups].tolist()
+        run_part = np.repeat(part, counts[0])
+        runs = packed[head:].reshape(-1, 3)[np.argsort(run_part, kind="stable")]
+        run_at = np.cumsum(np.bincount(run_part + 1, minlength=parts + 1)).tolist()
+        id_part = np.repeat(part, lens)
+        id_order = np.argsort(id_part, kind="stable")
+        src, dst = plan.src_flat[id_order], plan.dst_flat[id_order]
+        id_at = np.cumsum(np.bincount(id_part + 1, minlength=parts + 1)).tolist()
+        blocks = np.zeros(len(runs) + 1, dtype=np.int64)  # the block prefix over the sorted runs
+        np.cumsum(runs[:, 2], out=blocks[1:])
+        zeros = [0] * g
+        out = []
+        for p in range(parts):
+            r0, r1, i0, i1 = run_at[p], run_at[p + 1], id_at[p], id_at[p + 1]
+            group_lens = zeros.copy()
+            for j, n in zip(group_list[group_at[p]:group_at[p + 1]], lens_list[group_at[p]:group_at[p + 1]]):
+                group_lens[j] = n
+            words = b"".join((header[p].tobytes(), runs[r0:r1].tobytes(),
+                              (blocks[r0:r1 + 1] - blocks[r0]).tobytes()))
+            out.append(call_plan(words, head + 3 * n_runs[p], n_runs[p], n_items[p], src[i0:i1].tobytes(),
+                                 dst[i0:i1].tobytes(), tuple(group_lens), totals[p], self._origin))
+        return out
 
     # ------------------------------------------------------------ checks in Python
     def _checked_ids(self, src_ids, dst_ids):

@@ -48,9 +48,10 @@ def test_arena_plan_cost_times_plan_pull_beside_a_memcpy():
 def test_arena_plan_cost_per_step_times_layerwise_plans_beside_their_copies():
     out = run_script("arena_plan_cost.py", "--per-step", "--layers", "3", "--blocks", "2", "--iters", "2")
     assert "3 layers (3 units)" in out, out
-    rows = [line.split() for line in out.splitlines() if re.fullmatch(r"\s*\d+(\s+\d+\.\d+){6}", line)]
-    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16], out  # requests; settle, per unit, copies, stage, memcpy
-    assert all(float(x) > 0 for r in rows for x in r[1:6]), out
+    rows = [line.split() for line in out.splitlines() if re.fullmatch(r"\s*\d+(\s+\d+\.\d+){8}", line)]
+    # requests; settle, per unit, alone, per unit, copies, stage, memcpy, settle/stage
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8, 16], out
+    assert all(float(x) > 0 for r in rows for x in r[1:9]), out
 
 
 def test_serve_pd_refuses_bad_arguments_before_starting_anything():

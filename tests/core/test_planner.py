@@ -5,6 +5,8 @@ library) must give the same packed call and block prefix, or refuse the same cal
 with the same message; the message names the group, the layer and the id the pass
 stopped at.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +174,116 @@ def test_the_outer_container_of_per_group_ids_has_an_order_and_its_length(outer,
     assert torch.equal(hb["x"], before)
     one.to_host([(1, 2)])  # the same ids in a list: copied
     assert torch.equal(hb["x"][1:3], dev["x"][1:3]) and torch.equal(hb["x"][3:], before[3:])
+
+
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_split_equals_planning_each_part_alone(monkeypatch, engine):
+    """A checked call cut by group into parts: each part's call array, ids, lengths and
+    bytes equal the plan of those groups' ids alone (the others emptied), and running
+    the parts one by one writes what the whole call writes (destination poisoned)."""
+    if engine == "numpy":
+        monkeypatch.setattr(planner, "plan_call_function", lambda: None)
+    elif planner.plan_call_function() is None:
+        pytest.skip("CPU library not built")
+    rng = np.random.default_rng(11)
+    shared = torch.zeros(40, 2, 8, dtype=torch.uint8)
+    dev = {"a": shared, "b": shared, **{f"l{i}": torch.randint(0, 256, (40, 2, 8), dtype=torch.uint8)
+                                        for i in range(5)}}
+    shared.copy_(torch.randint(0, 256, shared.shape, dtype=torch.uint8))
+    host = {k: torch.zeros(48, 2, 8, dtype=torch.uint8) for k in dev}
+    groups = [["a"], ["b"], ["l0", "l1"], ["l2"], ["l3"], ["l4"]]
+    copier = kvcopy.BlockCopier(dev, host, groups, copy_backend="torch")
+    for trial in range(40):
+        lens = rng.integers(0, 9, size=len(groups))
+        taken = rng.permutation(40)[: lens[:2].sum()]  # groups a and b share device bytes
+        dev_ids = [sorted(taken[: lens[0]].tolist()), sorted(taken[lens[0]:].tolist())]
+        dev_ids += [np.sort(rng.permutation(40)[:n]).tolist() if trial % 2 else rng.permutation(40)[:n].tolist()
+                for n in lens[2:]]
+        host_ids = [(np.sort(rng.permutation(48)[:n]) if trial % 3 else np.arange(n) + 3).tolist() for n in lens]
+        whole = copier.plan("h2d", dev_ids, host_ids)
+        parts = int(rng.integers(1, 5))
+        part_of = rng.integers(-1, parts, size=len(groups))
+        cut = copier.split("h2d", whole, part_of, parts)
+        assert len(cut) == parts
+        for p, call in enumerate(cut):
+            alone = copier.plan("h2d", [d if part_of[g] == p else [] for g, d in enumerate(dev_ids)],
+                                [h if part_of[g] == p else [] for g, h in enumerate(host_ids)])
+            assert kernel_inputs.call_array(call).tolist() == kernel_inputs.call_array(alone).tolist()
+            assert (call.src_flat.tolist(), call.dst_flat.tolist(), call.group_lens, call.total_bytes,
+                    call.num_runs, call.num_items) == (alone.src_flat.tolist(), alone.dst_flat.tolist(),
+                                                        alone.group_lens, alone.total_bytes, alone.num_runs,
+                                                        alone.num_items)
+        if trial % 4 == 0:  # the parts, run one by one, write exactly what the whole call writes
+            for t in host.values():
+                t.fill_(0xA5)
+            want = {k: v.clone() for k, v in host.items()}
+            for g, names in enumerate(groups):
+                if part_of[g] >= 0:
+                    for n in names:
+                        want[n][host_ids[g]] = dev[n][dev_ids[g]]
+            d2h = copier.plan("d2h", dev_ids, host_ids)
+            for call in copier.split("d2h", d2h, part_of, parts):
+                copier.run("d2h", call)
+            assert all(torch.equal(host[k], want[k]) for k in host), trial
+
+
+def test_split_refuses_what_it_cannot_cut():
+    copier, other = _copier(), _copier()
+    call = copier.plan("h2d", [[0, 1], [2], [3]])
+    with pytest.raises(ValueError, match="split: not a 'h2d' call planned by this BlockCopier"):
+        copier.split("h2d", other.plan("h2d", [[0], [1], [2]]), [0, 0, 0], 1)
+    with pytest.raises(ValueError, match="not a plan made by this planner"):
+        copier._h2d.planner.split(other.plan("h2d", [[0], [1], [2]]), [0, 0, 0], 1)
+    with pytest.raises(ValueError, match="split: not a 'd2h' call planned by this BlockCopier"):
+        copier.split("d2h", call, [0, 0, 0], 1)
+    with pytest.raises(ValueError, match="must be 3 integers"):
+        copier.split("h2d", call, [0, 0], 1)
+    with pytest.raises(ValueError, match="must be 3 integers"):
+        copier.split("h2d", call, [0.0, 0.0, 1.0], 2)
+    with pytest.raises(ValueError, match=r"numbered -1 \(none\) to 1"):
+        copier.split("h2d", call, [0, 2, 1], 2)
+    with pytest.raises(ValueError, match=r"numbered -1 \(none\) to 1"):
+        copier.split("h2d", call, [0, -2, 1], 2)
+
+
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_plan_flat_equals_plan_of_the_same_lists(monkeypatch, engine):
+    """Ids as flat int64 arrays and per-group counts: the same call array and ids as
+    plan() of the lists, and the same refusal naming group, layer and id."""
+    if engine == "numpy":
+        monkeypatch.setattr(planner, "plan_call_function", lambda: None)
+    elif planner.plan_call_function() is None:
+        pytest.skip("CPU library not built")
+    copier = _copier()
+    rng = np.random.default_rng(5)
+    refused = accepted = 0
+    for trial in range(60):
+        lens = rng.integers(0, 4, size=3)
+        dev = [rng.permutation(6)[:n].tolist() for n in lens]  # x and y share bytes: may repeat (refused)
+        host = [rng.integers(0, 11 if trial % 5 == 0 else 10, size=n).tolist() for n in lens]
+        flat = [np.array(sum(ids, []), dtype=np.int64) for ids in (dev, host)]
+        for direction in ("d2h", "h2d"):
+            try:
+                want = copier.plan(direction, dev, host)
+            except ValueError as exc:
+                with pytest.raises(ValueError, match=re.escape(str(exc))):
+                    copier.plan_flat(direction, *flat, lens)
+                refused += 1
+                continue
+            accepted += 1
+            got = copier.plan_flat(direction, *flat, lens)
+            assert kernel_inputs.call_array(got).tolist() == kernel_inputs.call_array(want).tolist()
+            assert (got.src_flat.tolist(), got.dst_flat.tolist(), got.group_lens, got.total_bytes) == \
+                (want.src_flat.tolist(), want.dst_flat.tolist(), want.group_lens, want.total_bytes)
+    assert refused > 10 and accepted > 10, (refused, accepted)
+    ids = np.array([0, 1, 2], dtype=np.int64)
+    for bad, exc, match in [((ids.astype(np.int32), ids, [1, 1, 1]), TypeError, "1-D int64 numpy array"),
+                            (([0, 1, 2], ids, [1, 1, 1]), TypeError, "1-D int64 numpy array"),
+                            ((ids, ids.reshape(3, 1), [1, 1, 1]), TypeError, "1-D int64 numpy array"),
+                            ((ids, ids, [1, 2]), ValueError, "lens must be 3 counts"),
+                            ((ids, ids, [2, -1, 2]), ValueError, "lens must be 3 counts"),
+                            ((ids, ids, [1.0, 1.0, 1.0]), ValueError, "lens must be 3 counts"),
+                            ((ids, ids, [1, 1, 2]), ValueError, "lens sum to 4, but 3"),
+                            ((ids, ids[:2], [1, 1, 1]), ValueError, "but 3 device and 2 host")]:
+        with pytest.raises(exc, match=match):
+            copier.plan_flat("d2h", *bad)

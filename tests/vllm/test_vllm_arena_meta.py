@@ -53,6 +53,29 @@ def test_options_are_checked(monkeypatch):
     assert opts(arena_ttl_s=2).manager.arena_ttl_s == 2
 
 
+def test_push_chunk_bytes_is_parsed_and_bounded():
+    from kvcopy.vllm.config import ARENA_SURFACE, PREFIX, PUSH_CHUNK_BYTES, from_transfer_config
+
+    def opts(**kw):
+        return from_transfer_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
+                                                     kv_connector_extra_config={"kvcopy": kw}), ARENA_SURFACE)
+    assert opts().push_chunk_bytes == PUSH_CHUNK_BYTES == 1 << 20
+    assert opts(push_chunk_bytes=0).push_chunk_bytes == 0  # every run of copied units its own chunk
+    assert opts(push_chunk_bytes=4096).push_chunk_bytes == 4096
+    # bounded by the arena_bytes set, not the default's 1 GiB
+    assert opts(arena_bytes=4 << 30, push_chunk_bytes=2 << 30).push_chunk_bytes == 2 << 30
+    assert opts(arena_bytes=1 << 20, push_chunk_bytes=1 << 20).push_chunk_bytes == 1 << 20
+    assert opts(arena_bytes=1 << 16).push_chunk_bytes == 1 << 20  # the default: no chunk in so small an arena
+    for bad, match in [({"push_chunk_bytes": -1}, "0 or more"), ({"push_chunk_bytes": True}, "0 or more"),
+                       ({"push_chunk_bytes": 1.5}, "0 or more"), ({"push_chunk_bytes": 1048576.0}, "0 or more"),
+                       ({"push_chunk_bytes": "1MiB"}, "0 or more"), ({"push_chunk_bytes": None}, "0 or more"),
+                       ({"arena_bytes": 1 << 20, "push_chunk_bytes": (1 << 20) + 1}, r"at most arena_bytes \(1048576"),
+                       ({"push_chunk_bytes": (1 << 30) + 1}, r"at most arena_bytes \(1073741824: no span is larger")]:
+        with pytest.raises(ValueError, match=r"push_chunk_bytes must be .*" + match) as raised:
+            opts(**bad)
+        assert str(raised.value).startswith(PREFIX), raised.value
+
+
 def _mirror_options(extra):
     from kvcopy.vllm.config import MIRROR_SURFACE, from_transfer_config
 

@@ -36,10 +36,10 @@ assert engines and vllm_env  # fixtures, used by name
 PUSH = {"transfer_mode": "push"}
 
 
-def _pair(engines, case, p_kw=None):
-    p = engines(case, "kv_producer", layerwise=True, **(p_kw or {}))
-    d = engines(case, "kv_consumer", **PUSH)
-    p.worker.arena_worker.sender.chunks.min_bytes = 0  # a chunk per copy: the most WRITEs
+def _pair(engines, case, p_kw=None, d_kw=None):
+    # push_chunk_bytes 0: a chunk per copy, the most WRITEs
+    p = engines(case, "kv_producer", layerwise=True, **{"push_chunk_bytes": 0, **(p_kw or {})})
+    d = engines(case, "kv_consumer", **PUSH, **(d_kw or {}))
     return p, d
 
 
@@ -53,16 +53,21 @@ def _template(p, d):
     return params
 
 
-def _accepted(p, rids):
-    w = p.worker.arena_worker
-    with w.lock:
-        return all(w.sender.tokens_for(r) for r in rids)
+def _accepted(p, rids, readers=1):
+    """Every P rank accepted ``readers`` reservations of each request (one per D rank reading it)."""
+    for rank in p.ranks:
+        w = rank.worker.arena_worker
+        with w.lock:
+            if not all(len(w.sender.tokens_for(r)) >= readers for r in rids):
+                return False
+    return True
 
 
-def _concurrent(p, d, lengths, seed, limit_s=60.0, accepted=None):
-    """D and P get each request at once; P steps only once its worker accepted D's
-    reservation (concurrent dispatch, D first); then both step until D's loads ended.
-    ``accepted()`` is called then. Returns (rids, tokens, D's bytes before, failed)."""
+def _concurrent(p, d, lengths, seed, limit_s=60.0, accepted=None, readers=1):
+    """D and P get each request at once; P steps only once its workers accepted D's
+    reservations (concurrent dispatch, D first; ``readers`` per P rank and request);
+    then both step until D's loads ended. ``accepted()`` is called then. Returns (rids,
+    tokens, D's bytes before, failed)."""
     template = _template(p, d)
     tokens = prompts(len(lengths), lengths, seed)
     rids = [f"c{seed}-{i}" for i in range(len(tokens))]
@@ -71,7 +76,7 @@ def _concurrent(p, d, lengths, seed, limit_s=60.0, accepted=None):
         d.add(rid, toks, dict(template, remote_request_id=rid), max_tokens=2)
     before = d.raw_bytes()
     deadline = time.monotonic() + limit_s
-    while not _accepted(p, rids):  # P's housekeeping takes the reservations without a step
+    while not _accepted(p, rids, readers):  # P's housekeeping takes the reservations without a step
         assert time.monotonic() < deadline, "P's worker never accepted the reservations"
         d.step()
         time.sleep(0.005)
@@ -94,7 +99,8 @@ def _concurrent(p, d, lengths, seed, limit_s=60.0, accepted=None):
 def _loaded(p, d, rids, tokens, before):
     n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
     exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load)], before)
-    assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"
+    for e, b in zip(*((exp, before) if isinstance(exp, list) else ([exp], [before]))):  # every D rank's
+        assert (e != b).any(), "the expectation moves nothing: the test would not see a missed load"
     assert_same(d, exp)
 
 
@@ -112,7 +118,9 @@ def _outside_blocks_untouched(d, rids, before):
 
 
 def _chunk_stats(p, d):
-    return p.stats()["push_chunks_posted"], d.stats()["push_chunks_landed"]
+    """Chunk WRITEs every P rank posted, and chunks every D rank scattered."""
+    return (sum(p.stats(r)["push_chunks_posted"] for r in range(len(p.ranks))),
+            sum(d.stats(r)["push_chunks_landed"] for r in range(len(d.ranks))))
 
 
 @pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing", "mla", "gdn_padded", "kernel_split_32_to_16"])
@@ -145,6 +153,44 @@ def test_chunked_push_in_the_six_layouts(engines, layout):
     assert failed == set()
     _loaded(p, d, rids, tokens, before)
     assert _chunk_stats(p, d)[1] > 1
+
+
+@pytest.mark.parametrize("p_tp,d_tp,order", [(2, 1, "token"), (2, 1, "head"), (1, 2, "token"), (1, 2, "head"),
+                                             (2, 2, "token")])
+def test_chunked_push_between_other_tp_sizes(engines, p_tp, d_tp, order):
+    """Each D rank reserves from the P ranks holding its KV heads (TP sizes that differ:
+    a row per page and layer in token order, a row per unit in head order); every P
+    rank WRITEs its share of each unit as its copies end, and every D rank's buffer is
+    byte-exact over poison."""
+    case = CASES["hybrid_kv_sharing"]  # 2 KV heads per layer
+    p, d = _pair(engines, case, dict(tp=p_tp, arena_order=order), dict(tp=d_tp, arena_order=order))
+    fill_layerwise(p, d, 27)
+    readers = max(1, d_tp // p_tp)  # reservations per P rank and request
+    rids, tokens, before, failed = _concurrent(p, d, [40, 57], seed=27, readers=readers)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    for r in range(p_tp):  # every P rank chunked each of its reservations
+        assert p.stats(r)["push_chunks_posted"] >= len(rids) * readers, (r, p.stats(r))
+    posted, landed = _chunk_stats(p, d)
+    assert landed == posted
+    run([p, d], lambda: not any(p.stats(r)["staged_requests"] for r in range(p_tp))
+        and not any(d.stats(r)["bytes_in_use"] or d.stats(r)["push_held_spans"] for r in range(d_tp)))
+    assert not any(p.stats(r)["push_writes_in_flight"] for r in range(p_tp))
+
+
+def test_push_chunk_bytes_sets_the_least_chunk(engines):
+    """``push_chunk_bytes`` above one unit's bytes (a 40-token request: 6 KiB per layer):
+    P WRITEs no chunk smaller, so each chunk carries two layers or more; D byte-exact."""
+    p, d = _pair(engines, CASES["one_group"], dict(push_chunk_bytes=8192))
+    chunks = p.worker.arena_worker.sender.chunks
+    assert chunks.min_bytes == 8192
+    fill_layerwise(p, d, 28)
+    rids, tokens, before, failed = _concurrent(p, d, [40], seed=28)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert chunks.events and _chunk_stats(p, d) == (len(chunks.events), len(chunks.events))
+    for _, _, _, lo, hi, nbytes in chunks.events:
+        assert nbytes >= 8192 and hi - lo >= 2, chunks.events
 
 
 def test_chunked_prefill_pushes_chunks_in_the_last_step(engines):

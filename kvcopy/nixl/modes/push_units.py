@@ -14,9 +14,9 @@ reads, to where D planned them.
 
 D (:func:`plan_units`, at reserve, from P's handshake alone): per unit of D's span the P
 units of each peer whose bytes it reads (from the rows), its zero runs, and its scatter
-calls (each span copier's planner with every other unit's id lists empty, as P's
-per-unit copies are planned; every call checked at reserve, so nothing can fail to plan
-once bytes landed). On ``c`` D scatters every unit whose P units have all landed
+calls (each span copier's whole scatter call, checked at reserve and cut into one call
+per unit by ``BlockCopier.split``, as P's per-unit copies are; so nothing can fail to
+plan once bytes landed). On ``c`` D scatters every unit whose P units have all landed
 (:func:`scatter`); the rest after P's ``f``. Sums: each call sums its pages inside the
 copy, as the whole-request scatter does; a page's sum depends on its bytes and its place
 in the staged block only, and the fold is a sum over triples, so folding the calls unit
@@ -116,13 +116,10 @@ def plan_units(staging, shape, req, peers, span_offset: int, rows, read_real, re
     ids = cps.ids(span_offset, shape.segs, req.counts, read_real, [np.asarray(x, np.int64) for x in read_pages],
                   [np.asarray(z, np.int64) for z in zero_real])
     calls: List[List[UnitCall]] = [[] for _ in cps.units]
-    for k, ((dev, host), (_, unit, _, _, _)) in enumerate(zip(ids, cps.index)):
-        unit_of_triple = unit.tolist()
-        for u in sorted(set(unit_of_triple)):
-            keep = {j for j, x in enumerate(unit_of_triple) if x == u}
-            call = cps.copiers[k].plan("h2d", [d if j in keep else [] for j, d in enumerate(dev)],
-                                       [h if j in keep else [] for j, h in enumerate(host)])
-            js = layout.numbers[k][sorted(keep)] if layout is not None else np.zeros(0, np.int64)
+    for k, (dev, host) in enumerate(ids):
+        # the whole scatter's call, checked once, cut into one call per unit
+        for u, call, triples in cps.split_by_unit(k, "h2d", cps.copiers[k].plan("h2d", dev, host)):
+            js = layout.numbers[k][triples] if layout is not None else np.zeros(0, np.int64)
             calls[u].append(UnitCall(k, call, js, cps.units[u].group))
     return UnitScatter(tuple(needs), tuple(len(pb) - 1 for pb in p_bounds), zero, tuple(tuple(c) for c in calls),
                        tuple(np.asarray(x, np.int64) for x in read_pages), tuple(len(z) for z in zero_real))

@@ -69,10 +69,9 @@ class SpanCopiers:
         zeros = [None if zero_pages is None else np.asarray(z, np.int64) for z in (zero_pages or dev_pages)]
         dev_of = [np.concatenate([d, z]).tolist() if z is not None and len(z) else np.asarray(d).tolist()
                   for d, z in zip(dev_pages, zeros)]
-        seg_at, count = np.asarray(segs, np.int64), np.asarray(counts, np.int64)
         out = []
-        for cb, unit, group, slab, by_group in self.index:
-            first = (span_offset + seg_at[unit] + slab * count[group] * cb) // cb
+        for k, (_, unit, group, _, by_group) in enumerate(self.index):
+            first = self._first_blocks(k, span_offset, segs, counts)
             host: List[List[int]] = [[] for _ in range(len(unit))]  # every one set below
             for g, at in by_group:
                 rows = first[at][:, None] + np.asarray(positions[g], np.int64)[None, :]
@@ -83,6 +82,45 @@ class SpanCopiers:
                     host[j] = row
             out.append(([dev_of[g] for g in group.tolist()], host))
         return out
+
+    def flat_ids(self, span_offset: int, segs: Sequence[int], counts: Sequence[int], dev_pages: Sequence[np.ndarray],
+                 positions: Sequence[np.ndarray]) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`ids` without zero pages, per copier as ``BlockCopier.plan_flat`` takes
+        them: (device ids, host ids, ids per copier group), every copier group's ids
+        concatenated in int64 arrays, made with array operations (no list per group)."""
+        sizes = np.array([len(p) for p in positions], np.int64)
+        at = np.concatenate(([0], np.cumsum(sizes)))  # each KV cache group's place in the concatenations
+        dev_all = np.concatenate([np.asarray(d, np.int64) for d in dev_pages]) if len(dev_pages) else sizes
+        pos_all = np.concatenate([np.asarray(p, np.int64) for p in positions]) if len(positions) else sizes
+        out = []
+        for k, (_, _, group, _, _) in enumerate(self.index):
+            lens = sizes[group]
+            starts = np.repeat(np.cumsum(lens) - lens, lens)  # each id's copier group's first id
+            take = np.repeat(at[group], lens) + np.arange(int(lens.sum())) - starts
+            first = self._first_blocks(k, span_offset, segs, counts)
+            out.append((dev_all[take], np.repeat(first, lens) + pos_all[take], lens))
+        return out
+
+    def split_by_unit(self, k: int, direction: str, call: CallPlan,
+                      live: Optional[np.ndarray] = None) -> List[Tuple[int, CallPlan, np.ndarray]]:
+        """Copier ``k``'s planned ``call`` cut into one call per unit (of its ``live``
+        copier groups, a mask; default all): ``(unit, its call, its copier groups in
+        call order)`` in unit order (``BlockCopier.split``: nothing checked again)."""
+        unit = self.index[k][1]
+        live = np.ones(len(unit), bool) if live is None else live
+        units = np.unique(unit[live])
+        part_of = np.where(live, np.searchsorted(units, unit), -1)
+        cut = self.copiers[k].split(direction, call, part_of, len(units))
+        order = np.argsort(part_of, kind="stable")  # groups of no unit (-1) first
+        ends = (len(order) - int(live.sum()) + np.cumsum(np.bincount(part_of[live], minlength=len(units)))).tolist()
+        starts = [len(order) - int(live.sum())] + ends[:-1]
+        return [(u, c, order[a:b]) for u, c, a, b in zip(units.tolist(), cut, starts, ends)]
+
+    def _first_blocks(self, k: int, span_offset: int, segs: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+        """Copier ``k``'s host block of page position 0 per copier group (module docstring)."""
+        cb, unit, group, slab, _ = self.index[k]
+        seg_at, count = np.asarray(segs, np.int64), np.asarray(counts, np.int64)
+        return (span_offset + seg_at[unit] + slab * count[group] * cb) // cb
 
     def plan(self, direction: str, ids: Sequence[Tuple[Ids, Ids]]) -> List[CallPlan]:
         """One planned call per copier (every call checked before any runs)."""

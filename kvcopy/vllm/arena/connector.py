@@ -344,6 +344,7 @@ class KvcopyArenaWorker:
             if self.producer:
                 self.sender = PushSender(self.manager, self.stager, self.puller.channel, self.listener, self.tp_rank,
                                          self.puller.stats)
+                self.sender.chunks.min_bytes = o.push_chunk_bytes
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
         if o.layerwise and self.producer:
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)

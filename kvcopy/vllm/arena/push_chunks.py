@@ -12,8 +12,8 @@ dispatch), each unit is final once its copy of that step ended. :class:`ChunkPos
   takes the worker's lock for the post, which the engine thread never holds across the
   forward): marks the units copied and WRITEs, per reservation, each run of copied
   units not sent yet (contiguous in span order) holding at least :attr:`min_bytes`
-  (``TransferManager.push_writes.post_units``; D is told ``c`` when it ended), never the
-  *tail*: the unit(s) the forward's last attention layer completes;
+  (the connector's ``push_chunk_bytes``; ``TransferManager.push_writes.post_units``; D is
+  told ``c`` when it ended), never the *tail*: the unit(s) the forward's last attention layer completes;
 * :meth:`~ChunkPoster.accepted`: a reservation accepted while its request's last step
   runs sends the units copied so far at once;
 * the final WRITE (the units left: the tail, the state units the sweep copies, and the
@@ -34,8 +34,8 @@ ended is one WRITE (for equal geometry one descriptor), as before. P failing aft
 chunks were sent (a copy failed: the request is staged again whole) answers ``x``: D
 recomputes.
 
-Why :data:`MIN_CHUNK_BYTES`: one WRITE between two arenas over UCX on loopback has a
-fixed cost of 13-22 µs (a 4 KiB WRITE), 13% of a 1 MiB WRITE (166 µs) and over 25% below
+Why ``push_chunk_bytes`` is 1 MiB by default: one WRITE between two arenas over UCX on
+loopback has a fixed cost of 13-22 µs (a 4 KiB WRITE), 13% of a 1 MiB WRITE (166 µs) and over 25% below
 256 KiB (``bench/push_chunks.py``, the 2-core machine shared; ``docs/vllm.md``, "Layer-wise
 push in chunks"); and on loopback the WRITE copies inside the post, on the copy thread,
 delaying the next layer's copy by as much. A chunk before the last overlaps the forward, so its size only
@@ -54,17 +54,16 @@ from ...nixl.manager import TransferManager
 from ...nixl.modes.partial_stage import PartialStage
 from ...nixl.modes.push_units import runs, unit_bounds
 from ...nixl.planning.pack_order import Unit, natural_key
+from ..config import PUSH_CHUNK_BYTES
 
 logger = init_logger("vllm.kvcopy")
-
-MIN_CHUNK_BYTES = 1 << 20  # least bytes per chunk WRITE (module docstring)
 
 
 class ChunkPoster:
     """One P rank's chunked pushes (module docstring). Every method runs under the
     worker's lock."""
 
-    min_bytes = MIN_CHUNK_BYTES
+    min_bytes = PUSH_CHUNK_BYTES  # least bytes per chunk WRITE: the connector sets push_chunk_bytes
     tail_in_final = True  # False: the tail goes in a chunk of its own (the benchmark's comparison)
 
     def __init__(self, manager: TransferManager):
