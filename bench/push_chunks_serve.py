@@ -7,10 +7,23 @@ float16, 16-token blocks). P's forward is played layer by layer on the main thre
 ``--layer-ms`` of matmul (one torch thread: the model's core; several values are swept,
 interleaved with the modes), then the layer's KV
 written, then ``save_kv_layer``, as vLLM's attention decorator calls it; P's copy thread
-runs on the other core. D steps on its own thread throughout, as its engine does while a
+runs on the other core. D steps while it has a request, as its engine does while a
 request waits for remote KV. Requests go one at a time, dispatched concurrently (D gets
 the request with P's coordinates when P does; P's step starts once its worker accepted
 D's reservation).
+
+Where D runs (``--placements``, interleaved request by request with the modes; P is
+always this process):
+
+* ``one``: D in P's process, stepped on a thread of its own (one interpreter, one GIL:
+  ``--switch-ms`` hands the GIL over sooner than CPython's 5 ms);
+* ``two``: D in a spawned process of its own (its own vLLM state and NIXL agent, as a
+  deployment's D engine), driven over a pipe; it sends its KV-ready stamps and scatter
+  events back over the pipe. ``time.monotonic`` is CLOCK_MONOTONIC on Linux, one clock
+  for the whole machine, so D's stamps compare with P's;
+* ``two-pinned``: the same with every thread of P's process on the first CPU and every
+  thread of D's on the second (``os.sched_setaffinity``, set before such a request,
+  reset before any other request), P's copy thread then sharing P's CPU with its forward.
 
 Modes (same engines, same requests, interleaved):
 
@@ -28,12 +41,15 @@ D's KV ready: ``ArenaPushReceiver._finish``), ``last_layer_to_ready_ms`` (P's la
 ``save_kv_layer`` to KV ready), the tail's parts (the last layer's copy: how long it
 waited behind the copy thread's backlog, when it ended; when the final WRITE was posted),
 and per unit of ``chunked-unit`` the copy and the chunk WRITE's post (on UCX loopback
-the post runs the WRITE's copy) of one layer. ``--plot`` draws one request per mode and
-setting.
+the post runs the WRITE's copy: UCX's ``cma`` put, process_vm_writev on the posting
+thread) of one layer. The summary adds, per mode, the final WRITE's post returned ->
+D's ``complete`` at ``f`` begins (P's poll, the notice over UCX's TCP loopback, D's step)
+and D's ``complete``. ``--plot`` draws one request per placement, mode and setting.
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 VENV_PY bench/push_chunks_serve.py \\
-        [--modes whole,chunked-unit] [--layer-ms 4,8,16] --out bench/results/push-chunks-serve-....json
-    ... --out FILE.json --plot PNG  # draw a saved run
+        [--modes whole,chunked-unit] [--layer-ms 4,8,16] [--placements one,two,two-pinned] \\
+        --out bench/results/push-chunks-serve-....json
+    ... --out FILE.json --plot PNG [--plot-modes chunked-unit]  # draw a saved run
 """
 from __future__ import annotations
 
@@ -46,6 +62,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "vllm")]  # the engines harness of the vLLM tests
@@ -54,11 +71,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODES = ("whole", "layerwise-1write", "chunked", "chunked-unit", "chunked-unit-own-tail")
+PLACEMENTS = ("one", "two", "two-pinned")
 
 
 def _model_config(root: Path):
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm_arena_engines import engine_process
 
     model = root / "tiny-llama"
     model.mkdir()
@@ -67,16 +84,31 @@ def _model_config(root: Path):
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 8,
         "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
         "head_dim": 16}))
-    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
-    with set_current_vllm_config(VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"))):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{root / 'dist'}")
-        initialize_model_parallel(1, 1)
-    return mc
+    return engine_process(model, root / "dist")
+
+
+def _engine(mc, args, role, **opts):
+    """P (``kv_producer``) or D of the bench's geometry: ``args.layers`` full-attention
+    layers, room for two prompts of ``args.tokens`` in the KV cache, three spans in the arena."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_arena_engines import ArenaEngine
+
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                                                                    dtype=torch.float16) for i in range(args.layers)}
+    span = args.layers * _layer_bytes(args)
+    return ArenaEngine(mc, dict(block_size=16, specs=specs), role, os.environ.__setitem__,
+                       num_blocks=2 * -(-args.tokens // 16) + 8, arena_bytes=3 * span, **opts)
+
+
+def _layer_bytes(args) -> int:
+    return args.tokens * 8 * 128 * 2 * 2
 
 
 class Events:
-    """Monotonic times the wrapped methods log (one clock for both engines: one process)."""
+    """Monotonic times the wrapped methods log. ``time.monotonic`` is CLOCK_MONOTONIC on
+    Linux, one clock for the whole machine, so D's process stamps compare with P's."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -91,11 +123,7 @@ class Events:
             getattr(self, key).append(value)
 
 
-def _instrument(p, d, ev: Events):
-    import torch  # noqa: F401
-    from kvcopy.nixl.modes import push_units
-    from kvcopy.vllm.arena.push_recv import ArenaPushReceiver
-
+def _instrument_p(p, ev: Events):
     pw = p.worker.arena_worker
     conn = p.worker
     real_bind, real_save = conn.bind_connector_metadata, conn.wait_for_save
@@ -130,15 +158,6 @@ def _instrument(p, d, ev: Events):
         real_copied(rid, units)
     layers._copy, layers.on_copied = copy, on_copied
 
-    real_complete = d.manager.reservations.complete
-
-    def complete(token):
-        t0 = time.monotonic()
-        out = real_complete(token)
-        ev.log("scatters", (t0, time.monotonic(), ["complete"]))
-        return out
-    d.manager.reservations.complete = complete
-
     real_post = pw.manager.push_writes.post
 
     def post(token, record):
@@ -147,6 +166,20 @@ def _instrument(p, d, ev: Events):
         ev.log("final_posts", (t0, time.monotonic(), out[0], out[1]))
         return out
     pw.manager.push_writes.post = post
+
+
+def _instrument_d(d, ev: Events):
+    from kvcopy.nixl.modes import push_units
+    from kvcopy.vllm.arena.push_recv import ArenaPushReceiver
+
+    real_complete = d.manager.reservations.complete
+
+    def complete(token):
+        t0 = time.monotonic()
+        out = real_complete(token)
+        ev.log("scatters", (t0, time.monotonic(), ["complete"]))
+        return out
+    d.manager.reservations.complete = complete
 
     real_scatter = push_units.scatter
 
@@ -162,6 +195,156 @@ def _instrument(p, d, ev: Events):
         ev.ready[job.rid] = time.monotonic()
         return real_finish(self, job)
     ArenaPushReceiver._finish = finish
+
+
+def _pin(cpus) -> None:
+    """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+class LocalDecode:
+    """D in P's process (one interpreter, one GIL): stepped on a thread of its own while it
+    has requests, as its engine core does while a request waits for remote KV."""
+
+    def __init__(self, d):
+        self.d, self.lock, self.active, self.stop = d, threading.Lock(), threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while not self.stop.is_set():
+            if not self.active.wait(0.1):
+                continue
+            with self.lock:
+                self.d.step()
+                if not self.d.sched.has_requests():
+                    self.active.clear()
+            time.sleep(0.0002)
+
+    def add(self, rid, tokens, params, max_tokens):
+        with self.lock:
+            self.d.add(rid, tokens, params, max_tokens=max_tokens)
+            self.active.set()
+
+    def ready(self, rid) -> bool:
+        return rid in EVENTS.ready
+
+    def finished(self, rid) -> bool:
+        return rid in self.d.params
+
+    def pin(self, cpus) -> None:
+        pass  # P's process: pinned with it
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+        self.d.close()
+
+
+class DecodeProcess:
+    """D in a spawned process of its own (:func:`decode_child`), driven over a pipe as
+    ``tests/vllm/test_vllm_arena_flow.py`` drives its P process: ``("add", (rid, tokens, params,
+    max_tokens))``, ``("pin", cpus)``, ``("stop", None)``; D reports ``("ready", rid, t,
+    scatters)`` (its KV-ready stamp and the scatter/complete events since its last report)
+    and ``("finished", rid)``."""
+
+    def __init__(self, args, model_dir, root):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=decode_child, args=(child, args, model_dir, root), daemon=True)
+        self.proc.start()
+        child.close()
+        self.done = set()
+        assert self.conn.poll(300) and self.conn.recv() == "started", "the D process did not start"
+
+    def _drain(self):
+        while self.conn.poll(0):
+            msg = self.conn.recv()
+            if msg[0] == "ready":
+                EVENTS.ready[msg[1]] = msg[2]
+                EVENTS.scatters.extend(msg[3])
+            elif msg[0] == "finished":
+                self.done.add(msg[1])
+            elif msg[0] == "pinned":
+                self.pinned = True
+
+    def add(self, rid, tokens, params, max_tokens):
+        self.conn.send(("add", (rid, tokens, params, max_tokens)))
+
+    def ready(self, rid) -> bool:
+        self._drain()
+        return rid in EVENTS.ready
+
+    def finished(self, rid) -> bool:
+        self._drain()
+        return rid in self.done
+
+    def pin(self, cpus) -> None:
+        self.pinned = False
+        self.conn.send(("pin", cpus))
+        deadline = time.monotonic() + 30
+        while not self.pinned:
+            assert time.monotonic() < deadline, "the D process did not pin"
+            self._drain()
+            time.sleep(0.001)
+
+    def close(self):
+        if self.proc.is_alive():
+            self.conn.send(("stop", None))
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(30)
+
+
+def decode_child(conn, args, model_dir, root):
+    """D's process: its engine stepped while it has requests, otherwise blocked on the
+    pipe (as an engine core blocks on its input queue); see :class:`DecodeProcess`."""
+    import torch
+
+    from vllm_arena_engines import engine_process
+
+    torch.set_num_threads(1)
+    sys.setswitchinterval(args.switch_ms / 1e3)
+    d = _engine(engine_process(model_dir, Path(root) / "dist-d"), args, "kv_consumer", transfer_mode="push")
+    d.raw.fill_(0x5A)
+    ev = Events()
+    _instrument_d(d, ev)
+    conn.send("started")
+    told, finished = set(), set()
+    try:
+        while True:
+            if conn.poll(0 if d.sched.has_requests() else None):
+                cmd, arg = conn.recv()
+                if cmd == "stop":
+                    break
+                if cmd == "add":
+                    d.add(*arg[:3], max_tokens=arg[3])
+                elif cmd == "pin":
+                    _pin(arg)
+                    conn.send(("pinned",))
+                continue
+            d.step()
+            for rid in ev.ready.keys() - told:
+                with ev.lock:
+                    scatters, ev.scatters = ev.scatters, []
+                conn.send(("ready", rid, ev.ready[rid], scatters))
+                told.add(rid)
+            for rid in d.params.keys() - finished:
+                conn.send(("finished", rid))
+                finished.add(rid)
+            time.sleep(0.0002)
+    except EOFError:  # P's process is gone
+        pass
+    finally:
+        d.close()
+        os._exit(0)  # vLLM's and NIXL's threads
 
 
 def _forward(rank, layer_ms: float):
@@ -198,95 +381,108 @@ EVENTS = Events()
 
 def run(args) -> dict:
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_arena_engines import ArenaEngine, fill_layerwise, prompts
+    from vllm_arena_engines import prompts
 
     torch.set_num_threads(1)
-    # P and D share one interpreter here (they are two processes in a deployment): hand the
-    # GIL over sooner than CPython's 5 ms so D's stepping thread does not hold P's threads
+    # P and D share one interpreter in placement "one" (they are two processes in a deployment):
+    # hand the GIL over sooner than CPython's 5 ms so D's stepping thread does not hold P's threads
     sys.setswitchinterval(args.switch_ms / 1e3)
+    all_cpus = os.sched_getaffinity(0)
     root = Path(tempfile.mkdtemp(prefix="push-chunks-"))
     mc = _model_config(root)
-    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
-                                                                    dtype=torch.float16) for i in range(args.layers)}
-    case = dict(block_size=16, specs=specs)
-    blocks = 2 * -(-args.tokens // 16) + 8
-    span = args.layers * args.tokens * 8 * 128 * 2 * 2
-    p = ArenaEngine(mc, case, "kv_producer", os.environ.__setitem__, num_blocks=blocks, arena_bytes=3 * span,
-                    layerwise=True)
-    d = ArenaEngine(mc, case, "kv_consumer", os.environ.__setitem__, num_blocks=blocks, arena_bytes=3 * span,
-                    transfer_mode="push")
+    p = _engine(mc, args, "kv_producer", layerwise=True)
     pw = p.worker.arena_worker
     layers = pw.stager.layers
-    _instrument(p, d, EVENTS)
-    fill_layerwise(p, d, 1)
-    forwards = {ms: _forward(p.ranks[0], ms) for ms in args.layer_ms}
-    p.ranks[0].forward = forwards[args.layer_ms[0]]
-    stop = threading.Event()
-    d_lock = threading.Lock()
-
-    def d_loop():
-        while not stop.is_set():
-            with d_lock:
-                d.step()
-            time.sleep(0.0002)
-    thread = threading.Thread(target=d_loop, daemon=True)
+    _instrument_p(p, EVENTS)
+    sides = {}
     try:
-        warm = prompts(1, [32], 7)
-        p.add("warm", warm[0], {"do_remote_decode": True})
-        while "warm" not in p.params:
-            p.step()
-        template = p.params["warm"]
-        with d_lock:
-            d.add("warm", warm[0], template, max_tokens=2)
-        thread.start()
-        while "warm" not in d.params:
-            time.sleep(0.01)
+        _decode_sides(args, mc, p, root, sides)
+        forwards = {ms: _forward(p.ranks[0], ms) for ms in args.layer_ms}
+        p.ranks[0].forward = forwards[args.layer_ms[0]]
+        warm = prompts(1, [32], 7)[0]
+        template = None
+        for side in _each(sides):  # one warm request per D: its handshakes
+            rid = f"warm-{id(side)}"
+            p.add(rid, warm, {"do_remote_decode": True})
+            while rid not in p.params:
+                p.step()
+            template = template or p.params[rid]
+            side.add(rid, warm, p.params[rid], 2)
+            deadline = time.monotonic() + 120
+            while not side.finished(rid):
+                assert time.monotonic() < deadline, "D did not warm"
+                time.sleep(0.01)
         rows = []
-        n = args.repeats * len(args.modes) * len(args.layer_ms)
-        toks = prompts(n, [args.tokens] * n, 3)
-        k = 0
+        combos = [(ms, mode, place) for ms in args.layer_ms for mode in args.modes for place in args.placements]
+        toks = prompts(len(combos) * args.repeats, [args.tokens] * len(combos) * args.repeats, 3)
+        pinned = None
         for rep in range(args.repeats):
-            order = args.modes if rep % 2 == 0 else tuple(reversed(args.modes))
-            for ms, mode in [(ms, mode) for ms in args.layer_ms for mode in order]:
-                rid = f"{mode}-{ms:g}-{rep}"
+            for k, (ms, mode, place) in enumerate(combos if rep % 2 == 0 else reversed(combos)):
+                rid, side = f"{mode}-{ms:g}-{place}-{rep}", sides[place]
+                if pinned != (place == "two-pinned"):
+                    pinned = place == "two-pinned"
+                    p_cpu, d_cpu = sorted(all_cpus)[:2] if pinned else (None, None)
+                    _pin({p_cpu} if pinned else all_cpus)
+                    for side in _each(sides):
+                        side.pin({d_cpu} if pinned else all_cpus)
                 p.ranks[0].forward = forwards[ms]
                 pw.stager.layers = None if mode == "whole" else layers
                 pw.sender.chunks.min_bytes = {"chunked": type(pw.sender.chunks).min_bytes, "chunked-unit": 0,
                                               "chunked-unit-own-tail": 0}.get(mode, float("inf"))
                 pw.sender.chunks.tail_in_final = mode != "chunked-unit-own-tail"
                 n_steps = len(EVENTS.p_steps)
-                p.add(rid, toks[k], {"do_remote_decode": True})
-                with d_lock:
-                    d.add(rid, toks[k], dict(template, remote_request_id=rid), max_tokens=2)
-                k += 1
+                tokens = toks[rep * len(combos) + k]
+                p.add(rid, tokens, {"do_remote_decode": True})
+                side.add(rid, tokens, dict(template, remote_request_id=rid), 2)
                 deadline = time.monotonic() + 60
                 while not pw.sender.tokens_for(rid):
                     assert time.monotonic() < deadline, "no reservation"
                     time.sleep(0.001)
-                while rid not in EVENTS.ready:
+                while not side.ready(rid):
                     assert time.monotonic() < deadline, "not loaded"
                     if p.sched.has_requests():
                         p.step()
                     else:
                         time.sleep(0.0005)
                 step = next(s for s in EVENTS.p_steps[n_steps:] if rid in s["final"])
-                rows.append(dict(_row(mode, rid, step, EVENTS), layer_ms=ms))
-                while rid not in d.params:
+                rows.append(dict(_row(mode, rid, step, EVENTS), layer_ms=ms, placement=place))
+                while not side.finished(rid):
+                    assert time.monotonic() < deadline, "not finished"
                     time.sleep(0.005)
                 print(json.dumps({k2: v for k2, v in rows[-1].items() if k2 != "events"}), flush=True)
         return {"rows": rows, "layers": args.layers, "tokens": args.tokens, "layer_ms": args.layer_ms,
-                "switch_ms": args.switch_ms,
-                "layer_bytes": args.tokens * 8 * 128 * 2 * 2, "min_chunk_bytes": type(pw.sender.chunks).min_bytes,
+                "placements": list(args.placements), "switch_ms": args.switch_ms, "cpus": sorted(all_cpus),
+                "layer_bytes": _layer_bytes(args), "min_chunk_bytes": type(pw.sender.chunks).min_bytes,
                 "load": os.getloadavg()}
     finally:
-        stop.set()
-        if thread.is_alive():
-            thread.join(10)
+        _pin(all_cpus)
+        for side in _each(sides):
+            side.close()
         pw.stager.layers = layers
-        d.close()
         p.close()
+
+
+def _decode_sides(args, mc, p, root, sides: dict) -> None:
+    """``sides``: the D of each placement (P's KV poisoned, its forward's bytes drawn)."""
+    from vllm_arena_engines import fill_layerwise
+
+    if "one" in args.placements:
+        d = _engine(mc, args, "kv_consumer", transfer_mode="push")
+        _instrument_d(d, EVENTS)
+        fill_layerwise(p, d, 1)
+        sides["one"] = LocalDecode(d)
+    else:
+        fill_layerwise(p, SimpleNamespace(ranks=[]), 1)
+    if {"two", "two-pinned"} & set(args.placements):
+        if "two-pinned" in args.placements and len(os.sched_getaffinity(0)) < 2:
+            raise SystemExit("--placements two-pinned needs two CPUs")
+        sides["two"] = sides["two-pinned"] = DecodeProcess(args, root / "tiny-llama", root)
+
+
+def _each(sides: dict) -> list:
+    """The distinct D sides (``two`` and ``two-pinned`` are one process)."""
+    return list({id(s): s for s in sides.values()}.values())
 
 
 def _row(mode, rid, step, ev: Events) -> dict:
@@ -311,11 +507,13 @@ def ev_chunks():
 
 
 def summary(result: dict) -> dict:
-    """Medians per matmul-per-layer setting, then per mode (older files: one setting)."""
+    """Medians per placement of D (older files: ``one``), per matmul-per-layer setting, per mode."""
     out = {}
-    for ms in sorted({r.get("layer_ms", result["layer_ms"]) for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r.get("layer_ms", result["layer_ms"]) == ms]
-        out[f"{ms:g} ms/layer"] = _summary(rows)
+    for place in result.get("placements", ["one"]):
+        for ms in sorted({r.get("layer_ms", result["layer_ms"]) for r in result["rows"]}):
+            rows = [r for r in result["rows"] if r.get("layer_ms", result["layer_ms"]) == ms
+                    and r.get("placement", "one") == place]
+            out.setdefault(place, {})[f"{ms:g} ms/layer"] = _summary(rows)
     return out
 
 
@@ -326,6 +524,7 @@ def _summary(all_rows: list) -> dict:
         if not rows:
             continue
         e = [r["events"] for r in rows]
+        done = [(x, s) for x in e for s in x["scatters"] if s[2] == ["complete"]]
         out[mode] = {"end_to_ready_ms": statistics.median(r["end_to_ready_ms"] for r in rows),
                      "layer_interval_ms": _median([(b[1] - a[1]) * 1e3 for x in e
                                                    for a, b in zip(x["layers"], x["layers"][1:])]),
@@ -337,10 +536,14 @@ def _summary(all_rows: list) -> dict:
                      "last_copy_end_ms": _median([(x["copies"][-1][2] - x["fwd_end"]) * 1e3 for x in e
                                                   if x["copies"]]),
                      "final_post_at_ms": _median([(x["final"][0][0] - x["fwd_end"]) * 1e3 for x in e if x["final"]]),
-                     # D's complete() at f (the trailer, what no chunk scattered, the sums); P's final WRITE
-                     "d_complete_ms": _median([(s[1] - s[0]) * 1e3 for x in e for s in x["scatters"]
-                                               if s[2] == ["complete"]]),
                      "final_write_ms": _median([(f[1] - f[0]) * 1e3 for x in e for f in x["final"]]),
+                     # the final post returned -> D's complete() at f starts (P's poll sees the WRITE
+                     # DONE, f over NIXL, D's step takes it; across processes: one clock)
+                     "final_to_complete_ms": _median([(s[0] - x["final"][-1][1]) * 1e3 for x, s in done
+                                                      if x["final"]]),
+                     # D's complete() at f (the trailer, what no chunk scattered, the sums)
+                     "d_complete_ms": _median([(s[1] - s[0]) * 1e3 for _, s in done]),
+                     "complete_to_ready_ms": _median([(x["ready"] - s[1]) * 1e3 for x, s in done]),
                      "chunks": statistics.median(r["chunks"] for r in rows), "requests": len(rows)}
     unit = [r for r in all_rows if r["mode"] == "chunked-unit"]
     copies = [c for r in unit for c in r["copy_ms"]]
@@ -350,6 +553,8 @@ def _summary(all_rows: list) -> dict:
         out["one_layer"] = {"copy_ms": statistics.median(copies), "write_ms": statistics.median(writes),
                             "copy_plus_write_ms": one,
                             "chunked_unit_end_to_ready_x": out["chunked-unit"]["end_to_ready_ms"] / one}
+        if "chunked-unit-own-tail" in out:
+            out["one_layer"]["own_tail_end_to_ready_x"] = out["chunked-unit-own-tail"]["end_to_ready_ms"] / one
     return out
 
 
@@ -357,20 +562,24 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def plot(result: dict, path: str) -> None:
+def plot(result: dict, path: str, modes=MODES) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = []  # per setting and mode, the request nearest the median
-    for lms in sorted({r.get("layer_ms", result["layer_ms"]) for r in result["rows"]}):
-        for mode in MODES:
-            rows = [r for r in result["rows"] if r["mode"] == mode and r.get("layer_ms", result["layer_ms"]) == lms]
-            if rows:
-                med = statistics.median(r["end_to_ready_ms"] for r in rows)
-                near = min(rows, key=lambda r: abs(r["end_to_ready_ms"] - med))
-                panels.append((f"{mode}, {lms:g} ms/layer", lms, near))
+    panels = []  # per placement, setting and mode, the request nearest the median
+    places = result.get("placements", ["one"])
+    for place in places:
+        for lms in sorted({r.get("layer_ms", result["layer_ms"]) for r in result["rows"]}):
+            for mode in modes:
+                rows = [r for r in result["rows"] if r["mode"] == mode and r.get("placement", "one") == place
+                        and r.get("layer_ms", result["layer_ms"]) == lms]
+                if rows:
+                    med = statistics.median(r["end_to_ready_ms"] for r in rows)
+                    near = min(rows, key=lambda r: abs(r["end_to_ready_ms"] - med))
+                    where = f"D: {place}, " if len(places) > 1 else ""
+                    panels.append((f"{where}{mode}, {lms:g} ms/layer", lms, near))
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.0 * len(panels)), squeeze=False)
     for ax, (mode, lms, r) in zip(axes[:, 0], panels):
         e = r["events"]
@@ -409,22 +618,29 @@ def main() -> None:
     ap.add_argument("--layer-ms", default="4", help="matmul per layer, ms; comma-separated: swept, interleaved")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, run interleaved")
+    ap.add_argument("--placements", default="one",
+                    help="where D runs, comma-separated, interleaved: one (P's process), two (its own process), "
+                         "two-pinned (its own process on the second CPU, P's on the first)")
     ap.add_argument("--switch-ms", type=float, default=5.0, help="sys.setswitchinterval (CPython's default: 5)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot", default=None, help="draw a saved --out file (no run)")
+    ap.add_argument("--plot-modes", default=",".join(MODES), help="the modes --plot draws")
     ap.add_argument("--summary", action="store_true", help="print a saved --out file's summary (no run)")
     args = ap.parse_args()
     args.modes = tuple(args.modes.split(","))
     args.layer_ms = [float(x) for x in args.layer_ms.split(",")]
+    args.placements = tuple(args.placements.split(","))
     if not set(args.modes) <= set(MODES):
         ap.error(f"--modes: known ones are {MODES}")
+    if not set(args.placements) <= set(PLACEMENTS):
+        ap.error(f"--placements: known ones are {PLACEMENTS}")
     if args.summary:
         with open(args.out) as f:
             print(json.dumps(summary(json.load(f)), indent=1))
         return
     if args.plot:
         with open(args.out) as f:
-            plot(json.load(f), args.plot)
+            plot(json.load(f), args.plot, args.plot_modes.split(","))
         return
     from kvcopy.vllm.arena import push_chunks
 

@@ -400,6 +400,20 @@ def prompts(n, lengths, seed=0):
     return [torch.randint(1, 250, (length,), generator=g).tolist() for length in lengths][:n]
 
 
+def engine_process(model_dir, dist_file):
+    """This process's vLLM state for one engine of ``model_dir`` (gloo, world size 1, its
+    rendezvous in ``dist_file``): the model config, as a spawned engine process sets it up."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
+    with set_current_vllm_config(VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{dist_file}")
+        initialize_model_parallel(1, 1)
+    return model_config
+
+
 def prefill_child(conn, model_dir, root, case_name, engine_id, seed, opts=None):
     """A spawned P engine (its own vLLM state: gloo, world size 1), driven over a pipe as
     vLLM's engine core drives its engine: stepped while its scheduler has requests
@@ -408,14 +422,7 @@ def prefill_child(conn, model_dir, root, case_name, engine_id, seed, opts=None):
     engine's (``port``: its side channel's) and the connector's options, and the test hook
     ``kill_after_post``: the process SIGKILLs itself right after posting its first push
     WRITE (before it could say the WRITE ended)."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-
-    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096)
-    with set_current_vllm_config(VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{root}/dist-child")
-        initialize_model_parallel(1, 1)
+    model_config = engine_process(model_dir, f"{root}/dist-child")
     opts = dict(opts or {})
     kill_after_post = opts.pop("kill_after_post", False)
     p = ArenaEngine(model_config, CASES[case_name], "kv_producer", os.environ.__setitem__, engine_id=engine_id,
