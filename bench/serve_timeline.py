@@ -22,6 +22,18 @@ Phases of a request (:data:`PHASES`, seconds):
 * ``sent_to_ready_s``: D got the request (the client sent it) to KV ready;
 * ``ttft_d_s``: D's time to first token at the client.
 
+A push adds (:data:`PUSH_PHASES`, joined to P's events by the reservation's token):
+
+* ``reserve_to_took_s``: D sent its RESERVE to P's worker taking it from P's listener;
+* ``took_to_end_s``: that to P's prefill end (negative: the reservation came after it);
+* ``end_to_post_s``: prefill end to P's WRITE posted (P's staging, and the reservation
+  if it came later);
+* ``write_s``: WRITE posted to its end seen on P (``f`` sent);
+* ``f_to_landing_s``: ``f`` sent to D seeing it (D's ``push.complete`` called);
+* ``landing_s``: D's check of the record and its scatter (KV ready at its end);
+* ``ready_to_first_s``: KV ready to the first token at the client (D's scheduler
+  taking the request, its decode step, the stream).
+
 :func:`plot_timeline` draws one request per connector on one time axis (0 = prefill end,
 matplotlib): P's forward, per layer its ``save_kv_layer`` tick and its copy,
 ``wait_for_save``, P's answer reaching D, D's record fetch, READ, and first token.
@@ -34,6 +46,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 PHASES = (("p_forward_s", "P forward"), ("p_tail_s", "P after forward"), ("end_to_ready_s", "prefill end->KV ready"),
           ("sent_to_ready_s", "D request->KV ready"), ("ttft_d_s", "TTFT at D"))
+
+PUSH_PHASES = (("reserve_to_took_s", "RESERVE->P took"), ("took_to_end_s", "P took->prefill end"),
+               ("end_to_post_s", "prefill end->WRITE"), ("write_s", "WRITE->f sent"),
+               ("f_to_landing_s", "f sent->D saw"), ("landing_s", "D check+scatter"),
+               ("ready_to_first_s", "KV ready->1st token"))
 
 
 def _layer_index(name: str) -> int:
@@ -55,6 +72,7 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
     for p in d_timeline["pulls"]:  # a push under concurrent dispatch: D named its own id, P's shares its base
         pulls.setdefault(_base_id(p["p_request"]), p)
     unit_layers = p_timeline.get("unit_layers")
+    pushes = p_timeline.get("pushes") or {}
     for r in results:
         step = steps.get(r["p_request"])
         pull = pulls.get(r["p_request"]) or pulls.get(_base_id(r["p_request"] or ""))
@@ -73,6 +91,14 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
         e = r["events"]
         r.update(p_forward_s=e["fwd_end"] - e["bind"], p_tail_s=e["saved"] - e["fwd_end"],
                  end_to_ready_s=e["kv_ready"] - e["fwd_end"], sent_to_ready_s=e["kv_ready"] - e["d_sent"])
+        push = pushes.get(pull.get("token") or "")
+        if push and all(k in push for k in ("took", "post", "closed")) and pull.get("landing") is not None:
+            e.update(reserve_sent=pull["posted"], p_took=push["took"], write_post=push["post"],
+                     write_closed=push["closed"], d_landing=pull["landing"])
+            r.update(reserve_to_took_s=push["took"] - pull["posted"], took_to_end_s=e["fwd_end"] - push["took"],
+                     end_to_post_s=push["post"] - e["fwd_end"], write_s=push["closed"] - push["post"],
+                     f_to_landing_s=pull["landing"] - push["closed"], landing_s=e["kv_ready"] - pull["landing"],
+                     ready_to_first_s=None if e["d_first"] is None else e["d_first"] - e["kv_ready"])
         if copies:
             last = max(copies, key=lambda c: c["end"])
             r["last_copy_s"] = last["end"] - last["start"]
@@ -83,7 +109,7 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
 def phase_summary(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Median of every phase, per prompt length; how many requests had their events."""
     out: Dict[str, Any] = {"timed": sum(r.get("events") is not None for r in results), "phases": {}}
-    keys = [k for k, _ in PHASES] + ["last_copy_s", "copy_after_end_s", "copy_s_median"]
+    keys = [k for k, _ in PHASES + PUSH_PHASES] + ["last_copy_s", "copy_after_end_s", "copy_s_median"]
     for n in sorted({r["tokens"] for r in results}):
         rows = [r for r in results if r["tokens"] == n and r.get("events") is not None]
         out["phases"][str(n)] = {k: statistics.median(r[k] for r in rows) for k in keys

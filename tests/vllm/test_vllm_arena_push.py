@@ -470,3 +470,23 @@ def test_p_killed_mid_write_fails_its_request_and_the_span_waits_for_ps_new_gene
     assert restarted and time.monotonic() >= restarted[0] + RESTART_GRACE_S
     assert d.stats()["bytes_in_use"] == 0
     pipe2.send(("stop", None))  # (the pipe kept open until here: the child ends when it closes)
+
+
+def test_an_idle_p_takes_a_reservation_and_writes_without_its_housekeeping_turn(engines, monkeypatch):
+    """P's engine does not step (it is idle, as vLLM's engines are without requests) and
+    its housekeeper's period is far beyond the test: D's RESERVE must reach P's worker by
+    the long-poll (the parked TAKE_PUSH's reply wakes the housekeeper), P must fetch D's
+    handshake, WRITE, see the WRITE end and notify, all from those wakes."""
+    import kvcopy.vllm.arena.connector as connector
+
+    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 600.0)
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 11)
+    tokens = prompts(2, [70, 33], 11)
+    rids = ["idle-0", "idle-1"]
+    params = prefill(p, rids, tokens)
+    before = d.raw_bytes()
+    for rid, toks, prm in zip(rids, tokens, params):
+        d.add(rid, toks, prm, max_tokens=2)
+    assert land(d, [], rids, limit_s=60) == set()  # only D steps
+    _loaded(p, d, rids, tokens, before)
