@@ -215,20 +215,27 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
         known = rid in self._reqs_need_recv
-        params = request.kv_transfer_params
-        if self.options.transfer_mode == "push" and params and params.get("do_remote_prefill") \
-                and not params.get("remote_block_ids"):
-            # Concurrent dispatch: P has not answered, so D names its own request id and P
-            # matches it by vLLM's base id (push_send). vLLM's pull scheduler registers a
-            # recv only with P's block ids, which a push never reads.
-            params["remote_request_id"] = rid
-            params["remote_block_ids"] = [[]]
+        self._name_own(request)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if known or rid not in self._reqs_need_recv:
             return
         n = self._get_remote_prefill_token_count(len(request.prompt_token_ids or ()))
         self._recv[rid] = self._recv_meta(request.kv_transfer_params, n,
                                           blocks if num_external_tokens > 0 else None)
+
+    def _name_own(self, request, recv: bool = False) -> None:
+        """Concurrent dispatch (push, P has not answered): D names its own request id and
+        P matches it by vLLM's base id (push_send; a give-up: stage). vLLM's pull
+        scheduler registers a recv only with P's block ids, which a push never reads (and
+        without them ``NixlConnectorMetadata.add_new_req_to_recv`` raises ``KeyError``: a
+        request aborted before it was scheduled ended D's scheduler). ``recv``: the request
+        is in ``_reqs_need_recv`` already (vLLM cleared ``do_remote_prefill`` when it put
+        an aborted one there)."""
+        params = request.kv_transfer_params
+        if self.options.transfer_mode == "push" and params and (recv or params.get("do_remote_prefill")) \
+                and not params.get("remote_block_ids"):
+            params["remote_request_id"] = request.request_id
+            params["remote_block_ids"] = [[]]
 
     def _recv_meta(self, params, n: int, blocks) -> ArenaRecv:
         """D's blocks as token-anchored lists (prefix-cache hits and null blocks as holes),
@@ -252,6 +259,8 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output) -> KvcopyArenaMetadata:
         need_recv = {rid: entry[0] for rid, entry in self._reqs_need_recv.items()}
+        for req in need_recv.values():  # one aborted before it was scheduled has not been named yet
+            self._name_own(req, recv=True)
         nixl = super().build_connector_meta(scheduler_output)  # clears _reqs_need_recv
         recv = {}
         for rid, req in need_recv.items():
