@@ -215,7 +215,9 @@ def run_connector(args, connector, model, prompts, progress):
         after, p_after = metrics(d.url), metrics(p.url)
         staging = rpc(d.url, "kvcopy_staging_bytes")[0]
         if timed:
-            attach_events(results, rpc(p.url, "kvcopy_timeline")[0], rpc(d.url, "kvcopy_timeline")[0])
+            p_timeline, d_timeline = rpc(p.url, "kvcopy_timeline")[0], rpc(d.url, "kvcopy_timeline")[0]
+            attach_events(results, p_timeline, d_timeline)
+            turns = {"p": p_timeline.get("turns"), "d": d_timeline.get("turns")}
             layerwise = rpc(p.url, "kvcopy_layerwise_stats")[0]
     finally:
         d.kill()
@@ -223,7 +225,8 @@ def run_connector(args, connector, model, prompts, progress):
     row = dict(summarize(connector, results, warm, wall, before, after, staging),
                proxy="concurrent" if prefill is not None else "sequential")
     if timed:
-        row.update(phase_summary(results), layerwise=layerwise)
+        row.update(phase_summary(results), layerwise=layerwise, housekeeping_turns_per_s={
+            k: None if n is None else n / wall for k, n in turns.items()})
     if connector in PUSH_VARIANTS:  # WRITEs, posted and counted on P
         row.update(_transfers(p_before, p_after))
     return row

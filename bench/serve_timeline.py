@@ -20,6 +20,9 @@ Phases of a request (:data:`PHASES`, seconds):
 * ``end_to_ready_s``: prefill end to KV ready at D (P's tail, P's answer through the
   proxy to D, D's scheduling, record fetch, READ and scatter);
 * ``sent_to_ready_s``: D got the request (the client sent it) to KV ready;
+* ``end_to_first_s``: prefill end to the first token at the client: the part of the
+  client's time to first token a transfer mode changes (P's queue and forward, which
+  load on a shared machine moves by seconds, left out);
 * ``ttft_d_s``: D's time to first token at the client.
 
 A push adds (:data:`PUSH_PHASES`, joined to P's events by the reservation's token):
@@ -28,8 +31,9 @@ A push adds (:data:`PUSH_PHASES`, joined to P's events by the reservation's toke
 * ``took_to_end_s``: that to P's prefill end (negative: the reservation came after it);
 * ``end_to_post_s``: prefill end to P's WRITE posted (P's staging, and the reservation
   if it came later);
-* ``write_s``: WRITE posted to its end seen on P (``f`` sent);
-* ``f_to_landing_s``: ``f`` sent to D seeing it (D's ``push.complete`` called);
+* ``write_s``: WRITE posted to its end seen on P (``f`` sent in that poll);
+* ``f_to_landing_s``: that to D seeing ``f`` (D's ``push.complete`` called; P's time is
+  taken after its poll returned, so this can be slightly negative);
 * ``landing_s``: D's check of the record and its scatter (KV ready at its end);
 * ``ready_to_first_s``: KV ready to the first token at the client (D's scheduler
   taking the request, its decode step, the stream).
@@ -45,7 +49,8 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 PHASES = (("p_forward_s", "P forward"), ("p_tail_s", "P after forward"), ("end_to_ready_s", "prefill end->KV ready"),
-          ("sent_to_ready_s", "D request->KV ready"), ("ttft_d_s", "TTFT at D"))
+          ("sent_to_ready_s", "D request->KV ready"), ("end_to_first_s", "prefill end->1st token"),
+          ("ttft_d_s", "TTFT at D"))
 
 PUSH_PHASES = (("reserve_to_took_s", "RESERVE->P took"), ("took_to_end_s", "P took->prefill end"),
                ("end_to_post_s", "prefill end->WRITE"), ("write_s", "WRITE->f sent"),
@@ -90,7 +95,8 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
                        "d_sent": r["d_sent"], "d_first": r["d_first"]}
         e = r["events"]
         r.update(p_forward_s=e["fwd_end"] - e["bind"], p_tail_s=e["saved"] - e["fwd_end"],
-                 end_to_ready_s=e["kv_ready"] - e["fwd_end"], sent_to_ready_s=e["kv_ready"] - e["d_sent"])
+                 end_to_ready_s=e["kv_ready"] - e["fwd_end"], sent_to_ready_s=e["kv_ready"] - e["d_sent"],
+                 end_to_first_s=None if e["d_first"] is None else e["d_first"] - e["fwd_end"])
         push = pushes.get(pull.get("token") or "")
         if push and all(k in push for k in ("took", "post", "closed")) and pull.get("landing") is not None:
             e.update(reserve_sent=pull["posted"], p_took=push["took"], write_post=push["post"],

@@ -47,6 +47,15 @@ class _Timeline:
         if worker is None or worker.stager is None or worker.puller is None:
             raise RuntimeError("this engine's connector is not a registered KvcopyArenaConnector")
         self._puller = worker.puller
+        self.turns = 0  # housekeeping turns (a stuck hurry would show as ~1,000 a second)
+        house = worker.housekeeper
+        if house is not None:
+            real_tick = house._tick
+
+            def tick():
+                self.turns += 1
+                real_tick()
+            house._tick = tick
         self._wrap(conn, "bind_connector_metadata", self._bind)
         self._wrap(conn, "save_kv_layer", self._layer)
         self._wrap(conn, "wait_for_save", None, self._saved)
@@ -147,7 +156,8 @@ class _Timeline:
 
     def take(self) -> Dict[str, Any]:
         out = {"steps": list(self.steps), "pulls": list(self.pulls), "pushes": dict(self.pushes),
-               "unit_layers": getattr(self, "_unit_layers", None)}
+               "unit_layers": getattr(self, "_unit_layers", None), "turns": self.turns}
+        self.turns = 0
         self.steps.clear()
         self.pulls.clear()
         self.pushes.clear()
@@ -167,11 +177,12 @@ class KvcopyHooks:
         ``landing`` when P's ``f`` was in from every P rank, ``token`` the reservation's),
         P's pushes by reservation token (``took``: P's worker took the reservation from
         its listener, ``post``/``post_done``: its WRITE posted, ``closed``: the WRITE ended
-        and D was notified). For ``bench/serve_pd.py``."""
+        and D was notified), and ``turns``: the worker's housekeeping turns. For
+        ``bench/serve_pd.py``."""
         timeline = getattr(self, "_kvcopy_timeline", None)
         if timeline is None:
             self._kvcopy_timeline = _Timeline(_connector())
-            return {"steps": [], "pulls": [], "pushes": {}, "unit_layers": None}
+            return {"steps": [], "pulls": [], "pushes": {}, "unit_layers": None, "turns": 0}
         return timeline.take()
 
     def kvcopy_arena_stats(self) -> Dict[str, int]:
