@@ -147,7 +147,7 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
     import matplotlib.pyplot as plt
 
     ms = 1000.0
-    heights = [len(r["events"]["layers"]) + 7 for _, r in panels]
+    heights = [len(r["events"]["layers"]) + 8 for _, r in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 0.22 * sum(heights) + 1.5), squeeze=False,
                              gridspec_kw={"height_ratios": heights}, sharex=True)
     for ax, (connector, r) in zip(axes[:, 0], panels):
@@ -178,10 +178,19 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
                 ax.text(1.0, y, f" copy {(c['end'] - c['start']) * ms:.2f} ms, ends {rel(c['end']):+.1f} ms",
                         va="center", fontsize=6, transform=ax.get_yaxis_transform())
         lane("P wait_for_save", 0.0, rel(e["saved"]), "#c0504d", f"{r['p_tail_s'] * ms:.2f} ms")
-        lane("P answer -> proxy -> D", rel(e["saved"]), rel(e["d_sent"]), "#bbbbbb")
-        lane("D: schedule, fetch record", rel(e["d_sent"]), rel(e["posted"]), "#9bbb59")
-        lane("D: READ + scatter", rel(e["posted"]), rel(e["kv_ready"]), "#4f81bd",
-             f"KV ready {rel(e['kv_ready']):.1f} ms")
+        if "write_post" in e:  # a push: D reserved while P computed, P WRITEs
+            lane("D: request -> RESERVE sent", rel(e["d_sent"]), rel(e["reserve_sent"]), "#9bbb59")
+            lane("RESERVE -> P's worker took it", rel(e["reserve_sent"]), rel(e["p_took"]), "#bbbbbb",
+                 f"{r['reserve_to_took_s'] * ms:.1f} ms")
+            lane("P: WRITE posted -> ended", rel(e["write_post"]), rel(e["write_closed"]), "#4f81bd",
+                 f"{r['write_s'] * ms:.1f} ms")
+            lane("D: saw f, check + scatter", rel(e["d_landing"]), rel(e["kv_ready"]), "#4f81bd",
+                 f"KV ready {rel(e['kv_ready']):.1f} ms")
+        else:
+            lane("P answer -> proxy -> D", rel(e["saved"]), rel(e["d_sent"]), "#bbbbbb")
+            lane("D: schedule, fetch record", rel(e["d_sent"]), rel(e["posted"]), "#9bbb59")
+            lane("D: READ + scatter", rel(e["posted"]), rel(e["kv_ready"]), "#4f81bd",
+                 f"KV ready {rel(e['kv_ready']):.1f} ms")
         lane("D: to first token", rel(e["kv_ready"]), rel(e["d_first"]), "#8064a2",
              f"first token {rel(e['d_first']):.0f} ms")
         ax.set_yticks(range(len(lanes)), lanes, fontsize=7)
