@@ -34,7 +34,7 @@ def measure(repeats: int):
     d = de.manager("Dchunks", buffer="arena", arena_bytes=arena)
     try:
         target = p.add_target(d.metadata())
-        agent = p._agent  # the manager's own agent: the WRITEs push.post makes
+        agent = p._agent  # the manager's own agent: the WRITEs push_writes.post makes
         p_base, _ = p.arena.arena_range
         d_base, _ = d.info.arena
         src = torch.randint(0, 255, (max(SIZES),), dtype=torch.uint8)

@@ -2,7 +2,7 @@
 
     VLLM_TARGET_DEVICE=cpu build/engine-env/bin/python bench/serve_pd.py \\
         [--connectors stock,mirror,arena,arena-layerwise] [--requests 16] [--lengths 256,1024] \\
-        [--new-tokens 8] [--concurrency 4] [--bind auto|nobind] [--layers 2] [--repeats 1] \\
+        [--new-tokens 8] [--concurrency 4] [--bind auto|nobind|split] [--layers 2] [--repeats 1] \\
         [--proxy sequential|concurrent] \\
         [--out bench/out/serve]
 
@@ -50,7 +50,16 @@ with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena`
 ``NixlPushConnector``). Descriptors and post times are read where the transfer is
 posted: D's metrics for a READ, P's for a WRITE. ``--bind nobind`` runs every engine with
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
-"With a real engine", says why the two differ for vLLM's NIXL worker).
+"With a real engine", says why the two differ for vLLM's NIXL worker). ``--bind split``
+gives P's engine CPU 0 and D's CPU 1, every thread of each (its processes, OpenMP threads
+and kvcopy's transfer threads: ``taskset``-like affinity, ``VLLM_CPU_OMP_THREADS_BIND``,
+``KVCOPY_TRANSFER_CPUS``), as two one-core hosts would have them: D's engine steps while it
+waits for KV no longer take P's core. The client and proxy threads (this process) stay
+unbound.
+
+A request that fails (an HTTP error, no answer within ``TIMEOUT_S``) is recorded as failed
+(``failed_requests``, its error in ``results``) and the run goes on; the figures are over
+the requests that completed.
 """
 from __future__ import annotations
 
@@ -71,7 +80,7 @@ from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, rand
 from kvcopy.testing.engine.serve import (  # noqa: E402
     PrefillEngine, PrefillLeg, Server, metric_sum, metrics, post_json, prefill_body, rpc, stream_first_token,
 )
-from serve_timeline import PHASES, attach_events, phase_summary, plot_timeline  # noqa: E402
+from serve_timeline import PHASES, PUSH_PHASES, attach_events, phase_summary, plot_timeline  # noqa: E402
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PUSH_VARIANTS = {"arena-push": ("arena", {"transfer_mode": "push"}),
@@ -97,7 +106,8 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", default="256,1024", help="prompt lengths in tokens, used in turn")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--bind", choices=("auto", "nobind"), default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--bind", choices=("auto", "nobind", "split"), default="auto",
+                    help="VLLM_CPU_OMP_THREADS_BIND; split: P on CPU 0, D on CPU 1 (module docstring)")
     ap.add_argument("--proxy", choices=("sequential", "concurrent"), default="sequential",
                     help="how push connectors are dispatched (pull connectors: always sequential)")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -145,6 +155,25 @@ def one_request(p_url, d_url, prompt, new_tokens, prefill=None):
             "p_request": params.get("remote_request_id"), "d_sent": t1, "d_first": first}
 
 
+def try_request(p_url, d_url, prompt, new_tokens, prefill=None):
+    """:func:`one_request`, or what failed: a run goes on past one request P or D did not answer."""
+    try:
+        return one_request(p_url, d_url, prompt, new_tokens, prefill)
+    except Exception as exc:  # noqa: BLE001 -- any failure of one request is recorded, not fatal
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "tokens": len(prompt), "token_ids": None,
+                "p_request": None}
+
+
+def engine_envs(args, env):
+    """P's and D's environments and CPUs under ``--bind``."""
+    if args.bind == "nobind":
+        env = dict(env, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if args.bind != "split":
+        return (env, None), (env, None)
+    return tuple((dict(env, VLLM_CPU_OMP_THREADS_BIND=str(cpu), KVCOPY_TRANSFER_CPUS=str(cpu)), [cpu])
+                 for cpu in (0, 1))
+
+
 def concurrent(args, connector) -> bool:
     """Whether ``connector`` runs behind the concurrent proxy: a push connector with
     ``--proxy concurrent`` (a pulling D needs P's answer first)."""
@@ -153,17 +182,17 @@ def concurrent(args, connector) -> bool:
 
 def run_connector(args, connector, model, prompts, progress):
     env = dict(side_channel_env(), VLLM_SERVER_DEV_MODE="1")
-    if args.bind == "nobind":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    (p_env, p_cpus), (d_env, d_cpus) = engine_envs(args, env)
     kv = connector_config(connector)
     extra = ["--worker-extension-cls", HOOKS]
     p_kv = dict(kv, engine_id=f"{connector}-P")  # P's id, known to the concurrent proxy
     p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), p_kv,
-               max_model_len=args.max_model_len, env=env, extra_args=extra)
+               max_model_len=args.max_model_len, env=p_env, extra_args=extra, cpus=p_cpus)
     prefill = PrefillEngine(p_kv["engine_id"], env["VLLM_NIXL_SIDE_CHANNEL_HOST"],
                             int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])) if concurrent(args, connector) else None
     d = Server(f"{connector}-D", model, os.path.join(args.out, f"{connector}-D.log"), kv,
-               max_model_len=args.max_model_len, env=dict(env, **side_channel_env()), extra_args=extra)
+               max_model_len=args.max_model_len, env=dict(d_env, **side_channel_env()), extra_args=extra,
+               cpus=d_cpus)
     try:
         p.start()
         d.start()
@@ -177,7 +206,7 @@ def run_connector(args, connector, model, prompts, progress):
         before, p_before = metrics(d.url), metrics(p.url)
         t0 = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            futures = [pool.submit(one_request, p.url, d.url, q, args.new_tokens, prefill) for q in prompts]
+            futures = [pool.submit(try_request, p.url, d.url, q, args.new_tokens, prefill) for q in prompts]
             results = []
             for f in futures:
                 results.append(f.result())
@@ -186,7 +215,9 @@ def run_connector(args, connector, model, prompts, progress):
         after, p_after = metrics(d.url), metrics(p.url)
         staging = rpc(d.url, "kvcopy_staging_bytes")[0]
         if timed:
-            attach_events(results, rpc(p.url, "kvcopy_timeline")[0], rpc(d.url, "kvcopy_timeline")[0])
+            p_timeline, d_timeline = rpc(p.url, "kvcopy_timeline")[0], rpc(d.url, "kvcopy_timeline")[0]
+            attach_events(results, p_timeline, d_timeline)
+            turns = {"p": p_timeline.get("turns"), "d": d_timeline.get("turns")}
             layerwise = rpc(p.url, "kvcopy_layerwise_stats")[0]
     finally:
         d.kill()
@@ -194,7 +225,8 @@ def run_connector(args, connector, model, prompts, progress):
     row = dict(summarize(connector, results, warm, wall, before, after, staging),
                proxy="concurrent" if prefill is not None else "sequential")
     if timed:
-        row.update(phase_summary(results), layerwise=layerwise)
+        row.update(phase_summary(results), layerwise=layerwise, housekeeping_turns_per_s={
+            k: None if n is None else n / wall for k, n in turns.items()})
     if connector in PUSH_VARIANTS:  # WRITEs, posted and counted on P
         row.update(_transfers(p_before, p_after))
     return row
@@ -213,18 +245,21 @@ def _transfers(before, after):
 
 
 def summarize(connector, results, warm, wall, before, after, staging):
-    ttft = sorted(r["ttft_d_s"] for r in results)
-    client = sorted(r["ttft_s"] for r in results)
+    done = [r for r in results if "error" not in r and r["ttft_s"] is not None]
+    if not done:
+        raise RuntimeError(f"{connector}: no request completed: {results[0].get('error')}")
+    ttft = sorted(r["ttft_d_s"] for r in done)
+    client = sorted(r["ttft_s"] for r in done)
     return {
-        "connector": connector, "requests": len(results), "wall_s": wall,
+        "connector": connector, "requests": len(results), "failed_requests": len(results) - len(done), "wall_s": wall,
         "ttft_d_median_s": statistics.median(ttft), "ttft_d_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
         "ttft_median_s": statistics.median(client), "ttft_p90_s": client[int(0.9 * (len(client) - 1))],
-        "p_median_s": statistics.median(r["p_s"] for r in results), "warmup_ttft_d_s": warm["ttft_d_s"],
+        "p_median_s": statistics.median(r["p_s"] for r in done), "warmup_ttft_d_s": warm["ttft_d_s"],
         "staging_bytes": staging["bytes"], "staging_buffers": staging["buffers"],
         **_transfers(before, after),
         "failed_transfers": _delta(before, after, "vllm:nixl_num_failed_transfers_total"),
         "prompt_tokens": {s: _delta(before, after, "vllm:prompt_tokens_by_source_total", source=s) for s in SOURCES},
-        "ttft_d_s": [r["ttft_d_s"] for r in results], "token_ids": [r["token_ids"] for r in results],
+        "ttft_d_s": [r["ttft_d_s"] for r in done], "token_ids": [r["token_ids"] for r in results],
         "results": [{k: v for k, v in r.items() if k != "token_ids"} for r in results],
     }
 
@@ -236,10 +271,10 @@ def _mib(n):
 def print_table(rows):
     ref = rows[0]["token_ids"]
     head = ("run", "connector", "proxy", "TTFT med", "p90", "TTFT@D med", "P med", "wall", "staging host mem",
-            "desc/xfer", "MiB/xfer", "post ms/xfer", "loaded/computed tok", "= " + rows[0]["connector"])
+            "desc/xfer", "MiB/xfer", "post ms/xfer", "loaded/computed tok", "failed", "= " + rows[0]["connector"])
     lines = [head]
     for r in rows:
-        same = sum(a == b for a, b in zip(r["token_ids"], ref))
+        same = sum(a is not None and a == b for a, b in zip(r["token_ids"], ref))
         pt = r["prompt_tokens"]
         lines.append((str(r.get("repeat", 0)), r["connector"], r.get("proxy", "sequential"),
                       f"{r['ttft_median_s']:.3f} s", f"{r['ttft_p90_s']:.3f} s", f"{r['ttft_d_median_s']:.3f} s",
@@ -248,10 +283,9 @@ def print_table(rows):
                       "-" if r["descriptors_per_read"] is None else f"{r['descriptors_per_read']:.0f}",
                       "-" if r["bytes_per_read"] is None else f"{r['bytes_per_read'] / 2**20:.2f}",
                       "-" if r["post_s_per_read"] is None else f"{r['post_s_per_read'] * 1e3:.2f}",
-                      f"{pt['external_kv_transfer']:.0f}/{pt['local_compute']:.0f}", f"{same}/{len(ref)}"))
-    widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
-    for ln in lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)))
+                      f"{pt['external_kv_transfer']:.0f}/{pt['local_compute']:.0f}", str(r.get("failed_requests", 0)),
+                      f"{same}/{len(ref)}"))
+    _print_lines(lines)
 
 
 def print_phases(rows):
@@ -267,7 +301,20 @@ def print_phases(rows):
             lines.append((str(r["repeat"]), r["connector"], n, str(r["timed"]))
                          + tuple(f"{ph[k] * 1e3:.2f}" if k in ph else "-" for k, _ in PHASES)
                          + (f"{ph['last_copy_s'] * 1e3:.2f}" if "last_copy_s" in ph else "-",))
-    widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    _print_lines(lines)
+    push = [r for r in timed if any(k in ph for ph in r["phases"].values() for k, _ in PUSH_PHASES)]
+    if push:
+        print("\npushes, per request, median per prompt length (ms): where prefill end -> first token goes")
+        lines = [("run", "connector", "tokens") + tuple(label for _, label in PUSH_PHASES)]
+        for r in push:
+            for n, ph in r["phases"].items():
+                lines.append((str(r["repeat"]), r["connector"], n)
+                             + tuple(f"{ph[k] * 1e3:.2f}" if k in ph else "-" for k, _ in PUSH_PHASES))
+        _print_lines(lines)
+
+
+def _print_lines(lines):
+    widths = [max(len(str(x[i])) for x in lines) for i in range(len(lines[0]))]
     for ln in lines:
         print("  ".join(str(c).ljust(w) for c, w in zip(ln, widths)))
 

@@ -20,7 +20,23 @@ Phases of a request (:data:`PHASES`, seconds):
 * ``end_to_ready_s``: prefill end to KV ready at D (P's tail, P's answer through the
   proxy to D, D's scheduling, record fetch, READ and scatter);
 * ``sent_to_ready_s``: D got the request (the client sent it) to KV ready;
+* ``end_to_first_s``: prefill end to the first token at the client: the part of the
+  client's time to first token a transfer mode changes (P's queue and forward, which
+  load on a shared machine moves by seconds, left out);
 * ``ttft_d_s``: D's time to first token at the client.
+
+A push adds (:data:`PUSH_PHASES`, joined to P's events by the reservation's token):
+
+* ``reserve_to_took_s``: D sent its RESERVE to P's worker taking it from P's listener;
+* ``took_to_end_s``: that to P's prefill end (negative: the reservation came after it);
+* ``end_to_post_s``: prefill end to P's WRITE posted (P's staging, and the reservation
+  if it came later);
+* ``write_s``: WRITE posted to its end seen on P (``f`` sent in that poll);
+* ``f_to_landing_s``: that to D seeing ``f`` (D's ``reservations.complete`` called; P's time is
+  taken after its poll returned, so this can be slightly negative);
+* ``landing_s``: D's check of the record and its scatter (KV ready at its end);
+* ``ready_to_first_s``: KV ready to the first token at the client (D's scheduler
+  taking the request, its decode step, the stream).
 
 :func:`plot_timeline` draws one request per connector on one time axis (0 = prefill end,
 matplotlib): P's forward, per layer its ``save_kv_layer`` tick and its copy,
@@ -33,7 +49,13 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 PHASES = (("p_forward_s", "P forward"), ("p_tail_s", "P after forward"), ("end_to_ready_s", "prefill end->KV ready"),
-          ("sent_to_ready_s", "D request->KV ready"), ("ttft_d_s", "TTFT at D"))
+          ("sent_to_ready_s", "D request->KV ready"), ("end_to_first_s", "prefill end->1st token"),
+          ("ttft_d_s", "TTFT at D"))
+
+PUSH_PHASES = (("reserve_to_took_s", "RESERVE->P took"), ("took_to_end_s", "P took->prefill end"),
+               ("end_to_post_s", "prefill end->WRITE"), ("write_s", "WRITE->f sent"),
+               ("f_to_landing_s", "f sent->D saw"), ("landing_s", "D check+scatter"),
+               ("ready_to_first_s", "KV ready->1st token"))
 
 
 def _layer_index(name: str) -> int:
@@ -55,6 +77,7 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
     for p in d_timeline["pulls"]:  # a push under concurrent dispatch: D named its own id, P's shares its base
         pulls.setdefault(_base_id(p["p_request"]), p)
     unit_layers = p_timeline.get("unit_layers")
+    pushes = p_timeline.get("pushes") or {}
     for r in results:
         step = steps.get(r["p_request"])
         pull = pulls.get(r["p_request"]) or pulls.get(_base_id(r["p_request"] or ""))
@@ -72,7 +95,16 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
                        "d_sent": r["d_sent"], "d_first": r["d_first"]}
         e = r["events"]
         r.update(p_forward_s=e["fwd_end"] - e["bind"], p_tail_s=e["saved"] - e["fwd_end"],
-                 end_to_ready_s=e["kv_ready"] - e["fwd_end"], sent_to_ready_s=e["kv_ready"] - e["d_sent"])
+                 end_to_ready_s=e["kv_ready"] - e["fwd_end"], sent_to_ready_s=e["kv_ready"] - e["d_sent"],
+                 end_to_first_s=None if e["d_first"] is None else e["d_first"] - e["fwd_end"])
+        push = pushes.get(pull.get("token") or "")
+        if push and all(k in push for k in ("took", "post", "closed")) and pull.get("landing") is not None:
+            e.update(reserve_sent=pull["posted"], p_took=push["took"], write_post=push["post"],
+                     write_closed=push["closed"], d_landing=pull["landing"])
+            r.update(reserve_to_took_s=push["took"] - pull["posted"], took_to_end_s=e["fwd_end"] - push["took"],
+                     end_to_post_s=push["post"] - e["fwd_end"], write_s=push["closed"] - push["post"],
+                     f_to_landing_s=pull["landing"] - push["closed"], landing_s=e["kv_ready"] - pull["landing"],
+                     ready_to_first_s=None if e["d_first"] is None else e["d_first"] - e["kv_ready"])
         if copies:
             last = max(copies, key=lambda c: c["end"])
             r["last_copy_s"] = last["end"] - last["start"]
@@ -83,7 +115,7 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
 def phase_summary(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Median of every phase, per prompt length; how many requests had their events."""
     out: Dict[str, Any] = {"timed": sum(r.get("events") is not None for r in results), "phases": {}}
-    keys = [k for k, _ in PHASES] + ["last_copy_s", "copy_after_end_s", "copy_s_median"]
+    keys = [k for k, _ in PHASES + PUSH_PHASES] + ["last_copy_s", "copy_after_end_s", "copy_s_median"]
     for n in sorted({r["tokens"] for r in results}):
         rows = [r for r in results if r["tokens"] == n and r.get("events") is not None]
         out["phases"][str(n)] = {k: statistics.median(r[k] for r in rows) for k in keys
@@ -115,7 +147,7 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
     import matplotlib.pyplot as plt
 
     ms = 1000.0
-    heights = [len(r["events"]["layers"]) + 7 for _, r in panels]
+    heights = [len(r["events"]["layers"]) + 8 for _, r in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 0.22 * sum(heights) + 1.5), squeeze=False,
                              gridspec_kw={"height_ratios": heights}, sharex=True)
     for ax, (connector, r) in zip(axes[:, 0], panels):
@@ -146,10 +178,19 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
                 ax.text(1.0, y, f" copy {(c['end'] - c['start']) * ms:.2f} ms, ends {rel(c['end']):+.1f} ms",
                         va="center", fontsize=6, transform=ax.get_yaxis_transform())
         lane("P wait_for_save", 0.0, rel(e["saved"]), "#c0504d", f"{r['p_tail_s'] * ms:.2f} ms")
-        lane("P answer -> proxy -> D", rel(e["saved"]), rel(e["d_sent"]), "#bbbbbb")
-        lane("D: schedule, fetch record", rel(e["d_sent"]), rel(e["posted"]), "#9bbb59")
-        lane("D: READ + scatter", rel(e["posted"]), rel(e["kv_ready"]), "#4f81bd",
-             f"KV ready {rel(e['kv_ready']):.1f} ms")
+        if "write_post" in e:  # a push: D reserved while P computed, P WRITEs
+            lane("D: request -> RESERVE sent", rel(e["d_sent"]), rel(e["reserve_sent"]), "#9bbb59")
+            lane("RESERVE -> P's worker took it", rel(e["reserve_sent"]), rel(e["p_took"]), "#bbbbbb",
+                 f"{r['reserve_to_took_s'] * ms:.1f} ms")
+            lane("P: WRITE posted -> ended", rel(e["write_post"]), rel(e["write_closed"]), "#4f81bd",
+                 f"{r['write_s'] * ms:.1f} ms")
+            lane("D: saw f, check + scatter", rel(e["d_landing"]), rel(e["kv_ready"]), "#4f81bd",
+                 f"KV ready {rel(e['kv_ready']):.1f} ms")
+        else:
+            lane("P answer -> proxy -> D", rel(e["saved"]), rel(e["d_sent"]), "#bbbbbb")
+            lane("D: schedule, fetch record", rel(e["d_sent"]), rel(e["posted"]), "#9bbb59")
+            lane("D: READ + scatter", rel(e["posted"]), rel(e["kv_ready"]), "#4f81bd",
+                 f"KV ready {rel(e['kv_ready']):.1f} ms")
         lane("D: to first token", rel(e["kv_ready"]), rel(e["d_first"]), "#8064a2",
              f"first token {rel(e['d_first']):.0f} ms")
         ax.set_yticks(range(len(lanes)), lanes, fontsize=7)

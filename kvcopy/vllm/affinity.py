@@ -32,13 +32,19 @@ and four batches of 28-31 s (READ deadlines) with the threads left on the model'
 
 Nothing changes on other platforms (GPU workers bind nothing), or where the reserved
 cores are the worker's own.
+
+``KVCOPY_TRANSFER_CPUS`` overrides the choice: a CPU list (``"0"``, ``"2,3"``, ``"4-7"``)
+names the transfer threads' cores, on any platform. The reserved cores are the machine's,
+not the engine's: an engine confined to a subset of the host (``taskset``, or
+``bench/serve_pd.py --bind split``, which gives P and D one core each as two one-core hosts
+would have) would otherwise start its transfer threads on the other engine's core.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-from typing import FrozenSet, Iterator, Optional
+from typing import FrozenSet, Iterator, Optional, Set
 
 logger = logging.getLogger("vllm.kvcopy")
 
@@ -46,15 +52,34 @@ logger = logging.getLogger("vllm.kvcopy")
 def transfer_cpus() -> Optional[FrozenSet[int]]:
     """The cores vLLM's CPU platform reserves for KV transfer (the highest CPU of each
     NUMA node's last physical core, as vLLM's NIXL worker picks them), or None: not the
-    CPU platform, no topology, or the calling thread is bound to exactly those already."""
+    CPU platform, no topology, or the calling thread is bound to exactly those already.
+    ``KVCOPY_TRANSFER_CPUS``, when set, names them instead (module docstring)."""
     from vllm.platforms import current_platform
 
+    named = os.environ.get("KVCOPY_TRANSFER_CPUS", "").strip()
+    if named:
+        return cpu_list(named, "KVCOPY_TRANSFER_CPUS")
     if current_platform.device_type != "cpu":
         return None
     cpus = frozenset(max(node) for node in current_platform.discover_numa_topology() if node)
     if not cpus or cpus == frozenset(os.sched_getaffinity(0)):
         return None
     return cpus
+
+
+def cpu_list(text: str, what: str) -> FrozenSet[int]:
+    """The CPUs of a list such as ``"0,2-3"``; ``ValueError`` naming ``what`` for anything else."""
+    cpus: Set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            first, last = int(lo, 10), int(hi, 10) if dash else int(lo, 10)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ValueError(f"{what} must be a CPU list such as 0,2-3, got {text[:80]!r}") from None
+    return frozenset(cpus)
 
 
 @contextlib.contextmanager

@@ -59,3 +59,35 @@ def test_serve_pd_refuses_bad_arguments_before_starting_anything():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_pd.py"), "--connectors", "nixl"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "unknown connector(s) ['nixl']" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_serve_pd_records_a_failed_request_and_summarizes_the_others(monkeypatch):
+    """A request P or D does not answer is recorded as failed, not fatal to the run; the
+    figures are over the requests that completed, token comparison skips the failed one."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import serve_pd
+
+    failed = serve_pd.try_request("http://127.0.0.1:9", "http://127.0.0.1:9", [1, 2, 3], 2)  # port 9: refused
+    assert failed["error"].startswith("URLError") and failed["token_ids"] is None and failed["tokens"] == 3
+    ok = {"p_s": 0.5, "ttft_d_s": 0.1, "ttft_s": 0.6, "d_s": 0.2, "token_ids": [7, 8], "tokens": 3,
+          "p_request": "p", "d_sent": 1.0, "d_first": 1.1}
+    row = serve_pd.summarize("arena", [ok, failed], {"ttft_d_s": 0.1}, 1.0, {}, {}, {"bytes": 0, "buffers": 0})
+    assert row["requests"] == 2 and row["failed_requests"] == 1 and row["ttft_median_s"] == 0.6
+    assert row["token_ids"] == [[7, 8], None] and row["results"][1]["error"] == failed["error"]
+    with pytest.raises(RuntimeError, match="no request completed"):
+        serve_pd.summarize("arena", [failed], {"ttft_d_s": 0.1}, 1.0, {}, {}, {"bytes": 0, "buffers": 0})
+
+
+def test_serve_pd_split_gives_p_and_d_a_core_each(monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import serve_pd
+
+    (p_env, p_cpus), (d_env, d_cpus) = serve_pd.engine_envs(argparse.Namespace(bind="split"), {"X": "1"})
+    assert (p_cpus, d_cpus) == ([0], [1]) and p_env["X"] == d_env["X"] == "1"
+    assert (p_env["VLLM_CPU_OMP_THREADS_BIND"], p_env["KVCOPY_TRANSFER_CPUS"]) == ("0", "0")
+    assert (d_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["KVCOPY_TRANSFER_CPUS"]) == ("1", "1")
+    (p_env, p_cpus), (d_env, d_cpus) = serve_pd.engine_envs(argparse.Namespace(bind="nobind"), {})
+    assert p_cpus is d_cpus is None and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" == d_env[
+        "VLLM_CPU_OMP_THREADS_BIND"]

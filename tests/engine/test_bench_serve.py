@@ -37,3 +37,31 @@ def test_the_serving_benchmark_reports_every_figure(engine_dir):
         assert sorted(copied) == sorted(ticks) and len(ticks) == 3, e
         for name, c in copied.items():  # a layer's copy starts after its save_kv_layer, ends before P's record
             assert ticks[name] <= c["start"] <= c["end"] <= e["saved"], (name, c, e)
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_times_each_push_phase_with_split_cores(engine_dir):
+    """arena-push behind the concurrent proxy, P on CPU 0 and D on CPU 1 (``--bind split``):
+    every request pushed in one descriptor, and its timeline in order: D's RESERVE before
+    P's worker took it, the WRITE posted after the prefill ended and after the take, then
+    ended (D saw it), KV ready, first token."""
+    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("--bind split needs CPUs 0 and 1")
+    out = os.path.join(engine_dir, "bench-serve-push")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "serve_pd.py"), "--connectors", "arena-push",
+                           "--proxy", "concurrent", "--bind", "split", "--layers", "2", "--requests", "2",
+                           "--lengths", "100,300", "--out", out, "--quiet"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RESERVE->P took" in proc.stdout, proc.stdout
+    with open(os.path.join(out, "serve.json")) as f:
+        (row,) = json.load(f)["rows"]
+    assert row["failed_requests"] == 0 and row["reads"] == 2 and row["descriptors_per_read"] == 1, row
+    assert row["prompt_tokens"]["external_kv_transfer"] == 400 and row["timed"] == 2
+    for r in row["results"]:
+        e = r["events"]
+        assert e["reserve_sent"] <= e["p_took"] <= e["write_post"] and e["fwd_end"] <= e["write_post"], e
+        # P's "closed" is taken after its poll saw the WRITE end, and NIXL sends D's notification
+        # in that poll: D may see it first
+        assert e["write_post"] <= e["write_closed"] and e["write_post"] <= e["d_landing"] <= e["kv_ready"] \
+            < e["d_first"], e

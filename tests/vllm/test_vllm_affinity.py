@@ -64,6 +64,20 @@ def test_transfer_cpus_are_vllms_kv_cores(cores):
     assert transfer_cpus() == reserved
 
 
+def test_transfer_cpus_named_by_the_environment(cores, monkeypatch):
+    """An engine confined to some of the host's cores names its own (``--bind split``):
+    vLLM's reserved core may be another engine's."""
+    reserved, model = cores
+    monkeypatch.setenv("KVCOPY_TRANSFER_CPUS", ",".join(map(str, sorted(model))))
+    assert transfer_cpus() == model != reserved
+    monkeypatch.setenv("KVCOPY_TRANSFER_CPUS", "0-2,5")
+    assert transfer_cpus() == {0, 1, 2, 5}
+    for bad in ("x", "3-1", "-1", "1,,2"):
+        monkeypatch.setenv("KVCOPY_TRANSFER_CPUS", bad)
+        with pytest.raises(ValueError, match="KVCOPY_TRANSFER_CPUS"):
+            transfer_cpus()
+
+
 def test_threads_on_moves_the_caller_and_restores_it(cores):
     reserved, model = cores
     seen = {}

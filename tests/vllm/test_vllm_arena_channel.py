@@ -353,3 +353,78 @@ def test_a_request_with_an_address_zmq_refuses_fails_alone(fake_p):
         assert _wait(bad).error is not None and _wait(f).error is None and f.reply.records == {0: b"rec"}
     finally:
         ch.close()
+
+
+def _reservation(token: bytes) -> bytes:
+    from kvcopy.vllm.arena.push_channel import reserve_question
+
+    return enc(reserve_question("D", 0, 1, "127.0.0.1", 5555, "g1",
+                                {0: (token, "r1", 64, "token", 0, 4096, [[0, 0, 4096]], (4096, 64), 10.0)}))
+
+
+def _take(ch: SideChannel, port: int, wait_ms: int, rank: int = 0):
+    """P's worker's long-poll question through the real client; (reply, when it came)."""
+    from kvcopy.vllm.arena.push_channel import take_question
+
+    came = threading.Event()
+    reply = ch.ask("127.0.0.1", port, enc(take_question(rank, "gen", [], wait_ms)), 1 << 20, came.set)
+    return reply, came
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["plain", "keyed"])
+def test_a_parked_take_is_answered_when_its_reservation_arrives(listener, key):
+    """P's worker's TAKE_PUSH with ``wait_ms`` waits at the listener while nothing is there
+    for its rank, and is answered with the reservation D sends meanwhile (not at its next
+    question: push_channel's long-poll); ``on_done`` fires with the reply."""
+    from kvcopy.vllm.arena.channel import pushes_of
+
+    port, store = listener(key)
+    ch = SideChannel(key, "compat")
+    try:
+        reply, came = _take(ch, port, 4000)
+        assert not came.wait(0.5) and not reply.done  # parked: nothing for rank 0 yet
+        d = SideChannel(key, "compat")
+        try:
+            ok = d.ask("127.0.0.1", port, _reservation(b"t" * 16), 4096)
+            assert came.wait(3.5), "the parked take was not answered when the reservation came"
+            assert reply.error is None, reply.error
+            (reserve,), cancel = pushes_of(reply.parts)
+            assert reserve[1][0] == b"t" * 16 and reserve[1][1] == "r1" and cancel == []
+            end = time.monotonic() + 10
+            while not ok.done:
+                assert time.monotonic() < end
+                time.sleep(0.01)
+            assert ok.error is None and msgspec.msgpack.decode(ok.parts[0])["state"] == "ok"
+        finally:
+            d.close()
+        # nothing left: the next take waits its wait_ms out and is answered empty
+        t0 = time.monotonic()
+        reply, came = _take(ch, port, 300)
+        assert came.wait(4.0) and reply.error is None
+        assert time.monotonic() - t0 >= 0.3 and pushes_of(reply.parts) == ([], [])
+    finally:
+        ch.close()
+
+
+def test_a_newer_take_of_a_rank_ends_the_parked_one_and_others_are_answered(listener):
+    """One parked question per rank (a worker that asks again, e.g. restarted, ends its
+    older one with an empty reply); other questions are answered while one is parked."""
+    from kvcopy.vllm.arena.channel import pushes_of
+
+    port, store = listener()
+    store.update(KvcopyArenaWorkerMeta(staged={"r": {0: b"rec"}}))
+    ch = SideChannel(None, "compat")
+    try:
+        first, first_came = _take(ch, port, 4000)
+        assert not first_came.wait(0.3)
+        (rec,) = ask_side_channel(port, enc((RECORDS_MSG, "r", [0])))  # the listener is not blocked
+        assert msgspec.msgpack.decode(rec)["records"] == [[0, b"rec"]]
+        second, second_came = _take(ch, port, 4000)
+        assert first_came.wait(3.0) and pushes_of(first.parts) == ([], [])
+        assert not second.done
+        ask_side_channel(port, _reservation(b"u" * 16))
+        assert second_came.wait(3.0)
+        (reserve,), _ = pushes_of(second.parts)
+        assert reserve[1][0] == b"u" * 16
+    finally:
+        ch.close()

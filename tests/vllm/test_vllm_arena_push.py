@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
 import msgspec  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 from test_vllm_arena import ONE_SPAN, engines, prefill_process  # noqa: E402  (the fixtures, used by name)
 from test_vllm_mirror import CASES, _specs, vllm_env  # noqa: E402  (the fixture)
 
@@ -470,3 +471,42 @@ def test_p_killed_mid_write_fails_its_request_and_the_span_waits_for_ps_new_gene
     assert restarted and time.monotonic() >= restarted[0] + RESTART_GRACE_S
     assert d.stats()["bytes_in_use"] == 0
     pipe2.send(("stop", None))  # (the pipe kept open until here: the child ends when it closes)
+
+
+def test_an_idle_p_takes_a_reservation_and_writes_without_its_housekeeping_turn(engines, monkeypatch):
+    """P's engine does not step (it is idle, as vLLM's engines are without requests) and
+    its housekeeper's period is far beyond the test: D's RESERVE must reach P's worker by
+    the long-poll (the parked TAKE_PUSH's reply wakes the housekeeper), P must fetch D's
+    handshake, WRITE, see the WRITE end and notify, all from those wakes."""
+    import kvcopy.vllm.arena.connector as connector
+
+    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 600.0)
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 11)
+    tokens = prompts(2, [70, 33], 11)
+    rids = ["idle-0", "idle-1"]
+    params = prefill(p, rids, tokens)
+    before = d.raw_bytes()
+    for rid, toks, prm in zip(rids, tokens, params):
+        d.add(rid, toks, prm, max_tokens=2)
+    assert land(d, [], rids, limit_s=60) == set()  # only D steps
+    _loaded(p, d, rids, tokens, before)
+
+
+def test_concurrent_dispatch_a_d_abort_before_scheduling_frees_ps_span(engines):
+    """D (concurrent dispatch: it names its own id, P's differs by the engine's suffix)
+    aborts a request before scheduling it, so it never reserves; its give-up names D's
+    id, and P frees the span of the one request with that base id, long before P's TTL
+    (before: the give-up matched nothing and the span waited for the TTL)."""
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 21)
+    tokens = prompts(1, [40], seed=21)
+    prefill(p, ["ab-0-1a2b3c4d"], tokens)
+    run([p], lambda: "ab-0-1a2b3c4d" not in p.sched.requests)
+    assert p.stats()["staged_requests"] == 1
+    before = d.raw_bytes()
+    d.add("ab-0-5e6f7a8b", tokens[0], _concurrent(p), max_tokens=2)
+    d.sched.finish_requests("ab-0-5e6f7a8b", RequestStatus.FINISHED_ABORTED)
+    run([d, p], lambda: p.stats()["staged_requests"] == 0, limit_s=30)  # P's TTL: 60 s
+    assert_same(d, before)
+    assert d.stats()["bytes_in_use"] == 0 and not d.worker.arena_worker.puller.jobs

@@ -9,7 +9,7 @@ Only the tests load it: nothing in the connectors knows of it.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Dict, List
 
 
@@ -38,11 +38,24 @@ class _Timeline:
     def __init__(self, conn) -> None:
         self.steps: "deque[Dict[str, Any]]" = deque(maxlen=TIMELINE_KEPT)  # P: one per step with a save
         self.pulls: "deque[Dict[str, Any]]" = deque(maxlen=TIMELINE_KEPT)  # D: one per request pulled
+        self.pushes: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()  # P: per reservation token (hex)
+        self._landing: Dict[bytes, float] = {}  # D: token -> when D saw every f (reservations.complete called)
+        self._tokens: Dict[str, bytes] = {}  # D: request -> its reservation's token, while _finish runs
         self._step: Dict[str, Any] = {}
         self._started: Dict[str, float] = {}  # D: P's request id -> when D's puller took it
         worker = conn.arena_worker
         if worker is None or worker.stager is None or worker.puller is None:
             raise RuntimeError("this engine's connector is not a registered KvcopyArenaConnector")
+        self._puller = worker.puller
+        self.turns = 0  # housekeeping turns (a stuck hurry would show as ~1,000 a second)
+        house = worker.housekeeper
+        if house is not None:
+            real_tick = house._tick
+
+            def tick():
+                self.turns += 1
+                real_tick()
+            house._tick = tick
         self._wrap(conn, "bind_connector_metadata", self._bind)
         self._wrap(conn, "save_kv_layer", self._layer)
         self._wrap(conn, "wait_for_save", None, self._saved)
@@ -53,7 +66,21 @@ class _Timeline:
             self._unit_layers = [sorted(u.layers) for u in units]
             self._wrap(layers, "_copy", self._copy_start, self._copy_end)
         self._wrap(worker.puller, "start", self._pull_start)
-        self._wrap(worker.puller, "_finish", None, self._pulled)
+        self._wrap(worker.puller, "_finish", self._pull_end, self._pulled)
+        self._wrap(worker.manager.reservations, "complete", self._land)  # D: once P's f (or x) is in from every rank
+        if worker.sender is not None:  # P: a reservation taken from the listener, its WRITE, its end
+            push = worker.manager.push_writes
+            self._wrap(worker.sender, "_reservation", self._took)
+            self._wrap(push, "post", None, self._posted)
+            real = push.take_closed
+
+            def take_closed():
+                out = real()
+                t = time.monotonic()
+                for token, _rid, _target in out:
+                    self._push(token)["closed"] = t
+                return out
+            push.take_closed = take_closed
 
     @staticmethod
     def _wrap(obj, name: str, before=None, after=None) -> None:
@@ -96,16 +123,44 @@ class _Timeline:
         for r in recv.values():
             self._started[r.remote_request_id] = t
 
+    def _pull_end(self, t: float, job) -> None:
+        res = getattr(self._puller, "reserved", {}).get(job.rid)  # a push: its token joins P's events
+        if res is not None:
+            self._tokens[job.rid] = res.token
+
     def _pulled(self, t0: float, t1: float, job) -> None:
         rid = job.recv.remote_request_id
+        token = self._tokens.pop(job.rid, None)
         self.pulls.append({"p_request": rid, "taken": self._started.pop(rid, None), "posted": job.posted[0],
-                           "post_done": job.posted[1], "kv_ready": t0})
+                           "post_done": job.posted[1], "kv_ready": t0,
+                           "token": None if token is None else token.hex(),
+                           "landing": None if token is None else self._landing.pop(token, None)})
+
+    def _land(self, t: float, token: bytes) -> None:
+        self._landing[token] = t
+
+    # P: reservations (push)
+    def _push(self, token: bytes) -> Dict[str, Any]:
+        key = token.hex()
+        if key not in self.pushes:
+            self.pushes[key] = {}
+            while len(self.pushes) > TIMELINE_KEPT:
+                self.pushes.popitem(last=False)
+        return self.pushes[key]
+
+    def _took(self, t: float, d, item) -> None:
+        self._push(item[0]).update(took=t, named=item[1])
+
+    def _posted(self, t0: float, t1: float, token: bytes, *_args, **_kwargs) -> None:
+        self._push(token).update(post=t0, post_done=t1)
 
     def take(self) -> Dict[str, Any]:
-        out = {"steps": list(self.steps), "pulls": list(self.pulls),
-               "unit_layers": getattr(self, "_unit_layers", None)}
+        out = {"steps": list(self.steps), "pulls": list(self.pulls), "pushes": dict(self.pushes),
+               "unit_layers": getattr(self, "_unit_layers", None), "turns": self.turns}
+        self.turns = 0
         self.steps.clear()
         self.pulls.clear()
+        self.pushes.clear()
         return out
 
 
@@ -118,11 +173,16 @@ class KvcopyHooks:
         layer-wise unit copy's start and end, ``fwd_end``: ``wait_for_save`` entered,
         ``saved``: it returned, ``final``: the requests whose prefill ended), D's pulls
         (by P's request id: ``taken`` by the puller, READ ``posted``, ``kv_ready``: the
-        READ and scatter completed). For ``bench/serve_pd.py``."""
+        READ and scatter completed; a push: ``posted`` is when D sent its RESERVE,
+        ``landing`` when P's ``f`` was in from every P rank, ``token`` the reservation's),
+        P's pushes by reservation token (``took``: P's worker took the reservation from
+        its listener, ``post``/``post_done``: its WRITE posted, ``closed``: the WRITE ended
+        and D was notified), and ``turns``: the worker's housekeeping turns. For
+        ``bench/serve_pd.py``."""
         timeline = getattr(self, "_kvcopy_timeline", None)
         if timeline is None:
             self._kvcopy_timeline = _Timeline(_connector())
-            return {"steps": [], "pulls": [], "unit_layers": None}
+            return {"steps": [], "pulls": [], "pushes": {}, "unit_layers": None, "turns": 0}
         return timeline.take()
 
     def kvcopy_arena_stats(self) -> Dict[str, int]:

@@ -106,8 +106,10 @@ class Server:
 
     def __init__(self, name: str, model: str, log_path: str, kv_transfer_config: Optional[Dict[str, Any]] = None,
                  block_size: int = 32, max_model_len: int = 1024, dtype: str = "float32",
-                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = (), python: str = sys.executable):
+                 env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = (), python: str = sys.executable,
+                 cpus: Optional[Sequence[int]] = None):
         self.name, self.log_path = name, log_path
+        self.cpus = frozenset(cpus) if cpus else None  # the process group's CPUs (every thread it starts)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         vllm = os.path.join(os.path.dirname(python), "vllm")
@@ -124,8 +126,12 @@ class Server:
     def start(self) -> "Server":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True)
+                                         env=self.env, start_new_session=True, preexec_fn=self._bind)
         return self
+
+    def _bind(self) -> None:
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
 
     def wait_ready(self, timeout: float = 300.0) -> "Server":
         deadline = time.monotonic() + timeout

@@ -66,7 +66,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import msgspec
 import zmq
@@ -78,7 +78,7 @@ from ...msgpack_shape import check_shape
 from ...nixl.wire.record import MAX_RECORD_BYTES, MAX_REQUEST_ID
 from ...nixl.engine.regions import MAX_NAME
 from .meta import MAX_TP, KvcopyArenaWorkerMeta
-from .push_channel import CANCEL_MSG, MAX_TAKE_REPLY, RESERVE_MSG, TAKE_PUSH_MSG, PushBox, taken_of
+from .push_channel import CANCEL_MSG, MAX_TAKE_REPLY, RESERVE_MSG, TAKE_PUSH_MSG, Parked, PushBox, taken_of
 
 logger = init_logger("vllm.kvcopy")
 
@@ -327,26 +327,43 @@ def _serve_once(encoded_data, ready_event, stop_event, host, port, store, key, c
     try:
         try:
             sock = make_zmq_socket(ctx=ctx, path=make_zmq_path("tcp", host, port), socket_type=zmq.ROUTER, bind=True)
-            sock.setsockopt(zmq.RCVTIMEO, 1000)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_QUESTION_BYTES)
             bound.set()
         finally:
             ready_event.set()  # also when the bind failed: the scheduler must not wait forever (the error is raised)
+        parked: Dict[int, Tuple[bytes, Parked]] = {}  # P rank -> its worker's parked TAKE_PUSH (push_channel)
         while not stop_event.is_set():
-            try:
+            now = time.monotonic()
+            wait = min([1.0] + [max(0.0, p.deadline - now) for _, p in parked.values()])
+            if sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
                 parts = sock.recv_multipart()
-            except zmq.Again:
-                continue
-            if len(parts) != 3 or parts[1] != b"":
-                continue  # not a REQ client: nobody to answer
-            sock.send_multipart([parts[0], b""] + answer(parts[2], encoded_data, store, key, challenges))
+                if len(parts) == 3 and parts[1] == b"":  # else not a REQ client: nobody to answer
+                    reply = answer(parts[2], encoded_data, store, key, challenges)
+                    if isinstance(reply, Parked):
+                        older = parked.pop(reply.rank, None)
+                        if older is not None:  # the rank asks again (a new worker): the old question ends
+                            _send_take(sock, store, *older)
+                        parked[reply.rank] = (parts[0], reply)
+                    else:
+                        sock.send_multipart([parts[0], b""] + reply)
+            now = time.monotonic()
+            for rank, (identity, p) in list(parked.items()):
+                if store.pushes.ready(rank) or now >= p.deadline:
+                    del parked[rank]
+                    _send_take(sock, store, identity, p)
     finally:
         ctx.destroy(linger=0)
 
 
+def _send_take(sock, store: RecordStore, identity: bytes, parked: Parked) -> None:
+    """Answer a parked TAKE_PUSH with what waits for its rank now (nothing at its deadline)."""
+    sock.send_multipart([identity, b""] + parked.finish([msgspec.msgpack.encode(store.pushes.take(parked.rank))]))
+
+
 def answer(question: bytes, encoded_data: Mapping, store: RecordStore, key: Optional[bytes] = None,
-           challenges: Optional[Challenges] = None) -> List[bytes]:
-    """The reply parts to one question; never raises (malformed questions get an error)."""
+           challenges: Optional[Challenges] = None) -> Union[List[bytes], Parked]:
+    """The reply parts to one question, or a :class:`Parked` push take the listener
+    answers later; never raises (malformed questions get an error)."""
     try:
         q = decode_bounded(question, MAX_QUESTION_BYTES, "question")
         if key is None:
@@ -360,7 +377,7 @@ def answer(question: bytes, encoded_data: Mapping, store: RecordStore, key: Opti
         return _failed("P could not answer (see its log)")
 
 
-def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> List[bytes]:
+def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> Union[List[bytes], Parked]:
     """An unkeyed P's answer to a question (see the module docstring)."""
     kind, args = (q[0], q[1:]) if isinstance(q, (list, tuple)) and q else (None, ())
     if kind == GET_META_MSG and len(args) == 2 and all(_is_int(a) for a in args):
@@ -379,6 +396,8 @@ def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> List[bytes]:
         return [msgspec.msgpack.encode({"give_ups": [list(g) for g in store.take_give_ups(args[0])]})]
     if kind in (RESERVE_MSG, CANCEL_MSG, TAKE_PUSH_MSG):
         got = store.pushes.answer(kind, args)
+        if isinstance(got, Parked):
+            return got
         if got is not None:
             return [msgspec.msgpack.encode(got)]
     if kind in (HELLO_MSG, AUTH_MSG):
@@ -386,7 +405,8 @@ def _plain(q: Any, encoded_data: Mapping, store: RecordStore) -> List[bytes]:
     return _failed("malformed question")
 
 
-def _keyed(q: Any, encoded_data: Mapping, store: RecordStore, key: bytes, challenges: Challenges) -> List[bytes]:
+def _keyed(q: Any, encoded_data: Mapping, store: RecordStore, key: bytes,
+           challenges: Challenges) -> Union[List[bytes], Parked]:
     """A keyed P's answer: a challenge, or the answer to an authenticated question."""
     now = time.monotonic()
     if isinstance(q, (list, tuple)) and len(q) == 1 and q[0] == HELLO_MSG:
@@ -400,7 +420,15 @@ def _keyed(q: Any, encoded_data: Mapping, store: RecordStore, key: bytes, challe
     if not challenges.consume(challenge, now):
         return _failed("not authenticated: unknown, used or expired challenge (ask for a new one)")
     parts = _plain(decode_bounded(inner, MAX_QUESTION_BYTES, "question"), encoded_data, store)
-    nxt = challenges.issue(now)
+    if isinstance(parts, Parked):  # sealed when it is answered, with a challenge issued then
+        parts.finish = lambda later: _sealed(key, nonce, challenges, later)
+        return parts
+    return _sealed(key, nonce, challenges, parts)
+
+
+def _sealed(key: bytes, nonce: bytes, challenges: Challenges, parts: List[bytes]) -> List[bytes]:
+    """A keyed reply: ``parts``, P's next challenge, their MAC over D's nonce."""
+    nxt = challenges.issue(time.monotonic())
     return [msgspec.msgpack.encode({"parts": parts, "challenge": nxt, "mac": reply_mac(key, nonce, nxt, parts)})]
 
 

@@ -66,7 +66,10 @@ Decisions, and why:
   TTL on P (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.tick`), takes the give-ups P's
   side channel got for its rank (asking its own scheduler's listener: vLLM's scheduler
   reaches the workers only in a step), and sends D's give-ups that waited for P's
-  handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`).
+  handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`). On P it also runs at once
+  when a push reservation arrives (its long-poll reply wakes it:
+  :mod:`kvcopy.vllm.arena.push_send`) and every :data:`WRITE_POLL_S` while P's WRITEs
+  are in flight or a D's handshake is on its way.
 
 What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
@@ -115,6 +118,11 @@ from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_l
 logger = init_logger("vllm.kvcopy")
 
 HOUSEKEEPING_S = 0.05  # how often a worker reads notifications and TTLs between steps
+# P while its WRITEs are in flight: NIXL sends D's notification (f) only once P's own
+# status check sees a WRITE DONE, and an idle P engine does not step, so the housekeeper
+# checks this often until none is left (a loopback WRITE of a few MiB takes 1-3 ms);
+# also while a D's handshake is fetched (first contact), which its reservations wait for
+WRITE_POLL_S = 0.001
 
 __all__ = ["KvcopyArenaConnector", "KvcopyArenaScheduler", "KvcopyArenaWorker"]
 
@@ -207,20 +215,27 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
         known = rid in self._reqs_need_recv
-        params = request.kv_transfer_params
-        if self.options.transfer_mode == "push" and params and params.get("do_remote_prefill") \
-                and not params.get("remote_block_ids"):
-            # Concurrent dispatch: P has not answered, so D names its own request id and P
-            # matches it by vLLM's base id (push_send). vLLM's pull scheduler registers a
-            # recv only with P's block ids, which a push never reads.
-            params["remote_request_id"] = rid
-            params["remote_block_ids"] = [[]]
+        self._name_own(request)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if known or rid not in self._reqs_need_recv:
             return
         n = self._get_remote_prefill_token_count(len(request.prompt_token_ids or ()))
         self._recv[rid] = self._recv_meta(request.kv_transfer_params, n,
                                           blocks if num_external_tokens > 0 else None)
+
+    def _name_own(self, request, recv: bool = False) -> None:
+        """Concurrent dispatch (push, P has not answered): D names its own request id and
+        P matches it by vLLM's base id (push_send; a give-up: stage). vLLM's pull
+        scheduler registers a recv only with P's block ids, which a push never reads (and
+        without them ``NixlConnectorMetadata.add_new_req_to_recv`` raises ``KeyError``: a
+        request aborted before it was scheduled ended D's scheduler). ``recv``: the request
+        is in ``_reqs_need_recv`` already (vLLM cleared ``do_remote_prefill`` when it put
+        an aborted one there)."""
+        params = request.kv_transfer_params
+        if self.options.transfer_mode == "push" and params and (recv or params.get("do_remote_prefill")) \
+                and not params.get("remote_block_ids"):
+            params["remote_request_id"] = request.request_id
+            params["remote_block_ids"] = [[]]
 
     def _recv_meta(self, params, n: int, blocks) -> ArenaRecv:
         """D's blocks as token-anchored lists (prefix-cache hits and null blocks as holes),
@@ -244,6 +259,8 @@ class KvcopyArenaScheduler(NixlPullConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output) -> KvcopyArenaMetadata:
         need_recv = {rid: entry[0] for rid, entry in self._reqs_need_recv.items()}
+        for req in need_recv.values():  # one aborted before it was scheduled has not been named yet
+            self._name_own(req, recv=True)
         nixl = super().build_connector_meta(scheduler_output)  # clears _reqs_need_recv
         recv = {}
         for rid, req in need_recv.items():
@@ -345,12 +362,19 @@ class KvcopyArenaWorker:
                 self.sender = PushSender(self.manager, self.stager, self.puller.channel, self.listener, self.tp_rank,
                                          self.puller.stats)
                 self.sender.chunks.min_bytes = o.push_chunk_bytes
-            self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
+            sender = self.sender
+            self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
+                                           hurry=None if sender is None else (lambda: sender.urgent),
+                                           hurry_s=WRITE_POLL_S)
+            if sender is not None:
+                sender.wake = self.housekeeper.wake
         if o.layerwise and self.producer:
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)
             arena = self.manager.arena
             if arena is not None and not arena.on_cuda:  # a GPU's copies end on its stream: pushed whole at the end
                 self.stager.layers.on_copied = self._copied
+        with threads_on(self.thread_cpus):
+            self.housekeeper.start()
         grouped = sum(len(g) for g in layout.groups)
         skipped = len(set(kv_caches) - {n for g in layout.groups for n in g})
         logger.info(
@@ -478,26 +502,45 @@ class KvcopyArenaWorker:
 
 
 class Housekeeper:
-    """A daemon thread calling ``tick`` under ``lock`` every ``period_s`` until :meth:`stop`;
-    what ``tick`` raises is logged, never ends it."""
+    """A daemon thread calling ``tick`` under ``lock`` once :meth:`start` ran, then every
+    ``period_s`` (every ``hurry_s`` while ``hurry()`` says so), and at once after
+    :meth:`wake`, until :meth:`stop`; what ``tick`` raises is logged, never ends it."""
 
-    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str):
+    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
+                 hurry: Optional[Callable[[], bool]] = None, hurry_s: float = 0.0):
         self._tick, self._lock, self._period = tick, lock, period_s
-        self._stop = threading.Event()
+        self._hurry, self._hurry_s = hurry, hurry_s
+        self._stop = False
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
+
+    def start(self) -> "Housekeeper":
         self._thread.start()
+        return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        period = 0.0  # the first turn at once (P's worker starts its long-poll there)
+        while True:
+            self._wake.wait(period)
+            self._wake.clear()
+            if self._stop:
+                return
             try:
                 with self._lock:
                     self._tick()
+                    period = self._hurry_s if self._hurry is not None and self._hurry() else self._period
             except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
                 logger.exception("kvcopy arena: housekeeping failed")
 
+    def wake(self) -> None:
+        """Run a turn now (any thread; it never blocks)."""
+        self._wake.set()
+
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
+        self._stop = True
+        self._wake.set()
+        if self._thread.ident is not None:
+            self._thread.join(30)
 
 
 class KvcopyArenaConnector(NixlBaseConnector):

@@ -12,8 +12,8 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
    question per request naming every P rank this rank reads and where D's own side
    channel is (P fetches D's handshake there). A refusal fails the load; P keeps
    nothing, so the span is freed;
-4. **land**: ``push.state`` reads P's ``f``/``x`` notifications; on ``f`` from every
-   P rank ``push.complete`` checks the records that came in the WRITE and scatters, as a
+4. **land**: ``reservations.state`` reads P's ``f``/``x`` notifications; on ``f`` from every
+   P rank ``reservations.complete`` checks the records that came in the WRITE and scatters, as a
    pull's ``complete`` does. ``x``, a bad record, or ``push_timeout_s`` fail the load
    with D's KV untouched.
 

@@ -5,7 +5,9 @@ and push at once; the mode is D's. Each housekeeping turn (and after each step's
 staging) :meth:`PushSender.tick`:
 
 1. takes the reservations and cancels P's side channel got for this rank
-   (``TAKE_PUSH_MSG`` to its own scheduler's listener, one question in flight:
+   (``TAKE_PUSH_MSG`` to its own scheduler's listener, one question in flight, parked
+   there until something comes; its reply calls :attr:`PushSender.wake`, the
+   housekeeper's, so the turn that takes it starts at once:
    :mod:`kvcopy.vllm.arena.push_channel`);
 2. for a D it has not added (or of another registration), fetches D's kvcopy handshake
    from D's side channel (``GET_META_MSG``, checked by ``add_target``: compatibility,
@@ -24,7 +26,7 @@ staging) :meth:`PushSender.tick`:
    it usually arrives before P's prefill ends;
 4. posts each matched reservation whose request is staged (its record finished: the
    pack and its sums are in the arena) in one WRITE per reservation
-   (``push.post``: for equal geometry one descriptor, the record included), and answers
+   (``push_writes.post``: for equal geometry one descriptor, the record included), and answers
    ``x`` for one whose request P could not stage or aborted;
 5. polls the WRITEs; each one ended is answered ``f``/``x`` by the manager, and counts
    as that D rank done with P's span (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.note_read`):
@@ -39,7 +41,7 @@ their own timeout are answered ``x`` by the manager.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
@@ -81,6 +83,7 @@ class PushSender:
         self.refused = 0  # reservations refused (logged)
         self.ambiguous = 0  # of which: refused because several of P's requests share their base id
         self.chunks = ChunkPoster(manager)  # a layer-wise request's units pushed in its last step
+        self.wake: Optional[Callable[[], None]] = None  # the housekeeper's: a reply to TAKE_PUSH came
 
     def tick(self) -> None:
         self._take()
@@ -176,7 +179,12 @@ class PushSender:
             host, port = self.listener
             question = take_question(self.rank, self.m.info.generation, self._answers)
             del self._answers[:ANSWERS_PER_TAKE]  # one lost with its question: D asks again
-            self._asking = self.channel.ask(host, port, msgspec.msgpack.encode(question), MAX_TAKE_REPLY)
+            self._asking = self.channel.ask(host, port, msgspec.msgpack.encode(question), MAX_TAKE_REPLY,
+                                            self._woken)
+
+    def _woken(self) -> None:
+        if self.wake is not None:
+            self.wake()
 
     def _reservation(self, d: tuple, item: tuple) -> None:
         d_engine, d_rank, d_tp, d_host, d_port, d_generation = d
@@ -262,4 +270,11 @@ class PushSender:
     @property
     def busy(self) -> bool:
         return bool(self._waiting or self._fetching)
+
+    @property
+    def urgent(self) -> bool:
+        """Whether the housekeeper should turn at once again: WRITEs posted and not seen
+        ended (D gets ``f`` only once P's poll sees them DONE), or D's handshake on its
+        way (its reservations wait for it)."""
+        return bool(self._posted or self._fetching)
 

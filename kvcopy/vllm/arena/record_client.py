@@ -23,7 +23,8 @@ starts then.
   a second from a D, however many requests wait. The caller polls :attr:`Fetch.done`;
   :attr:`Fetch.metadata` fills as the handshakes arrive.
 * :meth:`SideChannel.give_up`: one give-up question; its outcome is only logged.
-* :meth:`SideChannel.ask`: any other question (P's worker taking its give-ups).
+* :meth:`SideChannel.ask`: any other question (P's worker taking its give-ups, and its
+  reservations by long-poll, woken by ``on_done``).
 * With a key, every question is wrapped with a challenge of P's (a pool per P, refilled
   by each keyed reply; a ``HELLO`` first when it is empty) and every reply checked.
 """
@@ -152,16 +153,23 @@ class SideChannel:
         self._post(lambda: self._ask((host, port), question, _checked(done, failed), failed,
                                      time.monotonic() + EXCHANGE_TIMEOUT_S, 4096))
 
-    def ask(self, host: str, port: int, question: bytes, max_bytes: int) -> Reply:
+    def ask(self, host: str, port: int, question: bytes, max_bytes: int,
+            on_done: Optional[Callable[[], None]] = None) -> Reply:
+        """One question; its :class:`Reply` fills on the client's thread, which then calls
+        ``on_done`` (it must be quick and never raise: P's worker wakes a thread with it)."""
         out = Reply()
 
         def done(parts):
             out.parts = parts
             out.done = True
+            if on_done is not None:
+                on_done()
 
         def failed(exc):
             out.error = exc
             out.done = True
+            if on_done is not None:
+                on_done()
         self._post(lambda: self._ask((host, port), question, done, failed, time.monotonic() + EXCHANGE_TIMEOUT_S,
                                      max_bytes))
         return out

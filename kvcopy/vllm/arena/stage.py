@@ -30,6 +30,14 @@ Spans the arena freed at their TTL are noticed here too. Freed spans are reporte
 P's scheduler stops serving their records. Give-ups that came over P's side channel
 (:meth:`note_give_ups`: D could not reach this rank over NIXL) count the same.
 
+**A give-up under D's own id.** Under concurrent dispatch D names its own request id,
+which differs from P's by the random suffix each engine appends (vLLM's
+``get_base_request_id`` strips it). A notification naming no request of this rank is
+taken for the one request P stages, holds or waits to stage with the same base id
+(:meth:`_resolve`); none or several (ambiguous): kept under D's name as before (and, when
+none, matched by base id when such a request is staged). Without this, a D that aborted
+a request before scheduling it (so it never reserved) left P's span to its TTL.
+
 A request staged (or failed) whose blocks P's scheduler holds (``reqs_to_send``: it
 finished the request with ``delay_free_blocks``) is reported in ``finished_sending``: P's
 KV blocks go back to the pool as soon as the arena holds the copy, not when D has read.
@@ -41,6 +49,7 @@ from collections import OrderedDict
 from typing import Dict, Optional, Set, Tuple
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 from vllm.logger import init_logger
 
 from ...nixl import ArenaFull, remote_ranks
@@ -138,8 +147,36 @@ class ArenaStager:
         for rid, reader, d_tp in give_ups:
             self._note(rid, reader, d_tp, GAVE_UP, now)
 
+    def _known(self) -> Set[str]:
+        known = self.live | set(self.pending) | set(self.syncing)
+        if self.layers is not None:
+            known.update(self.layers.parts)
+        return known
+
+    def _resolve(self, rid: str) -> str:
+        """The request of this rank a notification naming ``rid`` is about: ``rid``
+        itself, else the one request known here with its base id (module docstring)."""
+        known = self._known()
+        if rid in known:
+            return rid
+        base = get_base_request_id(rid)
+        hits = [r for r in known if get_base_request_id(r) == base]
+        return hits[0] if len(hits) == 1 else rid
+
+    def _early_of(self, rid: str) -> Optional[str]:
+        """The early notifications' key for ``rid`` (being staged): its own, else the one
+        kept under another id with its base, when no other known request has that base."""
+        if rid in self.early:
+            return rid
+        base = get_base_request_id(rid)
+        keys = [k for k in self.early if get_base_request_id(k) == base]
+        if len(keys) == 1 and sum(get_base_request_id(r) == base for r in self._known()) == 1:
+            return keys[0]
+        return None
+
     def _note(self, rid: str, reader: str, d_tp: int, kind: bytes, now: float) -> None:
         """``reader`` (a D agent) is done with ``rid`` (read it, or gave it up)."""
+        rid = self._resolve(rid)
         if rid in self.live and rid not in self.syncing:
             _, seen = self.readers.setdefault(rid, (d_tp, set()))
             seen.add(reader)  # distinct D agents: a repeated notification counts once
@@ -154,15 +191,19 @@ class ArenaStager:
         while len(self.early) > EARLY_KEPT:
             self.early.popitem(last=False)
 
-    def _everyone_gave_up(self, rid: str) -> bool:
-        entry = self.early.get(rid)
-        return entry is not None and len(entry[1]) >= readers_of(self.rank, self.tp, entry[0], self.heads)
+    def _everyone_gave_up(self, rid: str) -> Optional[str]:
+        """The early notifications' key for ``rid`` when every reader gave it up, else None."""
+        key = self._early_of(rid) if self.early else None
+        entry = self.early.get(key) if key is not None else None
+        return key if entry is not None and len(entry[1]) >= readers_of(self.rank, self.tp, entry[0],
+                                                                          self.heads) else None
 
     def _stage_pending(self, now: float) -> None:
         for rid, (stage, deadline) in list(self.pending.items()):
-            if self._everyone_gave_up(rid):  # D gave it up while it waited here: never staged
+            key = self._everyone_gave_up(rid)
+            if key is not None:  # D gave it up while it waited here: never staged
                 self.gave_up += 1
-                del self.early[rid]
+                del self.early[key]
                 self._fail(rid, "every reader gave it up before it was staged")
                 continue
             try:
@@ -190,7 +231,8 @@ class ArenaStager:
         self.records[rid] = rec
         self.report.staged.setdefault(rid, {})[self.rank] = rec.to_bytes(self.key)
         self.done.add(rid)
-        d_tp, early, _ = self.early.pop(rid, (1, set(), now))
+        key = self._early_of(rid) if self.early else None
+        d_tp, early, _ = self.early.pop(key, (1, set(), now)) if key is not None else (1, set(), now)
         for reader in early:
             self._note(rid, reader, d_tp, GAVE_UP, now)
 
