@@ -378,6 +378,12 @@ class PushWrites:
         s.failed = s.failed or not s.posted  # chunks in flight: x once they ended, nothing more posted
         return "in_flight"
 
+    @property
+    def writing(self) -> bool:
+        """Whether a WRITE (a chunk or a final one) is posted and not seen ended: its
+        ``c``/``f`` goes to D only once :meth:`poll` sees it DONE."""
+        return any(s.posted or s.chunks for s in self._send.values())
+
     def stats(self) -> Dict[str, int]:
         return {"push_accepted": sum(not s.posted and not s.chunks for s in self._send.values()),
                 "push_writes_in_flight": sum(s.posted or bool(s.chunks) for s in self._send.values()),

@@ -455,6 +455,7 @@ class KvcopyArenaWorker:
                 stager.staged_early(rid, record)
                 if self.sender is not None:
                     self.sender.step()  # its reservations' final WRITEs
+            self._hurry()
 
     def layer_done(self, name: str) -> None:
         """P, layer-wise: ``name``'s attention ran; queue the copies it completes (no lock)."""
@@ -471,6 +472,15 @@ class KvcopyArenaWorker:
             if self.sender is not None:
                 self.sender.step()  # post the reservations whose requests are staged now
                 self.sender.chunks.end_step()
+            self._hurry()
+
+    def _hurry(self) -> None:
+        """P posted WRITEs (chunks, final ones): the housekeeper polls them from now on
+        every WRITE_POLL_S, so D's ``c``/``f`` go as they end; asleep in its long period it
+        would see them only at its next turn (up to HOUSEKEEPING_S: an idle engine does not
+        step)."""
+        if self.housekeeper is not None and self.sender is not None and self.sender.urgent:
+            self.housekeeper.wake()
 
     def transfer_results(self) -> KVConnectorTransferResults:
         stager, puller = self._require()

@@ -274,7 +274,8 @@ class PushSender:
     @property
     def urgent(self) -> bool:
         """Whether the housekeeper should turn at once again: WRITEs posted and not seen
-        ended (D gets ``f`` only once P's poll sees them DONE), or D's handshake on its
-        way (its reservations wait for it)."""
-        return bool(self._posted or self._fetching)
+        ended (D gets ``f``, and a layer-wise push's ``c`` per chunk, only once P's poll
+        sees them DONE; chunks are posted by the copy thread, not here), or D's handshake
+        on its way (its reservations wait for it)."""
+        return bool(self._posted or self._fetching) or self.m.push_writes.writing
 
