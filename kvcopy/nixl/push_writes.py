@@ -315,6 +315,10 @@ class PushWrites:
         now = time.monotonic()
         return sum(self._advance(token, s, now) for token, s in list(self._send.items()))
 
+    def in_flight(self) -> int:
+        """WRITEs posted and not reaped yet (chunks and final ones): what :meth:`poll` checks."""
+        return sum((s.xfer is not None) + len(s.chunks) for s in self._send.values())
+
     def _advance(self, token: bytes, s: _Sending, now: float) -> int:
         """Reap ``s``'s WRITEs that ended; once none is in flight: ``f`` (the final WRITE
         and every chunk DONE) or ``x`` (one failed, P gave up, the deadline passed with

@@ -115,6 +115,12 @@ from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_l
 logger = init_logger("vllm.kvcopy")
 
 HOUSEKEEPING_S = 0.05  # how often a worker reads notifications and TTLs between steps
+# How often P checks its push WRITEs while one is in flight (Housekeeper's poll). A WRITE
+# posted right after a notice to the same D (a chunk's c) stays in flight past its post:
+# NIXL's UCX WRITE ends with a flush of the endpoint, which also waits for that notice's
+# active message over tcp/lo. It ends 0.1-0.8 ms later, and f waited for the next 50 ms
+# housekeeping turn (bench/push_chunks_serve.py, mode chunked-unit-own-tail: docs/vllm.md).
+PUSH_POLL_S = 0.0005
 
 __all__ = ["KvcopyArenaConnector", "KvcopyArenaScheduler", "KvcopyArenaWorker"]
 
@@ -345,7 +351,8 @@ class KvcopyArenaWorker:
                 self.sender = PushSender(self.manager, self.stager, self.puller.channel, self.listener, self.tp_rank,
                                          self.puller.stats)
                 self.sender.chunks.min_bytes = o.push_chunk_bytes
-            self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name)
+            self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
+                                           self._push_poll if self.producer else None)
         if o.layerwise and self.producer:
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)
             arena = self.manager.arena
@@ -380,6 +387,17 @@ class KvcopyArenaWorker:
         if self.sender is not None:
             self.sender.tick()
         self.puller.tick()
+
+    def _push_poll(self) -> bool:
+        """The housekeeper's poll (under the lock): P's WRITEs that ended are answered
+        (f, x, c); whether one is still in flight."""
+        return self.sender is not None and self.sender.step() > 0
+
+    def _hurry(self) -> None:
+        """A WRITE P posted is still in flight: the housekeeper polls it until it ends
+        (P's engine may not step again), instead of at its next turn."""
+        if self.housekeeper is not None and self.manager is not None and self.manager.push_writes.in_flight():
+            self.housekeeper.hurry()
 
     def _take_give_ups(self) -> None:
         """P: the give-ups this engine's side channel got for this rank (asked every
@@ -431,6 +449,7 @@ class KvcopyArenaWorker:
                 stager.staged_early(rid, record)
                 if self.sender is not None:
                     self.sender.step()  # its reservations' final WRITEs
+            self._hurry()
 
     def layer_done(self, name: str) -> None:
         """P, layer-wise: ``name``'s attention ran; queue the copies it completes (no lock)."""
@@ -447,6 +466,7 @@ class KvcopyArenaWorker:
             if self.sender is not None:
                 self.sender.step()  # post the reservations whose requests are staged now
                 self.sender.chunks.end_step()
+                self._hurry()
 
     def transfer_results(self) -> KVConnectorTransferResults:
         stager, puller = self._require()
@@ -479,24 +499,43 @@ class KvcopyArenaWorker:
 
 class Housekeeper:
     """A daemon thread calling ``tick`` under ``lock`` every ``period_s`` until :meth:`stop`;
-    what ``tick`` raises is logged, never ends it."""
+    what ``tick`` raises is logged, never ends it. With ``poll`` (P: its push WRITEs),
+    after :meth:`hurry` and after each turn, ``poll`` runs under ``lock`` every
+    :data:`PUSH_POLL_S` for as long as it returns True (work in flight)."""
 
-    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str):
-        self._tick, self._lock, self._period = tick, lock, period_s
+    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
+                 poll: Optional[Callable[[], bool]] = None):
+        self._tick, self._lock, self._period, self._poll = tick, lock, period_s, poll
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
         self._thread.start()
 
+    def hurry(self) -> None:
+        """Poll now, then every :data:`PUSH_POLL_S` while ``poll`` says work is in flight."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        due, busy = time.monotonic() + self._period, False
+        while True:
+            wait = due - time.monotonic()
+            self._wake.wait(max(0.0, min(wait, PUSH_POLL_S) if busy else wait))
+            self._wake.clear()  # before the poll: a hurry from here on wakes the next wait
+            if self._stop.is_set():
+                return
             try:
                 with self._lock:
-                    self._tick()
+                    if time.monotonic() >= due:
+                        due = time.monotonic() + self._period
+                        self._tick()
+                    busy = self._poll is not None and self._poll()
             except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
+                busy = False
                 logger.exception("kvcopy arena: housekeeping failed")
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(30)
 
 

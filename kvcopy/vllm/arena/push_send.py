@@ -87,8 +87,9 @@ class PushSender:
         self._targets_in()
         self.step()
 
-    def step(self) -> None:
-        """Post what is staged, answer what will not be, notify what ended."""
+    def step(self) -> int:
+        """Post what is staged, answer what will not be, notify what ended; returns the
+        WRITEs still in flight."""
         for token, named in list(self._waiting.items()):
             rid = self._matched.get(token) or self._match(token, named)
             if rid is None:
@@ -108,7 +109,7 @@ class PushSender:
                     self.m.push_writes.refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
-        self.m.push_writes.poll()
+        live = self.m.push_writes.poll()
         for token, rid, target in self.m.push_writes.take_closed():
             self._waiting.pop(token, None)
             self._matched.pop(token, None)
@@ -118,6 +119,7 @@ class PushSender:
                 self.stats.record(time.monotonic() - posted[0], posted[1] - posted[0], posted[2], posted[3])
             if d_tp is not None:
                 self.stager.note_read(rid, target, d_tp)
+        return live
 
     def _match(self, token: bytes, named: str) -> Optional[str]:
         """The request of this P a reservation naming ``named`` is for: ``named`` itself
