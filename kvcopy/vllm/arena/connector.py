@@ -117,9 +117,9 @@ logger = init_logger("vllm.kvcopy")
 HOUSEKEEPING_S = 0.05  # how often a worker reads notifications and TTLs between steps
 # How often P checks its push WRITEs while one is in flight (Housekeeper's poll). A WRITE
 # posted right after a notice to the same D (a chunk's c) stays in flight past its post:
-# NIXL's UCX WRITE ends with a flush of the endpoint, which also waits for that notice's
-# active message over tcp/lo. It ends 0.1-0.8 ms later, and f waited for the next 50 ms
-# housekeeping turn (bench/push_chunks_serve.py, mode chunked-unit-own-tail: docs/vllm.md).
+# NIXL's UCX WRITE ends with a flush of the endpoint, then a round trip to D over tcp/lo.
+# It ends 0.05-0.8 ms later, and f waited for the next 50 ms housekeeping turn
+# (bench/push_chunks_serve.py, mode chunked-unit-own-tail: docs/vllm.md).
 PUSH_POLL_S = 0.0005
 
 __all__ = ["KvcopyArenaConnector", "KvcopyArenaScheduler", "KvcopyArenaWorker"]
