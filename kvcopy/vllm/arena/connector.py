@@ -66,7 +66,9 @@ Decisions, and why:
   TTL on P (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.tick`), takes the give-ups P's
   side channel got for its rank (asking its own scheduler's listener: vLLM's scheduler
   reaches the workers only in a step), and sends D's give-ups that waited for P's
-  handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`).
+  handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`). On P it also polls the
+  push WRITEs still in flight after a post every :data:`PUSH_POLL_S` until they ended, so
+  ``f`` does not wait for P's next step or turn.
 
 What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
