@@ -46,6 +46,10 @@ thread) of one layer. The summary adds, per mode, the final WRITE's post returne
 D's ``complete`` at ``f`` begins (P's poll, the notice over UCX's TCP loopback, D's step)
 and D's ``complete``. ``--plot`` draws one request per placement, mode and setting.
 
+Both processes freeze their heaps once their engines are built and warm (``gc.freeze``, as
+vLLM's engine core does after its start): without it a full collection in a process holding
+two engines took up to 0.34 s (P's and D's threads all stopped) inside a request now and then.
+
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 VENV_PY bench/push_chunks_serve.py \\
         [--modes whole,chunked-unit] [--layer-ms 4,8,16] [--placements one,two,two-pinned] \\
         --out bench/results/push-chunks-serve-....json
@@ -54,6 +58,7 @@ and D's ``complete``. ``--plot`` draws one request per placement, mode and setti
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -316,6 +321,7 @@ def decode_child(conn, args, model_dir, root):
     d.raw.fill_(0x5A)
     ev = Events()
     _instrument_d(d, ev)
+    gc.freeze()  # as vLLM's engine core after its start (module docstring)
     conn.send("started")
     told, finished = set(), set()
     try:
@@ -413,6 +419,7 @@ def run(args) -> dict:
             while not side.finished(rid):
                 assert time.monotonic() < deadline, "D did not warm"
                 time.sleep(0.01)
+        gc.freeze()  # as vLLM's engine core after its start (module docstring)
         rows = []
         combos = [(ms, mode, place) for ms in args.layer_ms for mode in args.modes for place in args.placements]
         toks = prompts(len(combos) * args.repeats, [args.tokens] * len(combos) * args.repeats, 3)

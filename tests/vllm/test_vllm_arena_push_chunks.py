@@ -321,3 +321,58 @@ def test_a_chunked_push_reserved_under_ds_own_id_is_matched_by_base_id(engines):
     posted, landed = _chunk_stats(p, d)
     assert posted >= 2 and landed == posted  # chunked (a chunk per request at least), not one WRITE after staging
     assert p.worker.arena_worker.sender.refused == 0
+
+
+
+def test_f_goes_once_the_writes_end_without_another_turn(engines, monkeypatch):
+    """P's last step ends with its WRITEs in flight; P's engine does not step again (its
+    request is done) and its housekeeping turn is an hour away: P's worker still polls
+    them until they ended and sends ``f``, so D's load ends while only D steps.
+
+    NIXL's UCX WRITE ends with a flush of the endpoint, a round trip to D over tcp on
+    loopback. D's NIXL agent runs here without its progress thread, so D's UCX moves
+    only when D steps (its notifications read): P's step, with D not stepping, ends with
+    every WRITE of the request in flight, whatever the machine's timing. (With D's
+    progress thread a WRITE posted right after a notice to D, the tail's ``c``, is in
+    flight past its post for 0.1-0.8 ms: ``bench/push_chunks_serve.py``,
+    ``chunked-unit-own-tail``.)"""
+    from kvcopy.nixl import agent as nixl_agent
+    from kvcopy.vllm.arena import connector
+
+    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 3600.0)  # no housekeeping turn in this test
+    real_make = nixl_agent.make_agent
+
+    def without_progress_thread(nixl, name, backends, delay_us):
+        real_config = nixl.nixl_agent_config
+        nixl.nixl_agent_config = lambda **kw: real_config(enable_prog_thread=False, **kw)
+        try:
+            return real_make(nixl, name, backends, delay_us)
+        finally:
+            nixl.nixl_agent_config = real_config
+    monkeypatch.setattr(nixl_agent, "make_agent", without_progress_thread)
+    d = engines(CASES["one_group"], "kv_consumer", **PUSH)
+    monkeypatch.setattr(nixl_agent, "make_agent", real_make)
+    p = engines(CASES["one_group"], "kv_producer", layerwise=True, push_chunk_bytes=0)
+    pw = p.worker.arena_worker
+
+    def turn():  # P's housekeeping turn, taken by hand (it takes D's reservations)
+        with pw.lock:
+            pw._tick()
+    fill_layerwise(p, d, 29)
+    tokens = prompts(2, [20, 40], 29)
+    (template,) = prefill(p, ["warm"], tokens[:1])
+    d.add("warm", tokens[0], template, max_tokens=2)
+    run([d], lambda: (turn(), "warm" in d.params or not d.sched.requests)[1])
+    p.add("last", tokens[1], {"do_remote_decode": True})
+    d.add("last", tokens[1], dict(template, remote_request_id="last"), max_tokens=2)
+    before = d.raw_bytes()
+    run([d], lambda: (turn(), _accepted(p, ["last"]))[1])
+    # from here only a post wakes P's housekeeper: its long-poll's replies (an empty one
+    # every TAKE_WAIT_MS) would turn it within a second anyway
+    pw.sender.wake = None
+    run([p], lambda: "last" in p.params)  # P's last step, D not stepping
+    with pw.lock:
+        assert pw.manager.push_writes.writing, "P's step ended with no WRITE in flight"
+    assert land(d, [], ["last"]) == set()  # only D steps
+    _loaded(p, d, ["last"], tokens[1:], before)
+    assert _chunk_stats(p, d)[1] >= 1

@@ -120,7 +120,9 @@ logger = init_logger("vllm.kvcopy")
 HOUSEKEEPING_S = 0.05  # how often a worker reads notifications and TTLs between steps
 # P while its WRITEs are in flight: NIXL sends D's notification (f) only once P's own
 # status check sees a WRITE DONE, and an idle P engine does not step, so the housekeeper
-# checks this often until none is left (a loopback WRITE of a few MiB takes 1-3 ms);
+# checks this often until none is left (a loopback WRITE of a few MiB takes 1-3 ms; one
+# posted right after a notice to the same D stays in flight past its post: NIXL's UCX
+# WRITE ends with a flush of the endpoint, a round trip to D, 0.05-0.8 ms: docs/vllm.md);
 # also while a D's handshake is fetched (first contact), which its reservations wait for
 WRITE_POLL_S = 0.001
 

@@ -25,8 +25,10 @@ dispatch), each unit is final once its copy of that step ended. :class:`ChunkPos
   rides in it rather than in a chunk of its own: after the prefill end there is then one
   WRITE (and one notice to D) instead of two. Measured against the tail in a chunk of
   its own (``tail_in_final`` False; ``bench/push_chunks_serve.py``, the 2-core machine
-  shared, three runs of 5 requests per setting): 0.56-1.17x, within the noise there: D
-  then scatters the tail at ``f`` instead of on its ``c`` while P posts the record.
+  shared, three runs of 5 requests per placement of D, ``--layer-ms 8``): 0.91-1.21x
+  (medians), within the noise there: D then scatters the tail at ``f`` instead of on
+  its ``c`` while P posts the record, and the record's WRITE right after the tail's
+  ``c`` ends a flush round trip to D after its post.
 
 A reservation accepted after the request's last step began its copies gets the units
 copied so far in one chunk and the rest in the final WRITE; one accepted after staging
