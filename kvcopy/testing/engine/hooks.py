@@ -47,15 +47,8 @@ class _Timeline:
         if worker is None or worker.stager is None or worker.puller is None:
             raise RuntimeError("this engine's connector is not a registered KvcopyArenaConnector")
         self._puller = worker.puller
-        self.turns = 0  # housekeeping turns (a stuck hurry would show as ~1,000 a second)
-        house = worker.housekeeper
-        if house is not None:
-            real_tick = house._tick
-
-            def tick():
-                self.turns += 1
-                real_tick()
-            house._tick = tick
+        self._house = worker.housekeeper  # its turns, whole and hurried (a stuck hurry: ~1,000 a second)
+        self._turns_seen = self._house_turns()
         self._wrap(conn, "bind_connector_metadata", self._bind)
         self._wrap(conn, "save_kv_layer", self._layer)
         self._wrap(conn, "wait_for_save", None, self._saved)
@@ -154,10 +147,15 @@ class _Timeline:
     def _posted(self, t0: float, t1: float, token: bytes, *_args, **_kwargs) -> None:
         self._push(token).update(post=t0, post_done=t1)
 
+    def _house_turns(self) -> int:
+        house = self._house
+        return 0 if house is None else house.turns + house.quick_turns
+
     def take(self) -> Dict[str, Any]:
+        turns = self._house_turns()
         out = {"steps": list(self.steps), "pulls": list(self.pulls), "pushes": dict(self.pushes),
-               "unit_layers": getattr(self, "_unit_layers", None), "turns": self.turns}
-        self.turns = 0
+               "unit_layers": getattr(self, "_unit_layers", None), "turns": turns - self._turns_seen}
+        self._turns_seen = turns
         self.steps.clear()
         self.pulls.clear()
         self.pushes.clear()

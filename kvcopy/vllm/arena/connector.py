@@ -68,8 +68,9 @@ Decisions, and why:
   reaches the workers only in a step), and sends D's give-ups that waited for P's
   handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`). On P it also runs at once
   when a push reservation arrives (its long-poll reply wakes it:
-  :mod:`kvcopy.vllm.arena.push_send`) and every :data:`WRITE_POLL_S` while P's WRITEs
-  are in flight or a D's handshake is on its way.
+  :mod:`kvcopy.vllm.arena.push_send`) or P posts a WRITE, and in between, while P's
+  WRITEs are in flight or a D's handshake is on its way, every :data:`WRITE_POLL_S`
+  reaping them, backing off when they take long (:mod:`kvcopy.vllm.arena.housekeeper`).
 
 What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
@@ -86,7 +87,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, Optional, Set, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import msgspec
 from vllm import envs
@@ -104,6 +105,7 @@ from .channel import (
 from .record_client import Reply
 from ..checks import ARENA, check_arena_only, check_config, conv_state_layout, has_mamba
 from ..config import ARENA_SURFACE, ArenaOptions, from_transfer_config
+from .housekeeper import Housekeeper
 from .layerwise import LayerwiseStage
 from .meta import (
     MAX_TP, ArenaLayerStep, ArenaRecv, ArenaStage, KvcopyArenaMetadata, KvcopyArenaWorkerMeta,
@@ -367,7 +369,7 @@ class KvcopyArenaWorker:
             sender = self.sender
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
                                            hurry=None if sender is None else (lambda: sender.urgent),
-                                           hurry_s=WRITE_POLL_S)
+                                           hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick)
             if sender is not None:
                 sender.wake = self.housekeeper.wake
         if o.layerwise and self.producer:
@@ -512,47 +514,6 @@ class KvcopyArenaWorker:
             self.manager.close()
         self.manager = self.stager = self.puller = self.sender = None
 
-
-class Housekeeper:
-    """A daemon thread calling ``tick`` under ``lock`` once :meth:`start` ran, then every
-    ``period_s`` (every ``hurry_s`` while ``hurry()`` says so), and at once after
-    :meth:`wake`, until :meth:`stop`; what ``tick`` raises is logged, never ends it."""
-
-    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
-                 hurry: Optional[Callable[[], bool]] = None, hurry_s: float = 0.0):
-        self._tick, self._lock, self._period = tick, lock, period_s
-        self._hurry, self._hurry_s = hurry, hurry_s
-        self._stop = False
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
-
-    def start(self) -> "Housekeeper":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        period = 0.0  # the first turn at once (P's worker starts its long-poll there)
-        while True:
-            self._wake.wait(period)
-            self._wake.clear()
-            if self._stop:
-                return
-            try:
-                with self._lock:
-                    self._tick()
-                    period = self._hurry_s if self._hurry is not None and self._hurry() else self._period
-            except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
-                logger.exception("kvcopy arena: housekeeping failed")
-
-    def wake(self) -> None:
-        """Run a turn now (any thread; it never blocks)."""
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread.ident is not None:
-            self._thread.join(30)
 
 
 class KvcopyArenaConnector(NixlBaseConnector):

@@ -111,6 +111,17 @@ class PushSender:
                     self.m.push_writes.refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
+        self._reap()
+
+    def quick(self) -> None:
+        """The housekeeper's hurried turn (while :attr:`urgent`): D's handshakes that came
+        are taken in, WRITEs that ended answered; matching and posting wait for the whole
+        turn or the next step (matching costs a pass over P's requests per reservation)."""
+        if self._fetching:
+            self._targets_in()
+        self._reap()
+
+    def _reap(self) -> None:
         self.m.push_writes.poll()
         for token, rid, target in self.m.push_writes.take_closed():
             self._waiting.pop(token, None)

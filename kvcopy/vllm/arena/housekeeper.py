@@ -1,0 +1,94 @@
+"""The arena worker's housekeeping thread: turns between engine steps, hurried while P's WRITEs are in flight.
+
+Imported through :mod:`kvcopy.vllm`, which checks the vLLM version first.
+
+A vLLM engine steps only while it has requests, but a worker has work between steps:
+P's notifications, TTLs and give-ups, D's give-ups, and P's push WRITEs, whose end NIXL
+reports to D (``f``, a chunk's ``c``) only once P's own status check sees them DONE.
+:class:`Housekeeper` runs the worker's **turn** (``tick``, under the worker's lock)
+every ``period_s``, and at once after :meth:`~Housekeeper.wake` (a long-poll reply
+came, P posted a WRITE). While ``hurry()`` says work is in flight it turns every
+``hurry_s`` in between, with ``quick`` (only what is in flight: P reaps its WRITEs)
+instead of the whole turn, which costs more (P matches waiting reservations against
+every request it knows). The hurry stays at ``hurry_s`` for :data:`HURRY_FAST_S` after
+it began or after the last wake, then doubles each turn up to ``period_s``: a WRITE
+that takes long (RDMA of a large span, a D that died mid-WRITE and a transport that
+has not said so yet) costs a few turns a second, not a thousand. A turn that raises is
+logged and the next comes after ``period_s``: never a spin.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.kvcopy")
+
+# How long a hurry keeps its shortest period: a WRITE between two arenas on one host ends
+# in 1-3 ms (4 MiB, UCX cma; one posted right after a notice to D a round trip later), a
+# request of a few hundred MiB over RDMA in tens of ms. After that the period doubles.
+HURRY_FAST_S = 0.05
+
+
+class Housekeeper:
+    """A daemon thread running ``tick`` under ``lock`` (module docstring); ``quick`` is
+    the hurried turn (None: ``tick`` again)."""
+
+    def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
+                 hurry: Optional[Callable[[], bool]] = None, hurry_s: float = 0.0,
+                 quick: Optional[Callable[[], None]] = None):
+        self._tick, self._lock, self._period = tick, lock, period_s
+        self._hurry, self._hurry_s, self._quick = hurry, hurry_s, quick
+        self._stop = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
+        self.turns = self.quick_turns = 0  # for tests and the bench's timeline
+
+    def start(self) -> "Housekeeper":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        wait = 0.0  # the first turn at once (P's worker starts its long-poll there)
+        next_full = time.monotonic()
+        hurried_since: Optional[float] = None
+        while True:
+            woke = self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop:
+                return
+            now = time.monotonic()
+            try:
+                with self._lock:
+                    if woke or now >= next_full or self._quick is None:
+                        next_full = now + self._period
+                        self.turns += 1
+                        self._tick()
+                    else:
+                        self.quick_turns += 1
+                        self._quick()
+                    urgent = self._hurry is not None and self._hurry()
+            except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
+                logger.exception("kvcopy arena: housekeeping failed")
+                urgent, next_full = False, time.monotonic() + self._period
+            if not urgent:
+                hurried_since, wait = None, max(0.0, next_full - time.monotonic())
+                continue
+            if hurried_since is None or woke:
+                hurried_since = now
+            if now - hurried_since < HURRY_FAST_S:
+                wait = self._hurry_s
+            else:
+                wait = min(self._period, max(self._hurry_s, 2 * wait))
+
+    def wake(self) -> None:
+        """Run a whole turn now, and hurry afresh if work is in flight (any thread; it never blocks)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.ident is not None:
+            self._thread.join(30)
