@@ -391,37 +391,63 @@ def _warnings():
 
 
 def test_a_reservation_accepted_after_the_early_record_is_one_write(engines, monkeypatch):
-    """D reserves after P's copy thread made the request's record (finish_early) and
-    before wait_for_save ends the step: the reservation is one final WRITE of one
-    descriptor, no chunk tried (before: the chunk poster still named the finished part,
-    its chunk was refused with a warning, and the final WRITE took the chunked path)."""
+    """P's worker takes D's reservation after its copy thread made the request's record
+    (finish_early) and before wait_for_save ends the step: the reservation is one final
+    WRITE of one descriptor, no chunk tried (before: the chunk poster still named the
+    finished part, its chunk was refused with a warning, and the final WRITE took the
+    chunked path). P's housekeeping turns are taken by hand (its period is beyond the
+    test, the long-poll's replies wake nobody), the one that takes it in that window."""
+    import kvcopy.vllm.arena.connector as connector
+
+    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 3600.0)
     p, d = _pair(engines, CASES["one_group"])
     pw = p.worker.arena_worker
+    pw.sender.wake = None
+
+    def turn():
+        with pw.lock:
+            pw._tick()
     fill_layerwise(p, d, 33)
-    template = _template(p, d)
     (tokens,) = prompts(1, [40], 33)
+    (template,) = prefill(p, ["warm"], [tokens])
+    d.add("warm", tokens, template, max_tokens=2)
+    run([d], lambda: (turn(), "warm" in d.params or not d.sched.requests)[1])
     early = pw.stager.layers.early
     posts, real_post = [], pw.manager.push_writes.post
     monkeypatch.setattr(pw.manager.push_writes, "post", lambda *a, **kw: posts.append(real_post(*a, **kw))
                         or posts[-1])
     real_save, window = pw.save, []
 
-    def save(meta):  # wait_for_save: the copy thread ended; D reserves before the step ends
+    def save(meta):  # wait_for_save: the copy thread ended; P's worker takes the reservation now
         pw.stager.layers.wait_copies()
         if pw.stager.layers.early > early and not window:
-            window.append(d.add("win", tokens, dict(template, remote_request_id="win"), max_tokens=2))
-            run([d], lambda: bool(posts))  # P's housekeeper accepted it and posted the final WRITE
+            window.append(1)
+            run([], lambda: (turn(), bool(posts))[1])  # taken and posted by the turn
         real_save(meta)
     monkeypatch.setattr(pw, "save", save)
+    reserved = d.stats()["push_reserved"]
+    p.add("win", tokens, {"do_remote_decode": True})
+    d.add("win", tokens, dict(template, remote_request_id="win"), max_tokens=2)
+    run([d], lambda: d.stats()["push_reserved"] > reserved)  # D reserved; P takes it only at a turn
+    before = d.raw_bytes()
     warned, stop = _warnings()
     try:
-        before = d.raw_bytes()
-        p.add("win", tokens, {"do_remote_decode": True})
         run([p], lambda: "win" in p.params)
-        assert window, "D did not reserve in the window"
-        assert land(d, [p], ["win"]) == set()
+        assert window, "P's copy thread made no record early"
+        ended, failed = set(), set()
+
+        def d_step():  # land(), with P's turns
+            turn()
+            out = d.step()
+            for rid in out.finished_recving or ():
+                d.tables[rid] = d.sched.kv_cache_manager.get_block_ids(rid)
+                ended.add(rid)
+            failed.update(out.failed_recving or ())
+            return "win" in ended
+        run([], d_step)
     finally:
         stop()
+    assert failed == set()
     _loaded(p, d, ["win"], [tokens], before)
     assert [desc for _, desc in posts] == [1] and _chunk_stats(p, d) == (0, 0)
     assert not [r for r in warned if "pushing units" in r.getMessage()], [r.getMessage() for r in warned]
