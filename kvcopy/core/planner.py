@@ -102,10 +102,11 @@ class CallPlanner:
         n = np.asarray(lens)
         if n.shape != (self._g,) or n.dtype.kind not in "iu" or (self._g and int(n.min()) < 0):
             raise ValueError(f"plan_flat: lens must be {self._g} counts >= 0 (one per group), got {shown(lens)}")
-        if int(n.sum()) != len(src) or len(dst) != len(src):
-            raise ValueError(f"plan_flat: lens sum to {int(n.sum())}, but {len(src)} {self._src_side} and "
+        counts = n.tolist()  # Python ints: an int64/uint64 sum wraps (4 * 2**62 + 2 sums to 2)
+        if max(counts, default=0) > len(src) or sum(counts) != len(src) or len(dst) != len(src):
+            raise ValueError(f"plan_flat: lens sum to {sum(counts)}, but {len(src)} {self._src_side} and "
                              f"{len(dst)} {self._dst_side} block ids")
-        return self._pass(src, dst, array.array("q", n.tolist()))
+        return self._pass(src, dst, array.array("q", counts))
 
     def _pass(self, src, dst, lens: array.array) -> CallPlan:
         """Step 2 over every group's ids concatenated (``array('q')`` or int64 numpy)."""

@@ -169,15 +169,15 @@ class PushWrites:
             raise ValueError(f"reservation is for {s.request_id!r} of {s.num_tokens} tokens in order {s.order!r}: "
                              f"not this partial stage, or its last step is not planned")
         bounds = push_units.unit_bounds(self._mode.units, part.counts)
-        if s.sent is None:
-            s.sent = np.zeros(len(bounds) - 1, bool)
-        if not (0 <= lo < hi <= len(s.sent)) or s.sent[lo:hi].any():
+        sent = s.sent if s.sent is not None else np.zeros(len(bounds) - 1, bool)
+        if not (0 <= lo < hi <= len(sent)) or sent[lo:hi].any():
             raise ValueError(f"units [{lo}, {hi}) out of range or sent already")
         if s.part is not None and s.part is not part:
             raise ValueError("units of another partial stage of this request were sent already")
         self._mode.hold_part(part)  # ValueError: not the staging's live partial stage of it
-        s.sent[lo:hi] = True
-        s.part = part
+        # marked chunked only now: a refused chunk leaves the final WRITE whole (one descriptor)
+        sent[lo:hi] = True
+        s.sent, s.part = sent, part
         local, remote = self._cut(s, part.span.offset, int(bounds[lo]), int(bounds[hi]))
         if not len(local):
             self._mode.unhold_part(part)

@@ -44,8 +44,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import FrozenSet, Iterator, Optional, Set
+from typing import FrozenSet, Iterator, Optional
 
+# CPU numbers taken in a list: below this many times os.cpu_count() (room for sparse numbering)
+CPU_ID_FACTOR = 8
 logger = logging.getLogger("vllm.kvcopy")
 
 
@@ -68,18 +70,25 @@ def transfer_cpus() -> Optional[FrozenSet[int]]:
 
 
 def cpu_list(text: str, what: str) -> FrozenSet[int]:
-    """The CPUs of a list such as ``"0,2-3"``; ``ValueError`` naming ``what`` for anything else."""
-    cpus: Set[int] = set()
+    """The CPUs of a list such as ``"0,2-3"``; ``ValueError`` naming ``what`` for anything
+    else, and for a CPU number of :data:`CPU_ID_FACTOR` times the machine's CPU count or
+    more (a typo such as ``0-4000000000`` would build a set of billions)."""
+    ranges = []
     try:
         for part in text.split(","):
             lo, dash, hi = part.strip().partition("-")
             first, last = int(lo, 10), int(hi, 10) if dash else int(lo, 10)
             if first < 0 or last < first:
                 raise ValueError(part)
-            cpus.update(range(first, last + 1))
+            ranges.append(range(first, last + 1))
     except ValueError:
         raise ValueError(f"{what} must be a CPU list such as 0,2-3, got {text[:80]!r}") from None
-    return frozenset(cpus)
+    limit = CPU_ID_FACTOR * (os.cpu_count() or 1)
+    top = max(r[-1] for r in ranges)
+    if top >= limit:
+        raise ValueError(f"{what}: CPU {top} is beyond this machine's {os.cpu_count()} CPUs "
+                         f"(numbers below {limit} are taken), got {text[:80]!r}")
+    return frozenset(c for r in ranges for c in r)
 
 
 @contextlib.contextmanager

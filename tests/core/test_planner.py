@@ -284,6 +284,10 @@ def test_plan_flat_equals_plan_of_the_same_lists(monkeypatch, engine):
                             ((ids, ids, [2, -1, 2]), ValueError, "lens must be 3 counts"),
                             ((ids, ids, [1.0, 1.0, 1.0]), ValueError, "lens must be 3 counts"),
                             ((ids, ids, [1, 1, 2]), ValueError, "lens sum to 4, but 3"),
+                            # counts that wrap to 3 in an int64 or uint64 sum: refused before any pass runs
+                            ((ids, ids, np.array([2**63 - 1, 2**63 - 1, 5])), ValueError, "lens sum to 18446"),
+                            ((ids, ids, np.array([2**63, 2**63, 3], dtype=np.uint64)), ValueError,
+                             "lens sum to 18446"),
                             ((ids, ids[:2], [1, 1, 1]), ValueError, "but 3 device and 2 host")]:
         with pytest.raises(exc, match=match):
             copier.plan_flat("d2h", *bad)

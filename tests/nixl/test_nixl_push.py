@@ -480,13 +480,19 @@ def test_a_byte_flipped_in_one_chunk_fails_the_load_and_writes_only_its_pages(pd
     assert d.stats()["bytes_in_use"] == 0
 
 
-def test_p_failing_mid_chunks_answers_x_after_its_writes_ended(pd):
+def _reserved_final_step(pd, rid):
+    """one_group: D reserved pages 7-9 for 40 tokens, P accepted and planned its last step."""
     p, d, peer, pe, de, target = pd("one_group")
-    d_ids = [[7, 8, 9]]
     before = clone_caches(de.device_caches)
-    res = d.reservations.reserve([peer], 40, d_ids, 0, "midx", 30.0)
-    part, step = _stage_final_step(p, [[0, 1, 2]], 40, "midx")
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, rid, 30.0)
+    part, step = _stage_final_step(p, [[0, 1, 2]], 40, rid)
     tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
+    return p, d, pe, de, before, res, part, step, tok
+
+
+def test_p_failing_mid_chunks_answers_x_after_its_writes_ended(pd):
+    p, d, pe, de, before, res, part, step, tok = _reserved_final_step(pd, "midx")
+    d_ids = [[7, 8, 9]]
     step.run(step.units[0])
     p.push_writes.post_units(tok, part, step.units[0], step.units[0] + 1)
     p.push_writes.refuse(tok)  # P could not finish it (a later copy failed, an abort)
@@ -531,3 +537,25 @@ def test_chunk_notices_are_parsed_strictly():
                 good.replace(b"\x002\x00", b"\x001234567\x00"), PREFIX + b"zz" * 16 + b"\x001\x002\x00c"):
         assert parse_chunk_notice(bad) is None
     assert parse_notice(good) is None
+
+
+def test_post_units_of_a_finished_part_leaves_the_final_write_whole(pd):
+    """A chunk asked for after the request's record was made (its partial stage finished:
+    hold_part refuses it) changes nothing: the final WRITE is still the one descriptor of
+    a whole-request push (before: the refused chunk had marked the reservation chunked,
+    and the final WRITE took the chunked path, 2 descriptors)."""
+    p, d, pe, de, before, res, part, step, tok = _reserved_final_step(pd, "late")
+    d_ids = [[7, 8, 9]]
+    for u in step.units:
+        step.run(u)
+    record = p.arena.finish(part)
+    with pytest.raises(ValueError, match="not being staged unit by unit"):
+        p.push_writes.post_units(tok, part, 0, 1)
+    assert p.push_writes.sent_units(tok) is None
+    assert p.push_writes.post(tok, record)[1] == 1
+    assert settle(p, d, res.token) == "DONE"
+    done = d.reservations.complete(res.token)
+    assert done.ok, done.error
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, [[0, 1, 2]], 40)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    assert p.stats()["push_chunks_posted"] == 0

@@ -76,6 +76,11 @@ def test_transfer_cpus_named_by_the_environment(cores, monkeypatch):
         monkeypatch.setenv("KVCOPY_TRANSFER_CPUS", bad)
         with pytest.raises(ValueError, match="KVCOPY_TRANSFER_CPUS"):
             transfer_cpus()
+    # CPU numbers far beyond the machine's: refused before a set of that size is built
+    for bad in ("0-4000000000", f"0,{8 * os.cpu_count()}"):
+        monkeypatch.setenv("KVCOPY_TRANSFER_CPUS", bad)
+        with pytest.raises(ValueError, match=r"KVCOPY_TRANSFER_CPUS: CPU \d+ is beyond this machine's"):
+            transfer_cpus()
 
 
 def test_threads_on_moves_the_caller_and_restores_it(cores):

@@ -428,3 +428,34 @@ def test_a_newer_take_of_a_rank_ends_the_parked_one_and_others_are_answered(list
         assert reserve[1][0] == b"u" * 16
     finally:
         ch.close()
+
+
+def test_a_parked_take_whose_reply_fails_gets_an_error_and_others_stay_parked(listener, monkeypatch):
+    """Building a parked TAKE_PUSH's reply raising (a bug) is logged and answered with an
+    error; the listener keeps serving, another rank's parked question stays parked and is
+    answered when its reservation comes (before: the listener restarted, dropping every
+    parked question)."""
+    from kvcopy.vllm.arena.channel import pushes_of
+
+    port, store = listener()
+    store.pushes.tp_size = 2
+    real = store.pushes.take
+
+    def take(rank):
+        if rank == 1:
+            raise RuntimeError("injected")
+        return real(rank)
+    monkeypatch.setattr(store.pushes, "take", take)
+    ch = SideChannel(None, "compat")
+    try:
+        zero, zero_came = _take(ch, port, 4000, rank=0)
+        one, one_came = _take(ch, port, 200, rank=1)
+        assert one_came.wait(3.0) and one.error is None  # at its deadline: an error, not silence
+        assert msgspec.msgpack.decode(one.parts[0])["state"] == "failed"
+        assert not zero.done
+        ask_side_channel(port, _reservation(b"v" * 16))  # for rank 0
+        assert zero_came.wait(3.0) and zero.error is None, zero.error
+        (reserve,), _ = pushes_of(zero.parts)
+        assert reserve[1][0] == b"v" * 16
+    finally:
+        ch.close()

@@ -510,3 +510,37 @@ def test_concurrent_dispatch_a_d_abort_before_scheduling_frees_ps_span(engines):
     run([d, p], lambda: p.stats()["staged_requests"] == 0, limit_s=30)  # P's TTL: 60 s
     assert_same(d, before)
     assert d.stats()["bytes_in_use"] == 0 and not d.worker.arena_worker.puller.jobs
+
+
+def test_a_cancel_answered_while_the_take_is_parked_reaches_the_listener_at_the_next_turn(engines, monkeypatch):
+    """A cancel answer P's worker makes while its TAKE_PUSH is parked (as ``_targets_in``
+    does once D's handshake came) goes at its next housekeeping turn, in a take of wait 0
+    the listener answers at once (before: only with the take after the parked one's reply,
+    up to TAKE_WAIT_MS, and a turn, later). P's turns are taken by hand: its housekeeper's
+    period is beyond the test and the long-poll's replies wake nobody."""
+    import kvcopy.vllm.arena.connector as connector
+    from kvcopy.vllm.arena import push_send
+
+    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 3600.0)
+    monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 4000)  # the longest park: the turns below fall inside it
+    p, _ = _pair(engines, CASES["one_group"])
+    pw = p.worker.arena_worker
+    pw.sender.wake = None
+
+    def turn():
+        with pw.lock:
+            pw._tick()
+    first = pw.sender._asking
+    run([], lambda: first is None or first.done)  # the take the worker asked at start is answered
+    turn()  # a new take, parked
+    token = b"c" * 16
+    with pw.lock:
+        assert pw.sender._asking is not None and not pw.sender._asking.done
+        pw.sender._cancel("D-0", token)  # a token never seen: answered "never" now
+    turn()
+    question = msgspec.msgpack.encode((CANCEL_MSG, "D", 0, [[0, token]]))
+
+    def answered():  # D's CANCEL through P's listener: "pending" (queued for P's worker) until the answer came
+        reply = msgspec.msgpack.decode(ask_side_channel(_port(p), question)[0])
+        return [a[2] for a in reply.get("answers", [])] == ["never"]  # (a full queue: "failed", no answers)
+    run([], answered, limit_s=10)

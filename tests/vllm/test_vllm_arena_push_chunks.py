@@ -376,3 +376,104 @@ def test_f_goes_once_the_writes_end_without_another_turn(engines, monkeypatch):
     assert land(d, [], ["last"]) == set()  # only D steps
     _loaded(p, d, ["last"], tokens[1:], before)
     assert _chunk_stats(p, d)[1] >= 1
+
+
+def _warnings():
+    """The connector's warnings from now on (vLLM's loggers do not propagate to pytest's)."""
+    import logging
+
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    logger = logging.getLogger("vllm.kvcopy")
+    logger.addHandler(handler)
+    return seen, lambda: logger.removeHandler(handler)
+
+
+def test_a_reservation_accepted_after_the_early_record_is_one_write(engines, monkeypatch):
+    """P's worker takes D's reservation after its copy thread made the request's record
+    (finish_early) and before wait_for_save ends the step: the reservation is one final
+    WRITE of one descriptor, no chunk tried (before: the chunk poster still named the
+    finished part, its chunk was refused with a warning, and the final WRITE took the
+    chunked path). P's housekeeping turns are taken by hand (its period is beyond the
+    test, the long-poll's replies wake nobody), the one that takes it in that window."""
+    import kvcopy.vllm.arena.connector as connector
+
+    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 3600.0)
+    p, d = _pair(engines, CASES["one_group"])
+    pw = p.worker.arena_worker
+    pw.sender.wake = None
+
+    def turn():
+        with pw.lock:
+            pw._tick()
+    fill_layerwise(p, d, 33)
+    (tokens,) = prompts(1, [40], 33)
+    (template,) = prefill(p, ["warm"], [tokens])
+    d.add("warm", tokens, template, max_tokens=2)
+    run([d], lambda: (turn(), "warm" in d.params or not d.sched.requests)[1])
+    early = pw.stager.layers.early
+    posts, real_post = [], pw.manager.push_writes.post
+    monkeypatch.setattr(pw.manager.push_writes, "post", lambda *a, **kw: posts.append(real_post(*a, **kw))
+                        or posts[-1])
+    real_save, window = pw.save, []
+
+    def save(meta):  # wait_for_save: the copy thread ended; P's worker takes the reservation now
+        pw.stager.layers.wait_copies()
+        if pw.stager.layers.early > early and not window:
+            window.append(1)
+            run([], lambda: (turn(), bool(posts))[1])  # taken and posted by the turn
+        real_save(meta)
+    monkeypatch.setattr(pw, "save", save)
+    reserved = d.stats()["push_reserved"]
+    p.add("win", tokens, {"do_remote_decode": True})
+    d.add("win", tokens, dict(template, remote_request_id="win"), max_tokens=2)
+    run([d], lambda: d.stats()["push_reserved"] > reserved)  # D reserved; P takes it only at a turn
+    before = d.raw_bytes()
+    warned, stop = _warnings()
+    try:
+        run([p], lambda: "win" in p.params)
+        assert window, "P's copy thread made no record early"
+        ended, failed = set(), set()
+
+        def d_step():  # land(), with P's turns
+            turn()
+            out = d.step()
+            for rid in out.finished_recving or ():
+                d.tables[rid] = d.sched.kv_cache_manager.get_block_ids(rid)
+                ended.add(rid)
+            failed.update(out.failed_recving or ())
+            return "win" in ended
+        run([], d_step)
+    finally:
+        stop()
+    assert failed == set()
+    _loaded(p, d, ["win"], [tokens], before)
+    assert [desc for _, desc in posts] == [1] and _chunk_stats(p, d) == (0, 0)
+    assert not [r for r in warned if "pushing units" in r.getMessage()], [r.getMessage() for r in warned]
+
+
+def test_a_record_the_copy_thread_cannot_report_fails_the_request_at_once(engines, monkeypatch):
+    """staged_early raising after the copy thread made the record: P fails the request
+    (its span freed) and D's reservation is answered x, its load failing with D's own
+    pages only touched (before: never reported; D waited for its deadline, P's span for
+    its TTL)."""
+    p, d = _pair(engines, CASES["one_group"])
+    pw = p.worker.arena_worker
+    fill_layerwise(p, d, 34)
+
+    early = []
+
+    def staged_early(rid, record):
+        raise RuntimeError("report lost")
+
+    def accepted():  # after the warm-up
+        early.append(pw.stager.layers.early)
+        monkeypatch.setattr(pw.stager, "staged_early", staged_early)
+    rids, tokens, before, failed = _concurrent(p, d, [40], seed=34, limit_s=30, accepted=accepted)  # D's: 60 s
+    assert pw.stager.layers.early > early[0]  # the copy thread made the record
+    assert failed == set(rids)
+    assert "report lost" in pw.stager.failures[rids[0]]
+    _outside_blocks_untouched(d, rids, before)
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["bytes_in_use"] == 0

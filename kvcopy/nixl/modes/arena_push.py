@@ -146,7 +146,7 @@ def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool, d
         raise ValueError(f"require_checksum: the pushed pages cannot be compared ({unchecked})")
     if done is None or not done.any() or rw.units is None:
         return staging.complete(work._replace(check=check, unchecked=unchecked))
-    sums = push_units.UnitSums(rw.units, True) if sums is None else sums
+    sums = push_units.UnitSums(rw.units, staging.sums.device.type == "cpu") if sums is None else sums
     push_units.scatter(staging, req.order, rw.units, np.flatnonzero(~done).tolist(), check is not None, sums)
     if check is None:
         staging.sums.stats.unchecked()

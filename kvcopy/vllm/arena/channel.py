@@ -356,8 +356,15 @@ def _serve_once(encoded_data, ready_event, stop_event, host, port, store, key, c
 
 
 def _send_take(sock, store: RecordStore, identity: bytes, parked: Parked) -> None:
-    """Answer a parked TAKE_PUSH with what waits for its rank now (nothing at its deadline)."""
-    sock.send_multipart([identity, b""] + parked.finish([msgspec.msgpack.encode(store.pushes.take(parked.rank))]))
+    """Answer a parked TAKE_PUSH with what waits for its rank now (nothing at its deadline);
+    never raises, as :func:`answer` (an exception here would restart the listener and
+    drop every other parked question)."""
+    try:
+        reply = parked.finish([msgspec.msgpack.encode(store.pushes.take(parked.rank))])
+    except Exception:  # noqa: BLE001 -- a bug must not end the listener: the worker gets an error and asks again
+        logger.exception("kvcopy arena: P's side channel failed to answer a parked push take")
+        reply = _failed("P could not answer (see its log)")
+    sock.send_multipart([identity, b""] + reply)
 
 
 def answer(question: bytes, encoded_data: Mapping, store: RecordStore, key: Optional[bytes] = None,

@@ -456,9 +456,15 @@ class KvcopyArenaWorker:
             record = stager.layers.finish_early(rid) if stager is not None and stager.layers is not None else None
             if record is not None:
                 assert stager is not None
-                stager.staged_early(rid, record)
                 if self.sender is not None:
-                    self.sender.step()  # its reservations' final WRITEs
+                    self.sender.chunks.staged(rid)
+                try:
+                    stager.staged_early(rid, record)
+                except Exception as exc:  # noqa: BLE001 -- failed now: not left to the span's TTL, D's deadline
+                    logger.exception("kvcopy arena: reporting %s staged failed", rid)
+                    stager.fail_early(rid, f"not staged: {exc}")
+                if self.sender is not None:
+                    self.sender.step()  # its reservations' final WRITEs (x where it failed)
             self._hurry()
 
     def layer_done(self, name: str) -> None:

@@ -119,6 +119,14 @@ class ChunkPoster:
         sent = self.m.push_writes.sent_units(token)
         return sent if sent is not None else np.zeros(n, bool)
 
+    def staged(self, rid: str) -> None:
+        """``rid``'s record is made (the copy thread's
+        :meth:`~kvcopy.vllm.arena.layerwise.LayerwiseStage.finish_early`): its partial
+        stage is finished, so no chunk more; a reservation accepted from now on is one
+        final WRITE, as after staging."""
+        self.parts.pop(rid, None)
+        self.tokens = {t: r for t, r in self.tokens.items() if r != rid}
+
     def end_step(self) -> None:
         """The step's copies ended and its records are made: what no chunk sent goes in
         each reservation's final WRITE."""

@@ -50,7 +50,7 @@ from vllm.logger import init_logger
 from ...nixl.manager import TransferManager
 from .channel import pushes_of
 from .meta import agent_name
-from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, take_question
+from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, TAKE_WAIT_MS, take_question
 from .push_chunks import ChunkPoster
 from .record_client import Fetch, Reply, SideChannel
 from .stage import ArenaStager
@@ -70,7 +70,8 @@ class PushSender:
                  listener: Tuple[str, int], tp_rank: int, stats: PullStats):
         self.m, self.stager, self.channel, self.stats = manager, stager, channel, stats
         self.listener, self.rank = listener, tp_rank
-        self._asking: Optional[Reply] = None
+        self._asking: Optional[Reply] = None  # the parked TAKE_PUSH (the long-poll)
+        self._telling: Optional[Reply] = None  # a TAKE_PUSH of wait 0 bringing answers made meanwhile
         self._fetching: Dict[str, Tuple[Fetch, List[tuple]]] = {}  # D agent -> (its handshake fetch, work waiting)
         self._generation: Dict[str, str] = {}  # D agent -> the registration added
         self._handshake: Dict[str, bytes] = {}  # D agent -> the handshake bytes added
@@ -171,9 +172,13 @@ class PushSender:
         return known
 
     def _take(self) -> None:
-        asking = self._asking
-        if asking is not None and asking.done:
-            self._asking = None
+        for asking in (self._asking, self._telling):
+            if asking is None or not asking.done:
+                continue
+            if asking is self._asking:
+                self._asking = None
+            else:
+                self._telling = None
             try:
                 if asking.parts is None:
                     raise asking.error or RuntimeError("no reply")
@@ -187,11 +192,19 @@ class PushSender:
             for d_engine, d_rank, token in cancel:
                 self._cancel(agent_name(d_engine, d_rank), token)
         if self._asking is None:
-            host, port = self.listener
-            question = take_question(self.rank, self.m.info.generation, self._answers)
-            del self._answers[:ANSWERS_PER_TAKE]  # one lost with its question: D asks again
-            self._asking = self.channel.ask(host, port, msgspec.msgpack.encode(question), MAX_TAKE_REPLY,
-                                            self._woken)
+            # answers left over: this question is not parked, so the next one goes at the next turn
+            self._asking = self._ask(0 if len(self._answers) > ANSWERS_PER_TAKE else TAKE_WAIT_MS)
+        elif self._answers and self._telling is None:
+            # answers made while the take is parked (_targets_in): the listener answers a take
+            # of wait 0 at once and leaves the parked one parked (up to TAKE_WAIT_MS)
+            self._telling = self._ask(0)
+
+    def _ask(self, wait_ms: int) -> Reply:
+        """A TAKE_PUSH with the cancel answers that fit, parked up to ``wait_ms`` at the listener."""
+        host, port = self.listener
+        question = take_question(self.rank, self.m.info.generation, self._answers, wait_ms)
+        del self._answers[:ANSWERS_PER_TAKE]  # one lost with its question: D asks again
+        return self.channel.ask(host, port, msgspec.msgpack.encode(question), MAX_TAKE_REPLY, self._woken)
 
     def _woken(self) -> None:
         if self.wake is not None:

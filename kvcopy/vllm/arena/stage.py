@@ -122,6 +122,22 @@ class ArenaStager:
         self.live.add(rid)
         self._staged(rid, record, time.monotonic())
 
+    def fail_early(self, rid: str, reason: str) -> None:
+        """A record the copy thread made that :meth:`staged_early` could not report: its
+        span goes and the request fails as a staging does (push: ``x`` to D at the
+        sender's next step; pull: D's load fails on the report)."""
+        arena = self.m.arena
+        assert arena is not None
+        if rid in arena.staged:
+            arena.release(rid)
+        self._forget(rid)
+        ranks = self.report.staged.get(rid)
+        if ranks is not None:
+            ranks.pop(self.rank, None)
+            if not ranks:
+                del self.report.staged[rid]
+        self._fail(rid, reason)
+
     def tick(self, now: Optional[float] = None) -> None:
         """D's notifications, copies that ended, TTLs: everything that needs no step."""
         now = time.monotonic() if now is None else now
