@@ -1,6 +1,7 @@
 """The arena worker's housekeeping thread (kvcopy.vllm.arena.housekeeper): a turn that
 raises never makes it spin, hurried turns run ``quick`` (not the whole turn) and back off
-once work stays in flight, a wake runs a whole turn at once.
+once work stays in flight, a wake runs a whole turn at once. Run in the vLLM environment;
+skipped where vLLM 0.33 is not installed.
 
 Each test counts turns over a span of time that only bounds them from above (a loaded
 machine runs fewer turns, never more), so none can fail for lack of CPU.
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("kvcopy.vllm", reason="vLLM 0.33 not installed (run in the vLLM env)", exc_type=ImportError)
 
 from kvcopy.vllm.arena import housekeeper as hk  # noqa: E402
 from kvcopy.vllm.arena.housekeeper import Housekeeper  # noqa: E402
