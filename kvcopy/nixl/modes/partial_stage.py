@@ -41,12 +41,11 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import torch
 
-from ...core.checksum import mix64
 from ...core.copier import CallPlan
 from ..planning.plan import NO_BLOCK, expand_blocks
 from ..wire.handshake import EngineInfo
 from .span_copiers import SpanCopiers
-from .span_sums import POSITION_BITS, SumLayout, seal_bounds
+from .span_sums import SumLayout, fold_sealed
 from .spans import Span
 
 
@@ -170,12 +169,7 @@ class PartialStage:
 def _fold(uc: _UnitCall, out: torch.Tensor) -> np.ndarray:
     """One unit call's page sums sealed and summed over its triples: per page position
     of ``uc.positions``, its share of the fold (module docstring)."""
-    n = len(uc.positions)
-    sums = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n)
-    sealed_at = (uc.js[:, None].astype(np.int64) << POSITION_BITS) + uc.positions[None, :]
-    with np.errstate(over="ignore"):
-        sealed = mix64(sums ^ seal_bounds(sealed_at.ravel()).reshape(sums.shape))
-        return sealed.sum(axis=0, dtype=np.uint64)
+    return fold_sealed(uc.js, uc.positions, out.cpu().numpy().view(np.uint64).reshape(len(uc.js), len(uc.positions)))
 
 
 def plan_step(part: PartialStage, cps: SpanCopiers, layout: Optional[SumLayout], block_ids: List[np.ndarray],

@@ -33,11 +33,10 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ...core.checksum import mix64
 from ...core.copier import CallPlan
 from ..planning.pack_order import span_layout, stage_units
 from .rows import byte_index
-from .span_sums import POSITION_BITS, seal_bounds
+from .span_sums import fold_sealed
 
 
 def unit_bounds(units, counts: Sequence[int]) -> np.ndarray:
@@ -153,10 +152,8 @@ class UnitSums:
         pos = self._us.positions[uc.group]
         n, z = len(pos), self._us.zero_counts[uc.group]
         got = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n + z)[:, :n]
-        sealed_at = (uc.js[:, None].astype(np.int64) << POSITION_BITS) + pos[None, :]
         with np.errstate(over="ignore"):
-            sealed = mix64(got ^ seal_bounds(sealed_at.ravel()).reshape(got.shape))
-            self._values[uc.group] += sealed.sum(axis=0, dtype=np.uint64)
+            self._values[uc.group] += fold_sealed(uc.js, pos, got)
 
 
 def scatter(staging, order: str, us: UnitScatter, units: Sequence[int], summed: bool, sums: UnitSums) -> None:

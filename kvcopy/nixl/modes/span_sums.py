@@ -262,6 +262,16 @@ def seal_bounds(positions: np.ndarray) -> np.ndarray:
         return mix64(positions.astype(np.uint64) * np.uint64(POSITION_MUL))
 
 
+def fold_sealed(js: np.ndarray, positions: np.ndarray, sums: np.ndarray) -> np.ndarray:
+    """One call's page sums (``sums[t, i]``: triple ``js[t]``'s page at ``positions[i]``)
+    sealed at their places and summed over the triples: per position, the call's share
+    of the fold (a sum over triples, so calls fold unit by unit to the whole's values)."""
+    sealed_at = (np.asarray(js, np.int64)[:, None] << POSITION_BITS) + positions[None, :]
+    with np.errstate(over="ignore"):
+        sealed = mix64(sums ^ seal_bounds(sealed_at.ravel()).reshape(sums.shape))
+        return sealed.sum(axis=0, dtype=np.uint64)
+
+
 # ---------------------------------------------------------------- P
 def page_sums(layout: SumLayout, arrays: Sequence[np.ndarray], positions: Sequence[np.ndarray],
               counts: Sequence[int], folded: Optional[Tuple[FoldPlan, np.ndarray]] = None) -> PageSums:
