@@ -144,34 +144,6 @@ def test_a_request_reserved_before_ps_last_step_is_pushed_in_chunks(engines, nam
     assert p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0
 
 
-def test_chunks_and_the_final_write_reach_d_without_ps_turn_or_step(engines, monkeypatch):
-    """P's housekeeper sleeps far beyond the test and P's engine stops stepping once its
-    requests' last step ran (as an idle engine does): the chunks and the final WRITE the
-    copy thread posted must still be seen ended and D told ``c``/``f``, woken by the posts
-    themselves (before: D waited for P's next turn or step)."""
-    import kvcopy.vllm.arena.connector as connector
-
-    monkeypatch.setattr(connector, "HOUSEKEEPING_S", 600.0)
-    # over TCP a WRITE ends after its post returns (over loopback's cma the post does the
-    # copy, and the poll right after it sees it DONE): P's next poll is what tells D
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    p, d = _pair(engines, CASES["one_group"])
-    fill_layerwise(p, d, 31)
-    template = _template(p, d)
-    tokens = prompts(2, [40, 17], 31)
-    rids = [f"idle-{i}" for i in range(len(tokens))]
-    for rid, toks in zip(rids, tokens):
-        p.add(rid, toks, {"do_remote_decode": True})
-        d.add(rid, toks, dict(template, remote_request_id=rid), max_tokens=2)
-    before = d.raw_bytes()
-    run([d], lambda: _accepted(p, rids))  # the long-poll's reply wakes P's housekeeper
-    run([p], lambda: all(r in p.params for r in rids))  # P's last step ran (it finished them); no more
-    assert land(d, [], rids, limit_s=60) == set()  # only D steps
-    _loaded(p, d, rids, tokens, before)
-    posted, landed = _chunk_stats(p, d)
-    assert posted >= len(rids) and landed == posted
-
-
 @pytest.mark.parametrize("layout", [x.name for x in KVCacheLayout])
 def test_chunked_push_in_the_six_layouts(engines, layout):
     case = dict(CASES["hybrid_kv_sharing"], layout=layout)
