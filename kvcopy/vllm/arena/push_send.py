@@ -53,7 +53,7 @@ from .meta import agent_name
 from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, TAKE_WAIT_MS, take_question
 from .push_chunks import ChunkPoster
 from .record_client import Fetch, Reply, SideChannel
-from .stage import ArenaStager
+from .stage import ArenaStager, namesakes
 from .stats import PullStats
 
 logger = init_logger("vllm.kvcopy")
@@ -142,34 +142,24 @@ class PushSender:
         knows none: the reservation waits (until its deadline), as P may get the request
         after D. Two or more: refused as ambiguous (``x``; D recomputes). A base match is
         kept for the reservation's life, so a later namesake cannot change it."""
-        known = self._known()
+        known = self.stager.known()
         if named in known or named in self.stager.failures:
             return named
-        base = get_base_request_id(named)
-        hits = [r for r in known if get_base_request_id(r) == base]
+        hits = namesakes(named, known)
         if not hits:  # failed here: answered at once, not at D's deadline
-            hits = [r for r in self.stager.failures if get_base_request_id(r) == base][-1:]
+            hits = namesakes(named, self.stager.failures)[-1:]
         if len(hits) > 1:
             del self._waiting[token]
             self.refused += 1
             self.ambiguous += 1
             logger.warning("kvcopy arena: %s: reservation for request %s refused: P has %d requests with its "
-                           "base id %s", self.m.name, named[:80], len(hits), base[:80])
+                           "base id %s", self.m.name, named[:80], len(hits), get_base_request_id(named)[:80])
             self.m.push_writes.refuse(token)
             return None
         if hits:
             self._matched[token] = hits[0]
             return hits[0]
         return None
-
-    def _known(self) -> Set[str]:
-        """Requests this P rank is staging or holds staged (not the ones still computing:
-        the worker learns a request when its prefill ends, or layer by layer)."""
-        st = self.stager
-        known = set(st.pending) | set(st.syncing) | set(st.records)
-        if st.layers is not None:
-            known.update(st.layers.parts)
-        return known
 
     def _take(self) -> None:
         for asking in (self._asking, self._telling):
