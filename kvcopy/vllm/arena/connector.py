@@ -464,7 +464,12 @@ class KvcopyArenaWorker:
                     logger.exception("kvcopy arena: reporting %s staged failed", rid)
                     stager.fail_early(rid, f"not staged: {exc}")
                 if self.sender is not None:
-                    self.sender.step()  # its reservations' final WRITEs (x where it failed)
+                    try:
+                        self.sender.step()  # its reservations' final WRITEs (x where it failed)
+                    except Exception as exc:  # noqa: BLE001 -- as a staging that failed: x to D now, span freed
+                        logger.exception("kvcopy arena: pushing %s failed", rid)
+                        self.sender.give_up(rid)
+                        stager.fail_early(rid, f"not pushed: {exc}")
             self._hurry()
 
     def layer_done(self, name: str) -> None:

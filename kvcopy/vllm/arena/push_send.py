@@ -112,6 +112,9 @@ class PushSender:
                     self.m.push_writes.refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
+            except Exception:  # not posted: x now (once no chunk WRITE is in flight), not at D's deadline
+                self.m.push_writes.refuse(token)
+                raise
         self._reap()
 
     def quick(self) -> None:
@@ -274,6 +277,14 @@ class PushSender:
         rid = item[1] if item[1] in self.chunks.parts else self._match(token, item[1])
         if rid is not None:
             self.chunks.accepted(token, rid)
+
+    def give_up(self, rid: str) -> None:
+        """P will not push ``rid`` (its push raised on the copy thread): each reservation
+        of it not posted is answered ``x`` once none of its WRITEs is in flight."""
+        for token in self.tokens_for(rid):
+            del self._waiting[token]
+            self._matched.pop(token, None)
+            self.m.push_writes.refuse(token)
 
     def tokens_for(self, rid: str) -> List[bytes]:
         """The reservations accepted for P's request ``rid`` (matched as :meth:`_match`
