@@ -369,7 +369,8 @@ class KvcopyArenaWorker:
             sender = self.sender
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
                                            hurry=None if sender is None else (lambda: sender.urgent),
-                                           hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick)
+                                           hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick,
+                                           posts=None if sender is None else (lambda: sender.writes_posted))
             if sender is not None:
                 sender.wake = self.housekeeper.wake
         if o.layerwise and self.producer:

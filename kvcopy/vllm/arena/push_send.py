@@ -82,6 +82,7 @@ class PushSender:
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
         self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
         self.refused = 0  # reservations refused (logged)
+        self.final_posts = 0  # final WRITEs posted (chunks: ChunkPoster.posted)
         self.ambiguous = 0  # of which: refused because several of P's requests share their base id
         self.chunks = ChunkPoster(manager)  # a layer-wise request's units pushed in its last step
         self.wake: Optional[Callable[[], None]] = None  # the housekeeper's: a reply to TAKE_PUSH came
@@ -106,6 +107,7 @@ class PushSender:
                     nbytes, descs = (self.m.push_writes.post(token, record) if rid == named
                                      else self.m.push_writes.post(token, record, staged_as=rid))
                     self._posted[token] = (t0, time.monotonic(), nbytes, descs)
+                    self.final_posts += 1
                 elif rid in self.stager.failures:
                     del self._waiting[token]
                     self._matched.pop(token, None)
@@ -295,6 +297,12 @@ class PushSender:
     @property
     def busy(self) -> bool:
         return bool(self._waiting or self._fetching)
+
+    @property
+    def writes_posted(self) -> int:
+        """WRITEs posted so far, final ones and chunks: the housekeeper's fast poll restarts
+        when this changed."""
+        return self.final_posts + self.chunks.posted
 
     @property
     def urgent(self) -> bool:
