@@ -82,8 +82,8 @@ class PushSender:
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
         self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
         self.refused = 0  # reservations refused (logged)
-        self.final_posts = 0  # final WRITEs posted (chunks: ChunkPoster.posted)
         self.ambiguous = 0  # of which: refused because several of P's requests share their base id
+        self.final_posts = 0  # final WRITEs posted (chunks: ChunkPoster.posted)
         self.chunks = ChunkPoster(manager)  # a layer-wise request's units pushed in its last step
         self.wake: Optional[Callable[[], None]] = None  # the housekeeper's: a reply to TAKE_PUSH came
 
