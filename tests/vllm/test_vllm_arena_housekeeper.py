@@ -4,7 +4,8 @@ once work stays in flight, a wake runs a whole turn at once. Run in the vLLM env
 skipped where vLLM 0.33 is not installed.
 
 Each test counts turns over a span of time that only bounds them from above (a loaded
-machine runs fewer turns, never more), so none can fail for lack of CPU.
+machine runs fewer turns, never more), so none can fail for lack of CPU; the backoff
+across wakes and posts is counted on a simulated clock.
 """
 from __future__ import annotations
 
@@ -81,3 +82,55 @@ def test_without_work_in_flight_it_turns_every_period_only():
         assert len(full) == 1 and house.quick_turns == 0
     finally:
         house.stop()
+
+
+class _FakeClock:
+    """The housekeeper's time and wake event, simulated: its waits advance the clock, the
+    long-poll's empty reply wakes it every ``reply_s``, and it stops at ``until``."""
+
+    def __init__(self, house, reply_s: float, until: float):
+        self.now, self.house, self.reply_s, self.until = 0.0, house, reply_s, until
+        self.next_reply = reply_s
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float) -> bool:
+        if self.next_reply <= self.now + timeout:
+            self.now, self.next_reply = self.next_reply, self.next_reply + self.reply_s
+            woke = True
+        else:
+            self.now, woke = self.now + timeout, False
+        self.house._stop = self.now >= self.until
+        return woke
+
+    def clear(self) -> None:
+        pass
+
+
+def test_a_wake_without_a_new_post_keeps_the_backoff_and_a_post_restarts_it(monkeypatch):
+    """A WRITE stuck in flight (a D that died mid-WRITE): hurried turns back off to the
+    period, and the long-poll's empty reply every second (a wake, no post) runs a whole
+    turn without restarting the 1 ms phase (before: ~50 quick turns after each reply); a
+    new post (at 6.5 s) does restart it. Turns counted on a simulated clock: no timing
+    involved."""
+    period, hurry_s = 0.05, 0.001  # the connector's HOUSEKEEPING_S and WRITE_POLL_S
+    monkeypatch.setattr(hk, "HURRY_FAST_S", 0.05)
+    turns = []  # (kind, when)
+    house = Housekeeper(lambda: turns.append(("full", clock.now)), threading.Lock(), period, "fake",
+                        hurry=lambda: True, hurry_s=hurry_s, quick=lambda: turns.append(("quick", clock.now)),
+                        posts=lambda: 1 if clock.now < 6.5 else 2)
+    clock = _FakeClock(house, reply_s=1.0, until=7.0)
+    monkeypatch.setattr(hk, "time", clock)
+    house._wake = clock
+
+    def quick_in(lo, hi):
+        return sum(kind == "quick" and lo <= t < hi for kind, t in turns)
+
+    house._run()  # on this thread, until the simulated clock reaches 7 s
+    assert quick_in(0.0, 0.06) >= 45  # the hurry's start: 1 ms turns for 50 ms
+    for second in range(1, 6):  # each begins with a reply's wake
+        assert quick_in(second, second + 1) <= 2, (second, quick_in(second, second + 1))
+    whole = sum(kind == "full" and 1.0 <= t < 6.0 for kind, t in turns)
+    assert whole >= 5 * round(1 / period) - 5, whole  # at the period by then: whole turns
+    assert quick_in(6.5, 6.65) >= 45, quick_in(6.5, 6.65)  # the post's turn and 1 ms turns after it

@@ -449,3 +449,42 @@ def test_a_record_the_copy_thread_cannot_report_fails_the_request_at_once(engine
     _outside_blocks_untouched(d, rids, before)
     run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
     assert p.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("where", ["post", "step"])
+def test_a_push_raising_on_the_copy_thread_fails_its_request_at_once(engines, monkeypatch, where):
+    """The copy thread made a request's record and its push raised (``sender.step``: in a
+    post failing other than by ValueError, or before it posted anything): P fails that
+    request at once, D's reservation answered x (before: left unposted, D waited for its
+    60 s deadline; or pushed only at wait_for_save), P's span freed; the other requests
+    of the step are pushed byte-exact."""
+    import threading
+
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 60.0})
+    pw = p.worker.arena_worker
+    fill_layerwise(p, d, 35)
+    raised = []
+    owner = pw.manager.push_writes if where == "post" else pw.sender
+    real = getattr(owner, where)
+
+    def broken(*a, **kw):  # the copy thread's first call raises
+        if not raised and threading.current_thread().name.startswith("kvcopy-arena-layers-"):
+            raised.append(1)
+            raise RuntimeError("push lost")
+        return real(*a, **kw)
+    early = []
+
+    def accepted():  # after the warm-up
+        early.append(pw.stager.layers.early)
+        monkeypatch.setattr(owner, where, broken)
+    rids, tokens, before, failed = _concurrent(p, d, [40, 24, 56], seed=35, limit_s=30,  # D's deadline: 60 s
+                                               accepted=accepted)
+    assert pw.stager.layers.early > early[0] and raised  # the copy thread made records and pushed them
+    lost = [r for r in rids if "push lost" in pw.stager.failures.get(r, "")]
+    assert len(lost) == 1 and failed == set(lost)
+    n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
+    exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load) if r not in lost], before)
+    assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"
+    _outside_blocks_untouched(d, lost, exp)  # the others byte-exact; the failed one wrote only its own pages
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["bytes_in_use"] == 0 and p.stats()["push_writes_in_flight"] == 0

@@ -63,3 +63,30 @@ def test_a_record_still_finishing_on_the_gpu_is_not_taken_for_a_span_freed_at_it
     assert list(stager.records) == ["r"] and "r" in stager.report.staged
     stager._note("r", "D0", 1, READ, 0.0)
     assert arena.released == ["r"] and "r" not in stager.live and "r" not in stager.records
+
+
+def test_namesakes_lists_every_request_with_the_base_id_and_a_notification_takes_only_a_sole_one():
+    """Concurrent dispatch: D names its own id (P's base id, D's suffix). ``namesakes``
+    lists all of P's requests with that base, so two are seen as two (ambiguous), and the
+    stager frees a span for D's id only where it is the sole one; else the notification
+    is kept under D's id, as the push sender refuses such a reservation."""
+    from types import SimpleNamespace
+
+    from kvcopy.vllm.arena.meta import GAVE_UP
+    from kvcopy.vllm.arena.stage import ArenaStager, namesakes
+    from kvcopy.vllm.config import ArenaOptions
+
+    d_id = "chat-7-0123abcd"
+    assert namesakes(d_id, ["chat-7-89abcdef", "chat-7-fedcba98", "chat-70-89abcdef", "chat-7"]) == [
+        "chat-7-89abcdef", "chat-7-fedcba98", "chat-7"]
+    assert namesakes(d_id, ["chat-8-89abcdef"]) == []
+
+    for live, freed in [({"chat-7-89abcdef", "chat-8-89abcdef"}, ["chat-7-89abcdef"]),
+                        ({"chat-7-89abcdef", "chat-7-fedcba98"}, [])]:
+        arena = SimpleNamespace(staged=list(live), released=[])
+        arena.release = arena.released.append
+        stager = ArenaStager(SimpleNamespace(arena=arena), ArenaOptions(), 0, 1, 8, None)
+        stager.live.update(live)
+        stager._note(d_id, "d-agent", 1, GAVE_UP, 0.0)
+        assert arena.released == freed
+        assert list(stager.early) == ([] if freed else [d_id])

@@ -369,7 +369,8 @@ class KvcopyArenaWorker:
             sender = self.sender
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
                                            hurry=None if sender is None else (lambda: sender.urgent),
-                                           hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick)
+                                           hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick,
+                                           posts=None if sender is None else (lambda: sender.writes_posted))
             if sender is not None:
                 sender.wake = self.housekeeper.wake
         if o.layerwise and self.producer:
@@ -464,7 +465,12 @@ class KvcopyArenaWorker:
                     logger.exception("kvcopy arena: reporting %s staged failed", rid)
                     stager.fail_early(rid, f"not staged: {exc}")
                 if self.sender is not None:
-                    self.sender.step()  # its reservations' final WRITEs (x where it failed)
+                    try:
+                        self.sender.step()  # its reservations' final WRITEs (x where it failed)
+                    except Exception as exc:  # noqa: BLE001 -- as a staging that failed: x to D now, span freed
+                        logger.exception("kvcopy arena: pushing %s failed", rid)
+                        self.sender.give_up(rid)
+                        stager.fail_early(rid, f"not pushed: {exc}")
             self._hurry()
 
     def layer_done(self, name: str) -> None:

@@ -11,10 +11,12 @@ came, P posted a WRITE). While ``hurry()`` says work is in flight it turns every
 ``hurry_s`` in between, with ``quick`` (only what is in flight: P reaps its WRITEs)
 instead of the whole turn, which costs more (P matches waiting reservations against
 every request it knows). The hurry stays at ``hurry_s`` for :data:`HURRY_FAST_S` after
-it began or after the last wake, then doubles each turn up to ``period_s``: a WRITE
-that takes long (RDMA of a large span, a D that died mid-WRITE and a transport that
-has not said so yet) costs a few turns a second, not a thousand. A turn that raises is
-logged and the next comes after ``period_s``: never a spin.
+it began or after a turn saw a new post (``posts()`` changed), then doubles each turn
+up to ``period_s``: a WRITE that takes long (RDMA of a large span, a D that died
+mid-WRITE and a transport that has not said so yet) costs a few turns a second, not a
+thousand. A wake without a new post (the long-poll's empty reply, every second) runs a
+whole turn but keeps the backoff. A turn that raises is logged and the next comes after
+``period_s``: never a spin.
 """
 from __future__ import annotations
 
@@ -34,13 +36,14 @@ HURRY_FAST_S = 0.05
 
 class Housekeeper:
     """A daemon thread running ``tick`` under ``lock`` (module docstring); ``quick`` is
-    the hurried turn (None: ``tick`` again)."""
+    the hurried turn (None: ``tick`` again); ``posts``: how many WRITEs were posted so
+    far, read under ``lock`` after each turn (None: only a hurry's start is fast)."""
 
     def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
                  hurry: Optional[Callable[[], bool]] = None, hurry_s: float = 0.0,
-                 quick: Optional[Callable[[], None]] = None):
+                 quick: Optional[Callable[[], None]] = None, posts: Optional[Callable[[], int]] = None):
         self._tick, self._lock, self._period = tick, lock, period_s
-        self._hurry, self._hurry_s, self._quick = hurry, hurry_s, quick
+        self._hurry, self._hurry_s, self._quick, self._posts = hurry, hurry_s, quick, posts
         self._stop = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
@@ -54,12 +57,14 @@ class Housekeeper:
         wait = 0.0  # the first turn at once (P's worker starts its long-poll there)
         next_full = time.monotonic()
         hurried_since: Optional[float] = None
+        seen_posts: Optional[int] = None
         while True:
             woke = self._wake.wait(wait)
             self._wake.clear()
             if self._stop:
                 return
             now = time.monotonic()
+            posted = False
             try:
                 with self._lock:
                     if woke or now >= next_full or self._quick is None:
@@ -70,13 +75,16 @@ class Housekeeper:
                         self.quick_turns += 1
                         self._quick()
                     urgent = self._hurry is not None and self._hurry()
+                    if self._posts is not None:
+                        posts = self._posts()
+                        posted, seen_posts = posts != seen_posts, posts
             except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
                 logger.exception("kvcopy arena: housekeeping failed")
                 urgent, next_full = False, time.monotonic() + self._period
             if not urgent:
                 hurried_since, wait = None, max(0.0, next_full - time.monotonic())
                 continue
-            if hurried_since is None or woke:
+            if hurried_since is None or posted:
                 hurried_since = now
             if now - hurried_since < HURRY_FAST_S:
                 wait = self._hurry_s
@@ -84,7 +92,8 @@ class Housekeeper:
                 wait = min(self._period, max(self._hurry_s, 2 * wait))
 
     def wake(self) -> None:
-        """Run a whole turn now, and hurry afresh if work is in flight (any thread; it never blocks)."""
+        """Run a whole turn now (any thread; it never blocks). It hurries afresh only if
+        that turn sees a new post (``posts``)."""
         self._wake.set()
 
     def stop(self) -> None:

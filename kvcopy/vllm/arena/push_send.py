@@ -53,7 +53,7 @@ from .meta import agent_name
 from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, TAKE_WAIT_MS, take_question
 from .push_chunks import ChunkPoster
 from .record_client import Fetch, Reply, SideChannel
-from .stage import ArenaStager
+from .stage import ArenaStager, namesakes
 from .stats import PullStats
 
 logger = init_logger("vllm.kvcopy")
@@ -83,6 +83,7 @@ class PushSender:
         self._posted: Dict[bytes, Tuple[float, float, int, int]] = {}  # token -> (before post, after, bytes, descs)
         self.refused = 0  # reservations refused (logged)
         self.ambiguous = 0  # of which: refused because several of P's requests share their base id
+        self.final_posts = 0  # final WRITEs posted (chunks: ChunkPoster.posted)
         self.chunks = ChunkPoster(manager)  # a layer-wise request's units pushed in its last step
         self.wake: Optional[Callable[[], None]] = None  # the housekeeper's: a reply to TAKE_PUSH came
 
@@ -106,12 +107,16 @@ class PushSender:
                     nbytes, descs = (self.m.push_writes.post(token, record) if rid == named
                                      else self.m.push_writes.post(token, record, staged_as=rid))
                     self._posted[token] = (t0, time.monotonic(), nbytes, descs)
+                    self.final_posts += 1
                 elif rid in self.stager.failures:
                     del self._waiting[token]
                     self._matched.pop(token, None)
                     self.m.push_writes.refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
+            except Exception:  # not posted: x now (once no chunk WRITE is in flight), not at D's deadline
+                self.m.push_writes.refuse(token)
+                raise
         self._reap()
 
     def quick(self) -> None:
@@ -142,34 +147,24 @@ class PushSender:
         knows none: the reservation waits (until its deadline), as P may get the request
         after D. Two or more: refused as ambiguous (``x``; D recomputes). A base match is
         kept for the reservation's life, so a later namesake cannot change it."""
-        known = self._known()
+        known = self.stager.known()
         if named in known or named in self.stager.failures:
             return named
-        base = get_base_request_id(named)
-        hits = [r for r in known if get_base_request_id(r) == base]
+        hits = namesakes(named, known)
         if not hits:  # failed here: answered at once, not at D's deadline
-            hits = [r for r in self.stager.failures if get_base_request_id(r) == base][-1:]
+            hits = namesakes(named, self.stager.failures)[-1:]
         if len(hits) > 1:
             del self._waiting[token]
             self.refused += 1
             self.ambiguous += 1
             logger.warning("kvcopy arena: %s: reservation for request %s refused: P has %d requests with its "
-                           "base id %s", self.m.name, named[:80], len(hits), base[:80])
+                           "base id %s", self.m.name, named[:80], len(hits), get_base_request_id(named)[:80])
             self.m.push_writes.refuse(token)
             return None
         if hits:
             self._matched[token] = hits[0]
             return hits[0]
         return None
-
-    def _known(self) -> Set[str]:
-        """Requests this P rank is staging or holds staged (not the ones still computing:
-        the worker learns a request when its prefill ends, or layer by layer)."""
-        st = self.stager
-        known = set(st.pending) | set(st.syncing) | set(st.records)
-        if st.layers is not None:
-            known.update(st.layers.parts)
-        return known
 
     def _take(self) -> None:
         for asking in (self._asking, self._telling):
@@ -285,6 +280,14 @@ class PushSender:
         if rid is not None:
             self.chunks.accepted(token, rid)
 
+    def give_up(self, rid: str) -> None:
+        """P will not push ``rid`` (its push raised on the copy thread): each reservation
+        of it not posted is answered ``x`` once none of its WRITEs is in flight."""
+        for token in self.tokens_for(rid):
+            del self._waiting[token]
+            self._matched.pop(token, None)
+            self.m.push_writes.refuse(token)
+
     def tokens_for(self, rid: str) -> List[bytes]:
         """The reservations accepted for P's request ``rid`` (matched as :meth:`_match`
         does) and not posted yet."""
@@ -294,6 +297,12 @@ class PushSender:
     @property
     def busy(self) -> bool:
         return bool(self._waiting or self._fetching)
+
+    @property
+    def writes_posted(self) -> int:
+        """WRITEs posted so far, final ones and chunks: the housekeeper's fast poll restarts
+        when this changed."""
+        return self.final_posts + self.chunks.posted
 
     @property
     def urgent(self) -> bool:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
@@ -65,6 +65,14 @@ from .meta import (
 logger = init_logger("vllm.kvcopy")
 
 EARLY_KEPT = 4096  # requests with notifications that came before their span (oldest dropped past this)
+
+
+def namesakes(rid: str, requests: Iterable[str]) -> List[str]:
+    """Those of ``requests`` with ``rid``'s vLLM base id (``get_base_request_id``: the
+    engine's random suffix stripped), ``rid`` itself included when there. A caller takes
+    a request by base id only where this lists exactly one: two or more are ambiguous."""
+    base = get_base_request_id(rid)
+    return [r for r in requests if get_base_request_id(r) == base]
 
 
 def readers_of(p_rank: int, p_tp: int, d_tp: int, total_kv_heads: Optional[int]) -> int:
@@ -163,7 +171,10 @@ class ArenaStager:
         for rid, reader, d_tp in give_ups:
             self._note(rid, reader, d_tp, GAVE_UP, now)
 
-    def _known(self) -> Set[str]:
+    def known(self) -> Set[str]:
+        """Requests this rank stages, holds staged, or copies layer by layer (not the
+        ones still computing: the worker learns a request when its prefill ends, or layer
+        by layer). A staged span's record is in :attr:`records` once its copy ended."""
         known = self.live | set(self.pending) | set(self.syncing)
         if self.layers is not None:
             known.update(self.layers.parts)
@@ -172,11 +183,10 @@ class ArenaStager:
     def _resolve(self, rid: str) -> str:
         """The request of this rank a notification naming ``rid`` is about: ``rid``
         itself, else the one request known here with its base id (module docstring)."""
-        known = self._known()
+        known = self.known()
         if rid in known:
             return rid
-        base = get_base_request_id(rid)
-        hits = [r for r in known if get_base_request_id(r) == base]
+        hits = namesakes(rid, known)
         return hits[0] if len(hits) == 1 else rid
 
     def _early_of(self, rid: str) -> Optional[str]:
@@ -184,9 +194,8 @@ class ArenaStager:
         kept under another id with its base, when no other known request has that base."""
         if rid in self.early:
             return rid
-        base = get_base_request_id(rid)
-        keys = [k for k in self.early if get_base_request_id(k) == base]
-        if len(keys) == 1 and sum(get_base_request_id(r) == base for r in self._known()) == 1:
+        keys = namesakes(rid, self.early)
+        if len(keys) == 1 and len(namesakes(rid, self.known())) == 1:
             return keys[0]
         return None
 
