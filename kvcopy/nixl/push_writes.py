@@ -268,21 +268,21 @@ class PushWrites:
             at = entry.span.offset + entry.payload
             self._mode.buffer[at: at + LENGTH.size + len(body)].copy_(
                 _bytes_tensor(LENGTH.pack(len(body)) + body))
-        except ValueError:
+            if s.sent is None:  # the whole request in one WRITE
+                local = np.stack([self._mode.base + entry.span.offset + s.p_rel, sizes, np.zeros_like(sizes)], 1)
+                local, remote = local.astype(np.uint64), s.remote
+            else:  # what no chunk WRITE sent: the units left, then the record slot
+                counts = [-(-s.num_tokens // t) for t in self._info.tokens_per_page]
+                cuts = [self._cut(s, entry.span.offset, a, b)
+                        for a, b in _unsent(s.sent, entry.payload, entry.slot, self._mode.units, counts)]
+                local = np.concatenate([c[0] for c in cuts])
+                remote = np.concatenate([c[1] for c in cuts])
+            xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
+        except Exception:  # nothing posted (NIXL or UCX raising too): the span's WRITE mark is given back
             self._mode.end_write(s.request_id)
             s.failed = True
             self._advance(token, s, time.monotonic())  # x once no chunk WRITE is in flight
             raise
-        if s.sent is None:  # the whole request in one WRITE
-            local = np.stack([self._mode.base + entry.span.offset + s.p_rel, sizes, np.zeros_like(sizes)], 1)
-            local, remote = local.astype(np.uint64), s.remote
-        else:  # what no chunk WRITE sent: the units left, then the record slot
-            counts = [-(-s.num_tokens // t) for t in self._info.tokens_per_page]
-            cuts = [self._cut(s, entry.span.offset, a, b)
-                    for a, b in _unsent(s.sent, entry.payload, entry.slot, self._mode.units, counts)]
-            local = np.concatenate([c[0] for c in cuts])
-            remote = np.concatenate([c[1] for c in cuts])
-        xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
         s.posted, s.xfer = True, xfer
         if xfer is None:
             self._mode.end_write(s.request_id)

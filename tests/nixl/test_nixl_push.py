@@ -358,6 +358,30 @@ def test_p_refusing_a_reservation_answers_x_and_never(pd, monkeypatch):
         p.push_writes.accept(target, d.info.generation, (bytes(16),) + first.items[peer][1:8] + (MAX_TIMEOUT_S * 2,))
 
 
+def test_a_post_raising_inside_nixl_answers_x_and_gives_the_span_back(pd, monkeypatch):
+    """Something other than a refusal raising in P's post (here NIXL's post itself)
+    gives the span's WRITE mark back and answers ``x`` at once: D fails long before the
+    reservation's deadline, writes nothing, and P's span is freed when released (before:
+    the mark stayed, so the span was never freed, and D waited for its deadline)."""
+    p, d, peer, pe, de, target = pd("one_group")
+    before = clone_caches(de.device_caches)
+    res = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "boom", 600.0)
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
+    record = p.save([[0, 1, 2]], num_tokens=40, request_id="boom")
+
+    def post_read_descs(*a, **kw):
+        raise RuntimeError("transport gone")
+    monkeypatch.setattr(p.push_writes._agent, "post_read_descs", post_read_descs)
+    with pytest.raises(RuntimeError, match="transport gone"):
+        p.push_writes.post(tok, record)
+    assert settle(p, d, res.token, guard_s=10.0) == "ERR"
+    assert not d.reservations.complete(res.token).ok
+    assert same_bytes(de.device_caches, before)
+    assert d.stats()["bytes_in_use"] == 0 and p.stats()["push_writes_in_flight"] == 0
+    p.arena.release("boom")
+    assert p.stats()["bytes_in_use"] == 0
+
+
 def test_reservations_needing_more_rows_than_p_takes_are_refused_at_reserve(pd, monkeypatch):
     """A plan of more WRITE rows per P rank than P takes (TP sizes that differ, token
     order, long requests) fails at reserve, before anything is sent, with nothing held."""
