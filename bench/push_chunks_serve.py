@@ -104,7 +104,8 @@ def _engine(mc, args, role, **opts):
                                                                     dtype=torch.float16) for i in range(args.layers)}
     span = args.layers * _layer_bytes(args)
     return ArenaEngine(mc, dict(block_size=16, specs=specs), role, os.environ.__setitem__,
-                       num_blocks=2 * -(-args.tokens // 16) + 8, arena_bytes=3 * span, **opts)
+                       num_blocks=2 * -(-args.tokens // 16) + 8, arena_bytes=3 * span,
+                       nixl_thread_nice=args.nixl_thread_nice, **opts)
 
 
 def _layer_bytes(args) -> int:
@@ -459,7 +460,8 @@ def run(args) -> dict:
                     time.sleep(0.005)
                 print(json.dumps({k2: v for k2, v in rows[-1].items() if k2 != "events"}), flush=True)
         return {"rows": rows, "layers": args.layers, "tokens": args.tokens, "layer_ms": args.layer_ms,
-                "placements": list(args.placements), "switch_ms": args.switch_ms, "cpus": sorted(all_cpus),
+                "placements": list(args.placements), "switch_ms": args.switch_ms,
+                "nixl_thread_nice": args.nixl_thread_nice, "cpus": sorted(all_cpus),
                 "layer_bytes": _layer_bytes(args), "min_chunk_bytes": type(pw.sender.chunks).min_bytes,
                 "load": os.getloadavg()}
     finally:
@@ -629,6 +631,7 @@ def main() -> None:
                     help="where D runs, comma-separated, interleaved: one (P's process), two (its own process), "
                          "two-pinned (its own process on the second CPU, P's on the first)")
     ap.add_argument("--switch-ms", type=float, default=5.0, help="sys.setswitchinterval (CPython's default: 5)")
+    ap.add_argument("--nixl-thread-nice", type=int, default=0, help="the arena option nixl_thread_nice, P and D")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot", default=None, help="draw a saved --out file (no run)")
     ap.add_argument("--plot-modes", default=",".join(MODES), help="the modes --plot draws")

@@ -51,6 +51,13 @@ unprompted progress calls (UCX keepalive, failure detection). ``0`` restores NIX
 busy polling. NIXL's wrapper has no knob for it: the delay is set on the binding's
 agent config while the wrapper builds the agent (:func:`make_agent`).
 
+Thread priority (``nixl_thread_nice``, default 0: unchanged): the threads NIXL and UCX
+start while an agent is built (the progress thread and UCX's ``async`` thread) get that
+nice value. Woken by a WRITE, the progress thread takes the CPU from the thread that
+posted it where the two share one (a push's first WRITE after P's prefill: 1-4 ms more,
+docs/vllm.md, "The first WRITE after the prefill end stalls"); at nice 19 it runs only
+where the CPU has time to spare.
+
 Logging: NIXL's Python logger prints an ``INFO`` line to stdout for every agent and
 backend it creates. kvcopy sets that logger to ``WARNING`` when it loads NIXL, unless
 ``NIXL_LOG_LEVEL`` (NIXL's own knob, which then applies) or ``KVCOPY_VERBOSE=1`` is set.
@@ -72,6 +79,7 @@ import numpy as np
 
 _MODULE_NAMES = ("nixl", "nixl_cu12", "nixl_cu13")
 PROGRESS_DELAY_US = 100_000  # the progress thread's poll timeout (module docstring)
+MAX_NICE = 19  # the lowest priority; below 0 would need privileges and take CPU from the engine
 _build_lock = threading.Lock()
 MAX_PARKED = 64  # peers' agents kept loaded after their last use (see the module docstring)
 DISCONNECTED = "NIXL_ERR_REMOTE_DISCONNECT"  # NIXL's status for a connection UCX failed (module docstring)
@@ -151,14 +159,16 @@ def _status(exc: BaseException) -> str:
     return text if text.startswith("NIXL") else f"{type(exc).__name__}: {text}"
 
 
-def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
+def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int, nice: int = 0):
     """``nixl.nixl_agent(name, config)`` with the progress thread's poll delay set to
     ``delay_us``: the wrapper hard-codes 0, so its binding constructor is wrapped for
     the duration of this one call (under a lock, so kvcopy builds its agents one at a
     time; another thread building a NIXL agent directly inside that window gets the same
     delay, which does it no harm). A wrapper that builds its agent some other way (a
     later NIXL) gets NIXL's own delay, with a warning: the agent works, its idle
-    progress thread busy-polls."""
+    progress thread busy-polls. ``nice`` (0-19): the priority of the threads that
+    appeared while it was built (Linux; under the same lock, so another library's thread
+    started in that window would get it too)."""
     wrapper = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""), nixl)  # nixl_cu12._api
     binding = getattr(wrapper, "nixlBind", None)
     real = getattr(binding, "nixlAgent", None)
@@ -174,16 +184,26 @@ def make_agent(nixl: ModuleType, name: str, backends: List[str], delay_us: int):
 
     with _build_lock:
         binding.nixlAgent = with_delay
+        before = _thread_ids() if nice else set()
         try:
             agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=backends))
         finally:
             binding.nixlAgent = real
+        for tid in (_thread_ids() - before) if nice else ():
+            try:  # never above the priority it inherited (raising one needs privileges)
+                os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+            except ProcessLookupError:  # it ended already
+                pass
     if not applied and delay_us:
         logging.getLogger("kvcopy.nixl").warning(
             "%s built NIXL agent %r without %s.nixlAgent: its progress thread keeps NIXL's own poll "
             "delay (0: busy polling), not progress_delay_us=%d", wrapper.__name__, name,
             getattr(binding, "__name__", "nixlBind"), delay_us)
     return agent
+
+
+def _thread_ids() -> Set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
 
 
 class Transfer:
@@ -216,16 +236,19 @@ class Agent:
     """One NIXL agent with the backends it was asked for."""
 
     def __init__(self, name: str, backends: Tuple[str, ...] = ("UCX",),
-                 progress_delay_us: int = PROGRESS_DELAY_US):
+                 progress_delay_us: int = PROGRESS_DELAY_US, nixl_thread_nice: int = 0):
         nixl = load_nixl()
         if not name:
             raise ValueError("a NIXL agent needs a non-empty name")
         if isinstance(progress_delay_us, bool) or not isinstance(progress_delay_us, int) \
                 or not 0 <= progress_delay_us <= 10_000_000:
             raise ValueError(f"progress_delay_us must be an int in [0, 10 s], got {progress_delay_us!r}")
+        if isinstance(nixl_thread_nice, bool) or not isinstance(nixl_thread_nice, int) \
+                or not 0 <= nixl_thread_nice <= MAX_NICE:
+            raise ValueError(f"nixl_thread_nice must be an int in [0, {MAX_NICE}], got {nixl_thread_nice!r}")
         self.name = name
         try:
-            self._agent = make_agent(nixl, name, list(backends), progress_delay_us)
+            self._agent = make_agent(nixl, name, list(backends), progress_delay_us, nixl_thread_nice)
         except Exception as exc:
             raise NixlError(f"creating NIXL agent {name!r}: {_status(exc)}") from exc
         self._loaded: Dict[str, bytes] = {}  # peers' agents this wrapper loaded: name -> metadata

@@ -146,7 +146,7 @@ class TransferManager:
         self.buffer = buffer
         self._mode = mode = MODES[buffer].build(device_caches, self.layer_groups, tpp, opts)
         try:
-            self._agent = Agent(self.name, opts.transports, opts.progress_delay_us)
+            self._agent = Agent(self.name, opts.transports, opts.progress_delay_us, opts.nixl_thread_nice)
         except Exception:
             mode.close()
             raise

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 
 from ..checks import integer, seconds
 from ..core.options import ChecksumOptions
-from .agent import PROGRESS_DELAY_US
+from .agent import MAX_NICE, PROGRESS_DELAY_US
 from .wire.framing import check_key
 from .planning.pack_order import ORDERS
 
@@ -37,6 +37,7 @@ class ManagerOptions(ChecksumOptions):
     arena_ttl_s: float = 60.0  # arena mode: how long P keeps a staged span without D's notification
     arena_order: str = "token"  # arena mode: "token" or "head" (HND pages)
     progress_delay_us: int = PROGRESS_DELAY_US  # NIXL progress-thread poll timeout
+    nixl_thread_nice: int = 0  # nice of the threads NIXL starts for the agent (0-19; kvcopy.nixl.agent)
     require_checksum: bool = False  # D: refuse a pull whose pages cannot be compared (plan_pull raises)
     # NIXL's transport plugins the agent loads (NIXL calls them "backends"; kvcopy's own
     # backends, which copy on the host or GPU, are copy_backend)
@@ -62,6 +63,7 @@ class ManagerOptions(ChecksumOptions):
         if self.arena_order not in ORDERS:
             raise ValueError(f"arena_order must be one of {sorted(ORDERS)}, got {self.arena_order!r}")
         put(self, "progress_delay_us", integer(self.progress_delay_us, "progress_delay_us", minimum=0))
+        put(self, "nixl_thread_nice", integer(self.nixl_thread_nice, "nixl_thread_nice", minimum=0, maximum=MAX_NICE))
         if not isinstance(self.require_checksum, bool):
             raise TypeError(f"require_checksum must be True or False, got {type(self.require_checksum).__name__}")
         if self.require_checksum and not self.checksum:

@@ -105,7 +105,7 @@ class ArenaOptions:
     """``KvcopyArenaConnector``'s settings: its own, and its workers' ``TransferManager``
     options (``manager``: the keys ``arena_bytes``, ``arena_ttl_s``, ``pull_timeout_s``,
     ``arena_order``, ``copy_backend``, ``max_ctas``, ``checksum``, ``require_checksum``,
-    and ``key`` from ``key_env``; each checked by :class:`~kvcopy.nixl.options.ManagerOptions`).
+    ``nixl_thread_nice``, and ``key`` from ``key_env``; each checked by :class:`~kvcopy.nixl.options.ManagerOptions`).
     Times in seconds."""
 
     stage_timeout_s: float = 10.0  # P: how long a request waits for arena space before it fails
@@ -144,7 +144,7 @@ class ArenaOptions:
 
 
 MANAGER_KEYS = ("arena_bytes", "arena_ttl_s", "pull_timeout_s", "arena_order", "copy_backend", "max_ctas",
-                "checksum", "require_checksum")
+                "checksum", "require_checksum", "nixl_thread_nice")
 
 
 def _key_from_env(key_env: Any) -> Optional[bytes]:

@@ -135,6 +135,44 @@ def test_idle_agents_sleep_and_delay_zero_busy_polls():
         busy.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_nixl_thread_nice_lowers_only_the_threads_the_agent_started():
+    """The threads that appear while an agent is built (NIXL's progress thread, UCX's
+    async thread) get ``nixl_thread_nice``; the caller's and the process's other threads
+    keep theirs; an agent built without it leaves its threads at the caller's."""
+    import os
+
+    def nice_of(tids):
+        out = {}
+        for tid in tids:
+            try:
+                out[tid] = os.getpriority(os.PRIO_PROCESS, int(tid))
+            except ProcessLookupError:
+                pass
+        return out
+    before = _threads()
+    others = nice_of(before)
+    low = Agent("agent-nice-low", nixl_thread_nice=17)
+    try:
+        started = nice_of(_threads() - before)
+        assert started and set(started.values()) == {17}, started
+        assert nice_of(before) == others  # this thread and the rest untouched
+        mid = _threads()
+        plain = Agent("agent-nice-plain")
+        try:
+            assert set(nice_of(_threads() - mid).values()) == {os.getpriority(os.PRIO_PROCESS, 0)}
+        finally:
+            plain.close()
+    finally:
+        low.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 1.0, True, "5"])
+def test_nixl_thread_nice_is_checked(bad):
+    with pytest.raises(ValueError, match="nixl_thread_nice"):
+        Agent("agent-bad-nice", nixl_thread_nice=bad)
+
+
 @pytest.mark.parametrize("bad", [-1, 10_000_001, 1.5, True, "100"])
 def test_progress_delay_is_checked(bad):
     with pytest.raises(ValueError, match="progress_delay_us"):

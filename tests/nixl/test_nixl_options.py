@@ -27,6 +27,9 @@ def test_defaults_and_overrides():
     ({"key": "a string key, long enough"}, TypeError, "key must be bytes"),
     ({"key": b"short"}, ValueError, "at least 16"),
     ({"progress_delay_us": -1}, ValueError, "progress_delay_us"),
+    ({"nixl_thread_nice": -1}, ValueError, "nixl_thread_nice"),  # a higher priority than the engine's
+    ({"nixl_thread_nice": 20}, ValueError, "nixl_thread_nice"),
+    ({"nixl_thread_nice": True}, TypeError, "nixl_thread_nice"),
     # a span freed before any D could ask for it and read it
     ({"arena_ttl_s": 0}, ValueError, "arena_ttl_s"),
     ({"arena_ttl_s": 1e-9}, ValueError, "arena_ttl_s must be at least 0.5"),

@@ -53,6 +53,18 @@ def test_options_are_checked(monkeypatch):
     assert opts(arena_ttl_s=2).manager.arena_ttl_s == 2
 
 
+def test_nixl_thread_nice_reaches_the_manager_and_is_bounded():
+    from kvcopy.vllm.config import ARENA_SURFACE, from_transfer_config
+
+    def opts(**kw):
+        return from_transfer_config(KVTransferConfig(kv_connector="KvcopyArenaConnector", kv_role="kv_both",
+                                                     kv_connector_extra_config={"kvcopy": kw}), ARENA_SURFACE)
+    assert opts().manager.nixl_thread_nice == 0 and opts(nixl_thread_nice=19).manager.nixl_thread_nice == 19
+    for bad in (-1, 20, True, "5", 1.0):  # the parser names the key in a ValueError
+        with pytest.raises(ValueError, match="nixl_thread_nice"):
+            opts(nixl_thread_nice=bad)
+
+
 def test_push_chunk_bytes_is_parsed_and_bounded():
     from kvcopy.vllm.config import ARENA_SURFACE, PREFIX, PUSH_CHUNK_BYTES, from_transfer_config
 
