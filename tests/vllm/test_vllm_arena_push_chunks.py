@@ -314,11 +314,11 @@ def test_f_goes_once_the_writes_end_without_another_turn(engines, monkeypatch):
     monkeypatch.setattr(connector, "HOUSEKEEPING_S", 3600.0)  # no housekeeping turn in this test
     real_make = nixl_agent.make_agent
 
-    def without_progress_thread(nixl, name, backends, delay_us):
+    def without_progress_thread(nixl, *args):
         real_config = nixl.nixl_agent_config
         nixl.nixl_agent_config = lambda **kw: real_config(enable_prog_thread=False, **kw)
         try:
-            return real_make(nixl, name, backends, delay_us)
+            return real_make(nixl, *args)
         finally:
             nixl.nixl_agent_config = real_config
     monkeypatch.setattr(nixl_agent, "make_agent", without_progress_thread)
