@@ -54,7 +54,7 @@ agent config while the wrapper builds the agent (:func:`make_agent`).
 Thread priority (``nixl_thread_nice``, default 0: unchanged): the threads NIXL and UCX
 start while an agent is built (the progress thread and UCX's ``async`` thread) get that
 nice value. Woken by a WRITE, the progress thread takes the CPU from the thread that
-posted it where the two share one (a push's first WRITE after P's prefill: 1-4 ms more,
+posted it where the two share one (a push's first WRITE after P's prefill: 1-5 ms more,
 docs/vllm.md, "The first WRITE after the prefill end stalls"); at nice 19 it runs only
 where the CPU has time to spare.
 
