@@ -109,9 +109,7 @@ class PushSender:
                     self._posted[token] = (t0, time.monotonic(), nbytes, descs)
                     self.final_posts += 1
                 elif rid in self.stager.failures:
-                    del self._waiting[token]
-                    self._matched.pop(token, None)
-                    self.m.push_writes.refuse(token)
+                    self._refuse(token)
             except ValueError as exc:  # answered x by the manager
                 logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
             except Exception:  # not posted: x now (once no chunk WRITE is in flight), not at D's deadline
@@ -284,9 +282,14 @@ class PushSender:
         """P will not push ``rid`` (its push raised on the copy thread): each reservation
         of it not posted is answered ``x`` once none of its WRITEs is in flight."""
         for token in self.tokens_for(rid):
-            del self._waiting[token]
-            self._matched.pop(token, None)
-            self.m.push_writes.refuse(token)
+            self._refuse(token)
+
+    def _refuse(self, token: bytes) -> None:
+        """Drop an accepted reservation not posted and answer it ``x`` (once none of its
+        chunk WRITEs is in flight)."""
+        del self._waiting[token]
+        self._matched.pop(token, None)
+        self.m.push_writes.refuse(token)
 
     def tokens_for(self, rid: str) -> List[bytes]:
         """The reservations accepted for P's request ``rid`` (matched as :meth:`_match`
