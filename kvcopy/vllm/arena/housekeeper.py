@@ -16,7 +16,9 @@ up to ``period_s``: a WRITE that takes long (RDMA of a large span, a D that died
 mid-WRITE and a transport that has not said so yet) costs a few turns a second, not a
 thousand. A wake without a new post (the long-poll's empty reply, every second) runs a
 whole turn but keeps the backoff. A turn that raises is logged and the next comes after
-``period_s``: never a spin.
+``period_s``: never a spin. A wake is never lost: the wait takes it under the same lock
+:meth:`~Housekeeper.wake` sets it with (:class:`Wakes`), so one that comes just as a
+wait runs out is the next turn's, a whole one.
 """
 from __future__ import annotations
 
@@ -34,6 +36,30 @@ logger = init_logger("vllm.kvcopy")
 HURRY_FAST_S = 0.05
 
 
+class Wakes:
+    """A wake flag whose :meth:`wait` also takes it, under the lock :meth:`set` holds.
+    (``threading.Event``'s wait, then clear, loses a set that comes between them: one
+    made just as a timed wait ran out, which on a loaded machine, or with the hurry's
+    1 ms waits, is often; an idle P's long-poll reply lost so waited the whole period.)"""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._set = False
+
+    def set(self) -> None:
+        with self._cond:
+            self._set = True
+            self._cond.notify()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a wake; whether one came (taken: the next wait waits again)."""
+        with self._cond:
+            if not self._set:
+                self._cond.wait(timeout)
+            woke, self._set = self._set, False
+            return woke
+
+
 class Housekeeper:
     """A daemon thread running ``tick`` under ``lock`` (module docstring); ``quick`` is
     the hurried turn (None: ``tick`` again); ``posts``: how many WRITEs were posted so
@@ -45,7 +71,7 @@ class Housekeeper:
         self._tick, self._lock, self._period = tick, lock, period_s
         self._hurry, self._hurry_s, self._quick, self._posts = hurry, hurry_s, quick, posts
         self._stop = False
-        self._wake = threading.Event()
+        self._wake = Wakes()
         self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
         self.turns = self.quick_turns = 0  # for tests and the bench's timeline
 
@@ -60,7 +86,6 @@ class Housekeeper:
         seen_posts: Optional[int] = None
         while True:
             woke = self._wake.wait(wait)
-            self._wake.clear()
             if self._stop:
                 return
             now = time.monotonic()
