@@ -116,6 +116,45 @@ def test_concurrent_dispatch_reservation_before_p_has_the_request_matched_by_bas
     run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
 
 
+def test_a_post_that_raises_fails_its_own_reservation_only_and_the_step_goes_on(engines, monkeypatch):
+    """Two reservations posted in one step of P (concurrent dispatch: both wait on P, whose
+    prefills of the two end in one step); the second's post raises (NIXL or UCX, not a
+    ValueError): that reservation alone is answered x at once (D recomputes it, its KV
+    untouched), the first's WRITE lands byte-exact and its f comes, and P's span of each
+    is freed. Before, the raise left the step (the save's: out of P's engine step; the copy
+    thread's: the request it worked for was given up, whichever post had raised)."""
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 22)
+    tokens = prompts(2, [56, 33], seed=22)
+    p_rids, d_rids = ["pr-0-1a2b3c4d", "pr-1-00c0ffee"], ["pr-0-5e6f7a8b", "pr-1-deadbeef"]
+    before = d.raw_bytes()
+    sender = p.worker.arena_worker.sender
+    steps, posts = [0], []
+    real_step, real_post = sender.step, p.manager.push_writes.post
+
+    def step():
+        steps[0] += 1
+        real_step()
+
+    def post(token, record, **kw):
+        posts.append((record.request_id, steps[0]))
+        if record.request_id == p_rids[1]:
+            raise RuntimeError("the WRITE's post failed")
+        return real_post(token, record, **kw)
+    monkeypatch.setattr(sender, "step", step)
+    monkeypatch.setattr(p.manager.push_writes, "post", post)
+    for rid, t in zip(d_rids, tokens):
+        d.add(rid, t, _concurrent(p), max_tokens=2)
+    run([d], lambda: p.stats()["push_accepted"] == 2)  # P holds both reservations, knows neither request
+    for rid, t in zip(p_rids, tokens):
+        p.add(rid, t, {"do_remote_decode": True})
+    assert land(d, [p], d_rids, limit_s=30) == {d_rids[1]}  # x, well inside D's 60 s
+    assert [r for r, _ in posts] == p_rids and posts[0][1] == posts[1][1]  # one step posted both
+    _loaded(p, d, p_rids[:1], tokens[:1], before, d_rids[:1])  # the first byte-exact, the second's KV untouched
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["push_writes_in_flight"] == 0 and p.stats()["bytes_in_use"] == 0 and sender.refused == 0
+
+
 def test_concurrent_dispatch_refuses_a_base_id_two_of_ps_requests_share(engines):
     """Two requests on P with one base id (a client sent one X-Request-Id twice): D's
     reservation by that base is refused as ambiguous (x), so D recomputes at once, its KV

@@ -451,13 +451,61 @@ def test_a_record_the_copy_thread_cannot_report_fails_the_request_at_once(engine
     assert p.stats()["bytes_in_use"] == 0
 
 
+def test_a_post_raising_on_the_copy_thread_fails_its_own_reservation_not_the_copy_threads_request(engines,
+                                                                                                    monkeypatch):
+    """The copy thread's step for request ``a`` also posts ``g``'s reservation, waiting
+    since before (``g`` staged earlier, its reservation taken while only the copy thread
+    may post), and ``g``'s post raises: ``g``'s reservation alone is answered x, ``a`` is
+    pushed and lands byte-exact, ``g``'s KV on D untouched, P's spans freed. Before, the
+    raise reached the copy thread, which gave up ``a`` (x: D recomputed an innocent
+    request) and freed its span."""
+    import threading
+
+    def on_copy_thread():
+        return threading.current_thread().name.startswith("kvcopy-arena-layers-")
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 60.0})
+    pw = p.worker.arena_worker
+    fill_layerwise(p, d, 36)
+    template = _template(p, d)
+    before = d.raw_bytes()
+    gate = {"open": False}
+    real_step, real_post = pw.sender.step, pw.manager.push_writes.post
+    raised = []
+
+    def step():  # the engine's and housekeeper's steps post nothing: only the copy thread's
+        if gate["open"] or on_copy_thread():
+            real_step()
+
+    def post(token, record, **kw):
+        if record.request_id == "g":
+            raised.append(on_copy_thread())
+            raise RuntimeError("the WRITE's post failed")
+        return real_post(token, record, **kw)
+    monkeypatch.setattr(pw.sender, "step", step)
+    monkeypatch.setattr(pw.manager.push_writes, "post", post)
+    tokens = prompts(2, [40, 56], seed=36)
+    (params,) = prefill(p, ["g"], tokens[:1])
+    d.add("g", tokens[0], params, max_tokens=2)
+    run([d], lambda: _accepted(p, ["g"]))  # g waits, staged, not posted
+    p.add("a", tokens[1], {"do_remote_decode": True})
+    d.add("a", tokens[1], dict(template, remote_request_id="a"), max_tokens=2)
+    run([d], lambda: _accepted(p, ["g", "a"]))
+    assert land(d, [p], ["g", "a"], limit_s=30) == {"g"}  # x at once (D's deadline: 60 s)
+    assert raised == [True]  # g's post raised on the copy thread, in its step for a
+    _loaded(p, d, ["a"], tokens[1:], before)  # a byte-exact, g's KV untouched
+    gate["open"] = True
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["bytes_in_use"] == 0 and p.stats()["push_writes_in_flight"] == 0
+    assert "a" not in pw.stager.failures and pw.sender.refused == 0
+
+
 @pytest.mark.parametrize("where", ["post", "step"])
 def test_a_push_raising_on_the_copy_thread_fails_its_request_at_once(engines, monkeypatch, where):
-    """The copy thread made a request's record and its push raised (``sender.step``: in a
-    post failing other than by ValueError, or before it posted anything): P fails that
-    request at once, D's reservation answered x (before: left unposted, D waited for its
-    60 s deadline; or pushed only at wait_for_save), P's span freed; the other requests
-    of the step are pushed byte-exact."""
+    """The copy thread made a request's record and its push raised: a post failing other
+    than by ValueError (the reservation it posted is answered x at once, the step goes
+    on), or ``sender.step`` before it posted anything (P fails the copy thread's request
+    at once: x, span freed). Before: left unposted, D waited for its 60 s deadline; or
+    pushed only at wait_for_save. The other requests of the step are pushed byte-exact."""
     import threading
 
     p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 60.0})
@@ -469,7 +517,7 @@ def test_a_push_raising_on_the_copy_thread_fails_its_request_at_once(engines, mo
 
     def broken(*a, **kw):  # the copy thread's first call raises
         if not raised and threading.current_thread().name.startswith("kvcopy-arena-layers-"):
-            raised.append(1)
+            raised.append(a[1].request_id if where == "post" else None)  # post(token, record)
             raise RuntimeError("push lost")
         return real(*a, **kw)
     early = []
@@ -480,7 +528,9 @@ def test_a_push_raising_on_the_copy_thread_fails_its_request_at_once(engines, mo
     rids, tokens, before, failed = _concurrent(p, d, [40, 24, 56], seed=35, limit_s=30,  # D's deadline: 60 s
                                                accepted=accepted)
     assert pw.stager.layers.early > early[0] and raised  # the copy thread made records and pushed them
-    lost = [r for r in rids if "push lost" in pw.stager.failures.get(r, "")]
+    failed_here = [r for r in rids if "push lost" in pw.stager.failures.get(r, "")]
+    lost = raised if where == "post" else failed_here
+    assert failed_here == ([] if where == "post" else lost)  # a post's raise fails its reservation, not the request
     assert len(lost) == 1 and failed == set(lost)
     n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
     exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load) if r not in lost], before)

@@ -466,8 +466,11 @@ class KvcopyArenaWorker:
                     stager.fail_early(rid, f"not staged: {exc}")
                 if self.sender is not None:
                     try:
-                        self.sender.step()  # its reservations' final WRITEs (x where it failed)
-                    except Exception as exc:  # noqa: BLE001 -- as a staging that failed: x to D now, span freed
+                        # its reservations' final WRITEs (x where it failed); a post that raises
+                        # is answered x there, that reservation alone, whichever request it is for
+                        self.sender.step()
+                    except Exception as exc:  # noqa: BLE001 -- outside any post (matching, reaping): as a staging
+                        # that failed: rid's reservations not posted x now, its span freed
                         logger.exception("kvcopy arena: pushing %s failed", rid)
                         self.sender.give_up(rid)
                         stager.fail_early(rid, f"not pushed: {exc}")

@@ -27,7 +27,8 @@ staging) :meth:`PushSender.tick`:
 4. posts each matched reservation whose request is staged (its record finished: the
    pack and its sums are in the arena) in one WRITE per reservation
    (``push_writes.post``: for equal geometry one descriptor, the record included), and answers
-   ``x`` for one whose request P could not stage or aborted;
+   ``x`` for one whose request P could not stage or aborted. A post that raises (NIXL,
+   UCX) is answered ``x`` at once, that reservation alone: the others go on;
 5. polls the WRITEs; each one ended is answered ``f``/``x`` by the manager, and counts
    as that D rank done with P's span (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.note_read`):
    P's span lives pack + WRITE, not until D's next message.
@@ -48,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 from vllm.logger import init_logger
 
 from ...nixl.manager import TransferManager
+from ...nixl.wire.record import StagedRequest
 from .channel import pushes_of
 from .meta import agent_name
 from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, TAKE_WAIT_MS, take_question
@@ -93,29 +95,39 @@ class PushSender:
         self.step()
 
     def step(self) -> None:
-        """Post what is staged, answer what will not be, notify what ended."""
+        """Post what is staged, answer what will not be, notify what ended. A post that
+        raises fails its own reservation only (:meth:`_post`); the step goes on."""
         for token, named in list(self._waiting.items()):
             rid = self._matched.get(token) or self._match(token, named)
             if rid is None:
                 continue  # not here yet (concurrent dispatch), or refused as ambiguous
             record = self.stager.records.get(rid)
-            try:
-                if record is not None:
-                    del self._waiting[token]
-                    self._matched.pop(token, None)
-                    t0 = time.monotonic()
-                    nbytes, descs = (self.m.push_writes.post(token, record) if rid == named
-                                     else self.m.push_writes.post(token, record, staged_as=rid))
-                    self._posted[token] = (t0, time.monotonic(), nbytes, descs)
-                    self.final_posts += 1
-                elif rid in self.stager.failures:
-                    self._refuse(token)
-            except ValueError as exc:  # answered x by the manager
-                logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
-            except Exception:  # not posted: x now (once no chunk WRITE is in flight), not at D's deadline
-                self.m.push_writes.refuse(token)
-                raise
+            if record is not None:
+                del self._waiting[token]
+                self._matched.pop(token, None)
+                self._post(token, named, rid, record)
+            elif rid in self.stager.failures:
+                self._refuse(token)
         self._reap()
+
+    def _post(self, token: bytes, named: str, rid: str, record: StagedRequest) -> None:
+        """The final WRITE of one reservation. One that raises is answered ``x`` by the
+        manager (once none of its chunk WRITEs is in flight; its span's WRITE mark given
+        back) and logged; it never reaches the caller, so the other reservations of the
+        step, of this request or another, are posted all the same."""
+        t0 = time.monotonic()
+        try:
+            nbytes, descs = (self.m.push_writes.post(token, record) if rid == named
+                             else self.m.push_writes.post(token, record, staged_as=rid))
+        except ValueError as exc:  # answered x by the manager
+            logger.warning("kvcopy arena: pushing request %s failed: %s", rid, exc)
+            return
+        except Exception:  # noqa: BLE001 -- NIXL or UCX raising: this reservation only, x now (not at D's deadline)
+            logger.exception("kvcopy arena: %s: posting the WRITE of request %s failed (answered x)", self.m.name, rid)
+            self.m.push_writes.refuse(token)
+            return
+        self._posted[token] = (t0, time.monotonic(), nbytes, descs)
+        self.final_posts += 1
 
     def quick(self) -> None:
         """The housekeeper's hurried turn (while :attr:`urgent`): D's handshakes that came
@@ -279,8 +291,9 @@ class PushSender:
             self.chunks.accepted(token, rid)
 
     def give_up(self, rid: str) -> None:
-        """P will not push ``rid`` (its push raised on the copy thread): each reservation
-        of it not posted is answered ``x`` once none of its WRITEs is in flight."""
+        """P will not push ``rid`` (the copy thread's step for it raised outside any post:
+        a post that raises is answered in :meth:`_post`): each reservation of it not posted
+        is answered ``x`` once none of its WRITEs is in flight."""
         for token in self.tokens_for(rid):
             self._refuse(token)
 
