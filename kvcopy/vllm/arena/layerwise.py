@@ -34,9 +34,22 @@ after the step). Per step, on P's worker:
 
 Correctness never depends on ``save_kv_layer`` being called: the sweep covers what it
 did not. A copy never starts before its layer ran: it is queued by that layer's own
-``save_kv_layer``, or by the sweep after the forward. On a GPU the copies run on the
-current stream, in order after the layer's compute (no side stream yet: correct, no
-overlap), and a request's record is finished once an event after its sweep completed.
+``save_kv_layer``, or by the sweep after the forward.
+
+**On a GPU** (:mod:`kvcopy.nixl.modes.side_stream`, a :class:`SideStream` given at
+build): ``save_kv_layer`` records an event on the forward's stream after the layer's
+compute and hands it with the units to the copy thread, which makes the side stream
+wait for it and enqueues the copies there with their grid capped (``layerwise_ctas``
+CTAs), so they overlap the next layers' compute. ``close_step`` makes the forward's
+stream wait for the side stream (GPU-side: no host wait on the forward's thread), then
+sweeps on that stream with the copier's full grid; a request's record is finished once
+an event after that completed. With a chunked push, each request's copies of a layer
+are followed by an event on the side stream; the copy thread waits for it (its own
+host wait) before ``on_copied`` WRITEs those units, and once the last one's ended
+:meth:`LayerwiseStage.finish_early` makes the record there, as on the CPU. A copy the
+side stream refused at launch fails its request's layer-wise staging as on the CPU
+(staged whole at its last step). While a CUDA graph is captured no copy is queued (the
+sweep copies).
 """
 from __future__ import annotations
 
@@ -50,6 +63,7 @@ from vllm.logger import init_logger
 from ...nixl import ArenaFull
 from ...nixl.manager import TransferManager
 from ...nixl.modes.partial_stage import PartialStage, StepCopies
+from ...nixl.modes.side_stream import Job, SideStream
 from ...nixl.planning.pack_order import natural_key
 from ...nixl.sum_check import PendingResult
 from ..affinity import threads_on
@@ -91,8 +105,13 @@ class LayerwiseStage:
     """One P rank's layer-wise staging (see the module docstring); driven by the stager
     under the worker's lock, except :meth:`layer_done` (the forward's thread, no lock)."""
 
-    def __init__(self, manager: TransferManager, cpus: Optional[FrozenSet[int]], name: str, keep_s: float):
+    def __init__(self, manager: TransferManager, cpus: Optional[FrozenSet[int]], name: str, keep_s: float,
+                 side: Optional[SideStream] = None):
         self.m = manager
+        arena = manager.arena
+        if arena is not None and arena.on_cuda and side is None:
+            raise ValueError("layer-wise staging of a CUDA arena runs on a side stream: pass a SideStream")
+        self.side = side  # GPU: the layers' copies run there (module docstring)
         self.keep_s = keep_s  # a request with no step for this long is dropped (its span freed)
         self.parts: Dict[str, Tuple[PartialStage, float]] = {}  # request -> (its stage, last step)
         self.whole: Set[str] = set()  # no span at their first step, or a copy failed: staged whole at their last
@@ -162,9 +181,15 @@ class LayerwiseStage:
         if not units or not self._step:
             return
         steps = [(rid, s) for rid, s in self._step if any(s.has(u) for u in units)]
-        if steps:
+        if not steps:
+            return
+        if self.side is None:
             self.at_layer += len(units)
             self._futures.append(self._pool.submit(self._copy, units, steps))
+        elif not self.side.capturing():
+            after = self.side.mark()  # the layer's compute, on the forward's stream
+            self.at_layer += len(units)
+            self._futures.append(self._pool.submit(self._copy_on_side, units, steps, after))
 
     def _copy(self, units: List[int], steps: List[Tuple[str, StepCopies]]) -> None:
         for rid, step in steps:
@@ -176,19 +201,39 @@ class LayerwiseStage:
                 self._copy_failed.setdefault(rid, f"layer-wise copy failed: {exc}")
                 continue
             if self.on_copied is not None and rid in self.final_parts:
-                try:
-                    self.on_copied(rid, [u for u in units if step.has(u)])
-                except Exception:  # noqa: BLE001 -- the final WRITE carries what a chunk did not
-                    logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
+                self._copied(rid, [u for u in units if step.has(u)])
+
+    def _copy_on_side(self, units: List[int], steps: List[Tuple[str, StepCopies]], after) -> None:
+        """The copy thread, on a GPU: the units enqueued on the side stream after the
+        layer's event ``after``; for a chunked push, each request's units are handed on
+        once the event after them completed (a host wait on this thread only)."""
+        assert self.side is not None
+        chunked = self.on_copied is not None
+        jobs = [Job(rid, step, [u for u in units if step.has(u)], chunked and rid in self.final_parts)
+                for rid, step in steps]
+        for q in self.side.copy(after, jobs):
+            if q.error is not None:
+                self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {q.error}")
+            elif q.event is not None:
+                self.side.wait(q.event)
+                self._copied(q.key, list(q.units))
+
+    def _copied(self, rid: str, units: List[int]) -> None:
+        assert self.on_copied is not None
+        try:
+            self.on_copied(rid, units)
+        except Exception:  # noqa: BLE001 -- the final WRITE carries what a chunk did not
+            logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
 
     def finish_early(self, rid: str):
         """The copy thread, under the worker's lock, after ``rid``'s copies of a step:
         ``rid``'s record (its span staged, as :meth:`close_step` would) when this is the
         step its prefill ends in, every unit of it was copied at its layer (nothing left
-        for the sweep) and the copies ended (the CPU: they end in the call); else None."""
+        for the sweep) and the copies ended (the CPU: they end in the call; a GPU: the
+        copy thread waited for the event after them before ``on_copied``); else None."""
         entry = self.parts.get(rid)
         arena = self.m.arena
-        if entry is None or rid not in self._final or rid in self._copy_failed or arena is None or arena.on_cuda \
+        if entry is None or rid not in self._final or rid in self._copy_failed or arena is None \
                 or not entry[0].complete:
             return None
         record = arena.finish(entry[0])
@@ -212,6 +257,8 @@ class LayerwiseStage:
         for f in self._futures:
             f.result()
         self._futures = []
+        if self.side is not None:
+            self.side.join()  # on the GPU: the sweep and the records' events after every side copy
         for rid, why in self._copy_failed.items():
             self._fail(rid, why)
         self._copy_failed = {}
@@ -226,19 +273,14 @@ class LayerwiseStage:
                 self._fail(rid, f"layer-wise copy failed: {exc}")
         self._step = []
         out: List[Tuple[str, object, Optional[torch.cuda.Event]]] = []
-        arena = self.m.arena
-        assert arena is not None
-        on_cuda = arena.on_cuda
         for rid in self._final:
             entry = self.parts.pop(rid, None)
             if entry is None:
                 continue
             pending = FinishingRecord(self.m, entry[0])
             self.taken.add(rid)
-            if on_cuda:
-                event = torch.cuda.Event()
-                event.record()
-                out.append((rid, pending, event))
+            if self.side is not None:
+                out.append((rid, pending, self.side.mark()))
             else:
                 out.append((rid, pending.result(), None))
         self._final = []

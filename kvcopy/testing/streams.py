@@ -1,0 +1,116 @@
+"""A stand-in for CUDA streams and events on the CPU that writes down what each did.
+
+:class:`RecordedStreams` is a :class:`~kvcopy.nixl.modes.side_stream.StreamOps`: tests
+give it to a :class:`~kvcopy.nixl.modes.side_stream.SideStream` (and through
+``KvcopyArenaWorker.stream_ops`` to the arena connector) to run the GPU path of
+layer-wise staging on CPU tensors and check its order of operations. The copies
+themselves run at once on the CPU; what the log records is what a GPU would be told:
+
+* ``("record", event, stream)``, ``("wait_event", stream, event)``,
+  ``("wait_stream", stream, other)``, ``("use", stream)`` (made current on a thread),
+  ``("synchronize", event)`` (a host wait), and what a test adds with :meth:`note`;
+* each entry starts with the name of the thread that made it.
+
+Streams are named ``"current"`` (every thread's until one is made current with
+:meth:`use`) and ``"side1"``, ``"side2"`` ...; events ``"e1"``, ``"e2"`` ... in creation order.
+An event is a GPU that is late once: its first :meth:`_Event.query` after it was
+recorded says not yet, the next says done; :meth:`_Event.synchronize` (a host wait)
+completes it. ``capture`` True plays a CUDA graph being captured.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List, Tuple
+
+
+class _Stream:
+    def __init__(self, ops: "RecordedStreams", name: str):
+        self.ops, self.name = ops, name
+
+    def wait_event(self, event: "_Event") -> None:
+        self.ops.note("wait_event", self.name, event.name)
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.ops.note("wait_stream", self.name, other.name)
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name}>"
+
+
+class _Event:
+    def __init__(self, ops: "RecordedStreams", name: str):
+        self.ops, self.name = ops, name
+        self.recorded = False
+        self.done = False
+        self._asked = False
+
+    def record(self, stream: _Stream) -> None:
+        self.ops.note("record", self.name, stream.name)
+        self.recorded, self.done, self._asked = True, False, False
+
+    def query(self) -> bool:
+        if not self.recorded:
+            raise AssertionError(f"{self.name} queried before it was recorded")
+        if not self.done and self._asked:
+            self.done = True
+        self._asked = True
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.recorded:
+            raise AssertionError(f"{self.name} waited for before it was recorded")
+        self.ops.note("synchronize", self.name)
+        self.done = True
+
+    def __repr__(self) -> str:
+        return f"<event {self.name}>"
+
+
+class RecordedStreams:
+    """Streams and events that log what they are told (module docstring)."""
+
+    def __init__(self) -> None:
+        self.log: List[Tuple[str, ...]] = []
+        self.capture = False
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._current = _Stream(self, "current")
+        self._streams = 0
+        self._events = 0
+
+    def note(self, *entry) -> None:
+        """Append ``(this thread's name, *entry)`` to the log."""
+        with self._lock:
+            self.log.append((threading.current_thread().name, *entry))
+
+    def current(self) -> _Stream:
+        return getattr(self._local, "stream", self._current)
+
+    def stream(self) -> _Stream:
+        with self._lock:
+            self._streams += 1
+            return _Stream(self, f"side{self._streams}")
+
+    def event(self) -> _Event:
+        with self._lock:
+            self._events += 1
+            return _Event(self, f"e{self._events}")
+
+    @contextmanager
+    def use(self, stream: _Stream) -> Iterator[None]:
+        before = self.current()
+        self._local.stream = stream
+        self.note("use", stream.name)
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+    def capturing(self) -> bool:
+        return self.capture
+
+    def entries(self, kind: str) -> List[Tuple[str, ...]]:
+        """The log's entries of one kind (``"record"``, ``"synchronize"`` ...), in order."""
+        with self._lock:
+            return [e for e in self.log if e[1] == kind]
