@@ -80,7 +80,8 @@ class StepCopies:
         self._summed = summed
         self._device = device
         self.done: Set[int] = set()
-        self.sums: List[Tuple[_UnitCall, torch.Tensor]] = []  # GPU: (call, its sums read back to pinned memory), folded at finish
+        # GPU: (call, its sums read back to pinned memory), folded at finish
+        self.sums: List[Tuple[_UnitCall, torch.Tensor]] = []
         self.folded: List[Tuple[_UnitCall, np.ndarray]] = []  # CPU: (call, its folded sums), folded at run
         self._fold_now = device.type == "cpu"  # a CPU copy's sums are in when run returns
 

@@ -274,7 +274,7 @@ def test_gpu_a_layers_copy_waits_for_its_compute():
             units = parts.span_copiers(parts.order).units
             torch.cuda.synchronize()
 
-            def write(layer_units):
+            def write(layer_units, units=units, dev=dev, truth=truth):
                 torch.cuda._sleep(2_000_000)  # the layer's compute, long enough to be overtaken
                 for u in layer_units:
                     for name in units[u].layers:
