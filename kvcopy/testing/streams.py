@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 
 class _Stream:
@@ -114,3 +114,59 @@ class RecordedStreams:
         """The log's entries of one kind (``"record"``, ``"synchronize"`` ...), in order."""
         with self._lock:
             return [e for e in self.log if e[1] == kind]
+
+
+def noting_copies(ops: RecordedStreams) -> Callable:
+    """A stand-in for :meth:`~kvcopy.nixl.modes.partial_stage.StepCopies.run` (a test
+    monkeypatches it in) that notes ``("copy", unit, current stream, max_ctas)``, then
+    copies."""
+    from ..nixl.modes.partial_stage import StepCopies
+
+    real = StepCopies.run
+
+    def run(self, unit: int, max_ctas: Optional[int] = None) -> None:
+        ops.note("copy", unit, ops.current().name, max_ctas)
+        real(self, unit, max_ctas)
+    return run
+
+
+def check_layerwise_order(log: List[Tuple[str, ...]], side: str, forward: str, cap: int) -> int:
+    """Assert the order of a layer-wise GPU path in ``log`` (with :func:`noting_copies`):
+    a copy off the forward's thread runs on the ``side`` stream with grid cap ``cap``,
+    after the side stream waited for an event the forward's thread recorded on its
+    current stream; a copy on the forward's thread (the sweep) runs on the current
+    stream with the copier's grid, after the current stream last waited for the side
+    stream with no side copy since; a host wait (``synchronize``) is never on the
+    forward's thread and only for an event the copy thread recorded on the side stream
+    right after its copies. Returns the count of side copies."""
+    recorded = {}  # event -> (thread, stream) of its last record
+    previous = {}  # thread -> its entry before this one
+    waited = None  # the event the side stream last waited for
+    side_copies = 0
+    joined = False  # the forward's stream waited for the side stream, no side copy since
+    for entry in log:
+        thread, kind = entry[0], entry[1]
+        if kind == "record":
+            recorded[entry[2]] = (thread, entry[3])
+            if entry[3] == side:  # a job's event: right after its copies, on the copy thread
+                before = previous.get(thread)
+                assert before is not None and before[1] == "copy" and before[3] == side, (entry, before)
+        elif kind == "wait_event":
+            assert entry[2] == side and thread != forward, entry
+            assert recorded.get(entry[3]) == (forward, "current"), (entry, recorded.get(entry[3]))
+            waited = entry[3]
+        elif kind == "copy" and thread != forward:
+            assert entry[3] == side and entry[4] == cap and waited is not None, entry
+            side_copies += 1
+            joined = False
+        elif kind == "copy":
+            assert entry[3] == "current" and entry[4] is None, entry
+            assert joined, f"a sweep copy with side copies not joined: {entry}"
+        elif kind == "wait_stream":
+            assert entry[2:] == ("current", side) and thread == forward, entry
+            joined = True
+        elif kind == "synchronize":
+            assert thread != forward, f"a host wait on the forward's thread: {entry}"
+            assert recorded[entry[2]][1] == side, entry
+        previous[thread] = entry
+    return side_copies

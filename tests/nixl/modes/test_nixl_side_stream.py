@@ -26,7 +26,7 @@ from kvcopy.nixl.modes.side_stream import LAYERWISE_CTAS, MAX_LAYERWISE_CTAS, Cu
 from kvcopy.nixl.planning.pack_order import natural_key
 from kvcopy.testing.nixl.engines import one_torch_thread
 from kvcopy.testing.nixl.geometries import arena_staging, build_caches, logical_kv, random_spec
-from kvcopy.testing.streams import RecordedStreams
+from kvcopy.testing.streams import RecordedStreams, check_layerwise_order, noting_copies
 
 POISON = 0xA5
 SEEDS = range(12)
@@ -90,15 +90,6 @@ def _copy_and_wait(side, after, jobs):
     return queued
 
 
-def _spy_copies(monkeypatch, ops):
-    real = StepCopies.run
-
-    def run(self, unit, max_ctas=None):
-        ops.note("copy", unit, ops.current().name, max_ctas)
-        return real(self, unit, max_ctas)
-    monkeypatch.setattr(StepCopies, "run", run)
-
-
 def _cpu_caches(spec):
     c = build_caches(spec, "p", spec.p_ranks[0], logical_kv(spec))
     return {"cpu": c, "parts": c}
@@ -112,7 +103,7 @@ def test_the_order_of_operations_and_the_bytes(monkeypatch, steps):
             spec = random_spec(np.random.default_rng(seed), seed)
             whole, parts, info = _pair(spec, _cpu_caches(spec))
             ops = RecordedStreams()
-            _spy_copies(monkeypatch, ops)
+            monkeypatch.setattr(StepCopies, "run", noting_copies(ops))
             side = SideStream(ops, 3)
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
@@ -123,39 +114,8 @@ def test_the_order_of_operations_and_the_bytes(monkeypatch, steps):
             finally:
                 whole.close()
                 parts.close()
-            _check_order(ops.log, side.stream.name)
-            checked += any(e[1] == "copy" and e[0] != FORWARD for e in ops.log)
+            checked += check_layerwise_order(ops.log, side.stream.name, FORWARD, 3) > 0
         assert checked >= len(SEEDS) // 2  # most draws have layers copied on the side stream
-
-
-def _check_order(log, side):
-    recorded = {}  # event -> (thread, stream) of its record
-    waited = None  # the event the side stream last waited for
-    side_copies = 0
-    for i, entry in enumerate(log):
-        thread, kind = entry[0], entry[1]
-        if kind == "record":
-            recorded[entry[2]] = (thread, entry[3])
-        elif kind == "wait_event":
-            assert entry[2] == side and thread != FORWARD
-            assert recorded[entry[3]] == (FORWARD, "current")  # the layer's event, the forward's stream
-            waited = entry[3]
-        elif kind == "copy" and thread != FORWARD:
-            assert entry[3] == side and entry[4] == 3 and waited is not None  # capped, after a layer's event
-            side_copies += 1
-        elif kind == "copy":  # the sweep: the forward's stream, the copier's grid, after a join
-            assert entry[3] == "current" and entry[4] is None
-            joins = [j for j in range(i) if log[j][1] == "wait_stream"]
-            assert joins and log[joins[-1]][2:] == ("current", side) and log[joins[-1]][0] == FORWARD
-            assert not any(log[j][1] == "copy" and log[j][0] != FORWARD for j in range(joins[-1], i))
-        elif kind == "synchronize":
-            assert thread != FORWARD, "a host wait on the forward's thread"
-            assert recorded[entry[2]][1] == side  # a job's event, recorded after its copies
-    # every job's event was recorded by the copy thread on the side stream right after its copies
-    for i, entry in enumerate(log):
-        if entry[1] == "record" and entry[3] == side:
-            before = [e for e in log[:i] if e[0] == entry[0]]
-            assert before and before[-1][1] == "copy" and before[-1][3] == side
 
 
 def test_a_job_that_fails_is_reported_and_the_others_run(monkeypatch):
