@@ -15,13 +15,14 @@ Streams are named ``"current"`` (every thread's until one is made current with
 :meth:`use`) and ``"side1"``, ``"side2"`` ...; events ``"e1"``, ``"e2"`` ... in creation order.
 An event is a GPU that is late once: its first :meth:`_Event.query` after it was
 recorded says not yet, the next says done; :meth:`_Event.synchronize` (a host wait)
-completes it. ``capture`` True plays a CUDA graph being captured.
+completes it (and raises for an event made without ``blocking``: a real wait for it
+would spin a core). ``capture`` True plays a CUDA graph being captured.
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 
 class _Stream:
@@ -39,8 +40,8 @@ class _Stream:
 
 
 class _Event:
-    def __init__(self, ops: "RecordedStreams", name: str):
-        self.ops, self.name = ops, name
+    def __init__(self, ops: "RecordedStreams", name: str, blocking: bool):
+        self.ops, self.name, self.blocking = ops, name, blocking
         self.recorded = False
         self.done = False
         self._asked = False
@@ -60,6 +61,8 @@ class _Event:
     def synchronize(self) -> None:
         if not self.recorded:
             raise AssertionError(f"{self.name} waited for before it was recorded")
+        if not self.blocking:
+            raise AssertionError(f"a host wait for {self.name}, made without blocking: it would spin a core")
         self.ops.note("synchronize", self.name)
         self.done = True
 
@@ -92,10 +95,10 @@ class RecordedStreams:
             self._streams += 1
             return _Stream(self, f"side{self._streams}")
 
-    def event(self) -> _Event:
+    def event(self, blocking: bool = False) -> _Event:
         with self._lock:
             self._events += 1
-            return _Event(self, f"e{self._events}")
+            return _Event(self, f"e{self._events}", blocking)
 
     @contextmanager
     def use(self, stream: _Stream) -> Iterator[None]:
@@ -139,8 +142,8 @@ def check_layerwise_order(log: List[Tuple[str, ...]], side: str, forward: str, c
     stream with no side copy since; a host wait (``synchronize``) is never on the
     forward's thread and only for an event the copy thread recorded on the side stream
     right after its copies. Returns the count of side copies."""
-    recorded = {}  # event -> (thread, stream) of its last record
-    previous = {}  # thread -> its entry before this one
+    recorded: Dict[str, Tuple[str, str]] = {}  # event -> (thread, stream) of its last record
+    previous: Dict[str, Tuple] = {}  # thread -> its entry before this one
     waited = None  # the event the side stream last waited for
     side_copies = 0
     joined = False  # the forward's stream waited for the side stream, no side copy since

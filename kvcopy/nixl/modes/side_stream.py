@@ -65,8 +65,9 @@ class StreamOps(Protocol):
     def stream(self) -> Any:
         """A new stream."""
 
-    def event(self) -> Any:
-        """A new event (no timing)."""
+    def event(self, blocking: bool = False) -> Any:
+        """A new event (no timing); ``blocking``: a host wait for it sleeps instead of
+        spinning a core (the events the copy thread waits for)."""
 
     def use(self, stream: Any) -> ContextManager:
         """``stream`` current on the calling thread inside the block."""
@@ -87,8 +88,8 @@ class CudaStreams:
     def stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
 
-    def event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
+    def event(self, blocking: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(blocking=blocking)
 
     def use(self, stream: torch.cuda.Stream) -> ContextManager:
         return torch.cuda.stream(stream)
@@ -154,7 +155,7 @@ class SideStream:
                     continue
                 event = None
                 if job.signal:
-                    event = self.ops.event()
+                    event = self.ops.event(blocking=True)  # the copy thread sleeps in its wait
                     event.record(self.stream)
                 out.append(Queued(job.key, job.units, event, None))
         return out

@@ -21,7 +21,7 @@ after the step). Per step, on P's worker:
   was built at bind and belongs to this step. For a request whose prefill ends in the
   step, ``on_copied`` then hands the units copied to a chunked push
   (:mod:`kvcopy.vllm.arena.push_chunks`, which takes the worker's lock: ``wait_for_save``
-  waits for the copies before it takes the lock). On the CPU, once that request's last
+  waits for the copies before it takes the lock). Once that request's last
   unit is copied and none is left for the sweep, :meth:`LayerwiseStage.finish_early`
   makes its record there and then (under that lock), so its push's final WRITE goes
   from the copy thread right after the last layer's copy instead of after
@@ -211,12 +211,24 @@ class LayerwiseStage:
         chunked = self.on_copied is not None
         jobs = [Job(rid, step, [u for u in units if step.has(u)], chunked and rid in self.final_parts)
                 for rid, step in steps]
-        for q in self.side.copy(after, jobs):
+        try:
+            queued = self.side.copy(after, jobs)
+        except Exception as exc:  # noqa: BLE001 -- the side stream refused the layer's event: staged whole
+            for job in jobs:
+                self._copy_failed.setdefault(job.key, f"layer-wise copy failed: {exc}")
+            return
+        for q in queued:
             if q.error is not None:
                 self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {q.error}")
-            elif q.event is not None:
+                continue
+            if q.event is None:
+                continue
+            try:
                 self.side.wait(q.event)
-                self._copied(q.key, list(q.units))
+            except Exception as exc:  # noqa: BLE001 -- as a copy that failed
+                self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {exc}")
+                continue
+            self._copied(q.key, list(q.units))
 
     def _copied(self, rid: str, units: List[int]) -> None:
         assert self.on_copied is not None
