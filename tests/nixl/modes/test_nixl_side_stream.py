@@ -42,11 +42,14 @@ def _layers(st):
 
 
 def _pair(spec, caches, pin=False):
+    """(whole-request staging of ``caches["cpu"]``, its record, staging unit by unit of
+    ``caches["parts"]``, its record): arenas poisoned. The records differ in their
+    regions' addresses only when the two are different tensors (GPU tests)."""
     whole, info = arena_staging(spec, "p", spec.p_ranks[0], caches["cpu"], "P")
-    parts, _ = arena_staging(spec, "p", spec.p_ranks[0], caches["parts"], "P", pin=pin)
+    parts, parts_info = arena_staging(spec, "p", spec.p_ranks[0], caches["parts"], "P", pin=pin)
     for st in (whole, parts):
         st.buffer[st.arena.granule:].fill_(POISON)
-    return whole, parts, info
+    return whole, info, parts, parts_info
 
 
 def _splits(n, steps):
@@ -101,14 +104,14 @@ def test_the_order_of_operations_and_the_bytes(monkeypatch, steps):
         checked = 0
         for seed in SEEDS:
             spec = random_spec(np.random.default_rng(seed), seed)
-            whole, parts, info = _pair(spec, _cpu_caches(spec))
+            whole, info, parts, parts_info = _pair(spec, _cpu_caches(spec))
             ops = RecordedStreams()
             monkeypatch.setattr(StepCopies, "run", noting_copies(ops))
             side = SideStream(ops, 3)
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
                 ops.log.clear()
-                got = stage_on_side(parts, info, spec, side, pool, steps)
+                got = stage_on_side(parts, parts_info, spec, side, pool, steps)
                 assert want.to_bytes() == got.to_bytes(), seed
                 assert torch.equal(whole.buffer, parts.buffer), seed
             finally:
@@ -121,7 +124,7 @@ def test_the_order_of_operations_and_the_bytes(monkeypatch, steps):
 def test_a_job_that_fails_is_reported_and_the_others_run(monkeypatch):
     spec = random_spec(np.random.default_rng(3), 3)
     with one_torch_thread():
-        whole, parts, info = _pair(spec, _cpu_caches(spec))
+        whole, _, parts, info = _pair(spec, _cpu_caches(spec))
         try:
             ops = RecordedStreams()
             side = SideStream(ops)
@@ -203,13 +206,13 @@ def test_gpu_side_stream_stages_bit_exactly_with_the_cap(monkeypatch, steps):
         for seed in range(6):
             spec = random_spec(np.random.default_rng(seed), seed)
             cpu = build_caches(spec, "p", spec.p_ranks[0], logical_kv(spec))
-            whole, parts, info = _pair(spec, {"cpu": cpu, "parts": _on_cuda(cpu)}, pin=True)
+            whole, info, parts, parts_info = _pair(spec, {"cpu": cpu, "parts": _on_cuda(cpu)}, pin=True)
             side = SideStream(CudaStreams(torch.device("cuda")), 2)
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
                 grids.clear()
-                got = stage_on_side(parts, info, spec, side, pool, steps)
-                assert want.to_bytes() == got.to_bytes(), seed
+                got = stage_on_side(parts, parts_info, spec, side, pool, steps)
+                assert want.to_bytes() == got.to_bytes(), seed  # the GPU's page sums are the CPU's
                 assert torch.equal(whole.buffer, parts.buffer), seed
                 on_side = [cap for s, cap in grids if s == side.stream.cuda_stream]
                 assert on_side and set(on_side) == {2}, grids
@@ -229,7 +232,7 @@ def test_gpu_a_layers_copy_waits_for_its_compute():
             cpu = build_caches(spec, "p", spec.p_ranks[0], logical_kv(spec))
             truth = _on_cuda(cpu)
             dev = _per_tensor(truth, lambda t: torch.full_like(t.view(torch.uint8), 0xC3).view(t.dtype))
-            whole, parts, info = _pair(spec, {"cpu": cpu, "parts": dev}, pin=True)
+            whole, info, parts, parts_info = _pair(spec, {"cpu": cpu, "parts": dev}, pin=True)
             side = SideStream(CudaStreams(torch.device("cuda")), 4)
             units = parts.span_copiers(parts.order).units
             torch.cuda.synchronize()
@@ -241,7 +244,7 @@ def test_gpu_a_layers_copy_waits_for_its_compute():
                         dev[name].copy_(truth[name])
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
-                got = stage_on_side(parts, info, spec, side, pool, 1, before_layer=write)
+                got = stage_on_side(parts, parts_info, spec, side, pool, 1, before_layer=write)
                 assert want.to_bytes() == got.to_bytes(), seed
                 assert torch.equal(whole.buffer, parts.buffer), seed
             finally:
