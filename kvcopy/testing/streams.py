@@ -16,7 +16,8 @@ Streams are named ``"current"`` (every thread's until one is made current with
 An event is a GPU that is late once: its first :meth:`_Event.query` after it was
 recorded says not yet, the next says done; :meth:`_Event.synchronize` (a host wait)
 completes it (and raises for an event made without ``blocking``: a real wait for it
-would spin a core). ``capture`` True plays a CUDA graph being captured.
+would spin a core). ``capture`` True plays a CUDA graph being captured; a ``gate``
+(a ``threading.Event``) holds every host wait until it is set: a GPU far behind.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class _Event:
         if not self.blocking:
             raise AssertionError(f"a host wait for {self.name}, made without blocking: it would spin a core")
         self.ops.note("synchronize", self.name)
+        if self.ops.gate is not None:
+            self.ops.gate.wait()
         self.done = True
 
     def __repr__(self) -> str:
@@ -76,6 +79,7 @@ class RecordedStreams:
     def __init__(self) -> None:
         self.log: List[Tuple[str, ...]] = []
         self.capture = False
+        self.gate: Optional[threading.Event] = None  # set: a host wait blocks until it is (a GPU behind)
         self._lock = threading.Lock()
         self._local = threading.local()
         self._current = _Stream(self, "current")

@@ -56,12 +56,26 @@ def _side(p):
     return layers
 
 
+def _forward_waits_for_the_waiter(layers, monkeypatch):
+    """The test's engine waits, before ``wait_for_save``'s close, until P's waiter thread
+    handed on what it was given (a real one does not: units handed on after the close go
+    in the final WRITE), so that the counts of chunks and early records are fixed."""
+    real = layers.wait_copies
+
+    def wait():
+        real()
+        for f in list(layers._handing):
+            f.result()
+    monkeypatch.setattr(layers, "wait_copies", wait)
+
+
 @pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing", "mla", "gdn_exact"])
-def test_layers_copied_on_the_side_stream_load_exactly(engines, streams, name):
+def test_layers_copied_on_the_side_stream_load_exactly(engines, streams, monkeypatch, name):
     case = CASES[name]
     p = engines(case, "kv_producer", layerwise=True, layerwise_ctas=CTAS)
     d = engines(case, "kv_consumer")
     layers = _side(p)
+    _forward_waits_for_the_waiter(layers, monkeypatch)
     at_layer, swept = _transfer(p, d, [40, 17])
     assert at_layer > 0
     side_copies = check_layerwise_order(streams.log, layers.side.stream.name, FORWARD, CTAS)
@@ -83,6 +97,7 @@ def test_a_chunk_is_written_only_after_its_units_event(engines, streams, monkeyp
     p = engines(case, "kv_producer", layerwise=True, layerwise_ctas=CTAS, push_chunk_bytes=0)
     d = engines(case, "kv_consumer", transfer_mode="push")
     layers = _side(p)
+    _forward_waits_for_the_waiter(layers, monkeypatch)
     pw = p.worker.arena_worker
     writes = pw.manager.push_writes
     real = writes.post_units
@@ -91,6 +106,12 @@ def test_a_chunk_is_written_only_after_its_units_event(engines, streams, monkeyp
         streams.note("post", lo, hi)
         return real(token, part, lo, hi, staged_as=staged_as)
     monkeypatch.setattr(writes, "post_units", post_units)
+    real_staged = pw.stager.staged_early
+
+    def staged_early(rid, record):
+        streams.note("staged_early", rid)
+        return real_staged(rid, record)
+    monkeypatch.setattr(pw.stager, "staged_early", staged_early)
     fill_layerwise(p, d, 31)
     rids, tokens, before, failed = _concurrent(p, d, [40], seed=31, accepted=streams.log.clear)
     assert failed == set()
@@ -109,8 +130,32 @@ def test_a_chunk_is_written_only_after_its_units_event(engines, streams, monkeyp
             assert entry[0] != FORWARD
             assert set(range(entry[2], entry[3])) <= done, (entry, sorted(done))
             posts += 1
+        elif entry[1] == "staged_early":  # the record (and the final WRITE) after every unit's event
+            assert set(u for units in event_units.values() for u in units) <= done and not copied, entry
     assert posts >= 1 and _chunk_stats(p, d)[1] == posts
     assert layers.early == len(rids) + 1  # the warm-up's record too: made on the copy thread
+
+
+def test_the_engine_never_waits_for_the_side_streams_events(engines, streams):
+    """Every host wait held (a GPU far behind): P's steps still end, the records are made
+    at the close once their events complete (polled), D loads exactly; the copy thread's
+    waiter, still waiting, hands on nothing early."""
+    case = CASES["one_group"]
+    p = engines(case, "kv_producer", layerwise=True, layerwise_ctas=CTAS)
+    d = engines(case, "kv_consumer")
+    layers = _side(p)
+    streams.gate = threading.Event()
+    try:
+        at_layer, swept = _transfer(p, d, [40, 17])
+        assert at_layer > 0 and swept == 0
+        held = [e for e in streams.log if e[1] == "synchronize"]
+        assert held and all(e[0] != FORWARD for e in held)  # the waiter is in its waits
+        assert layers.early == 0 and any(not f.done() for f in layers._handing)
+    finally:
+        streams.gate.set()
+    for f in list(layers._handing):
+        f.result()
+    assert layers.early == 0  # the close made the records; the waiter's late turn changes nothing
 
 
 def test_a_failed_side_copy_stages_the_request_whole(engines, streams, monkeypatch):

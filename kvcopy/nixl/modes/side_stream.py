@@ -12,16 +12,19 @@ imported here):
   copier launching on torch's current stream) with the call's grid capped at
   :attr:`SideStream.max_ctas` (``BlockCopier.run(..., max_ctas=)``), and records one
   event per job that asked for it after that job's copies (and their page sums' read
-  back to pinned host memory). A chunked push waits for such an event on this thread
-  (:meth:`SideStream.wait`) before it WRITEs those units: the only host wait, and never
-  on the forward's thread.
+  back to pinned host memory). It never waits on the host: the next layer's copies are
+  enqueued as soon as that layer's ``save_kv_layer`` hands them over.
+* **a waiter thread** (P's, for a chunked push and the record made right after the last
+  layer): :meth:`SideStream.wait` for a job's event (a blocking event: the thread
+  sleeps), then those units are WRITten. The only host wait, never on the forward's
+  thread, and the forward's thread never waits for this one.
 * **the forward's thread at the step's close** (``wait_for_save``): :meth:`SideStream.join`
   makes the current stream wait for the side stream (on the GPU): what that stream runs
   next (the sweep of units no ``save_kv_layer`` copied, the records' events, the next
   step's forward, which may overwrite the pages) comes after every copy queued so far.
 
 So a layer's copy starts after its compute and overlaps the next layers' compute, and
-nothing on the host waits for the GPU except the copy thread, and only for a chunk.
+nothing on the host waits for the GPU except the waiter thread.
 
 **Grid.** One copy of one layer's pages of a request is a few hundred KiB to a few MiB.
 On the full grid (one CTA per SM) it would take every SM from the next layer's kernels
@@ -162,8 +165,8 @@ class SideStream:
 
     @staticmethod
     def wait(event: Any) -> None:
-        """The copy thread waits for ``event`` (a job's): its copies and sums are in
-        host memory. Never called on the forward's thread."""
+        """The calling thread waits for ``event`` (a job's): its copies and sums are in
+        host memory. Never called on the forward's thread (P's waiter thread calls it)."""
         event.synchronize()
 
     def join(self) -> None:

@@ -43,16 +43,20 @@ wait for it and enqueues the copies there with their grid capped (``layerwise_ct
 CTAs), so they overlap the next layers' compute. ``close_step`` makes the forward's
 stream wait for the side stream (GPU-side: no host wait on the forward's thread), then
 sweeps on that stream with the copier's full grid; a request's record is finished once
-an event after that completed. With a chunked push, each request's copies of a layer
-are followed by an event on the side stream; the copy thread waits for it (its own
-host wait) before ``on_copied`` WRITEs those units, and once the last one's ended
-:meth:`LayerwiseStage.finish_early` makes the record there, as on the CPU. A copy the
+an event after that completed. Each final request's copies of a layer are followed
+by an event on the side stream; a second thread (the *waiter*) waits for it (the only
+host wait, which neither the forward's thread nor the copy thread makes) before
+``on_copied`` WRITEs those units, and once the request's last one ended (no job of it
+left in flight) :meth:`LayerwiseStage.finish_early` makes the record there, as on the
+CPU. ``wait_for_save`` does not wait for the waiter: what it hands on after the close
+goes in the final WRITE, and a record the close made first is not made again. A copy the
 side stream refused at launch fails its request's layer-wise staging as on the CPU
 (staged whole at its last step). While a CUDA graph is captured no copy is queued (the
 sweep copies).
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
@@ -134,6 +138,15 @@ class LayerwiseStage:
         with threads_on(cpus):
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-layers-{name}")
             self._pool.submit(lambda: None).result()
+            # GPU: the thread that waits for the side stream's events and hands the units on
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-waits-{name}") \
+                if side is not None else None
+            if self._waiter is not None:
+                self._waiter.submit(lambda: None).result()
+        self._handing: List[Future] = []  # GPU: the waiter's jobs (a test may wait for them)
+        # GPU: per request, its jobs with an event not waited for yet; finish_early waits for 0
+        self._in_flight: Dict[str, int] = {}
+        self._flight_lock = threading.Lock()
 
     def _last_layers(self) -> Dict[str, List[int]]:
         """layer name -> the units whose last layer (in forward order) it is."""
@@ -150,6 +163,7 @@ class LayerwiseStage:
         assert arena is not None
         now = time.monotonic()
         self._step, self._final, self.final_parts = [], [], {}
+        self._handing = [f for f in self._handing if not f.done()]
         for rid, ls in layers.items():
             if rid in self.whole:
                 continue
@@ -205,30 +219,50 @@ class LayerwiseStage:
 
     def _copy_on_side(self, units: List[int], steps: List[Tuple[str, StepCopies]], after) -> None:
         """The copy thread, on a GPU: the units enqueued on the side stream after the
-        layer's event ``after``; for a chunked push, each request's units are handed on
-        once the event after them completed (a host wait on this thread only)."""
-        assert self.side is not None
+        layer's event ``after`` (no host wait here); a final request's units are handed
+        on by the waiter thread once the event after them completed."""
+        assert self.side is not None and self._waiter is not None
         chunked = self.on_copied is not None
         jobs = [Job(rid, step, [u for u in units if step.has(u)], chunked and rid in self.final_parts)
                 for rid, step in steps]
+        self._flights([j.key for j in jobs if j.signal], 1)  # before any unit is marked copied
         try:
             queued = self.side.copy(after, jobs)
         except Exception as exc:  # noqa: BLE001 -- the side stream refused the layer's event: staged whole
             for job in jobs:
                 self._copy_failed.setdefault(job.key, f"layer-wise copy failed: {exc}")
+            self._flights([j.key for j in jobs if j.signal], -1)
             return
-        for q in queued:
+        for job, q in zip(jobs, queued):  # one per job, in order
             if q.error is not None:
                 self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {q.error}")
-                continue
-            if q.event is None:
-                continue
-            try:
-                self.side.wait(q.event)
-            except Exception as exc:  # noqa: BLE001 -- as a copy that failed
-                self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {exc}")
-                continue
-            self._copied(q.key, list(q.units))
+            if q.event is not None:
+                self._handing.append(self._waiter.submit(self._hand_on, q.key, list(q.units), q.event))
+            elif job.signal:  # failed: nothing to wait for
+                self._flights([job.key], -1)
+
+    def _hand_on(self, rid: str, units: List[int], event) -> None:
+        """The waiter thread: ``units`` of ``rid`` are in the span once ``event`` completed
+        (a host wait on this thread only), then to the chunked push / finish_early."""
+        assert self.side is not None
+        try:
+            self.side.wait(event)
+        except Exception:  # noqa: BLE001 -- a CUDA error: the record's own event reports it
+            logger.exception("kvcopy arena: waiting for the layer-wise copies of %s failed", rid)
+            return
+        finally:
+            self._flights([rid], -1)
+        self._copied(rid, units)
+
+    def _flights(self, rids: List[str], delta: int) -> None:
+        if rids:
+            with self._flight_lock:
+                for rid in rids:
+                    n = self._in_flight.get(rid, 0) + delta
+                    if n:
+                        self._in_flight[rid] = n
+                    else:
+                        self._in_flight.pop(rid, None)
 
     def _copied(self, rid: str, units: List[int]) -> None:
         assert self.on_copied is not None
@@ -246,7 +280,7 @@ class LayerwiseStage:
         entry = self.parts.get(rid)
         arena = self.m.arena
         if entry is None or rid not in self._final or rid in self._copy_failed or arena is None \
-                or not entry[0].complete:
+                or not entry[0].complete or rid in self._in_flight:
             return None
         record = arena.finish(entry[0])
         del self.parts[rid]
@@ -335,3 +369,5 @@ class LayerwiseStage:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
