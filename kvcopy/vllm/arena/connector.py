@@ -458,7 +458,8 @@ class KvcopyArenaWorker:
                         self.sender.chunks.begin(rid, part, self.sender.tokens_for(rid))
 
     def _copied(self, rid: str, units) -> None:
-        """P's copy thread: ``units`` of ``rid``'s last step are copied: chunks go
+        """P's copy thread (a GPU: its waiter thread, once the side stream's event after
+        them completed): ``units`` of ``rid``'s last step are copied: chunks go
         (kvcopy.vllm.arena.push_chunks), and once the last one is, the record and the
         final WRITE (LayerwiseStage.finish_early)."""
         with self.lock:

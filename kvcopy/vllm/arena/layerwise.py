@@ -272,11 +272,12 @@ class LayerwiseStage:
             logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
 
     def finish_early(self, rid: str):
-        """The copy thread, under the worker's lock, after ``rid``'s copies of a step:
-        ``rid``'s record (its span staged, as :meth:`close_step` would) when this is the
-        step its prefill ends in, every unit of it was copied at its layer (nothing left
-        for the sweep) and the copies ended (the CPU: they end in the call; a GPU: the
-        copy thread waited for the event after them before ``on_copied``); else None."""
+        """The copy thread (a GPU: the waiter thread), under the worker's lock, after
+        ``rid``'s copies of a step: ``rid``'s record (its span staged, as
+        :meth:`close_step` would) when this is the step its prefill ends in, every unit
+        of it was copied at its layer (nothing left for the sweep) and the copies ended
+        (the CPU: they end in the call; a GPU: the waiter waited for the event after
+        each of its jobs, none is in flight); else None."""
         entry = self.parts.get(rid)
         arena = self.m.arena
         if entry is None or rid not in self._final or rid in self._copy_failed or arena is None \
