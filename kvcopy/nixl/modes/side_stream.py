@@ -30,10 +30,13 @@ nothing on the host waits for the GPU except the waiter thread.
 On the full grid (one CTA per SM) it would take every SM from the next layer's kernels
 for its duration; capped at a few CTAs it leaves them almost all. The connector's
 ``layerwise_ctas`` (default 4) is the cap: SGLang's GPU<->host copy kernel reaches the
-copy-engine ceiling with 4 SMs (SGLang PR 40278), and one CTA of kvcopy's kernel keeps
-32 KiB of loads in flight (16 warps x 32 lanes x 4 x 16 B), so 4 CTAs hold 128 KiB in
-flight: at a PCIe round trip of about 2 us (Little's law) about 64 GB/s, above a PCIe
-5 x16 link's 50-55 GB/s. Expected, not measured: no GPU has run this path yet;
+copy-engine ceiling with 4 SMs (SGLang PR 40278). This copy goes device to host: a CTA
+loads from device memory and stores to pinned host memory, stores the GPU posts over
+PCIe without waiting for an answer, so a few CTAs fill the link. Even where a round
+trip bounds it (loads from host memory, the other direction), one CTA of kvcopy's
+kernel keeps 32 KiB of loads in flight (16 warps x 32 lanes x 4 x 16 B): 4 CTAs, 128
+KiB, about 64 GB/s at a 2 us round trip (Little's law), above a PCIe 5 x16 link's
+50-55 GB/s. Expected, not measured: no GPU has run this path yet;
 ``bench/gpu_check.py``'s ``ladder`` step measures GB/s per cap (1, 2, 4 ... 32 CTAs),
 which is how the default should be checked on a given link. The whole-request staging
 and the sweep run on the current stream with the copier's own grid.
