@@ -556,7 +556,8 @@ def step_smoke(s: Step) -> str:
 
 # ------------------------------------------------------------------------ tests
 def gpu_test_files() -> List[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+    """Every test file under tests/ (subfolders included: tests mirror modules) that marks a test ``gpu``."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                   if "mark.gpu" in p.read_text())
 
 

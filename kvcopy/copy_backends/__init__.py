@@ -70,7 +70,10 @@ class Backend:
         if pinning is not None:
             pinning.release()
 
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:
+        """Enqueue the call's copy; ``max_ctas`` (checked by the caller, None: none) caps
+        this call's grid below the tables' own cap, on a backend with a grid (a kernel);
+        the others take it and copy as without."""
         raise NotImplementedError
 
     # Checksums (kvcopy.core.checksum): the backends that compute them while copying
@@ -79,18 +82,19 @@ class Backend:
         """Why this backend cannot compute checksums while copying these tables, or None."""
         return f"backend {self.name!r} does not compute checksums"
 
-    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                            max_ctas: Optional[int] = None) -> None:
         """``copy``, and the call's page checksums into ``out`` (int64, one per block of
         the call, on the copy's device; checked by the caller), stream-ordered."""
         raise NotImplementedError(self.checksum_reason(tables))
 
     def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
-                                   fold_at: int) -> Optional[int]:
+                                   fold_at: int, max_ctas: Optional[int] = None) -> Optional[int]:
         """``copy_with_checksums``, then, where this backend can do it in the same host
         call, the fold at ``fold_at`` (a :class:`kvcopy.core.checksum.SumFold`'s block) of
         ``out``: the count of values differing from the fold's ``want``. None where it
         cannot: the copy and its sums are made, nothing is folded."""
-        self.copy_with_checksums(tables, call, out)
+        self.copy_with_checksums(tables, call, out, max_ctas)
         return None
 
 

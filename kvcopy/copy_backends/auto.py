@@ -86,12 +86,12 @@ class AutoGpuBackend(Backend):
         size = mean_descriptor_bytes(self._shape, call)
         return pick(self.direction, size, list(self.candidates), self.table) or next(iter(self.candidates))
 
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:
         if self._shape is None:
             self.prepare(tables)
         name = self.choose(call)
         self.last_choice = name
-        self.candidates[name].copy(tables, call)
+        self.candidates[name].copy(tables, call, max_ctas)
 
     # Checksummed calls go to an SM kernel whatever the descriptor size: the copy
     # engines never read the bytes into an SM.
@@ -104,10 +104,10 @@ class AutoGpuBackend(Backend):
             return f"none of auto's backends ({', '.join(self.candidates)}) computes checksums"
         return None
 
-    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out) -> None:
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out, max_ctas: Optional[int] = None) -> None:
         if self._shape is None:
             self.prepare(tables)
         name = self._summing(tables)
         assert name is not None, "checked by checksum_reason before the call"
         self.last_choice = name
-        self.candidates[name].copy_with_checksums(tables, call, out)
+        self.candidates[name].copy_with_checksums(tables, call, out, max_ctas)

@@ -81,7 +81,7 @@ class CopyEngineBackend(GpuBackendBase, Backend):
                 "an SM, so it cannot compute checksums; build the copier with backend 'cuda', "
                 "'triton' or 'auto' (auto hands checksummed calls to its SM kernel)")
 
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:  # copy engines: no CTAs
         st: _State = self.state(tables)
         mode = _MODES.get(os.environ.get("KVCOPY_CE_MODE", "auto"))
         if mode is None:

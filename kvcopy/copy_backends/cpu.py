@@ -280,7 +280,7 @@ class CpuBackend(Backend):
         tables.backend_state["cpu"] = _State(self._lib.kvcopy_cpu_copy, ctypes.addressof(static),
                                              ctypes.addressof(tuning), static, tuning)
 
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:  # no grid
         copy, static, tuning, _, _ = self.state(tables)
         rc = copy(static, tuning, call.words, call.total_bytes)
         if rc != 0:
@@ -289,7 +289,8 @@ class CpuBackend(Backend):
     def checksum_reason(self, tables: CopyTables) -> Optional[str]:
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
-    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                            max_ctas: Optional[int] = None) -> None:
         _, static, tuning, _, _ = self.state(tables)
         rc = self._sums(static, tuning, call.words, call.total_bytes, out.data_ptr(), out.numel())
         if rc == 2:  # nothing written
@@ -298,7 +299,7 @@ class CpuBackend(Backend):
             raise RuntimeError(f"kvcopy_cpu_copy_sums failed with code {rc}")
 
     def copy_with_checksums_folded(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
-                                   fold_at: int) -> Optional[int]:
+                                   fold_at: int, max_ctas: Optional[int] = None) -> Optional[int]:
         """One C call (``kvcopy_cpu_copy_sums_fold``): the copy, its sums, their fold."""
         _, static, tuning, _, _ = self.state(tables)
         differ = self._sums_fold(static, tuning, call.words, call.total_bytes, out.data_ptr(), out.numel(), fold_at)

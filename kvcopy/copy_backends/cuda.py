@@ -27,7 +27,8 @@ read at replay time, as by any captured kernel: the copier must outlive the grap
 The kernel comes from ``libkvcopy_cuda.so`` (nvcc, CMake) or, when that library is
 absent and cupy is installed, from NVRTC (:mod:`kvcopy.copy_backends.nvrtc`). ``KVCOPY_CUDA_NVRTC=1``
 forces NVRTC. The CTA cap is ``tables.max_ctas`` (``BlockCopier(max_ctas=)``; None: the
-launch heuristics of :mod:`kvcopy.copy_backends.kernel_inputs`).
+launch heuristics of :mod:`kvcopy.copy_backends.kernel_inputs`), lowered for one call by
+its own ``max_ctas`` (``BlockCopier.run(..., max_ctas=)``), on both launchers' paths.
 
 Checksums (:mod:`kvcopy.core.checksum`): ``kvcopy_block_copy_sums_w*``, the same kernel with
 each lane hashing the words it moves and one atomic per warp and page; the launcher
@@ -47,7 +48,7 @@ from .. import native
 from ..checks import env_flag
 from . import Backend
 from .gpu import GpuBackendBase, call_on_device, current_device_getter, device_info, raw_stream_getter, require_gpu
-from .kernel_inputs import CTA_MIN_BYTES, INLINE_WORDS, THREADS, call_array, grid_cap, grid_size, static_table
+from .kernel_inputs import CTA_MIN_BYTES, INLINE_WORDS, THREADS, call_array, call_cap, grid_cap, grid_size, static_table
 from .pinning import pin_host_side
 from ..core.tables import DST_BASE, SRC_BASE, CallPlan, CopyTables
 
@@ -106,16 +107,18 @@ class InlineLaunch:
                    tables.word_bytes, sm_count, max_ctas, INLINE_WORDS,
                    stream=lambda device: 0, current_device=lambda: 0)
 
-    def __call__(self, call: CallPlan) -> Optional[int]:
-        """The launch's return code, or None when the call does not fit inline."""
+    def __call__(self, call: CallPlan, max_ctas: Optional[int] = None) -> Optional[int]:
+        """The launch's return code, or None when the call does not fit inline
+        (``max_ctas``: this call's cap, below the copier's)."""
         words = call.num_words
         if words > self.inline_words:
             return None
         total = call.total_bytes
+        cap = self.grid_cap if max_ctas is None else min(self.grid_cap, max_ctas)
         # grid_size's rule with its cap worked out at build, written out (a function call
         # here cost 0.2-0.3 us of this path's 1.4); tests/copy_backends/test_cuda_backend.py
         # checks the two agree
-        packed = _PACK_CALL(_CALL_BYTES, 0, words, total, max(1, min(-(-total // CTA_MIN_BYTES), self.grid_cap)))
+        packed = _PACK_CALL(_CALL_BYTES, 0, words, total, max(1, min(-(-total // CTA_MIN_BYTES), cap)))
         # ctypes passes the plan's bytes as the address of its data: the call array as the planner wrote it
         if self.current_device() != self.device:
             with torch.cuda.device(self.device):
@@ -242,35 +245,36 @@ class CudaBackend(GpuBackendBase, Backend):
         tables.backend_state["cuda"] = st
 
     # ------------------------------------------------------------ the copy
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:
         st: _State = self.state(tables)
         if call.total_bytes <= 0:
             return
         if st.inline is not None:
-            rc = st.inline(call)
+            rc = st.inline(call, max_ctas)
             if rc is not None:
                 if rc != 0:
                     raise native.CudaError(f"kvcopy_block_copy_w{st.word_bytes} launch (library)", rc,
                                             st.launcher.error_name(rc))
                 st.launches += 1
                 return
-        self._launch(st, call, None)
+        self._launch(st, call, None, max_ctas)
 
     def checksum_reason(self, tables: CopyTables) -> Optional[str]:
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
-    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                            max_ctas: Optional[int] = None) -> None:
         """The checksum kernel (``kvcopy_block_copy_sums_w*``): ``out`` zeroed on the
         stream by the launcher, then one launch, the call array as for :meth:`copy`."""
-        self._launch(self.state(tables), call, out)
+        self._launch(self.state(tables), call, out, max_ctas)
 
-    def _launch(self, st: _State, call: CallPlan, sums: Optional[torch.Tensor]) -> None:
+    def _launch(self, st: _State, call: CallPlan, sums: Optional[torch.Tensor], max_ctas: Optional[int]) -> None:
         """The launch of :meth:`copy` (or, with ``sums``, of the checksum kernel) when
         the call does not go through the inline path: the call array inline in the
         parameters when it fits, else staged on the device."""
         arr = call_array(call)
         stream = torch.cuda.current_stream(st.device)
-        grid = grid_size(call.total_bytes, st.sm_count, st.max_ctas)
+        grid = grid_size(call.total_bytes, st.sm_count, call_cap(st.max_ctas, max_ctas))
         launcher = st.launcher
         call_device = _call_on_device(st, arr, stream) if len(arr) > launcher.inline_words else None
         args = (st.device, st.static.data_ptr(), st.num_entries, st.num_groups, st.num_group_entries,

@@ -13,7 +13,8 @@ Two int64 arrays (``kernels/block_copy_kernel.cuh``):
 The grid rule (:func:`grid_size`; its constant part :func:`grid_cap`): enough CTAs that each warp moves at least
 ``MIN_BYTES_PER_WARP`` bytes (below that, finding its first byte costs more than the
 copy), at most one wave of ``CTAS_PER_SM`` CTAs per SM, at most the copier's
-``max_ctas``. Both GPU launchers (the library's and NVRTC's) use these.
+``max_ctas`` and at most the call's own cap when it has one (``BlockCopier.run(...,
+max_ctas=)``: :func:`call_cap`). Both GPU launchers (the library's and NVRTC's) use these.
 """
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def grid_cap(sm_count: int, max_ctas: Optional[int]) -> int:
     constant per copier direction."""
     cap = sm_count * CTAS_PER_SM
     return min(cap, int(max_ctas)) if max_ctas else cap
+
+
+def call_cap(copier_cap: Optional[int], call_max_ctas: Optional[int]) -> Optional[int]:
+    """One call's cap: the copier's ``max_ctas`` and the call's, the smaller of those
+    given (None: neither)."""
+    if call_max_ctas is None:
+        return copier_cap
+    return call_max_ctas if copier_cap is None else min(copier_cap, call_max_ctas)
 
 
 def grid_size(total_bytes: int, sm_count: int, max_ctas: Optional[int]) -> int:

@@ -11,6 +11,8 @@ host pages after the copy): a second pass, and a host wait for a GPU copy.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import Backend
@@ -22,7 +24,7 @@ from ..core.tables import CallPlan, CopyTables
 class TorchBackend(Backend):
     name = "torch"
 
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:  # no grid
         for g, (src_ids, dst_ids) in enumerate(zip(call.src_ids, call.dst_ids)):
             if len(src_ids) == 0:
                 continue
@@ -35,7 +37,8 @@ class TorchBackend(Backend):
     def checksum_reason(self, tables: CopyTables) -> None:
         return None
 
-    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                            max_ctas: Optional[int] = None) -> None:
         self.copy(tables, call)  # a copy to the host waits for the device (pages.to(host) is blocking)
         out.copy_(torch.from_numpy(table_checksums(tables, call).view("int64")))
 

@@ -17,7 +17,8 @@ to the launch, so their stores and launches alternate on the stream). Larger cal
 keeps the block from being reused until the copy has run) and one host-to-device copy.
 
 Grid: at most ``max_ctas`` programs (``BlockCopier(..., max_ctas=N)``, which lands in
-``tables.max_ctas``; else one program per SM), and never more than the call has 32 KiB tiles.
+``tables.max_ctas``; else one program per SM), at most a call's own ``max_ctas``
+(``BlockCopier.run(..., max_ctas=N)``), and never more than the call has 32 KiB tiles.
 
 With ``TRITON_INTERPRET=1`` in the environment when a copier is built, the backend
 runs the same kernel in Triton's interpreter on CPU tensors (both sides on the CPU);
@@ -93,6 +94,11 @@ class SmallCallUpload:
 
             raise CudaError("kvcopy_cuda_store_words (triton call array)", rc, error_name(rc))
         return buf
+
+
+def _cap(st: _State, max_ctas: Optional[int]) -> int:
+    """A call's program cap: the copier's, lowered by the call's own ``max_ctas``."""
+    return st.max_ctas if max_ctas is None else min(st.max_ctas, max_ctas)
 
 
 def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
@@ -197,11 +203,11 @@ class TritonBackend(Backend):
         )
 
     # ------------------------------------------------------------ per call
-    def copy(self, tables: CopyTables, call: CallPlan) -> None:
+    def copy(self, tables: CopyTables, call: CallPlan, max_ctas: Optional[int] = None) -> None:
         st = self.state(tables)
         if call.num_items == 0:
             return
-        grid = self._kernels.grid_size(call.total_bytes, st.cfg, st.max_ctas)
+        grid = self._kernels.grid_size(call.total_bytes, st.cfg, _cap(st, max_ctas))
         if st.device.type != "cuda":
             self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                                  torch.from_numpy(call.packed.copy()), call.num_groups, st.cfg)
@@ -237,14 +243,15 @@ class TritonBackend(Backend):
     def checksum_reason(self, tables: CopyTables) -> Optional[str]:
         return self.unavailable_reason() or self.unsupported_reason(tables)
 
-    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor) -> None:
+    def copy_with_checksums(self, tables: CopyTables, call: CallPlan, out: torch.Tensor,
+                            max_ctas: Optional[int] = None) -> None:
         """The checksum kernel (``fused_copy_sums_kernel``): the call array goes up with
         its block prefix (the pages' output slots); ``out`` is zeroed on the stream first."""
         st = self.state(tables)
         out.zero_()
         if call.num_items == 0:
             return
-        grid = self._kernels.grid_size(call.total_bytes, st.cfg_sums, st.max_ctas)
+        grid = self._kernels.grid_size(call.total_bytes, st.cfg_sums, _cap(st, max_ctas))
         if st.device.type != "cuda":
             self._kernels.launch_sums(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                                       torch.from_numpy(call_array(call).copy()), call.num_groups, out, st.cfg_sums)

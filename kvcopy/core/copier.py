@@ -30,7 +30,7 @@ from .checksum import SumFold
 from .checksum import check_output as check_checksum_output
 from .checksum import copy_device as checksum_device
 from .layout import PageLayout, describe, pair_pages
-from .options import CopierOptions, CopyOptions
+from .options import CopierOptions, CopyOptions, check_max_ctas
 from ..checks import shown
 from .planner import CallPlanner
 from .storages import StorageGuard, check_disjoint
@@ -92,6 +92,14 @@ class BlockCopier:
 
     Calls enqueue on the current CUDA stream and never synchronize the host; CPU
     backends run synchronously.
+
+    A call's grid: every copying method takes ``max_ctas=N`` (keyword), a cap on that
+    call's CTAs (Triton programs) below the copier's own ``max_ctas`` (the smaller of
+    the two holds): a copy that should leave the SMs to concurrent work (a layer's KV
+    copied on a side stream while the next layer computes) runs capped while the same
+    copier's other calls keep their grid. It is checked like the copier's (a positive
+    integer) and honoured by ``cuda`` (library and NVRTC launchers) and ``triton``;
+    ``cpu``, ``torch`` and ``ce`` (copy engines: no CTAs) accept it and are unaffected.
 
     Threads: one copier may be called from several threads at once (``to_host``,
     ``to_device``, ``plan``, ``run``); each call is checked and copied as if it were
@@ -237,19 +245,22 @@ class BlockCopier:
                 if d is not None}
 
     def to_host(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None,
-                checksums: Optional[torch.Tensor] = None) -> CallPlan:
+                checksums: Optional[torch.Tensor] = None, *, max_ctas: Optional[int] = None) -> CallPlan:
         """Device -> host: block ``block_ids[g][i]`` to host block ``host_block_ids[g][i]``.
 
         ``checksums``: an int64 tensor of one element per block of the call (group after
         group) on the copy's device, overwritten with each page's checksum as the copy
-        computes it (:mod:`kvcopy.core.checksum`); the ``ce`` backend raises instead."""
-        return self._run("d2h", block_ids, block_ids if host_block_ids is None else host_block_ids, checksums)
+        computes it (:mod:`kvcopy.core.checksum`); the ``ce`` backend raises instead.
+        ``max_ctas``: this call's grid cap (see the class docstring)."""
+        return self._run("d2h", block_ids, block_ids if host_block_ids is None else host_block_ids, checksums,
+                         max_ctas)
 
     def to_device(self, block_ids: IdLists, host_block_ids: Optional[IdLists] = None,
-                  checksums: Optional[torch.Tensor] = None) -> CallPlan:
+                  checksums: Optional[torch.Tensor] = None, *, max_ctas: Optional[int] = None) -> CallPlan:
         """Host -> device: host block ``host_block_ids[g][i]`` to block ``block_ids[g][i]``
-        (``checksums`` as for :meth:`to_host`)."""
-        return self._run("h2d", block_ids if host_block_ids is None else host_block_ids, block_ids, checksums)
+        (``checksums`` and ``max_ctas`` as for :meth:`to_host`)."""
+        return self._run("h2d", block_ids if host_block_ids is None else host_block_ids, block_ids, checksums,
+                         max_ctas)
 
     def plan(self, direction: str, block_ids: IdLists, host_block_ids: Optional[IdLists] = None) -> CallPlan:
         """Validate and pack a call without copying (``"d2h"`` or ``"h2d"``); :meth:`run`
@@ -276,14 +287,16 @@ class BlockCopier:
         layer) and checks them once."""
         return self._planned(direction, call, "split").planner.split(call, part_of_group, parts)
 
-    def run(self, direction: str, call: CallPlan, checksums: Optional[torch.Tensor] = None) -> CallPlan:
+    def run(self, direction: str, call: CallPlan, checksums: Optional[torch.Tensor] = None, *,
+            max_ctas: Optional[int] = None) -> CallPlan:
         """Copy a call this copier planned with :meth:`plan` for ``direction`` (the ids
         were checked then; the storages are checked now, as for every call);
-        ``checksums`` as for :meth:`to_host`."""
-        self._copy(self._planned(direction, call), call, checksums)
+        ``checksums`` and ``max_ctas`` as for :meth:`to_host`."""
+        self._copy(self._planned(direction, call), call, checksums, None, max_ctas)
         return call
 
-    def run_and_fold(self, direction: str, call: CallPlan, checksums: torch.Tensor, fold: SumFold) -> Optional[int]:
+    def run_and_fold(self, direction: str, call: CallPlan, checksums: torch.Tensor, fold: SumFold, *,
+                     max_ctas: Optional[int] = None) -> Optional[int]:
         """:meth:`run` with ``checksums``, then ``fold`` of them (:class:`~kvcopy.core.checksum.SumFold`):
         the count of its values that differ from its ``want``, computed in the copy's
         own host call where the backend can (``cpu``). None where it cannot (a GPU
@@ -294,7 +307,7 @@ class BlockCopier:
             raise TypeError("run_and_fold: checksums must be a torch.Tensor, got None")
         if type(fold) is not SumFold:
             raise TypeError(f"fold must be a SumFold, got {type(fold).__name__}")
-        return self._copy(d, call, checksums, fold)
+        return self._copy(d, call, checksums, fold, max_ctas)
 
     def _planned(self, direction: str, call: CallPlan, what: str = "run") -> _Direction:
         d = self._built(direction)
@@ -325,14 +338,16 @@ class BlockCopier:
         return d
 
     def _run(self, direction: str, src_ids: IdLists, dst_ids: IdLists,
-             checksums: Optional[torch.Tensor] = None) -> CallPlan:
+             checksums: Optional[torch.Tensor] = None, max_ctas: Optional[int] = None) -> CallPlan:
         d = self._built(direction)
         call = self._validate(d, src_ids, dst_ids)
-        self._copy(d, call, checksums)
+        self._copy(d, call, checksums, None, max_ctas)
         return call
 
     def _copy(self, d: _Direction, call: CallPlan, checksums: Optional[torch.Tensor],
-              fold: Optional[SumFold] = None) -> Optional[int]:
+              fold: Optional[SumFold] = None, max_ctas: Optional[int] = None) -> Optional[int]:
+        if max_ctas is not None:
+            max_ctas = check_max_ctas(max_ctas)
         if checksums is not None:
             why, device, on_cpu = d.sums_check()
             if why:
@@ -343,11 +358,11 @@ class BlockCopier:
                 return None
             self._storages.check()
             if fold is not None:
-                return d.backend.copy_with_checksums_folded(d.tables, call, checksums, fold.at)
-            d.backend.copy_with_checksums(d.tables, call, checksums)
+                return d.backend.copy_with_checksums_folded(d.tables, call, checksums, fold.at, max_ctas=max_ctas)
+            d.backend.copy_with_checksums(d.tables, call, checksums, max_ctas=max_ctas)
         elif call.num_items:
             self._storages.check()
-            d.backend.copy(d.tables, call)
+            d.backend.copy(d.tables, call, max_ctas=max_ctas)
         return None
 
     def _validate(self, d: _Direction, src_ids, dst_ids, flat_lens=None) -> CallPlan:

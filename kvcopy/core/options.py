@@ -24,6 +24,15 @@ from ..checks import is_plain_int
 Opts = TypeVar("Opts", bound="CopyOptions")
 
 
+def check_max_ctas(value: Any, what: str = "max_ctas") -> int:
+    """``value`` as a grid cap (a positive integer, not a bool), else ``TypeError``
+    (not an integer) or ``ValueError`` (below 1): a copier's ``max_ctas`` and a
+    call's (``BlockCopier.run(..., max_ctas=)``) are checked here alike."""
+    if not is_plain_int(value) or value < 1:
+        raise (ValueError if is_plain_int(value) else TypeError)(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class CopyOptions:
     """How a surface's :class:`~kvcopy.core.copier.BlockCopier` copies."""
@@ -39,9 +48,8 @@ class CopyOptions:
         if not isinstance(self.copy_backend, str) or not self.copy_backend:
             raise (ValueError if self.copy_backend == "" else TypeError)(
                 f"copy_backend must be a backend name, got {self.copy_backend!r}")
-        if self.max_ctas is not None and (not is_plain_int(self.max_ctas) or self.max_ctas < 1):
-            raise (ValueError if is_plain_int(self.max_ctas) else TypeError)(
-                f"max_ctas must be a positive integer, got {self.max_ctas!r}")
+        if self.max_ctas is not None:
+            check_max_ctas(self.max_ctas)
 
     @classmethod
     def make(cls: Type[Opts], options: Optional["CopyOptions"], overrides: Mapping[str, Any],

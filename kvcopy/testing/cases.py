@@ -239,11 +239,12 @@ class PreparedCheck:
     got: Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
     label: str
 
-    def run(self, direction: str) -> None:
+    def run(self, direction: str, max_ctas: Optional[int] = None) -> None:
+        """The copy (``max_ctas``: the call's own grid cap, ``BlockCopier.run``'s)."""
         if direction == "d2h":
-            self.copier.to_host(self.dev_ids, self.host_ids)
+            self.copier.to_host(self.dev_ids, self.host_ids, max_ctas=max_ctas)
         else:
-            self.copier.to_device(self.dev_ids, self.host_ids)
+            self.copier.to_device(self.dev_ids, self.host_ids, max_ctas=max_ctas)
 
     def assert_matches(self) -> None:
         """Every tensor of both dicts, byte for byte: a stray write fails too."""

@@ -22,7 +22,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
 
+from ..checks import integer
 from ..core.options import CopyOptions
+from ..nixl.modes.side_stream import LAYERWISE_CTAS, MAX_LAYERWISE_CTAS
 from ..nixl.options import ManagerOptions
 from ..offload import OffloadOptions
 
@@ -115,6 +117,8 @@ class ArenaOptions:
     transfer_mode: str = "pull"  # D: "push": D reserves a span, P WRITEs into it (kvcopy.vllm.arena.push_recv)
     push_timeout_s: float = 60.0  # D, push: reservation -> KV ready, from the request's start (then recomputed)
     push_chunk_bytes: int = PUSH_CHUNK_BYTES  # P, layer-wise push: least bytes per chunk WRITE (0: every run)
+    # P, layer-wise on a GPU: CTAs of a layer's copy on the side stream (kvcopy.nixl.modes.side_stream, "Grid")
+    layerwise_ctas: int = LAYERWISE_CTAS
     # pull_timeout_s: D's deadline of one READ (also bounded by what is left of P's TTL)
     manager: ManagerOptions = ManagerOptions(pull_timeout_s=ARENA_PULL_TIMEOUT_S)
 
@@ -132,6 +136,7 @@ class ArenaOptions:
                 or self.push_chunk_bytes < 0:
             raise ValueError(f"push_chunk_bytes must be a whole number of bytes (0 or more), "
                              f"got {self.push_chunk_bytes!r}")
+        integer(self.layerwise_ctas, "layerwise_ctas", 1, MAX_LAYERWISE_CTAS)
         if self.key_env is not None and (not isinstance(self.key_env, str) or not self.key_env):
             raise ValueError(f"key_env must name an environment variable, got {self.key_env!r}")
         if not isinstance(self.manager, ManagerOptions):

@@ -35,7 +35,7 @@ class RangesBackend(Backend):
         self.num_ranges = num_ranges
         self.word_bytes = word_bytes
 
-    def copy(self, tables, call):
+    def copy(self, tables, call, max_ctas=None):
         static = kernel_inputs.static_table(tables)
         e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
         base = static.ctypes.data

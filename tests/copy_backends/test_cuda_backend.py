@@ -78,6 +78,26 @@ def test_inline_launch_grid_is_the_kernel_rule(sm_count, max_ctas):
     c.close()
 
 
+@pytest.mark.parametrize("copier_cap", [None, 3, 64])
+def test_a_calls_max_ctas_reaches_the_launchs_grid(copier_cap):
+    """CudaBackend.copy(..., max_ctas=N) hands InlineLaunch the call's cap: the grid the
+    launch gets is the rule's under the smaller of the two caps, call after call, and a
+    call without one gets the copier's grid again."""
+    page = kernel_inputs.CTA_MIN_BYTES // 4
+    t = {f"l{i}": torch.zeros(64, page, dtype=torch.uint8) for i in range(2)}
+    h = {k: torch.zeros_like(v) for k, v in t.items()}
+    c = kvcopy.BlockCopier(t, h, [["l0"], ["l1"]], copy_backend="cpu")
+    seen = []
+    path = InlineLaunch.stubbed(c.tables("d2h"), _recorder(seen), sm_count=132, max_ctas=copier_cap)
+    call = c.plan("d2h", [list(range(0, 64, 2)), list(range(1, 64, 2))])  # 64 pages: 16 CTAs by the bytes
+    for per_call in (1, 2, 4, None, 100):
+        assert path(call, per_call) == 0
+        want = kernel_inputs.grid_size(call.total_bytes, 132, kernel_inputs.call_cap(copier_cap, per_call))
+        assert seen[-1]["grid"] == want
+        assert want == min([16] + [x for x in (copier_cap, per_call) if x is not None])
+    c.close()
+
+
 def test_inline_launch_declines_calls_that_do_not_fit():
     c = _copier(num_blocks=400)
     seen = []

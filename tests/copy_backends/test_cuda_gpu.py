@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcopy import BlockCopier
-from kvcopy.testing import CopyCase, bytes_equal, check_copy, standard_cases
+from kvcopy import BlockCopier, native
+from kvcopy.testing import CopyCase, bytes_equal, check_copy, prepare_check, standard_cases
 
 pytestmark = pytest.mark.gpu
 CASES = standard_cases()
@@ -42,6 +42,67 @@ def test_cuda_nvrtc_launcher(monkeypatch):
     for case in (CopyCase(layout="kv_first", num_groups=2), CopyCase(head_size=7, dtype="uint8", ids="runs")):
         for direction in ("h2d", "d2h"):
             check_copy("cuda", case, direction, device="cuda").close()
+
+
+def _record_grids(monkeypatch, st, grids):
+    """Wrap the launches of a copier direction's ``cuda`` state (the inline path's C
+    function and the launcher's general and checksum launches) to note each grid."""
+    from kvcopy import native
+
+    if st.inline is not None:
+        real_inline = st.inline.launch
+
+        def inline(tables_at, packed, words, stream):
+            grids.append(native.CUDA_CALL.unpack(packed)[4])  # struct_bytes, device, words, bytes, grid
+            return real_inline(tables_at, packed, words, stream)
+        monkeypatch.setattr(st.inline, "launch", inline)
+    for name in ("launch", "launch_sums"):
+        real = getattr(st.launcher, name)
+
+        def general(*args, _real=real):
+            grids.append(args[10])  # device, tables, e, g, ge, call_host, call_device, words, total, word, grid
+            return _real(*args)
+        monkeypatch.setattr(st.launcher, name, general)
+
+
+def _capped_calls(monkeypatch, launcher_kind):
+    """Per-call caps 1, 2, 4 through ``launcher_kind``: the grid launched is the cap, the
+    copy bit-exact over a poisoned destination, checksummed calls too."""
+    case = CopyCase(ids="all", num_groups=2, layout="nhd", num_blocks=64, dtype="fp32", head_size=256)
+    for direction in ("d2h", "h2d"):
+        for cap in (1, 2, 4):
+            check = prepare_check("cuda", case, direction, device="cuda")
+            st = check.copier.tables(direction).backend_state["cuda"]
+            assert st.launcher.kind == launcher_kind
+            grids = []
+            _record_grids(monkeypatch, st, grids)
+            check.run(direction, max_ctas=cap)
+            assert grids == [cap]  # 64 pages of 16 KiB: far more CTAs by the bytes
+            check.assert_matches()
+            if direction == "d2h":
+                call = check.copier.plan("d2h", check.dev_ids, check.host_ids)
+                capped = torch.empty(call.num_blocks, dtype=torch.int64, device="cuda")
+                full = torch.empty_like(capped)
+                check.copier.run("d2h", call, capped, max_ctas=cap)
+                check.copier.run("d2h", call, full)
+                assert grids[-2] == cap and grids[-1] > cap
+                assert torch.equal(capped.cpu(), full.cpu())
+            check.copier.close()
+
+
+def test_cuda_a_calls_max_ctas_is_its_grid(monkeypatch):
+    _capped_calls(monkeypatch, "library" if native.load("kvcopy_cuda")[0] is not None else "nvrtc")
+
+
+def test_cuda_nvrtc_a_calls_max_ctas_is_its_grid(monkeypatch):
+    from kvcopy import copy_backends as backends
+    from kvcopy.copy_backends import nvrtc
+
+    if nvrtc.available() is not None:
+        pytest.skip(f"no NVRTC here: {nvrtc.available()}")
+    monkeypatch.setenv("KVCOPY_CUDA_NVRTC", "1")
+    monkeypatch.setitem(backends._instances, "cuda", backends.cuda.CudaBackend())
+    _capped_calls(monkeypatch, "nvrtc")
 
 
 def test_pageable_host_buffers_are_pinned_and_released():

@@ -57,3 +57,17 @@ def test_grid_size_rule():
     assert kernel_inputs.grid_size(3 * per_cta, 132, None) == 3
     assert kernel_inputs.grid_size(3 * per_cta + 1, 132, None) == 4
     assert kernel_inputs.grid_size(0, 132, None) == 1
+
+
+def test_a_calls_cap_lowers_the_copiers_never_raises_it():
+    """call_cap: BlockCopier.run(..., max_ctas=N) against the copier's max_ctas, then the
+    grid rule: the smaller cap holds, and the bytes still bind below both."""
+    cap = kernel_inputs.call_cap
+    assert cap(None, None) is None and cap(16, None) == 16 and cap(None, 4) == 4
+    assert cap(16, 4) == 4 and cap(2, 4) == 2
+    big = 1 << 30
+    assert kernel_inputs.grid_size(big, 132, cap(None, 4)) == 4
+    assert kernel_inputs.grid_size(big, 132, cap(2, 4)) == 2
+    assert kernel_inputs.grid_size(big, 3, cap(None, 400)) == 3 * kernel_inputs.CTAS_PER_SM  # one wave at most
+    per_cta = kernel_inputs.THREADS // 32 * kernel_inputs.MIN_BYTES_PER_WARP
+    assert kernel_inputs.grid_size(2 * per_cta, 132, cap(None, 4)) == 2

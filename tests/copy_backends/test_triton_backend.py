@@ -27,7 +27,7 @@ from kvcopy.copy_backends import get_backend  # noqa: E402
 from kvcopy.copy_backends import triton_backend as tb  # noqa: E402
 from kvcopy.kernels import triton_copy as tc  # noqa: E402
 from kvcopy.native import ENTRY_FIELDS  # noqa: E402
-from kvcopy.testing import CopyCase, check_copy, standard_cases  # noqa: E402
+from kvcopy.testing import CopyCase, check_copy, prepare_check, standard_cases  # noqa: E402
 
 QUICK = standard_cases(quick=True)
 DIRECTIONS = ("d2h", "h2d")
@@ -137,6 +137,63 @@ def test_copier_max_ctas_caps_the_grid(interpret, monkeypatch):
     for bad, error in ((0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_ctas"):
             _copier(case, max_ctas=bad)
+
+
+CALL_CAP_CASES = [
+    CopyCase(layout="nhd", num_groups=2, ids="all", num_blocks=64, block_size=16, num_heads=4, dtype="uint8"),
+    CopyCase(layout="kv_first", num_groups=3, ids="runs", num_blocks=48, dtype="fp32"),
+]
+
+
+@pytest.mark.parametrize("case", CALL_CAP_CASES, ids=[c.id for c in CALL_CAP_CASES])
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_interpreter_a_calls_max_ctas_caps_its_grid_and_copies_exactly(interpret, monkeypatch, case, cap):
+    """BlockCopier.to_host/to_device(..., max_ctas=cap): the launch gets ``cap`` programs
+    (the copier's own cap is the interpreter's 4, the calls have more tiles), and the
+    destination, poisoned first, equals the reference byte for byte; the next call
+    without a cap gets the copier's grid again."""
+    mod = tc.kernels(interpret=True)
+    counter = _CountingKernel(mod.fused_copy_kernel)
+    monkeypatch.setattr(mod, "fused_copy_kernel", counter)
+    monkeypatch.setattr(tc, "MAX_ROW_BYTES", 16)  # small rows: many tiles per call, so the cap binds
+    for direction in DIRECTIONS:
+        check = prepare_check("triton", case, direction)
+        cfg = check.copier.tables(direction).backend_state[tb.STATE_KEY].cfg
+        assert tc.grid_size(check.copier.plan(direction, check.dev_ids, check.host_ids).total_bytes, cfg,
+                            tb.INTERPRETER_MAX_CTAS) == tb.INTERPRETER_MAX_CTAS
+        check.run(direction, max_ctas=cap)
+        assert counter.launches[-1] == (cap,)
+        check.assert_matches()
+        check.run(direction)
+        assert counter.launches[-1] == (tb.INTERPRETER_MAX_CTAS,)
+
+
+def test_interpreter_a_calls_max_ctas_caps_the_checksum_kernel(interpret, monkeypatch):
+    """The same cap on a checksummed call (BlockCopier.run with checksums): its grid is
+    the cap, its sums those of the uncapped call, and the copier's own smaller cap holds."""
+    mod = tc.kernels(interpret=True)
+    counter = _CountingKernel(mod.fused_copy_sums_kernel)
+    monkeypatch.setattr(mod, "fused_copy_sums_kernel", counter)
+    monkeypatch.setattr(tc, "MAX_ROW_BYTES", 16)
+    case = CALL_CAP_CASES[0]
+    for copier_cap, call, want in ((None, 2, 2), (None, 3, 3), (1, 3, 1)):
+        copier = _copier(case, max_ctas=copier_cap)
+        dev_ids, host_ids = case.block_ids()
+        plan = copier.plan("d2h", dev_ids, host_ids)
+        capped, full = (torch.full((plan.num_blocks,), -1, dtype=torch.int64) for _ in range(2))
+        copier.run("d2h", plan, capped, max_ctas=call)
+        assert counter.launches[-1] == (want,)
+        copier.run("d2h", plan, full)
+        assert torch.equal(capped, full)
+
+
+def test_a_calls_max_ctas_is_checked_before_any_byte_moves(interpret):
+    check = prepare_check("triton", CALL_CAP_CASES[0], "d2h")
+    before = {n: t.clone() for n, t in check.got[1].items()}
+    for bad, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError), ("4", TypeError)):
+        with pytest.raises(error, match="max_ctas must be a positive integer"):
+            check.run("d2h", max_ctas=bad)
+    assert all(torch.equal(before[n], t) for n, t in check.got[1].items())
 
 
 def test_backend_state_and_release(interpret):

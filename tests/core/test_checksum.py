@@ -85,10 +85,10 @@ class RangesSumsBackend(Backend):
     def checksum_reason(self, tables):
         return None
 
-    def copy(self, tables, call):
+    def copy(self, tables, call, max_ctas=None):
         raise AssertionError("this test backend only runs checksummed copies")
 
-    def copy_with_checksums(self, tables, call, out):
+    def copy_with_checksums(self, tables, call, out, max_ctas=None):
         static = kernel_inputs.static_table(tables)
         e, g, ge = tables.num_entries, tables.num_groups, len(tables.group_entries)
         base = static.ctypes.data

@@ -282,7 +282,7 @@ def test_ce_says_it_cannot_sum_and_auto_hands_sums_to_a_kernel():
         def checksum_reason(self, tables):
             return None if self.sums else "no"
 
-        def copy_with_checksums(self, tables, call, out):
+        def copy_with_checksums(self, tables, call, out, max_ctas=None):
             self.calls.append(call)
 
     ce, cuda = Fake("ce", False), Fake("cuda", True)

@@ -10,7 +10,7 @@ from kvcopy.copy_backends import get_backend
 from kvcopy.copy_backends.kernel_inputs import call_array
 from kvcopy.core.planner import CallPlanner
 from kvcopy.testing.reference import reference_copy_groups
-from kvcopy.testing import POISON_BYTE, CopyCase, bytes_equal, check_copy, standard_cases
+from kvcopy.testing import POISON_BYTE, CopyCase, bytes_equal, check_copy, prepare_check, standard_cases
 
 CPU_BACKENDS = [b for b in ("torch", "cpu") if kvcopy.available_copy_backends()[b] is None]
 CASES = standard_cases()
@@ -34,7 +34,7 @@ def test_check_copy_detects_a_wrong_backend(backend, monkeypatch):
     impl = get_backend(backend)
     original = type(impl).copy
 
-    def off_by_one(self, tables, call):
+    def off_by_one(self, tables, call, max_ctas=None):
         # Plans are immutable: the same call planned again with its first destination
         # block one further (mod the blocks), by a planner over the same tables.
         blocks = tables.dst_tensors[0].shape[tables.dst_block_dims[0]]
@@ -50,6 +50,32 @@ def test_check_copy_detects_a_wrong_backend(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_calls_max_ctas_is_taken_and_changes_nothing_on_the_host_backends(backend, monkeypatch):
+    """BlockCopier.to_host/to_device/run(..., max_ctas=N) on ``cpu``/``torch`` (no grid):
+    accepted, handed to the backend, the copy bit-exact over a poisoned destination; a
+    bad cap raises before the backend is called."""
+    impl = get_backend(backend)
+    caps = []
+    real = type(impl).copy
+    monkeypatch.setattr(type(impl), "copy", lambda self, t, c, max_ctas=None: (caps.append(max_ctas),
+                                                                               real(self, t, c, max_ctas))[1])
+    for direction in ("d2h", "h2d"):
+        for cap in (1, 3, None):
+            check = prepare_check(backend, CopyCase(num_groups=3, ids="runs", num_blocks=48), direction)
+            check.run(direction, max_ctas=cap)
+            check.assert_matches()
+            assert caps[-1] == cap
+    copier = check.copier
+    call = copier.plan("d2h", check.dev_ids, check.host_ids)
+    n = len(caps)
+    for bad, error in ((0, ValueError), (-3, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_ctas must be a positive integer"):
+            copier.run("d2h", call, max_ctas=bad)
+    copier.run("d2h", call, max_ctas=np.int64(2))  # numpy integers are integers
+    assert caps[n:] == [2]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_one_backend_call_for_all_groups(backend, monkeypatch):
     case = CopyCase(num_groups=7, layers_per_group=3, num_blocks=48, aliasing=True, kv_sharing=2)
     dev, host = case.build()
@@ -57,7 +83,7 @@ def test_one_backend_call_for_all_groups(backend, monkeypatch):
     impl = get_backend(backend)
     calls = []
     real = type(impl).copy
-    monkeypatch.setattr(type(impl), "copy", lambda self, t, c: (calls.append(c), real(self, t, c)))
+    monkeypatch.setattr(type(impl), "copy", lambda self, t, c, max_ctas=None: (calls.append(c), real(self, t, c)))
     ids, _ = case.block_ids()
     call = copier.to_host(ids)
     assert len(calls) == 1

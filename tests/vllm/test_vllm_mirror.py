@@ -253,7 +253,8 @@ def _transfer(model_config, case, connector_cls, monkeypatch, count_calls=False)
             for backend in backends.values():  # backends are shared objects: wrap each once
                 orig = backend.copy
                 monkeypatch.setattr(backend, "copy",
-                                    lambda tables, call, _o=orig: (calls.append(call), _o(tables, call))[1])
+                                    lambda tables, call, max_ctas=None, _o=orig: (calls.append(call),
+                                                                                  _o(tables, call, max_ctas))[1])
 
         save = NixlConnectorMetadata()
         save.add_new_req_to_save("req", p_logical, {"tp_size": 1})

@@ -336,8 +336,9 @@ class ArenaStaging(BufferMode):
 
     def finish(self, part: PartialStage) -> StagedRequest:
         """The record of a request staged unit by unit, once every position settled and
-        every unit of every step was copied (on a GPU: after those copies ended; its
-        sums are read back here). The span is then staged as :meth:`stage`'s are."""
+        every unit of every step was copied (on a GPU: after those copies ended; its sums,
+        read back to pinned memory behind them, are folded here). The span is then staged
+        as :meth:`stage`'s are."""
         if self._partial.get(part.rid) is not part:
             raise ValueError("not a request this arena is staging unit by unit")
         if not part.complete:

@@ -30,8 +30,9 @@ cut into one call per unit (``BlockCopier.split``: array passes, no id checked t
 On the CPU each unit's sums are folded as its copy ends (:meth:`StepCopies.run`, the copy
 thread, while the forward runs), so ``finish`` after the last layer only adds one
 vector per unit call: 0.2-0.3 ms instead of 0.8-1.1 ms for 16 units of 1024 tokens
-(``bench/push_chunks_serve.py``, the 2-core machine shared); on a GPU the sums tensors
-are read back and folded at ``finish``, after the copies' event.
+(``bench/push_chunks_serve.py``, the 2-core machine shared); on a GPU each call's sums
+are read back into pinned host memory on the copy's stream as it is enqueued, and folded
+at ``finish``, after an event that follows them (no host wait on the GPU there).
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class StepCopies:
         self._summed = summed
         self._device = device
         self.done: Set[int] = set()
-        self.sums: List[Tuple[_UnitCall, torch.Tensor]] = []  # GPU: (call, its sums), folded at finish
+        # GPU: (call, its sums read back to pinned memory), folded at finish
+        self.sums: List[Tuple[_UnitCall, torch.Tensor]] = []
         self.folded: List[Tuple[_UnitCall, np.ndarray]] = []  # CPU: (call, its folded sums), folded at run
         self._fold_now = device.type == "cpu"  # a CPU copy's sums are in when run returns
 
@@ -96,8 +98,13 @@ class StepCopies:
         """Units not run yet (in span order)."""
         return [u for u in sorted(self._calls) if u not in self.done]
 
-    def run(self, unit: int) -> None:
-        """Copy unit ``unit``'s settling pages into the span (no-op for a unit with none)."""
+    def run(self, unit: int, max_ctas: Optional[int] = None) -> None:
+        """Copy unit ``unit``'s settling pages into the span (no-op for a unit with none);
+        ``max_ctas``: the calls' grid cap (``BlockCopier.run``'s: layer-wise copies on a
+        GPU's side stream, :mod:`kvcopy.nixl.modes.side_stream`). On a GPU the copies
+        are enqueued on the current stream, each call's page sums read back after it
+        into pinned host memory on the same stream: ``finish``, after an event that
+        follows them, folds them without touching the GPU."""
         if unit in self.done:
             raise RuntimeError(f"unit {unit} was copied already this step")
         self.done.add(unit)
@@ -105,13 +112,15 @@ class StepCopies:
             copier = self._cps.copiers[uc.copier]
             if self._summed:
                 out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=self._device)
-                copier.run("d2h", uc.call, out)
+                copier.run("d2h", uc.call, out, max_ctas=max_ctas)
                 if self._fold_now:
                     self.folded.append((uc, _fold(uc, out)))
                 else:
-                    self.sums.append((uc, out))
+                    host = torch.empty(uc.call.num_blocks, dtype=torch.int64, pin_memory=True)
+                    host.copy_(out, non_blocking=True)
+                    self.sums.append((uc, host))
             else:
-                copier.run("d2h", uc.call)
+                copier.run("d2h", uc.call, max_ctas=max_ctas)
 
 
 @dataclass
@@ -167,9 +176,9 @@ class PartialStage:
 
 
 def _fold(uc: _UnitCall, out: torch.Tensor) -> np.ndarray:
-    """One unit call's page sums sealed and summed over its triples: per page position
-    of ``uc.positions``, its share of the fold (module docstring)."""
-    return fold_sealed(uc.js, uc.positions, out.cpu().numpy().view(np.uint64).reshape(len(uc.js), len(uc.positions)))
+    """One unit call's page sums (a host tensor) sealed and summed over its triples: per
+    page position of ``uc.positions``, its share of the fold (module docstring)."""
+    return fold_sealed(uc.js, uc.positions, out.numpy().view(np.uint64).reshape(len(uc.js), len(uc.positions)))
 
 
 def plan_step(part: PartialStage, cps: SpanCopiers, layout: Optional[SumLayout], block_ids: List[np.ndarray],

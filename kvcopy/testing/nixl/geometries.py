@@ -380,10 +380,12 @@ def arena_order(spec: Spec) -> str:
     return "head" if spec.seed % 2 and spec.p.kv_layout == "HND" and gqa else "token"
 
 
-def arena_staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor], name: str, spans: int = 0):
+def arena_staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Tensor], name: str, spans: int = 0,
+                  pin: bool = False):
     """(arena staging, its handshake record) of one rank in arena mode, without NIXL,
     page sums on; its arena holds ``spans`` spans of the request (default: one on P, two
-    on D: see :func:`kvcopy.testing.nixl.fuzz.run_arena_case`)."""
+    on D: see :func:`kvcopy.testing.nixl.fuzz.run_arena_case`); ``pin``: a pinned arena
+    (CUDA caches, as a manager builds it for them)."""
     one = spec.side(which)
     regions = build_regions(caches, one.groups, one.tokens_per_page, "device", None, one.kv_layout,
                             rank, one.tp_size, spec.total_kv_heads)
@@ -401,5 +403,5 @@ def arena_staging(spec: Spec, which: str, rank: int, caches: Dict[str, torch.Ten
         need += len(spec.p_ranks) * record_capacity(p_info, spec.num_tokens, b"req")
     grouped = {n: caches[n] for g in one.groups for n in g}
     order = arena_order(spec) if which == "p" else "token"  # D's span follows the record's order
-    st = ArenaStaging(regions, grouped, need, 60.0, "auto", False, order, checksum=True)
+    st = ArenaStaging(regions, grouped, need, 60.0, "auto", pin, order, checksum=True)
     return st, replace(info, arena=(st.base, st.arena.nbytes))

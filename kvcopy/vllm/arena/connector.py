@@ -98,6 +98,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import Nix
 from vllm.logger import init_logger
 
 from ...nixl.manager import TransferManager
+from ...nixl.modes.side_stream import CudaStreams, SideStream, StreamOps
 from ..affinity import threads_on, transfer_cpus
 from .channel import (
     GIVEUP_POLL_S, MAX_GIVE_UPS_REPLY, TAKE_GIVEUPS_MSG, RecordStore, give_ups_of, serve,
@@ -312,6 +313,12 @@ def _leading_holes(blocks) -> int:
 class KvcopyArenaWorker:
     """One worker rank: its ``TransferManager`` (arena mode), P's stager, D's puller."""
 
+    # P, layer-wise: where the side stream's streams and events come from
+    # (kvcopy.nixl.modes.side_stream). None: torch.cuda's when the KV is on a GPU, none on
+    # the CPU (copies end in their call there). A test sets a recording one to run the GPU
+    # path's ordering on the CPU.
+    stream_ops: Optional[StreamOps] = None
+
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, options: ArenaOptions):
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
@@ -374,10 +381,14 @@ class KvcopyArenaWorker:
             if sender is not None:
                 sender.wake = self.housekeeper.wake
         if o.layerwise and self.producer:
-            self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s)
             arena = self.manager.arena
-            if arena is not None and not arena.on_cuda:  # a GPU's copies end on its stream: pushed whole at the end
-                self.stager.layers.on_copied = self._copied
+            ops = self.stream_ops
+            if ops is None and arena is not None and arena.on_cuda:
+                ops = CudaStreams(next(t.device for t in kv_caches.values() if t.device.type == "cuda"))
+            side = SideStream(ops, o.layerwise_ctas) if ops is not None else None
+            self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s,
+                                                side)
+            self.stager.layers.on_copied = self._copied
         with threads_on(self.thread_cpus):
             self.housekeeper.start()
         grouped = sum(len(g) for g in layout.groups)
@@ -442,12 +453,13 @@ class KvcopyArenaWorker:
         if stager.layers is not None:
             with self.lock:
                 stager.layers.bind(meta.layers)
-                if self.sender is not None and stager.layers.on_copied is not None:
+                if self.sender is not None:
                     for rid, part in stager.layers.final_parts.items():
                         self.sender.chunks.begin(rid, part, self.sender.tokens_for(rid))
 
     def _copied(self, rid: str, units) -> None:
-        """P's copy thread: ``units`` of ``rid``'s last step are copied: chunks go
+        """P's copy thread (a GPU: its waiter thread, once the side stream's event after
+        them completed): ``units`` of ``rid``'s last step are copied: chunks go
         (kvcopy.vllm.arena.push_chunks), and once the last one is, the record and the
         final WRITE (LayerwiseStage.finish_early)."""
         with self.lock:

@@ -21,7 +21,7 @@ after the step). Per step, on P's worker:
   was built at bind and belongs to this step. For a request whose prefill ends in the
   step, ``on_copied`` then hands the units copied to a chunked push
   (:mod:`kvcopy.vllm.arena.push_chunks`, which takes the worker's lock: ``wait_for_save``
-  waits for the copies before it takes the lock). On the CPU, once that request's last
+  waits for the copies before it takes the lock). Once that request's last
   unit is copied and none is left for the sweep, :meth:`LayerwiseStage.finish_early`
   makes its record there and then (under that lock), so its push's final WRITE goes
   from the copy thread right after the last layer's copy instead of after
@@ -34,12 +34,29 @@ after the step). Per step, on P's worker:
 
 Correctness never depends on ``save_kv_layer`` being called: the sweep covers what it
 did not. A copy never starts before its layer ran: it is queued by that layer's own
-``save_kv_layer``, or by the sweep after the forward. On a GPU the copies run on the
-current stream, in order after the layer's compute (no side stream yet: correct, no
-overlap), and a request's record is finished once an event after its sweep completed.
+``save_kv_layer``, or by the sweep after the forward.
+
+**On a GPU** (:mod:`kvcopy.nixl.modes.side_stream`, a :class:`SideStream` given at
+build): ``save_kv_layer`` records an event on the forward's stream after the layer's
+compute and hands it with the units to the copy thread, which makes the side stream
+wait for it and enqueues the copies there with their grid capped (``layerwise_ctas``
+CTAs), so they overlap the next layers' compute. ``close_step`` makes the forward's
+stream wait for the side stream (GPU-side: no host wait on the forward's thread), then
+sweeps on that stream with the copier's full grid; a request's record is finished once
+an event after that completed. Each final request's copies of a layer are followed
+by an event on the side stream; a second thread (the *waiter*) waits for it (the only
+host wait, which neither the forward's thread nor the copy thread makes) before
+``on_copied`` WRITEs those units, and once the request's last one ended (no job of it
+left in flight) :meth:`LayerwiseStage.finish_early` makes the record there, as on the
+CPU. ``wait_for_save`` does not wait for the waiter: what it hands on after the close
+goes in the final WRITE, and a record the close made first is not made again. A copy the
+side stream refused at launch fails its request's layer-wise staging as on the CPU
+(staged whole at its last step). While a CUDA graph is captured no copy is queued (the
+sweep copies).
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
@@ -50,6 +67,7 @@ from vllm.logger import init_logger
 from ...nixl import ArenaFull
 from ...nixl.manager import TransferManager
 from ...nixl.modes.partial_stage import PartialStage, StepCopies
+from ...nixl.modes.side_stream import Job, SideStream
 from ...nixl.planning.pack_order import natural_key
 from ...nixl.sum_check import PendingResult
 from ..affinity import threads_on
@@ -91,8 +109,13 @@ class LayerwiseStage:
     """One P rank's layer-wise staging (see the module docstring); driven by the stager
     under the worker's lock, except :meth:`layer_done` (the forward's thread, no lock)."""
 
-    def __init__(self, manager: TransferManager, cpus: Optional[FrozenSet[int]], name: str, keep_s: float):
+    def __init__(self, manager: TransferManager, cpus: Optional[FrozenSet[int]], name: str, keep_s: float,
+                 side: Optional[SideStream] = None):
         self.m = manager
+        arena = manager.arena
+        if arena is not None and arena.on_cuda and side is None:
+            raise ValueError("layer-wise staging of a CUDA arena runs on a side stream: pass a SideStream")
+        self.side = side  # GPU: the layers' copies run there (module docstring)
         self.keep_s = keep_s  # a request with no step for this long is dropped (its span freed)
         self.parts: Dict[str, Tuple[PartialStage, float]] = {}  # request -> (its stage, last step)
         self.whole: Set[str] = set()  # no span at their first step, or a copy failed: staged whole at their last
@@ -115,6 +138,15 @@ class LayerwiseStage:
         with threads_on(cpus):
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-layers-{name}")
             self._pool.submit(lambda: None).result()
+            # GPU: the thread that waits for the side stream's events and hands the units on
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-waits-{name}") \
+                if side is not None else None
+            if self._waiter is not None:
+                self._waiter.submit(lambda: None).result()
+        self._handing: List[Future] = []  # GPU: the waiter's jobs (a test may wait for them)
+        # GPU: per request, its jobs with an event not waited for yet; finish_early waits for 0
+        self._in_flight: Dict[str, int] = {}
+        self._flight_lock = threading.Lock()
 
     def _last_layers(self) -> Dict[str, List[int]]:
         """layer name -> the units whose last layer (in forward order) it is."""
@@ -131,6 +163,7 @@ class LayerwiseStage:
         assert arena is not None
         now = time.monotonic()
         self._step, self._final, self.final_parts = [], [], {}
+        self._handing = [f for f in self._handing if not f.done()]
         for rid, ls in layers.items():
             if rid in self.whole:
                 continue
@@ -162,9 +195,15 @@ class LayerwiseStage:
         if not units or not self._step:
             return
         steps = [(rid, s) for rid, s in self._step if any(s.has(u) for u in units)]
-        if steps:
+        if not steps:
+            return
+        if self.side is None:
             self.at_layer += len(units)
             self._futures.append(self._pool.submit(self._copy, units, steps))
+        elif not self.side.capturing():
+            after = self.side.mark()  # the layer's compute, on the forward's stream
+            self.at_layer += len(units)
+            self._futures.append(self._pool.submit(self._copy_on_side, units, steps, after))
 
     def _copy(self, units: List[int], steps: List[Tuple[str, StepCopies]]) -> None:
         for rid, step in steps:
@@ -176,20 +215,73 @@ class LayerwiseStage:
                 self._copy_failed.setdefault(rid, f"layer-wise copy failed: {exc}")
                 continue
             if self.on_copied is not None and rid in self.final_parts:
-                try:
-                    self.on_copied(rid, [u for u in units if step.has(u)])
-                except Exception:  # noqa: BLE001 -- the final WRITE carries what a chunk did not
-                    logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
+                self._copied(rid, [u for u in units if step.has(u)])
+
+    def _copy_on_side(self, units: List[int], steps: List[Tuple[str, StepCopies]], after) -> None:
+        """The copy thread, on a GPU: the units enqueued on the side stream after the
+        layer's event ``after`` (no host wait here); a final request's units are handed
+        on by the waiter thread once the event after them completed."""
+        assert self.side is not None and self._waiter is not None
+        chunked = self.on_copied is not None
+        jobs = [Job(rid, step, [u for u in units if step.has(u)], chunked and rid in self.final_parts)
+                for rid, step in steps]
+        self._flights([j.key for j in jobs if j.signal], 1)  # before any unit is marked copied
+        try:
+            queued = self.side.copy(after, jobs)
+        except Exception as exc:  # noqa: BLE001 -- the side stream refused the layer's event: staged whole
+            for job in jobs:
+                self._copy_failed.setdefault(job.key, f"layer-wise copy failed: {exc}")
+            self._flights([j.key for j in jobs if j.signal], -1)
+            return
+        for job, q in zip(jobs, queued):  # one per job, in order
+            if q.error is not None:
+                self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {q.error}")
+            if q.event is not None:
+                self._handing.append(self._waiter.submit(self._hand_on, q.key, list(q.units), q.event))
+            elif job.signal:  # failed: nothing to wait for
+                self._flights([job.key], -1)
+
+    def _hand_on(self, rid: str, units: List[int], event) -> None:
+        """The waiter thread: ``units`` of ``rid`` are in the span once ``event`` completed
+        (a host wait on this thread only), then to the chunked push / finish_early."""
+        assert self.side is not None
+        try:
+            self.side.wait(event)
+        except Exception:  # noqa: BLE001 -- a CUDA error: the record's own event reports it
+            logger.exception("kvcopy arena: waiting for the layer-wise copies of %s failed", rid)
+            return
+        finally:
+            self._flights([rid], -1)
+        self._copied(rid, units)
+
+    def _flights(self, rids: List[str], delta: int) -> None:
+        if rids:
+            with self._flight_lock:
+                for rid in rids:
+                    n = self._in_flight.get(rid, 0) + delta
+                    if n:
+                        self._in_flight[rid] = n
+                    else:
+                        self._in_flight.pop(rid, None)
+
+    def _copied(self, rid: str, units: List[int]) -> None:
+        assert self.on_copied is not None
+        try:
+            self.on_copied(rid, units)
+        except Exception:  # noqa: BLE001 -- the final WRITE carries what a chunk did not
+            logger.exception("kvcopy arena: pushing the units of %s copied so far failed", rid)
 
     def finish_early(self, rid: str):
-        """The copy thread, under the worker's lock, after ``rid``'s copies of a step:
-        ``rid``'s record (its span staged, as :meth:`close_step` would) when this is the
-        step its prefill ends in, every unit of it was copied at its layer (nothing left
-        for the sweep) and the copies ended (the CPU: they end in the call); else None."""
+        """The copy thread (a GPU: the waiter thread), under the worker's lock, after
+        ``rid``'s copies of a step: ``rid``'s record (its span staged, as
+        :meth:`close_step` would) when this is the step its prefill ends in, every unit
+        of it was copied at its layer (nothing left for the sweep) and the copies ended
+        (the CPU: they end in the call; a GPU: the waiter waited for the event after
+        each of its jobs, none is in flight); else None."""
         entry = self.parts.get(rid)
         arena = self.m.arena
-        if entry is None or rid not in self._final or rid in self._copy_failed or arena is None or arena.on_cuda \
-                or not entry[0].complete:
+        if entry is None or rid not in self._final or rid in self._copy_failed or arena is None \
+                or not entry[0].complete or rid in self._in_flight:
             return None
         record = arena.finish(entry[0])
         del self.parts[rid]
@@ -212,6 +304,8 @@ class LayerwiseStage:
         for f in self._futures:
             f.result()
         self._futures = []
+        if self.side is not None:
+            self.side.join()  # on the GPU: the sweep and the records' events after every side copy
         for rid, why in self._copy_failed.items():
             self._fail(rid, why)
         self._copy_failed = {}
@@ -226,19 +320,14 @@ class LayerwiseStage:
                 self._fail(rid, f"layer-wise copy failed: {exc}")
         self._step = []
         out: List[Tuple[str, object, Optional[torch.cuda.Event]]] = []
-        arena = self.m.arena
-        assert arena is not None
-        on_cuda = arena.on_cuda
         for rid in self._final:
             entry = self.parts.pop(rid, None)
             if entry is None:
                 continue
             pending = FinishingRecord(self.m, entry[0])
             self.taken.add(rid)
-            if on_cuda:
-                event = torch.cuda.Event()
-                event.record()
-                out.append((rid, pending, event))
+            if self.side is not None:
+                out.append((rid, pending, self.side.mark()))
             else:
                 out.append((rid, pending.result(), None))
         self._final = []
@@ -281,3 +370,5 @@ class LayerwiseStage:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)

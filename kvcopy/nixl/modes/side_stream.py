@@ -1,0 +1,180 @@
+"""Layer-wise staging on a GPU: each layer's unit copies on a side stream, after that layer's compute, on a few CTAs.
+
+What runs where (P's worker; :mod:`kvcopy.vllm.arena.layerwise` drives it, vLLM is not
+imported here):
+
+* **the forward's thread**, when a layer's attention has enqueued its KV writes
+  (vLLM's ``save_kv_layer``): :meth:`SideStream.mark` records an event ``E_l`` on that
+  thread's current stream, the one the forward runs on. Nothing waits on the host.
+* **the copy thread**: :meth:`SideStream.copy` makes the side stream wait for ``E_l``
+  (on the GPU), then, with the side stream current on that thread, enqueues each job's
+  planned unit copies (:meth:`~kvcopy.nixl.modes.partial_stage.StepCopies.run`, the
+  copier launching on torch's current stream) with the call's grid capped at
+  :attr:`SideStream.max_ctas` (``BlockCopier.run(..., max_ctas=)``), and records one
+  event per job that asked for it after that job's copies (and their page sums' read
+  back to pinned host memory). It never waits on the host: the next layer's copies are
+  enqueued as soon as that layer's ``save_kv_layer`` hands them over.
+* **a waiter thread** (P's, for a chunked push and the record made right after the last
+  layer): :meth:`SideStream.wait` for a job's event (a blocking event: the thread
+  sleeps), then those units are WRITten. The only host wait, never on the forward's
+  thread, and the forward's thread never waits for this one.
+* **the forward's thread at the step's close** (``wait_for_save``): :meth:`SideStream.join`
+  makes the current stream wait for the side stream (on the GPU): what that stream runs
+  next (the sweep of units no ``save_kv_layer`` copied, the records' events, the next
+  step's forward, which may overwrite the pages) comes after every copy queued so far.
+
+So a layer's copy starts after its compute and overlaps the next layers' compute, and
+nothing on the host waits for the GPU except the waiter thread.
+
+**Grid.** One copy of one layer's pages of a request is a few hundred KiB to a few MiB.
+On the full grid (one CTA per SM) it would take every SM from the next layer's kernels
+for its duration; capped at a few CTAs it leaves them almost all. The connector's
+``layerwise_ctas`` (default 4) is the cap: SGLang's GPU<->host copy kernel reaches the
+copy-engine ceiling with 4 SMs (SGLang PR 40278). This copy goes device to host: a CTA
+loads from device memory and stores to pinned host memory, stores the GPU posts over
+PCIe without waiting for an answer, so a few CTAs fill the link. Even where a round
+trip bounds it (loads from host memory, the other direction), one CTA of kvcopy's
+kernel keeps 32 KiB of loads in flight (16 warps x 32 lanes x 4 x 16 B): 4 CTAs, 128
+KiB, about 64 GB/s at a 2 us round trip (Little's law), above a PCIe 5 x16 link's
+50-55 GB/s. Expected, not measured: no GPU has run this path yet;
+``bench/gpu_check.py``'s ``ladder`` step measures GB/s per cap (1, 2, 4 ... 32 CTAs),
+which is how the default should be checked on a given link. The whole-request staging
+and the sweep run on the current stream with the copier's own grid.
+
+**Streams and events** come from a :class:`StreamOps`: :class:`CudaStreams` (torch's
+``torch.cuda.Stream``/``Event``, ``stream.wait_event``, ``stream.wait_stream``,
+``torch.cuda.stream(s)``), or in CPU tests a recording one
+(:class:`kvcopy.testing.streams.RecordedStreams`) that notes what each stream and
+event did and on which thread.
+"""
+from __future__ import annotations
+
+from typing import Any, ContextManager, List, NamedTuple, Optional, Protocol, Sequence
+
+import torch
+
+from ...checks import integer
+from .partial_stage import StepCopies
+
+LAYERWISE_CTAS = 4  # the default cap of a layer's copy (module docstring, "Grid")
+MAX_LAYERWISE_CTAS = 1024  # a cap above any GPU's SM count is a typo, not a choice
+
+
+class StreamOps(Protocol):
+    """Where :class:`SideStream` gets its streams and events. Streams have
+    ``wait_event(event)`` and ``wait_stream(stream)``; events ``record(stream)``,
+    ``query()`` and ``synchronize()``: torch.cuda's API."""
+
+    def current(self) -> Any:
+        """The calling thread's current stream."""
+
+    def stream(self) -> Any:
+        """A new stream."""
+
+    def event(self, blocking: bool = False) -> Any:
+        """A new event (no timing); ``blocking``: a host wait for it sleeps instead of
+        spinning a core (the events the copy thread waits for)."""
+
+    def use(self, stream: Any) -> ContextManager:
+        """``stream`` current on the calling thread inside the block."""
+
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph."""
+
+
+class CudaStreams:
+    """:class:`StreamOps` of torch.cuda on ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def event(self, blocking: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(blocking=blocking)
+
+    def use(self, stream: torch.cuda.Stream) -> ContextManager:
+        return torch.cuda.stream(stream)
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+class Job(NamedTuple):
+    """One request's units of one layer: ``key`` (the caller's name for it), its step's
+    planned copies, the units to run, and whether an event should follow them."""
+
+    key: Any
+    step: StepCopies
+    units: Sequence[int]
+    signal: bool
+
+
+class Queued(NamedTuple):
+    """A job enqueued on the side stream: its event (None: not asked for, or it failed)
+    and the error that stopped it (its later units were not enqueued)."""
+
+    key: Any
+    units: Sequence[int]
+    event: Any
+    error: Optional[Exception]
+
+
+class SideStream:
+    """One P rank's side stream for layer-wise copies (see the module docstring)."""
+
+    def __init__(self, ops: StreamOps, max_ctas: int = LAYERWISE_CTAS):
+        self.max_ctas = integer(max_ctas, "layerwise_ctas", 1, MAX_LAYERWISE_CTAS)
+        self.ops = ops
+        self.stream = ops.stream()
+
+    def capturing(self) -> bool:
+        """A CUDA graph is being captured on the calling thread's stream: no copy is
+        queued then (the sweep copies after the forward)."""
+        return self.ops.capturing()
+
+    def mark(self) -> Any:
+        """An event on the calling thread's current stream after what it enqueued so far
+        (the forward's thread: the layer's compute; at the close: the sweep)."""
+        event = self.ops.event()
+        event.record(self.ops.current())
+        return event
+
+    def copy(self, after: Any, jobs: Sequence[Job]) -> List[Queued]:
+        """The copy thread: the side stream waits for ``after`` (a :meth:`mark`), then
+        each job's units are enqueued on it, capped, each job followed by its event when
+        it asks for one. A job whose copy raises (a planned call refused at launch) is
+        returned with its error; the others go on."""
+        self.stream.wait_event(after)
+        out: List[Queued] = []
+        with self.ops.use(self.stream):
+            for job in jobs:
+                try:
+                    for u in job.units:
+                        job.step.run(u, max_ctas=self.max_ctas)
+                except Exception as exc:  # noqa: BLE001 -- the caller stages this request whole
+                    out.append(Queued(job.key, job.units, None, exc))
+                    continue
+                event = None
+                if job.signal:
+                    event = self.ops.event(blocking=True)  # the copy thread sleeps in its wait
+                    event.record(self.stream)
+                out.append(Queued(job.key, job.units, event, None))
+        return out
+
+    @staticmethod
+    def wait(event: Any) -> None:
+        """The calling thread waits for ``event`` (a job's): its copies and sums are in
+        host memory. Never called on the forward's thread (P's waiter thread calls it)."""
+        event.synchronize()
+
+    def join(self) -> None:
+        """The calling thread's current stream waits, on the GPU, for every copy queued
+        on the side stream so far (the forward's thread at the step's close, after the
+        copy thread enqueued this step's copies)."""
+        self.ops.current().wait_stream(self.stream)
+
