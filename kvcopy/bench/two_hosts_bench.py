@@ -238,10 +238,6 @@ def run(args) -> int:
     from ..nixl import nixl_available
     from ..nixl.options import ManagerOptions
 
-    why = nixl_available() or unavailable()
-    if why:
-        print(f"kvcopy-bench nixl --two-hosts: cannot run here: {why}", file=sys.stderr)
-        return 2
     try:
         parse_rate(args.rate)
         parse_rate(args.fault_rate)
@@ -251,6 +247,14 @@ def run(args) -> int:
             raise ValueError(f"--p-load must be 0 or more threads, got {args.p_load}")
     except (ValueError, TypeError) as exc:
         raise BenchError(str(exc)) from None
+    busy = [f for f, v in (("--nixl-thread-nice", args.nixl_thread_nice), ("--p-cpus", args.p_cpus),
+                           ("--p-load", args.p_load), ("--d-cpus", args.d_cpus)) if v]
+    if args.faults and busy:
+        raise BenchError(f"{', '.join(busy)}: options of the timed rows, not of --faults")
+    why = nixl_available() or unavailable()
+    if why:
+        print(f"kvcopy-bench nixl --two-hosts: cannot run here: {why}", file=sys.stderr)
+        return 2
     if args.faults:
         out = {"tool": "kvcopy-bench", "command": "nixl --two-hosts --faults", "argv": getattr(args, "argv", None),
                "env": env_info("cpu"), "rate": args.fault_rate, "faults": measure_faults(args)}

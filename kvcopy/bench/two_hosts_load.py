@@ -23,6 +23,7 @@ thread's priority (``nixl_thread_nice``) decides how soon the READ is served.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from typing import List, Optional, Tuple
@@ -38,10 +39,10 @@ def parse_cpus(text: Optional[str]) -> Optional[List[int]]:
     allowed = os.sched_getaffinity(0)
     cpus = set()
     for part in str(text).split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if m is None:
             raise ValueError(f"cpus must be a list such as 1, 0,1 or 0-3, got {text!r}")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
+        cpus.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
     if not cpus or not cpus <= allowed:
         raise ValueError(f"cpus {text!r}: not all of them usable here (allowed: {sorted(allowed)})")
     return sorted(cpus)
@@ -56,16 +57,25 @@ def pin(server, cpus: List[int]) -> None:
         os.sched_setaffinity(tid, cpus)
 
 
+def name_thread(name: str) -> None:
+    """The calling thread's name as Linux shows it (``comm``: top -H, ``threads``);
+    Python's thread names stay inside Python."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+        f.write(name[:15])
+
+
 def load_start(server, n: int) -> None:
     import torch
 
     if server.scratch.get("load"):
         raise ValueError("a load runs already")
-    stop = threading.Event()
+    stop, started = threading.Event(), threading.Semaphore(0)
     counts = [0] * n
 
     def burn(i: int) -> None:
         torch.set_num_threads(1)  # OpenMP's thread count is per thread: a new one would fork a team of all cores
+        name_thread(f"p-load-{i}")
+        started.release()
         a, b = torch.rand(MATRIX, MATRIX), torch.rand(MATRIX, MATRIX)
         while not stop.is_set():
             torch.mm(a, b)
@@ -75,6 +85,8 @@ def load_start(server, n: int) -> None:
     server.scratch["load"] = (stop, workers, counts, time.monotonic())
     for w in workers:
         w.start()
+    for _ in workers:  # returns once every thread runs, named
+        started.acquire()
 
 
 def load_stop(server) -> float:
