@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 MATRIX = 256  # one multiply: 2 x 256^3 flops, 0.7 ms on one core of the 2-core test machine
 
@@ -37,7 +37,7 @@ def parse_cpus(text: Optional[str]) -> Optional[List[int]]:
     if text is None:
         return None
     allowed = os.sched_getaffinity(0)
-    cpus = set()
+    cpus: Set[int] = set()
     for part in str(text).split(","):
         m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
         if m is None:
@@ -74,8 +74,10 @@ def load_start(server, n: int) -> None:
 
     def burn(i: int) -> None:
         torch.set_num_threads(1)  # OpenMP's thread count is per thread: a new one would fork a team of all cores
-        name_thread(f"p-load-{i}")
-        started.release()
+        try:
+            name_thread(f"p-load-{i}")
+        finally:  # load_start waits for every thread, named or not
+            started.release()
         a, b = torch.rand(MATRIX, MATRIX), torch.rand(MATRIX, MATRIX)
         while not stop.is_set():
             torch.mm(a, b)
