@@ -28,7 +28,7 @@ import threading
 import time
 from typing import List, Optional, Set, Tuple
 
-MATRIX = 256  # one multiply: 2 x 256^3 flops, 0.7 ms on one core of the 2-core test machine
+MATRIX = 256  # one multiply: 2 x 256^3 flops, 0.35-0.7 ms on one core of the 2-core test machine
 
 
 def parse_cpus(text: Optional[str]) -> Optional[List[int]]:
