@@ -169,8 +169,8 @@ def d_measure(server, sc, raw_info: dict, iters: int, warmup: int, budget: float
     if niced_raw_info is not None:
         methods[NICED_BULK] = _bulk_read(server, n, niced_raw_info, delay_us, "niced")
     methods |= {"arena pull": lambda: _arena_pull(server, False),
-               "arena pull+complete": lambda: _arena_pull(server, True),
-               "host pull": host_pull}
+                "arena pull+complete": lambda: _arena_pull(server, True),
+                "host pull": host_pull}
     before = {"host pull": lambda: pending.append(s["host_plan"]()) if not pending else None}
     timings = measure(methods, "cpu", iters, warmup, budget_s=budget, before=before)
     verify["arena"] = check_kv(P, D, s["d_ids"], sc.block_dim(), as_words)
