@@ -23,7 +23,11 @@ its rows (P's forward), and P's managers' agents built with ``nixl_thread_nice``
 ``bulk READ`` stays the reference, its P agent at nice 0; with ``--nixl-thread-nice``
 a row ``bulk READ at P's nice`` reads the same bytes from a P agent at that nice (the
 async thread UCX starts once per process has the nice of P's first agent, a manager's).
-``--d-cpus`` pins D's process.
+``--d-cpus`` pins D's process. ``--write-rows`` adds ``bulk WRITE`` rows timed in P's
+process while its load runs: P's raw agents (nice 0, and at ``--nixl-thread-nice``)
+WRITE the same bytes into a buffer of D's, P's thread checking each WRITE's state every
+``--write-poll-ms`` (1 ms: the arena connector's housekeeper while a push's WRITEs are
+in flight): the push's direction, where P's bytes go as P's threads progress them.
 
 Each row: median time, ``x bulk`` (time / the bulk READ's in the same run, lower is
 better) and ``% rate`` (the row's throughput as a share of the configured cap; the
@@ -41,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import List
 
 import numpy as np
@@ -53,6 +58,7 @@ from .two_hosts_load import parse_cpus
 SIDE_P, SIDE_D = "kvcopy-2h-P", "kvcopy-2h-D"
 ROWS = ("bulk READ", "arena pull", "arena pull+complete", "host pull")
 NICED_BULK = "bulk READ at P's nice"  # a row only with --nixl-thread-nice
+WRITE_ROWS = ("bulk WRITE", "bulk WRITE at P's nice")  # --write-rows; the second with --nixl-thread-nice
 
 
 def add_args(p) -> None:
@@ -66,6 +72,12 @@ def add_args(p) -> None:
     t.add_argument("--p-load", type=int, default=0, metavar="N",
                    help="N busy threads in P's process (nice 0, pinned with it) while D times its rows")
     t.add_argument("--d-cpus", metavar="LIST", help="pin D's process to these CPUs")
+    t.add_argument("--write-rows", action="store_true",
+                   help="also time bulk WRITEs from P's raw agents (nice 0, and at --nixl-thread-nice) into D, "
+                        "timed in P's process while its load runs")
+    t.add_argument("--write-poll-ms", type=float, default=1.0,
+                   help="P checks a WRITE's state every this many ms (default 1: the arena connector's "
+                        "housekeeper while a push's WRITEs are in flight)")
     t.add_argument("--faults", action="store_true",
                    help="with --two-hosts: how long D takes to notice each fault, instead of the timing")
     t.add_argument("--fault-rate", default="8mbit", help="the cap during --faults (default 8mbit)")
@@ -192,23 +204,52 @@ def _poison(D, d_ids, block_dim: int, as_words) -> None:
 
 def _bulk_read(server, nbytes: int, raw_info: dict, delay_us: int, tag: str):
     agent, buf = _raw_agent(server, f"{SIDE_D}-raw-{tag}", nbytes, delay_us)
-    peer = agent.add_remote_agent(raw_info["metadata"])
+    return _bulk(server, agent, buf, nbytes, raw_info, "READ", tag)
+
+
+def _bulk(server, agent, buf, nbytes: int, remote_info: dict, op: str, tag: str, poll_s: float = 0.0):
+    """One ``op`` (READ or WRITE) of ``buf`` against the peer's buffer, its state
+    checked until it ends (every ``poll_s``; 0: back to back)."""
+    peer = agent.add_remote_agent(remote_info["metadata"])
     peer = peer.decode() if isinstance(peer, bytes) else peer
     local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[buf.data_ptr(), nbytes, 0]], np.uint64), "DRAM")
-    remote = agent.prep_xfer_dlist(peer, np.array([[raw_info["address"], nbytes, 0]], np.uint64), "DRAM")
+    remote = agent.prep_xfer_dlist(peer, np.array([[remote_info["address"], nbytes, 0]], np.uint64), "DRAM")
     server.scratch[f"dlists-{tag}"] = (local, remote)
     idx = np.arange(1, dtype=np.int32)
 
     def run():
-        h = agent.make_prepped_xfer("READ", local, idx, remote, idx, b"")
+        h = agent.make_prepped_xfer(op, local, idx, remote, idx, b"")
         state = agent.transfer(h)
         while state == "PROC":
+            if poll_s:
+                time.sleep(poll_s)
             state = agent.check_xfer_state(h)
         agent.release_xfer_handle(h)
         if state != "DONE":
-            raise RuntimeError(f"bulk READ ended {state}")
+            raise RuntimeError(f"bulk {op} ended {state}")
 
     return run
+
+
+def d_write_target(server, nbytes: int, delay_us: int) -> dict:
+    """D: a raw agent with one registered buffer of ``nbytes`` (the bulk WRITEs' target)."""
+    agent, buf = _raw_agent(server, f"{SIDE_D}-target", nbytes, delay_us)
+    return {"metadata": agent.get_agent_metadata(), "address": buf.data_ptr()}
+
+
+def p_write_measure(server, target: dict, nbytes: int, rows: dict, iters: int, warmup: int, budget: float,
+                    poll_s: float) -> dict:
+    """P: the bulk WRITE rows (``rows``: row name -> the tag of P's raw agent that
+    WRITEs), round-robin in P's main thread, each WRITE's state checked every
+    ``poll_s`` as the arena connector's housekeeper checks a push's WRITEs."""
+    from .timing import measure
+
+    methods = {}
+    for row, tag in rows.items():
+        agent, buf = server.scratch[f"{SIDE_P}-raw-{tag}"][:2]
+        methods[row] = _bulk(server, agent, buf, nbytes, target, "WRITE", f"write-{tag}", poll_s)
+    timings = measure(methods, "cpu", iters, warmup, budget_s=budget)
+    return {name: timings[name].stats() for name in methods}
 
 
 def _pull(m, plan):
@@ -245,10 +286,13 @@ def run(args) -> int:
         ManagerOptions(nixl_thread_nice=args.nixl_thread_nice or 0)
         if isinstance(args.p_load, bool) or args.p_load < 0:
             raise ValueError(f"--p-load must be 0 or more threads, got {args.p_load}")
+        if not 0 <= args.write_poll_ms <= 1000:
+            raise ValueError(f"--write-poll-ms must be in [0, 1000], got {args.write_poll_ms}")
     except (ValueError, TypeError) as exc:
         raise BenchError(str(exc)) from None
     busy = [f for f, v in (("--nixl-thread-nice", args.nixl_thread_nice), ("--p-cpus", args.p_cpus),
-                           ("--p-load", args.p_load), ("--d-cpus", args.d_cpus)) if v]
+                           ("--p-load", args.p_load), ("--d-cpus", args.d_cpus), ("--write-rows", args.write_rows))
+            if v]
     if args.faults and busy:
         raise BenchError(f"{', '.join(busy)}: options of the timed rows, not of --faults")
     why = nixl_available() or unavailable()
@@ -296,13 +340,20 @@ def measure_two_hosts(sc, args):
             p.call("call", load.load_start, args.p_load)
         stats, descs, n, verify = d.call("call", d_measure, sc, raw, args.iters, args.warmup, args.budget, delay,
                                          niced_raw, timeout=3600)
+        if args.write_rows:
+            target = d.call("call", d_write_target, nbytes, delay)
+            tags = {WRITE_ROWS[0]: "ref"} | ({} if nice is None else {WRITE_ROWS[1]: "niced"})
+            stats |= p.call("call", p_write_measure, target, nbytes, tags, args.iters, args.warmup, args.budget,
+                            args.write_poll_ms / 1e3, timeout=3600)
+            descs |= dict.fromkeys(tags, 1)
         load_rate = p.call("call", load.load_stop) if args.p_load else None
     rate = parse_rate(args.rate)
-    ref = stats["bulk READ"].get("median_us")
     rows = []
-    for name in (m for m in (ROWS[0], NICED_BULK) + ROWS[1:] if m in stats):
+    for name in (m for m in (ROWS[0], NICED_BULK) + ROWS[1:] + WRITE_ROWS if m in stats):
         st = stats[name]
-        row = {"method": name, "bytes": n, "descriptors": descs[name], **st}
+        of = WRITE_ROWS[0] if name in WRITE_ROWS else ROWS[0]  # x bulk: a WRITE row's against the bulk WRITE
+        ref = stats[of].get("median_us")
+        row = {"method": name, "bytes": n, "descriptors": descs[name], "x_bulk_of": of, **st}
         if st.get("median_us"):
             row["gbps"] = n / (st["median_us"] * 1e-6) / 1e9
             row["pct_rate"] = 100 * row["gbps"] * 8e9 / rate
@@ -338,15 +389,15 @@ def format_two_hosts(out: dict) -> str:
     lines = [f"kvcopy-bench nixl --two-hosts  link cap {out['rate']} (veth between two network namespaces, "
              f"UCX on TCP), NIXL {out['env'].get('nixl')}, load average {loads}",
              f"scenario {out['description']}", busy,
-             f"{'method':<21} {'bytes':>9} {'descs':>6} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
+             f"{'method':<22} {'bytes':>9} {'descs':>6} {'median ms':>10} {'p10 ms':>8} {'p90 ms':>8} "
              f"{'GB/s':>6} {'% rate':>7} {'x bulk':>7}"]
     for r in out["results"]:
-        lines.append(f"{r['method']:<21} {fmt_bytes(r['bytes']):>9} {r['descriptors']:>6} "
+        lines.append(f"{r['method']:<22} {fmt_bytes(r['bytes']):>9} {r['descriptors']:>6} "
                      f"{r.get('median_us', 0) / 1e3:>10.2f} {r.get('p10_us', 0) / 1e3:>8.2f} "
                      f"{r.get('p90_us', 0) / 1e3:>8.2f} {r.get('gbps', 0):>6.2f} {r.get('pct_rate', 0):>7.1f} "
                      f"{r.get('x_bulk') or 0:>7.2f}")
-    lines.append("x bulk = time / one bulk READ of the same bytes over the same link, same run (lower is better); "
-                 "% rate = throughput / the link's cap")
+    lines.append("x bulk = time / one bulk READ (WRITE rows: bulk WRITE) of the same bytes over the same link, "
+                 "same run (lower is better); % rate = throughput / the link's cap")
     lines.append(f"verify {out['facts']['verify']}")
     return "\n".join(lines) + "\n"
 
