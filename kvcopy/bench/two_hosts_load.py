@@ -15,8 +15,8 @@ thread's priority (``nixl_thread_nice``) decides how soon the READ is served.
     ``n`` threads at nice 0, each multiplying two 256 x 256 float32 matrices in a loop
     (``torch.mm`` on one thread, the GIL released while it computes: the engine's main
     thread in a CPU forward; on a GPU host the forward's CPU side is kernel launches,
-    as busy). The rate they kept is returned, so a priority that costs the forward
-    shows too.
+    as busy); ``load_start`` returns once each thread multiplied once. The rate they
+    kept is returned, so a priority that costs the forward shows too.
 ``threads(server)`` -> ``[(name, nice, cpus)]``
     every thread of the process: which ones NIXL and UCX started, at what nice.
 """
@@ -76,9 +76,11 @@ def load_start(server, n: int) -> None:
         torch.set_num_threads(1)  # OpenMP's thread count is per thread: a new one would fork a team of all cores
         try:
             name_thread(f"p-load-{i}")
-        finally:  # load_start waits for every thread, named or not
+            a, b = torch.rand(MATRIX, MATRIX), torch.rand(MATRIX, MATRIX)
+            torch.mm(a, b)
+            counts[i] += 1
+        finally:  # load_start returns once every thread multiplied once (or failed to)
             started.release()
-        a, b = torch.rand(MATRIX, MATRIX), torch.rand(MATRIX, MATRIX)
         while not stop.is_set():
             torch.mm(a, b)
             counts[i] += 1
@@ -87,7 +89,7 @@ def load_start(server, n: int) -> None:
     server.scratch["load"] = (stop, workers, counts, time.monotonic())
     for w in workers:
         w.start()
-    for _ in workers:  # returns once every thread runs, named
+    for _ in workers:  # returns once every thread runs, named, its first multiply done
         started.acquire()
 
 
