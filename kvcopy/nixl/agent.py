@@ -56,7 +56,9 @@ start while an agent is built (the progress thread and UCX's ``async`` thread) g
 nice value. Woken by a WRITE, the progress thread takes the CPU from the thread that
 posted it where the two share one (a push's first WRITE after P's prefill: 1-5 ms more,
 docs/vllm.md, "The first WRITE after the prefill end stalls"); at nice 19 it runs only
-where the CPU has time to spare.
+where the CPU has time to spare, which is also when a P serves a READ over TCP (a
+software GET its progress thread sends): 3-31x slower pulls from a busy P, hence the
+default (docs/nixl.md, "Progress thread").
 
 Logging: NIXL's Python logger prints an ``INFO`` line to stdout for every agent and
 backend it creates. kvcopy sets that logger to ``WARNING`` when it loads NIXL, unless
