@@ -8,8 +8,13 @@ themselves run at once on the CPU; what the log records is what a GPU would be t
 
 * ``("record", event, stream)``, ``("wait_event", stream, event)``,
   ``("wait_stream", stream, other)``, ``("use", stream)`` (made current on a thread),
-  ``("synchronize", event)`` (a host wait), and what a test adds with :meth:`note`;
+  ``("synchronize", event)`` (a host wait), ``("enter_thread",)``, and what a test adds
+  with :meth:`note`;
 * each entry starts with the name of the thread that made it.
+
+A thread that makes a stream current or waits for an event on the host without having
+called :meth:`RecordedStreams.enter_thread` first raises ``AssertionError`` there (on a
+GPU it would run on device 0, whatever the KV's device).
 
 Streams are named ``"current"`` (every thread's until one is made current with
 :meth:`use`) and ``"side1"``, ``"side2"`` ...; events ``"e1"``, ``"e2"`` ... in creation order.
@@ -64,6 +69,7 @@ class _Event:
             raise AssertionError(f"{self.name} waited for before it was recorded")
         if not self.blocking:
             raise AssertionError(f"a host wait for {self.name}, made without blocking: it would spin a core")
+        self.ops.entered_or_raise(f"a host wait for {self.name}")
         self.ops.note("synchronize", self.name)
         if self.ops.gate is not None:
             self.ops.gate.wait()
@@ -85,6 +91,7 @@ class RecordedStreams:
         self._current = _Stream(self, "current")
         self._streams = 0
         self._events = 0
+        self.entered: set = set()  # names of the threads that called enter_thread (kept when the log is cleared)
 
     def note(self, *entry) -> None:
         """Append ``(this thread's name, *entry)`` to the log."""
@@ -104,8 +111,21 @@ class RecordedStreams:
             self._events += 1
             return _Event(self, f"e{self._events}", blocking)
 
+    def enter_thread(self) -> None:
+        name = threading.current_thread().name
+        with self._lock:
+            self.entered.add(name)
+        self.note("enter_thread")
+
+    def entered_or_raise(self, what: str) -> None:
+        name = threading.current_thread().name
+        with self._lock:
+            if name not in self.entered:
+                raise AssertionError(f"{what} on {name}, which never called enter_thread (a GPU: device 0)")
+
     @contextmanager
     def use(self, stream: _Stream) -> Iterator[None]:
+        self.entered_or_raise(f"{stream.name} made current")
         before = self.current()
         self._local.stream = stream
         self.note("use", stream.name)
@@ -140,21 +160,30 @@ def noting_copies(ops: RecordedStreams) -> Callable:
 def check_layerwise_order(log: List[Tuple[str, ...]], side: str, forward: str, cap: int) -> int:
     """Assert the order of a layer-wise GPU path in ``log`` (with :func:`noting_copies`):
     a copy off the forward's thread runs on the ``side`` stream with grid cap ``cap``,
-    after the side stream waited for an event the forward's thread recorded on its
-    current stream; a copy on the forward's thread (the sweep) runs on the current
+    inside a ``use`` of it just after the side stream waited for an event the forward's
+    thread recorded on its current stream: a new one for every ``use``, in the order the
+    forward recorded them (each layer's copies wait for that layer's own event, not an
+    earlier one); a copy on the forward's thread (the sweep) runs on the current
     stream with the copier's grid, after the current stream last waited for the side
     stream with no side copy since; a host wait (``synchronize``) is never on the
-    forward's thread and only for an event the copy thread recorded on the side stream
-    right after its copies. Returns the count of side copies."""
+    forward's thread nor on a thread that copies on the side stream, and only for an
+    event the copy thread recorded on the side stream right after its copies. Returns
+    the count of side copies."""
     recorded: Dict[str, Tuple[str, str]] = {}  # event -> (thread, stream) of its last record
+    forward_order: Dict[str, int] = {}  # event the forward's thread recorded -> its place
     previous: Dict[str, Tuple] = {}  # thread -> its entry before this one
-    waited = None  # the event the side stream last waited for
+    waited = None  # the event the side stream waited for since its last use
+    last_waited = -1  # the forward's place of the event the last use waited for
+    using: Dict[str, bool] = {}  # thread -> its last side use began right after a new wait
+    copiers = {e[0] for e in log if e[1] == "copy" and e[0] != forward}  # threads that copy on the side stream
     side_copies = 0
     joined = False  # the forward's stream waited for the side stream, no side copy since
     for entry in log:
         thread, kind = entry[0], entry[1]
         if kind == "record":
             recorded[entry[2]] = (thread, entry[3])
+            if thread == forward and entry[3] == "current":
+                forward_order[entry[2]] = len(forward_order)
             if entry[3] == side:  # a job's event: right after its copies, on the copy thread
                 before = previous.get(thread)
                 assert before is not None and before[1] == "copy" and before[3] == side, (entry, before)
@@ -162,8 +191,13 @@ def check_layerwise_order(log: List[Tuple[str, ...]], side: str, forward: str, c
             assert entry[2] == side and thread != forward, entry
             assert recorded.get(entry[3]) == (forward, "current"), (entry, recorded.get(entry[3]))
             waited = entry[3]
+        elif kind == "use" and entry[2] == side:
+            assert waited is not None, f"{side} made current with no new wait for a layer's event: {entry}"
+            place = forward_order[waited]
+            assert place > last_waited, f"{side} waited for {waited}, not after the last use's: {entry}"
+            last_waited, waited, using[thread] = place, None, True
         elif kind == "copy" and thread != forward:
-            assert entry[3] == side and entry[4] == cap and waited is not None, entry
+            assert entry[3] == side and entry[4] == cap and using.get(thread), entry
             side_copies += 1
             joined = False
         elif kind == "copy":
@@ -174,6 +208,7 @@ def check_layerwise_order(log: List[Tuple[str, ...]], side: str, forward: str, c
             joined = True
         elif kind == "synchronize":
             assert thread != forward, f"a host wait on the forward's thread: {entry}"
+            assert thread not in copiers, f"a host wait on the copy thread: {entry}"
             assert recorded[entry[2]][1] == side, entry
         previous[thread] = entry
     return side_copies

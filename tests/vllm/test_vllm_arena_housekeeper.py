@@ -152,3 +152,31 @@ def test_a_wake_without_a_new_post_keeps_the_backoff_and_a_post_restarts_it(monk
     whole = sum(kind == "full" and 1.0 <= t < 6.0 for kind, t in turns)
     assert whole >= 5 * round(1 / period) - 5, whole  # at the period by then: whole turns
     assert quick_in(6.5, 6.65) >= 45, quick_in(6.5, 6.65)  # the post's turn and 1 ms turns after it
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_enter_runs_first_on_the_housekeeping_thread_and_a_failure_keeps_the_turns(fails):
+    """``enter`` (a GPU worker: its KV's device made the thread's) runs once, on the
+    housekeeper's own thread, before its first turn; one that raises is logged and the
+    turns still come (a CPU worker needs no device)."""
+    seen = []
+
+    def enter():
+        seen.append(("enter", threading.current_thread().name))
+        if fails:
+            raise RuntimeError("no device")
+    house = Housekeeper(lambda: seen.append(("tick", threading.current_thread().name)), threading.Lock(), 3600.0,
+                        "enter", enter=enter).start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(seen) < 2:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.001)
+        house.wake()
+        while len(seen) < 3:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.001)
+    finally:
+        house.stop()
+    assert seen[0] == ("enter", "kvcopy-arena-house-enter")
+    assert [k for k, _ in seen[1:]] == ["tick"] * (len(seen) - 1) and {t for _, t in seen} == {seen[0][1]}

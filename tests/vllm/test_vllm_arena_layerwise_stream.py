@@ -80,6 +80,9 @@ def test_layers_copied_on_the_side_stream_load_exactly(engines, streams, monkeyp
     assert at_layer > 0
     side_copies = check_layerwise_order(streams.log, layers.side.stream.name, FORWARD, CTAS)
     assert side_copies > 0
+    # kvcopy's threads that touch the GPU made the KV's device theirs (a new thread's is 0)
+    for prefix in ("kvcopy-arena-layers-", "kvcopy-arena-waits-", "kvcopy-arena-house-"):
+        assert any(t.startswith(prefix) for t in streams.entered), (prefix, streams.entered)
     assert [e for e in streams.log if e[1] == "wait_stream"]  # the forward's stream joined the side stream
     # records: made on the copy thread once the last unit's event completed, or, with state
     # units left to the sweep (GDN), at the close once an event after the sweep completed

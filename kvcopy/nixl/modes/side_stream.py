@@ -73,7 +73,7 @@ class StreamOps(Protocol):
 
     def event(self, blocking: bool = False) -> Any:
         """A new event (no timing); ``blocking``: a host wait for it sleeps instead of
-        spinning a core (the events the copy thread waits for)."""
+        spinning a core (the events the waiter thread waits for)."""
 
     def use(self, stream: Any) -> ContextManager:
         """``stream`` current on the calling thread inside the block."""
@@ -81,12 +81,17 @@ class StreamOps(Protocol):
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph."""
 
+    def enter_thread(self) -> None:
+        """First thing on a thread of kvcopy's that makes a stream current or waits for an
+        event (the copy and waiter threads): the streams' device made that thread's."""
+
 
 class CudaStreams:
     """:class:`StreamOps` of torch.cuda on ``device``."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        # an index always: torch.cuda.set_device refuses a bare "cuda"
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -102,6 +107,13 @@ class CudaStreams:
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def enter_thread(self) -> None:
+        # A new thread's current device is 0. Leaving ``torch.cuda.stream(s)`` there makes
+        # the stream current again that was current on entry, device 0's, which switches
+        # the thread to device 0: a CUDA context on GPU 0 for every other TP rank's worker
+        # (hundreds of MiB on a GPU vLLM filled to 90%), or an error out of the copy.
+        torch.cuda.set_device(self.device)
 
 
 class Job(NamedTuple):
@@ -137,6 +149,11 @@ class SideStream:
         queued then (the sweep copies after the forward)."""
         return self.ops.capturing()
 
+    def enter_thread(self) -> None:
+        """Run first on the copy and waiter threads (an executor's ``initializer``):
+        :meth:`StreamOps.enter_thread`."""
+        self.ops.enter_thread()
+
     def mark(self) -> Any:
         """An event on the calling thread's current stream after what it enqueued so far
         (the forward's thread: the layer's compute; at the close: the sweep)."""
@@ -161,7 +178,7 @@ class SideStream:
                     continue
                 event = None
                 if job.signal:
-                    event = self.ops.event(blocking=True)  # the copy thread sleeps in its wait
+                    event = self.ops.event(blocking=True)  # the waiter thread sleeps in its wait
                     event.record(self.stream)
                 out.append(Queued(job.key, job.units, event, None))
         return out

@@ -356,6 +356,12 @@ class KvcopyArenaWorker:
         o = self.options
         replicated = self.total_kv_heads if self.total_kv_heads is not None and self.total_kv_heads < self.tp_size \
             else None  # else each rank's heads x TP, per layer
+        # GPU: the streams of P's layer-wise copies; every thread of kvcopy's that launches,
+        # waits for or queries GPU work makes the KV's device its own first (enter_thread)
+        ops = self.stream_ops
+        cuda = [t.device for t in kv_caches.values() if t.device.type == "cuda"]
+        if ops is None and cuda:
+            ops = CudaStreams(cuda[0])
         # The threads these start (NIXL's progress thread, UCX's async thread, the side channel's
         # client thread and ZMQ's I/O thread, the housekeeper) run off the model's cores:
         # kvcopy.vllm.affinity
@@ -377,14 +383,11 @@ class KvcopyArenaWorker:
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
                                            hurry=None if sender is None else (lambda: sender.urgent),
                                            hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick,
-                                           posts=None if sender is None else (lambda: sender.writes_posted))
+                                           posts=None if sender is None else (lambda: sender.writes_posted),
+                                           enter=None if ops is None else ops.enter_thread)
             if sender is not None:
                 sender.wake = self.housekeeper.wake
         if o.layerwise and self.producer:
-            arena = self.manager.arena
-            ops = self.stream_ops
-            if ops is None and arena is not None and arena.on_cuda:
-                ops = CudaStreams(next(t.device for t in kv_caches.values() if t.device.type == "cuda"))
             side = SideStream(ops, o.layerwise_ctas) if ops is not None else None
             self.stager.layers = LayerwiseStage(self.manager, self.thread_cpus, self.name, o.manager.arena_ttl_s,
                                                 side)

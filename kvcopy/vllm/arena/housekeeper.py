@@ -67,8 +67,10 @@ class Housekeeper:
 
     def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
                  hurry: Optional[Callable[[], bool]] = None, hurry_s: float = 0.0,
-                 quick: Optional[Callable[[], None]] = None, posts: Optional[Callable[[], int]] = None):
+                 quick: Optional[Callable[[], None]] = None, posts: Optional[Callable[[], int]] = None,
+                 enter: Optional[Callable[[], None]] = None):
         self._tick, self._lock, self._period = tick, lock, period_s
+        self._enter = enter  # first thing on the thread (a GPU worker: its device made the thread's)
         self._hurry, self._hurry_s, self._quick, self._posts = hurry, hurry_s, quick, posts
         self._stop = False
         self._wake = Wakes()
@@ -80,6 +82,11 @@ class Housekeeper:
         return self
 
     def _run(self) -> None:
+        if self._enter is not None:
+            try:
+                self._enter()
+            except Exception:  # noqa: BLE001 -- turns still run: a CPU worker needs no device
+                logger.exception("kvcopy arena: the housekeeping thread could not take the KV's device")
         wait = 0.0  # the first turn at once (P's worker starts its long-poll there)
         next_full = time.monotonic()
         hurried_since: Optional[float] = None

@@ -136,11 +136,12 @@ class LayerwiseStage:
         # The copy thread, started here so it inherits the transfer CPUs (an executor
         # starts its thread on the first submit, from whichever thread submits).
         with threads_on(cpus):
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-layers-{name}")
+            enter = None if side is None else side.enter_thread  # GPU: the KV's device made the thread's
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-layers-{name}", initializer=enter)
             self._pool.submit(lambda: None).result()
             # GPU: the thread that waits for the side stream's events and hands the units on
-            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-waits-{name}") \
-                if side is not None else None
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix=f"kvcopy-arena-waits-{name}",
+                                              initializer=enter) if side is not None else None
             if self._waiter is not None:
                 self._waiter.submit(lambda: None).result()
         self._handing: List[Future] = []  # GPU: the waiter's jobs (a test may wait for them)

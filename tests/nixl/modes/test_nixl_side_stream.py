@@ -4,7 +4,8 @@ CPU: the GPU path's order of operations with recorded streams and events
 (kvcopy.testing.streams): each layer's copies run on the side stream after it waited for
 that layer's event (recorded on the forward's stream by the forward's thread), with the
 grid cap; each job's event follows its copies; the forward's stream waits for the side
-stream before the sweep; only the copy thread waits on the host. The span and record
+stream before the sweep; only a third thread (the waiter) waits on the host, and the
+threads that use the streams made the device theirs first. The span and record
 equal the whole-request staging's byte for byte, arenas poisoned first.
 
 GPU (``@pytest.mark.gpu``, real ``torch.cuda`` streams and events; prepared, not run on
@@ -56,12 +57,14 @@ def _splits(n, steps):
     return sorted({max(1, n * (k + 1) // steps) for k in range(steps)})
 
 
-def stage_on_side(parts, info, spec, side, pool, steps=1, before_layer=None):
+def stage_on_side(parts, info, spec, side, pool, waiter, steps=1, before_layer=None):
     """Stage ``req`` over ``steps`` steps as layer-wise P does on a GPU: per layer, the
     forward's thread marks, the copy thread (``pool``) enqueues that layer's units on the
-    side stream and waits for their event; every third layer is left to the sweep; at
-    the close the forward's stream joins the side stream and sweeps; the record once an
-    event after that completed (polled, as the stager does)."""
+    side stream, the waiter thread (``waiter``) waits for their event; every third layer
+    is left to the sweep; at the close the forward's stream joins the side stream and
+    sweeps; the record once an event after that completed (polled, as the stager does)."""
+    for thread in (pool, waiter):
+        thread.submit(side.enter_thread).result()
     part = parts.begin(info, spec.num_tokens, b"req", 1)
     for done in _splits(spec.num_tokens, steps):
         step = parts.settle(part, spec.p.block_ids, done)
@@ -73,9 +76,14 @@ def stage_on_side(parts, info, spec, side, pool, steps=1, before_layer=None):
             if not units or i % 3 == 2:
                 continue
             after = side.mark()
-            futures.append(pool.submit(_copy_and_wait, side, after, [Job("req", step, units, True)]))
+            futures.append(pool.submit(side.copy, after, [Job("req", step, units, True)]))
+        waits = []
         for f in futures:
-            f.result()
+            for q in f.result():
+                assert q.error is None, q.error
+                waits.append(waiter.submit(side.wait, q.event))
+        for w in waits:
+            w.result()
         side.join()
         for u in step.left():
             step.run(u)
@@ -85,12 +93,9 @@ def stage_on_side(parts, info, spec, side, pool, steps=1, before_layer=None):
     return parts.finish(part)
 
 
-def _copy_and_wait(side, after, jobs):
-    queued = side.copy(after, jobs)
-    for q in queued:
-        assert q.error is None, q.error
-        side.wait(q.event)
-    return queued
+def _threads():
+    """The copy thread and the waiter thread."""
+    return ThreadPoolExecutor(1, thread_name_prefix="copy"), ThreadPoolExecutor(1, thread_name_prefix="waits")
 
 
 def _cpu_caches(spec):
@@ -100,7 +105,8 @@ def _cpu_caches(spec):
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_the_order_of_operations_and_the_bytes(monkeypatch, steps):
-    with one_torch_thread(), ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
+    pool, waiter = _threads()
+    with one_torch_thread(), pool, waiter:
         checked = 0
         for seed in SEEDS:
             spec = random_spec(np.random.default_rng(seed), seed)
@@ -111,7 +117,7 @@ def test_the_order_of_operations_and_the_bytes(monkeypatch, steps):
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
                 ops.log.clear()
-                got = stage_on_side(parts, parts_info, spec, side, pool, steps)
+                got = stage_on_side(parts, parts_info, spec, side, pool, waiter, steps)
                 assert want.to_bytes() == got.to_bytes(), seed
                 assert torch.equal(whole.buffer, parts.buffer), seed
             finally:
@@ -128,6 +134,7 @@ def test_a_job_that_fails_is_reported_and_the_others_run(monkeypatch):
         try:
             ops = RecordedStreams()
             side = SideStream(ops)
+            side.enter_thread()  # the test's thread copies here
             assert side.max_ctas == LAYERWISE_CTAS
             part = parts.begin(info, spec.num_tokens, b"req", 1)
             step = parts.settle(part, spec.p.block_ids, spec.num_tokens)
@@ -146,6 +153,7 @@ def test_a_job_that_fails_is_reported_and_the_others_run(monkeypatch):
 def test_a_job_without_a_signal_gets_no_event_and_capture_is_seen():
     ops = RecordedStreams()
     side = SideStream(ops, 2)
+    side.enter_thread()
     assert not side.capturing()
     ops.capture = True
     assert side.capturing()
@@ -205,7 +213,8 @@ def _spy_grids(monkeypatch):
 @pytest.mark.parametrize("steps", [1, 3])
 def test_gpu_side_stream_stages_bit_exactly_with_the_cap(monkeypatch, steps):
     grids = _spy_grids(monkeypatch)
-    with ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
+    pool, waiter = _threads()
+    with pool, waiter:
         for seed in range(6):
             spec = random_spec(np.random.default_rng(seed), seed)
             cpu = build_caches(spec, "p", spec.p_ranks[0], logical_kv(spec))
@@ -214,7 +223,7 @@ def test_gpu_side_stream_stages_bit_exactly_with_the_cap(monkeypatch, steps):
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
                 grids.clear()
-                got = stage_on_side(parts, parts_info, spec, side, pool, steps)
+                got = stage_on_side(parts, parts_info, spec, side, pool, waiter, steps)
                 assert want.to_bytes() == got.to_bytes(), seed  # the GPU's page sums are the CPU's
                 assert torch.equal(whole.buffer, parts.buffer), seed
                 on_side = [cap for s, cap in grids if s == side.stream.cuda_stream]
@@ -229,7 +238,8 @@ def test_gpu_side_stream_stages_bit_exactly_with_the_cap(monkeypatch, steps):
 def test_gpu_a_layers_copy_waits_for_its_compute():
     """Each layer's KV is written on the current stream behind a ~1 ms kernel, after the
     caches were poisoned; the copy on the side stream must see the written bytes."""
-    with ThreadPoolExecutor(1, thread_name_prefix="copy") as pool:
+    pool, waiter = _threads()
+    with pool, waiter:
         for seed in range(4):
             spec = random_spec(np.random.default_rng(seed), seed)
             cpu = build_caches(spec, "p", spec.p_ranks[0], logical_kv(spec))
@@ -247,7 +257,7 @@ def test_gpu_a_layers_copy_waits_for_its_compute():
                         dev[name].copy_(truth[name])
             try:
                 want = whole.stage(info, spec.p.block_ids, spec.num_tokens, b"req", 1)
-                got = stage_on_side(parts, parts_info, spec, side, pool, 1, before_layer=write)
+                got = stage_on_side(parts, parts_info, spec, side, pool, waiter, 1, before_layer=write)
                 assert want.to_bytes() == got.to_bytes(), seed
                 assert torch.equal(whole.buffer, parts.buffer), seed
             finally:
