@@ -18,7 +18,9 @@ P's notices (``f``, ``x``, ``c``: :mod:`kvcopy.nixl.wire.push_messages`) are rea
 notifications delivers D's too) and :meth:`Reservations.state`. **Chunks** (a layer-wise
 P, :mod:`kvcopy.nixl.modes.push_units`): D scatters every unit whose P units all landed
 on the ``c`` (in :meth:`Reservations.state`), the rest at ``complete``, and compares the
-sums of all at ``complete``.
+sums of all at ``complete``; a GPU D alike, its scatters enqueued on the calling thread's
+current stream and its sums folded as their events complete, so ``complete``'s verdict
+may be pending (``Completion.ready``) and its span is freed once those events completed.
 
 **D's span is never reused while a WRITE may land** (the late-READ rule mirrored: a
 one-sided WRITE gives D no handle to wait on or cancel). Only P can say none will: its
@@ -222,15 +224,17 @@ class Reservations:
         assert us is not None
         if job.scattered is None:
             job.scattered = np.zeros(len(us.needs), bool)
-            job.sums = push_units.UnitSums(us, self._mode.sums.device.type == "cpu")
+            job.sums = push_units.UnitSums(us, self._mode.streams)
+        assert job.sums is not None
+        job.sums.settle()  # a GPU's read-backs that arrived: folded now, so that f has only the last ones left
         landed = [job.landed.get(n, np.zeros(k, bool)) for n, k in zip(job.names, us.p_units)]
         ready = us.ready(landed, job.scattered)
         if not ready:
             return
         job.scattered[ready] = True  # before the copy: a unit half scattered is never scattered again
         try:
-            assert job.sums is not None
-            push_units.scatter(self._mode, job.rw.request.order, us, ready, self._mode.sums.on, job.sums)
+            push_units.scatter(self._mode, job.rw.work.offset, job.rw.request.order, us, ready, self._mode.sums.on,
+                               job.sums)
         except Exception as exc:  # noqa: BLE001 -- a torch/CUDA error fails this load only
             self._fail(job, f"scattering a pushed chunk failed: {type(exc).__name__}: {exc}")
 

@@ -18,7 +18,7 @@ request was planned), computed once, when first asked, and counted in
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -60,6 +60,17 @@ class Readback:
         return self._arrays
 
 
+class Arriving(Protocol):
+    """Sums on their way to host memory, as :class:`SumCheck` reads them: a
+    :class:`Readback`, or a chunked push's :class:`~kvcopy.nixl.modes.push_units.UnitSums`."""
+
+    def ready(self) -> bool:
+        """They can be read without waiting."""
+
+    def arrays(self) -> List[np.ndarray]:
+        """They, waiting for them if not ready."""
+
+
 class SumStats:
     """Per manager: requests whose sums were compared and matched (``checked``), compared
     and differed (``failed``), not compared (``unchecked``), and comparisons not yet
@@ -90,7 +101,7 @@ class SumCheck:
 
     __slots__ = ("_readback", "_compare", "_stats", "_result", "_done")
 
-    def __init__(self, readback: Readback, compare: Callable[[List[np.ndarray]], Optional[str]], stats: SumStats):
+    def __init__(self, readback: Arriving, compare: Callable[[List[np.ndarray]], Optional[str]], stats: SumStats):
         self._readback = readback
         self._compare = compare
         self._stats = stats

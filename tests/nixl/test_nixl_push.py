@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from kvcopy.nixl import NO_BLOCK, push_reservations, push_writes
+from kvcopy.nixl.modes import push_units
 from kvcopy.nixl.wire.push_messages import (MAX_ROWS, MAX_TIMEOUT_S, NEVER, PREFIX, chunk_notice, notice,
                                             parse_chunk_notice, parse_notice)
 from kvcopy.testing.nixl.engines import (
     ManagerPairs, PrefillProcess, allocate_blocks, build_case, expected_pull, one_torch_thread,
 )
 from kvcopy.testing.nixl.oracle import clone_caches, fill_random, first_difference, same_bytes
+from kvcopy.testing.streams import RecordedStreams
 
 NP = 48
 MB = 1 << 20
@@ -583,3 +585,171 @@ def test_post_units_of_a_finished_part_leaves_the_final_write_whole(pd):
     want = expected_pull(before, de, d_ids, pe.device_caches, pe, [[0, 1, 2]], 40)
     assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
     assert p.stats()["push_chunks_posted"] == 0
+
+
+# ------------------------------------------------------------------ chunked push landing on a GPU D
+# The GPU path (ArenaStaging.streams set) driven on the CPU by recorded streams
+# (kvcopy.testing.streams): its events are late once, so a verdict or a free that does
+# not ask again before acting is caught.
+def _gpu_path(d, monkeypatch):
+    """D takes the GPU path with recorded streams; every fold is checked to come after its
+    event completed; ``.cpu()`` of any tensor fails (on a GPU: a host wait)."""
+    ops = RecordedStreams()
+    d.arena.streams = ops
+    real = push_units.UnitSums._fold_host
+
+    def fold_host(self, entry):
+        assert entry[2].done, f"sums folded before {entry[2].name} completed"
+        real(self, entry)
+    monkeypatch.setattr(push_units.UnitSums, "_fold_host", fold_host)
+
+    def no_cpu(self, *a, **k):
+        raise AssertionError(".cpu() on the engine thread: a host wait on a GPU")
+    monkeypatch.setattr(torch.Tensor, "cpu", no_cpu)
+    return ops
+
+
+def _chunks_but_the_tail(p, d, target, res, peer, part, step, after_copy=None):
+    """Every unit but the last WRITten as its own chunk and scattered by D at its ``c``;
+    the last one copied, left to P's final WRITE. Returns P's token."""
+    tok = p.push_writes.accept(target, d.info.generation, res.items[peer])
+    job = d.reservations._recv[res.token]
+    for u in step.units[:-1]:
+        step.run(u)
+        if after_copy is not None:
+            after_copy(u)
+        p.push_writes.post_units(tok, part, u, u + 1)
+        end = time.monotonic() + 30
+        while job.scattered is None or not job.scattered[u]:
+            p.push_writes.poll()
+            assert d.reservations.state(res.token) == "PROC"
+            assert time.monotonic() < end, "chunk not landed"
+            time.sleep(0.001)
+    step.run(step.units[-1])
+    return tok
+
+
+@pytest.mark.parametrize("case,counts,n", [("one_group", [3], 40), ("hybrid", [3, 6], 90), ("seeds3", [3], 300)])
+def test_a_gpu_d_scatters_chunks_at_c_and_reports_after_the_events(pd, monkeypatch, case, counts, n):
+    p, d, peer, pe, de, target = pd(case)
+    ops = _gpu_path(d, monkeypatch)
+    rng = np.random.default_rng(21)
+    p_ids = allocate_blocks(rng, pe, counts, set(), NP)
+    d_ids = allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP)
+    before = clone_caches(de.device_caches)
+    res = d.reservations.reserve([peer], n, d_ids, 0, "g", 30.0)
+    assert d.reservations._recv[res.token].rw.units is not None  # a GPU D plans its units too
+    part, step = _stage_final_step(p, p_ids, n, "g")
+    assert len(step.units) > 1
+    tok = _chunks_but_the_tail(p, d, target, res, peer, part, step)
+    job = d.reservations._recv[res.token]
+    assert int(job.scattered.sum()) == len(step.units) - 1  # scattered at their c, before P's f
+    chunk_events = [e for _, kind, e, stream in ops.entries("record")]
+    assert len(chunk_events) == len(step.units) - 1 and {e[3] for e in ops.entries("record")} == {"current"}
+    p.push_writes.post(tok, p.arena.finish(part))
+    assert settle(p, d, res.token) == "DONE"
+    done = d.reservations.complete(res.token)
+    assert len(ops.entries("record")) == len(step.units)  # the tail's scatter, at f
+    assert not done.ready  # the tail's sums are on their way: the verdict is pending
+    assert done.ready and done.ok and done.checked, done.error
+    want = expected_pull(before, de, d_ids, pe.device_caches, pe, p_ids, n)
+    assert not same_bytes(before, want)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0  # the events asked again: freed
+    assert ops.entries("synchronize") == []  # no host wait on the engine thread
+    p.arena.release("g")
+
+
+def test_a_gpu_d_keeps_its_span_while_a_chunk_scatter_may_read_it(pd, monkeypatch):
+    p, d, pe, de, before, res, part, step, tok = _reserved_final_step(pd, "gx")
+    ops = _gpu_path(d, monkeypatch)
+    step.run(step.units[0])
+    p.push_writes.post_units(tok, part, step.units[0], step.units[0] + 1)
+    job = d.reservations._recv[res.token]
+    end = time.monotonic() + 30
+    while job.scattered is None or not job.scattered[step.units[0]]:
+        p.push_writes.poll()
+        d.reservations.state(res.token)
+        assert time.monotonic() < end, "chunk not landed"
+        time.sleep(0.001)
+    (event,) = d.arena._scattering[job.rw.work.offset]
+    event.query = lambda: False  # the GPU has not run that scatter yet
+    p.push_writes.refuse(tok)
+    p.arena.abandon(part)
+    assert settle(p, d, res.token) == "ERR"
+    done = d.reservations.complete(res.token)
+    assert not done.ok and done.written_in == "device caches"  # the chunk wrote the request's own pages
+    _outside_untouched(de, before, [[7, 8, 9]])
+    for _ in range(3):
+        assert d.stats()["bytes_in_use"] == job.rw.work.nbytes  # not freed: the scatter may still read it
+    del event.query  # the scatter ran (late once: the next ask says done)
+    assert d.stats()["bytes_in_use"] == job.rw.work.nbytes
+    assert d.stats()["bytes_in_use"] == 0
+    assert ops.entries("synchronize") == []
+
+
+def test_a_gpu_d_failing_the_sums_after_chunks_reports_device_caches(pd, monkeypatch):
+    p, d, peer, pe, de, target = pd("one_group")
+    ops = _gpu_path(d, monkeypatch)
+    d_ids = [[7, 8, 9]]
+    before = clone_caches(de.device_caches)
+    res = d.reservations.reserve([peer], 40, d_ids, 0, "gflip", 30.0)
+    part, step = _stage_final_step(p, [[0, 1, 2]], 40, "gflip")
+
+    def flip(u):
+        if u == step.units[0]:  # the first chunk's bytes change after their copy (summed), before their WRITE
+            p.arena.buffer[part.span.offset + 100] ^= 0x40
+    tok = _chunks_but_the_tail(p, d, target, res, peer, part, step, flip)
+    p.push_writes.post(tok, p.arena.finish(part))
+    assert settle(p, d, res.token) == "DONE"
+    done = d.reservations.complete(res.token)
+    assert not done.ready
+    assert done.ready and not done.ok and "checksum mismatch" in done.error
+    assert done.written_in == "device caches"  # the chunks and the tail wrote the request's own pages
+    _outside_untouched(de, before, d_ids)
+    assert d.stats()["bytes_in_use"] == 0
+    assert ops.entries("synchronize") == []
+
+
+def _cuda_caches(caches):
+    made = {}
+    return {n: made.setdefault(id(t), t.cuda()) for n, t in caches.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,counts,n", [("one_group", [3], 40), ("hybrid", [3, 6], 90)])
+def test_gpu_d_on_cuda_lands_chunks_at_c_byte_exact(case, counts, n):
+    """Real CUDA: D's KV on the GPU, its chunk scatters enqueued at each c with their sums
+    read back behind them; verdict polled (never waited for), bytes compared with the rule."""
+    with one_torch_thread():
+        pe, de = build_case(case, NP), build_case(case, NP)
+        fill_random(pe.device_caches, 1)
+        fill_random(de.device_caches, 2)
+        rng = np.random.default_rng(31)
+        p_ids = allocate_blocks(rng, pe, counts, set(), NP)
+        d_ids = allocate_blocks(rng, de, [c + 1 for c in counts], set(), NP)
+        want = expected_pull(clone_caches(de.device_caches), de, d_ids, pe.device_caches, pe, p_ids, n)
+        de.device_caches = _cuda_caches(de.device_caches)
+        p = pe.manager("Pg", buffer="arena", arena_bytes=MB)
+        d = de.manager("Dg", buffer="arena", arena_bytes=MB)
+        try:
+            assert d.arena.streams is not None
+            peer = d.add_peer(p.metadata())
+            target = p.add_target(d.metadata())
+            res = d.reservations.reserve([peer], n, d_ids, 0, "cg", 30.0)
+            part, step = _stage_final_step(p, p_ids, n, "cg")
+            tok = _chunks_but_the_tail(p, d, target, res, peer, part, step)
+            p.push_writes.post(tok, p.arena.finish(part))
+            assert settle(p, d, res.token) == "DONE"
+            done = d.reservations.complete(res.token)
+            end = time.monotonic() + 30
+            while not done.ready:
+                assert time.monotonic() < end
+                time.sleep(0.001)
+            assert done.ok and done.checked, done.error
+            got = {name: t.cpu() for name, t in de.device_caches.items()}
+            assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+            assert d.stats()["bytes_in_use"] == 0
+        finally:
+            p.close()
+            d.close()

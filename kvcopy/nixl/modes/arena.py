@@ -61,6 +61,7 @@ from ..engine.regions import RegionSet, build_regions
 from ..planning.routes import Routes, plan_routes
 from .rows import BRIDGE_BYTES, byte_index, check_inside, merge_rows, zero_runs
 from .partial_stage import PartialStage, StepCopies, plan_step
+from .side_stream import CudaStreams, StreamOps
 from .span_copiers import SpanCopiers
 from .span_sums import ArenaSums, ScatterCheck
 from ..sum_check import SumCheck
@@ -214,8 +215,11 @@ class ArenaStaging(BufferMode):
         self._max_ctas = max_ctas
         self._by_order: Dict[str, SpanCopiers] = {}
         self.sums = ArenaSums(checksum, next(iter(device_caches.values())).device)  # page sums (span_sums)
-        self._scattering: Dict[int, torch.cuda.Event] = {}  # D, CUDA: span offset -> event after its scatter
-        self._freeing: Dict[int, Tuple[torch.cuda.Event, int]] = {}  # spans finished while their scatter runs
+        # D on a GPU: the streams its scatters are ordered with (None: a CPU copy ends in its
+        # call). A CPU test may set a recording StreamOps to drive that path (kvcopy.testing.streams).
+        self.streams: Optional[StreamOps] = CudaStreams(self.sums.device) if pin else None
+        self._scattering: Dict[int, List] = {}  # D, streams: span offset -> events after the scatters reading it
+        self._freeing: Dict[int, Tuple[List, int]] = {}  # spans finished while a scatter may still read them
         self.span_copiers(self.order)
         self._staged: Dict[bytes, _Staged] = {}  # P: request id -> its span and readers
         self._partial: Dict[bytes, PartialStage] = {}  # P: requests staged unit by unit, not finished
@@ -603,11 +607,20 @@ class ArenaStaging(BufferMode):
         if len(work.zero_starts):
             self.buffer.index_fill_(0, torch.as_tensor(byte_index(work.zero_starts, work.zero_lens)), 0)
         check = self.sums.scatter(self.span_copiers(work.order), work.scatter, work.check)
-        if self.on_cuda:  # the scatter reads D's span until this event: free() waits for it
-            event = torch.cuda.Event()
-            event.record()
-            self._scattering[work.offset] = event
+        self.scattered(work.offset)
         return check, work.unchecked
+
+    def scattered(self, offset: int, event=None) -> None:
+        """D, with :attr:`streams`: a scatter reading the span at ``offset`` was enqueued
+        on the current stream; ``event`` (recorded after it on that stream) or a new one
+        recorded now marks its end, and :meth:`free` keeps the span until every such
+        event completed. Nothing on a CPU (the copy ended in its call)."""
+        if self.streams is None:
+            return
+        if event is None:
+            event = self.streams.event(blocking=True)  # close() waits for it asleep
+            event.record(self.streams.current())
+        self._scattering.setdefault(offset, []).append(event)
 
     def check_writable(self, work) -> None:
         """Nothing to check: a plan's span is its own until no READ may write it."""
@@ -621,20 +634,26 @@ class ArenaStaging(BufferMode):
 
     def free(self, work) -> None:
         """D: free the plan's span (the plan is finished and no READ of it may land), or,
-        on CUDA while its scatter may still read it, once that scatter ended."""
-        event = self._scattering.pop(work.offset, None)
-        if event is not None and not event.query():
-            self._freeing[work.offset] = (event, work.nbytes)
+        with :attr:`streams` while a scatter may still read it, once every scatter that
+        read it ended: :meth:`_free_scattered`, which every allocation and ``stats``
+        call first (its events are not asked here: right after a scatter was enqueued
+        the answer is almost always not yet, and each ask is a driver call)."""
+        events = self._scattering.pop(work.offset, None)
+        if events:
+            self._freeing[work.offset] = (events, work.nbytes)
             return
         self.arena.free(Span(work.offset, work.nbytes))
 
     def _free_scattered(self, wait: bool = False) -> None:
-        """Free the spans whose scatter ended (``wait``: wait for them all: ``close``)."""
-        for offset, (event, nbytes) in list(self._freeing.items()):
-            if wait or event.query():
-                event.synchronize()
-                del self._freeing[offset]
-                self.arena.free(Span(offset, nbytes))
+        """Free the spans whose scatters ended (``wait``: wait for them all: ``close``)."""
+        for offset, (events, nbytes) in list(self._freeing.items()):
+            if wait:
+                for event in events:
+                    event.synchronize()
+            elif not all(event.query() for event in events):
+                continue
+            del self._freeing[offset]
+            self.arena.free(Span(offset, nbytes))
 
     def stats(self) -> Dict[str, int]:
         self._free_scattered()
@@ -656,6 +675,10 @@ class ArenaStaging(BufferMode):
 
     def close(self) -> None:
         self._free_scattered(wait=True)  # no scatter reads the arena once it is gone
+        for events in self._scattering.values():  # (those of spans not finished yet too)
+            for event in events:
+                event.synchronize()
+        self._scattering = {}
         self.shapes.clear()
         self.pairings.clear()
         for cps in self._by_order.values():

@@ -15,11 +15,15 @@ the one record checker (frame, digest, key, then :func:`~kvcopy.nixl.wire.record
 request, engine, rank, generation, tokens), the plan D would have made from the real
 records must read exactly what the assumed one did (a page P did not hold, or held in
 another order, fails the load), and the scatter's page sums are compared with the
-record's as in a pull. Nothing is written to D's KV before all of that passed.
+record's as in a pull. Nothing is written to D's KV before all of that passed (but the
+units of a chunked push scattered at their ``c``, CPU and GPU D alike:
+:mod:`~kvcopy.nixl.modes.push_units`; a GPU D's comparison then waits, without a host
+wait, for the read-backs of their sums: ``Completion.ready``).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -86,13 +90,12 @@ def reserve(staging: ArenaStaging, info, peers: Sequence[Peer], num_tokens: int,
             rows[p.name].setflags(write=False)
             slots[p.name] = (at, cap)
             at += cap
-        units = None
-        if not staging.on_cuda:  # a GPU D lands everything at f (no host wait for per-unit sums)
-            read_real, zero_real, _ = _real_pages(req, virt.plan)
-            layout = staging.sums.layout(staging.span_copiers(req.order), req.order, req.info.tokens_per_page,
-                                         "h2d") if staging.sums.on else None
-            units = plan_units(staging, shape, req, peers, span.offset, rows, read_real, virt.plan.read_pages,
-                               zero_real, np.asarray(work.zero_starts), np.asarray(work.zero_lens), layout)
+        # the per-unit landing of a chunked push, on a CPU D and a GPU D alike (push_units)
+        read_real, zero_real, _ = _real_pages(req, virt.plan)
+        layout = staging.sums.layout(staging.span_copiers(req.order), req.order, req.info.tokens_per_page,
+                                     "h2d") if staging.sums.on else None
+        units = plan_units(staging, shape, req, peers, span.offset, rows, read_real, virt.plan.read_pages,
+                           zero_real, np.asarray(work.zero_starts), np.asarray(work.zero_lens), layout)
     except Exception:
         staging.arena.free(span)
         raise
@@ -146,12 +149,19 @@ def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool, d
         raise ValueError(f"require_checksum: the pushed pages cannot be compared ({unchecked})")
     if done is None or not done.any() or rw.units is None:
         return staging.complete(work._replace(check=check, unchecked=unchecked))
-    sums = push_units.UnitSums(rw.units, staging.sums.device.type == "cpu") if sums is None else sums
-    push_units.scatter(staging, req.order, rw.units, np.flatnonzero(~done).tolist(), check is not None, sums)
+    sums = push_units.UnitSums(rw.units, staging.streams) if sums is None else sums
+    push_units.scatter(staging, work.offset, req.order, rw.units, np.flatnonzero(~done).tolist(), check is not None,
+                       sums)
     if check is None:
         staging.sums.stats.unchecked()
         return None, unchecked
-    values = sums.values()
+    if sums.deferred:  # compared once the read-backs are in: Completion.ready asks, never waits
+        return SumCheck(sums, functools.partial(_compare, check), staging.sums.stats), None
+    return SumCheck.made(_compare(check, sums.values()), staging.sums.stats), None
+
+
+def _compare(check, values) -> Optional[str]:
+    """None if the units' folded ``values`` (per group) equal P's, else the mismatch naming the pages."""
     bad = [(g, int(check.positions[g][i]), check.local_pages[g][i])
            for g in range(len(values)) for i in np.flatnonzero(values[g] != check.expected[g]).tolist()]
-    return SumCheck.made(mismatch_message(bad) if bad else None, staging.sums.stats), None
+    return mismatch_message(bad) if bad else None

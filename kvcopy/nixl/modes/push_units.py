@@ -22,13 +22,21 @@ copy, as the whole-request scatter does; a page's sum depends on its bytes and i
 in the staged block only, and the fold is a sum over triples, so folding the calls unit
 by unit (:class:`UnitSums`) gives the values the whole scatter's fold gives, compared
 with P's record when it arrives (in the final WRITE's trailer). On the CPU each call is
-folded as it ends, so at ``f`` only the units scattered then are left to fold; on a GPU
-the sums are read back and folded at ``f`` (a read-back per chunk would wait for the
-stream on D's step).
+folded as it ends, so at ``f`` only the units scattered then are left to fold.
+
+**On a GPU** (``ArenaStaging.streams`` set: :class:`~kvcopy.nixl.modes.side_stream.CudaStreams`,
+or in CPU tests a recording :class:`~kvcopy.testing.streams.RecordedStreams`) D lands
+chunks at ``c`` too, with no host wait: each :func:`scatter` enqueues its units' calls on
+the calling thread's current stream, copies their sums into one pinned host buffer on
+that stream right behind them and records an event; the span is held until that event
+completed (``ArenaStaging.scattered``, the rule of the whole-request scatter), and the
+sums are folded once it completed, found by asking it at the next ``state`` (never a
+wait, never a ``.cpu()``). The comparison at ``f`` stays pending until the last
+read-back is folded (``Completion.ready``), as the whole-request GPU landing's does.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,6 +44,7 @@ import torch
 from ...core.copier import CallPlan
 from ..planning.pack_order import span_layout, stage_units
 from .rows import byte_index
+from .side_stream import StreamOps
 from .span_sums import fold_sealed
 
 
@@ -127,49 +136,118 @@ def plan_units(staging, shape, req, peers, span_offset: int, rows, read_real, re
 class UnitSums:
     """D: the page sums of one reservation's units scattered so far, per group folded
     over the page positions D reads (``us.positions``; the zeroed pages after them in
-    each triple's call are not compared). ``fold_now``: each call's sums are in when it
-    returns (a CPU copy), so they are folded at once."""
+    each triple's call are not compared).
 
-    def __init__(self, us: UnitScatter, fold_now: bool):
-        self._us, self._now = us, fold_now
+    ``streams`` None (a CPU copy): each call's sums are in when it returns, so they are
+    folded at once. Else (a GPU, or a recording stand-in): each :func:`scatter`'s sums
+    are copied into pinned host memory on the current stream right behind its copies,
+    and an event recorded after (:meth:`read_back`); they are folded only once that
+    event completed, found by asking it (:meth:`settle`, never a wait). Until every
+    read-back is folded the comparison is pending (:meth:`ready`), as the whole-request
+    GPU landing's is (``Completion.ready``); :meth:`arrays` waits (only for a caller that
+    reads the verdict before it is ready)."""
+
+    def __init__(self, us: UnitScatter, streams: Optional[StreamOps] = None):
+        self._us, self._streams = us, streams
         self._values = [np.zeros(len(p), np.uint64) for p in us.positions]
-        self._pending: List[Tuple[UnitCall, torch.Tensor]] = []
+        self._batch: List[Tuple[UnitCall, torch.Tensor]] = []  # streams: calls enqueued, not read back yet
+        self._pending: List[Tuple[List[UnitCall], torch.Tensor, Any]] = []  # (calls, host sums, event after)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether sums reach the host behind events (a GPU) rather than in the copy's call."""
+        return self._streams is not None
 
     def add(self, uc: UnitCall, out: torch.Tensor) -> None:
-        if self._now:
+        if self._streams is None:
             self._fold(uc, out)
         else:
-            self._pending.append((uc, out))
+            self._batch.append((uc, out))
 
-    def values(self) -> List[np.ndarray]:
-        """Per group, the sum over every call added of its sealed page sums."""
-        for uc, out in self._pending:
-            self._fold(uc, out)
+    def read_back(self) -> Any:
+        """Streams: copy the sums of the calls added since the last read-back into one
+        pinned host buffer on the current stream (the one the copies were enqueued on,
+        so behind them), then record an event there; returns it (None: nothing added)."""
+        if not self._batch:
+            return None
+        assert self._streams is not None
+        batch, self._batch = self._batch, []
+        sizes = [int(out.numel()) for _, out in batch]
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=batch[0][1].is_cuda)
+        at = 0
+        for (_, out), n in zip(batch, sizes):
+            host[at:at + n].copy_(out, non_blocking=True)
+            at += n
+        event = self._streams.event(blocking=True)  # a reader before ready() sleeps in its wait
+        event.record(self._streams.current())
+        self._pending.append(([uc for uc, _ in batch], host, event))
+        return event
+
+    def settle(self) -> None:
+        """Fold the read-backs whose event completed (asks each; never waits)."""
+        keep = []
+        for entry in self._pending:
+            if entry[2].query():
+                self._fold_host(entry)
+            else:
+                keep.append(entry)
+        self._pending = keep
+
+    def ready(self) -> bool:
+        """Every sum added is folded, or can be without waiting."""
+        self.settle()
+        return not self._pending and not self._batch
+
+    def arrays(self) -> List[np.ndarray]:
+        """Per group, the sum over every call added of its sealed page sums; waits for
+        the read-backs not completed yet (none once :meth:`ready` said so)."""
+        for entry in self._pending:
+            entry[2].synchronize()
+            self._fold_host(entry)
         self._pending = []
         return self._values
+
+    values = arrays
+
+    def _fold_host(self, entry: Tuple[List[UnitCall], torch.Tensor, Any]) -> None:
+        at = 0
+        for uc in entry[0]:
+            n = uc.call.num_blocks
+            self._fold(uc, entry[1][at:at + n])
+            at += n
 
     def _fold(self, uc: UnitCall, out: torch.Tensor) -> None:
         pos = self._us.positions[uc.group]
         n, z = len(pos), self._us.zero_counts[uc.group]
-        got = out.cpu().numpy().view(np.uint64).reshape(len(uc.js), n + z)[:, :n]
+        got = out.numpy().view(np.uint64).reshape(len(uc.js), n + z)[:, :n]  # host memory (a CPU copy, a read-back)
         with np.errstate(over="ignore"):
             self._values[uc.group] += fold_sealed(uc.js, pos, got)
 
 
-def scatter(staging, order: str, us: UnitScatter, units: Sequence[int], summed: bool, sums: UnitSums) -> None:
-    """Zero and scatter D units ``units`` from D's span into D's KV; with ``summed``
-    their page sums are added to ``sums``."""
+def scatter(staging, offset: int, order: str, us: UnitScatter, units: Sequence[int], summed: bool,
+            sums: UnitSums) -> None:
+    """Zero and scatter D units ``units`` from D's span (at ``offset`` in the arena) into
+    D's KV; with ``summed`` their page sums are added to ``sums``. With the staging's
+    ``streams`` the copies are enqueued on the calling thread's current stream, their
+    sums read back behind them, and the span held until the event after them completed
+    (``ArenaStaging.scattered``). That stream is safe for any thread that calls this (the
+    engine's, or a housekeeping one): these pages belong to a request vLLM waits to load,
+    and D reports the load finished only after every such event completed, so the
+    forward that reads them is enqueued after."""
     cps = staging.span_copiers(order)
-    for u in units:
-        starts, lens = us.zero[u]
-        if len(starts):
-            staging.buffer.index_fill_(0, torch.as_tensor(byte_index(starts, lens)), 0)
-        for uc in us.calls[u]:
-            copier = cps.copiers[uc.copier]
-            if summed:
-                out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=staging.sums.device)
-                copier.run("h2d", uc.call, out)
-                sums.add(uc, out)
-            else:
-                copier.run("h2d", uc.call)
-
+    try:
+        for u in units:
+            starts, lens = us.zero[u]
+            if len(starts):
+                staging.buffer.index_fill_(0, torch.as_tensor(byte_index(starts, lens)), 0)
+            for uc in us.calls[u]:
+                copier = cps.copiers[uc.copier]
+                if summed:
+                    out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=staging.sums.device)
+                    copier.run("h2d", uc.call, out)
+                    sums.add(uc, out)
+                else:
+                    copier.run("h2d", uc.call)
+    finally:
+        if staging.streams is not None:  # what was enqueued reads the span until this event
+            staging.scattered(offset, sums.read_back())
