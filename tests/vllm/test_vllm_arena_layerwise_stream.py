@@ -10,7 +10,8 @@ and a chunked push WRITEs a unit only once the event after its copy completed. T
 copies run on the CPU at once; the log says what a GPU would have been told, and the
 test checks its order (``check_layerwise_order``) and that the forward's thread never
 waits on the host. D's bytes are compared whole with the expectation from vLLM's block
-tables, P's KV poisoned before its forward writes each layer.
+tables, P's KV poisoned before its forward writes each layer. One test gives D recorded
+streams too (``ArenaStaging.streams``): a GPU D landing pushed chunks at their ``c``.
 
 Run in the vLLM environment (``.ci/run``); skipped where vLLM 0.33 is not installed.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from typing import Dict
 
 import pytest
 
@@ -31,10 +34,12 @@ from test_vllm_arena_layerwise import _transfer  # noqa: E402
 from test_vllm_arena_push_chunks import _chunk_stats, _concurrent, _loaded  # noqa: E402
 from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
 
+from kvcopy.nixl import push_reservations  # noqa: E402
 from kvcopy.nixl.modes.partial_stage import StepCopies  # noqa: E402
 from kvcopy.testing.streams import RecordedStreams, check_layerwise_order, noting_copies  # noqa: E402
 from kvcopy.vllm.arena.connector import KvcopyArenaWorker  # noqa: E402
-from vllm_arena_engines import fill_layerwise  # noqa: E402
+from kvcopy.vllm.arena.push_recv import ArenaPushReceiver  # noqa: E402
+from vllm_arena_engines import fill_layerwise, run  # noqa: E402
 
 assert engines and vllm_env  # fixtures, used by name
 FORWARD = threading.current_thread().name  # the engine's thread: the test steps the engines
@@ -137,6 +142,65 @@ def test_a_chunk_is_written_only_after_its_units_event(engines, streams, monkeyp
             assert set(u for units in event_units.values() for u in units) <= done and not copied, entry
     assert posts >= 1 and _chunk_stats(p, d)[1] == posts
     assert layers.early == len(rids) + 1  # the warm-up's record too: made on the copy thread
+
+
+@pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing"])
+def test_a_gpu_d_lands_chunks_at_c_and_reports_after_their_events(engines, streams, monkeypatch, name):
+    """Both sides on the GPU path: P's copies on its side stream; D (its own recorded
+    streams: ArenaStaging.streams) scatters chunks at their c on the engine thread's
+    current stream, its sums folded only once their event completed (late once): each
+    load is reported at a later step than the one that read its f, D never waits on the
+    host, D's bytes are exact and its spans freed. D's worker is stepped from P's
+    ``wait_for_save`` until a chunk was scattered (D's engine stepping while P's forward
+    ends), and P's record is made there (not right after the last copy), so the f comes
+    after those chunks."""
+    case = CASES[name]
+    p = engines(case, "kv_producer", layerwise=True, layerwise_ctas=CTAS, push_chunk_bytes=0)
+    d = engines(case, "kv_consumer", transfer_mode="push")
+    d_ops = RecordedStreams()
+    dw = d.worker.arena_worker
+    dw.manager.arena.streams = d_ops
+    pw = p.worker.arena_worker
+    _forward_waits_for_the_waiter(_side(p), monkeypatch)
+    monkeypatch.setattr(pw.stager.layers, "finish_early", lambda rid: None)
+    held = dw.manager.reservations._recv
+    real_save = pw.save
+
+    def save(meta):
+        end = time.monotonic() + 30
+        while held and not any(j.scattered is not None and j.scattered.any() for j in held.values()):
+            assert time.monotonic() < end, "D scattered no chunk while P's forward ended"
+            with dw.lock:
+                dw.puller.step()
+            time.sleep(0.001)
+        real_save(meta)
+    monkeypatch.setattr(pw, "save", save)
+    at_f: Dict[str, int] = {}
+    real_complete = push_reservations.Reservations.complete
+
+    def complete(self, token):
+        job = self._recv[token]
+        at_f[job.rw.request.records[0].request_id] = 0 if job.scattered is None else int(job.scattered.sum())
+        return real_complete(self, token)
+    monkeypatch.setattr(push_reservations.Reservations, "complete", complete)
+    lands: Dict[str, int] = {}
+    real_land = ArenaPushReceiver._land
+
+    def land(self, job, what):
+        lands[job.rid] = lands.get(job.rid, 0) + 1
+        return real_land(self, job, what)
+    monkeypatch.setattr(ArenaPushReceiver, "_land", land)
+    fill_layerwise(p, d, 41)
+    rids, tokens, before, failed = _concurrent(p, d, [40, 17], seed=41)
+    assert failed == set()
+    _loaded(p, d, rids, tokens, before)
+    assert any(at_f[r] > 0 for r in rids), at_f  # units scattered at their c, before the f
+    scatters = [e for e in d_ops.log if e[1] == "record"]
+    assert all(e[0] == FORWARD and e[3] == "current" for e in scatters)
+    chunked = [r for r in rids if at_f[r] > 0]
+    assert all(lands[r] >= 2 for r in chunked), lands  # the verdict waited for the tail's event, a step at least
+    assert d_ops.entries("synchronize") == []
+    run([p, d], lambda: d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0)
 
 
 def test_the_engine_never_waits_for_the_side_streams_events(engines, streams):
