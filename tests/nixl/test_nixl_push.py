@@ -716,11 +716,22 @@ def _cuda_caches(caches):
     return {n: made.setdefault(id(t), t.cuda()) for n, t in caches.items()}
 
 
+def _no_host_wait(m):
+    """``torch.cuda.synchronize``, an event's ``synchronize`` and ``.cpu()`` of a CUDA tensor raise."""
+    def refuse(*a, **k):
+        raise AssertionError("a host wait on the engine thread")
+    m.setattr(torch.cuda, "synchronize", refuse)
+    m.setattr(torch.cuda.Event, "synchronize", refuse)
+    real_cpu = torch.Tensor.cpu
+    m.setattr(torch.Tensor, "cpu", lambda self, *a, **k: refuse() if self.is_cuda else real_cpu(self, *a, **k))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,counts,n", [("one_group", [3], 40), ("hybrid", [3, 6], 90)])
-def test_gpu_d_on_cuda_lands_chunks_at_c_byte_exact(case, counts, n):
+def test_gpu_d_on_cuda_lands_chunks_at_c_byte_exact(monkeypatch, case, counts, n):
     """Real CUDA: D's KV on the GPU, its chunk scatters enqueued at each c with their sums
-    read back behind them; verdict polled (never waited for), bytes compared with the rule."""
+    read back behind them; no host wait while it lands, the verdict polled, bytes
+    compared with the rule."""
     with one_torch_thread():
         pe, de = build_case(case, NP), build_case(case, NP)
         fill_random(pe.device_caches, 1)
@@ -738,15 +749,18 @@ def test_gpu_d_on_cuda_lands_chunks_at_c_byte_exact(case, counts, n):
             target = p.add_target(d.metadata())
             res = d.reservations.reserve([peer], n, d_ids, 0, "cg", 30.0)
             part, step = _stage_final_step(p, p_ids, n, "cg")
-            tok = _chunks_but_the_tail(p, d, target, res, peer, part, step)
-            p.push_writes.post(tok, p.arena.finish(part))
-            assert settle(p, d, res.token) == "DONE"
-            done = d.reservations.complete(res.token)
-            end = time.monotonic() + 30
-            while not done.ready:
-                assert time.monotonic() < end
-                time.sleep(0.001)
-            assert done.ok and done.checked, done.error
+            with monkeypatch.context() as m:
+                _no_host_wait(m)
+                tok = _chunks_but_the_tail(p, d, target, res, peer, part, step)
+                assert int(d.reservations._recv[res.token].scattered.sum()) == len(step.units) - 1
+                p.push_writes.post(tok, p.arena.finish(part))
+                assert settle(p, d, res.token) == "DONE"
+                done = d.reservations.complete(res.token)
+                end = time.monotonic() + 30
+                while not done.ready:
+                    assert time.monotonic() < end
+                    time.sleep(0.001)
+                assert done.ok and done.checked, done.error
             got = {name: t.cpu() for name, t in de.device_caches.items()}
             assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
             assert d.stats()["bytes_in_use"] == 0
