@@ -606,8 +606,10 @@ class ArenaStaging(BufferMode):
         page sums compared with P's where they can be (:mod:`kvcopy.nixl.modes.span_sums`)."""
         if len(work.zero_starts):
             self.buffer.index_fill_(0, torch.as_tensor(byte_index(work.zero_starts, work.zero_lens)), 0)
-        check = self.sums.scatter(self.span_copiers(work.order), work.scatter, work.check)
-        self.scattered(work.offset)
+        try:
+            check = self.sums.scatter(self.span_copiers(work.order), work.scatter, work.check)
+        finally:  # (a call that raised may have enqueued others before it)
+            self.scattered(work.offset)
         return check, work.unchecked
 
     def scattered(self, offset: int, event=None) -> None:
