@@ -157,7 +157,7 @@ def land(staging: ArenaStaging, rw: ReservedWork, key, require_checksum: bool, d
         return None, unchecked
     if sums.deferred:  # compared once the read-backs are in: Completion.ready asks, never waits
         return SumCheck(sums, functools.partial(_compare, check), staging.sums.stats), None
-    return SumCheck.made(_compare(check, sums.values()), staging.sums.stats), None
+    return SumCheck.made(_compare(check, sums.arrays()), staging.sums.stats), None
 
 
 def _compare(check, values) -> Optional[str]:

@@ -207,7 +207,6 @@ class UnitSums:
         self._pending = []
         return self._values
 
-    values = arrays
 
     def _fold_host(self, entry: Tuple[List[UnitCall], torch.Tensor, Any]) -> None:
         at = 0
