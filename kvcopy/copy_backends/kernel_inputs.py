@@ -14,11 +14,12 @@ The grid rule (:func:`grid_size`; its constant part :func:`grid_cap`): enough CT
 ``MIN_BYTES_PER_WARP`` bytes (below that, finding its first byte costs more than the
 copy), at most one wave of ``CTAS_PER_SM`` CTAs per SM, at most the copier's
 ``max_ctas`` and at most the call's own cap when it has one (``BlockCopier.run(...,
-max_ctas=)``: :func:`call_cap`). Both GPU launchers (the library's and NVRTC's) use these.
+max_ctas=)``: :func:`call_cap`). Both CUDA launchers (the library's and NVRTC's) use these; the
+Triton backend uses :func:`call_cap` too (its own grid rule is in ``kernels/triton_copy.py``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, overload
 
 import numpy as np
 
@@ -44,9 +45,18 @@ def grid_cap(sm_count: int, max_ctas: Optional[int]) -> int:
     return min(cap, int(max_ctas)) if max_ctas else cap
 
 
+@overload
+def call_cap(copier_cap: int, call_max_ctas: Optional[int]) -> int: ...
+
+
+@overload
+def call_cap(copier_cap: Optional[int], call_max_ctas: Optional[int]) -> Optional[int]: ...
+
+
 def call_cap(copier_cap: Optional[int], call_max_ctas: Optional[int]) -> Optional[int]:
     """One call's cap: the copier's ``max_ctas`` and the call's, the smaller of those
-    given (None: neither)."""
+    given (None: neither). The CUDA launchers and Triton's (whose copier cap is always
+    set, so its result is an int) share this rule."""
     if call_max_ctas is None:
         return copier_cap
     return call_max_ctas if copier_cap is None else min(copier_cap, call_max_ctas)

@@ -39,7 +39,7 @@ import torch
 from .. import native
 from ..core.tables import RUN_BYTES, CallPlan, CopyTables
 from . import Backend
-from .kernel_inputs import call_array
+from .kernel_inputs import call_array, call_cap
 
 STATE_KEY = "triton"
 INTERPRETER_MAX_CTAS = 4
@@ -94,11 +94,6 @@ class SmallCallUpload:
 
             raise CudaError("kvcopy_cuda_store_words (triton call array)", rc, error_name(rc))
         return buf
-
-
-def _cap(st: _State, max_ctas: Optional[int]) -> int:
-    """A call's program cap: the copier's, lowered by the call's own ``max_ctas``."""
-    return st.max_ctas if max_ctas is None else min(st.max_ctas, max_ctas)
 
 
 def _small_upload(device: torch.device) -> Optional[SmallCallUpload]:
@@ -207,7 +202,7 @@ class TritonBackend(Backend):
         st = self.state(tables)
         if call.num_items == 0:
             return
-        grid = self._kernels.grid_size(call.total_bytes, st.cfg, _cap(st, max_ctas))
+        grid = self._kernels.grid_size(call.total_bytes, st.cfg, call_cap(st.max_ctas, max_ctas))
         if st.device.type != "cuda":
             self._kernels.launch(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                                  torch.from_numpy(call.packed.copy()), call.num_groups, st.cfg)
@@ -251,7 +246,7 @@ class TritonBackend(Backend):
         out.zero_()
         if call.num_items == 0:
             return
-        grid = self._kernels.grid_size(call.total_bytes, st.cfg_sums, _cap(st, max_ctas))
+        grid = self._kernels.grid_size(call.total_bytes, st.cfg_sums, call_cap(st.max_ctas, max_ctas))
         if st.device.type != "cuda":
             self._kernels.launch_sums(st.mod, grid, st.entries, st.group_offsets, st.group_entries,
                                       torch.from_numpy(call_array(call).copy()), call.num_groups, out, st.cfg_sums)

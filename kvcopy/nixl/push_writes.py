@@ -30,9 +30,37 @@ its ``timeout_s`` is answered ``x``, and one P refuses (:meth:`PushWrites.refuse
 answered ``x`` too when D is added. Tokens seen are kept (:data:`MAX_TOMBSTONES`) so a
 reservation is never served twice. P keeps at most :data:`MAX_ACCEPTED` reservations
 not posted, each at most :data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`.
+
+**A raise fails the reservation it concerns, never the poll.** :meth:`PushWrites.poll`
+checks every reservation's WRITEs in one loop (one call for all of P's requests), so a
+raise for one must not stop the others (their ``f`` would wait, and the caller would
+blame whichever request it was working for):
+
+* a WRITE handle's status check that raises is that handle's ``ERR``: the handle is
+  released, its span's WRITE mark given back and its reservation answered ``x`` (as a
+  post that raises is), the others polled on. That is what the raise means: NIXL's
+  ``check_xfer_state`` raises (its binding's ``throw_nixl_exception``) only for a
+  negative status of ``getXferStatus`` on the handle it is given, which is that handle's
+  own: its backend request failed (the status is then kept on the handle, every later
+  check answers it again; UCX's ``NIXL_ERR_REMOTE_DISCONNECT``: NIXL also invalidates
+  that peer's metadata and closes its endpoint), or ``NIXL_ERR_NOT_FOUND``: the peer's
+  metadata was invalidated while the handle was in flight (a disconnect, or its agent
+  unloaded: its endpoint closed). None of these says anything of another handle, and
+  none leaves this one able to land later, beyond what releasing any failed handle
+  leaves (docs/nixl.md, "Late READs"). A handle of the same failed peer answers its own
+  error at its own check. :meth:`~kvcopy.nixl.agent.Agent.state` already turns NIXL's
+  raise into ``ERR``; the guard here also covers the wrapper itself raising;
+* anything else raising while one reservation is reaped (its span's marks, its notice
+  to D) fails that reservation alone: its WRITEs already seen ended are dropped first,
+  so the raise is not met again, and it is answered ``x`` once none of its WRITEs is in
+  flight (P cannot say for D that a WRITE still posted will not land).
+
+Nothing in :meth:`PushWrites.poll` is shared by reservations beyond the loop itself, so
+no raise there is left unattributed.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -56,6 +84,8 @@ from .wire.record import MAX_TOKENS, StagedRequest, record_capacity, request_key
 
 MAX_ACCEPTED = 4096  # reservations P keeps not posted (per manager: one P rank)
 MAX_TOMBSTONES = 1 << 16
+
+_log = logging.getLogger("kvcopy.nixl")
 
 
 @dataclass
@@ -186,7 +216,7 @@ class PushWrites:
         s.chunks.append((xfer, lo, hi, part))
         self.chunks_posted += 1
         if state != PROC:
-            self._reap_chunks(token, s)
+            self._advance(token, s, time.monotonic())  # x now if it failed (nothing else in flight)
         return int(local[:, 1].sum()), len(local)
 
     def sent_units(self, token: bytes) -> Optional[np.ndarray]:
@@ -204,24 +234,33 @@ class PushWrites:
 
     def _reap_chunks(self, token: bytes, s: _Sending) -> int:
         """Chunk WRITEs that ended: ``c`` to D for each DONE (unless one failed), the span
-        hold dropped; returns those still in flight."""
-        live = []
-        for xfer, lo, hi, part in s.chunks:
-            state = self._agent.state(xfer)[0] if xfer is not None else ERR
+        hold dropped; returns those still in flight. A chunk seen ended leaves
+        ``s.chunks`` before anything else is done for it: a raise below is not met again."""
+        for chunk in list(s.chunks):
+            xfer, lo, hi, part = chunk
+            state = self._state(xfer) if xfer is not None else ERR
             if state == PROC:
-                live.append((xfer, lo, hi, part))
                 continue
+            s.chunks = [c for c in s.chunks if c is not chunk]
             if xfer is not None:
                 Agent.release(xfer)
-            self._mode.unhold_part(part)
             if state != DONE:
                 s.failed = True
-            elif not s.failed:
+            self._mode.unhold_part(part)
+            if not s.failed:
                 d = self._targets.get(s.target)
                 if d is not None:
                     self._mail.send(s.target, d.generation, chunk_notice(token, lo, hi))
-        s.chunks = live
-        return len(live)
+        return len(s.chunks)
+
+    def _state(self, xfer) -> str:
+        """A WRITE handle's state; its status check raising is its ``ERR`` (module
+        docstring: NIXL raises only for this handle's own failure)."""
+        try:
+            return self._agent.state(xfer)[0]
+        except Exception:  # noqa: BLE001 -- this handle's failure, not the poll's
+            _log.exception("kvcopy push: a WRITE's status check raised: that WRITE failed")
+            return ERR
 
     def post(self, token: bytes, record: StagedRequest, staged_as: Optional[str] = None) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
@@ -318,10 +357,26 @@ class PushWrites:
     def _advance(self, token: bytes, s: _Sending, now: float) -> int:
         """Reap ``s``'s WRITEs that ended; once none is in flight: ``f`` (the final WRITE
         and every chunk DONE) or ``x`` (one failed, P gave up, the deadline passed with
-        the final WRITE not posted). Returns the WRITEs still in flight."""
+        the final WRITE not posted). Returns the WRITEs still in flight. Never raises: a
+        raise while reaping ``s`` fails ``s`` alone (module docstring)."""
+        try:
+            return self._advance_once(token, s, now)
+        except Exception:  # noqa: BLE001 -- this reservation's, not its caller's (poll: every reservation)
+            _log.exception("kvcopy push: reaping the WRITEs of request %r to %s raised: it is answered x",
+                           s.request_id.decode("latin-1")[:80], s.target)
+            s.failed = True
+            live = (s.xfer is not None) + len(s.chunks)
+            if not live and token in self._send:
+                try:
+                    self._close(token, "ended" if s.posted or s.sent is not None else "never", None)
+                except Exception:  # noqa: BLE001 -- closed on P; D's cancel finds the tombstone
+                    _log.exception("kvcopy push: answering request %r x raised", s.request_id.decode("latin-1")[:80])
+            return live
+
+    def _advance_once(self, token: bytes, s: _Sending, now: float) -> int:
         live = self._reap_chunks(token, s) if s.chunks else 0
         if s.xfer is not None:
-            state = self._agent.state(s.xfer)[0]
+            state = self._state(s.xfer)
             if state == PROC:
                 live += 1
             else:

@@ -384,6 +384,103 @@ def test_a_post_raising_inside_nixl_answers_x_and_gives_the_span_back(pd, monkey
     assert p.stats()["bytes_in_use"] == 0
 
 
+def _hold_then_fail(p, monkeypatch, bad):
+    """P's status checks answer PROC while ``hold`` (both WRITEs in flight in P's view,
+    whatever NIXL did meanwhile), then raise for the handles in ``bad`` and ask NIXL for
+    the others."""
+    real = p.push_writes._agent.state
+    mode = {"hold": True}
+
+    def state(xfer):
+        if mode["hold"]:
+            return "PROC", None
+        if any(xfer is b for b in bad):
+            raise RuntimeError("nixlBackendError: NIXL_ERR_BACKEND")
+        return real(xfer)
+    monkeypatch.setattr(p.push_writes._agent, "state", state)
+    return mode
+
+
+@pytest.mark.parametrize("how", ["status_check", "span_mark"])
+@pytest.mark.parametrize("guilty", [0, 1])
+def test_a_status_check_raising_for_one_write_fails_its_reservation_only(pd, monkeypatch, guilty, how):
+    """Two reservations' WRITEs in flight; the status check of one handle raises (NIXL,
+    or the wrapper around it), or (``span_mark``) giving back its span's WRITE mark
+    raises after the WRITE ended: that reservation alone is answered ``x`` (D fails it
+    long before its deadline, its pages untouched), its span's WRITE mark is given back,
+    and the other's WRITE is reaped and lands byte-exact, whichever of the two the poll
+    meets first. Before, the raise left ``poll``: the reservations after it were never
+    reaped (no ``f``) and the caller (P's copy thread) blamed its own request."""
+    p, d, peer, pe, de, target = pd("one_group")
+    before = clone_caches(de.device_caches)
+    p_ids, d_ids, rids = [[[0, 1, 2]], [[3, 4, 5]]], [[[7, 8, 9]], [[10, 11, 12]]], ["first", "second"]
+    bad: list = []
+    mode = _hold_then_fail(p, monkeypatch, bad)
+    res, toks = [], []
+    for pi, di, rid in zip(p_ids, d_ids, rids):
+        r = d.reservations.reserve([peer], 40, di, 0, rid, 600.0)
+        tok = p.push_writes.accept(target, d.info.generation, r.items[peer])
+        p.push_writes.post(tok, p.save(pi, num_tokens=40, request_id=rid))
+        res.append(r)
+        toks.append(tok)
+    assert p.stats()["push_writes_in_flight"] == 2
+    if how == "status_check":
+        bad.append(p.push_writes._send[toks[guilty]].xfer)
+    else:
+        real_end = p.push_writes._mode.end_write
+
+        def end_write(request_id):
+            real_end(request_id)  # the mark is given back; what follows it raises
+            if request_id == rids[guilty].encode():
+                raise RuntimeError("bookkeeping after the mark")
+        monkeypatch.setattr(p.push_writes._mode, "end_write", end_write)
+    mode["hold"] = False
+    ok = 1 - guilty
+    assert settle(p, d, res[guilty].token, guard_s=10.0) == "ERR"  # x from P, not D's 600 s deadline
+    assert settle(p, d, res[ok].token) == "DONE"
+    assert not d.reservations.complete(res[guilty].token).ok
+    done = d.reservations.complete(res[ok].token)
+    assert done.ok and done.checked, done.error
+    want = expected_pull(before, de, d_ids[ok], pe.device_caches, pe, p_ids[ok], 40)
+    assert not same_bytes(before, want)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)  # the guilty's untouched
+    assert d.stats()["bytes_in_use"] == 0 and d.stats()["push_held_spans"] == 0
+    assert p.stats()["push_writes_in_flight"] == 0
+    assert sorted(t for t, _, _ in p.push_writes.take_closed()) == sorted(toks)
+    for rid in rids:
+        p.arena.release(rid)
+    assert p.stats()["bytes_in_use"] == 0  # both WRITE marks given back
+
+
+def test_a_chunks_status_check_raising_fails_its_reservation_only(pd, monkeypatch):
+    """A chunk WRITE's status check raises while another reservation's final WRITE is in
+    flight: the chunked reservation is answered ``x`` once its WRITEs ended (its partial
+    stage's hold dropped), D's KV of it untouched; the other lands byte-exact."""
+    p, d, pe, de, before, res, part, step, tok = _reserved_final_step(pd, "chunky")
+    peer, target = next(iter(res.items)), p.push_writes.targets()
+    (target,) = target
+    bad: list = []
+    mode = _hold_then_fail(p, monkeypatch, bad)
+    step.run(step.units[0])
+    p.push_writes.post_units(tok, part, step.units[0], step.units[0] + 1)
+    other = d.reservations.reserve([peer], 40, [[10, 11, 12]], 0, "other", 600.0)
+    tok2 = p.push_writes.accept(target, d.info.generation, other.items[peer])
+    p.push_writes.post(tok2, p.save([[3, 4, 5]], num_tokens=40, request_id="other"))
+    bad.append(p.push_writes._send[tok].chunks[0][0])
+    mode["hold"] = False
+    assert settle(p, d, res.token, guard_s=10.0) == "ERR"
+    assert not d.reservations.complete(res.token).ok
+    assert settle(p, d, other.token) == "DONE"
+    assert d.reservations.complete(other.token).ok
+    want = expected_pull(before, de, [[10, 11, 12]], pe.device_caches, pe, [[3, 4, 5]], 40)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
+    assert sorted(t for t, _, _ in p.push_writes.take_closed()) == sorted([tok, tok2])  # answered, both
+    assert p.stats()["push_writes_in_flight"] == 0 and d.stats()["bytes_in_use"] == 0
+    p.arena.abandon(part)  # its span goes: the chunk's hold was dropped
+    p.arena.release("other")
+    assert p.stats()["bytes_in_use"] == 0
+
+
 def test_reservations_needing_more_rows_than_p_takes_are_refused_at_reserve(pd, monkeypatch):
     """A plan of more WRITE rows per P rank than P takes (TP sizes that differ, token
     order, long requests) fails at reserve, before anything is sent, with nothing held."""

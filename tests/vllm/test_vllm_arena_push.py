@@ -155,6 +155,38 @@ def test_a_post_that_raises_fails_its_own_reservation_only_and_the_step_goes_on(
     assert p.stats()["push_writes_in_flight"] == 0 and p.stats()["bytes_in_use"] == 0 and sender.refused == 0
 
 
+def test_matching_a_reservation_that_raises_fails_it_alone(engines, monkeypatch):
+    """Two reservations waiting on P (concurrent dispatch); matching the first of them to
+    P's requests raises: that reservation alone is answered x at once (D recomputes it,
+    its KV untouched), the second is matched, posted and lands byte-exact. Before, the
+    raise left the step before the second was served, every turn (the housekeeper logged
+    it), and at wait_for_save out of P's engine step."""
+    p, d = _pair(engines, CASES["one_group"])
+    fill(p, d, 23)
+    tokens = prompts(2, [56, 33], seed=23)
+    p_rids, d_rids = ["mr-0-1a2b3c4d", "mr-1-00c0ffee"], ["mr-0-5e6f7a8b", "mr-1-deadbeef"]
+    before = d.raw_bytes()
+    sender = p.worker.arena_worker.sender
+    real_match, raised = sender._match, []
+
+    def match(token, named):
+        if named == d_rids[0]:
+            raised.append(named)
+            raise RuntimeError("matching failed")
+        return real_match(token, named)
+    for rid, t in zip(d_rids, tokens):
+        d.add(rid, t, _concurrent(p), max_tokens=2)
+    run([d], lambda: p.stats()["push_accepted"] == 2)  # P holds both reservations, knows neither request
+    monkeypatch.setattr(sender, "_match", match)
+    for rid, t in zip(p_rids, tokens):
+        p.add(rid, t, {"do_remote_decode": True})
+    assert land(d, [p], d_rids, limit_s=30) == {d_rids[0]}  # x, well inside D's 60 s
+    assert raised
+    _loaded(p, d, p_rids[1:], tokens[1:], before, d_rids[1:])  # the second byte-exact, the first's KV untouched
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["push_writes_in_flight"] == 0 and p.stats()["bytes_in_use"] == 0
+
+
 def test_concurrent_dispatch_refuses_a_base_id_two_of_ps_requests_share(engines):
     """Two requests on P with one base id (a client sent one X-Request-Id twice): D's
     reservation by that base is refused as ambiguous (x), so D recomputes at once, its KV

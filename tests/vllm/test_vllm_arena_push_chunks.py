@@ -499,13 +499,67 @@ def test_a_post_raising_on_the_copy_thread_fails_its_own_reservation_not_the_cop
     assert "a" not in pw.stager.failures and pw.sender.refused == 0
 
 
+@pytest.mark.parametrize("guilty", ["g", "a"])
+def test_a_status_check_raising_fails_that_writes_reservation_only(engines, monkeypatch, guilty):
+    """The copy thread's step for request ``a`` posts ``a``'s final WRITE (after its
+    chunks) and ``g``'s (staged earlier, its reservation waiting); NIXL's status check
+    raises for every WRITE handle of the ``guilty`` request's reservation. That
+    reservation alone is answered x (D recomputes it, its KV untouched), the other lands
+    byte-exact, and P fails no request: the copy thread's own (``a``) is not given up
+    when ``g``'s check raised. Before, the raise left ``push_writes.poll`` and the copy
+    thread's step, which gave up ``a`` whichever handle had raised."""
+    import threading
+
+    def on_copy_thread():
+        return threading.current_thread().name.startswith("kvcopy-arena-layers-")
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 60.0})
+    pw = p.worker.arena_worker
+    fill_layerwise(p, d, 37)
+    template = _template(p, d)
+    before = d.raw_bytes()
+    gate = {"open": False}
+    pushes = pw.manager.push_writes
+    real_step, real_state = pw.sender.step, pushes._agent.state
+    raised = []
+
+    def step():  # the engine's and housekeeper's steps post nothing: only the copy thread's
+        if gate["open"] or on_copy_thread():
+            real_step()
+
+    def state(xfer):
+        for s in list(pushes._send.values()):
+            if (s.xfer is xfer or any(c[0] is xfer for c in s.chunks)) and s.request_id == guilty.encode():
+                raised.append(on_copy_thread())
+                raise RuntimeError("nixlBackendError: NIXL_ERR_BACKEND")
+        return real_state(xfer)
+    monkeypatch.setattr(pw.sender, "step", step)
+    monkeypatch.setattr(pushes._agent, "state", state)
+    tokens = prompts(2, [40, 56], seed=37)
+    (params,) = prefill(p, ["g"], tokens[:1])
+    d.add("g", tokens[0], params, max_tokens=2)
+    run([d], lambda: _accepted(p, ["g"]))  # g waits, staged, not posted
+    p.add("a", tokens[1], {"do_remote_decode": True})
+    d.add("a", tokens[1], dict(template, remote_request_id="a"), max_tokens=2)
+    run([d], lambda: _accepted(p, ["g", "a"]))
+    assert land(d, [p], ["g", "a"], limit_s=30) == {guilty}  # x at once (D's deadline: 60 s)
+    assert raised and (guilty == "a" or raised[0])  # g's check raised first in the copy thread's step for a
+    ok = "a" if guilty == "g" else "g"
+    _loaded(p, d, [ok], [tokens[1] if ok == "a" else tokens[0]], before)  # byte-exact; the guilty's KV untouched
+    gate["open"] = True
+    run([p, d], lambda: p.stats()["staged_requests"] == 0 and d.stats()["bytes_in_use"] == 0)
+    assert p.stats()["bytes_in_use"] == 0 and p.stats()["push_writes_in_flight"] == 0
+    assert pw.stager.failures == {} and pw.sender.refused == 0  # P gave up no request
+
+
 @pytest.mark.parametrize("where", ["post", "step"])
 def test_a_push_raising_on_the_copy_thread_fails_its_request_at_once(engines, monkeypatch, where):
     """The copy thread made a request's record and its push raised: a post failing other
     than by ValueError (the reservation it posted is answered x at once, the step goes
-    on), or ``sender.step`` before it posted anything (P fails the copy thread's request
-    at once: x, span freed). Before: left unposted, D waited for its 60 s deadline; or
-    pushed only at wait_for_save. The other requests of the step are pushed byte-exact."""
+    on), or ``sender.step`` before it served any reservation (a raise of no reservation:
+    logged, no request failed; the next step posts it, and it lands byte-exact). Before:
+    left unposted, D waited for its 60 s deadline; and a raise of ``step`` gave up the
+    copy thread's request, innocent or not. The other requests of the step are pushed
+    byte-exact."""
     import threading
 
     p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 60.0})
@@ -528,10 +582,9 @@ def test_a_push_raising_on_the_copy_thread_fails_its_request_at_once(engines, mo
     rids, tokens, before, failed = _concurrent(p, d, [40, 24, 56], seed=35, limit_s=30,  # D's deadline: 60 s
                                                accepted=accepted)
     assert pw.stager.layers.early > early[0] and raised  # the copy thread made records and pushed them
-    failed_here = [r for r in rids if "push lost" in pw.stager.failures.get(r, "")]
-    lost = raised if where == "post" else failed_here
-    assert failed_here == ([] if where == "post" else lost)  # a post's raise fails its reservation, not the request
-    assert len(lost) == 1 and failed == set(lost)
+    assert not [r for r in rids if "push lost" in pw.stager.failures.get(r, "")]  # P gave up no request
+    lost = raised if where == "post" else []  # a post's raise fails its reservation; step's, nothing (retried)
+    assert len(lost) == (1 if where == "post" else 0) and failed == set(lost)
     n_load = [p.sched.connector.connector_scheduler._get_remote_prefill_token_count(len(t)) for t in tokens]
     exp = expected_d(p, d, [(r, r, n) for r, n in zip(rids, n_load) if r not in lost], before)
     assert (exp != before).any(), "the expectation moves nothing: the test would not see a missed load"

@@ -480,16 +480,22 @@ class KvcopyArenaWorker:
                     logger.exception("kvcopy arena: reporting %s staged failed", rid)
                     stager.fail_early(rid, f"not staged: {exc}")
                 if self.sender is not None:
-                    try:
-                        # its reservations' final WRITEs (x where it failed); a post that raises
-                        # is answered x there, that reservation alone, whichever request it is for
-                        self.sender.step()
-                    except Exception as exc:  # noqa: BLE001 -- outside any post (matching, reaping): as a staging
-                        # that failed: rid's reservations not posted x now, its span freed
-                        logger.exception("kvcopy arena: pushing %s failed", rid)
-                        self.sender.give_up(rid)
-                        stager.fail_early(rid, f"not pushed: {exc}")
+                    # its reservations' final WRITEs (x where it failed); a raise for one
+                    # reservation fails that one alone, whichever request it is for
+                    self._push_step("the copy thread's push after staging " + rid[:80])
             self._hurry()
+
+    def _push_step(self, where: str) -> None:
+        """``sender.step()``, under the lock. A raise reaching here is of no reservation
+        (step answers each reservation's own: kvcopy.vllm.arena.push_send): failing the
+        request the caller worked for would fail an innocent one, so it is logged and the
+        next turn (the housekeeper's, the next step's) serves the reservations again."""
+        assert self.sender is not None
+        try:
+            self.sender.step()
+        except Exception:  # noqa: BLE001 -- retried next turn; a reservation never served fails at its deadline
+            logger.exception("kvcopy arena: %s: %s raised outside any reservation; retried next turn",
+                             self.name, where)
 
     def layer_done(self, name: str) -> None:
         """P, layer-wise: ``name``'s attention ran; queue the copies it completes (no lock)."""
@@ -504,7 +510,7 @@ class KvcopyArenaWorker:
         with self.lock:
             stager.step(meta)
             if self.sender is not None:
-                self.sender.step()  # post the reservations whose requests are staged now
+                self._push_step("wait_for_save's push")  # post the reservations whose requests are staged now
                 self.sender.chunks.end_step()
             self._hurry()
 

@@ -33,6 +33,20 @@ staging) :meth:`PushSender.tick`:
    as that D rank done with P's span (:meth:`~kvcopy.vllm.arena.stage.ArenaStager.note_read`):
    P's span lives pack + WRITE, not until D's next message.
 
+**A raise fails what it concerns, never the step's caller** (:meth:`PushSender.step`
+runs on the copy thread for the request it just staged, at ``wait_for_save`` and in the
+housekeeper, and serves every reservation each time): one while a reservation is
+matched, posted or refused answers that reservation ``x``; one while the WRITEs are
+polled fails the reservation whose WRITE it concerns (the manager's
+:meth:`~kvcopy.nixl.push_writes.PushWrites.poll`: a status check that raises is that
+handle's failure); one while an ended reservation is counted as read is logged (P's span
+then goes at its time to live). What could still leave ``step`` is of no reservation
+(the loop itself): failing the request its caller worked for would fail an innocent one
+and keep the cause, so the caller logs it and the next turn tries again; a reservation
+never served fails at its deadline (P's poll answers ``x``; where that poll is what
+raises, D's own deadline and its ``CANCEL``, which :meth:`PushSender.tick` answers
+outside ``step``).
+
 A cancel whose reservation was not posted is answered ``x`` at once; one in flight is
 answered when its WRITE ends. Each cancel's answer (``never``/``ended``/``in_flight``)
 also goes back to P's listener with the next ``TAKE_PUSH_MSG``, which answers D's
@@ -95,20 +109,33 @@ class PushSender:
         self.step()
 
     def step(self) -> None:
-        """Post what is staged, answer what will not be, notify what ended. A post that
-        raises fails its own reservation only (:meth:`_post`); the step goes on."""
+        """Post what is staged, answer what will not be, notify what ended. A raise for
+        one reservation fails it alone (a post's: :meth:`_post`; matching or refusing it:
+        answered ``x`` here; polling its WRITEs: the manager's ``poll``); the step goes on
+        (module docstring)."""
         for token, named in list(self._waiting.items()):
-            rid = self._matched.get(token) or self._match(token, named)
-            if rid is None:
-                continue  # not here yet (concurrent dispatch), or refused as ambiguous
-            record = self.stager.records.get(rid)
-            if record is not None:
-                del self._waiting[token]
+            try:
+                self._serve(token, named)
+            except Exception:  # noqa: BLE001 -- this reservation's: x, the others go on
+                logger.exception("kvcopy arena: %s: serving the reservation for request %s failed (answered x)",
+                                 self.m.name, named[:80])
+                self._waiting.pop(token, None)
                 self._matched.pop(token, None)
-                self._post(token, named, rid, record)
-            elif rid in self.stager.failures:
-                self._refuse(token)
+                self.m.push_writes.refuse(token)
         self._reap()
+
+    def _serve(self, token: bytes, named: str) -> None:
+        """One waiting reservation: posted when its request is staged, refused when it failed."""
+        rid = self._matched.get(token) or self._match(token, named)
+        if rid is None:
+            return  # not here yet (concurrent dispatch), or refused as ambiguous
+        record = self.stager.records.get(rid)
+        if record is not None:
+            del self._waiting[token]
+            self._matched.pop(token, None)
+            self._post(token, named, rid, record)
+        elif rid in self.stager.failures:
+            self._refuse(token)
 
     def _post(self, token: bytes, named: str, rid: str, record: StagedRequest) -> None:
         """The final WRITE of one reservation. One that raises is answered ``x`` by the
@@ -138,16 +165,20 @@ class PushSender:
         self._reap()
 
     def _reap(self) -> None:
-        self.m.push_writes.poll()
+        self.m.push_writes.poll()  # a raise for one reservation fails it there; the poll goes on
         for token, rid, target in self.m.push_writes.take_closed():
             self._waiting.pop(token, None)
             self._matched.pop(token, None)
             d_tp = self._readers.pop(token, None)
             posted = self._posted.pop(token, None)
-            if posted is not None:  # as vLLM's push connector reports its WRITEs, on P
-                self.stats.record(time.monotonic() - posted[0], posted[1] - posted[0], posted[2], posted[3])
-            if d_tp is not None:
-                self.stager.note_read(rid, target, d_tp)
+            try:
+                if posted is not None:  # as vLLM's push connector reports its WRITEs, on P
+                    self.stats.record(time.monotonic() - posted[0], posted[1] - posted[0], posted[2], posted[3])
+                if d_tp is not None:
+                    self.stager.note_read(rid, target, d_tp)
+            except Exception:  # noqa: BLE001 -- answered already: the others are counted all the same
+                logger.exception("kvcopy arena: %s: counting %s's reservation of request %s as read failed (its "
+                                 "span goes at its time to live)", self.m.name, target, rid[:80])
 
     def _match(self, token: bytes, named: str) -> Optional[str]:
         """The request of this P a reservation naming ``named`` is for: ``named`` itself
@@ -289,13 +320,6 @@ class PushSender:
         rid = item[1] if item[1] in self.chunks.parts else self._match(token, item[1])
         if rid is not None:
             self.chunks.accepted(token, rid)
-
-    def give_up(self, rid: str) -> None:
-        """P will not push ``rid`` (the copy thread's step for it raised outside any post:
-        a post that raises is answered in :meth:`_post`): each reservation of it not posted
-        is answered ``x`` once none of its WRITEs is in flight."""
-        for token in self.tokens_for(rid):
-            self._refuse(token)
 
     def _refuse(self, token: bytes) -> None:
         """Drop an accepted reservation not posted and answer it ``x`` (once none of its
