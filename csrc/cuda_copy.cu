@@ -196,4 +196,36 @@ int kvcopy_cuda_stream_capturing(void* stream, int* capturing) {
   return err;
 }
 
+// A stream of kvcopy's own (P's layer-wise side stream, kvcopy/nixl/modes/side_stream.py)
+// on `device`, which must be the calling thread's current device (the caller sets it: a
+// device switched here and back would leave a thread that had none on device 0):
+// non-blocking (no implicit wait on the legacy default stream) and at the lowest
+// priority the device has (`*priority`), so the block scheduler never starts its CTAs
+// ahead of pending ones of a stream at the default priority or above. Not one of
+// torch's pooled streams: no other user of torch.cuda.Stream() is handed it.
+int kvcopy_cuda_stream_create(int device, void** stream, int* priority) {
+  if (stream == nullptr || priority == nullptr) return cudaErrorInvalidValue;
+  *stream = nullptr;
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err != cudaSuccess) return err;
+  if (current != device) return cudaErrorInvalidDevice;
+  int least = 0, greatest = 0;
+  err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (err != cudaSuccess) return err;
+  cudaStream_t s = nullptr;
+  err = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, least);
+  if (err != cudaSuccess) return err;
+  *stream = s;
+  *priority = least;
+  return cudaSuccess;
+}
+
+// Destroy a stream of kvcopy_cuda_stream_create. Work still queued on it completes
+// first (the stream's resources are released then); nothing may be queued on it after.
+int kvcopy_cuda_stream_destroy(void* stream) {
+  if (stream == nullptr) return cudaErrorInvalidValue;
+  return cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
 }  // extern "C"

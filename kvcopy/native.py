@@ -176,6 +176,8 @@ SIGNATURES: Dict[str, Dict[str, Tuple[Any, List[Any]]]] = {
         "kvcopy_cuda_copy": (_int, CUDA_COPY_ARGS),
         "kvcopy_cuda_copy_sums": (_int, CUDA_COPY_ARGS + [_vp, _i64]),
         "kvcopy_cuda_stream_capturing": (_int, [_vp, _P(_int)]),
+        "kvcopy_cuda_stream_create": (_int, [_int, _P(_vp), _P(_int)]),
+        "kvcopy_cuda_stream_destroy": (_int, [_vp]),
         "kvcopy_cuda_store_words": (_int, CUDA_STORE_ARGS),
         "kvcopy_ce_batch_abi": (_int, []),
         "kvcopy_ce_error_name": (_str, [_int]),

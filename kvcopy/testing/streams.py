@@ -8,8 +8,9 @@ themselves run at once on the CPU; what the log records is what a GPU would be t
 
 * ``("record", event, stream)``, ``("wait_event", stream, event)``,
   ``("wait_stream", stream, other)``, ``("use", stream)`` (made current on a thread),
-  ``("synchronize", event)`` (a host wait), ``("enter_thread",)``, and what a test adds
-  with :meth:`note`;
+  ``("synchronize", event)`` (a host wait), ``("enter_thread",)``, ``("destroy",
+  stream)`` (:meth:`RecordedStreams.close_stream`), and what a test adds with
+  :meth:`note`;
 * each entry starts with the name of the thread that made it.
 
 A thread that makes a stream current or waits for an event on the host without having
@@ -18,6 +19,9 @@ GPU it would run on device 0, whatever the KV's device).
 
 Streams are named ``"current"`` (every thread's until one is made current with
 :meth:`use`) and ``"side1"``, ``"side2"`` ...; events ``"e1"``, ``"e2"`` ... in creation order.
+A stream closed with :meth:`RecordedStreams.close_stream` refuses (``AssertionError``)
+to be waited on, to wait, to be made current or to be closed again (on a GPU: a
+destroyed stream's handle).
 An event is a GPU that is late once: its first :meth:`_Event.query` after it was
 recorded says not yet, the next says done; :meth:`_Event.synchronize` (a host wait)
 completes it (and raises for an event made without ``blocking``: a real wait for it
@@ -34,12 +38,18 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 class _Stream:
     def __init__(self, ops: "RecordedStreams", name: str):
         self.ops, self.name = ops, name
+        self.destroyed = False
+
+    def live(self) -> "_Stream":
+        if self.destroyed:
+            raise AssertionError(f"{self.name} used after it was destroyed")
+        return self
 
     def wait_event(self, event: "_Event") -> None:
-        self.ops.note("wait_event", self.name, event.name)
+        self.live().ops.note("wait_event", self.name, event.name)
 
     def wait_stream(self, other: "_Stream") -> None:
-        self.ops.note("wait_stream", self.name, other.name)
+        self.live().ops.note("wait_stream", self.name, other.live().name)
 
     def __repr__(self) -> str:
         return f"<stream {self.name}>"
@@ -53,7 +63,7 @@ class _Event:
         self._asked = False
 
     def record(self, stream: _Stream) -> None:
-        self.ops.note("record", self.name, stream.name)
+        self.ops.note("record", self.name, stream.live().name)
         self.recorded, self.done, self._asked = True, False, False
 
     def query(self) -> bool:
@@ -106,6 +116,10 @@ class RecordedStreams:
             self._streams += 1
             return _Stream(self, f"side{self._streams}")
 
+    def close_stream(self, stream: _Stream) -> None:
+        stream.live().destroyed = True
+        self.note("destroy", stream.name)
+
     def event(self, blocking: bool = False) -> _Event:
         with self._lock:
             self._events += 1
@@ -125,7 +139,7 @@ class RecordedStreams:
 
     @contextmanager
     def use(self, stream: _Stream) -> Iterator[None]:
-        self.entered_or_raise(f"{stream.name} made current")
+        self.entered_or_raise(f"{stream.live().name} made current")
         before = self.current()
         self._local.stream = stream
         self.note("use", stream.name)
@@ -184,7 +198,7 @@ def check_layerwise_order(log: List[Tuple[str, ...]], side: str, forward: str, c
             recorded[entry[2]] = (thread, entry[3])
             if thread == forward and entry[3] == "current":
                 forward_order[entry[2]] = len(forward_order)
-            if entry[3] == side:  # a job's event: right after its copies, on the copy thread
+            if entry[3] == side:  # a layer's event: right after its (last job's) copies, on the copy thread
                 before = previous.get(thread)
                 assert before is not None and before[1] == "copy" and before[3] == side, (entry, before)
         elif kind == "wait_event":

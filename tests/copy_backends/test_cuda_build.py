@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc here: the CUDA lib
 
 ABI = ["kvcopy_cuda_copy", "kvcopy_cuda_entry_fields", "kvcopy_cuda_error_name", "kvcopy_cuda_device_info",
        "kvcopy_cuda_host_device_pointer",
-       "kvcopy_cuda_stream_capturing", "kvcopy_ce_copy", "kvcopy_ce_batch_abi", "kvcopy_ce_error_name"]
+       "kvcopy_cuda_stream_capturing", "kvcopy_cuda_stream_create", "kvcopy_cuda_stream_destroy",
+       "kvcopy_ce_copy", "kvcopy_ce_batch_abi", "kvcopy_ce_error_name"]
 
 
 def _library() -> Path:

@@ -75,3 +75,30 @@ def test_a_thread_that_never_entered_may_not_use_a_stream_or_wait():
     t.start()
     t.join()
     assert errors == [] and "entered" in ops.entered and threading.current_thread().name not in ops.entered
+
+
+def test_one_event_after_several_jobs_copies_passes_the_order_check():
+    """A layer's one event after every request's copies of it (SideStream.copy): the
+    record follows the last copy on the side stream, which the check asks for."""
+    log = _log(
+        (F, "record", "e1", "current"),
+        (C, "wait_event", "side1", "e1"), (C, "use", "side1"),
+        (C, "copy", 0, "side1", 4), (C, "copy", 0, "side1", 4), (C, "copy", 0, "side1", 4),
+        (C, "record", "e2", "side1"),
+        (W, "synchronize", "e2"),
+        (F, "wait_stream", "current", "side1"))
+    assert check_layerwise_order(log, "side1", F, 4) == 3
+
+
+def test_a_destroyed_stream_is_noted_and_refuses_any_use():
+    ops = RecordedStreams()
+    ops.enter_thread()
+    side = ops.stream()
+    event = ops.event(blocking=True)
+    ops.close_stream(side)
+    assert [e[1:] for e in ops.entries("destroy")] == [("destroy", "side1")]
+    for use in (lambda: side.wait_event(event), lambda: ops.current().wait_stream(side),
+                lambda: event.record(side), lambda: ops.use(side).__enter__(), lambda: ops.close_stream(side)):
+        with pytest.raises(AssertionError, match="side1 used after it was destroyed"):
+            use()
+    assert len(ops.entries("destroy")) == 1

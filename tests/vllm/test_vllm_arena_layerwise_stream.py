@@ -34,7 +34,10 @@ from test_vllm_arena_layerwise import _transfer  # noqa: E402
 from test_vllm_arena_push_chunks import _chunk_stats, _concurrent, _loaded  # noqa: E402
 from test_vllm_mirror import CASES, vllm_env  # noqa: E402  (the fixture)
 
+import torch  # noqa: E402
+
 from kvcopy.nixl import push_reservations  # noqa: E402
+from kvcopy.nixl.modes import partial_stage  # noqa: E402
 from kvcopy.nixl.modes.partial_stage import StepCopies  # noqa: E402
 from kvcopy.testing.streams import RecordedStreams, check_layerwise_order, noting_copies  # noqa: E402
 from kvcopy.vllm.arena.connector import KvcopyArenaWorker  # noqa: E402
@@ -95,6 +98,70 @@ def test_layers_copied_on_the_side_stream_load_exactly(engines, streams, monkeyp
     assert layers.early == (0 if state else 2)
     assert swept > 0 if state else swept == 0
     assert p.stats()["partial_requests"] == 0
+
+
+@pytest.mark.parametrize("name", ["one_group", "hybrid_kv_sharing"])
+def test_one_event_and_one_hand_off_per_layer_for_every_final_request(engines, streams, monkeypatch, name):
+    """Two requests whose prefill ends in one step: each layer's copies of both are
+    followed by one event on the side stream and one waiter hand-off covering both (not
+    one per request); each request's units of the layer handed on once, after that
+    event. Page sums the GPU's way (read back into a poisoned host buffer, folded at the
+    record): one host buffer per request and step, D byte-exact (its sums compared).
+    P's side stream is destroyed once at shutdown."""
+    case = CASES[name]
+    allocated = []
+
+    def host(n):
+        allocated.append(n)
+        return torch.full((n,), -0x5A5A5A5A5A5A5A5B, dtype=torch.int64)
+    monkeypatch.setattr(partial_stage, "deferred_sums", lambda device: True)
+    monkeypatch.setattr(partial_stage, "host_sums", host)
+    p = engines(case, "kv_producer", layerwise=True, layerwise_ctas=CTAS)
+    d = engines(case, "kv_consumer")
+    layers = _side(p)
+    assert p.worker.arena_worker.manager.arena.sums.on  # the records carry page sums, D compares them
+    _forward_waits_for_the_waiter(layers, monkeypatch)
+    hand_offs = []
+    real_hand_on = layers._hand_on
+
+    def hand_on(*args):
+        streams.note("hand_on", args)
+        hand_offs.append(args)
+        return real_hand_on(*args)
+    monkeypatch.setattr(layers, "_hand_on", hand_on)
+    handed = []
+    real_copied = layers.on_copied
+
+    def copied(rid, units):
+        streams.note("copied", rid, tuple(units))
+        handed.append(rid)
+        return real_copied(rid, units)
+    layers.on_copied = copied
+    at_layer, _ = _transfer(p, d, [40, 17])
+    assert at_layer > 0
+    check_layerwise_order(streams.log, layers.side.stream.name, FORWARD, CTAS)
+    side = layers.side.stream.name
+    records = [e for e in streams.entries("record") if e[3] == side]
+    waits = [e for e in streams.entries("wait_event") if e[2] == side]  # one per layer copied at its layer
+    assert records and len(records) <= len(waits)  # at most one event per layer
+    assert len(hand_offs) == len(records)  # one waiter job per event
+    both = [h for h in hand_offs if len(h[0]) == 2]
+    assert both, hand_offs  # a layer of both final requests: one event, one hand-off
+    for h, rec in zip(hand_offs, records):
+        assert h[1].name == rec[2] and len({rid for rid, _ in h[0]}) == len(h[0])
+    assert len(handed) == sum(len(h[0]) for h in hand_offs)  # each request's units once per layer
+    done = set()
+    for entry in streams.log:  # a request's units handed on only after the event of their layer
+        if entry[1] == "synchronize":
+            done.add(entry[2])
+        elif entry[1] == "hand_on":
+            event = entry[2][1].name
+        elif entry[1] == "copied":
+            assert event in done, entry
+    assert allocated and len(allocated) <= 2 * len([e for e in streams.log if e[1] == "wait_stream"])
+    pw = p.worker.arena_worker
+    pw.shutdown()
+    assert [e[1:] for e in streams.entries("destroy")] == [("destroy", side)]
 
 
 def test_a_chunk_is_written_only_after_its_units_event(engines, streams, monkeypatch):

@@ -30,9 +30,19 @@ cut into one call per unit (``BlockCopier.split``: array passes, no id checked t
 On the CPU each unit's sums are folded as its copy ends (:meth:`StepCopies.run`, the copy
 thread, while the forward runs), so ``finish`` after the last layer only adds one
 vector per unit call: 0.2-0.3 ms instead of 0.8-1.1 ms for 16 units of 1024 tokens
-(``bench/push_chunks_serve.py``, the 2-core machine shared); on a GPU each call's sums
-are read back into pinned host memory on the copy's stream as it is enqueued, and folded
-at ``finish``, after an event that follows them (no host wait on the GPU there).
+(``bench/push_chunks_serve.py``, the 2-core machine shared). On a GPU the sums' storage
+is planned with the step (:func:`plan_step`, before the forward): one device buffer and
+one pinned host buffer per :class:`StepCopies` (per request and step), a slice per unit
+call, the units of one layer side by side; each call writes its device slice,
+:meth:`StepCopies.read_back` copies a run of units' slices to the host in one copy on
+the copy's stream (per layer and request: one, not one per call), and ``finish``
+folds them after an event that follows them (no host wait on the GPU there). The pinned
+buffer comes from torch's caching host allocator, which hands a freed block out again
+only after the events it recorded for the copies into it completed; it is freed with
+the step, after the fold (or with a dropped request, whose sums are never folded), so
+no read-back lands in memory another step uses. (Before: a device tensor and a pinned
+host tensor per unit call, while the forward ran; a cache miss of the host allocator
+calls ``cudaHostAlloc``.)
 """
 from __future__ import annotations
 
@@ -59,14 +69,29 @@ def settled_pages(num_tokens: int, done_tokens: int, tokens_per_page: int) -> in
     return done_tokens // tokens_per_page
 
 
+def deferred_sums(device: torch.device) -> bool:
+    """Whether a step's page sums on ``device`` are read back and folded at ``finish``
+    (a GPU: they are in host memory only after an event) rather than as each call
+    returns (the CPU). Tests run the GPU's way on the CPU by replacing this."""
+    return device.type != "cpu"
+
+
+def host_sums(n: int) -> torch.Tensor:
+    """``n`` int64 of pinned host memory for one step's page sums (torch's caching host
+    allocator; module docstring). Tests replace it to count the allocations."""
+    return torch.empty(n, dtype=torch.int64, pin_memory=True)
+
+
 class _UnitCall:
     """One planned copier call of one unit: which copier, the plan, and for the fold
-    the triples' numbers ``J`` (in the call's order) and the unit's page positions."""
+    the triples' numbers ``J`` (in the call's order) and the unit's page positions;
+    ``at``: where its sums start in its step's buffers (deferred sums)."""
 
-    __slots__ = ("copier", "call", "js", "group", "positions")
+    __slots__ = ("copier", "call", "js", "group", "positions", "at")
 
     def __init__(self, copier: int, call: CallPlan, js: np.ndarray, group: int, positions: np.ndarray):
         self.copier, self.call, self.js, self.group, self.positions = copier, call, js, group, positions
+        self.at = 0
 
 
 class StepCopies:
@@ -80,10 +105,30 @@ class StepCopies:
         self._summed = summed
         self._device = device
         self.done: Set[int] = set()
-        # GPU: (call, its sums read back to pinned memory), folded at finish
-        self.sums: List[Tuple[_UnitCall, torch.Tensor]] = []
         self.folded: List[Tuple[_UnitCall, np.ndarray]] = []  # CPU: (call, its folded sums), folded at run
-        self._fold_now = device.type == "cpu"  # a CPU copy's sums are in when run returns
+        self._fold_now = not deferred_sums(device)  # a CPU copy's sums are in when run returns
+        # Deferred sums (a GPU): every call's sums in one device buffer and, read back, one
+        # pinned host buffer, both allocated here, before the forward (module docstring).
+        # Units laid out in the order their last layers run, so that one layer's units
+        # of this request are one slice: one read-back per layer. _span[u]: unit u's slice.
+        self._span: Dict[int, Tuple[int, int]] = {}
+        self.read: Set[int] = set()  # units whose sums were read back
+        self._dev: Optional[torch.Tensor] = None
+        self.host: Optional[torch.Tensor] = None
+        if summed and not self._fold_now:
+            at = 0
+            for u in sorted(calls, key=lambda u: (cps.last_layer[u], u)):
+                start = at
+                for uc in calls[u]:
+                    uc.at = at
+                    at += uc.call.num_blocks
+                self._span[u] = (start, at)
+            if at:
+                # device memory from torch's caching allocator on this (the forward's)
+                # stream; the side stream writes it and the forward's stream waits for the
+                # side stream at every step's close, before the step (and the buffer) can go
+                self._dev = torch.empty(at, dtype=torch.int64, device=device)
+                self.host = host_sums(at)
 
     @property
     def units(self) -> List[int]:
@@ -102,25 +147,57 @@ class StepCopies:
         """Copy unit ``unit``'s settling pages into the span (no-op for a unit with none);
         ``max_ctas``: the calls' grid cap (``BlockCopier.run``'s: layer-wise copies on a
         GPU's side stream, :mod:`kvcopy.nixl.modes.side_stream`). On a GPU the copies
-        are enqueued on the current stream, each call's page sums read back after it
-        into pinned host memory on the same stream: ``finish``, after an event that
-        follows them, folds them without touching the GPU."""
+        are enqueued on the current stream, each call's page sums into its slice of the
+        step's device buffer: :meth:`read_back` then copies them to host memory."""
         if unit in self.done:
             raise RuntimeError(f"unit {unit} was copied already this step")
         self.done.add(unit)
         for uc in self._calls.get(unit, ()):
             copier = self._cps.copiers[uc.copier]
-            if self._summed:
+            if not self._summed:
+                copier.run("d2h", uc.call, max_ctas=max_ctas)
+            elif self._fold_now:
                 out = torch.empty(uc.call.num_blocks, dtype=torch.int64, device=self._device)
                 copier.run("d2h", uc.call, out, max_ctas=max_ctas)
-                if self._fold_now:
-                    self.folded.append((uc, _fold(uc, out)))
-                else:
-                    host = torch.empty(uc.call.num_blocks, dtype=torch.int64, pin_memory=True)
-                    host.copy_(out, non_blocking=True)
-                    self.sums.append((uc, host))
-            else:
-                copier.run("d2h", uc.call, max_ctas=max_ctas)
+                self.folded.append((uc, _fold(uc, out)))
+            else:  # no buffer: the step's calls have no block (an empty slice would do)
+                out = self._dev[uc.at:uc.at + uc.call.num_blocks] if self._dev is not None else \
+                    torch.empty(0, dtype=torch.int64, device=self._device)
+                copier.run("d2h", uc.call, out, max_ctas=max_ctas)
+
+    def read_back(self, units: Sequence[int]) -> int:
+        """Deferred sums (a GPU): enqueue, on the current stream after the units' copies,
+        the copy of ``units``' sums (units run already) to the pinned host buffer: one
+        copy per run of adjacent slices (one layer's units of this step: one). ``finish``,
+        after an event that follows it, folds them without touching the GPU. A no-op
+        elsewhere. Returns the copies enqueued."""
+        if self._dev is None or self.host is None:
+            return 0
+        for u in units:
+            if u not in self.done:
+                raise RuntimeError(f"unit {u}'s sums read back before it was copied")
+        runs: List[List[int]] = []
+        for a, b in sorted(self._span[u] for u in set(units) - self.read if u in self._span):
+            if runs and runs[-1][1] == a:
+                runs[-1][1] = b
+            elif b > a:
+                runs.append([a, b])
+        self.read.update(u for u in units if u in self._span)
+        for a, b in runs:
+            self.host[a:b].copy_(self._dev[a:b], non_blocking=True)
+        return len(runs)
+
+    def folds(self) -> List[Tuple[_UnitCall, np.ndarray]]:
+        """Every call's folded sums (module docstring): the CPU's, folded at run; a GPU's
+        from the host buffer (after the event that follows the read-backs)."""
+        if self._dev is None:
+            return self.folded
+        unread = self.done - self.read
+        if any(self._span[u][1] > self._span[u][0] for u in unread if u in self._span):
+            raise RuntimeError(f"units {sorted(unread)} copied but their sums never read back")
+        assert self.host is not None
+        return [(uc, _fold(uc, self.host[uc.at:uc.at + uc.call.num_blocks]))
+                for u in sorted(self.read) for uc in self._calls[u]]
 
 
 @dataclass
@@ -170,7 +247,7 @@ class PartialStage:
         values = [np.zeros(n, np.uint64) for n in self.counts]
         with np.errstate(over="ignore"):
             for step in self.steps:
-                for uc, vec in step.folded + [(uc, _fold(uc, out)) for uc, out in step.sums]:
+                for uc, vec in step.folds():
                     values[uc.group][uc.positions] += vec
         return values
 

@@ -10,14 +10,17 @@ imported here):
   (on the GPU), then, with the side stream current on that thread, enqueues each job's
   planned unit copies (:meth:`~kvcopy.nixl.modes.partial_stage.StepCopies.run`, the
   copier launching on torch's current stream) with the call's grid capped at
-  :attr:`SideStream.max_ctas` (``BlockCopier.run(..., max_ctas=)``), and records one
-  event per job that asked for it after that job's copies (and their page sums' read
-  back to pinned host memory). It never waits on the host: the next layer's copies are
-  enqueued as soon as that layer's ``save_kv_layer`` hands them over.
+  :attr:`SideStream.max_ctas` (``BlockCopier.run(..., max_ctas=)``), each job's page
+  sums read back to the step's pinned host buffer in one copy after its units
+  (:meth:`~kvcopy.nixl.modes.partial_stage.StepCopies.read_back`), and records **one**
+  event after every job of the layer when any job asked for one (not one per job: a
+  layer with 16 final requests records one event, not 16). It never waits on the host:
+  the next layer's copies are enqueued as soon as that layer's ``save_kv_layer`` hands
+  them over.
 * **a waiter thread** (P's, for a chunked push and the record made right after the last
-  layer): :meth:`SideStream.wait` for a job's event (a blocking event: the thread
-  sleeps), then those units are WRITten. The only host wait, never on the forward's
-  thread, and the forward's thread never waits for this one.
+  layer): one :meth:`SideStream.wait` per layer for that event (a blocking event: the
+  thread sleeps), then every request's units of the layer are WRITten. The only host
+  wait, never on the forward's thread, and the forward's thread never waits for this one.
 * **the forward's thread at the step's close** (``wait_for_save``): :meth:`SideStream.join`
   makes the current stream wait for the side stream (on the GPU): what that stream runs
   next (the sweep of units no ``save_kv_layer`` copied, the records' events, the next
@@ -42,19 +45,37 @@ which is how the default should be checked on a given link. The whole-request st
 and the sweep run on the current stream with the copier's own grid.
 
 **Streams and events** come from a :class:`StreamOps`: :class:`CudaStreams` (torch's
-``torch.cuda.Stream``/``Event``, ``stream.wait_event``, ``stream.wait_stream``,
+``torch.cuda.Event``, ``stream.wait_event``, ``stream.wait_stream``,
 ``torch.cuda.stream(s)``), or in CPU tests a recording one
 (:class:`kvcopy.testing.streams.RecordedStreams`) that notes what each stream and
 event did and on which thread.
+
+**The side stream is kvcopy's own**: ``kvcopy_cuda_stream_create`` (libkvcopy_cuda)
+makes a non-blocking stream at the device's lowest priority, wrapped in a
+``torch.cuda.ExternalStream`` and destroyed at :meth:`SideStream.close`.
+``torch.cuda.Stream()`` would hand out one of a fixed pool of streams per device and
+priority, round robin: another user of it in the process (another library's side
+stream) could get the same one, and their work would serialize behind each other.
+Lowest priority: where CTAs of several streams wait for SMs, the block scheduler
+starts those of a higher-priority stream first, so the copies never take an SM ahead
+of a waiting kernel of the forward's. On today's GPUs the lowest priority is the
+default one, the forward's (vLLM does not raise it): the two are then equals, and the
+grid cap above is what leaves the forward its SMs. Without libkvcopy_cuda a pooled
+stream at the lowest priority is used, with a warning.
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, List, NamedTuple, Optional, Protocol, Sequence
+import ctypes
+import logging
+from typing import Any, ContextManager, List, NamedTuple, Optional, Protocol, Sequence, Set
 
 import torch
 
+from ... import native
 from ...checks import integer
 from .partial_stage import StepCopies
+
+logger = logging.getLogger(__name__)
 
 LAYERWISE_CTAS = 4  # the default cap of a layer's copy (module docstring, "Grid")
 MAX_LAYERWISE_CTAS = 1024  # a cap above any GPU's SM count is a typo, not a choice
@@ -69,7 +90,10 @@ class StreamOps(Protocol):
         """The calling thread's current stream."""
 
     def stream(self) -> Any:
-        """A new stream."""
+        """A new stream of the caller's own (no other user is handed it)."""
+
+    def close_stream(self, stream: Any) -> None:
+        """Release a stream of :meth:`stream` (work queued on it still completes)."""
 
     def event(self, blocking: bool = False) -> Any:
         """A new event (no timing); ``blocking``: a host wait for it sleeps instead of
@@ -92,12 +116,34 @@ class CudaStreams:
     def __init__(self, device: torch.device):
         # an index always: torch.cuda.set_device refuses a bare "cuda"
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self._own: Set[int] = set()  # handles (cudaStream_t) of the streams kvcopy made and has not destroyed
 
     def current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
     def stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(self.device)
+        """A non-blocking stream at the lowest priority, kvcopy's own (module docstring)."""
+        lib, why = native.load("kvcopy_cuda")
+        if lib is None:
+            logger.warning("kvcopy: no libkvcopy_cuda (%s): the layer-wise side stream is one of torch's pooled "
+                           "streams, which another user of torch.cuda.Stream() may share", why)
+            return torch.cuda.Stream(self.device, priority=1)  # above the range: torch maps it to the lowest
+        handle, priority = ctypes.c_void_p(), ctypes.c_int()
+        with torch.cuda.device(self.device):  # the C call creates it on the current device
+            native.check(lib.kvcopy_cuda_stream_create(self.device.index, ctypes.byref(handle),
+                                                       ctypes.byref(priority)), "kvcopy_cuda_stream_create")
+        assert handle.value is not None
+        self._own.add(handle.value)
+        return torch.cuda.ExternalStream(handle.value, device=self.device)
+
+    def close_stream(self, stream: torch.cuda.Stream) -> None:
+        handle = getattr(stream, "cuda_stream", None)
+        if handle not in self._own:  # torch's (no libkvcopy_cuda): the pool keeps it
+            return
+        self._own.discard(handle)
+        lib, _ = native.load("kvcopy_cuda")
+        assert lib is not None
+        native.check(lib.kvcopy_cuda_stream_destroy(handle), "kvcopy_cuda_stream_destroy")
 
     def event(self, blocking: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(blocking=blocking)
@@ -118,7 +164,8 @@ class CudaStreams:
 
 class Job(NamedTuple):
     """One request's units of one layer: ``key`` (the caller's name for it), its step's
-    planned copies, the units to run, and whether an event should follow them."""
+    planned copies, the units to run, and whether an event should follow them (one
+    event follows every job of the call that asked: :meth:`SideStream.copy`)."""
 
     key: Any
     step: StepCopies
@@ -127,8 +174,9 @@ class Job(NamedTuple):
 
 
 class Queued(NamedTuple):
-    """A job enqueued on the side stream: its event (None: not asked for, or it failed)
-    and the error that stopped it (its later units were not enqueued)."""
+    """A job enqueued on the side stream: the event after it (None: not asked for, or it
+    failed; else the call's one event, the same object for every job that asked) and
+    the error that stopped it (its later units were not enqueued)."""
 
     key: Any
     units: Sequence[int]
@@ -142,7 +190,7 @@ class SideStream:
     def __init__(self, ops: StreamOps, max_ctas: int = LAYERWISE_CTAS):
         self.max_ctas = integer(max_ctas, "layerwise_ctas", 1, MAX_LAYERWISE_CTAS)
         self.ops = ops
-        self.stream = ops.stream()
+        self.stream: Any = ops.stream()
 
     def capturing(self) -> bool:
         """A CUDA graph is being captured on the calling thread's stream: no copy is
@@ -163,24 +211,31 @@ class SideStream:
 
     def copy(self, after: Any, jobs: Sequence[Job]) -> List[Queued]:
         """The copy thread: the side stream waits for ``after`` (a :meth:`mark`), then
-        each job's units are enqueued on it, capped, each job followed by its event when
-        it asks for one. A job whose copy raises (a planned call refused at launch) is
-        returned with its error; the others go on."""
+        each job's units are enqueued on it, capped, each job's page sums read back in
+        one copy after its units; then one event after all of them when a job that did
+        not fail asked for one (every such job's :attr:`Queued.event`). A job whose copy
+        raises (a planned call refused at launch) is returned with its error and no
+        event; the others go on."""
         self.stream.wait_event(after)
         out: List[Queued] = []
+        signalled = []  # places in ``out`` of the jobs the event is for
         with self.ops.use(self.stream):
             for job in jobs:
                 try:
                     for u in job.units:
                         job.step.run(u, max_ctas=self.max_ctas)
+                    job.step.read_back(job.units)
                 except Exception as exc:  # noqa: BLE001 -- the caller stages this request whole
                     out.append(Queued(job.key, job.units, None, exc))
                     continue
-                event = None
                 if job.signal:
-                    event = self.ops.event(blocking=True)  # the waiter thread sleeps in its wait
-                    event.record(self.stream)
-                out.append(Queued(job.key, job.units, event, None))
+                    signalled.append(len(out))
+                out.append(Queued(job.key, job.units, None, None))
+            if signalled:
+                event = self.ops.event(blocking=True)  # the waiter thread sleeps in its wait
+                event.record(self.stream)
+                for i in signalled:
+                    out[i] = out[i]._replace(event=event)
         return out
 
     @staticmethod
@@ -194,4 +249,11 @@ class SideStream:
         on the side stream so far (the forward's thread at the step's close, after the
         copy thread enqueued this step's copies)."""
         self.ops.current().wait_stream(self.stream)
+
+    def close(self) -> None:
+        """Release the side stream (:meth:`StreamOps.close_stream`; copies queued on it
+        still complete). Called once nothing queues on it any more."""
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            self.ops.close_stream(stream)
 

@@ -25,7 +25,7 @@ import torch
 
 from ...core.checksum import SumFold
 from ...core.copier import BlockCopier, CallPlan
-from ..planning.pack_order import Unit
+from ..planning.pack_order import Unit, natural_key
 
 Ids = List[List[int]]
 
@@ -36,6 +36,11 @@ class SpanCopiers:
     def __init__(self, units: Sequence[Unit], device_caches: Mapping[str, torch.Tensor], layouts,
                  arena_buf: torch.Tensor, backend: str, max_ctas: Optional[int] = None):
         self.units = list(units)
+        # per unit, its last layer's place in forward order (the order vLLM's save_kv_layer
+        # comes in): a layer-wise step lays its sums out by it (partial_stage.StepCopies)
+        last = [max(u.layers, key=natural_key) for u in self.units]
+        place = {name: i for i, name in enumerate(sorted(set(last), key=natural_key))}
+        self.last_layer = [place[name] for name in last]
         dev, host, block_dims, members = _views(self.units, device_caches, layouts, arena_buf)
         # Per copier, for ids(): (block bytes, unit, group and slab index (head * chunks +
         # chunk) per copier group, then per KV cache group the copier groups of its units).

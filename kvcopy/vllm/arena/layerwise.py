@@ -43,11 +43,13 @@ wait for it and enqueues the copies there with their grid capped (``layerwise_ct
 CTAs), so they overlap the next layers' compute. ``close_step`` makes the forward's
 stream wait for the side stream (GPU-side: no host wait on the forward's thread), then
 sweeps on that stream with the copier's full grid; a request's record is finished once
-an event after that completed. Each final request's copies of a layer are followed
-by an event on the side stream; a second thread (the *waiter*) waits for it (the only
-host wait, which neither the forward's thread nor the copy thread makes) before
-``on_copied`` WRITEs those units, and once the request's last one ended (no job of it
-left in flight) :meth:`LayerwiseStage.finish_early` makes the record there, as on the
+an event after that completed. A layer's copies are followed by one event on the side
+stream, after every final request's copies of that layer (and their page sums' read
+back, one copy per request: :meth:`~kvcopy.nixl.modes.partial_stage.StepCopies.read_back`); a
+second thread (the *waiter*) waits for it once (the only host wait, which neither the
+forward's thread nor the copy thread makes) before ``on_copied`` WRITEs each request's
+units of the layer, and once the request's last one ended (no layer of it left in
+flight) :meth:`LayerwiseStage.finish_early` makes the record there, as on the
 CPU. ``wait_for_save`` does not wait for the waiter: what it hands on after the close
 goes in the final WRITE, and a record the close made first is not made again. A copy the
 side stream refused at launch fails its request's layer-wise staging as on the CPU
@@ -209,9 +211,10 @@ class LayerwiseStage:
     def _copy(self, units: List[int], steps: List[Tuple[str, StepCopies]]) -> None:
         for rid, step in steps:
             try:
-                for u in units:
-                    if step.has(u):
-                        step.run(u)
+                mine = [u for u in units if step.has(u)]
+                for u in mine:
+                    step.run(u)
+                step.read_back(mine)  # sums folded at run on the CPU: a no-op there
             except Exception as exc:  # noqa: BLE001 -- planned calls; reported as the request's failure
                 self._copy_failed.setdefault(rid, f"layer-wise copy failed: {exc}")
                 continue
@@ -220,8 +223,9 @@ class LayerwiseStage:
 
     def _copy_on_side(self, units: List[int], steps: List[Tuple[str, StepCopies]], after) -> None:
         """The copy thread, on a GPU: the units enqueued on the side stream after the
-        layer's event ``after`` (no host wait here); a final request's units are handed
-        on by the waiter thread once the event after them completed."""
+        layer's event ``after`` (no host wait here); the final requests' units are handed
+        on by the waiter thread once the layer's one event after them completed (one
+        waiter job per layer, whatever the number of final requests)."""
         assert self.side is not None and self._waiter is not None
         chunked = self.on_copied is not None
         jobs = [Job(rid, step, [u for u in units if step.has(u)], chunked and rid in self.final_parts)
@@ -234,26 +238,35 @@ class LayerwiseStage:
                 self._copy_failed.setdefault(job.key, f"layer-wise copy failed: {exc}")
             self._flights([j.key for j in jobs if j.signal], -1)
             return
+        handed: List[Tuple[str, List[int]]] = []
+        event = None
         for job, q in zip(jobs, queued):  # one per job, in order
             if q.error is not None:
                 self._copy_failed.setdefault(q.key, f"layer-wise copy failed: {q.error}")
             if q.event is not None:
-                self._handing.append(self._waiter.submit(self._hand_on, q.key, list(q.units), q.event))
-            elif job.signal:  # failed: nothing to wait for
+                handed.append((q.key, list(q.units)))
+                event = q.event  # the same for every job that asked (SideStream.copy)
+            elif job.signal:  # failed: nothing to wait for, its request only
                 self._flights([job.key], -1)
+        if handed:
+            self._handing.append(self._waiter.submit(self._hand_on, handed, event))
 
-    def _hand_on(self, rid: str, units: List[int], event) -> None:
-        """The waiter thread: ``units`` of ``rid`` are in the span once ``event`` completed
-        (a host wait on this thread only), then to the chunked push / finish_early."""
+    def _hand_on(self, handed: List[Tuple[str, List[int]]], event) -> None:
+        """The waiter thread: each ``(request, units)`` of ``handed`` (one layer's) is in
+        its span once ``event`` completed (one host wait, on this thread only); then each
+        goes to the chunked push / finish_early, every request's in-flight count already
+        down (its record may be made as soon as its own units are handed on)."""
         assert self.side is not None
         try:
             self.side.wait(event)
         except Exception:  # noqa: BLE001 -- a CUDA error: the record's own event reports it
-            logger.exception("kvcopy arena: waiting for the layer-wise copies of %s failed", rid)
+            logger.exception("kvcopy arena: waiting for the layer-wise copies of %s failed",
+                             ", ".join(rid for rid, _ in handed))
             return
         finally:
-            self._flights([rid], -1)
-        self._copied(rid, units)
+            self._flights([rid for rid, _ in handed], -1)
+        for rid, units in handed:
+            self._copied(rid, units)
 
     def _flights(self, rids: List[str], delta: int) -> None:
         if rids:
@@ -278,7 +291,7 @@ class LayerwiseStage:
         :meth:`close_step` would) when this is the step its prefill ends in, every unit
         of it was copied at its layer (nothing left for the sweep) and the copies ended
         (the CPU: they end in the call; a GPU: the waiter waited for the event after
-        each of its jobs, none is in flight); else None."""
+        each of its layers, none is in flight); else None."""
         entry = self.parts.get(rid)
         arena = self.m.arena
         if entry is None or rid not in self._final or rid in self._copy_failed or arena is None \
@@ -314,9 +327,11 @@ class LayerwiseStage:
             if rid in self.whole:
                 continue
             try:
-                for u in step.left():
+                left = step.left()
+                for u in left:
                     step.run(u)
                     self.swept += 1
+                step.read_back(left)  # a GPU: one copy of their sums, before the records' events
             except Exception as exc:  # noqa: BLE001
                 self._fail(rid, f"layer-wise copy failed: {exc}")
         self._step = []
@@ -373,3 +388,5 @@ class LayerwiseStage:
         self._pool.shutdown(wait=True)
         if self._waiter is not None:
             self._waiter.shutdown(wait=True)
+        if self.side is not None:
+            self.side.close()  # nothing queues on it any more: kvcopy's own stream destroyed

@@ -2,13 +2,15 @@
 in forward order, in random order and over several steps, gives the same span bytes
 and a byte-identical record to ``ArenaStaging.stage``, and D's caches equal the torch
 reference (geometries.expected, D poisoned) for every family and layout the fuzzer
-draws."""
+draws; also with the page sums the GPU's way (``deferred``: read back into a poisoned
+host buffer by runs of units, folded at finish)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from kvcopy.nixl.modes import partial_stage
 from kvcopy.nixl.modes.partial_stage import settled_pages
 from kvcopy.nixl.modes.spans import ArenaFull
 from kvcopy.nixl.planning.plan import NO_BLOCK
@@ -39,8 +41,13 @@ def stage_in_parts(st, info, block_ids, n, rid, rng, steps=1, how="forward"):
             units = sorted(rng.choice(units, len(units) // 2, replace=False).tolist()) if units else []
         for u in units:
             step.run(int(u))
-        for u in step.left():  # the completeness sweep
+        if len(units) > 1:  # deferred sums: the layers' read-backs, here two runs of units
+            step.read_back([int(u) for u in units[:len(units) // 2]])
+        step.read_back([int(u) for u in units])
+        left = step.left()
+        for u in left:  # the completeness sweep
             step.run(u)
+        step.read_back(left)
         assert not step.left()
         if step.units:
             with pytest.raises(RuntimeError, match="copied already"):  # a unit is never copied twice
@@ -57,8 +64,22 @@ def _pair(spec, rank):
     return whole, parts, info
 
 
+def _deferred(monkeypatch):
+    """The GPU's sums path on the CPU: one poisoned host buffer per step (counted)."""
+    allocated = []
+
+    def host(n):
+        allocated.append(n)
+        return torch.full((n,), -0x5A5A5A5A5A5A5A5B, dtype=torch.int64)
+    monkeypatch.setattr(partial_stage, "deferred_sums", lambda device: True)
+    monkeypatch.setattr(partial_stage, "host_sums", host)
+    return allocated
+
+
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("how,steps", [("forward", 1), ("random", 1), ("sweep", 3), ("random", 3)])
-def test_unit_by_unit_equals_the_whole_request_byte_for_byte(how, steps):
+def test_unit_by_unit_equals_the_whole_request_byte_for_byte(monkeypatch, how, steps, deferred):
+    allocated = _deferred(monkeypatch) if deferred else []
     rng = np.random.default_rng(steps * 7 + len(how))
     with one_torch_thread():
         compared = 0
@@ -80,12 +101,16 @@ def test_unit_by_unit_equals_the_whole_request_byte_for_byte(how, steps):
                 whole.close()
                 parts.close()
         assert compared == len(SEEDS)
+        assert not deferred or 0 < len(allocated) <= len(SEEDS) * steps  # one host buffer per step at most
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_d_loads_a_request_staged_in_parts_exactly(steps):
+def test_d_loads_a_request_staged_in_parts_exactly(monkeypatch, steps, deferred):
     """D's caches after the pull equal the torch reference for every drawn family and
     layout; the case counts match the whole-request fuzz (exact where it is exact)."""
+    if deferred:
+        _deferred(monkeypatch)
     rng = np.random.default_rng(steps)
     with one_torch_thread():
         exact = 0
