@@ -255,12 +255,15 @@ def _run_pair(args, connector, p, d, prefill, prompts, progress, net):
         before, p_before = metrics(d.url), metrics(p.url)
         link0 = link_bytes(net)
         t0 = time.monotonic()
-        with ThreadPoolExecutor(args.concurrency) as pool:
+        pool = ThreadPoolExecutor(args.concurrency)
+        try:
             futures = [pool.submit(try_request, p.url, d.url, q, args.new_tokens, prefill) for q in prompts]
             results = []
             for f in futures:
                 results.append(f.result())
                 progress.step(connector)
+        finally:  # interrupted (SIGTERM, ^C): not waiting for requests in flight; killing P and D ends them
+            pool.shutdown(wait=False, cancel_futures=True)
         wall = time.monotonic() - t0
         link1 = link_bytes(net)
         after, p_after = metrics(d.url), metrics(p.url)
