@@ -50,7 +50,8 @@ with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena`
 ``arena-push`` (the same with D's ``transfer_mode: "push"``: P WRITEs),
 ``arena-push-layerwise`` (push, P staging layer by layer), ``stock-push`` (vLLM's
 ``NixlPushConnector``). Descriptors and post times are read where the transfer is
-posted: D's metrics for a READ, P's for a WRITE. ``--bind nobind`` runs every engine with
+posted: D's metrics for a READ, P's for a WRITE; before and after the timed requests P
+is made to step once (:func:`flush_stats`), so that each WRITE counts in its own window. ``--bind nobind`` runs every engine with
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
 "With a real engine", says why the two differ for vLLM's NIXL worker). ``--bind split``
 gives P's engine CPU 0 and D's CPU 1, every thread of each (its processes, OpenMP threads
@@ -188,6 +189,20 @@ def one_request(p_url, d_url, prompt, new_tokens, prefill=None):
             "p_request": params.get("remote_request_id"), "d_sent": t1, "d_first": first}
 
 
+def flush_stats(url):
+    """One engine step on ``url`` (a 1-token prompt, nothing to transfer), so that its
+    connector's figures recorded since its last step reach its metrics. A pushing P's
+    WRITE ends on its housekeeping thread after P's step, and P's engine, idle, does not
+    step again until its next request: the WRITE's figures (``get_kv_connector_stats``,
+    taken once per step) would otherwise be counted with the next request's, the
+    warm-up's in the timed window and the last timed request's out of it (seen: 3 WRITEs
+    counted for 2 requests). vLLM records a step's stats before that step's outputs
+    reach the HTTP handler, so they are in the metrics once this returns."""
+    body = {"model": "tiny", "prompt": [1], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    with post_json(url + "/v1/completions", body, TIMEOUT_S) as r:
+        r.read()
+
+
 def try_request(p_url, d_url, prompt, new_tokens, prefill=None):
     """:func:`one_request`, or what failed: a run goes on past one request P or D did not answer."""
     try:
@@ -252,6 +267,8 @@ def _run_pair(args, connector, p, d, prefill, prompts, progress, net):
         if timed:  # the first call starts recording
             rpc(p.url, "kvcopy_timeline")
             rpc(d.url, "kvcopy_timeline")
+        if connector in PUSH_VARIANTS:  # the warm-up's WRITE counted before the window (flush_stats)
+            flush_stats(p.url)
         before, p_before = metrics(d.url), metrics(p.url)
         link0 = link_bytes(net)
         t0 = time.monotonic()
@@ -266,6 +283,8 @@ def _run_pair(args, connector, p, d, prefill, prompts, progress, net):
             pool.shutdown(wait=False, cancel_futures=True)
         wall = time.monotonic() - t0
         link1 = link_bytes(net)
+        if connector in PUSH_VARIANTS:  # the last requests' WRITEs counted in the window
+            flush_stats(p.url)
         after, p_after = metrics(d.url), metrics(p.url)
         staging = rpc(d.url, "kvcopy_staging_bytes")[0]
         if timed:
