@@ -51,7 +51,8 @@ with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena`
 ``arena-push-layerwise`` (push, P staging layer by layer), ``stock-push`` (vLLM's
 ``NixlPushConnector``). Descriptors and post times are read where the transfer is
 posted: D's metrics for a READ, P's for a WRITE; before and after the timed requests P
-is made to step once (:func:`flush_stats`), so that each WRITE counts in its own window. ``--bind nobind`` runs every engine with
+is made to step once (:func:`flush_stats`), so that each WRITE counts in its own window.
+``--bind nobind`` runs every engine with
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
 "With a real engine", says why the two differ for vLLM's NIXL worker). ``--bind split``
 gives P's engine CPU 0 and D's CPU 1, every thread of each (its processes, OpenMP threads
