@@ -3,12 +3,14 @@
     VLLM_TARGET_DEVICE=cpu build/engine-env/bin/python bench/serve_pd.py \\
         [--connectors stock,mirror,arena,arena-layerwise] [--requests 16] [--lengths 256,1024] \\
         [--new-tokens 8] [--concurrency 4] [--bind auto|nobind|split] [--layers 2] [--repeats 1] \\
-        [--proxy sequential|concurrent] \\
+        [--proxy sequential|concurrent] [--kv-heads 2] [--head-dim 64] [--link RATE] \\
         [--out bench/out/serve]
 
 (the environment: ``bench/engine_env.sh``). For each connector in turn (one P/D pair on the
 machine at a time), one ``vllm serve`` P and one D (``kvcopy.testing.engine.serve``, a
-float32 Llama with random weights, ``--layers`` layers, 2 KV heads), then what a proxy does per
+float32 Llama with random weights, ``--layers`` layers, ``--kv-heads`` KV heads of
+``--head-dim``: ``layers x 2 x kv_heads x head_dim x 4`` bytes of KV per prompt token,
+printed above the table and kept in the JSON's ``args``), then what a proxy does per
 request: P runs it with ``do_remote_decode`` and ``max_tokens=1``, D streams it with P's
 ``kv_transfer_params``. The same requests (token-id prompts of the given lengths, in turn,
 from one seed) go through every connector, ``--concurrency`` at a time; one warm-up request
@@ -48,7 +50,9 @@ with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena`
 ``arena-push`` (the same with D's ``transfer_mode: "push"``: P WRITEs),
 ``arena-push-layerwise`` (push, P staging layer by layer), ``stock-push`` (vLLM's
 ``NixlPushConnector``). Descriptors and post times are read where the transfer is
-posted: D's metrics for a READ, P's for a WRITE. ``--bind nobind`` runs every engine with
+posted: D's metrics for a READ, P's for a WRITE; before and after the timed requests P
+is made to step once (:func:`flush_stats`), so that each WRITE counts in its own window.
+``--bind nobind`` runs every engine with
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` instead of vLLM's default binding (docs/vllm.md,
 "With a real engine", says why the two differ for vLLM's NIXL worker). ``--bind split``
 gives P's engine CPU 0 and D's CPU 1, every thread of each (its processes, OpenMP threads
@@ -57,6 +61,20 @@ and kvcopy's transfer threads: ``taskset``-like affinity, ``VLLM_CPU_OMP_THREADS
 waits for KV no longer take P's core. The client and proxy threads (this process) stay
 unbound.
 
+``--link RATE`` (``1gbit``, ``200mbit``: a tc rate) puts P's engine and D's in two network
+namespaces joined by a veth pair capped at RATE each way (:class:`kvcopy.bench.two_hosts.TwoHosts`,
+made for the run and deleted on every exit: needs root, ``ip`` and ``tc``), as two hosts
+joined by TCP: each engine's NIXL agent uses UCX's TCP transport on its veth only
+(``UCX_TLS=tcp``, ``UCX_NET_DEVICES``), its side channel listens on its veth address (P
+hands D that address in ``kv_transfer_params``; a pushing D names its own to P in each
+reservation), and vLLM's ``VLLM_HOST_IP`` is that address. The client and the proxy
+(this process's request threads) run in D's namespace, as a proxy beside D would: D's
+HTTP on D's loopback, P's at P's veth address, so P's requests and its small answers
+cross the link too, as do the side channels' questions and NIXL's notifications. Each row
+gets ``link``: the bytes that left P's and D's veth (tc's counters) while the timed
+requests ran, against ``prompt_kv_bytes`` (the prompts' KV): P's side carries the KV,
+READ or WRITten. The hooks' timeline still runs on one clock (one host's monotonic clock).
+
 A request that fails (an HTTP error, no answer within ``TIMEOUT_S``) is recorded as failed
 (``failed_requests``, its error in ``results``) and the run goes on; the figures are over
 the requests that completed.
@@ -64,8 +82,10 @@ the requests that completed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -74,9 +94,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvcopy.bench import two_hosts  # noqa: E402
 from kvcopy.bench.output import Progress  # noqa: E402
-from kvcopy.testing.engine.models import build_model  # noqa: E402
-from kvcopy.testing.engine.pd import CONNECTORS, HOOKS, kv_transfer_config, random_prompts, side_channel_env  # noqa: E402
+from kvcopy.testing.engine.models import build_model, kv_bytes_per_token  # noqa: E402
+from kvcopy.testing.engine.pd import (  # noqa: E402
+    CONNECTORS, HOOKS, kv_transfer_config, link_side_env, random_prompts, side_channel_env,
+)
 from kvcopy.testing.engine.serve import (  # noqa: E402
     PrefillEngine, PrefillLeg, Server, metric_sum, metrics, post_json, prefill_body, rpc, stream_first_token,
 )
@@ -112,6 +135,10 @@ def parse_args(argv=None):
                     help="how push connectors are dispatched (pull connectors: always sequential)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=2, help="the Llama's layers")
+    ap.add_argument("--kv-heads", type=int, default=2, help="the Llama's KV heads (query heads: 2x, at least 4)")
+    ap.add_argument("--head-dim", type=int, default=64, help="the Llama's head size")
+    ap.add_argument("--link", metavar="RATE", default=None,
+                    help="P and D in two network namespaces over a veth capped at RATE (e.g. 1gbit; module docstring)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of the connector list, in turn")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
     ap.add_argument("--out", default="bench/out/serve")
@@ -123,9 +150,17 @@ def parse_args(argv=None):
         ap.error(f"unknown connector(s) {bad}; known: {', '.join(KNOWN)}")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if any(n < 1 or n + args.new_tokens >= args.max_model_len for n in args.lengths) or args.requests < 1 \
-            or args.layers < 1 or args.repeats < 1:
+            or args.layers < 1 or args.repeats < 1 or args.kv_heads < 1 or args.head_dim < 1:
         ap.error("each length must be >= 1 and leave room for --new-tokens below --max-model-len; "
-                 "--requests, --layers, --repeats >= 1")
+                 "--requests, --layers, --repeats, --kv-heads, --head-dim >= 1")
+    if args.link is not None:
+        try:
+            two_hosts.parse_rate(args.link)
+        except ValueError as exc:
+            ap.error(f"--link: {exc}")
+        why = two_hosts.unavailable()
+        if why:
+            ap.error(f"--link needs network namespaces: {why}")
     return args
 
 
@@ -155,6 +190,20 @@ def one_request(p_url, d_url, prompt, new_tokens, prefill=None):
             "p_request": params.get("remote_request_id"), "d_sent": t1, "d_first": first}
 
 
+def flush_stats(url):
+    """One engine step on ``url`` (a 1-token prompt, nothing to transfer), so that its
+    connector's figures recorded since its last step reach its metrics. A pushing P's
+    WRITE ends on its housekeeping thread after P's step, and P's engine, idle, does not
+    step again until its next request: the WRITE's figures (``get_kv_connector_stats``,
+    taken once per step) would otherwise be counted with the next request's, the
+    warm-up's in the timed window and the last timed request's out of it (seen: 3 WRITEs
+    counted for 2 requests). vLLM records a step's stats before that step's outputs
+    reach the HTTP handler, so they are in the metrics once this returns."""
+    body = {"model": "tiny", "prompt": [1], "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    with post_json(url + "/v1/completions", body, TIMEOUT_S) as r:
+        r.read()
+
+
 def try_request(p_url, d_url, prompt, new_tokens, prefill=None):
     """:func:`one_request`, or what failed: a run goes on past one request P or D did not answer."""
     try:
@@ -180,19 +229,35 @@ def concurrent(args, connector) -> bool:
     return args.proxy == "concurrent" and connector in PUSH_VARIANTS
 
 
-def run_connector(args, connector, model, prompts, progress):
-    env = dict(side_channel_env(), VLLM_SERVER_DEV_MODE="1")
-    (p_env, p_cpus), (d_env, d_cpus) = engine_envs(args, env)
+def link_bytes(net):
+    """Bytes that left P's and D's veth so far (tc's counters), or None without a link."""
+    return None if net is None else {side: net.sent_bytes(side) for side in ("p", "d")}
+
+
+def run_connector(args, connector, model, prompts, progress, net=None):
+    """One P/D pair through the requests; with ``net`` (a started ``TwoHosts``) P and D in
+    its two namespaces and this thread (and the request threads it starts) in D's."""
+    (p_env, p_cpus), (d_env, d_cpus) = engine_envs(args, {"VLLM_SERVER_DEV_MODE": "1"})
+    if net is None:
+        p_side, d_side, p_run, d_run = side_channel_env(), side_channel_env(), {}, {}
+    else:  # P's HTTP on its veth address (the client reaches it over the link), D's on D's loopback
+        p_side, d_side = link_side_env(net, "p"), link_side_env(net, "d")
+        p_run = {"host": net.address("p"), "prefix": net.exec_prefix("p")}
+        d_run = {"prefix": net.exec_prefix("d")}
     kv = connector_config(connector)
     extra = ["--worker-extension-cls", HOOKS]
     p_kv = dict(kv, engine_id=f"{connector}-P")  # P's id, known to the concurrent proxy
     p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), p_kv,
-               max_model_len=args.max_model_len, env=p_env, extra_args=extra, cpus=p_cpus)
-    prefill = PrefillEngine(p_kv["engine_id"], env["VLLM_NIXL_SIDE_CHANNEL_HOST"],
-                            int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])) if concurrent(args, connector) else None
+               max_model_len=args.max_model_len, env=dict(p_env, **p_side), extra_args=extra, cpus=p_cpus, **p_run)
+    prefill = PrefillEngine(p_kv["engine_id"], p_side["VLLM_NIXL_SIDE_CHANNEL_HOST"],
+                            int(p_side["VLLM_NIXL_SIDE_CHANNEL_PORT"])) if concurrent(args, connector) else None
     d = Server(f"{connector}-D", model, os.path.join(args.out, f"{connector}-D.log"), kv,
-               max_model_len=args.max_model_len, env=dict(d_env, **side_channel_env()), extra_args=extra,
-               cpus=d_cpus)
+               max_model_len=args.max_model_len, env=dict(d_env, **d_side), extra_args=extra, cpus=d_cpus, **d_run)
+    with net.inside("d") if net is not None else contextlib.nullcontext():
+        return _run_pair(args, connector, p, d, prefill, prompts, progress, net)
+
+
+def _run_pair(args, connector, p, d, prefill, prompts, progress, net):
     try:
         p.start()
         d.start()
@@ -203,15 +268,24 @@ def run_connector(args, connector, model, prompts, progress):
         if timed:  # the first call starts recording
             rpc(p.url, "kvcopy_timeline")
             rpc(d.url, "kvcopy_timeline")
+        if connector in PUSH_VARIANTS:  # the warm-up's WRITE counted before the window (flush_stats)
+            flush_stats(p.url)
         before, p_before = metrics(d.url), metrics(p.url)
+        link0 = link_bytes(net)
         t0 = time.monotonic()
-        with ThreadPoolExecutor(args.concurrency) as pool:
+        pool = ThreadPoolExecutor(args.concurrency)
+        try:
             futures = [pool.submit(try_request, p.url, d.url, q, args.new_tokens, prefill) for q in prompts]
             results = []
             for f in futures:
                 results.append(f.result())
                 progress.step(connector)
+        finally:  # interrupted (SIGTERM, ^C): not waiting for requests in flight; killing P and D ends them
+            pool.shutdown(wait=False, cancel_futures=True)
         wall = time.monotonic() - t0
+        link1 = link_bytes(net)
+        if connector in PUSH_VARIANTS:  # the last requests' WRITEs counted in the window
+            flush_stats(p.url)
         after, p_after = metrics(d.url), metrics(p.url)
         staging = rpc(d.url, "kvcopy_staging_bytes")[0]
         if timed:
@@ -223,7 +297,11 @@ def run_connector(args, connector, model, prompts, progress):
         d.kill()
         p.kill()
     row = dict(summarize(connector, results, warm, wall, before, after, staging),
-               proxy="concurrent" if prefill is not None else "sequential")
+               proxy="concurrent" if prefill is not None else "sequential",
+               prompt_kv_bytes=sum(len(q) for q in prompts) * args.kv_bytes_per_token)
+    if net is not None:  # what crossed the link during the timed requests, each way
+        row["link"] = {"rate": net.rate, "p_sent_bytes": link1["p"] - link0["p"],
+                       "d_sent_bytes": link1["d"] - link0["d"]}
     if timed:
         row.update(phase_summary(results), layerwise=layerwise, housekeeping_turns_per_s={
             k: None if n is None else n / wall for k, n in turns.items()})
@@ -268,10 +346,25 @@ def _mib(n):
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
+def describe_model(args):
+    """The model line above the table: its KV per token and per request of each length."""
+    per = args.kv_bytes_per_token
+    lengths = ", ".join(f"{n} tokens {per * n / 2**20:.2f} MiB" for n in args.lengths)
+    line = (f"model: {args.layers}-layer float32 Llama, {args.kv_heads} KV heads x {args.head_dim}: "
+            f"{per / 1024:g} KiB of KV per prompt token; per request: {lengths}")
+    if args.link:
+        line += (f"\nlink: P and D in two network namespaces over a veth capped at {args.link} each way "
+                 "(client and proxy in D's namespace)")
+    return line
+
+
 def print_table(rows):
     ref = rows[0]["token_ids"]
+    link = any("link" in r for r in rows)
     head = ("run", "connector", "proxy", "TTFT med", "p90", "TTFT@D med", "P med", "wall", "staging host mem",
             "desc/xfer", "MiB/xfer", "post ms/xfer", "loaded/computed tok", "failed", "= " + rows[0]["connector"])
+    if link:
+        head += ("prompt KV MiB", "link MiB P->D / D->P")
     lines = [head]
     for r in rows:
         same = sum(a is not None and a == b for a, b in zip(r["token_ids"], ref))
@@ -284,7 +377,10 @@ def print_table(rows):
                       "-" if r["bytes_per_read"] is None else f"{r['bytes_per_read'] / 2**20:.2f}",
                       "-" if r["post_s_per_read"] is None else f"{r['post_s_per_read'] * 1e3:.2f}",
                       f"{pt['external_kv_transfer']:.0f}/{pt['local_compute']:.0f}", str(r.get("failed_requests", 0)),
-                      f"{same}/{len(ref)}"))
+                      f"{same}/{len(ref)}")
+                     + ((f"{r['prompt_kv_bytes'] / 2**20:.2f}",
+                         f"{r['link']['p_sent_bytes'] / 2**20:.2f} / {r['link']['d_sent_bytes'] / 2**20:.2f}")
+                        if link else ()))
     _print_lines(lines)
 
 
@@ -334,24 +430,40 @@ def plot(rows, args, path):
     ax2.bar([r["connector"] for r in rows], [r["staging_bytes"] / 2**20 for r in rows])
     ax2.set_ylabel("host staging memory (MiB)")
     ax2.set_title("host memory KV is staged through")
-    fig.suptitle(f"vLLM 0.33 P/D on the CPU ({args.layers}-layer Llama, bind={args.bind})")
+    where = f", link {args.link}" if args.link else ""
+    fig.suptitle(f"vLLM 0.33 P/D on the CPU ({args.layers}-layer Llama, bind={args.bind}{where})")
     fig.tight_layout()
     fig.savefig(path)
     return f"plot: {path}"
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds: engines killed, the link's namespaces deleted
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    model = build_model("llama", os.path.join(args.out, "model"), seed=0, num_layers=args.layers).path
+    spec = build_model("llama", os.path.join(args.out, "model"), seed=0, num_layers=args.layers,
+                       num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+    args.kv_bytes_per_token = kv_bytes_per_token(spec)
     prompts = random_prompts([args.lengths[i % len(args.lengths)] for i in range(args.requests)], seed=7)
     progress = Progress(len(prompts) * len(args.connectors) * args.repeats, args.quiet)
     rows = []
-    for rep in range(args.repeats):
-        for c in (args.connectors if rep % 2 == 0 else args.connectors[::-1]):
-            rows.append(dict(run_connector(args, c, model, prompts, progress), repeat=rep))
-            with open(os.path.join(args.out, "serve.json"), "w") as f:  # after every run: a later one may fail
-                json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+    net = None
+    if args.link:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        net = two_hosts.TwoHosts(rate=args.link).start()  # one link for the whole run, each pair on it in turn
+    try:
+        for rep in range(args.repeats):
+            for c in (args.connectors if rep % 2 == 0 else args.connectors[::-1]):
+                rows.append(dict(run_connector(args, c, spec.path, prompts, progress, net), repeat=rep))
+                with open(os.path.join(args.out, "serve.json"), "w") as f:  # after every run: a later one may fail
+                    json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+    finally:
+        if net is not None:
+            net.close()
+    print(describe_model(args))
     print_table(rows)
     print_phases(rows)
     print(plot(rows, args, os.path.join(args.out, "serve.png")))

@@ -61,6 +61,8 @@ refuses them), :func:`unavailable` says why, and callers skip with that reason.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -70,7 +72,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 PREFIX = "kvc2h"  # namespace names: kvc2h-<creator pid>-<serial>-<p|d>
 IFACES = {"p": "kvp", "d": "kvd"}
@@ -328,9 +330,54 @@ class TwoHosts:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(kvcopy.__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.update(UCX_TLS="tcp", UCX_NET_DEVICES=IFACES[side], UCX_WARN_UNUSED_ENV_VARS="n")
-        env.update(self.extra_env)
+        env.update(self.link_env(side))
         return env
+
+    def link_env(self, side: str) -> Dict[str, str]:
+        """The variables that put a process on ``side``'s end of the link: UCX on TCP over
+        that side's veth only (the module docstring), and the instance's ``env``."""
+        self._sides(side)
+        return dict(UCX_TLS="tcp", UCX_NET_DEVICES=IFACES[side], UCX_WARN_UNUSED_ENV_VARS="n", **self.extra_env)
+
+    def address(self, side: str) -> str:
+        """``side``'s veth address (reachable from the other namespace over the link)."""
+        self._sides(side)
+        return ADDRESSES[side]
+
+    def exec_prefix(self, side: str) -> List[str]:
+        """The command prefix that runs a program in ``side``'s namespace (``ip netns exec``
+        execs it: the pid is the program's, its session and signals are its own)."""
+        self._sides(side)
+        if not self._started:
+            raise ValueError("TwoHosts.start() first (or use it as a context manager)")
+        return [shutil.which("ip") or "ip", "netns", "exec", self.ns[side]]
+
+    @contextlib.contextmanager
+    def inside(self, side: str) -> Iterator[None]:
+        """The calling thread in ``side``'s namespace for the block, back in its own after.
+
+        A network namespace is per thread (``setns(2)`` moves the caller only), and a
+        thread starts in its creator's: threads this one starts inside the block (a
+        thread pool, a proxy's legs) live there for good, sockets made there stay there.
+        Other threads of the process are not moved. Lets a client or proxy in this
+        process reach the engines it started in that namespace without an address
+        outside the namespaces this instance made."""
+        self._sides(side)
+        if not self._started:
+            raise ValueError("TwoHosts.start() first (or use it as a context manager)")
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            there = os.open(f"/run/netns/{self.ns[side]}", os.O_RDONLY)
+            try:
+                _setns(there)
+            finally:
+                os.close(there)
+            try:
+                yield
+            finally:
+                _setns(own)
+        finally:
+            os.close(own)
 
     def spawn(self, side: str) -> Host:
         """A new child process in ``side``'s namespace (``"p"`` or ``"d"``)."""
@@ -431,6 +478,20 @@ class TwoHosts:
 def _close_all() -> None:
     for net in list(_live):
         net.close()
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    """``setns(fd, CLONE_NEWNET)`` for the calling thread (``os.setns`` is Python 3.12+)."""
+    if hasattr(os, "setns"):
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 def wait_for(predicate, timeout: float, what: str, step: float = 0.002) -> None:

@@ -61,6 +61,32 @@ def test_serve_pd_refuses_bad_arguments_before_starting_anything():
     assert proc.returncode == 2 and "unknown connector(s) ['nixl']" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("argv,says", [(["--link", "fast"], "--link: rate must be"),
+                                       (["--kv-heads", "0"], "--kv-heads, --head-dim >= 1"),
+                                       (["--head-dim", "0"], "--kv-heads, --head-dim >= 1")])
+def test_serve_pd_refuses_a_bad_link_or_model_shape(argv, says, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import serve_pd
+
+    with pytest.raises(SystemExit) as exc:
+        serve_pd.parse_args(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_serve_pd_prints_the_kv_per_token_and_request(monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import serve_pd
+
+    args = argparse.Namespace(kv_bytes_per_token=8 * 2 * 8 * 64 * 4, layers=8, kv_heads=8, head_dim=64,
+                              lengths=[256, 1024], link="1gbit")
+    line = serve_pd.describe_model(args)
+    assert "32 KiB of KV per prompt token" in line and "256 tokens 8.00 MiB, 1024 tokens 32.00 MiB" in line, line
+    assert "capped at 1gbit" in line and "client and proxy in D's namespace" in line, line
+    assert "link" not in serve_pd.describe_model(argparse.Namespace(**dict(vars(args), link=None)))
+
+
 def test_serve_pd_records_a_failed_request_and_summarizes_the_others(monkeypatch):
     """A request P or D does not answer is recorded as failed, not fatal to the run; the
     figures are over the requests that completed, token comparison skips the failed one."""

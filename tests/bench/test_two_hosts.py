@@ -88,6 +88,64 @@ def test_close_removes_namespaces_and_ends_a_frozen_child():
 
 
 @needs_namespaces
+def test_inside_moves_the_calling_thread_and_the_threads_it_starts_only():
+    """A listener at P's veth address, a client thread started inside D's namespace: its
+    bytes leave D's veth (tc's counter); the caller is back in its own namespace after
+    the block (also when the block raised), and a thread started before it never moved."""
+    import os
+    import socket
+    import threading
+
+    def netns():
+        return os.readlink("/proc/thread-self/ns/net")
+
+    own = netns()
+    seen = {}
+    with TwoHosts(rate="1gbit") as net:
+        with net.inside("p"):
+            srv = socket.socket()
+            srv.bind((net.address("p"), 0))
+            srv.listen()
+            seen["p"] = netns()
+        got = []
+        acceptor = threading.Thread(target=lambda: got.append(_drain(srv.accept()[0])))
+        acceptor.start()  # started outside: stays in this namespace
+        before = net.sent_bytes("d")
+        with net.inside("d"):
+            seen["d"] = netns()
+
+            def client():
+                seen["client"] = netns()
+                with socket.create_connection((net.address("p"), srv.getsockname()[1]), timeout=10) as c:
+                    c.sendall(b"x" * 300_000)
+            t = threading.Thread(target=client)
+            t.start()
+            t.join(30)
+        assert netns() == own
+        acceptor.join(30)
+        srv.close()
+        assert got == [300_000] and net.sent_bytes("d") - before >= 300_000
+        assert seen["client"] == seen["d"] and len({own, seen["p"], seen["d"]}) == 3, seen
+        with pytest.raises(KeyError):
+            with net.inside("d"):
+                raise KeyError("inside")
+        assert netns() == own
+        with pytest.raises(ValueError, match="side"):
+            with net.inside("x"):
+                pass
+
+
+def _drain(conn):
+    n = 0
+    with conn:
+        while True:
+            b = conn.recv(1 << 16)
+            if not b:
+                return n
+            n += len(b)
+
+
+@needs_namespaces
 def test_sweep_removes_what_a_dead_run_left():
     """A namespace named after a pid that no longer runs, with a process inside."""
     dead = subprocess.Popen(["true"])

@@ -64,6 +64,18 @@ def side_channel_env() -> Dict[str, str]:
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
 
+def link_side_env(net, side: str) -> Dict[str, str]:
+    """An engine's variables on ``side`` (``"p"``/``"d"``) of a two-namespace link
+    (:class:`kvcopy.bench.two_hosts.TwoHosts`, started): NIXL's UCX on TCP over its veth
+    only; its side channel (vLLM's and the arena connector's listener, whose address P
+    hands D in ``kv_transfer_params`` and a pushing D hands P in each reservation) on its
+    veth address, where the other namespace reaches it; vLLM's host address
+    (``VLLM_HOST_IP``: its distributed init) there too, as on a host of its own."""
+    addr = net.address(side)
+    return dict(net.link_env(side), VLLM_NIXL_SIDE_CHANNEL_HOST=addr, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()),
+                VLLM_HOST_IP=addr)
+
+
 @dataclasses.dataclass
 class Pair:
     p: Engine

@@ -70,8 +70,9 @@ class Engine:
     """One engine process; :meth:`start` returns at once, :meth:`wait_ready` waits for it."""
 
     def __init__(self, name: str, config: Dict[str, Any], log_path: str, env: Optional[Dict[str, str]] = None,
-                 python: str = sys.executable):
+                 python: str = sys.executable, prefix: Sequence[str] = ()):
         self.name, self.config, self.log_path, self.python = name, config, log_path, python
+        self.prefix = list(prefix)  # runs the driver through it (``TwoHosts.exec_prefix``: another namespace)
         self.env = engine_env(env)
         self.proc: Optional[subprocess.Popen] = None
         self._reply: Optional[int] = None  # the read end of the driver's reply pipe
@@ -84,7 +85,7 @@ class Engine:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "kvcopy.testing.engine.driver", json.dumps(self.config), str(w)],
+                self.prefix + [self.python, "-m", "kvcopy.testing.engine.driver", json.dumps(self.config), str(w)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(w,), env=self.env,
                 start_new_session=True)
         finally:

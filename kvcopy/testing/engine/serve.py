@@ -1,7 +1,8 @@
 """``vllm serve`` engines and the small P/D proxy in front of them, as users run them.
 
-* :class:`Server`: one ``vllm serve`` process group (OpenAI API on 127.0.0.1), its log
-  in a file; :meth:`Server.wait_ready` polls ``/health``.
+* :class:`Server`: one ``vllm serve`` process group (OpenAI API on 127.0.0.1, or on
+  ``host`` in another network namespace: ``prefix``), its log in a file;
+  :meth:`Server.wait_ready` polls ``/health``.
 * :class:`Proxy`: what a P/D proxy does for ``POST /v1/completions``, in one of two ways.
   **Sequential** (vLLM's toy proxies): the request goes to P with
   ``kv_transfer_params={"do_remote_decode": true}`` and ``max_tokens=1``, P's returned
@@ -107,13 +108,14 @@ class Server:
     def __init__(self, name: str, model: str, log_path: str, kv_transfer_config: Optional[Dict[str, Any]] = None,
                  block_size: int = 32, max_model_len: int = 1024, dtype: str = "float32",
                  env: Optional[Dict[str, str]] = None, extra_args: Sequence[str] = (), python: str = sys.executable,
-                 cpus: Optional[Sequence[int]] = None):
+                 cpus: Optional[Sequence[int]] = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()):
         self.name, self.log_path = name, log_path
         self.cpus = frozenset(cpus) if cpus else None  # the process group's CPUs (every thread it starts)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         vllm = os.path.join(os.path.dirname(python), "vllm")
-        self.argv = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+        # prefix: e.g. ``TwoHosts.exec_prefix(side)``, vllm serve in that namespace, on ``host`` there
+        self.argv = list(prefix) + [vllm, "serve", model, "--host", host, "--port", str(self.port),
                      "--served-model-name", SERVED_NAME, "--skip-tokenizer-init", "--dtype", dtype,
                      "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--enforce-eager",
                      "--max-num-seqs", "16", "--enable-prompt-tokens-details"]
