@@ -401,11 +401,15 @@ def print_phases(rows):
     push = [r for r in timed if any(k in ph for ph in r["phases"].values() for k, _ in PUSH_PHASES)]
     if push:
         print("\npushes, per request, median per prompt length (ms): where prefill end -> first token goes")
-        lines = [("run", "connector", "tokens") + tuple(label for _, label in PUSH_PHASES)]
+        lines = [("run", "connector", "tokens") + tuple(label for _, label in PUSH_PHASES)
+                 + ("chunks", "chunk WRITE->D saw c", "last chunk")]
         for r in push:
             for n, ph in r["phases"].items():
                 lines.append((str(r["repeat"]), r["connector"], n)
-                             + tuple(f"{ph[k] * 1e3:.2f}" if k in ph else "-" for k, _ in PUSH_PHASES))
+                             + tuple(f"{ph[k] * 1e3:.2f}" if k in ph else "-" for k, _ in PUSH_PHASES)
+                             + (f"{ph['chunks']:g}" if "chunks" in ph else "-",)
+                             + tuple(f"{ph[k] * 1e3:.2f}" if ph.get(k) is not None else "-"
+                                     for k in ("chunk_write_s_median", "last_chunk_write_s")))
         _print_lines(lines)
 
 

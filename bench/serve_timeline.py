@@ -36,11 +36,18 @@ A push adds (:data:`PUSH_PHASES`, joined to P's events by the reservation's toke
   taken after its poll returned, so this can be slightly negative);
 * ``landing_s``: D's check of the record and its scatter (KV ready at its end);
 * ``ready_to_first_s``: KV ready to the first token at the client (D's scheduler
-  taking the request, its decode step, the stream).
+  taking the request, its decode step, the stream);
+* a layer-wise push's chunk WRITEs (``push_chunk_bytes``): ``chunks`` (how many),
+  ``chunk_write_s_median`` and ``last_chunk_write_s``: a chunk from P's post to D reading
+  P's ``c`` for it (the WRITE over the link, P's status check seeing it end, the
+  notice): what sending one chunk takes, one layer where a layer's pages are at least
+  ``push_chunk_bytes``.
 
 :func:`plot_timeline` draws one request per connector on one time axis (0 = prefill end,
 matplotlib): P's forward, per layer its ``save_kv_layer`` tick and its copy,
-``wait_for_save``, P's answer reaching D, D's record fetch, READ, and first token.
+``wait_for_save``, P's answer reaching D, D's record fetch, READ, and first token; for a
+push, D's reservation, each chunk WRITE (post to D reading its ``c``), the final WRITE
+and D's landing.
 ``python bench/serve_timeline.py SERVE_JSON OUT_PNG`` draws a saved run again.
 """
 from __future__ import annotations
@@ -88,7 +95,10 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
         for c in step.get("copies", ()):
             if r["p_request"] in c["requests"] and "end" in c:
                 names = [n for u in c["units"] for n in (unit_layers[u] if unit_layers else [str(u)])]
-                copies.append({"layers": names, "start": c["start"], "end": c["end"]})
+                # the copy's end for this request: before it was handed to the chunked push (whose
+                # posts run inside the same call), else the call's end
+                end = (c.get("handed") or {}).get(r["p_request"], c["end"])
+                copies.append({"layers": names, "start": c["start"], "end": end})
         r["events"] = {"bind": step["bind"], "fwd_end": step["fwd_end"], "saved": step["saved"],
                        "layers": [list(x) for x in step.get("layers", ())], "copies": copies,
                        "taken": pull["taken"], "posted": pull["posted"], "kv_ready": pull["kv_ready"],
@@ -105,6 +115,12 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
                      end_to_post_s=push["post"] - e["fwd_end"], write_s=push["closed"] - push["post"],
                      f_to_landing_s=pull["landing"] - push["closed"], landing_s=e["kv_ready"] - pull["landing"],
                      ready_to_first_s=None if e["d_first"] is None else e["d_first"] - e["kv_ready"])
+        chunks = _chunks(push, pull, unit_layers)
+        if chunks:
+            e["chunks"] = chunks
+            sent = [c["seen"] - c["post"] for c in chunks if c["seen"] is not None]
+            r.update(chunks=len(chunks), chunk_write_s_median=statistics.median(sent) if sent else None,
+                     last_chunk_write_s=sent[-1] if sent and chunks[-1]["seen"] is not None else None)
         if copies:
             last = max(copies, key=lambda c: c["end"])
             r["last_copy_s"] = last["end"] - last["start"]
@@ -112,10 +128,23 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
             r["copy_s_median"] = statistics.median(c["end"] - c["start"] for c in copies)
 
 
+def _chunks(push: Optional[Dict[str, Any]], pull: Dict[str, Any], unit_layers) -> List[Dict[str, Any]]:
+    """A layer-wise push's chunk WRITEs, in the order P posted them: their units and
+    layers, P's ``post``/``post_done``, and ``seen``, when D read P's ``c`` for them (the
+    WRITE ended on P, P's status check saw it, the notice crossed; None: not seen)."""
+    seen = {(lo, hi): t for lo, hi, t in (pull.get("chunks") or ())}
+    out = []
+    for lo, hi, t0, t1 in (push or {}).get("chunks") or ():
+        names = [n for u in range(lo, hi) for n in (unit_layers[u] if unit_layers else [str(u)])]
+        out.append({"units": [lo, hi], "layers": names, "post": t0, "post_done": t1, "seen": seen.get((lo, hi))})
+    return out
+
+
 def phase_summary(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Median of every phase, per prompt length; how many requests had their events."""
     out: Dict[str, Any] = {"timed": sum(r.get("events") is not None for r in results), "phases": {}}
-    keys = [k for k, _ in PHASES + PUSH_PHASES] + ["last_copy_s", "copy_after_end_s", "copy_s_median"]
+    keys = [k for k, _ in PHASES + PUSH_PHASES] + ["last_copy_s", "copy_after_end_s", "copy_s_median",
+                                                    "chunks", "chunk_write_s_median", "last_chunk_write_s"]
     for n in sorted({r["tokens"] for r in results}):
         rows = [r for r in results if r["tokens"] == n and r.get("events") is not None]
         out["phases"][str(n)] = {k: statistics.median(r[k] for r in rows) for k in keys
@@ -147,7 +176,7 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
     import matplotlib.pyplot as plt
 
     ms = 1000.0
-    heights = [len(r["events"]["layers"]) + 8 for _, r in panels]
+    heights = [len(r["events"]["layers"]) + len(r["events"].get("chunks", ())) + 8 for _, r in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 0.22 * sum(heights) + 1.5), squeeze=False,
                              gridspec_kw={"height_ratios": heights}, sharex=True)
     for ax, (connector, r) in zip(axes[:, 0], panels):
@@ -182,7 +211,13 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
             lane("D: request -> RESERVE sent", rel(e["d_sent"]), rel(e["reserve_sent"]), "#9bbb59")
             lane("RESERVE -> P's worker took it", rel(e["reserve_sent"]), rel(e["p_took"]), "#bbbbbb",
                  f"{r['reserve_to_took_s'] * ms:.1f} ms")
-            lane("P: WRITE posted -> ended", rel(e["write_post"]), rel(e["write_closed"]), "#4f81bd",
+            for c in e.get("chunks", ()):
+                layers = sorted({_layer_index(n) for n in c["layers"]})
+                which = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}" if layers else "?"
+                end = c["seen"] if c["seen"] is not None else c["post_done"]
+                lane(f"P: chunk WRITE, layers {which} -> D saw c", rel(c["post"]), rel(end), "#9dc3e6",
+                     f"{(end - c['post']) * ms:.1f} ms" + ("" if c["seen"] is not None else " (c not seen)"))
+            lane("P: final WRITE posted -> ended", rel(e["write_post"]), rel(e["write_closed"]), "#4f81bd",
                  f"{r['write_s'] * ms:.1f} ms")
             lane("D: saw f, check + scatter", rel(e["d_landing"]), rel(e["kv_ready"]), "#4f81bd",
                  f"KV ready {rel(e['kv_ready']):.1f} ms")

@@ -117,3 +117,36 @@ def test_serve_pd_split_gives_p_and_d_a_core_each(monkeypatch):
     (p_env, p_cpus), (d_env, d_cpus) = serve_pd.engine_envs(argparse.Namespace(bind="nobind"), {})
     assert p_cpus is d_cpus is None and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" == d_env[
         "VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_serve_timeline_joins_a_layerwise_push_chunks_and_copies(monkeypatch):
+    """A layer-wise push's chunk WRITEs (P's post, D's ``c``) join its request by the
+    reservation's token; a copy's end for a request is when its units were handed to the
+    chunked push (whose posts run inside the same copy call), not the call's end."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import serve_timeline
+
+    tok = "ab" * 16
+    p_tl = {"unit_layers": [["l.0"], ["l.1"]],
+            "steps": [{"bind": 0.0, "fwd_end": 1.0, "saved": 1.001, "final": ["r-1"], "layers": [["l.0", 0.4],
+                                                                                            ["l.1", 0.9]],
+                       "copies": [{"units": [0], "requests": ["r-1"], "start": 0.40, "end": 0.47,
+                                   "handed": {"r-1": 0.42}},
+                                  {"units": [1], "requests": ["r-1"], "start": 0.90, "end": 0.95}]}],
+            "pushes": {tok: {"took": 0.1, "post": 0.94, "post_done": 0.95, "closed": 1.02,
+                             "chunks": [[0, 1, 0.42, 0.43]]}}}
+    d_tl = {"pulls": [{"p_request": "r-1", "taken": 0.05, "posted": 0.06, "post_done": 0.06, "kv_ready": 1.03,
+                       "token": tok, "landing": 1.025, "chunks": [[0, 1, 0.47]]}]}
+    r = {"p_request": "r-1", "tokens": 8, "d_sent": 0.0, "d_first": 1.05, "ttft_d_s": 1.05}
+    serve_timeline.attach_events([r], p_tl, d_tl)
+    (chunk,) = r["events"]["chunks"]
+    assert chunk == {"units": [0, 1], "layers": ["l.0"], "post": 0.42, "post_done": 0.43, "seen": 0.47}
+    assert r["chunks"] == 1 and abs(r["chunk_write_s_median"] - 0.05) < 1e-9 and r["last_chunk_write_s"] == \
+        r["chunk_write_s_median"]
+    assert [c["end"] for c in r["events"]["copies"]] == [0.42, 0.95]  # handed, else the call's end
+    ph = serve_timeline.phase_summary([r])["phases"]["8"]
+    assert ph["chunks"] == 1 and abs(ph["end_to_ready_s"] - 0.03) < 1e-9
+    # a pull (no token, no chunks) has none of these
+    pull = {"p_request": "r-1", "tokens": 8, "d_sent": 1.0, "d_first": 1.2, "ttft_d_s": 0.2}
+    serve_timeline.attach_events([pull], p_tl, {"pulls": [dict(d_tl["pulls"][0], token=None, chunks=None)]})
+    assert "chunks" not in pull["events"] and "chunks" not in pull

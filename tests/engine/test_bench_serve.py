@@ -72,7 +72,9 @@ def test_the_serving_benchmark_over_a_capped_link(engine_dir):
     """``--link``: P and D in two namespaces over a 1 Gbit/s veth, the client and proxy in
     D's: a pull and a layer-wise push behind the concurrent proxy, every request answered
     and loaded, D's tokens equal across the two, P's veth carrying at least the prompts'
-    KV (``--kv-heads 4``: 4 KiB per token), and no namespace left after the run."""
+    KV (``--kv-heads 8``: 8 KiB per token), and no namespace left after the run. The
+    300-token push sends its first layer (1.2 MiB, above ``push_chunk_bytes``) as a chunk
+    WRITE after that layer's copy, which D reads the ``c`` of before its KV is ready."""
     from kvcopy.bench import two_hosts
 
     why = two_hosts.unavailable()
@@ -81,7 +83,7 @@ def test_the_serving_benchmark_over_a_capped_link(engine_dir):
     out = os.path.join(engine_dir, "bench-serve-link")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "serve_pd.py"), "--link", "1gbit",
                              "--connectors", "arena,arena-push-layerwise", "--proxy", "concurrent", "--layers", "2",
-                             "--kv-heads", "4", "--requests", "2", "--lengths", "100,300", "--out", out, "--quiet"],
+                             "--kv-heads", "8", "--requests", "2", "--lengths", "100,300", "--out", out, "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         stdout, stderr = proc.communicate(timeout=600)
@@ -89,16 +91,24 @@ def test_the_serving_benchmark_over_a_capped_link(engine_dir):
         if proc.poll() is None:
             proc.kill()  # its namespaces go with the next TwoHosts' sweep (named after its pid)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "4 KiB of KV per prompt token" in stdout and "link MiB P->D / D->P" in stdout, stdout
+    assert "8 KiB of KV per prompt token" in stdout and "link MiB P->D / D->P" in stdout, stdout
     with open(os.path.join(out, "serve.json")) as f:
         data = json.load(f)
-    assert data["args"]["kv_bytes_per_token"] == 2 * 2 * 4 * 64 * 4
+    assert data["args"]["kv_bytes_per_token"] == 2 * 2 * 8 * 64 * 4
     pull, push = data["rows"]
     assert (pull["proxy"], push["proxy"]) == ("sequential", "concurrent")
     for row in (pull, push):
         assert row["failed_requests"] == 0 and row["prompt_tokens"]["external_kv_transfer"] == 400, row
         assert row["prompt_tokens"]["local_compute"] == 0, row
-        assert row["prompt_kv_bytes"] == 400 * 4096 and row["link"]["p_sent_bytes"] >= row["prompt_kv_bytes"], row
+        assert row["prompt_kv_bytes"] == 400 * 8192 and row["link"]["p_sent_bytes"] >= row["prompt_kv_bytes"], row
     assert push["token_ids"] == pull["token_ids"] and all(pull["token_ids"])
+    (long,) = [r for r in push["results"] if r["tokens"] == 300]
+    e = long["events"]
+    assert e["chunks"] and long["chunks"] == len(e["chunks"]), long
+    copies = {name: c for c in e["copies"] for name in c["layers"]}
+    for c in e["chunks"]:  # after its layers' copies; D read its c before the KV was ready
+        assert all(copies[n]["end"] <= c["post"] for n in c["layers"]), (c, e["copies"])
+        assert c["post"] <= c["post_done"] and c["seen"] is not None and c["post"] <= c["seen"] <= e["kv_ready"], c
+    assert "chunk WRITE->D saw c" in stdout, stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{two_hosts.PREFIX}-{proc.pid}-" not in names, names

@@ -40,6 +40,7 @@ class _Timeline:
         self.pulls: "deque[Dict[str, Any]]" = deque(maxlen=TIMELINE_KEPT)  # D: one per request pulled
         self.pushes: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()  # P: per reservation token (hex)
         self._landing: Dict[bytes, float] = {}  # D: token -> when D saw every f (reservations.complete called)
+        self._chunks_seen: Dict[bytes, List[List[Any]]] = {}  # D: token -> [lo, hi, when D read P's c]
         self._tokens: Dict[str, bytes] = {}  # D: request -> its reservation's token, while _finish runs
         self._step: Dict[str, Any] = {}
         self._started: Dict[str, float] = {}  # D: P's request id -> when D's puller took it
@@ -58,13 +59,17 @@ class _Timeline:
             units = arena.span_copiers(arena.order).units
             self._unit_layers = [sorted(u.layers) for u in units]
             self._wrap(layers, "_copy", self._copy_start, self._copy_end)
+            # a final request's units handed to the chunked push, from inside _copy: its copies' end
+            self._wrap(layers, "_copied", self._copy_handed)
         self._wrap(worker.puller, "start", self._pull_start)
         self._wrap(worker.puller, "_finish", self._pull_end, self._pulled)
         self._wrap(worker.manager.reservations, "complete", self._land)  # D: once P's f (or x) is in from every rank
+        self._wrap(worker.manager.reservations, "_chunk", self._chunk_seen)  # D: P's c (a chunk WRITE ended) read
         if worker.sender is not None:  # P: a reservation taken from the listener, its WRITE, its end
             push = worker.manager.push_writes
             self._wrap(worker.sender, "_reservation", self._took)
             self._wrap(push, "post", None, self._posted)
+            self._wrap(push, "post_units", None, self._chunk_posted)  # a layer-wise push's chunk WRITE
             real = push.take_closed
 
             def take_closed():
@@ -106,6 +111,15 @@ class _Timeline:
                 c["end"] = t1
                 break
 
+    def _copy_handed(self, t: float, rid: str, _units) -> None:
+        """``_copy`` hands ``rid``'s units on (a chunked push's post, the early record and
+        its final WRITE) once they are copied: that request's copies ended here, before
+        the posts that ``_copy``'s own end would include."""
+        for c in reversed(self._step.get("copies", [])):
+            if "end" not in c:
+                c.setdefault("handed", {})[rid] = t
+                break
+
     def _saved(self, t0: float, t1: float) -> None:
         if self._step.get("final") or self._step.get("copies"):
             self.steps.append(dict(self._step, fwd_end=t0, saved=t1))
@@ -127,10 +141,18 @@ class _Timeline:
         self.pulls.append({"p_request": rid, "taken": self._started.pop(rid, None), "posted": job.posted[0],
                            "post_done": job.posted[1], "kv_ready": t0,
                            "token": None if token is None else token.hex(),
-                           "landing": None if token is None else self._landing.pop(token, None)})
+                           "landing": None if token is None else self._landing.pop(token, None),
+                           "chunks": None if token is None else self._chunks_seen.pop(token, None)})
 
     def _land(self, t: float, token: bytes) -> None:
         self._landing[token] = t
+
+    def _chunk_seen(self, t: float, sender: str, token: bytes, lo: int, hi: int) -> None:
+        seen = self._chunks_seen.setdefault(token, [])
+        if len(seen) < TIMELINE_KEPT:
+            seen.append([lo, hi, t])
+        while len(self._chunks_seen) > TIMELINE_KEPT:  # tokens of requests never pulled here
+            self._chunks_seen.pop(next(iter(self._chunks_seen)))
 
     # P: reservations (push)
     def _push(self, token: bytes) -> Dict[str, Any]:
@@ -146,6 +168,9 @@ class _Timeline:
 
     def _posted(self, t0: float, t1: float, token: bytes, *_args, **_kwargs) -> None:
         self._push(token).update(post=t0, post_done=t1)
+
+    def _chunk_posted(self, t0: float, t1: float, token: bytes, _part, lo: int, hi: int, *_args, **_kwargs) -> None:
+        self._push(token).setdefault("chunks", []).append([lo, hi, t0, t1])
 
     def _house_turns(self) -> int:
         house = self._house
@@ -172,10 +197,12 @@ class KvcopyHooks:
         ``saved``: it returned, ``final``: the requests whose prefill ended), D's pulls
         (by P's request id: ``taken`` by the puller, READ ``posted``, ``kv_ready``: the
         READ and scatter completed; a push: ``posted`` is when D sent its RESERVE,
-        ``landing`` when P's ``f`` was in from every P rank, ``token`` the reservation's),
+        ``landing`` when P's ``f`` was in from every P rank, ``token`` the reservation's,
+        ``chunks`` ``[lo, hi, t]`` per chunk ``c`` D read: units ``[lo, hi)`` landed),
         P's pushes by reservation token (``took``: P's worker took the reservation from
         its listener, ``post``/``post_done``: its WRITE posted, ``closed``: the WRITE ended
-        and D was notified), and ``turns``: the worker's housekeeping turns. For
+        and D was notified, ``chunks``: ``[lo, hi, post, post_done]`` per chunk WRITE of
+        a layer-wise push), and ``turns``: the worker's housekeeping turns. For
         ``bench/serve_pd.py``."""
         timeline = getattr(self, "_kvcopy_timeline", None)
         if timeline is None:
