@@ -213,9 +213,10 @@ def plot_timeline(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
                  f"{r['reserve_to_took_s'] * ms:.1f} ms")
             for c in e.get("chunks", ()):
                 layers = sorted({_layer_index(n) for n in c["layers"]})
-                which = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}" if layers else "?"
+                which = f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else \
+                    f"layer {layers[0]}" if layers else "no layer"
                 end = c["seen"] if c["seen"] is not None else c["post_done"]
-                lane(f"P: chunk WRITE, layers {which} -> D saw c", rel(c["post"]), rel(end), "#9dc3e6",
+                lane(f"P: chunk WRITE, {which} -> D saw c", rel(c["post"]), rel(end), "#9dc3e6",
                      f"{(end - c['post']) * ms:.1f} ms" + ("" if c["seen"] is not None else " (c not seen)"))
             lane("P: final WRITE posted -> ended", rel(e["write_post"]), rel(e["write_closed"]), "#4f81bd",
                  f"{r['write_s'] * ms:.1f} ms")
