@@ -53,7 +53,7 @@ and D's landing.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 PHASES = (("p_forward_s", "P forward"), ("p_tail_s", "P after forward"), ("end_to_ready_s", "prefill end->KV ready"),
           ("sent_to_ready_s", "D request->KV ready"), ("end_to_first_s", "prefill end->1st token"),
@@ -97,8 +97,12 @@ def attach_events(results: List[Dict[str, Any]], p_timeline: Dict[str, Any], d_t
                 names = [n for u in c["units"] for n in (unit_layers[u] if unit_layers else [str(u)])]
                 # the copy's end for this request: before it was handed to the chunked push (whose
                 # posts run inside the same call), else the call's end
-                end = (c.get("handed") or {}).get(r["p_request"], c["end"])
-                copies.append({"layers": names, "start": c["start"], "end": end})
+                handed = c.get("handed") or {}
+                end = handed.get(r["p_request"], c["end"])
+                # and its start: after the hand-ons of the requests before it in the call
+                start = max([c["start"]] + [t for rid, t in (c.get("handed_end") or {}).items()
+                                            if rid != r["p_request"] and handed.get(rid, end) <= end])
+                copies.append({"layers": names, "start": start, "end": end})
         r["events"] = {"bind": step["bind"], "fwd_end": step["fwd_end"], "saved": step["saved"],
                        "layers": [list(x) for x in step.get("layers", ())], "copies": copies,
                        "taken": pull["taken"], "posted": pull["posted"], "kv_ready": pull["kv_ready"],
@@ -132,7 +136,9 @@ def _chunks(push: Optional[Dict[str, Any]], pull: Dict[str, Any], unit_layers) -
     """A layer-wise push's chunk WRITEs, in the order P posted them: their units and
     layers, P's ``post``/``post_done``, and ``seen``, when D read P's ``c`` for them (the
     WRITE ended on P, P's status check saw it, the notice crossed; None: not seen)."""
-    seen = {(lo, hi): t for lo, hi, t in (pull.get("chunks") or ())}
+    seen: Dict[Tuple[int, int], float] = {}  # (lo, hi) -> when D had it from every P rank that sent it
+    for lo, hi, t, *_sender in pull.get("chunks") or ():
+        seen[(lo, hi)] = max(t, seen.get((lo, hi), t))
     out = []
     for lo, hi, t0, t1 in (push or {}).get("chunks") or ():
         names = [n for u in range(lo, hi) for n in (unit_layers[u] if unit_layers else [str(u)])]

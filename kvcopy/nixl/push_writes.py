@@ -36,20 +36,24 @@ checks every reservation's WRITEs in one loop (one call for all of P's requests)
 raise for one must not stop the others (their ``f`` would wait, and the caller would
 blame whichever request it was working for):
 
-* a WRITE handle's status check that raises is that handle's ``ERR``: the handle is
-  released, its span's WRITE mark given back and its reservation answered ``x`` (as a
-  post that raises is), the others polled on. That is what the raise means: NIXL's
-  ``check_xfer_state`` raises (its binding's ``throw_nixl_exception``) only for a
-  negative status of ``getXferStatus`` on the handle it is given, which is that handle's
-  own: its backend request failed (the status is then kept on the handle, every later
-  check answers it again; UCX's ``NIXL_ERR_REMOTE_DISCONNECT``: NIXL also invalidates
-  that peer's metadata and closes its endpoint), or ``NIXL_ERR_NOT_FOUND``: the peer's
-  metadata was invalidated while the handle was in flight (a disconnect, or its agent
-  unloaded: its endpoint closed). None of these says anything of another handle, and
-  none leaves this one able to land later, beyond what releasing any failed handle
-  leaves (docs/nixl.md, "Late READs"). A handle of the same failed peer answers its own
-  error at its own check. :meth:`~kvcopy.nixl.agent.Agent.state` already turns NIXL's
-  raise into ``ERR``; the guard here also covers the wrapper itself raising;
+* NIXL's status check raising is that handle's ``ERR`` (:meth:`~kvcopy.nixl.agent.Agent.state`
+  answers it so): the handle is released, its span's WRITE mark given back and its
+  reservation answered ``x`` (as a post that raises is), the others polled on. That is
+  what NIXL's raise means: ``check_xfer_state`` raises (its binding's
+  ``throw_nixl_exception``) only for a negative status of ``getXferStatus`` on the
+  handle it is given, which is that handle's own: its backend request failed (the
+  status is then kept on the handle, every later check answers it again; UCX's
+  ``NIXL_ERR_REMOTE_DISCONNECT``: NIXL also invalidates that peer's metadata and closes
+  its endpoint), or ``NIXL_ERR_NOT_FOUND``: the peer's metadata was invalidated while
+  the handle was in flight (a disconnect, or its agent unloaded: its endpoint closed).
+  None of these says anything of another handle, and none leaves this one able to land
+  later, beyond what releasing any failed handle leaves (docs/nixl.md, "Late READs");
+* the check raising past ``Agent.state`` (kvcopy's own wrapper failing) says nothing of
+  the WRITE, which may still land: the handle counts as in flight (not released, its
+  span's WRITE mark kept) and its reservation as failed, answered ``x`` once a later
+  check sees the WRITE ended, never before (D's span is never given back under a WRITE
+  that may land; a check that raises for good keeps the reservation in flight, which
+  D's own deadline and cancel handle as for any WRITE still in flight);
 * anything else raising while one reservation is reaped (its span's marks, its notice
   to D) fails that reservation alone: its WRITEs already seen ended are dropped first,
   so the raise is not met again, and it is answered ``x`` once none of its WRITEs is in
@@ -206,13 +210,20 @@ class PushWrites:
             raise ValueError("units of another partial stage of this request were sent already")
         self._mode.hold_part(part)  # ValueError: not the staging's live partial stage of it
         # marked chunked only now: a refused chunk leaves the final WRITE whole (one descriptor)
+        before = s.sent, s.part
         sent[lo:hi] = True
         s.sent, s.part = sent, part
-        local, remote = self._cut(s, part.span.offset, int(bounds[lo]), int(bounds[hi]))
-        if not len(local):
+        try:
+            local, remote = self._cut(s, part.span.offset, int(bounds[lo]), int(bounds[hi]))
+            if not len(local):
+                self._mode.unhold_part(part)
+                return 0, 0
+            xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
+        except BaseException:  # nothing posted: the final WRITE carries these units, the hold goes
+            sent[lo:hi] = False
+            s.sent, s.part = before
             self._mode.unhold_part(part)
-            return 0, 0
-        xfer, state, _ = self._agent.post_read_descs(local, "DRAM", s.target, remote, "DRAM", b"", op="WRITE")
+            raise
         s.chunks.append((xfer, lo, hi, part))
         self.chunks_posted += 1
         if state != PROC:
@@ -238,7 +249,7 @@ class PushWrites:
         ``s.chunks`` before anything else is done for it: a raise below is not met again."""
         for chunk in list(s.chunks):
             xfer, lo, hi, part = chunk
-            state = self._state(xfer) if xfer is not None else ERR
+            state = self._state(xfer, s) if xfer is not None else ERR
             if state == PROC:
                 continue
             s.chunks = [c for c in s.chunks if c is not chunk]
@@ -253,14 +264,19 @@ class PushWrites:
                     self._mail.send(s.target, d.generation, chunk_notice(token, lo, hi))
         return len(s.chunks)
 
-    def _state(self, xfer) -> str:
-        """A WRITE handle's state; its status check raising is its ``ERR`` (module
-        docstring: NIXL raises only for this handle's own failure)."""
+    def _state(self, xfer, s: _Sending) -> str:
+        """A WRITE handle of ``s``: its state. NIXL's raise is ``ERR`` already
+        (``Agent.state``); one past it leaves the WRITE's state unknown: ``PROC`` (it
+        may still land) and ``s`` failed, answered ``x`` once a check sees it ended
+        (module docstring). Logged once per reservation."""
         try:
             return self._agent.state(xfer)[0]
-        except Exception:  # noqa: BLE001 -- this handle's failure, not the poll's
-            _log.exception("kvcopy push: a WRITE's status check raised: that WRITE failed")
-            return ERR
+        except Exception:  # noqa: BLE001 -- this reservation's, not the poll's
+            if not s.failed:
+                _log.exception("kvcopy push: a WRITE's status check of request %r raised: it is answered x once "
+                               "the WRITE is seen ended", s.request_id.decode("latin-1")[:80])
+            s.failed = True
+            return PROC
 
     def post(self, token: bytes, record: StagedRequest, staged_as: Optional[str] = None) -> Tuple[int, int]:
         """WRITE the staged request ``record`` (this manager's ``save`` of the reservation's
@@ -376,7 +392,7 @@ class PushWrites:
     def _advance_once(self, token: bytes, s: _Sending, now: float) -> int:
         live = self._reap_chunks(token, s) if s.chunks else 0
         if s.xfer is not None:
-            state = self._state(s.xfer)
+            state = self._state(s.xfer, s)
             if state == PROC:
                 live += 1
             else:

@@ -128,25 +128,32 @@ def test_serve_timeline_joins_a_layerwise_push_chunks_and_copies(monkeypatch):
 
     tok = "ab" * 16
     p_tl = {"unit_layers": [["l.0"], ["l.1"]],
-            "steps": [{"bind": 0.0, "fwd_end": 1.0, "saved": 1.001, "final": ["r-1"], "layers": [["l.0", 0.4],
-                                                                                            ["l.1", 0.9]],
-                       "copies": [{"units": [0], "requests": ["r-1"], "start": 0.40, "end": 0.47,
-                                   "handed": {"r-1": 0.42}},
+            "steps": [{"bind": 0.0, "fwd_end": 1.0, "saved": 1.001, "final": ["r-1", "r-2"],
+                       "layers": [["l.0", 0.4], ["l.1", 0.9]],
+                       "copies": [{"units": [0], "requests": ["r-1", "r-2"], "start": 0.40, "end": 0.47,
+                                   "handed": {"r-1": 0.42, "r-2": 0.455}, "handed_end": {"r-1": 0.44, "r-2": 0.46}},
                                   {"units": [1], "requests": ["r-1"], "start": 0.90, "end": 0.95}]}],
             "pushes": {tok: {"took": 0.1, "post": 0.94, "post_done": 0.95, "closed": 1.02,
                              "chunks": [[0, 1, 0.42, 0.43]]}}}
     d_tl = {"pulls": [{"p_request": "r-1", "taken": 0.05, "posted": 0.06, "post_done": 0.06, "kv_ready": 1.03,
-                       "token": tok, "landing": 1.025, "chunks": [[0, 1, 0.47]]}]}
+                       "token": tok, "landing": 1.025, "chunks": [[0, 1, 0.465, "p1"], [0, 1, 0.47, "p0"]]},
+                      {"p_request": "r-2", "taken": 0.05, "posted": 0.06, "post_done": 0.06, "kv_ready": 1.05,
+                       "token": None, "landing": None, "chunks": None}]}
     r = {"p_request": "r-1", "tokens": 8, "d_sent": 0.0, "d_first": 1.05, "ttft_d_s": 1.05}
-    serve_timeline.attach_events([r], p_tl, d_tl)
-    (chunk,) = r["events"]["chunks"]
+    r2 = {"p_request": "r-2", "tokens": 8, "d_sent": 0.0, "d_first": 1.07, "ttft_d_s": 1.07}
+    serve_timeline.attach_events([r, r2], p_tl, d_tl)
+    # r-2's copy in the same call starts after r-1's hand-on returned, ends at its own hand-on
+    assert (r2["events"]["copies"][0]["start"], r2["events"]["copies"][0]["end"]) == (0.44, 0.455)
+    (chunk,) = r["events"]["chunks"]  # seen: once D had it from both P ranks
     assert chunk == {"units": [0, 1], "layers": ["l.0"], "post": 0.42, "post_done": 0.43, "seen": 0.47}
     assert r["chunks"] == 1 and abs(r["chunk_write_s_median"] - 0.05) < 1e-9 and r["last_chunk_write_s"] == \
         r["chunk_write_s_median"]
-    assert [c["end"] for c in r["events"]["copies"]] == [0.42, 0.95]  # handed, else the call's end
+    assert [(c["start"], c["end"]) for c in r["events"]["copies"]] == [(0.40, 0.42), (0.90, 0.95)]  # handed, else
+    # the call's end
     ph = serve_timeline.phase_summary([r])["phases"]["8"]
     assert ph["chunks"] == 1 and abs(ph["end_to_ready_s"] - 0.03) < 1e-9
     # a pull (no token, no chunks) has none of these
     pull = {"p_request": "r-1", "tokens": 8, "d_sent": 1.0, "d_first": 1.2, "ttft_d_s": 0.2}
-    serve_timeline.attach_events([pull], p_tl, {"pulls": [dict(d_tl["pulls"][0], token=None, chunks=None)]})
+    serve_timeline.attach_events([pull], p_tl, {"pulls": [d_tl["pulls"][1], dict(d_tl["pulls"][0], token=None,
+                                                                                   chunks=None)]})
     assert "chunks" not in pull["events"] and "chunks" not in pull

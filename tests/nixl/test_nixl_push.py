@@ -384,18 +384,20 @@ def test_a_post_raising_inside_nixl_answers_x_and_gives_the_span_back(pd, monkey
     assert p.stats()["bytes_in_use"] == 0
 
 
-def _hold_then_fail(p, monkeypatch, bad):
+def _hold_then_fail(p, monkeypatch, bad, raises=1):
     """P's status checks answer PROC while ``hold`` (both WRITEs in flight in P's view,
-    whatever NIXL did meanwhile), then raise for the handles in ``bad`` and ask NIXL for
-    the others."""
+    whatever NIXL did meanwhile), then raise ``raises`` times for each handle in ``bad``
+    (kvcopy's wrapper failing: ``Agent.state`` answers NIXL's own raise ``ERR``) before
+    asking NIXL, as for the others. ``mode["raised"]`` counts the raises."""
     real = p.push_writes._agent.state
-    mode = {"hold": True}
+    mode = {"hold": True, "raised": 0}
 
     def state(xfer):
         if mode["hold"]:
             return "PROC", None
-        if any(xfer is b for b in bad):
-            raise RuntimeError("nixlBackendError: NIXL_ERR_BACKEND")
+        if any(xfer is b for b in bad) and mode["raised"] < raises * len(bad):
+            mode["raised"] += 1
+            raise RuntimeError("a bug in the status check's wrapper")
         return real(xfer)
     monkeypatch.setattr(p.push_writes._agent, "state", state)
     return mode
@@ -404,10 +406,11 @@ def _hold_then_fail(p, monkeypatch, bad):
 @pytest.mark.parametrize("how", ["status_check", "span_mark"])
 @pytest.mark.parametrize("guilty", [0, 1])
 def test_a_status_check_raising_for_one_write_fails_its_reservation_only(pd, monkeypatch, guilty, how):
-    """Two reservations' WRITEs in flight; the status check of one handle raises (NIXL,
-    or the wrapper around it), or (``span_mark``) giving back its span's WRITE mark
-    raises after the WRITE ended: that reservation alone is answered ``x`` (D fails it
-    long before its deadline, its pages untouched), its span's WRITE mark is given back,
+    """Two reservations' WRITEs in flight; the status check of one handle raises (past
+    ``Agent.state``: the WRITE's state unknown, so it counts in flight until a later check
+    sees it end), or (``span_mark``) giving back its span's WRITE mark raises after the
+    WRITE ended: that reservation alone is answered ``x`` (D fails it long before its
+    deadline, its pages untouched), its span's WRITE mark is given back,
     and the other's WRITE is reaped and lands byte-exact, whichever of the two the poll
     meets first. Before, the raise left ``poll``: the reservations after it were never
     reaped (no ``f``) and the caller (P's copy thread) blamed its own request."""
@@ -450,6 +453,33 @@ def test_a_status_check_raising_for_one_write_fails_its_reservation_only(pd, mon
     for rid in rids:
         p.arena.release(rid)
     assert p.stats()["bytes_in_use"] == 0  # both WRITE marks given back
+
+
+def test_a_status_check_that_keeps_raising_holds_the_reservation_in_flight(pd, monkeypatch):
+    """A WRITE whose status check raises (past ``Agent.state``) may still land: while the
+    check raises, P neither answers D nor gives back its span's WRITE mark, and D's span
+    stays reserved; once a check sees the WRITE ended, the reservation is answered ``x``
+    (not ``f``: it failed), D's pages untouched and both spans freed."""
+    p, d, peer, pe, de, target = pd("one_group")
+    before = clone_caches(de.device_caches)
+    r = d.reservations.reserve([peer], 40, [[7, 8, 9]], 0, "stuck", 600.0)
+    tok = p.push_writes.accept(target, d.info.generation, r.items[peer])
+    bad: list = []
+    mode = _hold_then_fail(p, monkeypatch, bad, raises=50)
+    p.push_writes.post(tok, p.save([[0, 1, 2]], num_tokens=40, request_id="stuck"))
+    bad.append(p.push_writes._send[tok].xfer)
+    mode["hold"] = False
+    for _ in range(40):
+        p.push_writes.poll()
+        assert d.reservations.state(r.token) == "PROC"
+    assert p.stats()["push_writes_in_flight"] == 1 and not p.push_writes.take_closed()
+    p.arena.release("stuck")  # the WRITE mark is kept: the span stays until the WRITE is seen ended
+    assert p.stats()["bytes_in_use"] > 0 and d.stats()["bytes_in_use"] > 0
+    assert settle(p, d, r.token, guard_s=10.0) == "ERR" and mode["raised"] == 50
+    assert not d.reservations.complete(r.token).ok
+    assert same_bytes(de.device_caches, before)
+    assert p.stats()["push_writes_in_flight"] == 0 and d.stats()["bytes_in_use"] == 0
+    assert p.stats()["bytes_in_use"] == 0  # freed at the mark's end
 
 
 def test_a_chunks_status_check_raising_fails_its_reservation_only(pd, monkeypatch):
@@ -682,6 +712,31 @@ def test_post_units_of_a_finished_part_leaves_the_final_write_whole(pd):
     want = expected_pull(before, de, d_ids, pe.device_caches, pe, [[0, 1, 2]], 40)
     assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
     assert p.stats()["push_chunks_posted"] == 0
+
+
+def test_a_chunk_post_that_raises_leaves_its_units_to_the_final_write(pd, monkeypatch):
+    """``post_units`` raising after it marked the units sent and held the partial stage
+    (the post itself raising here) undoes both: the units are not counted as sent (the
+    final WRITE carries them: D's KV whole, not with holes) and the hold is dropped (the
+    span can go). Before, the units stayed marked and the final WRITE left them out."""
+    p, d, pe, de, before, res, part, step, tok = _reserved_final_step(pd, "undo")
+    for u in step.units:
+        step.run(u)
+    real = p.push_writes._agent.post_read_descs
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a bug past NIXL's post")
+    monkeypatch.setattr(p.push_writes._agent, "post_read_descs", boom)
+    with pytest.raises(RuntimeError, match="past NIXL"):
+        p.push_writes.post_units(tok, part, 0, 1)
+    assert p.push_writes.sent_units(tok) is None and part.writing == 0
+    monkeypatch.setattr(p.push_writes._agent, "post_read_descs", real)
+    assert p.push_writes.post(tok, p.arena.finish(part))[1] == 1  # the whole request, one descriptor
+    assert settle(p, d, res.token) == "DONE"
+    done = d.reservations.complete(res.token)
+    assert done.ok, done.error
+    want = expected_pull(before, de, [[7, 8, 9]], pe.device_caches, pe, [[0, 1, 2]], 40)
+    assert same_bytes(de.device_caches, want), first_difference(de.device_caches, want)
 
 
 # ------------------------------------------------------------------ chunked push landing on a GPU D

@@ -502,9 +502,10 @@ def test_a_post_raising_on_the_copy_thread_fails_its_own_reservation_not_the_cop
 @pytest.mark.parametrize("guilty", ["g", "a"])
 def test_a_status_check_raising_fails_that_writes_reservation_only(engines, monkeypatch, guilty):
     """The copy thread's step for request ``a`` posts ``a``'s final WRITE (after its
-    chunks) and ``g``'s (staged earlier, its reservation waiting); NIXL's status check
-    raises for every WRITE handle of the ``guilty`` request's reservation. That
-    reservation alone is answered x (D recomputes it, its KV untouched), the other lands
+    chunks) and ``g``'s (staged earlier, its reservation waiting); the status check
+    raises past ``Agent.state`` (kvcopy's wrapper: the WRITE's state unknown) once for
+    each WRITE handle of the ``guilty`` request's reservation. That reservation alone is
+    answered x once its WRITEs are seen ended (D recomputes it, its KV untouched), the other lands
     byte-exact, and P fails no request: the copy thread's own (``a``) is not given up
     when ``g``'s check raised. Before, the raise left ``push_writes.poll`` and the copy
     thread's step, which gave up ``a`` whichever handle had raised."""
@@ -526,11 +527,15 @@ def test_a_status_check_raising_fails_that_writes_reservation_only(engines, monk
         if gate["open"] or on_copy_thread():
             real_step()
 
+    seen: list = []  # handles whose check raised once
+
     def state(xfer):
         for s in list(pushes._send.values()):
-            if (s.xfer is xfer or any(c[0] is xfer for c in s.chunks)) and s.request_id == guilty.encode():
+            if (s.xfer is xfer or any(c[0] is xfer for c in s.chunks)) and s.request_id == guilty.encode() \
+                    and not any(xfer is h for h in seen):
+                seen.append(xfer)
                 raised.append(on_copy_thread())
-                raise RuntimeError("nixlBackendError: NIXL_ERR_BACKEND")
+                raise RuntimeError("a bug in the status check's wrapper")
         return real_state(xfer)
     monkeypatch.setattr(pw.sender, "step", step)
     monkeypatch.setattr(pushes._agent, "state", state)

@@ -143,7 +143,12 @@ class CudaStreams:
         self._own.discard(handle)
         lib, _ = native.load("kvcopy_cuda")
         assert lib is not None
-        native.check(lib.kvcopy_cuda_stream_destroy(handle), "kvcopy_cuda_stream_destroy")
+        try:  # on the stream's device, as made; a failure is logged: this runs at shutdown, where a
+            # sticky CUDA error is likely and raising would skip closing NIXL after it
+            with torch.cuda.device(self.device):
+                native.check(lib.kvcopy_cuda_stream_destroy(handle), "kvcopy_cuda_stream_destroy")
+        except Exception:  # noqa: BLE001 -- the process is going; the stream goes with its context
+            logger.exception("kvcopy: destroying the layer-wise side stream failed")
 
     def event(self, blocking: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(blocking=blocking)

@@ -60,11 +60,13 @@ class _Timeline:
             self._unit_layers = [sorted(u.layers) for u in units]
             self._wrap(layers, "_copy", self._copy_start, self._copy_end)
             # a final request's units handed to the chunked push, from inside _copy: its copies' end
-            self._wrap(layers, "_copied", self._copy_handed)
+            self._wrap(layers, "_copied", self._copy_handed, self._copy_handed_end)
         self._wrap(worker.puller, "start", self._pull_start)
         self._wrap(worker.puller, "_finish", self._pull_end, self._pulled)
         self._wrap(worker.manager.reservations, "complete", self._land)  # D: once P's f (or x) is in from every rank
-        self._wrap(worker.manager.reservations, "_chunk", self._chunk_seen)  # D: P's c (a chunk WRITE ended) read
+        self._reservations = worker.manager.reservations
+        self._chunks_counted = self._reservations.chunks_landed
+        self._wrap(self._reservations, "_chunk", None, self._chunk_seen)  # D: P's c (a chunk WRITE ended) taken
         if worker.sender is not None:  # P: a reservation taken from the listener, its WRITE, its end
             push = worker.manager.push_writes
             self._wrap(worker.sender, "_reservation", self._took)
@@ -120,6 +122,14 @@ class _Timeline:
                 c.setdefault("handed", {})[rid] = t
                 break
 
+    def _copy_handed_end(self, t0: float, t1: float, rid: str, _units) -> None:
+        """The hand-on of ``rid`` returned: the next request's copies in that call start
+        no earlier (its interval must not hold this one's posts)."""
+        for c in reversed(self._step.get("copies", [])):
+            if "end" not in c:
+                c.setdefault("handed_end", {})[rid] = t1
+                break
+
     def _saved(self, t0: float, t1: float) -> None:
         if self._step.get("final") or self._step.get("copies"):
             self.steps.append(dict(self._step, fwd_end=t0, saved=t1))
@@ -146,11 +156,17 @@ class _Timeline:
 
     def _land(self, t: float, token: bytes) -> None:
         self._landing[token] = t
+        while len(self._landing) > TIMELINE_KEPT:  # tokens answered x and never pulled here
+            self._landing.pop(next(iter(self._landing)))
 
-    def _chunk_seen(self, t: float, sender: str, token: bytes, lo: int, hi: int) -> None:
+    def _chunk_seen(self, t0: float, _t1: float, sender: str, token: bytes, lo: int, hi: int) -> None:
+        landed = self._reservations.chunks_landed
+        if landed == self._chunks_counted:  # D ignored it (late, unknown sender, job over)
+            return
+        self._chunks_counted = landed
         seen = self._chunks_seen.setdefault(token, [])
         if len(seen) < TIMELINE_KEPT:
-            seen.append([lo, hi, t])
+            seen.append([lo, hi, t0, sender])
         while len(self._chunks_seen) > TIMELINE_KEPT:  # tokens of requests never pulled here
             self._chunks_seen.pop(next(iter(self._chunks_seen)))
 
@@ -198,7 +214,8 @@ class KvcopyHooks:
         (by P's request id: ``taken`` by the puller, READ ``posted``, ``kv_ready``: the
         READ and scatter completed; a push: ``posted`` is when D sent its RESERVE,
         ``landing`` when P's ``f`` was in from every P rank, ``token`` the reservation's,
-        ``chunks`` ``[lo, hi, t]`` per chunk ``c`` D read: units ``[lo, hi)`` landed),
+        ``chunks`` ``[lo, hi, t, sender]`` per chunk ``c`` D took: units ``[lo, hi)`` of
+        that P rank landed),
         P's pushes by reservation token (``took``: P's worker took the reservation from
         its listener, ``post``/``post_done``: its WRITE posted, ``closed``: the WRITE ended
         and D was notified, ``chunks``: ``[lo, hi, post, post_done]`` per chunk WRITE of

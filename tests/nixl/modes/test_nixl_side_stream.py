@@ -337,11 +337,14 @@ def test_kvcopys_library_exports_the_stream_calls():
             native.check(code, "kvcopy_cuda_stream_create")
 
 
-def test_cuda_streams_makes_its_own_stream_and_destroys_it_once(monkeypatch):
+def test_cuda_streams_makes_its_own_stream_and_destroys_it_once(monkeypatch, caplog):
     """CudaStreams' wiring, the CUDA calls played: the stream is created by kvcopy's
     library on the KV's device (made current around the call), wrapped as an external
-    stream of that device, and destroyed with the same handle at close, once."""
+    stream of that device, and destroyed with the same handle at close, once, on that
+    device; a destroy that fails (a shutdown after a sticky CUDA error) is logged, never
+    raised: it would skip the rest of the worker's shutdown (NIXL's close)."""
     calls, current = [], []
+    fail = {"code": 0}
 
     class Lib:
         def kvcopy_cuda_stream_create(self, device, handle, priority):
@@ -350,8 +353,8 @@ def test_cuda_streams_makes_its_own_stream_and_destroys_it_once(monkeypatch):
             return 0
 
         def kvcopy_cuda_stream_destroy(self, handle):
-            calls.append(("destroy", handle))
-            return 0
+            calls.append(("destroy", handle, list(current)))
+            return fail["code"]
 
     class Device:
         def __init__(self, device):
@@ -375,7 +378,12 @@ def test_cuda_streams_makes_its_own_stream_and_destroys_it_once(monkeypatch):
     assert calls == [("create", 1, [dev])] and current == []
     side.close()
     side.close()
-    assert calls[1:] == [("destroy", 0x5100)]
+    assert calls[1:] == [("destroy", 0x5100, [dev])] and current == []
+    fail["code"] = 700  # cudaErrorIllegalAddress: sticky
+    side = SideStream(CudaStreams(dev))
+    with caplog.at_level("ERROR"):
+        side.close()
+    assert calls[-1] == ("destroy", 0x5100, [dev]) and "destroying the layer-wise side stream failed" in caplog.text
 
 
 def test_without_kvcopys_library_a_pooled_stream_at_the_lowest_priority(monkeypatch, caplog):
