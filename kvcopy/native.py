@@ -16,7 +16,8 @@ Every C function kvcopy calls through ctypes is declared here, and only here:
 :data:`SIGNATURES` for kvcopy's two libraries (declared when :func:`load` loads one; a
 library missing a symbol is out of date: rebuild), :func:`driver` for the CUDA driver
 calls (``libcuda.so.1``), :func:`cudart` for the runtime torch loaded, the NVRTC
-launcher's parameter structs, and :func:`noop_function` (the overhead benchmark's stub).
+launcher's parameter structs, :func:`noop_function` (the overhead benchmark's stub) and
+:func:`setns` (libc's, for the two-host benchmark's namespaces on Python 3.11).
 :class:`CudaError` / :func:`check` turn a CUDA error code into an exception.
 """
 from __future__ import annotations
@@ -330,6 +331,19 @@ def driver() -> ctypes.CDLL:
             fn.restype, fn.argtypes = res, args
         _driver.append(lib)
     return _driver[0]
+
+
+def setns(fd: int, nstype: int) -> None:
+    """``setns(2)`` for the calling thread (``os.setns`` where Python has it, 3.12+, else
+    libc's): ``OSError`` with its errno on failure."""
+    if hasattr(os, "setns"):
+        os.setns(fd, nstype)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.setns.restype, libc.setns.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+    if libc.setns(fd, nstype) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 _cudart: List[Optional[ctypes.CDLL]] = []

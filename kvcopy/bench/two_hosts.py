@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import re
 import shutil
@@ -484,14 +483,10 @@ _CLONE_NEWNET = 0x40000000
 
 
 def _setns(fd: int) -> None:
-    """``setns(fd, CLONE_NEWNET)`` for the calling thread (``os.setns`` is Python 3.12+)."""
-    if hasattr(os, "setns"):
-        os.setns(fd, _CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
+    """``setns(fd, CLONE_NEWNET)`` for the calling thread."""
+    from .. import native
+
+    native.setns(fd, _CLONE_NEWNET)
 
 
 def wait_for(predicate, timeout: float, what: str, step: float = 0.002) -> None:
