@@ -345,6 +345,11 @@ class PushWrites:
         self._advance(token, s, time.monotonic())
         return int(local[:, 1].sum()), len(local)
 
+    def known(self, token) -> bool:
+        """Whether ``token`` is a reservation this P holds or ended (posted, answered,
+        refused, cancelled): :meth:`accept` refuses it."""
+        return isinstance(token, bytes) and (token in self._send or token in self._seen)
+
     def refused(self, token, target: Optional[str]) -> None:
         """P refused a reservation item (:meth:`accept` raised, or D could not be added):
         its token, if well-formed and new, is answered ``never`` to a later cancel, and

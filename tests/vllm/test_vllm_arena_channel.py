@@ -459,3 +459,35 @@ def test_a_parked_take_whose_reply_fails_gets_an_error_and_others_stay_parked(li
         assert reserve[1][0] == b"v" * 16
     finally:
         ch.close()
+
+
+def test_a_reservation_handed_out_goes_again_until_its_worker_acknowledges_it(monkeypatch):
+    """The listener keeps each reservation it handed to a worker's take until a later
+    take lists its token, and hands it out again once RESEND_S passed without that (the
+    reply may have gone to a worker that gave up waiting: push_channel, "Delivery");
+    one acknowledged never comes again."""
+    from kvcopy.vllm.arena import push_channel as pc
+
+    monkeypatch.setattr(pc, "RESEND_S", 0.3)
+    box = pc.PushBox(1)
+    a, b = b"a" * 16, b"b" * 16
+
+    def take(acks, wait_ms=0):
+        reply = box.answer(pc.TAKE_PUSH_MSG, [0, "gen", [], wait_ms, acks])
+        return reply if isinstance(reply, pc.Parked) else [r[6] for r in reply["reserve"]]
+    for token in (a, b):
+        q = msgspec.msgpack.decode(_reservation(token))
+        assert box.answer(q[0], q[1:]) == {"state": "ok"}
+    assert take([]) == [a, b]
+    assert take([a]) == [] and not box.ready(0)  # a acknowledged, b not due yet
+    assert isinstance(take([], wait_ms=1000), pc.Parked)  # nothing for the worker: parked
+    time.sleep(0.35)
+    assert box.ready(0)  # b is due again: a parked take is answered with it
+    assert take([]) == [b]
+    assert take([b]) == [] and not box.ready(0)
+    time.sleep(0.35)
+    assert not box.ready(0) and take([]) == []
+    q = msgspec.msgpack.decode(_reservation(b"c" * 16))
+    malformed = [0, "gen", [], 0, [b"short"]]
+    assert box.answer(pc.TAKE_PUSH_MSG, malformed) is None  # not a well-formed take: nothing handed out
+    assert box.answer(q[0], q[1:]) == {"state": "ok"} and box.ready(0)

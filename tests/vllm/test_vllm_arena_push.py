@@ -615,3 +615,75 @@ def test_a_cancel_answered_while_the_take_is_parked_reaches_the_listener_at_the_
         reply = msgspec.msgpack.decode(ask_side_channel(_port(p), question)[0])
         return [a[2] for a in reply.get("answers", [])] == ["never"]  # (a full queue: "failed", no answers)
     run([], answered, limit_s=10)
+
+
+def test_a_reserve_p_does_not_answer_in_time_is_asked_again_and_pushed_once(engines, monkeypatch):
+    """P's listener holds D's first RESERVE past D's exchange timeout, then takes it (as a
+    listener starved of its CPU does; seen once in CI: 5 s silent, the push failed and D
+    recomputed): D asks again with the same question, P's worker checks the reservation
+    once, and the request is pushed and loaded, nothing refused."""
+    import threading
+
+    from kvcopy.vllm.arena import push_send, record_client
+
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 300)  # P's parked take answered well within the timeout
+    p, d = _pair(engines, CASES["one_group"])
+    box = p.sched.connector.connector_scheduler.store.pushes
+    real, stalled = box.answer, []
+
+    def answer(kind, args):
+        if kind == RESERVE_MSG and not stalled:
+            stalled.append(args)
+            threading.Event().wait(2.5)  # the listener's thread held up, past D's 2 s
+        return real(kind, args)
+    monkeypatch.setattr(box, "answer", answer)
+    took = _accepted(p, monkeypatch)
+    fill(p, d, 31)
+    rids, tokens, before, failed = _push(p, d, [56], seed=31)
+    assert failed == set() and len(stalled) == 1
+    _loaded(p, d, rids, tokens, before)
+    assert d.worker.arena_worker.puller.reserve_retries >= 1
+    run([p, d], lambda: p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0)
+    assert len(took) == 1 and p.worker.arena_worker.sender.refused == 0 and d.stats()["bytes_in_use"] == 0
+
+
+def _accepted(p, monkeypatch):
+    """The tokens P's worker checked (``push_writes.accept``), in order."""
+    took, writes = [], p.manager.push_writes
+    real = writes.accept
+    monkeypatch.setattr(writes, "accept", lambda *a: took.append(a[2][0]) or real(*a))
+    return took
+
+
+def test_a_take_reply_lost_to_a_worker_that_gave_up_is_handed_out_again(engines, monkeypatch):
+    """P's listener answered D's RESERVE, then was held up answering its worker's parked
+    take past the worker's exchange timeout: the worker gave up and asked again, and the
+    reply carrying the reservation went to a socket that was gone. The listener hands it
+    out again (RESEND_S without the worker's acknowledgement) and the request is pushed
+    and loaded (before: lost, the push failed at D's deadline, D recomputed)."""
+    import threading
+
+    from kvcopy.vllm.arena import push_channel, push_send, record_client
+
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 300)
+    monkeypatch.setattr(push_channel, "RESEND_S", 1.0)
+    p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 20.0})
+    box = p.sched.connector.connector_scheduler.store.pushes
+    real, stalled = box.take, []
+
+    def take(rank):
+        if box.ready(rank) and not stalled:
+            stalled.append(rank)
+            threading.Event().wait(2.5)  # past the worker's 2 s: its take is given up
+        return real(rank)
+    monkeypatch.setattr(box, "take", take)
+    took = _accepted(p, monkeypatch)
+    fill(p, d, 32)
+    rids, tokens, before, failed = _push(p, d, [48], seed=32)
+    assert failed == set() and stalled == [0]
+    _loaded(p, d, rids, tokens, before)
+    assert d.worker.arena_worker.puller.reserve_retries == 0  # D had its answer: only the take's reply was lost
+    run([p, d], lambda: p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0)
+    assert len(took) == 1 and p.worker.arena_worker.sender.refused == 0 and d.stats()["bytes_in_use"] == 0

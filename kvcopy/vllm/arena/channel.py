@@ -104,6 +104,7 @@ GIVE_UPS_PER_REPLY = 1024
 MAX_GIVE_UPS_REPLY = 4 << 20
 GIVEUP_POLL_S = 0.2  # how often P's workers take the give-ups P's side channel got
 RESTART_DELAY_S = 0.1
+HELD_UP_S = 1.0  # the listener's loop back this late is logged (a client's exchange times out at 5 s)
 
 
 class Malformed(ValueError):
@@ -332,9 +333,14 @@ def _serve_once(encoded_data, ready_event, stop_event, host, port, store, key, c
         finally:
             ready_event.set()  # also when the bind failed: the scheduler must not wait forever (the error is raised)
         parked: Dict[int, Tuple[bytes, Parked]] = {}  # P rank -> its worker's parked TAKE_PUSH (push_channel)
+        due = time.monotonic()  # the latest the loop should be back (its poll's wait)
         while not stop_event.is_set():
             now = time.monotonic()
+            if now - due > HELD_UP_S:  # the thread did not run (starved of the CPU, or of the GIL)
+                logger.warning("kvcopy arena: P's side-channel listener at %s:%d was held up %.1f s: questions "
+                               "asked meanwhile may have timed out (D asks a RESERVE again)", host, port, now - due)
             wait = min([1.0] + [max(0.0, p.deadline - now) for _, p in parked.values()])
+            due = now + wait
             if sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
                 parts = sock.recv_multipart()
                 if len(parts) == 3 and parts[1] == b"":  # else not a REQ client: nobody to answer

@@ -12,7 +12,7 @@ the same rules (shape bounded before decoding, every field checked, keyed when
     P -> D  {"state": "ok", ...}                  (kept for P rank ``p_rank``'s worker)
     D -> P  (CANCEL_MSG, d_engine, d_rank, [[p_rank, token], ...])
     P -> D  {"state": "ok", "answers": [[p_rank, token, answer, p_generation], ...], ...}
-    P's worker -> P  (TAKE_PUSH_MSG, p_rank[, p_generation, [[token, answer], ...][, wait_ms]])
+    P's worker -> P  (TAKE_PUSH_MSG, p_rank[, p_generation, [[token, answer], ...][, wait_ms[, [token, ...]]]])
     P -> worker  {"reserve": [[d_engine, d_rank, d_tp, d_host, d_port, d_generation, *entry[1:]], ...],
                   "cancel": [[d_engine, d_rank, token], ...]}
 
@@ -34,6 +34,18 @@ through ``TransferManager.push_writes.accept`` before NIXL sees any, and answers
 (``f``/``x``, :mod:`kvcopy.nixl.push_writes`). A reservation names where D's side channel is,
 so P can fetch D's kvcopy handshake there (``GET_META_MSG``, checked by
 ``add_target``): with a key only a keyed D can make P connect anywhere.
+
+**Delivery.** A reservation handed to a worker's TAKE_PUSH stays at the listener until
+the worker's next question lists its token (the worker acknowledges every reservation a
+reply brought, with its next take): one not acknowledged within :data:`RESEND_S` goes
+again, with the rank's next reply. A reply can be lost without anyone seeing it: the
+listener is held up (its thread starved of the CPU) past the worker's exchange timeout,
+the worker gives up and asks again, and the listener then answers the question the
+worker gave up, to a socket that is gone. Seen in CI once (P's listener silent for
+5 s): before, what that reply carried was gone, and its push failed at D's deadline
+(here D's RESERVE timed out too and the push failed at once). A reservation that comes
+twice (a resend, or D asking again: :mod:`kvcopy.vllm.arena.push_recv`) is taken once by
+the worker (``PushSender``): the listener never has to know whether a reply arrived.
 
 **Cancels** are answered by the worker: it brings its answers (``never``, ``ended``,
 ``in_flight``: :meth:`kvcopy.nixl.push_writes.PushWrites.cancel`) and its registration generation
@@ -74,6 +86,8 @@ ANSWERS_PER_TAKE = 512  # cancel answers a worker brings per question (a questio
 TAKE_RESERVATIONS = 64  # per reply to TAKE_PUSH_MSG (each at most one question's size)
 TAKE_CANCELS = 1024
 TAKE_WAIT_MS = 1000  # a worker's parked TAKE_PUSH_MSG (below the client's 5 s exchange timeout)
+RESEND_S = 5.0  # a reservation handed out and not acknowledged goes again (the worker's exchange timeout)
+MAX_ACKS = 4 * TAKE_RESERVATIONS  # tokens acknowledged per question (the rest with the next)
 MAX_WAIT_MS = 4000
 MAX_TAKE_REPLY = 8 << 20
 MAX_HOST = 255
@@ -115,11 +129,13 @@ def reserve_question(d_engine: str, d_rank: int, d_tp: int, d_host: str, d_port:
 
 
 def take_question(p_rank: int, generation: str, answers: Sequence[Tuple[bytes, str]],
-                  wait_ms: int = TAKE_WAIT_MS) -> tuple:
+                  wait_ms: int = TAKE_WAIT_MS, acks: Sequence[bytes] = ()) -> tuple:
     """P's worker: its TAKE_PUSH question, bringing its answers to cancels (at most
-    :data:`ANSWERS_PER_TAKE`; the caller keeps the rest for the next one), parked by the
+    :data:`ANSWERS_PER_TAKE`) and the tokens of the reservations it took (at most
+    :data:`MAX_ACKS`; the caller keeps the rest of both for the next one), parked by the
     listener up to ``wait_ms`` while nothing waits for ``p_rank`` (module docstring)."""
-    return (TAKE_PUSH_MSG, p_rank, generation, [[t, a] for t, a in answers[:ANSWERS_PER_TAKE]], int(wait_ms))
+    return (TAKE_PUSH_MSG, p_rank, generation, [[t, a] for t, a in answers[:ANSWERS_PER_TAKE]], int(wait_ms),
+            list(acks[:MAX_ACKS]))
 
 
 class Parked:
@@ -162,6 +178,7 @@ class PushBox:
         self.tp_size = int(tp_size)
         self._lock = threading.Lock()
         self._reserve: Dict[int, Deque[list]] = {}
+        self._handed: Dict[int, "OrderedDict[bytes, Tuple[list, float]]"] = {}  # rank -> token -> (row, handed at)
         self._cancel: Dict[int, Deque[list]] = {}
         self._answers: Dict[int, "OrderedDict[bytes, Tuple[str, str]]"] = {}  # rank -> token -> (answer, generation)
 
@@ -178,7 +195,7 @@ class PushBox:
             if max(ranks) >= tp or len(set(ranks)) != len(ranks):
                 return {"state": "failed", "error": f"P has {tp} TP ranks, once each: reservation for ranks {ranks}"}
             with self._lock:
-                full = [r for r in ranks if len(self._reserve.get(r, ())) >= MAX_QUEUED]
+                full = [r for r in ranks if len(self._reserve.get(r, ())) + len(self._handed.get(r, ())) >= MAX_QUEUED]
                 if full:
                     return {"state": "failed", "error": f"P's ranks {full} hold {MAX_QUEUED} reservations not taken"}
                 for e in args[6]:
@@ -191,9 +208,14 @@ class PushBox:
             if any(c[0] >= tp for c in args[2]):
                 return {"state": "failed", "error": f"P has {tp} TP ranks"}
             return self._cancels(args[0], args[1], args[2])
-        if kind == TAKE_PUSH_MSG and len(args) in (1, 3, 4) and _int(args[0], 0, tp - 1) \
+        if kind == TAKE_PUSH_MSG and len(args) in (1, 3, 4, 5) and _int(args[0], 0, tp - 1) \
                 and (len(args) == 1 or (_str(args[1], MAX_GENERATION) and _answers(args[2]))) \
-                and (len(args) < 4 or _int(args[3], 0, MAX_WAIT_MS)):
+                and (len(args) < 4 or _int(args[3], 0, MAX_WAIT_MS)) and (len(args) < 5 or _tokens(args[4])):
+            if len(args) == 5:
+                with self._lock:
+                    handed = self._handed.setdefault(args[0], OrderedDict())
+                    for token in args[4]:
+                        handed.pop(token, None)
             if len(args) >= 3:
                 with self._lock:
                     kept = self._answers.setdefault(args[0], OrderedDict())
@@ -202,15 +224,26 @@ class PushBox:
                         kept.move_to_end(token)
                     while len(kept) > MAX_ANSWERS:
                         kept.popitem(last=False)
-            if len(args) == 4 and args[3] > 0 and not self.ready(args[0]):
+            if len(args) >= 4 and args[3] > 0 and not self.ready(args[0]):
                 return Parked(args[0], time.monotonic() + args[3] / 1e3)
             return self.take(args[0])
         return None
 
     def ready(self, rank: int) -> bool:
-        """Whether a reservation or cancel waits for ``rank``'s worker."""
+        """Whether a reservation or cancel waits for ``rank``'s worker (a reservation
+        handed out :data:`RESEND_S` ago and not acknowledged waits again)."""
         with self._lock:
-            return bool(self._reserve.get(rank) or self._cancel.get(rank))
+            return bool(self._reserve.get(rank) or self._cancel.get(rank) or self._resend(rank, time.monotonic()))
+
+    def _resend(self, rank: int, now: float) -> List[bytes]:
+        """Tokens handed to ``rank``'s worker :data:`RESEND_S` ago or more, not acknowledged
+        (oldest first). Call with the lock held."""
+        out = []
+        for token, (_, at) in self._handed.get(rank, {}).items():
+            if now - at < RESEND_S:
+                break  # handed in order: the rest are younger
+            out.append(token)
+        return out
 
     def _cancels(self, d_engine: str, d_rank: int, asked: List[list]) -> dict:
         """Queue a cancel for the worker unless it answered it for good; reply with what it answered."""
@@ -227,15 +260,27 @@ class PushBox:
         return {"state": "ok", "answers": out}
 
     def take(self, rank: int) -> Dict[str, List[list]]:
+        """The reply to ``rank``'s take: reservations due again first, then new ones (each
+        kept until acknowledged), and cancels."""
+        now = time.monotonic()
         with self._lock:
-            return {"reserve": _pop(self._reserve.get(rank), TAKE_RESERVATIONS),
-                    "cancel": _pop(self._cancel.get(rank), TAKE_CANCELS)}
+            handed = self._handed.setdefault(rank, OrderedDict())
+            rows = [handed.pop(t)[0] for t in self._resend(rank, now)[:TAKE_RESERVATIONS]]
+            rows += _pop(self._reserve.get(rank), TAKE_RESERVATIONS - len(rows))
+            for row in rows:
+                handed[row[6]] = (row, now)  # row[6]: the token (D's fields, then the entry's)
+            return {"reserve": rows, "cancel": _pop(self._cancel.get(rank), TAKE_CANCELS)}
 
 
 def _answers(x: Any) -> bool:
     return isinstance(x, list) and len(x) <= ANSWERS_PER_TAKE and all(
         isinstance(a, list) and len(a) == 2 and isinstance(a[0], bytes) and len(a[0]) == TOKEN_BYTES
         and a[1] in ANSWERS for a in x)
+
+
+def _tokens(x: Any) -> bool:
+    return isinstance(x, list) and len(x) <= MAX_ACKS and all(
+        isinstance(t, bytes) and len(t) == TOKEN_BYTES for t in x)
 
 
 def _pop(q: Optional[Deque[list]], n: int) -> List[list]:

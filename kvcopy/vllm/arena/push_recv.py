@@ -11,7 +11,12 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
 3. **RESERVE** over P's side channel (:mod:`kvcopy.vllm.arena.push_channel`), one
    question per request naming every P rank this rank reads and where D's own side
    channel is (P fetches D's handshake there). A refusal fails the load; P keeps
-   nothing, so the span is freed;
+   nothing, so the span is freed. No answer within the exchange's timeout (P's
+   listener stalled, the question or its answer lost) is asked again, the same
+   question, until ``push_timeout_s``: P's worker takes a token it holds or ended
+   already as the same reservation and keeps one (``PushSender``), so a copy that
+   arrives late changes nothing. (Seen once in CI: P's listener silent for 5 s; the
+   push failed on that one timeout and D recomputed.);
 4. **land**: ``reservations.state`` reads P's ``f``/``x`` notifications; on ``f`` from every
    P rank ``reservations.complete`` checks the records that came in the WRITE and scatters, as a
    pull's ``complete`` does. ``x``, a bad record, or ``push_timeout_s`` fail the load
@@ -72,6 +77,8 @@ class ArenaPushReceiver(ArenaPuller):
         self.own, self.engine_id = own, engine_id
         self.reserved: Dict[str, Reservation] = {}
         self.asks: Dict[str, Reply] = {}  # RESERVE exchanges in flight
+        self.questions: Dict[str, bytes] = {}  # each reservation's RESERVE, asked again while P does not answer
+        self.reserve_retries = 0
         self._cancels: List[_Cancel] = []
 
     def _timeout_s(self) -> float:
@@ -88,6 +95,14 @@ class ArenaPushReceiver(ArenaPuller):
         ask = self.asks.get(job.rid)
         if ask is not None and ask.done:
             del self.asks[job.rid]
+            if ask.parts is None and isinstance(ask.error, TimeoutError) and now < job.deadline:
+                self.reserve_retries += 1
+                logger.info("kvcopy arena: P at %s:%d did not answer request %s's RESERVE (%s): asking again",
+                            job.recv.host, job.recv.port, job.rid, ask.error)
+                self.asks[job.rid] = self.channel.ask(job.recv.host, job.recv.port, self.questions[job.rid],
+                                                      REPLY_BYTES)
+                ask = None
+        if ask is not None and ask.done:
             try:
                 if ask.parts is None:
                     raise ask.error or RuntimeError("no reply")
@@ -129,6 +144,7 @@ class ArenaPushReceiver(ArenaPuller):
                              f"({MAX_QUESTION_BYTES}): TP sizes that differ need arena_order 'head' (or pull) for "
                              "requests this long")
         self.reserved[job.rid] = res
+        self.questions[job.rid] = question
         t0 = time.monotonic()
         self.asks[job.rid] = self.channel.ask(r.host, r.port, question, REPLY_BYTES)
         job.posted = (t0, time.monotonic())
@@ -143,6 +159,7 @@ class ArenaPushReceiver(ArenaPuller):
     # ------------------------------------------------------------ outcomes
     def _finish(self, job: _Job) -> None:
         res = self.reserved.pop(job.rid)
+        self.questions.pop(job.rid, None)
         del self.jobs[job.rid]
         self.stats.record(time.monotonic() - job.posted[0], job.posted[1] - job.posted[0], res.plan.num_bytes,
                           res.num_descriptors)
@@ -150,6 +167,7 @@ class ArenaPushReceiver(ArenaPuller):
 
     def _fail(self, job: _Job, reason: str) -> None:
         res = self.reserved.pop(job.rid, None)
+        self.questions.pop(job.rid, None)
         if res is not None:
             done = job.completion
             if done is None:  # the caller failed it (an exception): end the reservation

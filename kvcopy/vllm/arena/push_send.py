@@ -14,7 +14,10 @@ staging) :meth:`PushSender.tick`:
    digest, key, sizes; a D of another registration replaces the old one), then hands
    each reservation to ``TransferManager.push_writes.accept``, which checks every field before
    NIXL sees any. A refused reservation is logged and answered ``x`` (or ``never`` to
-   D's cancel where D could not be added). A reservation naming a registration of D
+   D's cancel where D could not be added); one whose token this worker took already
+   (the listener's resend, D asking again) is dropped quietly. Every reservation taken
+   is acknowledged with the next ``TAKE_PUSH_MSG`` (until then the listener keeps it and
+   hands it out again: :mod:`kvcopy.vllm.arena.push_channel`, "Delivery"). A reservation naming a registration of D
    other than the one added makes P fetch D's handshake again, and only a handshake
    that changed replaces D's (a stale reservation, sent before D re-registered or
    replayed, is refused; D's live reservations stay);
@@ -66,7 +69,7 @@ from ...nixl.manager import TransferManager
 from ...nixl.wire.record import StagedRequest
 from .channel import pushes_of
 from .meta import agent_name
-from .push_channel import ANSWERS_PER_TAKE, MAX_TAKE_REPLY, TAKE_WAIT_MS, take_question
+from .push_channel import ANSWERS_PER_TAKE, MAX_ACKS, MAX_TAKE_REPLY, TAKE_WAIT_MS, take_question
 from .push_chunks import ChunkPoster
 from .record_client import Fetch, Reply, SideChannel
 from .stage import ArenaStager, namesakes
@@ -93,6 +96,7 @@ class PushSender:
         self._handshake: Dict[str, bytes] = {}  # D agent -> the handshake bytes added
         self._stale: Dict[str, Set[str]] = {}  # D agent -> registrations named after its handshake said otherwise
         self._answers: List[Tuple[bytes, str]] = []  # cancels answered, for the listener (next TAKE_PUSH)
+        self._acks: List[bytes] = []  # tokens of the reservations taken, acknowledged with the next TAKE_PUSH
         self._waiting: Dict[bytes, str] = {}  # accepted, not posted: token -> the request id D named
         self._matched: Dict[bytes, str] = {}  # waiting tokens matched to P's request by base id
         self._readers: Dict[bytes, int] = {}  # accepted: token -> D's TP size
@@ -224,6 +228,7 @@ class PushSender:
                                self.m.name, exc)
                 reserve, cancel = [], []
             for d, item in reserve:
+                self._acks.append(item[0])
                 self._reservation(d, item)
             for d_engine, d_rank, token in cancel:
                 self._cancel(agent_name(d_engine, d_rank), token)
@@ -238,8 +243,9 @@ class PushSender:
     def _ask(self, wait_ms: int) -> Reply:
         """A TAKE_PUSH with the cancel answers that fit, parked up to ``wait_ms`` at the listener."""
         host, port = self.listener
-        question = take_question(self.rank, self.m.info.generation, self._answers, wait_ms)
+        question = take_question(self.rank, self.m.info.generation, self._answers, wait_ms, self._acks)
         del self._answers[:ANSWERS_PER_TAKE]  # one lost with its question: D asks again
+        del self._acks[:MAX_ACKS]  # one lost with its question: the listener hands its reservation out again
         return self.channel.ask(host, port, msgspec.msgpack.encode(question), MAX_TAKE_REPLY, self._woken)
 
     def _woken(self) -> None:
@@ -249,6 +255,13 @@ class PushSender:
     def _reservation(self, d: tuple, item: tuple) -> None:
         d_engine, d_rank, d_tp, d_host, d_port, d_generation = d
         name = agent_name(d_engine, d_rank)
+        if self.m.push_writes.known(item[0]) or any(w[2][0] == item[0] for w in self._fetching.get(name, (0, []))[1]):
+            # taken already: the listener's resend of a reply that may have been lost, or D
+            # asking again after no answer in time (kvcopy.vllm.arena.push_channel, "Delivery");
+            # accept would refuse it and the refusal answers nothing: the first goes on untouched
+            logger.debug("kvcopy arena: %s: reservation of %s for request %s taken already", self.m.name, name,
+                         str(item[1])[:80])
+            return
         if name not in self._fetching and (self._generation.get(name) == d_generation
                                            or d_generation in self._stale.get(name, ())):
             self._accept(name, d_generation, d_tp, item)
