@@ -187,6 +187,36 @@ def test_a_hostile_reply_fails_its_fetch_and_nothing_else(fake_p):
         ch.close()
 
 
+def test_a_question_p_does_not_answer_in_time_is_asked_again_until_the_deadline(fake_p, monkeypatch):
+    """P leaves the first handshake question and the first records question unanswered
+    (a listener held up past D's exchange timeout): the fetch asks each again and
+    completes (before: the first timeout failed it, and D recomputed); a P that never
+    answers fails the fetch at its deadline, not at the first timeout."""
+    from kvcopy.vllm.arena import record_client
+
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 0.5)
+    seen = {GET_META_MSG: 0, RECORDS_MSG: 0}
+
+    def first_lost(q):
+        kind = msgspec.msgpack.decode(q)[0]
+        seen[kind] += 1
+        if seen[kind] == 1:
+            return None  # this question is never answered
+        return _handshake(q) or [enc([{"state": "ready", "records": [[0, b"rec"]], "ttl_left": 5.0, "error": ""}])]
+    slow = fake_p(first_lost)
+    silent = fake_p(lambda q: None)
+    ch = SideChannel(None, "compat")
+    try:
+        t0 = time.monotonic()
+        never = ch.fetch("N", "127.0.0.1", silent.port, "n", [0], 2.0)
+        f = _wait(ch.fetch("S", "127.0.0.1", slow.port, "r", [0], 20.0))
+        assert f.error is None and f.reply.records == {0: b"rec"} and seen == {GET_META_MSG: 2, RECORDS_MSG: 2}
+        assert "within the fetch timeout" in str(_wait(never).error) and time.monotonic() - t0 >= 2.0
+        assert len(silent.questions) >= 3  # asked again after each 0.5 s exchange timeout
+    finally:
+        ch.close()
+
+
 def test_a_p_that_says_pending_holds_no_other_fetch(fake_p):
     """Eight fetches to a P that stays ``pending`` and one to a P that is ready: the
     ninth completes at once (with a pool of four threads each holding a pending fetch

@@ -55,8 +55,8 @@ every second until ``never``/``ended`` (or an answer from a new generation of P:
 restarted), and only then reuses the span.
 
 **Bounds** (nobody can make the listener keep more, key or not): P ranks below P's TP
-size, at most :data:`MAX_QUEUED` reservations and cancels per rank not taken and
-:data:`MAX_ANSWERS` answers per rank, each reservation waiting at most
+size, at most :data:`MAX_QUEUED` reservations (not taken, or taken and not acknowledged)
+and as many cancels per rank not taken, :data:`MAX_ANSWERS` answers per rank, each reservation waiting at most
 :data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`. A question beyond them is refused with an
 error (D fails that load at once and keeps nothing for it).
 """

@@ -8,7 +8,10 @@ REQ socket each (one request, one reply; a REQ socket that timed out cannot be r
 Nothing waits on one P or one request: a P that answers ``pending`` is asked again after
 a backoff (:data:`POLL_MIN_S` doubling to :data:`POLL_MAX_S`) while other requests'
 questions go out and come back, and a P that does not answer holds only its own
-exchanges, each for :data:`EXCHANGE_TIMEOUT_S` at most. (With a pool of threads that
+exchanges, each for :data:`EXCHANGE_TIMEOUT_S` at most; a fetch asks again after an
+exchange that got no answer in time, until the fetch's deadline (a listener held up
+past 5 s, seen once in CI under load, failed every fetch waiting on it; an error other
+than the timeout, such as a malformed reply, still fails the fetches it concerns). (With a pool of threads that
 each held a request while P said ``pending``, four requests P could stage only after D
 read a fifth held every thread, and the fifth's fetch waited behind them until P's stage
 timeout failed all four.) A fetch's deadline starts when it is submitted: its work
@@ -290,6 +293,8 @@ class SideChannel:
 
         def failed(exc):
             waiting = self._meta_asking.pop(key, set())
+            if isinstance(exc, TimeoutError):
+                return  # no answer in time: the fetches waiting ask again until their deadline
             for g in self._fetches:
                 if id(g) in waiting:
                     self._finish(g, exc)
@@ -339,7 +344,8 @@ class SideChannel:
             self._records_busy.discard(endpoint)
             for f in batch:
                 f.asking = False
-                self._finish(f, exc)
+                if not isinstance(exc, TimeoutError):  # else asked again at the next turn, until its deadline
+                    self._finish(f, exc)
         question = msgspec.msgpack.encode((RECORDS_MSG, [[f.request_id, list(f.ranks)] for f in batch]))
         self._ask(endpoint, question, _checked(done, failed), failed, asked + EXCHANGE_TIMEOUT_S, MAX_RECORDS_REPLY)
 
