@@ -85,12 +85,12 @@ def _check_loaded(pair, prompts, outs, want, before_m, before_s):
     return stats
 
 
-def _check_link(net, before, prompts, path):
+def _check_link(net, pair, before, prompts, path):
     """P's veth carried at least the prompts' KV (READ or WRITten: P's egress either way)."""
     after = _sent(net)
     kv = sum(map(len, prompts)) * kv_bytes_per_token(read_spec(path))
     p_sent, d_sent = after["p"] - before["p"], after["d"] - before["d"]
-    assert p_sent >= kv, (p_sent, d_sent, kv)
+    assert p_sent >= kv, (p_sent, d_sent, kv, load_failures(pair.d), load_failures(pair.p))
     return p_sent, d_sent
 
 
@@ -102,7 +102,7 @@ def test_a_pull_over_the_link_is_token_identical_and_loaded(net, engine_dir, mod
     try:
         before_m, before_s, before_b = pair.d.metrics(), pair.d.rpc("kvcopy_arena_stats")[0], _sent(net)
         batch = run_pd(pair, prompts, NEW_TOKENS)
-        _check_link(net, before_b, prompts, path)
+        _check_link(net, pair, before_b, prompts, path)
         _check_loaded(pair, prompts, batch.outputs, want, before_m, before_s)
     finally:
         pair.close()
@@ -125,7 +125,7 @@ def test_a_layerwise_push_over_the_link_is_token_identical_and_loaded(net, engin
                                 request_ids=ids)
             outs = pair.d.generate(prompts, NEW_TOKENS, [d_params] * len(prompts), request_ids=ids)
             p_leg.result()
-        _check_link(net, before_b, prompts, path)
+        _check_link(net, pair, before_b, prompts, path)
         stats = _check_loaded(pair, prompts, outs, want, before_m, before_s)
         # WRITten by P (D reserved at P's veth address, P reached D's side channel at D's), none READ
         assert stats["push_landed"] - before_s["push_landed"] == len(prompts), stats

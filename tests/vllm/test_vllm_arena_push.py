@@ -617,35 +617,32 @@ def test_a_cancel_answered_while_the_take_is_parked_reaches_the_listener_at_the_
     run([], answered, limit_s=10)
 
 
-def test_a_reserve_p_does_not_answer_in_time_is_asked_again_and_pushed_once(engines, monkeypatch):
-    """P's listener holds D's first RESERVE past D's exchange timeout, then takes it (as a
-    listener starved of its CPU does; seen once in CI: 5 s silent, the push failed and D
-    recomputed): D asks again with the same question, P's worker checks the reservation
-    once, and the request is pushed and loaded, nothing refused."""
-    import threading
+def _until(what, limit_s=30.0):
+    """Wait (in a listener's thread: the test's thread steps the engines meanwhile)."""
+    end = time.monotonic() + limit_s
+    while not what():
+        assert time.monotonic() < end, "the engines did not get there"
+        time.sleep(0.01)
 
-    from kvcopy.vllm.arena import push_send, record_client
 
-    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 300)  # P's parked take answered well within the timeout
-    p, d = _pair(engines, CASES["one_group"])
+def _stall_first_reserve(p, d, monkeypatch, then=None):
+    """P's listener holds D's first RESERVE until D asked again (its exchange timed out),
+    then takes it, as a listener starved of its CPU does; ``then(kind, args)`` answers
+    the copies after it (None: the listener's own answer)."""
     box = p.sched.connector.connector_scheduler.store.pushes
-    real, stalled = box.answer, []
+    real, seen = box.answer, []
+    puller = d.worker.arena_worker.puller
 
     def answer(kind, args):
-        if kind == RESERVE_MSG and not stalled:
-            stalled.append(args)
-            threading.Event().wait(2.5)  # the listener's thread held up, past D's 2 s
+        if kind == RESERVE_MSG:
+            seen.append(args)
+            if len(seen) == 1:
+                _until(lambda: puller.reserve_retries >= 1)
+            elif then is not None:
+                return then(kind, args)
         return real(kind, args)
     monkeypatch.setattr(box, "answer", answer)
-    took = _accepted(p, monkeypatch)
-    fill(p, d, 31)
-    rids, tokens, before, failed = _push(p, d, [56], seed=31)
-    assert failed == set() and len(stalled) == 1
-    _loaded(p, d, rids, tokens, before)
-    assert d.worker.arena_worker.puller.reserve_retries >= 1
-    run([p, d], lambda: p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0)
-    assert len(took) == 1 and p.worker.arena_worker.sender.refused == 0 and d.stats()["bytes_in_use"] == 0
+    return seen
 
 
 def _accepted(p, monkeypatch):
@@ -656,34 +653,87 @@ def _accepted(p, monkeypatch):
     return took
 
 
+def test_a_reserve_p_does_not_answer_in_time_is_asked_again_and_pushed_once(engines, monkeypatch):
+    """P's listener holds D's first RESERVE past D's exchange timeout, then takes it (seen
+    once in CI: P's listener silent for 5 s, the push failed and D recomputed): D asks
+    again with the same question, P's worker gets the reservation twice and checks it
+    once, and the request is pushed and loaded, nothing refused."""
+    from kvcopy.vllm.arena import push_send, record_client
+
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 300)  # P's parked take answered well within the timeout
+    p, d = _pair(engines, CASES["one_group"])
+    seen = _stall_first_reserve(p, d, monkeypatch)
+    took = _accepted(p, monkeypatch)
+    fill(p, d, 31)
+    rids, tokens, before, failed = _push(p, d, [56], seed=31)
+    assert failed == set() and len(seen) >= 2 and seen[0] == seen[1]
+    _loaded(p, d, rids, tokens, before)
+    run([p, d], lambda: p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0)
+    assert len(took) == 1 and p.worker.arena_worker.sender.refused == 0 and d.stats()["bytes_in_use"] == 0
+
+
+def test_a_refusal_of_a_reserve_asked_again_keeps_the_span_until_p_answers_the_cancel(engines, monkeypatch):
+    """D asked again after no answer and P's listener refused the second copy, while the
+    first still waited there: the refusal proves nothing of the first (P's worker may
+    take it after, or get it resent once D's CANCEL tombstoned its token), so D fails
+    the load but keeps the span held, never released on the refusal, until P's answers
+    (to its CANCEL, or the first copy's WRITE ending) end the hold; D's KV untouched, and
+    nothing of the reservation left on P once the listener's resend window passed
+    (before: the refusal freed the span at once)."""
+    from kvcopy.vllm.arena import push_channel, push_send, record_client
+
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 300)
+    monkeypatch.setattr(push_channel, "RESEND_S", 1.0)
+    p, d = _pair(engines, CASES["one_group"])
+    seen = _stall_first_reserve(p, d, monkeypatch, then=lambda kind, args: {"state": "failed", "error": "injected"})
+    took = _accepted(p, monkeypatch)
+    released, held = [], d.manager.reservations
+    real_release = held.release
+    monkeypatch.setattr(held, "release", lambda token: released.append(token) or real_release(token))
+    fill(p, d, 33)
+    rids, tokens, before, failed = _push(p, d, [40], seed=33)
+    assert failed == set(rids) and len(seen) >= 2
+    assert_same(d, before)
+    run([p, d], lambda: d.stats()["push_held_spans"] == 0 and d.stats()["push_reserved"] == 0, limit_s=30)
+    assert released == []  # the hold ended by P's answer, not by the refusal
+    later = time.monotonic() + 2.5  # past the listener's resend of a copy its worker may not have had
+    run([p, d], lambda: time.monotonic() > later)
+    st = p.stats()
+    assert len(took) <= 1 and st["push_accepted"] == 0 and st["push_writes_in_flight"] == 0
+    assert d.stats()["bytes_in_use"] == 0 and p.worker.arena_worker.sender.refused == 0
+
+
 def test_a_take_reply_lost_to_a_worker_that_gave_up_is_handed_out_again(engines, monkeypatch):
     """P's listener answered D's RESERVE, then was held up answering its worker's parked
-    take past the worker's exchange timeout: the worker gave up and asked again, and the
-    reply carrying the reservation went to a socket that was gone. The listener hands it
-    out again (RESEND_S without the worker's acknowledgement) and the request is pushed
-    and loaded (before: lost, the push failed at D's deadline, D recomputed)."""
-    import threading
-
+    take until the worker gave that take up and asked again: the reply carrying the
+    reservation went to a socket that was gone. The listener hands it out again
+    (RESEND_S without the worker's acknowledgement) and the request is pushed and loaded
+    (before: lost, the push failed at D's deadline and D recomputed)."""
     from kvcopy.vllm.arena import push_channel, push_send, record_client
 
     monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
     monkeypatch.setattr(push_send, "TAKE_WAIT_MS", 300)
     monkeypatch.setattr(push_channel, "RESEND_S", 1.0)
     p, d = _pair(engines, CASES["one_group"], d_kw={"push_timeout_s": 20.0})
-    box = p.sched.connector.connector_scheduler.store.pushes
-    real, stalled = box.take, []
+    box, sender = p.sched.connector.connector_scheduler.store.pushes, p.worker.arena_worker.sender
+    real, handed, stalled = box.take, [], []
 
     def take(rank):
         if box.ready(rank) and not stalled:
-            stalled.append(rank)
-            threading.Event().wait(2.5)  # past the worker's 2 s: its take is given up
-        return real(rank)
+            stalled.append(sender._asking)
+            _until(lambda: sender._asking is not stalled[0])  # the worker gave this take up and asked anew
+        out = real(rank)
+        handed.extend(r[6] for r in out["reserve"])
+        return out
     monkeypatch.setattr(box, "take", take)
     took = _accepted(p, monkeypatch)
     fill(p, d, 32)
     rids, tokens, before, failed = _push(p, d, [48], seed=32)
-    assert failed == set() and stalled == [0]
+    assert failed == set() and len(stalled) == 1
     _loaded(p, d, rids, tokens, before)
     assert d.worker.arena_worker.puller.reserve_retries == 0  # D had its answer: only the take's reply was lost
+    assert len(handed) >= 2 and set(handed) == set(took)  # handed out again after the lost reply; checked once
     run([p, d], lambda: p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0)
     assert len(took) == 1 and p.worker.arena_worker.sender.refused == 0 and d.stats()["bytes_in_use"] == 0

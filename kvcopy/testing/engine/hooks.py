@@ -180,7 +180,9 @@ class _Timeline:
         return self.pushes[key]
 
     def _took(self, t: float, d, item) -> None:
-        self._push(item[0]).update(took=t, named=item[1])
+        push = self._push(item[0])
+        if "took" not in push:  # a second copy (the listener's resend, D asking again) is dropped by the worker
+            push.update(took=t, named=item[1])
 
     def _posted(self, t0: float, t1: float, token: bytes, *_args, **_kwargs) -> None:
         self._push(token).update(post=t0, post_done=t1)

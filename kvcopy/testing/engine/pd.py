@@ -143,8 +143,10 @@ def run_pd(pair: Pair, prompts: Sequence[Sequence[int]], max_tokens: int) -> Bat
 
 def load_failures(engine: Engine, limit: int = 20) -> str:
     """The lines of ``engine``'s log that say why a load failed (vLLM's NIXL failure
-    reports, the arena connector's failed pulls): what a failed ``cached`` check shows."""
-    keys = ("NIXL transfer failure", "pull failed", "did not answer the NIXL handshake", "recomput")
+    reports, the arena connector's failed pulls and pushes, its side channel held up):
+    what a failed ``cached`` check shows."""
+    keys = ("NIXL transfer failure", "pull failed", "push failed", "did not answer the NIXL handshake", "recomput",
+            "was held up", "asking again")  # the last two: the side channel's listener starved, D asking again
     lines = [line for line in engine.log().splitlines() if any(k in line for k in keys)]
     return f"{engine.name}: {len(lines)} load-failure lines" + "".join("\n" + line for line in lines[:limit])
 

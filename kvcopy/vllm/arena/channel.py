@@ -347,8 +347,8 @@ def _serve_once(encoded_data, ready_event, stop_event, host, port, store, key, c
                     reply = answer(parts[2], encoded_data, store, key, challenges)
                     if isinstance(reply, Parked):
                         older = parked.pop(reply.rank, None)
-                        if older is not None:  # the rank asks again (a new worker): the old question ends
-                            _send_take(sock, store, *older)
+                        if older is not None:  # the rank asks again (it gave the old one up, or a new worker):
+                            _send_take(sock, store, *older, empty=True)  # nothing handed to who may be gone
                         parked[reply.rank] = (parts[0], reply)
                     else:
                         sock.send_multipart([parts[0], b""] + reply)
@@ -361,12 +361,13 @@ def _serve_once(encoded_data, ready_event, stop_event, host, port, store, key, c
         ctx.destroy(linger=0)
 
 
-def _send_take(sock, store: RecordStore, identity: bytes, parked: Parked) -> None:
-    """Answer a parked TAKE_PUSH with what waits for its rank now (nothing at its deadline);
-    never raises, as :func:`answer` (an exception here would restart the listener and
-    drop every other parked question)."""
+def _send_take(sock, store: RecordStore, identity: bytes, parked: Parked, empty: bool = False) -> None:
+    """Answer a parked TAKE_PUSH with what waits for its rank now (nothing at its deadline,
+    nor with ``empty``); never raises, as :func:`answer` (an exception here would restart
+    the listener and drop every other parked question)."""
     try:
-        reply = parked.finish([msgspec.msgpack.encode(store.pushes.take(parked.rank))])
+        taken = {"reserve": [], "cancel": []} if empty else store.pushes.take(parked.rank)
+        reply = parked.finish([msgspec.msgpack.encode(taken)])
     except Exception:  # noqa: BLE001 -- a bug must not end the listener: the worker gets an error and asks again
         logger.exception("kvcopy arena: P's side channel failed to answer a parked push take")
         reply = _failed("P could not answer (see its log)")

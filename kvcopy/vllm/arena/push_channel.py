@@ -56,8 +56,9 @@ restarted), and only then reuses the span.
 
 **Bounds** (nobody can make the listener keep more, key or not): P ranks below P's TP
 size, at most :data:`MAX_QUEUED` reservations (not taken, or taken and not acknowledged)
-and as many cancels per rank not taken, :data:`MAX_ANSWERS` answers per rank, each reservation waiting at most
-:data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`. A question beyond them is refused with an
+and as many cancels per rank not taken, :data:`MAX_ANSWERS` answers per rank, each
+reservation kept at most its own timeout (at most
+:data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`), taken or not. A question beyond them is refused with an
 error (D fails that load at once and keeps nothing for it).
 """
 from __future__ import annotations
@@ -177,8 +178,9 @@ class PushBox:
     def __init__(self, tp_size: int) -> None:
         self.tp_size = int(tp_size)
         self._lock = threading.Lock()
-        self._reserve: Dict[int, Deque[list]] = {}
-        self._handed: Dict[int, "OrderedDict[bytes, Tuple[list, float]]"] = {}  # rank -> token -> (row, handed at)
+        self._reserve: Dict[int, Deque[Tuple[list, float]]] = {}  # rank -> (row, when it expires)
+        # rank -> token -> (row, when handed out, when it expires): until the worker acknowledges it
+        self._handed: Dict[int, "OrderedDict[bytes, Tuple[list, float, float]]"] = {}
         self._cancel: Dict[int, Deque[list]] = {}
         self._answers: Dict[int, "OrderedDict[bytes, Tuple[str, str]]"] = {}  # rank -> token -> (answer, generation)
 
@@ -198,8 +200,9 @@ class PushBox:
                 full = [r for r in ranks if len(self._reserve.get(r, ())) + len(self._handed.get(r, ())) >= MAX_QUEUED]
                 if full:
                     return {"state": "failed", "error": f"P's ranks {full} hold {MAX_QUEUED} reservations not taken"}
-                for e in args[6]:
-                    self._reserve.setdefault(e[0], deque()).append(list(args[:6]) + list(e[1:]))
+                now = time.monotonic()
+                for e in args[6]:  # e[10]: the reservation's timeout (at most MAX_TIMEOUT_S): then P drops it
+                    self._reserve.setdefault(e[0], deque()).append((list(args[:6]) + list(e[1:]), now + e[10]))
             return {"state": "ok"}
         if kind == CANCEL_MSG and len(args) == 3 and _str(args[0], MAX_NAME) and _int(args[1], 0, MAX_TP - 1) \
                 and isinstance(args[2], list) and 0 < len(args[2]) <= MAX_TP \
@@ -237,12 +240,18 @@ class PushBox:
 
     def _resend(self, rank: int, now: float) -> List[bytes]:
         """Tokens handed to ``rank``'s worker :data:`RESEND_S` ago or more, not acknowledged
-        (oldest first). Call with the lock held."""
-        out = []
-        for token, (_, at) in self._handed.get(rank, {}).items():
+        (oldest first), past their reservation's timeout dropped. Call with the lock held."""
+        out: List[bytes] = []
+        handed = self._handed.get(rank)
+        if handed is None:
+            return out
+        for token, (_, at, expires) in list(handed.items()):
             if now - at < RESEND_S:
                 break  # handed in order: the rest are younger
-            out.append(token)
+            if now >= expires:
+                del handed[token]
+            else:
+                out.append(token)
         return out
 
     def _cancels(self, d_engine: str, d_rank: int, asked: List[list]) -> dict:
@@ -265,11 +274,16 @@ class PushBox:
         now = time.monotonic()
         with self._lock:
             handed = self._handed.setdefault(rank, OrderedDict())
-            rows = [handed.pop(t)[0] for t in self._resend(rank, now)[:TAKE_RESERVATIONS]]
-            rows += _pop(self._reserve.get(rank), TAKE_RESERVATIONS - len(rows))
-            for row in rows:
-                handed[row[6]] = (row, now)  # row[6]: the token (D's fields, then the entry's)
-            return {"reserve": rows, "cancel": _pop(self._cancel.get(rank), TAKE_CANCELS)}
+            out = [handed.pop(t)[::2] for t in self._resend(rank, now)[:TAKE_RESERVATIONS]]
+            queued = self._reserve.get(rank)
+            while queued and len(out) < TAKE_RESERVATIONS:
+                row, expires = queued.popleft()
+                if now < expires:
+                    out.append((row, expires))
+            for row, expires in out:
+                handed.pop(row[6], None)  # row[6]: the token; a copy handed before goes to the end with it
+                handed[row[6]] = (row, now, expires)
+            return {"reserve": [row for row, _ in out], "cancel": _pop(self._cancel.get(rank), TAKE_CANCELS)}
 
 
 def _answers(x: Any) -> bool:

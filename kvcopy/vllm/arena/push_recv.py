@@ -11,12 +11,15 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
 3. **RESERVE** over P's side channel (:mod:`kvcopy.vllm.arena.push_channel`), one
    question per request naming every P rank this rank reads and where D's own side
    channel is (P fetches D's handshake there). A refusal fails the load; P keeps
-   nothing, so the span is freed. No answer within the exchange's timeout (P's
-   listener stalled, the question or its answer lost) is asked again, the same
-   question, until ``push_timeout_s``: P's worker takes a token it holds or ended
-   already as the same reservation and keeps one (``PushSender``), so a copy that
-   arrives late changes nothing. (Seen once in CI: P's listener silent for 5 s; the
-   push failed on that one timeout and D recomputed.);
+   nothing of that question, so the span is freed when it was the only one sent. No
+   answer within the exchange's timeout (P's listener held up, the question or its
+   answer lost) is asked again, the same question, until ``push_timeout_s``: P's worker
+   takes a token it holds or ended already as the same reservation and keeps one
+   (``PushSender``), so a copy that arrives late changes nothing. (Seen once in CI: P's
+   listener silent for 5 s; the push failed on that one timeout and D recomputed.) A
+   refusal after more than one copy was sent proves nothing of the earlier copies (one
+   may still wait at P's listener): the span stays held and goes by the cancel path
+   below;
 4. **land**: ``reservations.state`` reads P's ``f``/``x`` notifications; on ``f`` from every
    P rank ``reservations.complete`` checks the records that came in the WRITE and scatters, as a
    pull's ``complete`` does. ``x``, a bad record, or ``push_timeout_s`` fail the load
@@ -24,10 +27,13 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
 
 **D's span is never reused while a WRITE may land**: after a failure it stays held in
 the manager until P answers (``f``/``x``; a WRITE landing late lands there only). D
-sends P a CANCEL once the RESERVE exchange ended (never before: it could overtake it),
-and again every :data:`CANCEL_EVERY_S` until P's answer ends the hold (``never``: not
-posted and now never will be, ``ended``; ``in_flight``: ask again), whether or not P
-could reach D over NIXL. A P registered anew (its handshake changed, or a cancel
+sends P a CANCEL once the RESERVE exchange ended (never before: it could overtake it;
+a copy whose exchange timed out may still wait at P's listener and come after the
+CANCEL, which P's worker then refuses: the CANCEL tombstoned its token, and P keeps the
+last 65,536 tokens per rank, :data:`~kvcopy.nixl.push_writes.MAX_TOMBSTONES`), and
+again every :data:`CANCEL_EVERY_S` until P's answer ends the hold (``never``: not posted
+and now never will be, ``ended``; ``in_flight``: ask again), whether or not P could
+reach D over NIXL. A P registered anew (its handshake changed, or a cancel
 answered by another generation) proves its old WRITEs gone after a grace
 (``RESTART_GRACE_S``). A request whose reservation cannot be sent (rows beyond what P
 takes, a question beyond P's bound) fails at ``reserve`` with nothing held.
@@ -59,8 +65,9 @@ class _Cancel:
     """A failed reservation D holds a span for, until P's answers end the hold."""
 
     def __init__(self, reserving: Optional[Reply], res: Reservation, host: str, port: int, ranks: List[int],
-                 names: List[str]):
+                 names: List[str], copies: int = 1):
         self.reserving, self.res, self.host, self.port = reserving, res, host, port
+        self.copies = copies  # RESERVE copies sent: P's refusal of the last frees the span only when it was the one
         self.ranks, self.names = ranks, names
         self.asking: Optional[Reply] = None
         self.next_at = 0.0
@@ -78,6 +85,7 @@ class ArenaPushReceiver(ArenaPuller):
         self.reserved: Dict[str, Reservation] = {}
         self.asks: Dict[str, Reply] = {}  # RESERVE exchanges in flight
         self.questions: Dict[str, bytes] = {}  # each reservation's RESERVE, asked again while P does not answer
+        self.copies: Dict[str, int] = {}  # RESERVE copies sent per request (a refusal frees the span only after 1)
         self.reserve_retries = 0
         self._cancels: List[_Cancel] = []
 
@@ -101,6 +109,7 @@ class ArenaPushReceiver(ArenaPuller):
                             job.recv.host, job.recv.port, job.rid, ask.error)
                 self.asks[job.rid] = self.channel.ask(job.recv.host, job.recv.port, self.questions[job.rid],
                                                       REPLY_BYTES)
+                self.copies[job.rid] += 1
                 ask = None
         if ask is not None and ask.done:
             try:
@@ -109,7 +118,7 @@ class ArenaPushReceiver(ArenaPuller):
                 ok_of(ask.parts, f"{job.recv.host}:{job.recv.port}")
             except Exception as exc:  # noqa: BLE001 -- any refusal or failure of the exchange fails the load
                 self.m.reservations.fail(res.token, f"P did not take the reservation: {exc}")
-                if ask.parts is not None:  # P answered, and keeps nothing it refused
+                if ask.parts is not None and self.copies[job.rid] == 1:  # P refused the only copy: keeps nothing
                     self.m.reservations.release(res.token)
         if self.m.reservations.state(res.token) == PROC:
             return
@@ -145,6 +154,7 @@ class ArenaPushReceiver(ArenaPuller):
                              "requests this long")
         self.reserved[job.rid] = res
         self.questions[job.rid] = question
+        self.copies[job.rid] = 1
         t0 = time.monotonic()
         self.asks[job.rid] = self.channel.ask(r.host, r.port, question, REPLY_BYTES)
         job.posted = (t0, time.monotonic())
@@ -160,6 +170,8 @@ class ArenaPushReceiver(ArenaPuller):
     def _finish(self, job: _Job) -> None:
         res = self.reserved.pop(job.rid)
         self.questions.pop(job.rid, None)
+        self.copies.pop(job.rid, None)
+        self.asks.pop(job.rid, None)  # a copy asked again may still be on its way: its answer is not needed
         del self.jobs[job.rid]
         self.stats.record(time.monotonic() - job.posted[0], job.posted[1] - job.posted[0], res.plan.num_bytes,
                           res.num_descriptors)
@@ -168,6 +180,7 @@ class ArenaPushReceiver(ArenaPuller):
     def _fail(self, job: _Job, reason: str) -> None:
         res = self.reserved.pop(job.rid, None)
         self.questions.pop(job.rid, None)
+        copies = self.copies.pop(job.rid, 1)
         if res is not None:
             done = job.completion
             if done is None:  # the caller failed it (an exception): end the reservation
@@ -176,7 +189,7 @@ class ArenaPushReceiver(ArenaPuller):
                 job.completion = held.complete(res.token) if held.state(res.token) != PROC else None
             r = job.recv
             self._cancels.append(_Cancel(self.asks.pop(job.rid, None), res, r.host, r.port, list(job.ranks),
-                                         [agent_name(r.engine_id, k) for k in job.ranks]))
+                                         [agent_name(r.engine_id, k) for k in job.ranks], copies))
         super()._fail(job, reason)
 
     def tick(self) -> None:
@@ -196,7 +209,7 @@ class ArenaPushReceiver(ArenaPuller):
                     keep.append(c)
                     continue
                 reply, c.reserving = c.reserving.parts, None
-                if reply is not None:
+                if reply is not None and c.copies == 1:
                     try:
                         ok_of(reply, where)
                     except ValueError:
