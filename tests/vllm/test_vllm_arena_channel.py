@@ -530,3 +530,9 @@ def test_a_reservation_handed_out_goes_again_until_its_worker_acknowledges_it(mo
     assert box.answer(pc.TAKE_PUSH_MSG, [0, "gen", [], 0, [b"short"]]) is None  # malformed: nothing handed out
     reserve(a)  # D asking again after the first copy was acknowledged: handed out again (the worker drops it)
     assert take([]) == [a]
+    monkeypatch.setattr(pc, "MAX_QUEUED", 2)  # a rank whose worker stopped taking: full, until its rows expire
+    reserve(b)
+    q = msgspec.msgpack.decode(_reservation(c))
+    assert box.answer(q[0], q[1:])["state"] == "failed"  # a (handed, not acknowledged) and b (queued)
+    clock[0] += 10.5
+    assert box.answer(q[0], q[1:]) == {"state": "ok"} and take([]) == [c]  # both past their timeout: dropped

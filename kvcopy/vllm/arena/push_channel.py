@@ -56,9 +56,11 @@ restarted), and only then reuses the span.
 
 **Bounds** (nobody can make the listener keep more, key or not): P ranks below P's TP
 size, at most :data:`MAX_QUEUED` reservations (not taken, or taken and not acknowledged)
-and as many cancels per rank not taken, :data:`MAX_ANSWERS` answers per rank, each
-reservation kept at most its own timeout (at most
-:data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`), taken or not. A question beyond them is refused with an
+and as many cancels per rank not taken, :data:`MAX_ANSWERS` answers per rank; a
+reservation past its own timeout (at most
+:data:`~kvcopy.nixl.wire.push_messages.MAX_TIMEOUT_S`) is dropped, taken or not, at the
+rank's next take (one handed out, once it is due again) or when the rank's reservations
+reach the bound. A question beyond them is refused with an
 error (D fails that load at once and keeps nothing for it).
 """
 from __future__ import annotations
@@ -197,10 +199,10 @@ class PushBox:
             if max(ranks) >= tp or len(set(ranks)) != len(ranks):
                 return {"state": "failed", "error": f"P has {tp} TP ranks, once each: reservation for ranks {ranks}"}
             with self._lock:
-                full = [r for r in ranks if len(self._reserve.get(r, ())) + len(self._handed.get(r, ())) >= MAX_QUEUED]
+                now = time.monotonic()
+                full = [r for r in ranks if self._held(r, now) >= MAX_QUEUED]
                 if full:
                     return {"state": "failed", "error": f"P's ranks {full} hold {MAX_QUEUED} reservations not taken"}
-                now = time.monotonic()
                 for e in args[6]:  # e[10]: the reservation's timeout (at most MAX_TIMEOUT_S): then P drops it
                     self._reserve.setdefault(e[0], deque()).append((list(args[:6]) + list(e[1:]), now + e[10]))
             return {"state": "ok"}
@@ -242,17 +244,29 @@ class PushBox:
         """Tokens handed to ``rank``'s worker :data:`RESEND_S` ago or more, not acknowledged
         (oldest first), past their reservation's timeout dropped. Call with the lock held."""
         out: List[bytes] = []
+        expired: List[bytes] = []
         handed = self._handed.get(rank)
         if handed is None:
             return out
-        for token, (_, at, expires) in list(handed.items()):
+        for token, (_, at, expires) in handed.items():
             if now - at < RESEND_S:
                 break  # handed in order: the rest are younger
-            if now >= expires:
-                del handed[token]
-            else:
-                out.append(token)
+            (expired if now >= expires else out).append(token)
+        for token in expired:
+            del handed[token]
         return out
+
+    def _held(self, rank: int, now: float) -> int:
+        """Reservations kept for ``rank`` (queued, or handed out and not acknowledged),
+        those past their timeout dropped first when there are :data:`MAX_QUEUED`. Call
+        with the lock held."""
+        queued, handed = self._reserve.get(rank), self._handed.setdefault(rank, OrderedDict())
+        if len(queued or ()) + len(handed) >= MAX_QUEUED:
+            if queued:
+                self._reserve[rank] = deque(q for q in queued if now < q[1])
+            for token in [t for t, (_, _, expires) in handed.items() if now >= expires]:
+                del handed[token]
+        return len(self._reserve.get(rank, ())) + len(handed)
 
     def _cancels(self, d_engine: str, d_rank: int, asked: List[list]) -> dict:
         """Queue a cancel for the worker unless it answered it for good; reply with what it answered."""

@@ -29,7 +29,7 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
 the manager until P answers (``f``/``x``; a WRITE landing late lands there only). D
 sends P a CANCEL once the RESERVE exchange ended (never before: it could overtake it;
 a copy whose exchange timed out may still wait at P's listener and come after the
-CANCEL, which P's worker then refuses: the CANCEL tombstoned its token, and P keeps the
+CANCEL, which P's worker then drops quietly: the CANCEL tombstoned its token, and P keeps the
 last 65,536 tokens per rank, :data:`~kvcopy.nixl.push_writes.MAX_TOMBSTONES`), and
 again every :data:`CANCEL_EVERY_S` until P's answer ends the hold (``never``: not posted
 and now never will be, ``ended``; ``in_flight``: ask again), whether or not P could
