@@ -665,8 +665,10 @@ def _accepted(p, monkeypatch):
 def test_a_reserve_p_does_not_answer_in_time_is_asked_again_and_pushed_once(engines, monkeypatch):
     """P's listener holds D's first RESERVE past D's exchange timeout, then takes it (seen
     once in CI: P's listener silent for 5 s, the push failed and D recomputed): D asks
-    again with the same question, P's worker gets the reservation twice and checks it
-    once, and the request is pushed and loaded, nothing refused."""
+    again with the same question, P's worker checks the reservation once (a copy it gets
+    twice is dropped; one copy may instead go with a take reply the worker gave up, and
+    the listener hands it out again), and the request is pushed and loaded, nothing
+    refused."""
     from kvcopy.vllm.arena import push_send, record_client
 
     monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)
