@@ -158,7 +158,7 @@ class PushWrites:
         token, rid, n_tok, order, off, nbytes, rows, slot, timeout = item
         if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
             raise ValueError("malformed reservation: token")
-        if token in self._send or token in self._seen:
+        if self.known(token):
             raise ValueError("reservation token used already")
         if sum(not s.posted for s in self._send.values()) >= MAX_ACCEPTED:
             raise ValueError(f"P holds {MAX_ACCEPTED} reservations not posted already")
@@ -354,7 +354,7 @@ class PushWrites:
         """P refused a reservation item (:meth:`accept` raised, or D could not be added):
         its token, if well-formed and new, is answered ``never`` to a later cancel, and
         ``x`` now where ``target`` is an added D (D fails the load at once)."""
-        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES or token in self._send or token in self._seen:
+        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES or self.known(token):
             return
         self._tombstone(token, "never")
         d = self._targets.get(target) if target is not None else None
