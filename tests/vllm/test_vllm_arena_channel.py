@@ -218,6 +218,36 @@ def test_a_question_p_does_not_answer_in_time_is_asked_again_until_the_deadline(
         ch.close()
 
 
+def test_a_question_asked_with_until_is_sent_again_after_no_answer_and_its_copies_counted(fake_p, monkeypatch):
+    """``SideChannel.ask(until=...)`` (D's RESERVE): P leaves the first copy unanswered and
+    answers the second; the reply is the second's and counts 2 copies. Without ``until``
+    the first timeout ends the question; after ``stop_asking`` the copy in flight is the
+    last (it times out, nothing more is sent)."""
+    from kvcopy.vllm.arena import record_client
+
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 0.5)
+    seen = []
+
+    def first_lost(q):
+        seen.append(q)
+        return None if len(seen) == 1 else [enc({"ok": len(seen)})]
+    slow = fake_p(first_lost)
+    silent = fake_p(lambda q: None)
+    ch = SideChannel(None, "compat")
+    try:
+        r = _wait(ch.ask("127.0.0.1", slow.port, b"same", 4096, until=time.monotonic() + 20))
+        assert r.error is None and msgspec.msgpack.decode(r.parts[0]) == {"ok": 2}
+        assert seen == [b"same", b"same"] and r.copies == 2 and ch.asked_again == 1
+        once = _wait(ch.ask("127.0.0.1", silent.port, b"q", 4096))
+        assert isinstance(once.error, TimeoutError) and once.copies == 1 and len(silent.questions) == 1
+        stopped = ch.ask("127.0.0.1", silent.port, b"q", 4096, until=time.monotonic() + 20)
+        stopped.stop_asking()
+        assert isinstance(_wait(stopped).error, TimeoutError) and stopped.copies == 1
+        assert len(silent.questions) == 2 and ch.asked_again == 1
+    finally:
+        ch.close()
+
+
 def test_a_p_that_says_pending_holds_no_other_fetch(fake_p):
     """Eight fetches to a P that stays ``pending`` and one to a P that is ready: the
     ninth completes at once (with a pool of four threads each holding a pending fetch

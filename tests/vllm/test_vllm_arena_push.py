@@ -644,7 +644,7 @@ def _stall_first_reserve(p, d, monkeypatch, then=None):
             seen.append(args)
             if len(seen) == 1:
                 missed = []
-                _until(lambda: puller.reserve_retries >= 1, missed)
+                _until(lambda: puller.channel.asked_again >= 1, missed)
                 if missed:
                     seen.append(None)
             elif then is not None:
@@ -749,7 +749,7 @@ def test_a_take_reply_lost_to_a_worker_that_gave_up_is_handed_out_again(engines,
     rids, tokens, before, failed = _push(p, d, [48], seed=32)
     assert failed == set() and len(stalled) == 1 and missed == []
     _loaded(p, d, rids, tokens, before)
-    assert d.worker.arena_worker.puller.reserve_retries == 0  # D had its answer: only the take's reply was lost
+    assert d.worker.arena_worker.puller.channel.asked_again == 0  # D had its answer: only the take's reply was lost
     assert len(handed) >= 2 and set(handed) == set(took)  # handed out again after the lost reply; checked once
     run([p, d], lambda: p.stats()["push_writes_in_flight"] == 0 and d.stats()["push_held_spans"] == 0)
     assert len(took) == 1 and p.worker.arena_worker.sender.refused == 0 and d.stats()["bytes_in_use"] == 0

@@ -13,11 +13,11 @@ path's states and outcomes (:mod:`kvcopy.vllm.arena.pull`) with the middle repla
    channel is (P fetches D's handshake there). A refusal fails the load; P keeps
    nothing of that question, so the span is freed when it was the only one sent. No
    answer within the exchange's timeout (P's listener held up, the question or its
-   answer lost) is asked again, the same question, until ``push_timeout_s``: P's worker
+   answer lost) is asked again, the same question, until ``push_timeout_s``
+   (``SideChannel.ask``'s ``until``; a listener held up 5 s was seen in CI): P's worker
    takes a token it holds or ended already as the same reservation and keeps one
-   (``PushSender``), so a copy that arrives late changes nothing. (Seen once in CI: P's
-   listener silent for 5 s; the push failed on that one timeout and D recomputed.) A
-   refusal after more than one copy was sent proves nothing of the earlier copies (one
+   (``PushSender``), so a copy that arrives late changes nothing. A refusal after more
+   than one copy was sent (``Reply.copies``) proves nothing of the earlier copies (one
    may still wait at P's listener): the span stays held and goes by the cancel path
    below;
 4. **land**: ``reservations.state`` reads P's ``f``/``x`` notifications; on ``f`` from every
@@ -62,12 +62,13 @@ CANCEL_EVERY_S = 1.0  # D asks P again about a held span while P says in_flight 
 
 
 class _Cancel:
-    """A failed reservation D holds a span for, until P's answers end the hold."""
+    """A failed reservation D holds a span for, until P's answers end the hold.
+    ``reserving``: its RESERVE exchange, if it had not ended (P's refusal frees the span
+    only when it refused the one copy sent: ``Reply.copies``)."""
 
     def __init__(self, reserving: Optional[Reply], res: Reservation, host: str, port: int, ranks: List[int],
-                 names: List[str], copies: int = 1):
+                 names: List[str]):
         self.reserving, self.res, self.host, self.port = reserving, res, host, port
-        self.copies = copies  # RESERVE copies sent: P's refusal of the last frees the span only when it was the one
         self.ranks, self.names = ranks, names
         self.asking: Optional[Reply] = None
         self.next_at = 0.0
@@ -83,10 +84,7 @@ class ArenaPushReceiver(ArenaPuller):
         super().__init__(*args, **kwargs)
         self.own, self.engine_id = own, engine_id
         self.reserved: Dict[str, Reservation] = {}
-        self.asks: Dict[str, Reply] = {}  # RESERVE exchanges in flight
-        self.questions: Dict[str, bytes] = {}  # each reservation's RESERVE, asked again while P does not answer
-        self.copies: Dict[str, int] = {}  # RESERVE copies sent per request (a refusal frees the span only after 1)
-        self.reserve_retries = 0
+        self.asks: Dict[str, Reply] = {}  # RESERVE exchanges in flight (asked again until the push's deadline)
         self._cancels: List[_Cancel] = []
 
     def _timeout_s(self) -> float:
@@ -103,22 +101,13 @@ class ArenaPushReceiver(ArenaPuller):
         ask = self.asks.get(job.rid)
         if ask is not None and ask.done:
             del self.asks[job.rid]
-            if ask.parts is None and isinstance(ask.error, TimeoutError) and now < job.deadline:
-                self.reserve_retries += 1
-                logger.info("kvcopy arena: P at %s:%d did not answer request %s's RESERVE (%s): asking again",
-                            job.recv.host, job.recv.port, job.rid, ask.error)
-                self.asks[job.rid] = self.channel.ask(job.recv.host, job.recv.port, self.questions[job.rid],
-                                                      REPLY_BYTES)
-                self.copies[job.rid] += 1
-                ask = None
-        if ask is not None and ask.done:
             try:
                 if ask.parts is None:
                     raise ask.error or RuntimeError("no reply")
                 ok_of(ask.parts, f"{job.recv.host}:{job.recv.port}")
             except Exception as exc:  # noqa: BLE001 -- any refusal or failure of the exchange fails the load
                 self.m.reservations.fail(res.token, f"P did not take the reservation: {exc}")
-                if ask.parts is not None and self.copies[job.rid] == 1:  # P refused the only copy: keeps nothing
+                if ask.parts is not None and ask.copies == 1:  # P refused the only copy: keeps nothing
                     self.m.reservations.release(res.token)
         if self.m.reservations.state(res.token) == PROC:
             return
@@ -153,10 +142,9 @@ class ArenaPushReceiver(ArenaPuller):
                              f"({MAX_QUESTION_BYTES}): TP sizes that differ need arena_order 'head' (or pull) for "
                              "requests this long")
         self.reserved[job.rid] = res
-        self.questions[job.rid] = question
-        self.copies[job.rid] = 1
         t0 = time.monotonic()
-        self.asks[job.rid] = self.channel.ask(r.host, r.port, question, REPLY_BYTES)
+        self.asks[job.rid] = self.channel.ask(r.host, r.port, question, REPLY_BYTES, until=job.deadline,
+                                              what=f"request {job.rid}'s RESERVE")
         job.posted = (t0, time.monotonic())
 
     def _add_peers(self, engine_id: str, metadata: Dict[int, bytes], replace: bool = False) -> None:
@@ -169,9 +157,9 @@ class ArenaPushReceiver(ArenaPuller):
     # ------------------------------------------------------------ outcomes
     def _finish(self, job: _Job) -> None:
         res = self.reserved.pop(job.rid)
-        self.questions.pop(job.rid, None)
-        self.copies.pop(job.rid, None)
-        self.asks.pop(job.rid, None)  # a copy asked again may still be on its way: its answer is not needed
+        ask = self.asks.pop(job.rid, None)  # a copy asked again may still be on its way: its answer is not needed
+        if ask is not None:
+            ask.stop_asking()
         del self.jobs[job.rid]
         self.stats.record(time.monotonic() - job.posted[0], job.posted[1] - job.posted[0], res.plan.num_bytes,
                           res.num_descriptors)
@@ -179,8 +167,9 @@ class ArenaPushReceiver(ArenaPuller):
 
     def _fail(self, job: _Job, reason: str) -> None:
         res = self.reserved.pop(job.rid, None)
-        self.questions.pop(job.rid, None)
-        copies = self.copies.pop(job.rid, 1)
+        ask = self.asks.pop(job.rid, None)
+        if ask is not None:
+            ask.stop_asking()  # the CANCEL goes once the copy in flight is answered or timed out
         if res is not None:
             done = job.completion
             if done is None:  # the caller failed it (an exception): end the reservation
@@ -188,8 +177,8 @@ class ArenaPushReceiver(ArenaPuller):
                 held = self.m.reservations
                 job.completion = held.complete(res.token) if held.state(res.token) != PROC else None
             r = job.recv
-            self._cancels.append(_Cancel(self.asks.pop(job.rid, None), res, r.host, r.port, list(job.ranks),
-                                         [agent_name(r.engine_id, k) for k in job.ranks], copies))
+            self._cancels.append(_Cancel(ask, res, r.host, r.port, list(job.ranks),
+                                         [agent_name(r.engine_id, k) for k in job.ranks]))
         super()._fail(job, reason)
 
     def tick(self) -> None:
@@ -208,8 +197,8 @@ class ArenaPushReceiver(ArenaPuller):
                 if not c.reserving.done:
                     keep.append(c)
                     continue
-                reply, c.reserving = c.reserving.parts, None
-                if reply is not None and c.copies == 1:
+                reply, copies, c.reserving = c.reserving.parts, c.reserving.copies, None
+                if reply is not None and copies == 1:
                     try:
                         ok_of(reply, where)
                     except ValueError:

@@ -27,7 +27,9 @@ starts then.
   :attr:`Fetch.metadata` fills as the handshakes arrive.
 * :meth:`SideChannel.give_up`: one give-up question; its outcome is only logged.
 * :meth:`SideChannel.ask`: any other question (P's worker taking its give-ups, and its
-  reservations by long-poll, woken by ``on_done``).
+  reservations by long-poll, woken by ``on_done``; D's RESERVE, asked again after an
+  exchange with no answer until the push's deadline, its copies counted on the
+  :class:`Reply`).
 * With a key, every question is wrapped with a challenge of P's (a pool per P, refilled
   by each keyed reply; a ``HELLO`` first when it is empty) and every reply checked.
 """
@@ -90,11 +92,18 @@ class Fetch:
 
 @dataclass
 class Reply:
-    """One question's outcome: ``parts`` or ``error``, once ``done``."""
+    """One question's outcome: ``parts`` or ``error``, once ``done``. Asked with ``until``
+    (:meth:`SideChannel.ask`), ``copies`` counts the copies sent (final once ``done``)."""
 
     done: bool = False
     parts: Optional[List[bytes]] = None
     error: Optional[Exception] = None
+    copies: int = 1
+    until: float = 0.0  # ask again after an unanswered exchange while before this (monotonic)
+
+    def stop_asking(self) -> None:
+        """No more copies after the exchange in flight (the asker no longer wants the answer)."""
+        self.until = 0.0
 
 
 @dataclass
@@ -134,6 +143,7 @@ class SideChannel:
         self._pool: Dict[_Endpoint, Deque[Tuple[bytes, float]]] = {}
         self._records_asked: Dict[_Endpoint, float] = {}  # when the last records question went
         self._records_busy: Set[_Endpoint] = set()  # a records question in flight
+        self.asked_again = 0  # copies :meth:`ask` sent after an exchange got no answer in time
         self._thread = threading.Thread(target=self._run, name="kvcopy-arena-fetch", daemon=True)
         self._thread.start()
 
@@ -157,10 +167,15 @@ class SideChannel:
                                      time.monotonic() + EXCHANGE_TIMEOUT_S, 4096))
 
     def ask(self, host: str, port: int, question: bytes, max_bytes: int,
-            on_done: Optional[Callable[[], None]] = None) -> Reply:
+            on_done: Optional[Callable[[], None]] = None, until: float = 0.0, what: str = "a question") -> Reply:
         """One question; its :class:`Reply` fills on the client's thread, which then calls
-        ``on_done`` (it must be quick and never raise: P's worker wakes a thread with it)."""
-        out = Reply()
+        ``on_done`` (it must be quick and never raise: P's worker wakes a thread with it).
+        An exchange that got no answer in time is asked again, the same question, while
+        ``time.monotonic()`` is before ``until`` and :meth:`Reply.stop_asking` was not
+        called; the peer must take a copy it gets twice as one question (D's RESERVE:
+        :mod:`kvcopy.vllm.arena.push_recv`). ``what``: the question, in the log."""
+        out = Reply(until=until)
+        endpoint = (host, port)
 
         def done(parts):
             out.parts = parts
@@ -169,11 +184,17 @@ class SideChannel:
                 on_done()
 
         def failed(exc):
+            if isinstance(exc, TimeoutError) and time.monotonic() < out.until:
+                out.copies += 1
+                self.asked_again += 1
+                logger.info("kvcopy arena: P at %s:%d did not answer %s (%s): asking again", host, port, what, exc)
+                self._ask(endpoint, question, done, failed, time.monotonic() + EXCHANGE_TIMEOUT_S, max_bytes)
+                return
             out.error = exc
             out.done = True
             if on_done is not None:
                 on_done()
-        self._post(lambda: self._ask((host, port), question, done, failed, time.monotonic() + EXCHANGE_TIMEOUT_S,
+        self._post(lambda: self._ask(endpoint, question, done, failed, time.monotonic() + EXCHANGE_TIMEOUT_S,
                                      max_bytes))
         return out
 
@@ -293,8 +314,10 @@ class SideChannel:
 
         def failed(exc):
             waiting = self._meta_asking.pop(key, set())
-            if isinstance(exc, TimeoutError):
-                return  # no answer in time: the fetches waiting ask again until their deadline
+            if isinstance(exc, TimeoutError):  # no answer in time: the fetches waiting ask again until their deadline
+                logger.info("kvcopy arena: P at %s did not answer the handshake question of rank %d (%s): asking "
+                            "again", where, rank, exc)
+                return
             for g in self._fetches:
                 if id(g) in waiting:
                     self._finish(g, exc)
@@ -342,6 +365,9 @@ class SideChannel:
 
         def failed(exc):
             self._records_busy.discard(endpoint)
+            if isinstance(exc, TimeoutError):
+                logger.info("kvcopy arena: P at %s did not answer the records question of %d request(s) (%s): "
+                            "asking again", where, len(batch), exc)
             for f in batch:
                 f.asking = False
                 if not isinstance(exc, TimeoutError):  # else asked again at the next turn, until its deadline
