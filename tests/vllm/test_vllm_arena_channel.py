@@ -218,14 +218,21 @@ def test_a_question_p_does_not_answer_in_time_is_asked_again_until_the_deadline(
         ch.close()
 
 
+def _until_true(what, limit=30.0):
+    end = time.monotonic() + limit  # hang guard only
+    while not what():
+        assert time.monotonic() < end, "never happened"
+        time.sleep(0.005)
+
+
 def test_a_question_asked_with_until_is_sent_again_after_no_answer_and_its_copies_counted(fake_p, monkeypatch):
     """``SideChannel.ask(until=...)`` (D's RESERVE): P leaves the first copy unanswered and
-    answers the second; the reply is the second's and counts 2 copies. Without ``until``
-    the first timeout ends the question; after ``stop_asking`` the copy in flight is the
-    last (it times out, nothing more is sent)."""
+    answers the next; the reply is the last copy's, ``copies`` counts them, ``on_done``
+    runs once. Without ``until`` the first timeout ends the question; ``stop_asking``
+    while a copy is in flight makes it the last (it times out, nothing more is sent)."""
     from kvcopy.vllm.arena import record_client
 
-    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(record_client, "EXCHANGE_TIMEOUT_S", 2.0)  # the test's thread acts within it
     seen = []
 
     def first_lost(q):
@@ -235,17 +242,34 @@ def test_a_question_asked_with_until_is_sent_again_after_no_answer_and_its_copie
     silent = fake_p(lambda q: None)
     ch = SideChannel(None, "compat")
     try:
-        r = _wait(ch.ask("127.0.0.1", slow.port, b"same", 4096, until=time.monotonic() + 20))
-        assert r.error is None and msgspec.msgpack.decode(r.parts[0]) == {"ok": 2}
-        assert seen == [b"same", b"same"] and r.copies == 2 and ch.asked_again == 1
+        woken = []
+        r = _wait(ch.ask("127.0.0.1", slow.port, b"same", 4096, on_done=lambda: woken.append(1),
+                         until=time.monotonic() + 30))
+        assert r.error is None and r.copies >= 2 and msgspec.msgpack.decode(r.parts[0]) == {"ok": r.copies}
+        assert seen == [b"same"] * r.copies and ch.asked_again == r.copies - 1 and woken == [1]
+        again = ch.asked_again
         once = _wait(ch.ask("127.0.0.1", silent.port, b"q", 4096))
-        assert isinstance(once.error, TimeoutError) and once.copies == 1 and len(silent.questions) == 1
-        stopped = ch.ask("127.0.0.1", silent.port, b"q", 4096, until=time.monotonic() + 20)
+        assert isinstance(once.error, TimeoutError) and once.copies == 1 and ch.asked_again == again
+        stopped = ch.ask("127.0.0.1", silent.port, b"q", 4096, until=time.monotonic() + 30)
+        _until_true(lambda: len(silent.questions) == 3)  # its second copy is in flight
         stopped.stop_asking()
-        assert isinstance(_wait(stopped).error, TimeoutError) and stopped.copies == 1
-        assert len(silent.questions) == 2 and ch.asked_again == 1
+        assert isinstance(_wait(stopped).error, TimeoutError) and stopped.copies == 2
+        time.sleep(2.5)  # past one more exchange timeout: nothing more was sent
+        assert len(silent.questions) == 3 and ch.asked_again == again + 1
     finally:
         ch.close()
+
+
+def test_a_question_in_flight_when_the_client_closes_is_answered_with_an_error(fake_p):
+    """Closing D's client ends every question in flight with an error (not a timeout:
+    not asked again), so no :class:`Reply` stays not done (D's CANCEL of a push waits
+    for its RESERVE's Reply)."""
+    silent = fake_p(lambda q: None)
+    ch = SideChannel(None, "compat")
+    r = ch.ask("127.0.0.1", silent.port, b"q", 4096, until=time.monotonic() + 30)
+    _until_true(lambda: len(silent.questions) == 1)
+    ch.close()
+    assert r.done and "shutting down" in str(r.error) and r.copies == 1
 
 
 def test_a_p_that_says_pending_holds_no_other_fetch(fake_p):

@@ -93,7 +93,8 @@ class Fetch:
 @dataclass
 class Reply:
     """One question's outcome: ``parts`` or ``error``, once ``done``. Asked with ``until``
-    (:meth:`SideChannel.ask`), ``copies`` counts the copies sent (final once ``done``)."""
+    (:meth:`SideChannel.ask`), ``copies`` counts the copies asked (at least those that
+    reached the wire: a keyed copy whose ``HELLO`` timed out counts too; final once ``done``)."""
 
     done: bool = False
     parts: Optional[List[bytes]] = None
@@ -184,6 +185,8 @@ class SideChannel:
                 on_done()
 
         def failed(exc):
+            # ``until`` may be cleared by another thread just after this read: one more
+            # copy then, counted before ``done``, which the asker's rule for copies covers
             if isinstance(exc, TimeoutError) and time.monotonic() < out.until:
                 out.copies += 1
                 self.asked_again += 1
@@ -315,8 +318,9 @@ class SideChannel:
         def failed(exc):
             waiting = self._meta_asking.pop(key, set())
             if isinstance(exc, TimeoutError):  # no answer in time: the fetches waiting ask again until their deadline
-                logger.info("kvcopy arena: P at %s did not answer the handshake question of rank %d (%s): asking "
-                            "again", where, rank, exc)
+                if any(id(g) in waiting for g in self._fetches):  # (a fetch past its deadline has left the list)
+                    logger.info("kvcopy arena: P at %s did not answer the handshake question of rank %d (%s): "
+                                "asking again", where, rank, exc)
                 return
             for g in self._fetches:
                 if id(g) in waiting:
@@ -365,7 +369,7 @@ class SideChannel:
 
         def failed(exc):
             self._records_busy.discard(endpoint)
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError) and not all(f.done for f in batch):
                 logger.info("kvcopy arena: P at %s did not answer the records question of %d request(s) (%s): "
                             "asking again", where, len(batch), exc)
             for f in batch:
@@ -384,8 +388,16 @@ class SideChannel:
             self._fetches.remove(f)
 
     def _drop_all(self, error: Exception) -> None:
+        """End every exchange and fetch with ``error`` (not a timeout: nothing is asked
+        again), so that no :class:`Reply` stays not ``done`` (D's CANCEL waits for its
+        RESERVE's)."""
         for sock in list(self._exchanges):
-            self._end(sock)
+            x = self._end(sock)
+            if x is not None:
+                try:
+                    x.on_error(error)
+                except Exception:  # noqa: BLE001 -- the others must still end
+                    logger.exception("kvcopy arena: ending a side-channel question failed")
         for f in list(self._fetches):
             self._finish(f, error)
         self._meta_asking.clear()
