@@ -48,8 +48,9 @@ The connectors: ``stock`` (vLLM's ``NixlConnector``), ``mirror`` (``KvcopyNixlCo
 with ``host_buffer_on_cpu``: vLLM's host-buffer path, kvcopy's copies), ``arena``
 (``KvcopyArenaConnector``), ``arena-layerwise`` (the same, P with ``layerwise``),
 ``arena-push`` (the same with D's ``transfer_mode: "push"``: P WRITEs),
-``arena-push-layerwise`` (push, P staging layer by layer), ``stock-push`` (vLLM's
-``NixlPushConnector``). Descriptors and post times are read where the transfer is
+``arena-push-layerwise`` (push, P staging layer by layer), ``arena-push-layerwise-nice19``
+(the same, P's ``nixl_thread_nice`` 19: its NIXL and UCX threads yield P's CPU to the
+forward), ``stock-push`` (vLLM's ``NixlPushConnector``). Descriptors and post times are read where the transfer is
 posted: D's metrics for a READ, P's for a WRITE; before and after the timed requests P
 is made to step once (:func:`flush_stats`), so that each WRITE counts in its own window.
 ``--bind nobind`` runs every engine with
@@ -108,7 +109,11 @@ from serve_timeline import PHASES, PUSH_PHASES, attach_events, phase_summary, pl
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PUSH_VARIANTS = {"arena-push": ("arena", {"transfer_mode": "push"}),
                  "arena-push-layerwise": ("arena", {"transfer_mode": "push", "layerwise": True}),
+                 "arena-push-layerwise-nice19": ("arena", {"transfer_mode": "push", "layerwise": True}),
                  "stock-push": ("stock", None)}
+# kvcopy options given to P's engine only (D keeps its defaults): nixl_thread_nice is a
+# P setting for a P whose D's all push (docs/vllm.md, the arena options)
+P_OPTIONS = {"arena-push-layerwise-nice19": {"nixl_thread_nice": 19}}
 KNOWN = CONNECTORS + tuple(PUSH_VARIANTS)
 TIMEOUT_S = 300.0  # one HTTP request
 
@@ -247,6 +252,9 @@ def run_connector(args, connector, model, prompts, progress, net=None):
     kv = connector_config(connector)
     extra = ["--worker-extension-cls", HOOKS]
     p_kv = dict(kv, engine_id=f"{connector}-P")  # P's id, known to the concurrent proxy
+    if connector in P_OPTIONS:
+        own = dict(kv["kv_connector_extra_config"]["kvcopy"], **P_OPTIONS[connector])
+        p_kv["kv_connector_extra_config"] = dict(kv["kv_connector_extra_config"], kvcopy=own)
     p = Server(f"{connector}-P", model, os.path.join(args.out, f"{connector}-P.log"), p_kv,
                max_model_len=args.max_model_len, env=dict(p_env, **p_side), extra_args=extra, cpus=p_cpus, **p_run)
     prefill = PrefillEngine(p_kv["engine_id"], p_side["VLLM_NIXL_SIDE_CHANNEL_HOST"],
