@@ -33,7 +33,7 @@ def test_a_turn_that_raises_waits_its_period_instead_of_spinning():
     def tick():
         calls.append(time.monotonic())
         raise RuntimeError("a turn that fails every time")
-    house = Housekeeper(tick, threading.Lock(), 3600.0, "raises", hurry=lambda: True, hurry_s=0.0).start()
+    house = Housekeeper(tick, threading.Lock(), 3600.0, "raises", hurry=lambda: 0.0).start()
     try:
         _until(lambda: calls)
         time.sleep(0.3)  # before the fix: the first turn's 0 s wait kept, ~100,000 turns here
@@ -44,7 +44,7 @@ def test_a_turn_that_raises_waits_its_period_instead_of_spinning():
 
 def test_hurried_turns_run_quick_and_the_whole_turn_waits_its_period():
     full, quick, lock = [], [], threading.Lock()
-    house = Housekeeper(lambda: full.append(1), lock, 3600.0, "quick", hurry=lambda: True, hurry_s=0.001,
+    house = Housekeeper(lambda: full.append(1), lock, 3600.0, "quick", hurry=lambda: 0.001,
                         quick=lambda: quick.append(1)).start()
     try:
         _until(lambda: len(quick) >= 5)
@@ -60,7 +60,7 @@ def test_a_hurry_that_lasts_backs_off_to_the_period(monkeypatch):
     monkeypatch.setattr(hk, "HURRY_FAST_S", 0.02)
     turns = []  # whole and quick
     house = Housekeeper(lambda: turns.append(time.monotonic()), threading.Lock(), 0.2, "backoff",
-                        hurry=lambda: True, hurry_s=0.001, quick=lambda: turns.append(time.monotonic())).start()
+                        hurry=lambda: 0.001, quick=lambda: turns.append(time.monotonic())).start()
     try:
         _until(lambda: turns and turns[-1] - turns[0] >= 1.0)
         # 1 ms turns for 20 ms, then 2, 4, ... up to the 200 ms period: about 20 + 7 + 4 turns
@@ -74,8 +74,8 @@ def test_a_hurry_that_lasts_backs_off_to_the_period(monkeypatch):
 
 def test_without_work_in_flight_it_turns_every_period_only():
     full = []
-    house = Housekeeper(lambda: full.append(1), threading.Lock(), 3600.0, "idle", hurry=lambda: False,
-                        hurry_s=0.001, quick=lambda: pytest.fail("a quick turn with nothing in flight")).start()
+    house = Housekeeper(lambda: full.append(1), threading.Lock(), 3600.0, "idle", hurry=lambda: None,
+                        quick=lambda: pytest.fail("a quick turn with nothing in flight")).start()
     try:
         _until(lambda: full)
         time.sleep(0.1)
@@ -87,14 +87,14 @@ def test_without_work_in_flight_it_turns_every_period_only():
 def test_a_wake_is_never_lost_wherever_it_lands_in_the_loop():
     """Each wake (a long-poll reply, from the side channel's thread) is followed by a whole
     turn, whatever the housekeeper's thread was doing when it came: here it hurries with
-    ``hurry_s`` 0 (a wait that runs out at once, then a quick turn, over and over), so the
+    a hurry of 0 s (a wait that runs out at once, then a quick turn, over and over), so the
     wakes land all over its loop. Before, a wake that came after a wait had run out and
     before the loop cleared the event was cleared with it: no whole turn until the period
     (an idle P's long-poll dead, its reservations not taken or posted): here, before, every
     one of 10 runs lost one within its first 4 wakes."""
     asked, seen = [0], []
-    house = Housekeeper(lambda: seen.append(asked[0]), threading.Lock(), 3600.0, "wakes", hurry=lambda: True,
-                        hurry_s=0.0, quick=lambda: None).start()
+    house = Housekeeper(lambda: seen.append(asked[0]), threading.Lock(), 3600.0, "wakes", hurry=lambda: 0.0,
+                        quick=lambda: None).start()
     try:
         _until(lambda: seen)
         for i in range(1, 301):
@@ -132,11 +132,11 @@ def test_a_wake_without_a_new_post_keeps_the_backoff_and_a_post_restarts_it(monk
     turn without restarting the 1 ms phase (before: ~50 quick turns after each reply); a
     new post (at 6.5 s) does restart it. Turns counted on a simulated clock: no timing
     involved."""
-    period, hurry_s = 0.05, 0.001  # the connector's HOUSEKEEPING_S and WRITE_POLL_S
+    period, hurry_s = 0.05, 0.001  # the connector's HOUSEKEEPING_S and push_send.WRITE_POLL_S
     monkeypatch.setattr(hk, "HURRY_FAST_S", 0.05)
     turns = []  # (kind, when)
     house = Housekeeper(lambda: turns.append(("full", clock.now)), threading.Lock(), period, "fake",
-                        hurry=lambda: True, hurry_s=hurry_s, quick=lambda: turns.append(("quick", clock.now)),
+                        hurry=lambda: hurry_s, quick=lambda: turns.append(("quick", clock.now)),
                         posts=lambda: 1 if clock.now < 6.5 else 2)
     clock = _FakeClock(house, reply_s=1.0, until=7.0)
     monkeypatch.setattr(hk, "time", clock)
@@ -152,6 +152,30 @@ def test_a_wake_without_a_new_post_keeps_the_backoff_and_a_post_restarts_it(monk
     whole = sum(kind == "full" and 1.0 <= t < 6.0 for kind, t in turns)
     assert whole >= 5 * round(1 / period) - 5, whole  # at the period by then: whole turns
     assert quick_in(6.5, 6.65) >= 45, quick_in(6.5, 6.65)  # the post's turn and 1 ms turns after it
+
+
+def test_the_hurry_turns_at_the_period_it_asks_for(monkeypatch):
+    """``hurry()`` returns the period: chunk WRITEs only (a layer-wise push while P's
+    forward runs, push_send.CHUNK_POLL_S) get a turn every 10 ms, not every 1 ms (each
+    turn takes P's CPU and the GIL from the forward); once a turn sees a final WRITE
+    posted (at 0.3 s) it turns every 1 ms. Simulated clock."""
+    monkeypatch.setattr(hk, "HURRY_FAST_S", 0.05)
+    turns = []
+    house = Housekeeper(lambda: turns.append(("full", clock.now)), threading.Lock(), 0.05, "fake",
+                        hurry=lambda: 0.01 if clock.now < 0.3 else 0.001,
+                        quick=lambda: turns.append(("quick", clock.now)),
+                        posts=lambda: 1 if clock.now < 0.3 else 2)
+    clock = _FakeClock(house, reply_s=10.0, until=0.4)
+    monkeypatch.setattr(hk, "time", clock)
+    house._wake = clock
+
+    def quick_in(lo, hi):
+        return sum(kind == "quick" and lo <= t < hi for kind, t in turns)
+
+    house._run()
+    assert 3 <= quick_in(0.0, 0.05) <= 5, quick_in(0.0, 0.05)  # every 10 ms (before: 1 ms, ~49 turns)
+    seen = min(t for _, t in turns if t >= 0.3)  # the turn that saw the final post (the connector also wakes it)
+    assert quick_in(seen, seen + 0.05) >= 45, quick_in(seen, seen + 0.05)  # from there every 1 ms
 
 
 @pytest.mark.parametrize("fails", [False, True])

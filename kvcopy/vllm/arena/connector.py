@@ -69,8 +69,10 @@ Decisions, and why:
   handshake (:meth:`~kvcopy.vllm.arena.pull.ArenaPuller.tick`). On P it also runs at once
   when a push reservation arrives (its long-poll reply wakes it:
   :mod:`kvcopy.vllm.arena.push_send`) or P posts a WRITE, and in between, while P's
-  WRITEs are in flight or a D's handshake is on its way, every :data:`WRITE_POLL_S`
-  reaping them, backing off when they take long (:mod:`kvcopy.vllm.arena.housekeeper`).
+  WRITEs are in flight or a D's handshake is on its way, every
+  :data:`~kvcopy.vllm.arena.push_send.WRITE_POLL_S` (only chunk WRITEs, during P's
+  forward: :data:`~kvcopy.vllm.arena.push_send.CHUNK_POLL_S`) reaping them, backing off
+  when they take long (:mod:`kvcopy.vllm.arena.housekeeper`).
 
 What each side exchanges: :mod:`kvcopy.vllm.arena.meta`; the side channel's messages,
 with and without a key: :mod:`kvcopy.vllm.arena.channel`. Options
@@ -121,13 +123,6 @@ from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_l
 logger = init_logger("vllm.kvcopy")
 
 HOUSEKEEPING_S = 0.05  # how often a worker reads notifications and TTLs between steps
-# P while its WRITEs are in flight: NIXL sends D's notification (f) only once P's own
-# status check sees a WRITE DONE, and an idle P engine does not step, so the housekeeper
-# checks this often until none is left (a loopback WRITE of a few MiB takes 1-3 ms; one
-# posted right after a notice to the same D stays in flight past its post: NIXL's UCX
-# WRITE ends with a flush of the endpoint, a round trip to D, 0.05-0.8 ms: docs/vllm.md);
-# also while a D's handshake is fetched (first contact), which its reservations wait for
-WRITE_POLL_S = 0.001
 
 __all__ = ["KvcopyArenaConnector", "KvcopyArenaScheduler", "KvcopyArenaWorker"]
 
@@ -381,8 +376,8 @@ class KvcopyArenaWorker:
                 self.sender.chunks.min_bytes = o.push_chunk_bytes
             sender = self.sender
             self.housekeeper = Housekeeper(self._tick, self.lock, HOUSEKEEPING_S, self.name,
-                                           hurry=None if sender is None else (lambda: sender.urgent),
-                                           hurry_s=WRITE_POLL_S, quick=None if sender is None else sender.quick,
+                                           hurry=None if sender is None else (lambda: sender.poll_s),
+                                           quick=None if sender is None else sender.quick,
                                            posts=None if sender is None else (lambda: sender.writes_posted),
                                            enter=None if ops is None else ops.enter_thread)
             if sender is not None:
@@ -516,7 +511,7 @@ class KvcopyArenaWorker:
 
     def _hurry(self) -> None:
         """P posted WRITEs (chunks, final ones): the housekeeper polls them from now on
-        every WRITE_POLL_S, so D's ``c``/``f`` go as they end; asleep in its long period it
+        (``PushSender.poll_s``), so D's ``c``/``f`` go as they end; asleep in its long period it
         would see them only at its next turn (up to HOUSEKEEPING_S: an idle engine does not
         step)."""
         if self.housekeeper is not None and self.sender is not None and self.sender.urgent:

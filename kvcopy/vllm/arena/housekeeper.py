@@ -7,11 +7,12 @@ P's notifications, TTLs and give-ups, D's give-ups, and P's push WRITEs, whose e
 reports to D (``f``, a chunk's ``c``) only once P's own status check sees them DONE.
 :class:`Housekeeper` runs the worker's **turn** (``tick``, under the worker's lock)
 every ``period_s``, and at once after :meth:`~Housekeeper.wake` (a long-poll reply
-came, P posted a WRITE). While ``hurry()`` says work is in flight it turns every
-``hurry_s`` in between, with ``quick`` (only what is in flight: P reaps its WRITEs)
-instead of the whole turn, which costs more (P matches waiting reservations against
-every request it knows). The hurry stays at ``hurry_s`` for :data:`HURRY_FAST_S` after
-it began or after a turn saw a new post (``posts()`` changed), then doubles each turn
+came, P posted a WRITE). While ``hurry()`` returns a period (work is in flight; None:
+nothing is) it turns that often in between, with ``quick`` (only what is in flight: P
+reaps its WRITEs) instead of the whole turn, which costs more (P matches waiting
+reservations against every request it knows). The hurry stays at that period for
+:data:`HURRY_FAST_S` after it began or after a turn saw a new post (``posts()``
+changed), then doubles each turn
 up to ``period_s``: a WRITE that takes long (RDMA of a large span, a D that died
 mid-WRITE and a transport that has not said so yet) costs a few turns a second, not a
 thousand. A wake without a new post (the long-poll's empty reply, every second) runs a
@@ -66,12 +67,12 @@ class Housekeeper:
     far, read under ``lock`` after each turn (None: only a hurry's start is fast)."""
 
     def __init__(self, tick: Callable[[], None], lock: threading.Lock, period_s: float, name: str,
-                 hurry: Optional[Callable[[], bool]] = None, hurry_s: float = 0.0,
+                 hurry: Optional[Callable[[], Optional[float]]] = None,
                  quick: Optional[Callable[[], None]] = None, posts: Optional[Callable[[], int]] = None,
                  enter: Optional[Callable[[], None]] = None):
         self._tick, self._lock, self._period = tick, lock, period_s
         self._enter = enter  # first thing on the thread (a GPU worker: its device made the thread's)
-        self._hurry, self._hurry_s, self._quick, self._posts = hurry, hurry_s, quick, posts
+        self._hurry, self._quick, self._posts = hurry, quick, posts
         self._stop = False
         self._wake = Wakes()
         self._thread = threading.Thread(target=self._run, name=f"kvcopy-arena-house-{name}", daemon=True)
@@ -106,22 +107,22 @@ class Housekeeper:
                     else:
                         self.quick_turns += 1
                         self._quick()
-                    urgent = self._hurry is not None and self._hurry()
+                    fast = self._hurry() if self._hurry is not None else None
                     if self._posts is not None:
                         posts = self._posts()
                         posted, seen_posts = posts != seen_posts, posts
             except Exception:  # noqa: BLE001 -- the next turn tries again; the engine thread is not disturbed
                 logger.exception("kvcopy arena: housekeeping failed")
-                urgent, next_full = False, time.monotonic() + self._period
-            if not urgent:
+                fast, next_full = None, time.monotonic() + self._period
+            if fast is None:
                 hurried_since, wait = None, max(0.0, next_full - time.monotonic())
                 continue
             if hurried_since is None or posted:
                 hurried_since = now
             if now - hurried_since < HURRY_FAST_S:
-                wait = self._hurry_s
+                wait = fast
             else:
-                wait = min(self._period, max(self._hurry_s, 2 * wait))
+                wait = min(self._period, max(fast, 2 * wait))
 
     def wake(self) -> None:
         """Run a whole turn now (any thread; it never blocks). It hurries afresh only if

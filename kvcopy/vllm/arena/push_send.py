@@ -78,6 +78,17 @@ from .stats import PullStats
 logger = init_logger("vllm.kvcopy")
 
 FETCH_TIMEOUT_S = 10.0  # D's handshake, fetched from D's side channel
+# How often P's housekeeper reaps its WRITEs in flight (:attr:`PushSender.poll_s`). NIXL
+# sends D's notification (``f``, a chunk's ``c``) only once P's own status check sees a
+# WRITE DONE, and an idle P engine does not step. A final WRITE, or a D's handshake on its
+# way (its reservations wait for it): every WRITE_POLL_S (a loopback WRITE of a few MiB
+# takes 1-3 ms; one posted right after a notice to the same D stays in flight past its
+# post: NIXL's UCX WRITE ends with a flush of the endpoint, a round trip to D, 0.05-0.8 ms:
+# docs/vllm.md). Chunk WRITEs only (a layer-wise push while P's forward runs): every
+# CHUNK_POLL_S. A chunk's ``c`` lets D scatter it before the prefill ends, so a few ms
+# late costs D nothing, while each poll takes P's CPU (and the GIL) from the forward.
+WRITE_POLL_S = 0.001
+CHUNK_POLL_S = 0.01
 MAX_STALE = 64  # registrations of one D remembered as stale (refused without fetching D's handshake again)
 
 
@@ -358,10 +369,16 @@ class PushSender:
         return self.final_posts + self.chunks.posted
 
     @property
+    def poll_s(self) -> Optional[float]:
+        """How soon the housekeeper should turn again (None: nothing in flight): final
+        WRITEs posted and not seen ended, or D's handshake on its way, :data:`WRITE_POLL_S`;
+        only chunk WRITEs (posted by the copy thread), :data:`CHUNK_POLL_S`."""
+        if self._posted or self._fetching:
+            return WRITE_POLL_S
+        return CHUNK_POLL_S if self.m.push_writes.writing else None
+
+    @property
     def urgent(self) -> bool:
-        """Whether the housekeeper should turn at once again: WRITEs posted and not seen
-        ended (D gets ``f``, and a layer-wise push's ``c`` per chunk, only once P's poll
-        sees them DONE; chunks are posted by the copy thread, not here), or D's handshake
-        on its way (its reservations wait for it)."""
-        return bool(self._posted or self._fetching) or self.m.push_writes.writing
+        """Whether anything is in flight that the housekeeper polls (:attr:`poll_s`)."""
+        return self.poll_s is not None
 
