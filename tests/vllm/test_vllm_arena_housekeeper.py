@@ -112,11 +112,14 @@ class _FakeClock:
     def __init__(self, house, reply_s: float, until: float):
         self.now, self.house, self.reply_s, self.until = 0.0, house, reply_s, until
         self.next_reply = reply_s
+        self.waits = 0
 
     def monotonic(self) -> float:
         return self.now
 
     def wait(self, timeout: float) -> bool:
+        self.waits += 1  # a loop that never advances the clock (waits of 0 s) fails instead of hanging
+        assert self.waits < 1_000_000, f"the clock stuck at {self.now}"
         if self.next_reply <= self.now + timeout:
             self.now, self.next_reply = self.next_reply, self.next_reply + self.reply_s
             woke = True

@@ -116,7 +116,7 @@ from .meta import (
 )
 from .pull import ArenaPuller
 from .push_recv import ArenaPushReceiver
-from .push_send import PushSender
+from .push_send import CHUNK_POLL_S, PushSender
 from .stage import ArenaStager
 from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
 
@@ -461,6 +461,7 @@ class KvcopyArenaWorker:
         (kvcopy.vllm.arena.push_chunks), and once the last one is, the record and the
         final WRITE (LayerwiseStage.finish_early)."""
         with self.lock:
+            busy = self.sender is not None and self.sender.urgent
             if self.sender is not None:
                 self.sender.chunks.copied(rid, units)
             stager = self.stager
@@ -478,7 +479,7 @@ class KvcopyArenaWorker:
                     # its reservations' final WRITEs (x where it failed); a raise for one
                     # reservation fails that one alone, whichever request it is for
                     self._push_step("the copy thread's push after staging " + rid[:80])
-            self._hurry()
+            self._hurry(busy)
 
     def _push_step(self, where: str) -> None:
         """``sender.step()``, under the lock. A raise reaching here is of no reservation
@@ -509,12 +510,18 @@ class KvcopyArenaWorker:
                 self.sender.chunks.end_step()
             self._hurry()
 
-    def _hurry(self) -> None:
+    def _hurry(self, busy_before: bool = False) -> None:
         """P posted WRITEs (chunks, final ones): the housekeeper polls them from now on
         (``PushSender.poll_s``), so D's ``c``/``f`` go as they end; asleep in its long period it
         would see them only at its next turn (up to HOUSEKEEPING_S: an idle engine does not
-        step)."""
-        if self.housekeeper is not None and self.sender is not None and self.sender.urgent:
+        step). Woken at once for a final WRITE (or a D's handshake on its way); for chunks
+        only when nothing was in flight before (``busy_before``): a chunk posted while
+        others are is seen at the next of the turns they get, and a wake per layer would
+        run a whole turn per layer during P's forward."""
+        if self.housekeeper is None or self.sender is None:
+            return
+        poll = self.sender.poll_s
+        if poll is not None and (not busy_before or poll < CHUNK_POLL_S):
             self.housekeeper.wake()
 
     def transfer_results(self) -> KVConnectorTransferResults:

@@ -12,10 +12,11 @@ nothing is) it turns that often in between, with ``quick`` (only what is in flig
 reaps its WRITEs) instead of the whole turn, which costs more (P matches waiting
 reservations against every request it knows). The hurry stays at that period for
 :data:`HURRY_FAST_S` after it began or after a turn saw a new post (``posts()``
-changed), then doubles each turn
-up to ``period_s``: a WRITE that takes long (RDMA of a large span, a D that died
-mid-WRITE and a transport that has not said so yet) costs a few turns a second, not a
-thousand. A wake without a new post (the long-poll's empty reply, every second) runs a
+changed), then doubles each turn up to ``period_s``: a WRITE that takes long (RDMA of a
+large span, a D that died mid-WRITE and a transport that has not said so yet) costs a
+few turns a second, not a thousand. (The arena worker's periods:
+``PushSender.poll_s``, 1 ms for a final WRITE, 10 ms for a layer-wise push's chunks
+while P's forward runs.) A wake without a new post (the long-poll's empty reply, every second) runs a
 whole turn but keeps the backoff. A turn that raises is logged and the next comes after
 ``period_s``: never a spin. A wake is never lost: the wait takes it under the same lock
 :meth:`~Housekeeper.wake` sets it with (:class:`Wakes`), so one that comes just as a
