@@ -16,8 +16,8 @@ changed), then doubles each turn up to ``period_s``: a WRITE that takes long (RD
 large span, a D that died mid-WRITE and a transport that has not said so yet) costs a
 few turns a second, not a thousand. (The arena worker's periods:
 ``PushSender.poll_s``, 1 ms for a final WRITE, 10 ms for a layer-wise push's chunks
-while P's forward runs.) A wake without a new post (the long-poll's empty reply, every second) runs a
-whole turn but keeps the backoff. A turn that raises is logged and the next comes after
+while P's forward runs.) A wake without a new post (the long-poll's empty reply, every
+second) runs a whole turn but keeps the backoff. A turn that raises is logged and the next comes after
 ``period_s``: never a spin. A wake is never lost: the wait takes it under the same lock
 :meth:`~Housekeeper.wake` sets it with (:class:`Wakes`), so one that comes just as a
 wait runs out is the next turn's, a whole one.
