@@ -620,6 +620,7 @@ def test_p_polls_chunk_writes_every_10_ms_and_a_final_write_every_1_ms():
     assert sender(writing=True).poll_s == CHUNK_POLL_S == 0.01
     assert sender(posted=[b"t"], writing=True).poll_s == WRITE_POLL_S == 0.001
     assert sender(fetching=["D-0"]).poll_s == WRITE_POLL_S and sender(fetching=["D-0"]).urgent
+    assert sender(posted=[b"t"]).awaited and sender(fetching=["D-0"]).awaited and not sender(writing=True).awaited
 
     def wakes(s, busy_before):
         w = KvcopyArenaWorker.__new__(KvcopyArenaWorker)

@@ -116,7 +116,7 @@ from .meta import (
 )
 from .pull import ArenaPuller
 from .push_recv import ArenaPushReceiver
-from .push_send import CHUNK_POLL_S, PushSender
+from .push_send import PushSender
 from .stage import ArenaStager
 from ..groups import arena_layout, group_tokens, host_mirror_bytes, kv_sharing_layers, positions
 
@@ -520,8 +520,7 @@ class KvcopyArenaWorker:
         run a whole turn per layer during P's forward."""
         if self.housekeeper is None or self.sender is None:
             return
-        poll = self.sender.poll_s
-        if poll is not None and (not busy_before or poll < CHUNK_POLL_S):
+        if self.sender.awaited or (self.sender.urgent and not busy_before):
             self.housekeeper.wake()
 
     def transfer_results(self) -> KVConnectorTransferResults:

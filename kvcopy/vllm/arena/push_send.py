@@ -369,11 +369,17 @@ class PushSender:
         return self.final_posts + self.chunks.posted
 
     @property
+    def awaited(self) -> bool:
+        """Whether a final WRITE posted and not seen ended, or a D's handshake on its way,
+        is in flight: what D waits for at once (not only chunks during P's forward)."""
+        return bool(self._posted or self._fetching)
+
+    @property
     def poll_s(self) -> Optional[float]:
-        """How soon the housekeeper should turn again (None: nothing in flight): final
-        WRITEs posted and not seen ended, or D's handshake on its way, :data:`WRITE_POLL_S`;
-        only chunk WRITEs (posted by the copy thread), :data:`CHUNK_POLL_S`."""
-        if self._posted or self._fetching:
+        """How soon the housekeeper should turn again (None: nothing in flight):
+        :attr:`awaited`, :data:`WRITE_POLL_S`; only chunk WRITEs (posted by the copy
+        thread), :data:`CHUNK_POLL_S`."""
+        if self.awaited:
             return WRITE_POLL_S
         return CHUNK_POLL_S if self.m.push_writes.writing else None
 
